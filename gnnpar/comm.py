@@ -1,0 +1,600 @@
+"""The one door to torch.distributed: collectives, their autograd pairs, and byte accounting.
+
+Every collective takes the :class:`~gnnpar.grid.ProcessGrid` and an axis name, and
+
+- is a no-op (no communication, no bytes) when the axis group has one rank;
+- records the bytes this rank moves, per axis and per kind, into every recorder opened with
+  :func:`record` on that grid;
+- has an async form (``async_op=True`` returns a :class:`Handle` whose ``wait()`` gives the
+  result);
+- turns a failure or timeout of a peer into a :class:`CommError` that names the collective,
+  the axis, its ranks and this rank, instead of a hang.
+
+Bytes are counted with the ring costs of DESIGN, per rank, for a group of p ranks and a full
+buffer of V bytes: all-gather and reduce-scatter (p−1)/p·V, all-reduce 2(p−1)/p·V, broadcast
+(p−1)/p·V (the average each rank receives), all-to-all the bytes this rank sends to others.
+Uneven all-gathers and reduce-scatters are padded to the largest piece (as FSDP does), and the
+padded bytes are what is counted, because they are what moves.
+
+Differentiable pairs (``torch.autograd.Function``), each the adjoint of the other:
+
+============================  =================  ==================
+function                      forward            backward
+============================  =================  ==================
+:func:`copy_to`               identity           all-reduce
+:func:`reduce_from`           all-reduce         identity
+:func:`gather_from`           all-gather         reduce-scatter
+:func:`scatter_to`            reduce-scatter     all-gather
+:func:`split_to`              keep own chunk     all-gather
+:func:`gather_replicated`     all-gather         keep own chunk
+============================  =================  ==================
+
+``reduce_from`` and ``gather_replicated`` assume (as Megatron's do) that what follows them is
+replicated across the group, so each rank's incoming gradient is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gnnpar.grid import ProcessGrid
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+class CommError(RuntimeError):
+    """A collective failed (a peer died, timed out, or disagreed on shapes)."""
+
+
+# --------------------------------------------------------------------------- accounting
+@dataclasses.dataclass
+class Traffic:
+    """Bytes and call counts per (axis, kind), recorded inside a :func:`record` block."""
+
+    nbytes: dict[tuple[str, str], int] = dataclasses.field(
+        default_factory=lambda: defaultdict(int)
+    )
+    ncalls: dict[tuple[str, str], int] = dataclasses.field(
+        default_factory=lambda: defaultdict(int)
+    )
+
+    def add(self, axis: str, kind: str, nbytes: int) -> None:
+        """Count one collective of ``kind`` over ``axis`` that moved ``nbytes``."""
+        self.nbytes[(axis, kind)] += int(nbytes)
+        self.ncalls[(axis, kind)] += 1
+
+    def bytes(self, axis: str | None = None, kind: str | None = None) -> int:
+        """Total bytes, optionally only over ``axis`` and/or of ``kind``."""
+        return sum(
+            v
+            for (a, k), v in self.nbytes.items()
+            if (axis is None or a == axis) and (kind is None or k == kind)
+        )
+
+    def calls(self, axis: str | None = None, kind: str | None = None) -> int:
+        """Number of collectives, optionally only over ``axis`` and/or of ``kind``."""
+        return sum(
+            v
+            for (a, k), v in self.ncalls.items()
+            if (axis is None or a == axis) and (kind is None or k == kind)
+        )
+
+    def by_axis(self) -> dict[str, int]:
+        """Bytes per axis."""
+        out: dict[str, int] = defaultdict(int)
+        for (a, _), v in self.nbytes.items():
+            out[a] += v
+        return dict(out)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """``{axis: {kind: bytes}}``, ready for JSON."""
+        out: dict[str, dict[str, int]] = defaultdict(dict)
+        for (a, k), v in sorted(self.nbytes.items()):
+            out[a][k] = v
+        return dict(out)
+
+
+@contextlib.contextmanager
+def record(grid: ProcessGrid) -> Iterator[Traffic]:
+    """Record the bytes of every collective run on ``grid`` inside the block.
+
+    >>> with comm.record(grid) as traffic:
+    ...     comm.all_reduce(t, grid, "x")
+    >>> traffic.bytes(axis="x", kind="all_reduce")
+    """
+    traffic = Traffic()
+    grid.recorders.append(traffic)
+    try:
+        yield traffic
+    finally:
+        grid.recorders.remove(traffic)
+
+
+def _account(grid: ProcessGrid, axis: str, kind: str, nbytes: float) -> None:
+    for rec in grid.recorders:
+        rec.add(axis, kind, round(nbytes))
+
+
+def ring_bytes(kind: str, full_bytes: float, p: int) -> float:
+    """Per-rank bytes of a ring collective over ``p`` ranks on a full buffer of ``full_bytes``."""
+    if p <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (p - 1) / p * full_bytes
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+        return (p - 1) / p * full_bytes
+    raise ValueError(f"no ring formula for collective kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+
+# ------------------------------------------------------------------------------ handles
+class Handle:
+    """A collective in flight; ``wait()`` blocks until done and returns its result."""
+
+    def __init__(self, work: object | None, finish: Callable[[], torch.Tensor], what: str):
+        self._work = work
+        self._finish = finish
+        self._what = what
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the collective and return its result (idempotent)."""
+        if self._result is None:
+            if self._work is not None:
+                try:
+                    self._work.wait()
+                except RuntimeError as e:
+                    raise CommError(f"{self._what} failed: {e}") from e
+            self._result = self._finish()
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (never blocks)."""
+        return self._work is None or self._work.is_completed()
+
+
+def _what(kind: str, grid: ProcessGrid, axis: str) -> str:
+    return (
+        f"{kind} over grid axis '{axis}' (ranks {grid.ranks(axis)}) on rank {grid.global_rank}"
+    )
+
+
+def _launch(
+    kind: str,
+    grid: ProcessGrid,
+    axis: str,
+    start: Callable[[], object],
+    finish: Callable[[], torch.Tensor],
+    async_op: bool,
+) -> torch.Tensor | Handle:
+    what = _what(kind, grid, axis)
+    try:
+        work = start()
+    except RuntimeError as e:
+        raise CommError(f"{what} failed: {e}") from e
+    handle = Handle(work, finish, what)
+    return handle if async_op else handle.wait()
+
+
+def _done(result: torch.Tensor, async_op: bool) -> torch.Tensor | Handle:
+    return Handle(None, lambda: result, "local") if async_op else result
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Balanced sizes of ``parts`` chunks of ``n`` items: the first ``n % parts`` get one more
+    (the convention of ``torch.tensor_split``)."""
+    if parts < 1:
+        raise ValueError(f"cannot split into {parts} parts")
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def chunk_offsets(sizes: Sequence[int]) -> list[int]:
+    """Start offset of each chunk given the chunk sizes."""
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+# ---------------------------------------------------------------------------- collectives
+def all_reduce(
+    tensor: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    op: str = "sum",
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Reduce ``tensor`` in place over the ``axis`` group (``op``: sum, avg, max, min,
+    product) and return it. ``avg`` is a sum then a division, which every backend supports."""
+    group = grid.group(axis)
+    if op not in _REDUCE_OPS and op != "avg":
+        raise ValueError(f"unknown reduce op {op!r}; use sum, avg, max, min or product")
+    if group is None:
+        return _done(tensor, async_op)
+    p = grid.size(axis)
+    _account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(tensor), p))
+    red = getattr(dist.ReduceOp, _REDUCE_OPS.get(op, "SUM"))
+
+    def finish() -> torch.Tensor:
+        if op == "avg":
+            tensor.div_(p)
+        return tensor
+
+    return _launch(
+        "all_reduce",
+        grid,
+        axis,
+        lambda: dist.all_reduce(tensor, op=red, group=group, async_op=True),
+        finish,
+        async_op,
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor, grid: ProcessGrid, axis: str, src: int = 0, async_op: bool = False
+) -> torch.Tensor | Handle:
+    """Broadcast ``tensor`` in place from the rank with index ``src`` within the ``axis``
+    group."""
+    group = grid.group(axis)
+    if group is None:
+        return _done(tensor, async_op)
+    members = grid.ranks(axis)
+    if not 0 <= src < len(members):
+        raise ValueError(f"broadcast source {src} is outside axis '{axis}' of {len(members)}")
+    _account(grid, axis, "broadcast", ring_bytes("broadcast", _nbytes(tensor), len(members)))
+    return _launch(
+        "broadcast",
+        grid,
+        axis,
+        lambda: dist.broadcast(tensor, src=members[src], group=group, async_op=True),
+        lambda: tensor,
+        async_op,
+    )
+
+
+def gather_sizes(n: int, grid: ProcessGrid, axis: str) -> list[int]:
+    """Every rank's ``n`` along ``axis`` (one small all-gather; not counted as payload)."""
+    if grid.group(axis) is None:
+        return [n]
+    t = torch.tensor([n], dtype=torch.int64, device=grid.device)
+    out = torch.empty(grid.size(axis), dtype=torch.int64, device=grid.device)
+    try:
+        dist.all_gather_into_tensor(out, t, group=grid.group(axis))
+    except RuntimeError as e:
+        raise CommError(f"{_what('all_gather', grid, axis)} of sizes failed: {e}") from e
+    return out.tolist()
+
+
+def all_gather(
+    tensor: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Concatenate every rank's ``tensor`` along ``dim``, in group order.
+
+    With ``sizes`` (each rank's extent along ``dim``) the pieces may differ in size; they are
+    padded to the largest for the transfer. Without it every piece must have the same shape.
+    """
+    group = grid.group(axis)
+    if group is None:
+        return _done(tensor, async_op)
+    p = grid.size(axis)
+    me = grid.rank(axis)
+    dim = dim % max(tensor.dim(), 1)
+    moved = tensor.movedim(dim, 0) if dim else tensor
+    if sizes is None:
+        sizes = [moved.shape[0]] * p
+    sizes = list(sizes)
+    if len(sizes) != p or sizes[me] != moved.shape[0]:
+        raise ValueError(
+            f"all_gather over '{axis}': sizes {sizes} do not fit {p} ranks with this rank "
+            f"(index {me}) holding {moved.shape[0]} along dim {dim}"
+        )
+    rows = max(sizes)
+    rest = moved.shape[1:]
+    send = moved.contiguous()
+    if rows != moved.shape[0]:
+        send = torch.zeros((rows, *rest), dtype=tensor.dtype, device=tensor.device)
+        send[: moved.shape[0]] = moved
+    out = torch.empty((p * rows, *rest), dtype=tensor.dtype, device=tensor.device)
+    _account(grid, axis, "all_gather", ring_bytes("all_gather", _nbytes(out), p))
+
+    def finish() -> torch.Tensor:
+        full = out
+        if any(s != rows for s in sizes):
+            full = torch.cat([out[i * rows : i * rows + s] for i, s in enumerate(sizes)])
+        return full.movedim(0, dim) if dim else full
+
+    return _launch(
+        "all_gather",
+        grid,
+        axis,
+        lambda: dist.all_gather_into_tensor(out, send, group=group, async_op=True),
+        finish,
+        async_op,
+    )
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Sum ``tensor`` over the ``axis`` group and keep this rank's chunk along ``dim``.
+
+    ``sizes`` gives each rank's chunk; the default is :func:`chunk_sizes` (balanced, the first
+    ranks one larger when the extent does not divide).
+    """
+    group = grid.group(axis)
+    if group is None:
+        return _done(tensor, async_op)
+    p = grid.size(axis)
+    me = grid.rank(axis)
+    dim = dim % max(tensor.dim(), 1)
+    moved = tensor.movedim(dim, 0) if dim else tensor
+    n = moved.shape[0]
+    sizes = chunk_sizes(n, p) if sizes is None else list(sizes)
+    if len(sizes) != p or sum(sizes) != n:
+        raise ValueError(
+            f"reduce_scatter over '{axis}': sizes {sizes} do not split {n} rows over {p} ranks"
+        )
+    rows = max(sizes)
+    rest = moved.shape[1:]
+    if all(s == rows for s in sizes):
+        send = moved.contiguous()
+    else:
+        send = torch.zeros((p * rows, *rest), dtype=tensor.dtype, device=tensor.device)
+        for i, (o, s) in enumerate(zip(chunk_offsets(sizes), sizes, strict=True)):
+            send[i * rows : i * rows + s] = moved[o : o + s]
+    out = torch.empty((rows, *rest), dtype=tensor.dtype, device=tensor.device)
+    _account(grid, axis, "reduce_scatter", ring_bytes("reduce_scatter", _nbytes(send), p))
+
+    def finish() -> torch.Tensor:
+        mine = out[: sizes[me]]
+        return mine.movedim(0, dim) if dim else mine
+
+    return _launch(
+        "reduce_scatter",
+        grid,
+        axis,
+        lambda: dist.reduce_scatter_tensor(out, send, group=group, async_op=True),
+        finish,
+        async_op,
+    )
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    input_splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Send row block i of ``tensor`` (dim 0) to the rank with index i in the ``axis`` group.
+
+    Without splits the rows divide evenly. With ``input_splits`` only, the output splits are
+    first exchanged (a small all-to-all of counts).
+    """
+    group = grid.group(axis)
+    if group is None:
+        return _done(tensor, async_op)
+    p = grid.size(axis)
+    me = grid.rank(axis)
+    n = tensor.shape[0]
+    if input_splits is None:
+        if n % p:
+            raise ValueError(
+                f"all_to_all over '{axis}': {n} rows do not divide over {p} ranks; "
+                "pass input_splits"
+            )
+        input_splits = [n // p] * p
+    input_splits = list(input_splits)
+    if len(input_splits) != p or sum(input_splits) != n:
+        raise ValueError(
+            f"all_to_all over '{axis}': input_splits {input_splits} do not split {n} rows "
+            f"over {p} ranks"
+        )
+    if output_splits is None:
+        output_splits = exchange_counts(input_splits, grid, axis)
+    output_splits = list(output_splits)
+    row_bytes = _nbytes(tensor) // n if n else 0
+    if not row_bytes and tensor.dim():
+        row_bytes = tensor.element_size() * int(torch.tensor(tensor.shape[1:]).prod().item())
+    out = torch.empty(
+        (sum(output_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    sent = sum(s for i, s in enumerate(input_splits) if i != me)
+    _account(grid, axis, "all_to_all", sent * row_bytes)
+    send = tensor.contiguous()
+    return _launch(
+        "all_to_all",
+        grid,
+        axis,
+        lambda: dist.all_to_all_single(
+            out, send, output_splits, input_splits, group=group, async_op=True
+        ),
+        lambda: out,
+        async_op,
+    )
+
+
+def exchange_counts(counts: Sequence[int], grid: ProcessGrid, axis: str) -> list[int]:
+    """All-to-all of one integer per peer: returns what each peer has for this rank."""
+    if grid.group(axis) is None:
+        return list(counts)
+    t = torch.tensor(list(counts), dtype=torch.int64, device=grid.device)
+    return all_to_all(t, grid, axis, [1] * len(counts), [1] * len(counts)).tolist()
+
+
+def barrier(grid: ProcessGrid, axis: str = "world") -> None:
+    """Wait until every rank of the ``axis`` group gets here."""
+    group = grid.group(axis)
+    if group is None:
+        return
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as e:
+        raise CommError(f"{_what('barrier', grid, axis)} failed: {e}") from e
+
+
+# ------------------------------------------------------------------------ autograd pairs
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid, axis):  # noqa: D102
+        ctx.grid, ctx.axis = grid, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        return all_reduce(g.contiguous().clone(), ctx.grid, ctx.axis), None, None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid, axis):  # noqa: D102
+        return all_reduce(x.contiguous().clone(), grid, axis)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        return g, None, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, sizes):  # noqa: D102
+        ctx.grid, ctx.axis, ctx.dim, ctx.sizes = grid, axis, dim, sizes
+        return all_gather(x, grid, axis, dim=dim, sizes=sizes)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        out = reduce_scatter(g.contiguous(), ctx.grid, ctx.axis, dim=ctx.dim, sizes=ctx.sizes)
+        return out, None, None, None, None
+
+
+class _ScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, sizes):  # noqa: D102
+        n = x.shape[dim]
+        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
+        ctx.sizes = chunk_sizes(n, grid.size(axis)) if sizes is None else list(sizes)
+        return reduce_scatter(x, grid, axis, dim=dim, sizes=ctx.sizes)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        out = all_gather(g.contiguous(), ctx.grid, ctx.axis, dim=ctx.dim, sizes=ctx.sizes)
+        return out, None, None, None, None
+
+
+class _SplitTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, sizes):  # noqa: D102
+        n = x.shape[dim]
+        sizes = chunk_sizes(n, grid.size(axis)) if sizes is None else list(sizes)
+        ctx.grid, ctx.axis, ctx.dim, ctx.sizes = grid, axis, dim, sizes
+        me = grid.rank(axis)
+        return x.narrow(dim, chunk_offsets(sizes)[me], sizes[me]).clone()
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        out = all_gather(g.contiguous(), ctx.grid, ctx.axis, dim=ctx.dim, sizes=ctx.sizes)
+        return out, None, None, None, None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, sizes):  # noqa: D102
+        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
+        ctx.sizes = sizes
+        out = all_gather(x, grid, axis, dim=dim, sizes=sizes)
+        if ctx.sizes is None:
+            ctx.sizes = [x.shape[dim]] * grid.size(axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        me = ctx.grid.rank(ctx.axis)
+        start = chunk_offsets(ctx.sizes)[me]
+        return g.narrow(ctx.dim, start, ctx.sizes[me]).clone(), None, None, None, None
+
+
+def copy_to(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient over ``axis`` backward."""
+    return x if grid.group(axis) is None else _CopyTo.apply(x, grid, axis)
+
+
+def reduce_from(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:
+    """All-reduce (sum) over ``axis`` forward; identity backward."""
+    return x if grid.group(axis) is None else _ReduceFrom.apply(x, grid, axis)
+
+
+def gather_from(
+    x: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """All-gather along ``dim`` forward; reduce-scatter of the gradient backward."""
+    if grid.group(axis) is None:
+        return x
+    if sizes is None:
+        sizes = [x.shape[dim]] * grid.size(axis)
+    return _GatherFrom.apply(x, grid, axis, dim % x.dim(), list(sizes))
+
+
+def scatter_to(
+    x: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
+    if grid.group(axis) is None:
+        return x
+    return _ScatterTo.apply(x, grid, axis, dim % x.dim(), sizes)
+
+
+def split_to(
+    x: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Keep this rank's chunk along ``dim`` forward (no communication); all-gather backward."""
+    if grid.group(axis) is None:
+        return x
+    return _SplitTo.apply(x, grid, axis, dim % x.dim(), sizes)
+
+
+def gather_replicated(
+    x: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
+    if grid.group(axis) is None:
+        return x
+    return _GatherReplicated.apply(x, grid, axis, dim % x.dim(), sizes)

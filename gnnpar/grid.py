@@ -1,0 +1,327 @@
+"""The 4D process grid: data × x × y × z, rank order, and every sub-group.
+
+Rank order follows AxoNN: x varies fastest, then y, then z, then data::
+
+    rank = x + X * (y + Y * (z + Z * data))
+
+Every sub-group along every axis (and the combined ``"tensor"`` axis, x·y·z) is created once,
+on every rank, in the same order, because ``torch.distributed.new_group`` is collective. The
+grid is an immutable object that is passed along; nothing is stored in module globals.
+
+A grid also works without ``torch.distributed``: in a single process with no rendezvous
+environment, ``init()`` returns a world of one whose groups are all trivial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from types import MappingProxyType
+
+import torch
+import torch.distributed as dist
+
+#: The four grid axes, fastest-varying first.
+AXES: tuple[str, ...] = ("x", "y", "z", "data")
+#: Axis names that denote a combination of axes.
+COMBINED_AXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "tensor": ("x", "y", "z"),
+        "world": ("x", "y", "z", "data"),
+        "xy": ("x", "y"),
+        "xz": ("x", "z"),
+        "yz": ("y", "z"),
+    }
+)
+DEFAULT_TIMEOUT_S = float(os.environ.get("GNNPAR_TIMEOUT", "600"))
+
+
+class GridError(ValueError):
+    """A grid that cannot be built (sizes that do not match the world, bad axis names)."""
+
+
+def axes_of(axis: str) -> tuple[str, ...]:
+    """The base axes that ``axis`` names (``"tensor"`` → x, y, z)."""
+    if axis in AXES:
+        return (axis,)
+    if axis in COMBINED_AXES:
+        return COMBINED_AXES[axis]
+    known = ", ".join([*AXES, *COMBINED_AXES])
+    raise GridError(f"unknown grid axis {axis!r}; known axes: {known}")
+
+
+def backend_for_device(device: torch.device | str) -> str:
+    """The collective backend that serves tensors on ``device`` (NCCL for CUDA, else gloo)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def device_for_backend(backend: str, local_rank: int = 0) -> torch.device:
+    """The device whose tensors ``backend`` moves: ``cuda:local_rank`` for NCCL, else CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGrid:
+    """An immutable data × x × y × z grid of processes with one group per axis.
+
+    Build one with :func:`gnnpar.init`. Query it by axis name (``"x"``, ``"y"``, ``"z"``,
+    ``"data"``, or the combinations ``"tensor"`` = x·y·z, ``"world"``, ``"xy"``, ``"xz"``,
+    ``"yz"``): :meth:`group`, :meth:`rank`, :meth:`size`, :meth:`ranks`.
+    """
+
+    x: int
+    y: int
+    z: int
+    data: int
+    global_rank: int
+    backend: str
+    device: torch.device
+    ranks_per_node: int
+    timeout: timedelta
+    groups: Mapping[str, dist.ProcessGroup | None] = dataclasses.field(repr=False)
+    owns_process_group: bool = dataclasses.field(default=False, repr=False)
+    # Traffic recorders opened by gnnpar.comm.record(); the list object is owned by this grid.
+    recorders: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+
+    # ----------------------------------------------------------------------------- shape
+    @property
+    def shape(self) -> dict[str, int]:
+        """Sizes of the four axes, by name."""
+        return {"x": self.x, "y": self.y, "z": self.z, "data": self.data}
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the grid."""
+        return self.x * self.y * self.z * self.data
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the grid runs on torch.distributed (False for a plain single process)."""
+        return dist.is_available() and dist.is_initialized()
+
+    def size(self, axis: str) -> int:
+        """Number of ranks in this rank's group along ``axis``."""
+        out = 1
+        for a in axes_of(axis):
+            out *= self.shape[a]
+        return out
+
+    # ------------------------------------------------------------------------ coordinates
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """Grid coordinates of ``rank`` (default: this process)."""
+        rank = self.global_rank if rank is None else rank
+        if not 0 <= rank < self.world_size:
+            raise GridError(f"rank {rank} is outside a grid of {self.world_size} ranks")
+        out = {}
+        for a in AXES:
+            out[a] = rank % self.shape[a]
+            rank //= self.shape[a]
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates; missing axes default to this rank's."""
+        mine = self.coords()
+        for a, v in coords.items():
+            if a not in AXES:
+                raise GridError(f"unknown grid axis {a!r}; axes are {', '.join(AXES)}")
+            if not 0 <= v < self.shape[a]:
+                raise GridError(f"coordinate {a}={v} is outside an axis of size {self.shape[a]}")
+            mine[a] = v
+        return mine["x"] + self.x * (mine["y"] + self.y * (mine["z"] + self.z * mine["data"]))
+
+    def rank(self, axis: str) -> int:
+        """This rank's index within its group along ``axis`` (x fastest within combinations)."""
+        c = self.coords()
+        idx, stride = 0, 1
+        for a in axes_of(axis):
+            idx += c[a] * stride
+            stride *= self.shape[a]
+        return idx
+
+    def ranks(self, axis: str, rank: int | None = None) -> list[int]:
+        """Global ranks of the group along ``axis`` that contains ``rank`` (default: this one),
+        ordered by their index within the group."""
+        return _group_members(self.shape, axes_of(axis), self.coords(rank))
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """This rank's process group along ``axis``; ``None`` where the group has one rank
+        (collectives over it are no-ops) or when running without torch.distributed."""
+        axes_of(axis)
+        return self.groups.get(axis)
+
+    # ---------------------------------------------------------------------------- placement
+    def is_intra_node(self, axis: str) -> bool:
+        """Whether every rank of this rank's ``axis`` group sits on the same node, where a node
+        holds ``ranks_per_node`` consecutive ranks."""
+        members = self.ranks(axis)
+        return len({r // self.ranks_per_node for r in members}) == 1
+
+    def node(self, rank: int | None = None) -> int:
+        """Index of the node hosting ``rank``."""
+        rank = self.global_rank if rank is None else rank
+        return rank // self.ranks_per_node
+
+    def describe(self) -> str:
+        """One line naming the shape, backend and device."""
+        return (
+            f"grid data={self.data} x={self.x} y={self.y} z={self.z} "
+            f"({self.world_size} ranks, {self.backend}, {self.device}, "
+            f"{self.ranks_per_node} ranks/node)"
+        )
+
+
+def _group_members(
+    shape: Mapping[str, int], axes: Sequence[str], coords: Mapping[str, int]
+) -> list[int]:
+    """Ranks that share every coordinate of ``coords`` except those of ``axes``."""
+    free = [range(shape[a]) for a in axes]
+    out = []
+    # itertools.product varies the last axis fastest; reverse so the first named axis is.
+    for combo in itertools.product(*reversed(free)):
+        c = dict(coords)
+        for a, v in zip(reversed(axes), combo, strict=True):
+            c[a] = v
+        out.append(c["x"] + shape["x"] * (c["y"] + shape["y"] * (c["z"] + shape["z"] * c["data"])))
+    return out
+
+
+def _all_group_rank_lists(shape: Mapping[str, int], axes: Sequence[str]) -> list[list[int]]:
+    """Every group along ``axes`` in a fixed order (the same on all ranks)."""
+    fixed = [a for a in AXES if a not in axes]
+    out = []
+    for combo in itertools.product(*(range(shape[a]) for a in reversed(fixed))):
+        coords = {a: 0 for a in AXES}
+        coords.update(dict(zip(reversed(fixed), combo, strict=True)))
+        out.append(_group_members(shape, axes, coords))
+    return out
+
+
+def _resolve_sizes(world: int, data: int | None, x: int, y: int, z: int) -> tuple[int, ...]:
+    for name, v in (("x", x), ("y", y), ("z", z), ("data", data)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise GridError(f"grid axis {name} must be a positive integer, got {v!r}")
+    tensor = x * y * z
+    if data is None:
+        if world % tensor:
+            raise GridError(
+                f"x*y*z = {x}*{y}*{z} = {tensor} does not divide the world size {world}"
+            )
+        data = world // tensor
+    if data * tensor != world:
+        raise GridError(
+            f"grid data*x*y*z = {data}*{x}*{y}*{z} = {data * tensor} does not match "
+            f"the world size {world}"
+        )
+    return data, x, y, z
+
+
+def init(
+    data: int | None = None,
+    x: int = 1,
+    y: int = 1,
+    z: int = 1,
+    *,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+    ranks_per_node: int | None = None,
+    timeout: float | timedelta | None = None,
+) -> ProcessGrid:
+    """Build the process grid, initialising torch.distributed from the environment if needed.
+
+    Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) this joins the env rendezvous;
+    in a plain process with no such environment it returns a world of one. ``data`` defaults
+    to ``world // (x*y*z)``. Backend and device follow each other: gloo ↔ CPU, NCCL ↔ CUDA;
+    with neither given, CUDA and NCCL are used when a GPU is present. ``ranks_per_node``
+    (default: ``LOCAL_WORLD_SIZE`` or the world size) tells which groups are intra-node; tests
+    set it to simulate several nodes. ``timeout`` (seconds) bounds every collective, so a dead
+    peer gives an error instead of a hang.
+    """
+    if timeout is None:
+        timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+    elif not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None and device is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend is None:
+        backend = backend_for_device(device)
+    if device is None:
+        device = device_for_backend(backend, local_rank)
+    device = torch.device(device)
+    if backend_for_device(device) != backend:
+        raise GridError(f"backend {backend!r} cannot move tensors on device {device}")
+
+    owns = False
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) > 1 or "MASTER_ADDR" in os.environ:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend=backend, timeout=timeout)
+            owns = True
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        actual = dist.get_backend()
+        if actual != backend and backend not in str(actual):
+            raise GridError(f"torch.distributed runs backend {actual!r}, not {backend!r}")
+    else:
+        world, rank = 1, 0
+
+    sizes = _resolve_sizes(world, data, x, y, z)
+    shape = dict(zip(("data", "x", "y", "z"), sizes, strict=True))
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if ranks_per_node < 1:
+        raise GridError(f"ranks_per_node must be positive, got {ranks_per_node}")
+
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    if world > 1:
+        for axis in (*AXES, *COMBINED_AXES):
+            axes = axes_of(axis)
+            if axis == "world":
+                groups[axis] = dist.group.WORLD
+                continue
+            size = 1
+            for a in axes:
+                size *= shape[a]
+            if size == 1:
+                continue
+            # new_group is collective: every rank creates every group, in the same order.
+            for members in _all_group_rank_lists(shape, axes):
+                g = dist.new_group(members, timeout=timeout, backend=backend)
+                if rank in members:
+                    groups[axis] = g
+    return ProcessGrid(
+        x=shape["x"],
+        y=shape["y"],
+        z=shape["z"],
+        data=shape["data"],
+        global_rank=rank,
+        backend=backend,
+        device=device,
+        ranks_per_node=ranks_per_node,
+        timeout=timeout,
+        groups=MappingProxyType(groups),
+        owns_process_group=owns,
+    )
+
+
+def shutdown(grid: ProcessGrid) -> None:
+    """Tear down torch.distributed if ``init`` started it."""
+    if grid.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def factorizations(world: int, axes: int = 4) -> list[tuple[int, ...]]:
+    """Every ordered factorisation of ``world`` into ``axes`` positive factors."""
+    if axes == 1:
+        return [(world,)]
+    out = []
+    for f in range(1, world + 1):
+        if world % f == 0:
+            out.extend((f, *rest) for rest in factorizations(world // f, axes - 1))
+    return out

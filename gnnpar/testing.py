@@ -1,0 +1,164 @@
+"""Run a function on a world of real processes (gloo), for tests and examples.
+
+:func:`run_distributed` starts ``world_size`` processes once, runs ``fn`` on each with the
+torch.distributed environment set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), and returns every rank's return value. Group many checks
+into one ``fn``: starting a world costs seconds. If any rank raises, the test fails with that
+rank's traceback; if the world outlives ``timeout`` seconds, every process is killed and the
+failure says which ranks were still running.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class DistributedTestError(AssertionError):
+    """A rank of a test world raised, or the world timed out."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    results: mp.Queue,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    # Many ranks share few cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        out = fn(*args, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - the parent reports whatever the rank raised
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` processes; return the per-rank results.
+
+    ``fn`` must be importable by name (defined at module level). ``env`` adds environment
+    variables in every rank (e.g. ``GNNPAR_TIMEOUT``).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    # fork starts a world in a fraction of spawn's time; the parent never touches
+    # torch.distributed, so nothing unsafe is inherited.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    results = ctx.Queue()
+    port = free_port()
+    extra = {"GNNPAR_TIMEOUT": str(int(timeout)), **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, extra, fn, args, kwargs, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise DistributedTestError(
+                    f"world of {world_size} timed out after {timeout:.0f}s; ranks still "
+                    f"running: {missing}" + _first_error(outcomes)
+                )
+            try:
+                rank, status, payload = results.get(timeout=min(left, 1.0))
+                outcomes[rank] = (status, payload)
+                if status == "error":
+                    # One rank failed: its peers may be blocked in a collective; give them
+                    # a moment to fail too, then report the first error.
+                    _drain(results, outcomes, world_size, grace=3.0)
+                    break
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes
+                ]
+                if dead and results.empty():
+                    time.sleep(0.5)
+                    _drain(results, outcomes, world_size, grace=0.5)
+                    dead = [r for r in dead if r not in outcomes]
+                    if dead:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise DistributedTestError(
+                            f"ranks {dead} exited without a result (exit codes {codes})"
+                            + _first_error(outcomes)
+                        ) from None
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    errors = {r: payload for r, (s, payload) in outcomes.items() if s == "error"}
+    if errors:
+        rank = min(errors)
+        raise DistributedTestError(
+            f"rank {rank} of {world_size} failed:\n{errors[rank]}"
+        )
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def _drain(results: mp.Queue, outcomes: dict, world_size: int, grace: float) -> None:
+    end = time.monotonic() + grace
+    while len(outcomes) < world_size and time.monotonic() < end:
+        try:
+            rank, status, payload = results.get(timeout=max(0.05, end - time.monotonic()))
+            outcomes[rank] = (status, payload)
+        except queue.Empty:
+            break
+
+
+def _first_error(outcomes: dict) -> str:
+    errs = sorted((r, p) for r, (s, p) in outcomes.items() if s == "error")
+    return f"\nrank {errs[0][0]} failed first:\n{errs[0][1]}" if errs else ""
