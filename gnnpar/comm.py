@@ -49,6 +49,17 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
+def _all_gather_single(out, inp, group, async_op):
+    # torch 2.13 renamed all_gather_into_tensor; keep working on both sides of the rename.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(out, inp, group, async_op):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
 class CommError(RuntimeError):
     """A collective failed (a peer died, timed out, or disagreed on shapes)."""
 
@@ -271,7 +282,7 @@ def gather_sizes(n: int, grid: ProcessGrid, axis: str) -> list[int]:
     t = torch.tensor([n], dtype=torch.int64, device=grid.device)
     out = torch.empty(grid.size(axis), dtype=torch.int64, device=grid.device)
     try:
-        dist.all_gather_into_tensor(out, t, group=grid.group(axis))
+        _all_gather_single(out, t, grid.group(axis), False)
     except RuntimeError as e:
         raise CommError(f"{_what('all_gather', grid, axis)} of sizes failed: {e}") from e
     return out.tolist()
@@ -324,7 +335,7 @@ def all_gather(
         "all_gather",
         grid,
         axis,
-        lambda: dist.all_gather_into_tensor(out, send, group=group, async_op=True),
+        lambda: _all_gather_single(out, send, group, True),
         finish,
         async_op,
     )
@@ -375,7 +386,7 @@ def reduce_scatter(
         "reduce_scatter",
         grid,
         axis,
-        lambda: dist.reduce_scatter_tensor(out, send, group=group, async_op=True),
+        lambda: _reduce_scatter_single(out, send, group, True),
         finish,
         async_op,
     )

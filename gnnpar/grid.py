@@ -316,6 +316,42 @@ def shutdown(grid: ProcessGrid) -> None:
         dist.destroy_process_group()
 
 
+def parse_grid_spec(spec: str) -> dict[str, int]:
+    """Parse ``"data=2,x=2,y=1,z=2"`` (any subset of the axes) into keyword arguments of
+    :func:`init`."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in AXES:
+            raise GridError(
+                f"bad grid spec {spec!r}: expected axis=size pairs such as 'x=2,y=2' with "
+                f"axes {', '.join(AXES)}"
+            )
+        if name in out:
+            raise GridError(f"bad grid spec {spec!r}: axis {name} given twice")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise GridError(f"bad grid spec {spec!r}: {name}={value!r} is not an integer") from None
+        if out[name] < 1:
+            raise GridError(f"bad grid spec {spec!r}: {name} must be positive")
+    return out
+
+
+def default_shape(world: int) -> dict[str, int]:
+    """A grid that exercises every axis it can: factors of two go to x, y, z in turn, and
+    whatever remains to data."""
+    shape = {"x": 1, "y": 1, "z": 1}
+    rest = world
+    for axis in ("x", "y", "z"):
+        if rest % 2 == 0:
+            shape[axis] = 2
+            rest //= 2
+    shape["data"] = rest
+    return shape
+
+
 def factorizations(world: int, axes: int = 4) -> list[tuple[int, ...]]:
     """Every ordered factorisation of ``world`` into ``axes`` positive factors."""
     if axes == 1:

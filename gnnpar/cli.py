@@ -1,0 +1,114 @@
+"""The ``gnnpar`` command: ``gnnpar info | data | ...``.
+
+Each sub-command lives in its own module and registers itself here; this file only builds the
+parser, relaunches under torchrun when ``--nprocs`` asks for several processes, and turns
+expected errors into one clear line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from gnnpar.grid import GridError
+
+
+class CLIError(Exception):
+    """An error the user can fix; printed as one line, exit code 2."""
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from gnnpar import info
+
+    if args.check and args.nprocs > 1 and not _launched():
+        from gnnpar.launch import launch_local, strip_nprocs
+
+        return launch_local(args.nprocs, strip_nprocs(sys.argv[1:]))
+    if not args.check:
+        for title, table in (("versions", info.versions()), ("environment", info.environment())):
+            print(f"{title}:")
+            for k, v in table.items():
+                print(f"  {k:<16} {v}")
+        return 0
+    return _info_check(args)
+
+
+def _launched() -> bool:
+    from gnnpar.launch import under_launcher
+
+    return under_launcher()
+
+
+def _info_check(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    import gnnpar
+    from gnnpar import info
+    from gnnpar.grid import default_shape, parse_grid_spec
+
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    shape = parse_grid_spec(args.grid) if args.grid else default_shape(world)
+    grid = gnnpar.init(**shape, ranks_per_node=args.ranks_per_node)
+    try:
+        if grid.global_rank == 0:
+            print(f"{grid.describe()}: probing collectives with {args.mbytes} MB buffers")
+        entries = info.probe(grid, nbytes=int(args.mbytes * (1 << 20)), iters=args.iters)
+        if grid.global_rank == 0:
+            if entries:
+                print(info.format_table(entries))
+            else:
+                print("one rank: no collectives to probe (use --nprocs N)")
+            if args.out:
+                info.write_table(args.out, grid, entries)
+                print(f"wrote {args.out}")
+            print("all collectives returned correct results")
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        gnnpar.shutdown(grid)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser of ``gnnpar``."""
+    parser = argparse.ArgumentParser(
+        prog="gnnpar",
+        description="Distributed training for GNNs on huge graphs and for large transformers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="versions and devices; --check probes collectives")
+    p.add_argument("--check", action="store_true", help="run every collective on every axis")
+    p.add_argument("--nprocs", type=int, default=1, help="local processes to start")
+    p.add_argument("--grid", default=None, help="grid shape, e.g. x=2,y=2 (default: automatic)")
+    p.add_argument("--mbytes", type=float, default=4.0, help="buffer size per collective")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per collective")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="simulate several nodes")
+    p.add_argument("--out", default=None, help="write the bandwidth table as JSON")
+    p.set_defaults(func=_cmd_info)
+
+    try:
+        from gnnpar.data.commands import add_data_commands
+        add_data_commands(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gnnpar`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, GridError, FileNotFoundError, ValueError) as e:
+        print(f"gnnpar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

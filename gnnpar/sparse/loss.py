@@ -1,0 +1,103 @@
+"""Masked cross-entropy and accuracy over logits sharded by class columns and node rows.
+
+The logits block on a rank covers rows ``[r0, r1)`` (split over ``row_axis``) and classes
+``[c0, c1)`` (split over ``class_axis``); ranks of any other axis hold replicas. Only
+per-row statistics cross the class axis (max, sum of exponentials, target logit), and only a
+scalar crosses the row axis, so no rank ever sees the whole logit matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+
+
+class _ShardedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, mask, grid, class_axis, row_axis, col_start, total):  # noqa: D102
+        with torch.no_grad():
+            row_max = logits.max(dim=1).values if logits.shape[1] else logits.new_full(
+                (logits.shape[0],), -torch.inf
+            )
+            row_max = comm.all_reduce(row_max.clone(), grid, class_axis, op="max")
+            shifted = logits - row_max[:, None]
+            exp = shifted.exp()
+            sum_exp = comm.all_reduce(exp.sum(dim=1), grid, class_axis)
+            local = labels - col_start
+            mine = (local >= 0) & (local < logits.shape[1])
+            target = torch.zeros_like(row_max)
+            idx = mine.nonzero(as_tuple=True)[0]
+            target[idx] = shifted[idx, local[idx]]
+            target = comm.all_reduce(target, grid, class_axis)
+            per_row = sum_exp.log() - target
+            maskf = mask.to(logits.dtype)
+            loss = comm.all_reduce((per_row * maskf).sum().reshape(1), grid, row_axis) / total
+        ctx.save_for_backward(exp / sum_exp[:, None], local, mine, maskf)
+        ctx.total = total
+        return loss.reshape(())
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        softmax, local, mine, maskf = ctx.saved_tensors
+        g = softmax.clone()
+        idx = mine.nonzero(as_tuple=True)[0]
+        g[idx, local[idx]] -= 1.0
+        g *= (maskf * grad / ctx.total)[:, None]
+        return g, None, None, None, None, None, None, None
+
+
+def sharded_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    grid: ProcessGrid,
+    class_axis: str,
+    row_axis: str,
+    col_start: int,
+    total: int | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy over the masked rows of the whole (sharded) logit matrix; the same
+    scalar on every rank. ``total`` is the global count of masked rows (computed with one
+    all-reduce when not given)."""
+    if total is None:
+        total = int(
+            comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item()
+        )
+    total = max(int(total), 1)
+    return _ShardedCrossEntropy.apply(
+        logits, labels.long(), mask, grid, class_axis, row_axis, col_start, total
+    )
+
+
+@torch.no_grad()
+def sharded_accuracy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    grid: ProcessGrid,
+    class_axis: str,
+    row_axis: str,
+    col_start: int,
+) -> float:
+    """Fraction of masked rows whose arg-max class (over all shards; ties to the lowest
+    class id) equals the label."""
+    n_rows = logits.shape[0]
+    if logits.shape[1]:
+        best, arg = logits.max(dim=1)
+        arg = arg.to(logits.dtype) + col_start
+    else:
+        best = logits.new_full((n_rows,), -torch.inf)
+        arg = logits.new_full((n_rows,), float("inf"))
+    best_all = comm.all_reduce(best.clone(), grid, class_axis, op="max")
+    # Among shards holding the maximum, the lowest class id wins (as torch.argmax does).
+    cand = torch.where(best == best_all, arg, torch.full_like(arg, float("inf")))
+    pred = comm.all_reduce(cand, grid, class_axis, op="min")
+    maskb = mask.bool()
+    counts = torch.tensor(
+        [float((pred[maskb] == labels[maskb].to(pred.dtype)).sum()), float(maskb.sum())],
+        dtype=torch.float64,
+    )
+    counts = comm.all_reduce(counts, grid, row_axis)
+    return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0

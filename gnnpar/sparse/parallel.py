@@ -1,0 +1,236 @@
+"""Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE model.
+
+>>> par = parallelize_fullgraph(model, grid, source)
+>>> x = par.input_features()          # this rank's shard of the input features
+>>> logits = par(x, dropout_seed=epoch)
+>>> loss = par.loss(logits, "train_mask")
+
+Each rank holds only its blocks of Â, of the features, of the activations and of the
+weights; the plain model's parameters are read once to cut the weight shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gnnpar import comm
+from gnnpar.comm import chunk_sizes
+from gnnpar.grid import ProcessGrid
+from gnnpar.nn.dropout import index_dropout
+from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.sparse.kernels import LocalSpMM
+from gnnpar.sparse.layout import Layout3D, layout3d
+from gnnpar.sparse.loss import sharded_accuracy, sharded_cross_entropy
+from gnnpar.sparse.plexus import layer_bytes, plexus_layer
+from gnnpar.sparse.source import ShardSource
+
+
+def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_ops: int) -> torch.Tensor:
+    """This rank's flat piece of the stacked weight (num_ops·in × out)."""
+    d_in = stacked.shape[0] // num_ops
+    blocks = [
+        stacked[k * d_in + lay.fin[0] : k * d_in + lay.fin[1], lay.fout[0] : lay.fout[1]]
+        for k in range(num_ops)
+    ]
+    flat = torch.cat(blocks, dim=0).reshape(-1)
+    return flat[lay.w_part[0] : lay.w_part[1]].clone()
+
+
+class Parallel3DGNN(nn.Module):
+    """A full-graph GNN whose Â, H and W are sharded over the x × y × z grid."""
+
+    def __init__(
+        self,
+        model: FullGraphGNN,
+        grid: ProcessGrid,
+        source: ShardSource,
+        overlap_chunks: int = 1,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if grid.data != 1:
+            raise ValueError(
+                f"full-graph training has no batch to split over data={grid.data}; "
+                "use a grid with data=1"
+            )
+        if overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be at least 1, got {overlap_chunks}")
+        dims = model.dims
+        if dims[0] != source.feat_dim:
+            raise ValueError(
+                f"model expects {dims[0]} input features, the graph has {source.feat_dim}"
+            )
+        dtype = dtype or next(model.parameters()).dtype
+        self.grid = grid
+        self.kind = model.kind
+        self.dropout = model.dropout
+        self.num_nodes = source.num_nodes
+        self.dims = dims
+        self.source = source
+        self.layouts: list[Layout3D] = []
+        self.ops: list[list[list[tuple[int, int, LocalSpMM]]]] = []
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        self._row_ids: list[torch.Tensor] = []
+        n = source.num_nodes
+        for i, layer in enumerate(model.layers):
+            num_ops = layer.num_ops
+            lay = layout3d(grid, i, n, dims[i], dims[i + 1], num_ops=num_ops)
+            parity = i % 2
+            blocks = [source.adjacency(parity, lay.rows, lay.cols)]
+            if num_ops == 2:
+                blocks.append(source.root(parity, lay.rows, lay.cols))
+            ops = [LocalSpMM(b.to(dtype=dtype)).row_chunks(overlap_chunks) for b in blocks]
+            with torch.no_grad():
+                stacked = layer.stacked_weight().detach().to(dtype)
+                self.weights.append(nn.Parameter(_weight_piece(stacked, lay, num_ops)))
+                if layer.bias is not None:
+                    b = layer.bias.detach().to(dtype)[lay.fout[0] : lay.fout[1]].clone()
+                    self.biases.append(nn.Parameter(b))
+            in_rows = lay.h_sub if i == 0 else lay.cols
+            self._row_ids.append(source.node_ids(parity, in_rows))
+            self.layouts.append(lay)
+            self.ops.append(ops)
+        self.has_bias = len(self.biases) == len(self.layouts)
+        self.dtype = dtype
+
+    # ------------------------------------------------------------------------------ data
+    @property
+    def output_layout(self) -> Layout3D:
+        """Layout of the last layer: its rows and class columns are the logits block."""
+        return self.layouts[-1]
+
+    @property
+    def output_order(self) -> int:
+        """Node order of the logits rows (0: P₂, 1: P)."""
+        return len(self.layouts) % 2
+
+    def input_features(self) -> torch.Tensor:
+        """This rank's shard of the input features (rows split over depth)."""
+        lay = self.layouts[0]
+        return self.source.features(lay.h_sub, lay.fin).to(self.dtype)
+
+    def node_data(self, name: str) -> torch.Tensor:
+        """Labels or a mask for the logits rows of this rank."""
+        return self.source.node_data(name, self.output_order, self.output_layout.rows)
+
+    # --------------------------------------------------------------------------- compute
+    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
+        """This rank's block of the logits."""
+        h = x
+        last = len(self.layouts) - 1
+        for i, lay in enumerate(self.layouts):
+            seed = None if dropout_seed is None else dropout_seed * 1009 + i
+            h = index_dropout(h, self.dropout, seed, self._row_ids[i], lay.fin[0], self.training)
+            h = plexus_layer(h, self.weights[i], self.ops[i], self.grid, lay, input_split=i == 0)
+            if self.has_bias:
+                h = h + comm.copy_to(self.biases[i], self.grid, lay.depth)
+            if i < last:
+                h = torch.relu(h)
+        return h
+
+    def loss(self, logits: torch.Tensor, mask_name: str = "train_mask") -> torch.Tensor:
+        """Masked cross-entropy over the sharded logits."""
+        lay = self.output_layout
+        return sharded_cross_entropy(
+            logits,
+            self.node_data("label"),
+            self.node_data(mask_name),
+            self.grid,
+            lay.outer,
+            lay.depth,
+            lay.fout[0],
+        )
+
+    def accuracy(self, logits: torch.Tensor, mask_name: str) -> float:
+        """Accuracy over the masked rows of the whole graph."""
+        lay = self.output_layout
+        return sharded_accuracy(
+            logits,
+            self.node_data("label"),
+            self.node_data(mask_name),
+            self.grid,
+            lay.outer,
+            lay.depth,
+            lay.fout[0],
+        )
+
+    # ------------------------------------------------------------------------ accounting
+    def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
+        """Per-rank bytes by axis of one forward and one backward pass, from the formulas
+        (bias gradients included)."""
+        es = torch.tensor([], dtype=self.dtype).element_size()
+        fwd: dict[str, float] = {}
+        bwd: dict[str, float] = {}
+        for i, lay in enumerate(self.layouts):
+            num_ops = len(self.ops[i])
+            grad_in = input_grad or i > 0
+            for out, f, b in ((fwd, True, False), (bwd, False, True)):
+                part = layer_bytes(self.grid, lay, num_ops, i == 0, grad_in, es, f, b)
+                for k, v in part.items():
+                    out[k] = out.get(k, 0.0) + v
+            if self.has_bias:
+                width = lay.fout[1] - lay.fout[0]
+                bias = comm.ring_bytes("all_reduce", width * es, self.grid.size(lay.depth))
+                bwd[lay.depth] = bwd.get(lay.depth, 0.0) + bias
+        return {"forward": fwd, "backward": bwd}
+
+    def shard_numel(self) -> dict[str, int]:
+        """Elements this rank holds: adjacency nonzeros, input features, weights."""
+        return {
+            "adjacency_nnz": sum(c[2].nnz for ops in self.ops for op in ops for c in op),
+            "features": int(self.input_features().numel()),
+            "weights": sum(int(w.numel()) for w in self.weights),
+        }
+
+    # ----------------------------------------------------------------------- state dicts
+    def full_weights(self, grads: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Every layer's full stacked weight and bias (or their gradients), assembled from all
+        ranks (collective over the tensor axis)."""
+        out = []
+        members = self.grid.ranks("tensor")
+        for i, lay in enumerate(self.layouts):
+            w = self.weights[i]
+            piece = (w.grad if grads else w.data).detach().reshape(-1)
+            sizes = comm.gather_sizes(piece.numel(), self.grid, "tensor")
+            flat = comm.all_gather(piece, self.grid, "tensor", sizes=sizes)
+            num_ops = len(self.ops[i])
+            d_in, d_out = self.dims[i], self.dims[i + 1]
+            full = torch.zeros(num_ops * d_in, d_out, dtype=self.dtype)
+            blocks: dict[tuple, torch.Tensor] = {}
+            offset = 0
+            for r, size in zip(members, sizes, strict=True):
+                lr = layout3d(
+                    self.grid, i, self.num_nodes, d_in, d_out, num_ops, self.grid.coords(r)
+                )
+                key = (lr.fin, lr.fout)
+                buf = blocks.setdefault(key, torch.zeros(sum(lr.w_sizes), dtype=self.dtype))
+                buf[lr.w_part[0] : lr.w_part[1]] = flat[offset : offset + size]
+                offset += size
+            for (fin, fout), buf in blocks.items():
+                blk = buf.view(num_ops * (fin[1] - fin[0]), fout[1] - fout[0])
+                for k in range(num_ops):
+                    rows = blk[k * (fin[1] - fin[0]) : (k + 1) * (fin[1] - fin[0])]
+                    full[k * d_in + fin[0] : k * d_in + fin[1], fout[0] : fout[1]] = rows
+            entry = {"weight": full}
+            if self.has_bias:
+                b = self.biases[i]
+                bias_piece = (b.grad if grads else b.data).detach()
+                sizes = chunk_sizes(d_out, self.grid.size(lay.outer))
+                gathered = comm.all_gather(bias_piece, self.grid, lay.outer, sizes=sizes)
+                entry["bias"] = gathered
+            out.append(entry)
+        return out
+
+
+def parallelize_fullgraph(
+    model: FullGraphGNN,
+    grid: ProcessGrid,
+    source: ShardSource,
+    overlap_chunks: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Parallel3DGNN:
+    """Shard ``model`` over ``grid`` (3D, Plexus layout) reading graph blocks from
+    ``source``."""
+    return Parallel3DGNN(model, grid, source, overlap_chunks, dtype)

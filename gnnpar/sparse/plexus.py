@@ -1,0 +1,152 @@
+"""The 3D full-graph GCN layer (Plexus): SpMM and GEMM on one x × y × z grid.
+
+With roles (a, b, c) = (outer, inner, depth) of :mod:`gnnpar.sparse.layout`, one layer is
+
+forward::
+
+    H   = all-gather_c(h)             (first layer only: its input is split over c)
+    AGG = all-reduce_a(Â_local @ H)   (optionally in row chunks, chunk k's all-reduce
+                                       overlapping chunk k+1's SpMM)
+    W   = all-gather_c(w_local)       (the flattened weight block is split over c)
+    OUT = all-reduce_b(AGG @ W)
+
+backward (OUT's gradient is the same on every rank of b, as OUT is replicated there)::
+
+    W    = all-gather_c(w_local)
+    gAGG = all-reduce_a(gOUT @ Wᵀ)                (async, overlapped with gW)
+    gW   = reduce-scatter_c(AGGᵀ @ gOUT)          (async)
+    gH   = Âᵀ_local @ gAGG, then reduce-scatter_c (first layer) or all-reduce_c
+
+Bytes per rank and layer (elements × element size; ring costs of DESIGN) are computed by
+:func:`layer_bytes`, which tests hold the measured traffic against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+from gnnpar.sparse.kernels import LocalSpMM
+from gnnpar.sparse.layout import Layout3D
+
+
+def _aggregate(
+    ops: list[list[tuple[int, int, LocalSpMM]]],
+    h: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+) -> torch.Tensor:
+    """cat_k(op_k @ h) over the feature dim, all-reduced over ``axis``, chunk by chunk."""
+    n_chunks = len(ops[0])
+    handles = []
+    for i in range(n_chunks):
+        part = torch.cat([op_chunks[i][2].mm(h) for op_chunks in ops], dim=1)
+        handles.append(comm.all_reduce(part, grid, axis, async_op=True))
+    pieces = [hd.wait() for hd in handles]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+class Plexus3DFunction(torch.autograd.Function):
+    """One 3D GCN layer without bias: ``OUT = Â H W`` on sharded Â, H and W."""
+
+    @staticmethod
+    def forward(ctx, h, w_local, ops, grid, lay, input_split):  # noqa: D102
+        a, b, c = lay.outer, lay.inner, lay.depth
+        full_h = comm.all_gather(h, grid, c, sizes=lay.h_sub_sizes) if input_split else h
+        agg = _aggregate(ops, full_h, grid, a)
+        w = _gather_weight(w_local, grid, lay, len(ops))
+        out = comm.all_reduce(agg @ w, grid, b)
+        ctx.save_for_backward(agg, w_local)
+        ctx.ops, ctx.grid, ctx.lay, ctx.input_split = ops, grid, lay, input_split
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        agg, w_local = ctx.saved_tensors
+        grid, lay, ops = ctx.grid, ctx.lay, ctx.ops
+        a, c = lay.outer, lay.depth
+        grad_out = grad_out.contiguous()
+        w = _gather_weight(w_local, grid, lay, len(ops))
+        g_agg = comm.all_reduce(grad_out @ w.T, grid, a, async_op=True)
+        g_w = comm.reduce_scatter(
+            (agg.T @ grad_out).reshape(-1), grid, c, sizes=lay.w_sizes, async_op=True
+        )
+        g_agg = g_agg.wait()
+        g_h = None
+        if ctx.needs_input_grad[0]:
+            width = lay.fin[1] - lay.fin[0]
+            g_h = None
+            for k, op_chunks in enumerate(ops):
+                g = g_agg[:, k * width : (k + 1) * width]
+                part = sum(
+                    chunk_op.T.mm(g[start:stop].contiguous())
+                    for start, stop, chunk_op in op_chunks
+                )
+                g_h = part if g_h is None else g_h + part
+            if ctx.input_split:
+                g_h = comm.reduce_scatter(g_h, grid, c, sizes=lay.h_sub_sizes)
+            else:
+                g_h = comm.all_reduce(g_h, grid, c)
+        return g_h, g_w.wait().view_as(w_local), None, None, None, None
+
+
+def _gather_weight(
+    w_local: torch.Tensor, grid: ProcessGrid, lay: Layout3D, num_ops: int
+) -> torch.Tensor:
+    rows, cols = lay.w_block_shape
+    full = comm.all_gather(w_local.reshape(-1), grid, lay.depth, sizes=lay.w_sizes)
+    return full.view(num_ops * rows, cols)
+
+
+def plexus_layer(
+    h: torch.Tensor,
+    w_local: torch.Tensor,
+    ops: list[list[tuple[int, int, LocalSpMM]]],
+    grid: ProcessGrid,
+    lay: Layout3D,
+    input_split: bool,
+) -> torch.Tensor:
+    """Differentiable 3D layer; ``ops`` holds each sparse operator's row chunks."""
+    return Plexus3DFunction.apply(h, w_local, ops, grid, lay, input_split)
+
+
+def layer_bytes(
+    grid: ProcessGrid,
+    lay: Layout3D,
+    num_ops: int,
+    input_split: bool,
+    input_grad: bool,
+    element_size: int,
+    forward: bool = True,
+    backward: bool = True,
+) -> dict[str, float]:
+    """Per-rank bytes of one 3D layer by axis, from the ring formulas (pieces that do not
+    divide are padded to the largest, as the collectives send them)."""
+    a, b, c = lay.outer, lay.inner, lay.depth
+    pa, pb, pc = grid.size(a), grid.size(b), grid.size(c)
+    rows = lay.rows[1] - lay.rows[0]
+    fin = lay.fin[1] - lay.fin[0]
+    fout = lay.fout[1] - lay.fout[0]
+    h_gather = pc * max(lay.h_sub_sizes) * fin
+    w_gather = pc * max(lay.w_sizes)
+    agg = rows * num_ops * fin
+    out = {a: 0.0, b: 0.0, c: 0.0}
+    rb = comm.ring_bytes
+    if forward:
+        if input_split:
+            out[c] += rb("all_gather", h_gather, pc)
+        out[a] += rb("all_reduce", agg, pa)
+        out[c] += rb("all_gather", w_gather, pc)
+        out[b] += rb("all_reduce", rows * fout, pb)
+    if backward:
+        out[c] += rb("all_gather", w_gather, pc)
+        out[a] += rb("all_reduce", agg, pa)
+        out[c] += rb("reduce_scatter", w_gather, pc)
+        if input_grad:
+            h_rows = lay.cols[1] - lay.cols[0]
+            if input_split:
+                out[c] += rb("reduce_scatter", h_gather, pc)
+            else:
+                out[c] += rb("all_reduce", h_rows * fin, pc)
+    return {k: v * element_size for k, v in out.items()}

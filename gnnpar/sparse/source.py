@@ -1,0 +1,145 @@
+"""Where a rank's shards of a full graph come from: memory (tests, small graphs) or disk.
+
+Both sources present the graph in the two orders of Plexus's double permutation. With random
+permutations P and P₂ of the node ids (``perm[o][v]`` is the position of original node ``v``
+in order ``o``; order 0 uses P₂, order 1 uses P):
+
+- the input features are stored in order 0;
+- even layers multiply by Â₁ = P·Â·P₂ᵀ (order 0 → order 1), odd layers by Â₂ = P₂·Â·Pᵀ
+  (order 1 → order 0), so no data is re-laid-out between layers;
+- labels and masks exist in both orders; the output order is ``num_layers % 2``.
+
+A source returns only the requested blocks; :class:`MemorySource` holds the whole graph (it is
+meant for one process or for tests), :class:`gnnpar.sparse.shards.DiskSource` reads only the
+requested rows and blocks from memory-mapped files.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from gnnpar.sparse import csr
+from gnnpar.sparse.csr import CSRBlock
+
+
+class ShardSource(Protocol):
+    """What the parallel full-graph model reads its shards from."""
+
+    num_nodes: int
+    feat_dim: int
+    num_classes: int
+
+    def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
+        """Block of Â₁ (parity 0) or Â₂ (parity 1)."""
+
+    def root(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
+        """Block of the permutation that maps order ``parity`` to order ``1 - parity``."""
+
+    def features(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """Input features (order 0) of positions ``rows``, feature columns ``cols``."""
+
+    def node_ids(self, order: int, rows: tuple[int, int]) -> torch.Tensor:
+        """Original node ids at positions ``rows`` of ``order``."""
+
+    def node_data(self, name: str, order: int, rows: tuple[int, int]) -> torch.Tensor:
+        """``label`` or a mask (``train_mask``...) at positions ``rows`` of ``order``."""
+
+
+def random_permutations(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plexus's double permutation: two independent seeded permutations (P, P₂) of n ids,
+    each as a new-position array (``P[v]`` is where node ``v`` goes)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=g), torch.randperm(n, generator=g)
+
+
+def inverse(perm: torch.Tensor) -> torch.Tensor:
+    """Inverse permutation: ``inverse(perm)[perm[v]] == v``."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype)
+    return inv
+
+
+class MemorySource:
+    """All shards cut from an in-memory normalised adjacency and node data."""
+
+    def __init__(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        features: torch.Tensor,
+        node_data: dict[str, torch.Tensor],
+        permutations: tuple[torch.Tensor, torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        n = indptr.numel() - 1
+        if features.shape[0] != n:
+            raise ValueError(f"features have {features.shape[0]} rows for {n} nodes")
+        dtype = dtype or features.dtype
+        if permutations is None:
+            ident = torch.arange(n)
+            permutations = (ident, ident)
+        p, p2 = permutations
+        self.num_nodes = n
+        self.feat_dim = int(features.shape[1])
+        label = node_data.get("label")
+        self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
+        self.perm = (p2, p)  # order 0 uses P₂, order 1 uses P
+        self.inv = (inverse(p2), inverse(p))
+        vals = values.to(dtype)
+        a1 = csr.permute(indptr, indices, vals, p, p2)
+        a2 = csr.permute(indptr, indices, vals, p2, p)
+        self._adj = (a1, a2)
+        self._features = features.to(dtype)[self.inv[0]]
+        self._node_data = {
+            k: (v[self.inv[0]], v[self.inv[1]]) for k, v in node_data.items() if v is not None
+        }
+        self._dtype = dtype
+
+    def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
+        """Block of Â₁ (parity 0) or Â₂ (parity 1)."""
+        a = self._adj[parity]
+        return csr.select(a.indptr, a.indices, a.values, rows, cols)
+
+    def root(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
+        """Block of the permutation from order ``parity`` to order ``1 - parity``."""
+        return root_block(self.inv[1 - parity], self.perm[parity], rows, cols, self._dtype)
+
+    def features(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """Input features in order 0."""
+        return self._features[rows[0] : rows[1], cols[0] : cols[1]].clone()
+
+    def node_ids(self, order: int, rows: tuple[int, int]) -> torch.Tensor:
+        """Original ids at positions ``rows`` of ``order``."""
+        return self.inv[order][rows[0] : rows[1]].clone()
+
+    def node_data(self, name: str, order: int, rows: tuple[int, int]) -> torch.Tensor:
+        """Labels or masks at positions ``rows`` of ``order``."""
+        if name not in self._node_data:
+            raise KeyError(f"the graph has no node data {name!r}")
+        return self._node_data[name][order][rows[0] : rows[1]].clone()
+
+
+def root_block(
+    out_inv: torch.Tensor,
+    in_perm: torch.Tensor,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    dtype: torch.dtype,
+) -> CSRBlock:
+    """Block ``rows × cols`` of the permutation matrix sending input position
+    ``in_perm[v]`` to output position ``out_perm[v]`` (given the output order's inverse)."""
+    ids = torch.as_tensor(out_inv[rows[0] : rows[1]]).long()
+    src = torch.as_tensor(in_perm)[ids].long()
+    local_rows = torch.arange(rows[1] - rows[0])
+    keep = (src >= cols[0]) & (src < cols[1])
+    return csr.from_coo(
+        local_rows[keep],
+        src[keep] - cols[0],
+        torch.ones(int(keep.sum()), dtype=dtype),
+        (rows[1] - rows[0], cols[1] - cols[0]),
+        rows[0],
+        cols[0],
+    )

@@ -1,0 +1,65 @@
+"""Small graphs and serial references shared by the full-graph tests."""
+
+from __future__ import annotations
+
+import torch
+
+from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.sparse.csr import CSRBlock, from_coo
+from gnnpar.sparse.kernels import LocalSpMM
+from gnnpar.sparse.source import MemorySource, random_permutations
+
+
+def small_graph(n: int = 23, feat: int = 7, classes: int = 3, seed: int = 0):
+    """A random undirected graph with features, labels and a train mask (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n, (4 * n,), generator=g)
+    dst = torch.randint(0, n, (4 * n,), generator=g)
+    a = torch.zeros(n, n, dtype=torch.float64)
+    a[src, dst] = 1.0
+    a[dst, src] = 1.0
+    a.fill_diagonal_(0.0)
+    x = torch.randn(n, feat, generator=g, dtype=torch.float64)
+    y = torch.randint(0, classes, (n,), generator=g)
+    train = torch.rand(n, generator=g) < 0.6
+    return a, x, y, train
+
+
+def normalise(a: torch.Tensor, kind: str) -> torch.Tensor:
+    """Dense Â = D^-1/2 (A+I) D^-1/2 (gcn) or row-normalised A (sage)."""
+    if kind == "gcn":
+        a = a + torch.eye(a.shape[0], dtype=a.dtype)
+        d = a.sum(1).pow(-0.5)
+        return d[:, None] * a * d[None, :]
+    deg = a.sum(1).clamp(min=1)
+    return a / deg[:, None]
+
+
+def dense_to_block(a: torch.Tensor) -> CSRBlock:
+    """CSR block of a dense matrix."""
+    r, c = a.nonzero(as_tuple=True)
+    return from_coo(r, c, a[r, c], tuple(a.shape))
+
+
+def make_source(a_hat: torch.Tensor, x, y, train, permute: bool, seed: int = 3) -> MemorySource:
+    """A memory source over the dense normalised adjacency."""
+    blk = dense_to_block(a_hat)
+    perms = random_permutations(a_hat.shape[0], seed) if permute else None
+    return MemorySource(
+        blk.indptr, blk.indices, blk.values, x, {"label": y, "train_mask": train}, perms
+    )
+
+
+def serial_model(kind: str, dims: list[int], dropout: float = 0.0, seed: int = 0):
+    """A float64 plain model with non-trivial biases."""
+    torch.manual_seed(seed)
+    m = FullGraphGNN(dims[0], dims[1], dims[-1], len(dims) - 1, dropout, kind=kind).double()
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.bias.normal_()
+    return m
+
+
+def serial_adj(a_hat: torch.Tensor) -> LocalSpMM:
+    """The whole normalised adjacency as a local SpMM."""
+    return LocalSpMM(dense_to_block(a_hat))
