@@ -1,0 +1,178 @@
+"""A plain GPT in the style of nanoGPT: token and position embeddings, pre-norm blocks of
+causal self-attention and an MLP, a final norm and an (optionally tied) output head.
+
+Nothing here knows about parallelism; :func:`gnnpar.tensor.parallelize` applies it from the
+outside. Two habits make that possible: attention splits its fused projection with
+``chunk(3, dim=-1)`` and counts heads from the tensor (``view(B, T, -1, head_dim)``), so the
+same code runs on a rank that holds only some of the heads; and ``forward`` returns logits,
+leaving the loss to the caller (which may hold the logits split over the vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Sizes of a :class:`GPT`."""
+
+    vocab_size: int = 4096
+    block_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused q/k/v projection."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        b, t, _ = x.shape
+        q, k, v = (
+            part.view(b, t, -1, self.head_dim).transpose(1, 2)
+            for part in self.qkv(x).chunk(3, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Two projections with a GELU between: ``n_embd → 4·n_embd → n_embd``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """The language model: ``forward(ids (B, T)) → logits (B, T, vocab_size)``.
+
+    Weights start as in GPT-2: normal(0, 0.02), with the projections that write into the
+    residual stream scaled by ``1/sqrt(2·n_layer)``; biases zero.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Number of parameters (tied ones once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        t = ids.shape[-1]
+        if t > self.config.block_size:
+            raise ValueError(
+                f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
+            )
+        pos = torch.arange(t, device=ids.device)
+        x = self.drop(self.wte(ids) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``ids (B, T)``.
+
+        ``full_logits`` turns the model's last-position logits into logits over the whole
+        vocabulary (for a model whose head keeps them split); ``generator`` makes sampling
+        reproducible (and identical on ranks that must agree).
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        for _ in range(max_new_tokens):
+            logits = self(ids[:, -self.config.block_size :])[:, -1, :]
+            if full_logits is not None:
+                logits = full_logits(logits)
+            logits = logits.float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(ids.device)
+            ids = torch.cat([ids, nxt], dim=1)
+        return ids

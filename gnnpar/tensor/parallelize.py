@@ -1,0 +1,328 @@
+"""``parallelize(model, grid)``: make a plain model tensor-parallel from the outside.
+
+Every ``nn.Linear``, ``nn.Embedding`` and GPT-2 ``Conv1D`` (from ``transformers``) is replaced,
+in place, by a :class:`~gnnpar.tensor.Linear` or :class:`~gnnpar.tensor.Embedding` holding
+this rank's piece of the same values. Nothing global is patched: only attributes of the
+model's own modules change.
+
+**Chains.** Inside an attention block (fused q/k/v projection → heads → output projection)
+and an MLP block (up projection → activation → down projection) the two layers are *chained*:
+the first keeps its output split over its out axis and the second, with the opposite
+``transpose``, takes that split input as it is, so nothing is re-laid-out between them and
+every head and activation stays on one rank. Known blocks are our
+:class:`~gnnpar.nn.gpt.CausalSelfAttention` and :class:`~gnnpar.nn.gpt.MLP` and GPT-2's
+``GPT2Attention`` and ``GPT2MLP``; :class:`Chain` names others. Which layer of a chain is
+transposed is chosen by the communication model (ring bytes per rank): with only x > 1 this
+gives Megatron's column-then-row layout (one all-reduce over x forward, one backward).
+
+**Head and loss.** The output head (``lm_head``) keeps its logits split over the vocabulary
+(``Plan.loss_parallel``); compute the loss with :func:`gnnpar.tensor.cross_entropy` and the
+head. A head tied to the token embedding stays tied: both layers share one sharded parameter.
+
+**Everything else** (a Linear or Embedding outside any chain) runs in easy mode with
+``transpose`` alternating in module order. ``Plan.skip`` leaves modules alone; a chain whose
+partner is skipped falls back to easy mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from torch import nn
+
+from gnnpar.comm import ring_bytes
+from gnnpar.grid import ProcessGrid
+from gnnpar.tensor.layers import Embedding, Linear, PrefetchChain, ShardedModule
+
+__all__ = ["Chain", "LayerStyle", "Plan", "parallelize", "plan_styles"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStyle:
+    """How one module is made parallel: its ``transpose``, whether it takes full input
+    features (``scatter_input``) and gives full output features (``gather_output``), and
+    how many fused parts its outputs have."""
+
+    transpose: bool = False
+    scatter_input: bool = True
+    gather_output: bool = True
+    fused: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """Two layers of a block that chain without re-layout.
+
+    ``block`` is an fnmatch pattern over module names (e.g. ``"layers.*.attn"``); ``first``
+    and ``second`` are attribute names inside each matching block. ``fused`` is the number of
+    equal parts of the first layer's output (3 for a fused q/k/v projection); ``heads`` names
+    the block attribute holding the number of attention heads, which must divide over the
+    first layer's out axis; ``split_attr`` names a block attribute holding the size of one
+    fused part, which is set to this rank's size (GPT-2's ``split_size``).
+    """
+
+    block: str
+    first: str
+    second: str
+    fused: int = 1
+    heads: str | None = None
+    split_attr: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`parallelize` does.
+
+    Attributes:
+        skip: fnmatch patterns of module names to leave as they are.
+        styles: explicit :class:`LayerStyle` per module name, overriding the defaults.
+        chains: extra :class:`Chain` rules (known GPT blocks are found on their own).
+        chain: chain attention and MLP layers (False: every layer in easy mode).
+        head: name of the output head (default: a module named ``lm_head``).
+        loss_parallel: keep the head's logits split over the vocabulary.
+        prefetch: start each layer's z all-gather during the previous layer.
+    """
+
+    skip: tuple[str, ...] = ()
+    styles: Mapping[str, LayerStyle] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    chains: tuple[Chain, ...] = ()
+    chain: bool = True
+    head: str | None = None
+    loss_parallel: bool = True
+    prefetch: bool = True
+
+
+def _known_chains(model: nn.Module) -> list[tuple[str, Chain]]:
+    """(block name, rule) for the blocks of our GPT and of transformers' GPT-2."""
+    from gnnpar.nn.gpt import MLP, CausalSelfAttention
+
+    out = []
+    for name, m in model.named_modules():
+        cls = type(m)
+        hf = cls.__module__.startswith("transformers.")
+        if isinstance(m, CausalSelfAttention):
+            out.append((name, Chain(name, "qkv", "proj", fused=3, heads="n_head")))
+        elif isinstance(m, MLP):
+            out.append((name, Chain(name, "fc", "proj")))
+        elif hf and cls.__name__ == "GPT2Attention" and not getattr(m, "is_cross_attention", 0):
+            out.append(
+                (
+                    name,
+                    Chain(name, "c_attn", "c_proj", 3, heads="num_heads", split_attr="split_size"),
+                )
+            )
+        elif hf and cls.__name__ == "GPT2MLP":
+            out.append((name, Chain(name, "c_fc", "c_proj")))
+    return out
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    cls = type(m)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+
+
+def _candidates(model: nn.Module, skip: tuple[str, ...]) -> dict[str, nn.Module]:
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ShardedModule) or not name:
+            continue
+        if isinstance(m, (nn.Linear, nn.Embedding)) or _is_conv1d(m):
+            if not any(fnmatch.fnmatchcase(name, pat) for pat in skip):
+                out[name] = m
+    return out
+
+
+def _io(m: nn.Module) -> tuple[int, int]:
+    """(in features, out features) of a Linear, Conv1D or Embedding (num → rows)."""
+    if isinstance(m, nn.Embedding):
+        return m.embedding_dim, m.num_embeddings
+    if _is_conv1d(m):
+        return m.weight.shape[0], m.weight.shape[1]
+    return m.in_features, m.out_features
+
+
+def _ar(p: int) -> float:
+    return ring_bytes("all_reduce", 1.0, p)
+
+
+def _ag(p: int) -> float:
+    return ring_bytes("all_gather", 1.0, p)
+
+
+def _chain_cost(h: int, m: int, o: int, a: int, b: int) -> float:
+    """Bytes per token of a chain h → m → o whose first layer has in axis of size ``a`` and
+    out axis of size ``b`` (the second layer the reverse), forward and backward."""
+    forward = _ar(a) * m / b + _ar(b) * o / a + _ag(a) * o
+    backward = _ar(a) * m / b + _ar(b) * h / a + _ag(a) * h
+    return forward + backward
+
+
+def _head_cost(h: int, v: int, a: int, b: int) -> float:
+    """Bytes per token of a head h → v (logits kept split) with in axis ``a``, out axis ``b``."""
+    return _ar(a) * v / b + _ar(b) * h / a + _ag(a) * h
+
+
+def _embedding_cost(d: int, a: int, b: int) -> float:
+    """Bytes per token of an embedding of width d, features over ``a``, ids over ``b``."""
+    return _ar(b) * d / a + _ag(a) * d
+
+
+def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -> dict:
+    """The :class:`LayerStyle` that :func:`parallelize` gives each module, by name, and the
+    chain rules it applies (``{"styles": ..., "chains": [(block, Chain), ...]}``)."""
+    plan = plan or Plan()
+    cands = _candidates(model, plan.skip)
+    x, y = grid.size("x"), grid.size("y")
+    styles: dict[str, LayerStyle] = {}
+    applied: list[tuple[str, Chain]] = []
+
+    # Chains first: known blocks, then the plan's rules.
+    rules = _known_chains(model) if plan.chain else []
+    if plan.chain:
+        names = dict(model.named_modules())
+        for rule in plan.chains:
+            rules += [(n, rule) for n in names if fnmatch.fnmatchcase(n, rule.block)]
+    blocks = dict(model.named_modules())
+    for block, rule in rules:
+        first, second = f"{block}.{rule.first}", f"{block}.{rule.second}"
+        if first not in cands or second not in cands or first in styles or second in styles:
+            continue
+        h, m = _io(cands[first])
+        _, o = _io(cands[second])
+        transpose = _chain_cost(h, m, o, y, x) < _chain_cost(h, m, o, x, y)
+        out_axis = "x" if transpose else "y"
+        if rule.heads is not None:
+            heads = getattr(blocks[block], rule.heads)
+            p = grid.size(out_axis)
+            if heads % p:
+                raise ValueError(
+                    f"attention block {block!r} has {heads} heads, which do not divide over "
+                    f"{out_axis}={p}; choose another grid or pass Plan(chain=False)"
+                )
+        styles[first] = LayerStyle(transpose, True, False, rule.fused)
+        styles[second] = LayerStyle(not transpose, False, True)
+        applied.append((block, rule))
+
+    # Ties: modules sharing one weight must share one layout.
+    by_weight: dict[int, list[str]] = {}
+    for name, m in _all_weighted(model):
+        by_weight.setdefault(id(m.weight), []).append(name)
+    ties = {tuple(v) for v in by_weight.values() if len(v) > 1}
+    for group in ties:
+        inside = [n for n in group if n in cands]
+        if inside and len(inside) != len(group):
+            left = sorted(set(group) - set(inside))
+            raise ValueError(
+                f"modules {list(group)} share one weight, but {left} would be left alone; "
+                "skip all of them or none"
+            )
+
+    head = plan.head
+    if head is None:
+        heads = [n for n in cands if n == "lm_head" or n.endswith(".lm_head")]
+        head = heads[0] if heads else None
+    if head is not None and head in cands and head not in styles:
+        if isinstance(cands[head], nn.Embedding):
+            raise ValueError(f"the head {head!r} is an Embedding, not a Linear")
+        h, v = _io(cands[head])
+        transpose = _head_cost(h, v, y, x) < _head_cost(h, v, x, y)
+        styles[head] = LayerStyle(transpose, True, not plan.loss_parallel)
+        for group in ties:
+            if head in group:
+                for other in group:
+                    if other != head and isinstance(cands.get(other), nn.Embedding):
+                        styles[other] = LayerStyle(transpose)
+
+    flip = False
+    for name, m in cands.items():
+        if name in styles:
+            continue
+        if isinstance(m, nn.Embedding):
+            d, _ = _io(m)
+            transpose = _embedding_cost(d, y, x) < _embedding_cost(d, x, y)
+            styles[name] = LayerStyle(transpose)
+        else:
+            styles[name] = LayerStyle(flip)
+            flip = not flip
+
+    for name, style in plan.styles.items():
+        if name not in cands:
+            raise ValueError(
+                f"plan gives a style for {name!r}, which is not a Linear or "
+                "Embedding of this model (or is skipped)"
+            )
+        styles[name] = style
+    # A tied group must agree on transpose after overrides.
+    for group in ties:
+        ts = {styles[n].transpose for n in group if n in styles}
+        if len(ts) > 1:
+            raise ValueError(f"modules {list(group)} share one weight but differ in transpose")
+    return {"styles": styles, "chains": applied}
+
+
+def _all_weighted(model: nn.Module):
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name and isinstance(getattr(m, "weight", None), nn.Parameter):
+            if isinstance(m, (nn.Linear, nn.Embedding)) or _is_conv1d(m):
+                yield name, m
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)
+
+
+def parallelize(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -> nn.Module:
+    """Make ``model`` tensor-parallel on ``grid``, in place, and return it (moved to the
+    grid's device). Every rank must call it on a model with the same values (build it with
+    the same seed): each rank keeps its pieces. See the module docstring for what is chosen;
+    :func:`plan_styles` shows it without changing the model."""
+    plan = plan or Plan()
+    decided = plan_styles(model, grid, plan)
+    styles: dict[str, LayerStyle] = decided["styles"]
+    cands = _candidates(model, plan.skip)
+    made: dict[str, ShardedModule] = {}
+    shared: dict[int, ShardedModule] = {}
+    names_in_order = [n for n in cands if n in styles]
+    for name in names_in_order:
+        old, style = cands[name], styles[name]
+        if isinstance(old, nn.Embedding):
+            new: ShardedModule = Embedding.from_embedding(
+                old, grid, transpose=style.transpose, gather_output=style.gather_output
+            )
+        else:
+            new = Linear.from_linear(
+                old,
+                grid,
+                weight_format="in_out" if _is_conv1d(old) else "out_in",
+                transpose=style.transpose,
+                scatter_input=style.scatter_input,
+                gather_output=style.gather_output,
+                fused=style.fused,
+            )
+        key = id(old.weight)
+        if key in shared:
+            if shared[key].weight_layout != new.weight_layout:
+                raise ValueError(f"{name!r} shares its weight with a layer of another layout")
+            new.weight = shared[key].weight
+        else:
+            shared[key] = new
+        made[name] = new
+    for name, new in made.items():
+        _set(model, name, new)
+    for block, rule in decided["chains"]:
+        if rule.split_attr is not None:
+            first = made[f"{block}.{rule.first}"]
+            setattr(
+                model.get_submodule(block), rule.split_attr, first.local_out_features // rule.fused
+            )
+    model.to(grid.device)
+    if plan.prefetch and grid.size("z") > 1 and made:
+        PrefetchChain([made[n] for n in names_in_order])
+    return model
