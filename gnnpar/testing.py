@@ -142,11 +142,23 @@ def run_distributed(
             p.join(timeout=5)
     errors = {r: payload for r, (s, payload) in outcomes.items() if s == "error"}
     if errors:
-        rank = min(errors)
-        raise DistributedTestError(
-            f"rank {rank} of {world_size} failed:\n{errors[rank]}"
-        )
+        rank = _root_cause(errors)
+        others = sorted(set(errors) - {rank})
+        also = f" (ranks {others} failed after it)" if others else ""
+        raise DistributedTestError(f"rank {rank} of {world_size} failed{also}:\n{errors[rank]}")
     return [outcomes[r][1] for r in range(world_size)]
+
+
+_CONSEQUENTIAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _root_cause(errors: dict[int, str]) -> int:
+    """The failing rank whose error is not just a peer's crash seen through a socket (dicts
+    keep arrival order, so ties go to the first to fail)."""
+    for rank, text in errors.items():
+        if not any(marker in text for marker in _CONSEQUENTIAL):
+            return rank
+    return next(iter(errors))
 
 
 def _drain(results: mp.Queue, outcomes: dict, world_size: int, grace: float) -> None:
@@ -160,5 +172,8 @@ def _drain(results: mp.Queue, outcomes: dict, world_size: int, grace: float) -> 
 
 
 def _first_error(outcomes: dict) -> str:
-    errs = sorted((r, p) for r, (s, p) in outcomes.items() if s == "error")
-    return f"\nrank {errs[0][0]} failed first:\n{errs[0][1]}" if errs else ""
+    errs = {r: p for r, (s, p) in outcomes.items() if s == "error"}
+    if not errs:
+        return ""
+    rank = _root_cause(errs)
+    return f"\nrank {rank} failed first:\n{errs[rank]}"

@@ -14,6 +14,11 @@ from gnnpar import comm
 from gnnpar.grid import ProcessGrid
 
 
+def _reduce(t: torch.Tensor, grid: ProcessGrid, axis: str | None, op: str = "sum"):
+    # axis None: that dimension is not sharded (e.g. classes in 1D), nothing to reduce.
+    return t if axis is None else comm.all_reduce(t, grid, axis, op=op)
+
+
 class _ShardedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, mask, grid, class_axis, row_axis, col_start, total):  # noqa: D102
@@ -21,16 +26,16 @@ class _ShardedCrossEntropy(torch.autograd.Function):
             row_max = logits.max(dim=1).values if logits.shape[1] else logits.new_full(
                 (logits.shape[0],), -torch.inf
             )
-            row_max = comm.all_reduce(row_max.clone(), grid, class_axis, op="max")
+            row_max = _reduce(row_max.clone(), grid, class_axis, "max")
             shifted = logits - row_max[:, None]
             exp = shifted.exp()
-            sum_exp = comm.all_reduce(exp.sum(dim=1), grid, class_axis)
+            sum_exp = _reduce(exp.sum(dim=1), grid, class_axis)
             local = labels - col_start
             mine = (local >= 0) & (local < logits.shape[1])
             target = torch.zeros_like(row_max)
             idx = mine.nonzero(as_tuple=True)[0]
             target[idx] = shifted[idx, local[idx]]
-            target = comm.all_reduce(target, grid, class_axis)
+            target = _reduce(target, grid, class_axis)
             per_row = sum_exp.log() - target
             maskf = mask.to(logits.dtype)
             loss = comm.all_reduce((per_row * maskf).sum().reshape(1), grid, row_axis) / total
@@ -53,7 +58,7 @@ def sharded_cross_entropy(
     labels: torch.Tensor,
     mask: torch.Tensor,
     grid: ProcessGrid,
-    class_axis: str,
+    class_axis: str | None,
     row_axis: str,
     col_start: int,
     total: int | None = None,
@@ -77,7 +82,7 @@ def sharded_accuracy(
     labels: torch.Tensor,
     mask: torch.Tensor,
     grid: ProcessGrid,
-    class_axis: str,
+    class_axis: str | None,
     row_axis: str,
     col_start: int,
 ) -> float:
@@ -90,10 +95,10 @@ def sharded_accuracy(
     else:
         best = logits.new_full((n_rows,), -torch.inf)
         arg = logits.new_full((n_rows,), float("inf"))
-    best_all = comm.all_reduce(best.clone(), grid, class_axis, op="max")
+    best_all = _reduce(best.clone(), grid, class_axis, "max")
     # Among shards holding the maximum, the lowest class id wins (as torch.argmax does).
     cand = torch.where(best == best_all, arg, torch.full_like(arg, float("inf")))
-    pred = comm.all_reduce(cand, grid, class_axis, op="min")
+    pred = _reduce(cand, grid, class_axis, "min")
     maskb = mask.bool()
     counts = torch.tensor(
         [float((pred[maskb] == labels[maskb].to(pred.dtype)).sum()), float(maskb.sum())],

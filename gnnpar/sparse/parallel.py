@@ -37,7 +37,84 @@ def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_ops: int) -> torch.T
     return flat[lay.w_part[0] : lay.w_part[1]].clone()
 
 
-class Parallel3DGNN(nn.Module):
+class ShardedGNN(nn.Module):
+    """What every parallel full-graph model shares: data access, loss and accuracy over
+    its logits block. Subclasses set ``logits_rows``, ``logits_cols``, ``row_axis`` and
+    ``class_axis`` (None where classes are not split)."""
+
+    input_block: tuple[tuple[int, int], tuple[int, int]]
+    logits_rows: tuple[int, int]
+    logits_cols: tuple[int, int]
+    row_axis: str
+    class_axis: str | None
+
+    def __init__(
+        self, model: FullGraphGNN, grid: ProcessGrid, source: ShardSource, dtype
+    ) -> None:
+        super().__init__()
+        if grid.data != 1:
+            raise ValueError(
+                f"full-graph training has no batch to split over data={grid.data}; "
+                "use a grid with data=1"
+            )
+        dims = model.dims
+        if dims[0] != source.feat_dim:
+            raise ValueError(
+                f"model expects {dims[0]} input features, the graph has {source.feat_dim}"
+            )
+        self.grid = grid
+        self.kind = model.kind
+        self.dropout = model.dropout
+        self.num_nodes = source.num_nodes
+        self.num_layers = len(model.layers)
+        self.dims = dims
+        self.source = source
+        self.dtype = dtype or next(model.parameters()).dtype
+
+    def input_features(self) -> torch.Tensor:
+        """This rank's block of the input features (order 0)."""
+        rows, cols = self.input_block
+        return self.source.features(rows, cols).to(self.dtype)
+
+    def full_weights(self, grads: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Every layer's full stacked weight and bias (or gradients); collective."""
+        return self.params.full(grads)
+
+    @property
+    def output_order(self) -> int:
+        """Node order of the logits rows (0: P₂, 1: P)."""
+        return self.num_layers % 2
+
+    def node_data(self, name: str) -> torch.Tensor:
+        """Labels or a mask for the logits rows of this rank."""
+        return self.source.node_data(name, self.output_order, self.logits_rows)
+
+    def loss(self, logits: torch.Tensor, mask_name: str = "train_mask") -> torch.Tensor:
+        """Masked cross-entropy over the sharded logits (the same scalar on every rank)."""
+        return sharded_cross_entropy(
+            logits,
+            self.node_data("label"),
+            self.node_data(mask_name),
+            self.grid,
+            self.class_axis,
+            self.row_axis,
+            self.logits_cols[0],
+        )
+
+    def accuracy(self, logits: torch.Tensor, mask_name: str) -> float:
+        """Accuracy over the masked rows of the whole graph."""
+        return sharded_accuracy(
+            logits,
+            self.node_data("label"),
+            self.node_data(mask_name),
+            self.grid,
+            self.class_axis,
+            self.row_axis,
+            self.logits_cols[0],
+        )
+
+
+class Parallel3DGNN(ShardedGNN):
     """A full-graph GNN whose Â, H and W are sharded over the x × y × z grid."""
 
     def __init__(
@@ -48,26 +125,11 @@ class Parallel3DGNN(nn.Module):
         overlap_chunks: int = 1,
         dtype: torch.dtype | None = None,
     ):
-        super().__init__()
-        if grid.data != 1:
-            raise ValueError(
-                f"full-graph training has no batch to split over data={grid.data}; "
-                "use a grid with data=1"
-            )
+        super().__init__(model, grid, source, dtype)
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be at least 1, got {overlap_chunks}")
-        dims = model.dims
-        if dims[0] != source.feat_dim:
-            raise ValueError(
-                f"model expects {dims[0]} input features, the graph has {source.feat_dim}"
-            )
-        dtype = dtype or next(model.parameters()).dtype
-        self.grid = grid
-        self.kind = model.kind
-        self.dropout = model.dropout
-        self.num_nodes = source.num_nodes
-        self.dims = dims
-        self.source = source
+        dtype = self.dtype
+        dims = self.dims
         self.layouts: list[Layout3D] = []
         self.ops: list[list[list[tuple[int, int, LocalSpMM]]]] = []
         self.weights = nn.ParameterList()
@@ -93,27 +155,16 @@ class Parallel3DGNN(nn.Module):
             self.layouts.append(lay)
             self.ops.append(ops)
         self.has_bias = len(self.biases) == len(self.layouts)
-        self.dtype = dtype
+        last = self.layouts[-1]
+        self.input_block = (self.layouts[0].h_sub, self.layouts[0].fin)
+        self.logits_rows, self.logits_cols = last.rows, last.fout
+        self.row_axis, self.class_axis = last.depth, last.outer
 
     # ------------------------------------------------------------------------------ data
     @property
     def output_layout(self) -> Layout3D:
         """Layout of the last layer: its rows and class columns are the logits block."""
         return self.layouts[-1]
-
-    @property
-    def output_order(self) -> int:
-        """Node order of the logits rows (0: P₂, 1: P)."""
-        return len(self.layouts) % 2
-
-    def input_features(self) -> torch.Tensor:
-        """This rank's shard of the input features (rows split over depth)."""
-        lay = self.layouts[0]
-        return self.source.features(lay.h_sub, lay.fin).to(self.dtype)
-
-    def node_data(self, name: str) -> torch.Tensor:
-        """Labels or a mask for the logits rows of this rank."""
-        return self.source.node_data(name, self.output_order, self.output_layout.rows)
 
     # --------------------------------------------------------------------------- compute
     def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
@@ -129,32 +180,6 @@ class Parallel3DGNN(nn.Module):
             if i < last:
                 h = torch.relu(h)
         return h
-
-    def loss(self, logits: torch.Tensor, mask_name: str = "train_mask") -> torch.Tensor:
-        """Masked cross-entropy over the sharded logits."""
-        lay = self.output_layout
-        return sharded_cross_entropy(
-            logits,
-            self.node_data("label"),
-            self.node_data(mask_name),
-            self.grid,
-            lay.outer,
-            lay.depth,
-            lay.fout[0],
-        )
-
-    def accuracy(self, logits: torch.Tensor, mask_name: str) -> float:
-        """Accuracy over the masked rows of the whole graph."""
-        lay = self.output_layout
-        return sharded_accuracy(
-            logits,
-            self.node_data("label"),
-            self.node_data(mask_name),
-            self.grid,
-            lay.outer,
-            lay.depth,
-            lay.fout[0],
-        )
 
     # ------------------------------------------------------------------------ accounting
     def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
@@ -224,13 +249,26 @@ class Parallel3DGNN(nn.Module):
         return out
 
 
+ALGORITHMS = ("3d", "2d", "1d")
+
+
 def parallelize_fullgraph(
     model: FullGraphGNN,
     grid: ProcessGrid,
     source: ShardSource,
+    algorithm: str = "3d",
     overlap_chunks: int = 1,
     dtype: torch.dtype | None = None,
-) -> Parallel3DGNN:
-    """Shard ``model`` over ``grid`` (3D, Plexus layout) reading graph blocks from
-    ``source``."""
-    return Parallel3DGNN(model, grid, source, overlap_chunks, dtype)
+) -> ShardedGNN:
+    """Shard ``model`` over ``grid`` reading graph blocks from ``source``: ``"3d"`` (Plexus,
+    the default), or CAGNET's ``"2d"`` (SUMMA over x × y) and ``"1d"`` (rows over all ranks)
+    baselines."""
+    if algorithm == "3d":
+        return Parallel3DGNN(model, grid, source, overlap_chunks, dtype)
+    from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN
+
+    if algorithm == "2d":
+        return Parallel2DGNN(model, grid, source, dtype)
+    if algorithm == "1d":
+        return Parallel1DGNN(model, grid, source, dtype=dtype)
+    raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")

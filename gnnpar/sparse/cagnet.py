@@ -1,0 +1,275 @@
+"""CAGNET's 1D and 2D full-graph algorithms: the baselines the 3D layer must beat.
+
+**1D** (P ranks of one axis, default ``"tensor"``): rank i holds rows i of Â (all columns) and
+rows i of H (all features); the weights are replicated.
+Per layer: all-gather H (backward: reduce-scatter of its gradient), local SpMM and GEMM,
+all-reduce of the weight gradient.
+
+**2D** (SUMMA on an R × C grid, rows over ``x``, columns over ``y``; z must be 1): rank (i, j)
+holds block (i, j) of Â and of H (rows i, features j). Per layer: H's column block j is
+all-gathered over x; the row i of Â is streamed block by block, each broadcast over y from
+its owner (stage j′ multiplies Â(i, j′) by rows j′ of H); the aggregate is all-gathered over y
+and multiplied by column block j of the replicated W. Backward streams Â again and
+reduce-scatters the gradients.
+
+Both compose gnnpar's differentiable collectives, so their backward passes are the adjoints
+of their forward passes by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gnnpar import comm
+from gnnpar.comm import chunk_sizes
+from gnnpar.grid import ProcessGrid
+from gnnpar.nn.dropout import index_dropout
+from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.sparse.csr import CSRBlock
+from gnnpar.sparse.kernels import LocalSpMM, spmm
+from gnnpar.sparse.layout import chunk
+from gnnpar.sparse.parallel import ShardedGNN
+from gnnpar.sparse.source import ShardSource
+
+
+def _blocks(source: ShardSource, kind: str, parity: int, rows, cols) -> list[CSRBlock]:
+    out = [source.adjacency(parity, rows, cols)]
+    if kind == "sage":
+        out.append(source.root(parity, rows, cols))
+    return out
+
+
+class _ReplicatedParams(nn.Module):
+    """Full weights and biases of the plain model, replicated on every rank."""
+
+    def full(self, grads: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Each layer's stacked weight and bias (or their gradients)."""
+        out = []
+        for i, w in enumerate(self.weights):
+            entry = {"weight": (w.grad if grads else w).detach()}
+            if len(self.biases) == len(self.weights):
+                b = self.biases[i]
+                entry["bias"] = (b.grad if grads else b).detach()
+            out.append(entry)
+        return out
+
+    def __init__(self, model: FullGraphGNN, dtype: torch.dtype):
+        super().__init__()
+        self.weights = nn.ParameterList(
+            nn.Parameter(layer.stacked_weight().detach().to(dtype).clone())
+            for layer in model.layers
+        )
+        self.biases = nn.ParameterList(
+            nn.Parameter(layer.bias.detach().to(dtype).clone())
+            for layer in model.layers
+            if layer.bias is not None
+        )
+
+
+class Parallel1DGNN(ShardedGNN):
+    """CAGNET 1D: row blocks of Â and H over one axis, weights replicated."""
+
+    def __init__(
+        self,
+        model: FullGraphGNN,
+        grid: ProcessGrid,
+        source: ShardSource,
+        axis: str = "tensor",
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__(model, grid, source, dtype)
+        n, p = self.num_nodes, grid.size(axis)
+        self.axis = axis
+        self.row_sizes = chunk_sizes(n, p)
+        self.rows = chunk(n, p, grid.rank(axis))
+        self.ops = [
+            [
+                LocalSpMM(b.to(dtype=self.dtype))
+                for b in _blocks(source, self.kind, i % 2, self.rows, (0, n))
+            ]
+            for i in range(self.num_layers)
+        ]
+        self.params = _ReplicatedParams(model, self.dtype)
+        self._row_ids = [source.node_ids(i % 2, self.rows) for i in range(self.num_layers)]
+        self.input_block = (self.rows, (0, self.dims[0]))
+        self.logits_rows, self.logits_cols = self.rows, (0, self.dims[-1])
+        self.row_axis, self.class_axis = axis, None
+
+    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
+        """This rank's rows of the logits (all classes)."""
+        h = x
+        has_bias = len(self.params.biases) == self.num_layers
+        for i, ops in enumerate(self.ops):
+            seed = None if dropout_seed is None else dropout_seed * 1009 + i
+            h = index_dropout(h, self.dropout, seed, self._row_ids[i], 0, self.training)
+            full = comm.gather_from(h, self.grid, self.axis, sizes=self.row_sizes)
+            agg = torch.cat([spmm(op, full) for op in ops], dim=1)
+            h = agg @ comm.copy_to(self.params.weights[i], self.grid, self.axis)
+            if has_bias:
+                h = h + comm.copy_to(self.params.biases[i], self.grid, self.axis)
+            if i < self.num_layers - 1:
+                h = torch.relu(h)
+        return h
+
+    def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
+        """Per-rank bytes of one forward and backward pass, from the ring formulas."""
+        es = torch.tensor([], dtype=self.dtype).element_size()
+        p = self.grid.size(self.axis)
+        padded_rows = p * max(self.row_sizes)
+        rb = comm.ring_bytes
+        fwd = bwd = 0.0
+        for i in range(self.num_layers):
+            fwd += rb("all_gather", padded_rows * self.dims[i] * es, p)
+            if input_grad or i > 0:
+                bwd += rb("reduce_scatter", padded_rows * self.dims[i] * es, p)
+            bwd += rb("all_reduce", self.params.weights[i].numel() * es, p)
+            if len(self.params.biases) == self.num_layers:
+                bwd += rb("all_reduce", self.dims[i + 1] * es, p)
+        return {"forward": {self.axis: fwd}, "backward": {self.axis: bwd}}
+
+
+class _SummaSpMM(torch.autograd.Function):
+    """Â(i, :) @ H(:, j) with the row of Â streamed over the column axis block by block."""
+
+    @staticmethod
+    def forward(ctx, h_col, model, layer):  # noqa: D102
+        ctx.model, ctx.layer = model, layer
+        out = None
+        for j2, cols in enumerate(model.col_ranges):
+            ops = model.stage_ops(layer, j2)
+            part = torch.cat([op.mm(h_col[cols[0] : cols[1]]) for op in ops], dim=1)
+            out = part if out is None else out + part
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        model, layer = ctx.model, ctx.layer
+        width = grad.shape[1] // model.num_ops
+        pieces = []
+        for j2 in range(len(model.col_ranges)):
+            ops = model.stage_ops(layer, j2)
+            g = None
+            for k, op in enumerate(ops):
+                part = op.T.mm(grad[:, k * width : (k + 1) * width].contiguous())
+                g = part if g is None else g + part
+            pieces.append(g)
+        return torch.cat(pieces, dim=0), None, None
+
+
+class Parallel2DGNN(ShardedGNN):
+    """CAGNET 2D (SUMMA): Â and H in R × C blocks over (x, y); weights replicated."""
+
+    def __init__(
+        self,
+        model: FullGraphGNN,
+        grid: ProcessGrid,
+        source: ShardSource,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__(model, grid, source, dtype)
+        if grid.z != 1:
+            raise ValueError(f"the 2D algorithm runs on x × y grids; this grid has z={grid.z}")
+        n = self.num_nodes
+        r, c = grid.size("x"), grid.size("y")
+        i, j = grid.rank("x"), grid.rank("y")
+        self.num_ops = 2 if self.kind == "sage" else 1
+        self.row_sizes = chunk_sizes(n, r)
+        self.rows = chunk(n, r, i)
+        self.col_ranges = [chunk(n, c, k) for k in range(c)]
+        self.own_blocks = [
+            [
+                b.to(dtype=self.dtype)
+                for b in _blocks(source, self.kind, layer % 2, self.rows, self.col_ranges[j])
+            ]
+            for layer in range(self.num_layers)
+        ]
+        # Every stage's nnz is exchanged once, so each broadcast knows its sizes.
+        self.stage_nnz = [
+            [comm.gather_sizes(b.nnz, grid, "y") for b in blocks] for blocks in self.own_blocks
+        ]
+        self.index_dtype = torch.int32 if n < 2**31 else torch.int64
+        self.fin = [chunk(d, c, j) for d in self.dims]
+        self.fin_sizes = [chunk_sizes(d, c) for d in self.dims]
+        self.params = _ReplicatedParams(model, self.dtype)
+        self._row_ids = [source.node_ids(layer % 2, self.rows) for layer in range(self.num_layers)]
+        self.input_block = (self.rows, self.fin[0])
+        self.logits_rows, self.logits_cols = self.rows, self.fin[-1]
+        self.row_axis, self.class_axis = "x", "y"
+
+    def stage_ops(self, layer: int, stage: int) -> list[LocalSpMM]:
+        """Block Â(i, stage) of ``layer``: broadcast over y from the rank that owns it."""
+        rows = self.rows[1] - self.rows[0]
+        cols = self.col_ranges[stage]
+        mine = self.grid.rank("y") == stage
+        out = []
+        for k, own in enumerate(self.own_blocks[layer]):
+            nnz = self.stage_nnz[layer][k][stage]
+            if mine:
+                indptr, idx, vals = own.indptr, own.indices.to(self.index_dtype), own.values
+            else:
+                indptr = torch.empty(rows + 1, dtype=torch.int64)
+                idx = torch.empty(nnz, dtype=self.index_dtype)
+                vals = torch.empty(nnz, dtype=self.dtype)
+            for t in (indptr, idx, vals):
+                comm.broadcast(t, self.grid, "y", src=stage)
+            block = CSRBlock(indptr, idx.long(), vals, (rows, cols[1] - cols[0]))
+            out.append(LocalSpMM(block, autotune=False))
+        return out
+
+    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
+        """This rank's block of the logits (rows i, classes j)."""
+        h = x
+        grid = self.grid
+        has_bias = len(self.params.biases) == self.num_layers
+        for i in range(self.num_layers):
+            seed = None if dropout_seed is None else dropout_seed * 1009 + i
+            h = index_dropout(
+                h, self.dropout, seed, self._row_ids[i], self.fin[i][0], self.training
+            )
+            h_col = comm.gather_from(h, grid, "x", sizes=self.row_sizes)
+            agg = _SummaSpMM.apply(h_col, self, i)  # rows i × (ops · features j)
+            width = self.fin[i][1] - self.fin[i][0]
+            parts = [agg[:, k * width : (k + 1) * width] for k in range(self.num_ops)]
+            full = torch.cat(
+                [comm.gather_from(p, grid, "y", dim=1, sizes=self.fin_sizes[i]) for p in parts],
+                dim=1,
+            )
+            w = comm.split_to(comm.copy_to(self.params.weights[i], grid, "x"), grid, "y", dim=1)
+            h = full @ w
+            if has_bias:
+                b = comm.split_to(comm.copy_to(self.params.biases[i], grid, "x"), grid, "y")
+                h = h + b
+            if i < self.num_layers - 1:
+                h = torch.relu(h)
+        return h
+
+    def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
+        """Per-rank bytes of one forward and backward pass, from the ring formulas."""
+        es = torch.tensor([], dtype=self.dtype).element_size()
+        ies = torch.tensor([], dtype=self.index_dtype).element_size()
+        r, c = self.grid.size("x"), self.grid.size("y")
+        rows = self.rows[1] - self.rows[0]
+        rb = comm.ring_bytes
+        fwd = {"x": 0.0, "y": 0.0}
+        bwd = {"x": 0.0, "y": 0.0}
+        for i in range(self.num_layers):
+            stream = sum(
+                rb("broadcast", (rows + 1) * 8 + nnz * (ies + es), c)
+                for per_op in self.stage_nnz[i]
+                for nnz in per_op
+            )
+            d_in, d_out = self.dims[i], self.dims[i + 1]
+            h_col = r * max(self.row_sizes) * (self.fin[i][1] - self.fin[i][0]) * es
+            agg = self.num_ops * c * max(self.fin_sizes[i]) * rows * es
+            w_cols = c * max(self.fin_sizes[i + 1]) * self.num_ops * d_in * es
+            fwd["y"] += stream + rb("all_gather", agg, c)
+            fwd["x"] += rb("all_gather", h_col, r)
+            bwd["y"] += stream + rb("reduce_scatter", agg, c) + rb("all_gather", w_cols, c)
+            bwd["x"] += rb("all_reduce", self.num_ops * d_in * d_out * es, r)
+            if input_grad or i > 0:
+                bwd["x"] += rb("reduce_scatter", h_col, r)
+            if len(self.params.biases) == self.num_layers:
+                bwd["y"] += rb("all_gather", c * max(self.fin_sizes[i + 1]) * es, c)
+                bwd["x"] += rb("all_reduce", d_out * es, r)
+        return {"forward": fwd, "backward": bwd}
