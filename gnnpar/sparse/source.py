@@ -124,15 +124,17 @@ class MemorySource:
 
 def root_block(
     out_inv: torch.Tensor,
-    in_perm: torch.Tensor,
+    in_perm,
     rows: tuple[int, int],
     cols: tuple[int, int],
     dtype: torch.dtype,
+    row_offset: int | None = None,
 ) -> CSRBlock:
     """Block ``rows × cols`` of the permutation matrix sending input position
-    ``in_perm[v]`` to output position ``out_perm[v]`` (given the output order's inverse)."""
+    ``in_perm[v]`` to output position ``out_perm[v]`` (given the output order's inverse).
+    ``in_perm`` is anything indexable by a tensor of ids."""
     ids = torch.as_tensor(out_inv[rows[0] : rows[1]]).long()
-    src = torch.as_tensor(in_perm)[ids].long()
+    src = torch.as_tensor(in_perm[ids]).long()
     local_rows = torch.arange(rows[1] - rows[0])
     keep = (src >= cols[0]) & (src < cols[1])
     return csr.from_coo(
@@ -140,6 +142,6 @@ def root_block(
         src[keep] - cols[0],
         torch.ones(int(keep.sum()), dtype=dtype),
         (rows[1] - rows[0], cols[1] - cols[0]),
-        rows[0],
+        rows[0] if row_offset is None else row_offset,
         cols[0],
     )
