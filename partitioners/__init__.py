@@ -1,1 +1,44 @@
-"""partitioners."""
+"""Graph partitioning that stands on its own: methods, an on-disk format, quality metrics.
+
+Quick start::
+
+    import partitioners
+
+    part = partitioners.partition(graph, 4, method="metis", seed=0, balance=["nodes", "train"])
+    partitioners.write(graph, part, "out/citeseer-4", halo=1)
+    p0 = partitioners.load_part("out/citeseer-4", 0)   # reads meta.json and part-0/ only
+
+Modules: :mod:`~partitioners.assignment` (``partition``, ``Partition``),
+:mod:`~partitioners.simple` (random, range, hash), :mod:`~partitioners.metis`,
+:mod:`~partitioners.streaming` (LDG, Fennel), :mod:`~partitioners.blocks` (2D blocks and
+Plexus permutations for SpMM), :mod:`~partitioners.format` (the folder layout, loading),
+:mod:`~partitioners.writer`, :mod:`~partitioners.metrics`, :mod:`~partitioners.cli`.
+"""
+
+from partitioners import blocks, metrics
+from partitioners.assignment import METHODS, Partition, partition
+from partitioners.csr import CSR, as_csr
+from partitioners.format import (
+    PartData,
+    PartitionFormatError,
+    load_meta,
+    load_node_map,
+    load_part,
+)
+from partitioners.writer import write
+
+__all__ = [
+    "CSR",
+    "METHODS",
+    "PartData",
+    "Partition",
+    "PartitionFormatError",
+    "as_csr",
+    "blocks",
+    "load_meta",
+    "load_node_map",
+    "load_part",
+    "metrics",
+    "partition",
+    "write",
+]

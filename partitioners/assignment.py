@@ -1,0 +1,182 @@
+"""`partition()`: one entry point for every method, and the `Partition` it returns."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partitioners.csr import CSR, as_csr
+from partitioners.metis import BALANCE_NAMES, metis_owner
+from partitioners.simple import hash_owner, random_owner, range_owner
+from partitioners.streaming import streaming_owner
+
+__all__ = ["METHODS", "Partition", "check_num_parts", "partition"]
+
+METHODS = ("random", "range", "hash", "metis", "ldg", "fennel")
+_STREAM_OPTIONS = ("order", "passes", "slack", "gamma", "alpha")
+_OPTIONS = {
+    "metis": ("node_weight", "edge_weight", "ufactor", "niter", "ncuts", "recursive"),
+    "ldg": _STREAM_OPTIONS,
+    "fennel": _STREAM_OPTIONS,
+}
+
+
+@dataclass
+class Partition:
+    """An assignment of every node to one of ``num_parts`` parts.
+
+    Attributes:
+        owner: int64 array, ``owner[v]`` is the part of node ``v`` (original ids).
+        num_parts: K.
+        method, seed, balance: how it was made.
+        info: what the method knows about its result (e.g. METIS's ``edge_cut`` objective,
+            a streaming method's capacity) plus ``time_s``, the wall time of the method.
+    """
+
+    owner: np.ndarray
+    num_parts: int
+    method: str = "custom"
+    seed: int = 0
+    balance: tuple[str, ...] = ()
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.owner.shape[0])
+
+    def sizes(self) -> np.ndarray:
+        """Number of nodes in every part."""
+        return np.bincount(self.owner, minlength=self.num_parts)
+
+    def nodes(self, k: int) -> np.ndarray:
+        """Ids of the nodes of part ``k``, increasing."""
+        return np.flatnonzero(self.owner == k)
+
+    def validate(self) -> None:
+        """Raise ValueError unless every node has exactly one part in ``[0, K)`` and no
+        part is empty (when there are at least K nodes)."""
+        owner, k, n = self.owner, self.num_parts, self.num_nodes
+        if owner.ndim != 1 or not np.issubdtype(owner.dtype, np.integer):
+            raise ValueError(f"owner must be a 1-D integer array, got {owner.dtype} {owner.shape}")
+        if n and (int(owner.min()) < 0 or int(owner.max()) >= k):
+            bad = int(owner.min()) if int(owner.min()) < 0 else int(owner.max())
+            raise ValueError(f"owner holds part {bad}, outside [0, {k})")
+        empty = np.flatnonzero(self.sizes() == 0)
+        if n >= k and empty.size:
+            raise ValueError(f"{empty.size} of {k} parts are empty (first: part {int(empty[0])})")
+
+
+def check_num_parts(num_parts: Any, num_nodes: int) -> int:
+    """``num_parts`` as an int, or ValueError if it is not in ``[1, num_nodes]``."""
+    if isinstance(num_parts, bool) or not isinstance(num_parts, (int, np.integer)):
+        raise ValueError(f"num_parts must be an integer, got {num_parts!r}")
+    k = int(num_parts)
+    if k < 1:
+        raise ValueError(f"num_parts must be >= 1, got {k}")
+    if k > num_nodes:
+        raise ValueError(
+            f"cannot split {num_nodes} nodes into {k} parts: num_parts must be <= num_nodes"
+        )
+    return k
+
+
+def _fill_empty(owner: np.ndarray, num_parts: int) -> int:
+    """Give every empty part one node taken from the largest part; returns how many moved.
+
+    Only a safety net: the balanced methods never leave a part empty when n >= K, but a hash
+    or a cut-driven method can on tiny or disconnected graphs.
+    """
+    sizes = np.bincount(owner, minlength=num_parts)
+    moved = 0
+    for k in np.flatnonzero(sizes == 0):
+        donor = int(np.argmax(sizes))
+        v = int(np.flatnonzero(owner == donor)[-1])
+        owner[v] = k
+        sizes[donor] -= 1
+        sizes[k] += 1
+        moved += 1
+    return moved
+
+
+def _normalise_balance(balance: str | Sequence[str] | None) -> tuple[str, ...]:
+    if balance is None:
+        return ("nodes",)
+    items = (balance,) if isinstance(balance, str) else tuple(balance)
+    unknown = [b for b in items if b not in BALANCE_NAMES]
+    if unknown:
+        raise ValueError(f"unknown balance {unknown}; choose from {BALANCE_NAMES}")
+    return items or ("nodes",)
+
+
+def partition(
+    graph: Any,
+    num_parts: int,
+    method: str = "metis",
+    seed: int = 0,
+    balance: str | Sequence[str] | None = None,
+    progress: bool = False,
+    **options: Any,
+) -> Partition:
+    """Assign every node of ``graph`` to one of ``num_parts`` parts.
+
+    Args:
+        graph: a ``gnnpar.Graph``, scipy sparse matrix, ``(indptr, indices)`` tuple or
+            :class:`~partitioners.csr.CSR` (rows are destinations).
+        num_parts: K, between 1 and the number of nodes.
+        method: ``"random"`` (balanced random), ``"range"`` (contiguous id blocks),
+            ``"hash"``, ``"metis"`` (edge-cut METIS), ``"ldg"`` or ``"fennel"`` (one-pass
+            streaming).
+        seed: every method is deterministic for a given seed.
+        balance: what to keep balanced, any of ``"nodes"`` (default), ``"train"`` (training
+            nodes, from ``ndata['train_mask']``) and ``"edges"`` (in-edges). METIS honours all
+            three as constraints (DGL's ``balance_ntypes`` / ``balance_edges``); ``range``
+            honours ``"edges"`` by cutting at equal edge counts; the others balance nodes.
+        progress: show a progress bar for the long-running methods.
+        **options: passed to the method: for ``metis`` ``node_weight``, ``edge_weight``,
+            ``ufactor``, ``niter``, ``ncuts``, ``recursive``
+            (:func:`~partitioners.metis.metis_owner`); for ``ldg``/``fennel`` ``order``,
+            ``passes``, ``slack``, ``gamma``, ``alpha``
+            (:func:`~partitioners.streaming.streaming_owner`).
+
+    Returns:
+        A validated :class:`Partition`.
+
+    Raises:
+        ValueError: for an unknown method or balance, or ``num_parts`` outside
+            ``[1, num_nodes]``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    csr: CSR = as_csr(graph)
+    n = csr.num_nodes
+    k = check_num_parts(num_parts, n)
+    bal = _normalise_balance(balance)
+    unknown = sorted(set(options) - set(_OPTIONS.get(method, ())))
+    if unknown:
+        allowed = ", ".join(_OPTIONS.get(method, ())) or "none"
+        raise ValueError(f"method {method!r} does not take {unknown} (options: {allowed})")
+    start = time.perf_counter()
+    info: dict[str, Any] = {}
+    if method == "random":
+        owner = random_owner(n, k, seed)
+    elif method == "range":
+        owner = range_owner(n, k, csr.indptr, by_edges="edges" in bal)
+    elif method == "hash":
+        owner = hash_owner(n, k, seed)
+    elif method == "metis":
+        owner, info = metis_owner(csr, k, seed=seed, balance=bal, **options)
+    else:
+        owner, info = streaming_owner(
+            csr.indptr, csr.indices, n, k, method=method, seed=seed, progress=progress, **options
+        )
+    moved = _fill_empty(owner, k) if n >= k else 0
+    if moved:
+        info["refilled_empty_parts"] = moved
+    info["time_s"] = time.perf_counter() - start
+    result = Partition(owner, k, method, int(seed), bal, info)
+    result.validate()
+    return result

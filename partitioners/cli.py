@@ -1,0 +1,309 @@
+"""``gnnpar-partition``: partition a dataset, inspect a partition folder, compare methods.
+
+::
+
+    gnnpar-partition DATASET --parts K --out DIR [--method metis] [--halo 1]
+                     [--balance-train] [--balance-edges] [--seed S] [--root ROOT] [-o KEY=VALUE]
+    gnnpar-partition inspect DIR [--no-verify]
+    gnnpar-partition compare DATASET --parts K [--methods random,metis,...] [--plot FILE.png]
+                     [--json FILE]
+
+``DATASET`` is anything ``gnnpar.data.load`` accepts: a catalogue name (``sbm``, ``rmat``,
+``citeseer``, ...) or a dataset folder; ``-o KEY=VALUE`` passes options to it (e.g.
+``-o scale=16``). Errors print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from partitioners.assignment import METHODS, Partition, partition
+from partitioners.format import load_meta, load_part
+from partitioners.metrics import Quality, format_table, human_bytes, measure, quality
+from partitioners.writer import write
+
+__all__ = ["main"]
+
+PROG = "gnnpar-partition"
+
+
+class CliError(Exception):
+    """An error to report as one line (exit status 2)."""
+
+
+def _data_options(pairs: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"dataset option {pair!r} is not KEY=VALUE")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
+def _load_dataset(name: str, root: str | None, options: dict[str, Any]) -> Any:
+    try:
+        from gnnpar.data import load
+    except ImportError as err:  # the dataset layer lives in gnnpar
+        raise CliError(f"loading datasets needs the gnnpar package: {err}") from err
+    return load(name, root=root, **options)
+
+
+def _partition_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Partition a graph dataset and write one folder per partitioning "
+        f"(other commands: '{PROG} inspect DIR', '{PROG} compare DATASET --parts K').",
+    )
+    p.add_argument("dataset", help="catalogue name (sbm, rmat, citeseer, ...) or folder")
+    p.add_argument("--parts", "-k", type=int, required=True, help="number of parts K")
+    p.add_argument("--method", "-m", default="metis", choices=METHODS)
+    p.add_argument("--out", required=True, help="output folder (must not exist)")
+    p.add_argument("--halo", type=int, default=1, choices=(0, 1), help="halo hops (0 or 1)")
+    p.add_argument("--balance-train", action="store_true", help="balance training nodes")
+    p.add_argument("--balance-edges", action="store_true", help="balance in-edges")
+    p.add_argument("--seed", type=int, default=0)
+    _common(p)
+    return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", default=None, help="dataset root (default: $GNNPAR_DATA, ./datasets)")
+    p.add_argument(
+        "-o",
+        "--data-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the dataset builder, e.g. -o scale=16 (repeatable)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _balance(args: argparse.Namespace) -> list[str]:
+    out = ["nodes"]
+    if getattr(args, "balance_train", False):
+        out = ["train"]
+    if getattr(args, "balance_edges", False):
+        out.append("edges")
+    return out
+
+
+def _summary_rows(q: Quality) -> list[dict[str, Any]]:
+    rows = [
+        ("edge cut", f"{q.edge_cut} ({q.edge_cut_fraction:.2%} of {q.num_edges})"),
+        ("node balance (max/mean)", f"{q.node_balance:.3f}"),
+        ("edge balance (max/mean)", f"{q.edge_balance:.3f}"),
+        ("train balance (max/mean)", "-" if q.train_balance is None else f"{q.train_balance:.3f}"),
+        ("replication factor", f"{q.replication_factor:.3f}"),
+        ("halo fraction (all / max part)", f"{q.halo_fraction:.3f} / {q.max_halo_fraction:.3f}"),
+        (
+            "1-hop feature traffic (all / max part)",
+            f"{human_bytes(q.comm_bytes)} / {human_bytes(q.max_comm_bytes)}",
+        ),
+        ("partition time", "-" if q.time_s is None else f"{q.time_s:.2f} s"),
+        ("peak memory", human_bytes(q.peak_bytes)),
+    ]
+    return [{"metric": a, "value": b} for a, b in rows]
+
+
+def _cmd_partition(argv: Sequence[str]) -> int:
+    args = _partition_parser().parse_args(argv)
+    out = Path(args.out)
+    if out.exists():
+        raise CliError(f"output folder {out} already exists; remove it or choose another")
+    show = not args.no_progress
+    from tqdm.auto import tqdm
+
+    with tqdm(
+        total=4, desc="load", disable=not show, bar_format="{desc:<28} {n}/{total} [{elapsed}]"
+    ) as stages:
+        graph = _load_dataset(args.dataset, args.root, _data_options(args.data_option))
+        stages.update()
+        stages.set_description(f"partition ({args.method}, K={args.parts})")
+        with measure() as m:
+            part = partition(
+                graph,
+                args.parts,
+                method=args.method,
+                seed=args.seed,
+                balance=_balance(args),
+                progress=show,
+            )
+        stages.update()
+        stages.set_description("quality")
+        q = quality(graph, part, time_s=m.time_s, peak_bytes=m.peak_bytes)
+        stages.update()
+        stages.set_description(f"write {out}")
+        write(graph, part, out, halo=args.halo, progress=show)
+        stages.update()
+    print(
+        f"{graph.name}: {q.num_nodes} nodes, {q.num_edges} edges -> {part.num_parts} parts "
+        f"with {part.method} (seed {part.seed}), halo {args.halo}, written to {out}"
+    )
+    print(format_table(_summary_rows(q)))
+    print()
+    print(format_table(_part_rows(load_meta(out))))
+    return 0
+
+
+def _part_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for k, (info, (start, stop)) in enumerate(zip(meta["parts"], meta["node_ranges"], strict=True)):
+        rows.append(
+            {
+                "part": k,
+                "ids": f"[{start}, {stop})",
+                "owned": info["num_owned"],
+                "halo": info["num_halo"],
+                "local edges": info["num_local_edges"],
+            }
+        )
+    return rows
+
+
+def _cmd_inspect(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} inspect", description="Show and check a partition folder."
+    )
+    p.add_argument("dir")
+    p.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    meta = load_meta(args.dir)
+    print(
+        f"{args.dir}: {meta['graph_name']!r}, {meta['num_nodes']} nodes, {meta['num_edges']} "
+        f"edges, {meta['num_parts']} parts by {meta['method']} (seed {meta['seed']}, balance "
+        f"{', '.join(meta.get('balance', [])) or '-'}), halo {meta['halo_hops']}, schema "
+        f"v{meta['schema_version']}"
+    )
+    if meta.get("ndata"):
+        print(
+            "node data: "
+            + ", ".join(f"{k} {v['dtype']} {tuple(v['shape'])}" for k, v in meta["ndata"].items())
+        )
+    print(format_table(_part_rows(meta)))
+    for k in range(meta["num_parts"]):
+        load_part(args.dir, k, verify=not args.no_verify)
+    files = len(meta.get("files", {}))
+    check = "sizes" if args.no_verify else "sizes and sha256 checksums"
+    print(f"all {meta['num_parts']} parts load; {files} files match their {check}")
+    return 0
+
+
+def _cmd_compare(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} compare", description="Run several partitioners and print one table."
+    )
+    p.add_argument("dataset")
+    p.add_argument("--parts", "-k", type=int, required=True)
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--balance-train", action="store_true")
+    p.add_argument("--balance-edges", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the table")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    _common(p)
+    args = p.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise CliError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    graph = _load_dataset(args.dataset, args.root, _data_options(args.data_option))
+    rows = []
+    from tqdm.auto import tqdm
+
+    for method in tqdm(methods, desc="methods", disable=args.no_progress, leave=False):
+        with measure() as m:
+            part: Partition = partition(
+                graph, args.parts, method=method, seed=args.seed, balance=_balance(args)
+            )
+        rows.append(quality(graph, part, time_s=m.time_s, peak_bytes=m.peak_bytes).as_dict())
+    print(
+        f"{graph.name}: {rows[0]['num_nodes']} nodes, {rows[0]['num_edges']} edges, "
+        f"K={args.parts}, seed {args.seed}"
+    )
+    print(format_table(_compare_rows(rows)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if args.plot:
+        _plot(rows, args.plot, f"{graph.name}, K={args.parts}")
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _compare_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "method": r["method"],
+            "cut %": 100 * r["edge_cut_fraction"],
+            "nodes bal": r["node_balance"],
+            "edges bal": r["edge_balance"],
+            "train bal": r["train_balance"],
+            "replication": r["replication_factor"],
+            "halo %": 100 * r["halo_fraction"],
+            "time s": r["time_s"],
+            "peak MiB": None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20,
+        }
+        for r in rows
+    ]
+
+
+def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise CliError("--plot needs matplotlib: pip install 'gnnpar[bench]'") from err
+    names = [r["method"] for r in rows]
+    panels = [
+        ("edge cut (%)", [100 * r["edge_cut_fraction"] for r in rows]),
+        ("edge balance (max/mean)", [r["edge_balance"] for r in rows]),
+        ("time (s)", [r["time_s"] or 0.0 for r in rows]),
+        ("peak memory (MiB)", [(r["peak_bytes"] or 0) / 2**20 for r in rows]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (label, values) in zip(axes, panels, strict=True):
+        ax.bar(names, values, color="#4c72b0")
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=45)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"inspect": _cmd_inspect, "compare": _cmd_compare}
+    try:
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        return _cmd_partition(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
+        return int(exit_.code or 0) if isinstance(exit_.code, int) else 2
+    except (CliError, ValueError, OSError, RuntimeError, ImportError, KeyError) as err:
+        message = str(err) if not isinstance(err, KeyError) else f"missing {err}"
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
