@@ -1,0 +1,225 @@
+"""The dataset catalogue and :func:`load`, the one entry point from a name or a folder."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from gnnpar.data.karate import karate
+from gnnpar.data.ogb import is_ogb_folder, ogb
+from gnnpar.data.planetoid import planetoid, planetoid_names
+from gnnpar.data.rmat import rmat
+from gnnpar.data.sbm import sbm
+from gnnpar.data.storage import load_graph, read_meta
+from gnnpar.graph import Graph
+
+__all__ = [
+    "CatalogueEntry",
+    "catalogue",
+    "get_entry",
+    "default_root",
+    "build",
+    "load",
+    "load_path",
+    "source_record",
+]
+
+ENV_VAR = "GNNPAR_DATA"
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One named dataset.
+
+    Attributes:
+        name: the catalogue name, e.g. ``"sbm"``.
+        description: one line for ``gnnpar data list``.
+        defaults: the keyword arguments the builder accepts, with their defaults.
+        builder: ``builder(root, **kwargs) -> Graph``; ``root`` is the data root.
+        needs_files: whether the dataset is read from files under the root (not generated).
+    """
+
+    name: str
+    description: str
+    defaults: Mapping[str, Any]
+    builder: Callable[..., Graph]
+    needs_files: bool = False
+
+    def resolve_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The defaults updated with ``kwargs``; unknown keys raise ValueError."""
+        unknown = sorted(set(kwargs) - set(self.defaults))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {', '.join(unknown)} for dataset {self.name!r}; known: "
+                f"{', '.join(self.defaults) or 'none'}"
+            )
+        return {**self.defaults, **kwargs}
+
+
+def _defaults_of(func: Callable[..., Any], skip: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    params = inspect.signature(func).parameters.values()
+    return MappingProxyType(
+        {p.name: p.default for p in params if p.default is not p.empty and p.name not in skip}
+    )
+
+
+def _generated(func: Callable[..., Graph]) -> Callable[..., Graph]:
+    def builder(root: Path, **kwargs: Any) -> Graph:
+        return func(**kwargs)
+
+    return builder
+
+
+def _planetoid_builder(name: str) -> Callable[..., Graph]:
+    def builder(root: Path, **kwargs: Any) -> Graph:
+        return planetoid(_find_planetoid(root, name), name=name, **kwargs)
+
+    return builder
+
+
+def _find_planetoid(root: Path, name: str) -> Path:
+    candidates = [root / "planetoid", root / name, root / name / "raw", root]
+    for folder in candidates:
+        if (folder / f"ind.{name}.graph").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"no ind.{name}.* files under {root} (looked in "
+        f"{', '.join(str(c) for c in candidates)}); put the Planetoid files in "
+        f"{root / 'planetoid'} or pass root="
+    )
+
+
+def catalogue() -> list[CatalogueEntry]:
+    """All named datasets (a new list on every call)."""
+    planetoid_defaults = _defaults_of(planetoid, skip=("root", "name"))
+    entries = [
+        CatalogueEntry(
+            "karate",
+            "Zachary's karate club: 34 nodes, 2 classes (networkx)",
+            _defaults_of(karate),
+            _generated(karate),
+        ),
+        CatalogueEntry(
+            "sbm",
+            "stochastic block model with class-correlated features (synthetic, learnable)",
+            _defaults_of(sbm),
+            _generated(sbm),
+        ),
+        CatalogueEntry(
+            "rmat",
+            "Graph500 R-MAT power-law graph, random features and labels (synthetic, scaling)",
+            _defaults_of(rmat),
+            _generated(rmat),
+        ),
+    ]
+    for name, what in (
+        ("cora", "Cora citation graph, Planetoid split: 2,708 nodes, 7 classes"),
+        ("citeseer", "CiteSeer citation graph, Planetoid split: 3,327 nodes, 6 classes"),
+        ("pubmed", "PubMed citation graph, Planetoid split: 19,717 nodes, 3 classes"),
+    ):
+        entries.append(
+            CatalogueEntry(
+                name,
+                f"{what} (needs ind.{name}.* files under <root>/planetoid)",
+                planetoid_defaults,
+                _planetoid_builder(name),
+                needs_files=True,
+            )
+        )
+    return entries
+
+
+def get_entry(name: str) -> CatalogueEntry | None:
+    """The catalogue entry called ``name`` (case-insensitive), or None."""
+    for entry in catalogue():
+        if entry.name == name.lower():
+            return entry
+    return None
+
+
+def default_root() -> Path:
+    """``$GNNPAR_DATA`` if set, else ``datasets/`` under the current directory."""
+    return Path(os.environ.get(ENV_VAR) or "datasets")
+
+
+def source_record(name_or_path: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """What :func:`build` made, in the form stored in ``meta.json``'s ``source`` field."""
+    entry = get_entry(name_or_path)
+    if entry is not None:
+        record = {"dataset": entry.name, "kwargs": entry.resolve_kwargs(kwargs)}
+    else:
+        record = {"path": str(Path(name_or_path).resolve()), "kwargs": dict(kwargs)}
+    return json.loads(json.dumps(record))  # as it reads back from JSON (tuples become lists)
+
+
+def load_path(path: str | Path, **kwargs: Any) -> Graph:
+    """Load a folder: gnnpar format (``meta.json``), Planetoid (``ind.<name>.*``; pass
+    ``name=`` if it holds several datasets) or OGB layout (``raw/edge.csv.gz``)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no dataset folder at {folder}")
+    if (folder / "meta.json").is_file():
+        return load_graph(folder, **kwargs)
+    names = planetoid_names(folder)
+    if names:
+        if "name" not in kwargs:
+            if len(names) > 1:
+                raise ValueError(f"{folder} holds Planetoid datasets {names}: pass name=...")
+            kwargs["name"] = names[0]
+        return planetoid(folder, **kwargs)
+    if is_ogb_folder(folder):
+        return ogb(folder, **kwargs)
+    raise ValueError(
+        f"{folder} is not a gnnpar graph folder (meta.json), a Planetoid folder "
+        "(ind.<name>.* files) or an OGB folder (raw/edge.csv.gz)"
+    )
+
+
+def build(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Graph:
+    """Make a dataset from its source (generator or raw files), never from a prepared copy.
+
+    ``name_or_path`` is a catalogue name or a folder (see :func:`load_path`).
+    """
+    entry = get_entry(name_or_path)
+    if entry is None:
+        if Path(name_or_path).exists():
+            return load_path(name_or_path, **kwargs)
+        names = ", ".join(e.name for e in catalogue())
+        raise ValueError(
+            f"unknown dataset {name_or_path!r}: not a catalogue name ({names}) and no such folder"
+        )
+    root = default_root() if root is None else Path(root)
+    return entry.builder(root, **entry.resolve_kwargs(kwargs))
+
+
+def load(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Graph:
+    """Load a dataset by catalogue name or from a folder.
+
+    For a catalogue name, a prepared copy at ``<root>/<name>`` (written by
+    ``gnnpar data prepare``) is used when its recorded options equal the requested ones
+    (defaults included); otherwise the dataset is built from its source. ``root`` defaults
+    to :func:`default_root` (``$GNNPAR_DATA`` or ``./datasets``); file-based datasets
+    (Planetoid) are looked up under it too. Keyword arguments go to the builder (or, for a
+    folder, to its reader).
+
+    Example::
+
+        g = load("sbm", num_nodes=10_000, seed=1)
+        g = load("citeseer", root="../shared/datasets")
+        g = load("datasets/my-graph")          # a folder written by save_graph
+    """
+    entry = get_entry(name_or_path)
+    if entry is not None:
+        root_path = default_root() if root is None else Path(root)
+        prepared = root_path / entry.name
+        if (prepared / "meta.json").is_file():
+            meta = read_meta(prepared)
+            if meta.get("source") == source_record(entry.name, kwargs):
+                return load_graph(prepared)
+    return build(name_or_path, root, **kwargs)
