@@ -11,6 +11,7 @@ Public surface::
     tensor.sync_gradients(model, grid)                 # data (and z) axis reduction
     tensor.clip_grad_norm_(model, 1.0, grid)
     full = tensor.full_state_dict(model, grid)         # loads into the plain model
+    result = tensor.train_gpt(tensor.GPTTrainConfig(grid="data=2,x=2"))  # a whole run
 
 Layers (:class:`Linear`, :class:`Embedding`) can also be used directly, in easy or expert
 mode; :class:`ShardLayout` says where every piece of a parameter lives.
@@ -36,10 +37,12 @@ from gnnpar.tensor.state import (
     sharded_parameters,
     sync_gradients,
 )
+from gnnpar.tensor.train import GPTTrainConfig, train_gpt
 
 __all__ = [
     "Chain",
     "Embedding",
+    "GPTTrainConfig",
     "LayerStyle",
     "Linear",
     "Plan",
@@ -57,5 +60,6 @@ __all__ = [
     "plan_styles",
     "sharded_parameters",
     "sync_gradients",
+    "train_gpt",
     "vocab_parallel_cross_entropy",
 ]
