@@ -14,10 +14,11 @@ from partitioners.metis import BALANCE_NAMES, metis_owner
 from partitioners.simple import hash_owner, random_owner, range_owner
 from partitioners.streaming import streaming_owner
 
-__all__ = ["METHODS", "Partition", "check_num_parts", "partition"]
+__all__ = ["METHODS", "Partition", "check_num_parts", "partition", "supported_balance"]
 
 METHODS = ("random", "range", "hash", "metis", "ldg", "fennel")
 _STREAM_OPTIONS = ("order", "passes", "slack", "gamma", "alpha")
+_BALANCES = {"metis": BALANCE_NAMES, "range": ("nodes", "edges")}
 _OPTIONS = {
     "metis": ("node_weight", "edge_weight", "ufactor", "niter", "ncuts", "recursive"),
     "ldg": _STREAM_OPTIONS,
@@ -68,6 +69,11 @@ class Partition:
         empty = np.flatnonzero(self.sizes() == 0)
         if n >= k and empty.size:
             raise ValueError(f"{empty.size} of {k} parts are empty (first: part {int(empty[0])})")
+
+
+def supported_balance(method: str) -> tuple[str, ...]:
+    """The balance names ``method`` can honour."""
+    return _BALANCES.get(method, ("nodes",))
 
 
 def check_num_parts(num_parts: Any, num_nodes: int) -> int:
@@ -134,7 +140,8 @@ def partition(
         balance: what to keep balanced, any of ``"nodes"`` (default), ``"train"`` (training
             nodes, from ``ndata['train_mask']``) and ``"edges"`` (in-edges). METIS honours all
             three as constraints (DGL's ``balance_ntypes`` / ``balance_edges``); ``range``
-            honours ``"edges"`` by cutting at equal edge counts; the others balance nodes.
+            honours ``"edges"`` by cutting at equal edge counts; the others balance nodes
+            only and refuse the other names.
         progress: show a progress bar for the long-running methods.
         **options: passed to the method: for ``metis`` ``node_weight``, ``edge_weight``,
             ``ufactor``, ``niter``, ``ncuts``, ``recursive``
@@ -155,6 +162,12 @@ def partition(
     n = csr.num_nodes
     k = check_num_parts(num_parts, n)
     bal = _normalise_balance(balance)
+    supported = supported_balance(method)
+    if any(b not in supported for b in bal):
+        raise ValueError(
+            f"method {method!r} can balance only {', '.join(supported)}, not {', '.join(bal)} "
+            "(METIS balances nodes, training nodes and edges)"
+        )
     unknown = sorted(set(options) - set(_OPTIONS.get(method, ())))
     if unknown:
         allowed = ", ".join(_OPTIONS.get(method, ())) or "none"

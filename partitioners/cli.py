@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from partitioners.assignment import METHODS, Partition, partition
+from partitioners.assignment import METHODS, Partition, partition, supported_balance
 from partitioners.format import load_meta, load_part
 from partitioners.metrics import Quality, format_table, human_bytes, measure, quality
 from partitioners.writer import write
@@ -226,8 +226,10 @@ def _cmd_compare(argv: Sequence[str]) -> int:
 
     for method in tqdm(methods, desc="methods", disable=args.no_progress, leave=False):
         with measure() as m:
+            # Ask each method only for the balance it can honour (METIS: all of them).
+            wanted = [b for b in _balance(args) if b in supported_balance(method)] or ["nodes"]
             part: Partition = partition(
-                graph, args.parts, method=method, seed=args.seed, balance=_balance(args)
+                graph, args.parts, method=method, seed=args.seed, balance=wanted
             )
         rows.append(quality(graph, part, time_s=m.time_s, peak_bytes=m.peak_bytes).as_dict())
     print(

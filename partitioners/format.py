@@ -46,16 +46,22 @@ are kept.
   pattern (``"stored_as": "uint16"``).
 - ``files``: per file (path relative to the folder) ``{"sha256", "bytes"}``.
 
-Example ``meta.json`` (2 parts, abridged)::
+Example: ``gnnpar-partition citeseer --parts 2 --out citeseer-2`` writes this
+``meta.json`` (abridged: 23 files are listed)::
 
     {"format": "gnnpar-partition", "schema_version": 1, "graph_name": "citeseer",
      "method": "metis", "seed": 0, "balance": ["nodes"], "num_parts": 2,
      "num_nodes": 3327, "num_edges": 9104, "halo_hops": 1, "weighted": false,
-     "node_ranges": [[0, 1664], [1664, 3327]],
-     "parts": [{"num_owned": 1664, "num_halo": 57, "num_local_edges": 4570}, ...],
-     "ndata": {"feat": {"dtype": "float32", "shape": [3327, 3703]}, ...},
-     "files": {"node_map.npy": {"sha256": "9f2c...", "bytes": 26744}, ...},
-     "partition_info": {"edge_cut": 62, "constraints": ["nodes"]}}
+     "node_ranges": [[0, 1668], [1668, 3327]],
+     "parts": [{"num_owned": 1668, "num_halo": 27, "num_local_edges": 5220},
+               {"num_owned": 1659, "num_halo": 30, "num_local_edges": 3884}],
+     "ndata": {"feat": {"dtype": "float32", "shape": [3327, 3703]},
+               "label": {"dtype": "int64", "shape": [3327]},
+               "train_mask": {"dtype": "bool", "shape": [3327]}, ...},
+     "files": {"node_map.npy": {"sha256": "734f8d42...", "bytes": 26744},
+               "part-0/indptr.npy": {"sha256": "6d04b10c...", "bytes": 13696}, ...},
+     "partition_info": {"constraints": ["nodes"], "undirected_edges": 4552,
+                        "edge_cut": 32, "time_s": 0.067}}
 
 **Guarantees.** :func:`~partitioners.writer.write` builds the folder under a temporary name
 next to the target and renames it at the end, so a folder with the final name is always
@@ -67,6 +73,7 @@ and checksum before returning.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -84,6 +91,7 @@ __all__ = [
     "load_meta",
     "load_node_map",
     "load_part",
+    "save_npy",
 ]
 
 FORMAT = "gnnpar-partition"
@@ -109,6 +117,30 @@ def check_key(key: str) -> str:
             f"node data key {key!r} cannot be a file name: use letters, digits, '_', '.', '-'"
         )
     return key
+
+
+def save_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
+    """Write ``array`` as a ``.npy`` file; returns its ``{"sha256", "bytes"}`` entry.
+
+    The checksum is computed from memory while writing, so the file is never read back.
+    """
+    array = np.ascontiguousarray(array)
+    if array.dtype.hasobject:
+        raise ValueError(f"cannot store {path.name}: object arrays are not supported")
+    header = io.BytesIO()
+    info = np.lib.format.header_data_from_array_1_0(array)
+    try:
+        np.lib.format.write_array_header_1_0(header, info)
+    except ValueError:  # header longer than 64 KiB: format 2.0
+        header = io.BytesIO()
+        np.lib.format.write_array_header_2_0(header, info)
+    digest = hashlib.sha256(header.getbuffer())
+    data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
+    digest.update(data)
+    with open(path, "wb") as f:
+        f.write(header.getbuffer())
+        f.write(data)
+    return {"sha256": digest.hexdigest(), "bytes": len(header.getbuffer()) + data.nbytes}
 
 
 def file_digest(path: Path) -> str:

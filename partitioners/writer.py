@@ -20,8 +20,8 @@ from partitioners.format import (
     NODE_MAP,
     SCHEMA_VERSION,
     check_key,
-    file_digest,
     part_dir,
+    save_npy,
 )
 from partitioners.relabel import local_part, relabel
 
@@ -125,9 +125,7 @@ def _write_into(
     files: dict[str, dict[str, Any]] = {}
 
     def save(rel: str, array: np.ndarray) -> None:
-        path = folder / rel
-        np.save(path, np.ascontiguousarray(array), allow_pickle=False)
-        files[rel] = {"sha256": file_digest(path), "bytes": path.stat().st_size}
+        files[rel] = save_npy(folder / rel, array)
 
     rl = relabel(part.owner, part.num_parts)
     save(NODE_MAP, rl.node_map)

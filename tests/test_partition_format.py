@@ -210,7 +210,9 @@ def test_existing_output_and_failed_writes_leave_nothing(graph, written, tmp_pat
 
     target = tmp_path / "fails"
     calls = {"n": 0}
-    real_save = np.save
+    import partitioners.writer as writer_module
+
+    real_save = writer_module.save_npy
 
     def flaky_save(*args, **kwargs):
         calls["n"] += 1
@@ -218,7 +220,7 @@ def test_existing_output_and_failed_writes_leave_nothing(graph, written, tmp_pat
             raise OSError("disk full")
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(np, "save", flaky_save)
+    monkeypatch.setattr(writer_module, "save_npy", flaky_save)
     with pytest.raises(OSError, match="disk full"):
         partitioners.write(graph, part, target)
     monkeypatch.undo()

@@ -87,6 +87,8 @@ def test_bad_method_balance_and_options(sbm_graph):
         partition(sbm_graph, 2, method="spectral")
     with pytest.raises(ValueError, match="unknown balance"):
         partition(sbm_graph, 2, balance=["nodes", "colour"])
+    with pytest.raises(ValueError, match="'fennel' can balance only nodes"):
+        partition(sbm_graph, 2, method="fennel", balance=["train"])
     with pytest.raises(ValueError, match="does not take"):
         partition(sbm_graph, 2, method="random", passes=2)
     with pytest.raises(ValueError, match="train_mask"):
