@@ -158,7 +158,7 @@ def partition(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    csr: CSR = as_csr(graph)
+    csr: CSR = as_csr(graph, check=True)  # METIS would crash on ids out of range
     n = csr.num_nodes
     k = check_num_parts(num_parts, n)
     bal = _normalise_balance(balance)

@@ -301,7 +301,7 @@ def _greedy_blocks(
     load = np.zeros((nblocks, weights.shape[1]), dtype=np.float64)
     remaining = caps.astype(np.int64).copy()
     blk = np.empty(n, dtype=np.int64)
-    closed = np.zeros(nblocks, dtype=bool)
+    closed = remaining == 0  # blocks of size 0 (more blocks than nodes) never open
     heavy = min(heavy, n)
     for v in order[:heavy]:
         cand = load + weights[v]

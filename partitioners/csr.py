@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CSR", "as_csr", "csr_rows", "symmetrize", "to_numpy"]
+__all__ = ["CSR", "as_csr", "csr_rows", "has_self_loops", "symmetrize", "to_numpy"]
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -168,6 +168,18 @@ def csr_rows(indptr: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(n, dtype=np.int64), np.diff(indptr))
 
 
+def has_self_loops(indptr: np.ndarray, indices: np.ndarray) -> bool:
+    """Whether any row stores its own id (checked in chunks of rows, stopping early)."""
+    n = indptr.shape[0] - 1
+    step = 1 << 16
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        rows = np.repeat(np.arange(lo, hi, dtype=np.int64), np.diff(indptr[lo : hi + 1]))
+        if np.any(rows == indices[int(indptr[lo]) : int(indptr[hi])]):
+            return True
+    return False
+
+
 def symmetrize(
     indptr: np.ndarray,
     indices: np.ndarray,
@@ -188,14 +200,14 @@ def symmetrize(
     data = np.ones(indices.shape[0], dtype=np.int32) if edge_weight is None else edge_weight
     mat = sp.csr_matrix((data, indices, indptr), shape=(num_nodes, num_nodes))
     both = (mat + mat.T).tocsr()  # sums u->v and v->u (and duplicates)
-    del mat
+    del mat, data
     both.sum_duplicates()
     out_ptr = both.indptr.astype(np.int64, copy=False)
     out_idx = both.indices.astype(index_dtype, copy=False)
     out_w = np.asarray(both.data)
-    loops = csr_rows(out_ptr) == out_idx
-    if loops.any():
-        keep = ~loops
+    del both
+    if has_self_loops(indptr, indices):
+        keep = csr_rows(out_ptr) != out_idx
         kept = np.zeros(out_idx.shape[0] + 1, dtype=np.int64)
         np.cumsum(keep, out=kept[1:])
         out_ptr, out_idx, out_w = kept[out_ptr], out_idx[keep], out_w[keep]

@@ -79,7 +79,7 @@ def write(
     The folder is built under a temporary name beside ``out_dir`` and renamed when complete;
     on any error the temporary folder is removed, so nothing half-written is left behind.
     """
-    csr: CSR = as_csr(graph)
+    csr: CSR = as_csr(graph, check=True)
     if not isinstance(part, Partition):
         owner = np.asarray(part)
         k = int(owner.max()) + 1 if owner.size else 1

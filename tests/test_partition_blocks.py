@@ -164,3 +164,10 @@ def test_balanced_permutation_directed_and_rectangular_grid():
     _check_plexus_composition(a, p, p2)
     with pytest.raises(ValueError, match="grid shape"):
         balanced_permutation(a.indptr, a.indices, 0, 2)
+
+
+def test_more_blocks_than_nodes():
+    a = sp.csr_matrix(np.array([[0, 1, 1], [1, 0, 0], [1, 0, 0]], dtype=np.float64))
+    p, p2 = balanced_permutation(a.indptr, a.indices, 4, 5, seed=0)
+    _check_plexus_composition(a, p, p2)
+    assert block2d(a.indptr, a.indices, 4, 5, p, p2).nnz.sum() == a.nnz
