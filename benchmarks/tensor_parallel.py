@@ -11,6 +11,10 @@ the benchmark checks that they compute the same loss. Bytes per step: ours from
 dispatch mode, with the same ring formulas). Rounds alternate between the two; the median
 step time is reported.
 
+The same 2 ranks then run the blocks on z=2 (each layer's weight split over z and
+all-gathered before use, the batch split over z), with and without prefetching the next
+layer's all-gather during the current layer.
+
 Part 2 (1 process): our ``Linear`` on a 1×1×1 grid beside ``nn.Linear``, forward and
 backward, median of alternating rounds.
 
@@ -184,7 +188,36 @@ def _tp_world(cfg: dict, batch: int, rounds: int, steps: int) -> dict[str, Any]:
             for _ in range(steps):
                 fn()
             times[name].append((time.perf_counter() - t0) / steps)
+    # Prefetch: z=2 (weights sharded like ZeRO-3, batch split), with and without starting
+    # each layer's all-gather during the previous layer.
+    zgrid = gnnpar.init(z=2)
+    half = h[zgrid.rank("z") :: 2], target[zgrid.rank("z") :: 2]
+    zmodels = {}
+    for name, prefetch in (("prefetch", True), ("no prefetch", False)):
+        torch.manual_seed(0)
+        m = tensor.parallelize(Blocks(gcfg), zgrid, tensor.Plan(prefetch=prefetch))
+        zmodels[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+
+    def step_z(name: str) -> None:
+        m, opt = zmodels[name]
+        loss = F.mse_loss(m(half[0]), half[1])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        tensor.sync_gradients(m, zgrid)
+        opt.step()
+
+    ztimes: dict[str, list[float]] = {"prefetch": [], "no prefetch": []}
+    for name in ztimes:
+        step_z(name)
+    for _ in range(rounds):
+        for name in ztimes:
+            comm.barrier(zgrid)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step_z(name)
+            ztimes[name].append((time.perf_counter() - t0) / steps)
     return {
+        "z_times": ztimes,
         "loss_first_step": first,
         "ours_bytes": traffic.bytes(),
         "ours_calls": traffic.calls(),
@@ -284,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         "raw_times": tp["times"],
         "dtensor_unknown_ops": tp["dtensor_unknown_ops"],
     }
+    zt = tp["z_times"]
+    results["prefetch_z2"] = {
+        "prefetch_step_s": _median(zt["prefetch"]),
+        "no_prefetch_step_s": _median(zt["no prefetch"]),
+        "ratio": _median(zt["prefetch"]) / _median(zt["no prefetch"]),
+        "raw_times": zt,
+    }
 
     # Part 2
     lin_rounds, iters = (3, 5) if quick else (9, 10)
@@ -293,8 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         r = _linear_case(n_in, n_out, tokens, lin_rounds, iters)
         t_nn, t_lin = _median(r["times"]["nn.Linear"]), _median(r["times"]["ours"])
         results["linear_vs_nn"].append(
-            {"shape": r["shape"], "nn_s": t_nn, "ours_s": t_lin, "ratio": t_lin / t_nn,
-             "raw_times": r["times"]}  # fmt: skip
+            {
+                "shape": r["shape"],
+                "nn_s": t_nn,
+                "ours_s": t_lin,
+                "ratio": t_lin / t_nn,
+                "raw_times": r["times"],
+            }  # fmt: skip
         )
 
     # Part 3
@@ -336,6 +381,11 @@ def _print(r: dict) -> None:
           f"{tp['dtensor_bytes_per_step'] / 1e6:>10.2f}"
           f"{tp['dtensor_collectives_per_step']:>13}")  # fmt: skip
     print(f"ratio ours/DTensor: {tp['ratio']:.3f}   same loss: {tp['same_loss']}")
+    z = r["prefetch_z2"]
+    print(
+        f"z=2 (weights sharded over z): step {z['prefetch_step_s']:.4f} s with prefetch, "
+        f"{z['no_prefetch_step_s']:.4f} s without (ratio {z['ratio']:.3f})"
+    )
     print("\nLinear on a 1×1×1 grid vs nn.Linear (forward + backward)")
     print(f"{'tokens×in×out':24}{'nn (ms)':>10}{'ours (ms)':>11}{'ratio':>8}")
     for row in r["linear_vs_nn"]:
