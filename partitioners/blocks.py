@@ -9,7 +9,9 @@ so the grid of the raw matrix is badly lumpy; relabelling the nodes fixes that.
 permutation is an int64 vector ``perm`` where *new position ``i`` holds old item
 ``perm[i]``*. Its matrix ``P`` has ``P[i, perm[i]] = 1``, so ``P @ x == x[perm]`` and
 ``P @ Â @ Q.T == Â[perm][:, q]``. :func:`invert_permutation` gives the other direction
-(``inv[perm[i]] = i``: old id -> new id).
+(``inv[perm[i]] = i``: old id -> new position), the "position array" encoding of the same
+matrix ``P`` that scatter-style code uses (entry ``(i, j)`` of ``Â`` moves to
+``(inv_p[i], inv_q[j])``).
 
 **Plexus double permutation.** Two permutations ``P`` and ``P2`` give two matrices,
 
