@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from gnnpar.grid import GridError
+from gnnpar.train.config import ConfigError
 
 
 class CLIError(Exception):
@@ -88,11 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the bandwidth table as JSON")
     p.set_defaults(func=_cmd_info)
 
-    try:
-        from gnnpar.data.commands import add_data_commands
-        add_data_commands(sub)
-    except ImportError:
-        pass
+    from gnnpar.data.commands import add_data_commands
+    from gnnpar.train.commands import add_train_commands
+
+    add_data_commands(sub)
+    add_train_commands(sub)
     return parser
 
 
@@ -102,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (CLIError, GridError, FileNotFoundError, ValueError) as e:
+    except (CLIError, ConfigError, GridError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"gnnpar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -66,6 +66,46 @@ def device_for_backend(backend: str, local_rank: int = 0) -> torch.device:
 
 
 @dataclasses.dataclass(frozen=True)
+class GridShape:
+    """A grid's shape and rank arithmetic without any process groups (for planning and for
+    computing other ranks' layouts)."""
+
+    x: int = 1
+    y: int = 1
+    z: int = 1
+    data: int = 1
+    global_rank: int = 0
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Sizes of the four axes, by name."""
+        return {"x": self.x, "y": self.y, "z": self.z, "data": self.data}
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the grid."""
+        return self.x * self.y * self.z * self.data
+
+    def size(self, axis: str) -> int:
+        """Number of ranks in a group along ``axis``."""
+        out = 1
+        for a in axes_of(axis):
+            out *= self.shape[a]
+        return out
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """Grid coordinates of ``rank`` (default: ``global_rank``)."""
+        rank = self.global_rank if rank is None else rank
+        if not 0 <= rank < self.world_size:
+            raise GridError(f"rank {rank} is outside a grid of {self.world_size} ranks")
+        out = {}
+        for a in AXES:
+            out[a] = rank % self.shape[a]
+            rank //= self.shape[a]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class ProcessGrid:
     """An immutable data × x × y × z grid of processes with one group per axis.
 

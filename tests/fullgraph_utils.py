@@ -7,7 +7,7 @@ import torch
 from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.sparse.csr import CSRBlock, from_coo
 from gnnpar.sparse.kernels import LocalSpMM
-from gnnpar.sparse.source import MemorySource, random_permutations
+from gnnpar.sparse.source import MemorySource, make_permutations
 
 
 def small_graph(n: int = 23, feat: int = 7, classes: int = 3, seed: int = 0):
@@ -44,7 +44,7 @@ def dense_to_block(a: torch.Tensor) -> CSRBlock:
 def make_source(a_hat: torch.Tensor, x, y, train, permute: bool, seed: int = 3) -> MemorySource:
     """A memory source over the dense normalised adjacency."""
     blk = dense_to_block(a_hat)
-    perms = random_permutations(a_hat.shape[0], seed) if permute else None
+    perms = make_permutations("random" if permute else "none", blk.indptr, blk.indices, seed)
     return MemorySource(
         blk.indptr, blk.indices, blk.values, x, {"label": y, "train_mask": train}, perms
     )

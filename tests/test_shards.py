@@ -14,7 +14,7 @@ from gnnpar.sparse import parallelize_fullgraph
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.shards import DiskSource, ShardFormatError, prepare_shards
-from gnnpar.sparse.source import MemorySource, random_permutations
+from gnnpar.sparse.source import MemorySource, make_permutations
 from gnnpar.testing import run_distributed
 from tests.fullgraph_utils import serial_model, small_graph
 
@@ -27,7 +27,7 @@ def _graph() -> Graph:
     )
 
 
-def _memory(graph: Graph, norm: str, seed: int) -> MemorySource:
+def _memory(graph: Graph, norm: str, seed: int, method: str) -> MemorySource:
     g = graph.gcn_norm() if norm == "gcn" else graph.row_normalize()
     return MemorySource(
         g.indptr,
@@ -35,15 +35,17 @@ def _memory(graph: Graph, norm: str, seed: int) -> MemorySource:
         g.edge_weight.float(),
         graph.feat,
         {k: v for k, v in graph.ndata.items() if k != "feat"},
-        random_permutations(graph.num_nodes, seed),
+        make_permutations(method, g.indptr, g.indices, seed, blocks=4),
     )
 
 
-@pytest.mark.parametrize("norm", ["gcn", "mean"])
-def test_disk_blocks_equal_memory_blocks(tmp_path, norm):
+@pytest.mark.parametrize("norm,method", [("gcn", "random"), ("mean", "balanced"), ("gcn", "none")])
+def test_disk_blocks_equal_memory_blocks(tmp_path, norm, method):
     graph = _graph()
-    path = prepare_shards(graph, tmp_path / "s", norm=norm, blocks=(3, 4), seed=5)
-    disk, mem = DiskSource(path, verify=True), _memory(graph, norm, 5)
+    path = prepare_shards(
+        graph, tmp_path / "s", norm=norm, blocks=(3, 4), seed=5, permutation=method
+    )
+    disk, mem = DiskSource(path, verify=True), _memory(graph, norm, 5, method)
     # runtime blocks that do not line up with the 3 × 4 file blocks
     for rows in ((0, 29), (3, 17), (10, 11), (28, 29)):
         for cols in ((0, 29), (2, 9), (13, 29)):

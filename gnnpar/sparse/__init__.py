@@ -4,7 +4,7 @@ from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 from gnnpar.sparse.layout import Layout3D, layout3d, roles
 from gnnpar.sparse.parallel import Parallel3DGNN, parallelize_fullgraph
-from gnnpar.sparse.source import MemorySource, random_permutations
+from gnnpar.sparse.source import MemorySource, make_permutations
 
 __all__ = [
     "CSRBlock",
@@ -14,7 +14,7 @@ __all__ = [
     "Parallel3DGNN",
     "layout3d",
     "parallelize_fullgraph",
-    "random_permutations",
+    "make_permutations",
     "roles",
     "spmm",
 ]

@@ -18,6 +18,8 @@ of their forward passes by construction.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -25,12 +27,14 @@ from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.grid import ProcessGrid
 from gnnpar.nn.dropout import index_dropout
-from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 from gnnpar.sparse.layout import chunk
 from gnnpar.sparse.parallel import ShardedGNN
 from gnnpar.sparse.source import ShardSource
+
+if TYPE_CHECKING:
+    from gnnpar.nn.gcn import FullGraphGNN
 
 
 def _blocks(source: ShardSource, kind: str, parity: int, rows, cols) -> list[CSRBlock]:

@@ -23,8 +23,10 @@ class _ShardedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, mask, grid, class_axis, row_axis, col_start, total):  # noqa: D102
         with torch.no_grad():
-            row_max = logits.max(dim=1).values if logits.shape[1] else logits.new_full(
-                (logits.shape[0],), -torch.inf
+            row_max = (
+                logits.max(dim=1).values
+                if logits.shape[1]
+                else logits.new_full((logits.shape[0],), -torch.inf)
             )
             row_max = _reduce(row_max.clone(), grid, class_axis, "max")
             shifted = logits - row_max[:, None]
@@ -67,9 +69,7 @@ def sharded_cross_entropy(
     scalar on every rank. ``total`` is the global count of masked rows (computed with one
     all-reduce when not given)."""
     if total is None:
-        total = int(
-            comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item()
-        )
+        total = int(comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item())
     total = max(int(total), 1)
     return _ShardedCrossEntropy.apply(
         logits, labels.long(), mask, grid, class_axis, row_axis, col_start, total

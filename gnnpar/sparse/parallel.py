@@ -11,6 +11,8 @@ weights; the plain model's parameters are read once to cut the weight shards.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -18,12 +20,14 @@ from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.grid import ProcessGrid
 from gnnpar.nn.dropout import index_dropout
-from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.layout import Layout3D, layout3d
 from gnnpar.sparse.loss import sharded_accuracy, sharded_cross_entropy
 from gnnpar.sparse.plexus import layer_bytes, plexus_layer
 from gnnpar.sparse.source import ShardSource
+
+if TYPE_CHECKING:
+    from gnnpar.nn.gcn import FullGraphGNN
 
 
 def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_ops: int) -> torch.Tensor:
@@ -48,9 +52,7 @@ class ShardedGNN(nn.Module):
     row_axis: str
     class_axis: str | None
 
-    def __init__(
-        self, model: FullGraphGNN, grid: ProcessGrid, source: ShardSource, dtype
-    ) -> None:
+    def __init__(self, model: FullGraphGNN, grid: ProcessGrid, source: ShardSource, dtype) -> None:
         super().__init__()
         if grid.data != 1:
             raise ValueError(

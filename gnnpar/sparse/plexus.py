@@ -80,8 +80,7 @@ class Plexus3DFunction(torch.autograd.Function):
             for k, op_chunks in enumerate(ops):
                 g = g_agg[:, k * width : (k + 1) * width]
                 part = sum(
-                    chunk_op.T.mm(g[start:stop].contiguous())
-                    for start, stop, chunk_op in op_chunks
+                    chunk_op.T.mm(g[start:stop].contiguous()) for start, stop, chunk_op in op_chunks
                 )
                 g_h = part if g_h is None else g_h + part
             if ctx.input_split:

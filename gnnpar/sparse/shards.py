@@ -20,7 +20,7 @@ Layout (every array is a ``.npy`` file, memory-mappable)::
 - ``schema`` (int, 1): format version; loading another version is an error.
 - ``name`` (str), ``norm`` (``"gcn"`` or ``"mean"``): the graph and its normalisation.
 - ``num_nodes``, ``num_edges`` (int), ``feat_dim``, ``num_classes`` (int).
-- ``seed`` (int or null): seed of the permutations (null: identity, no permutation).
+- ``permutation`` (``"random"``, ``"balanced"`` or ``"none"``) and its ``seed`` (int).
 - ``row_bounds``, ``col_bounds`` (lists of R+1 / C+1 ints): file-block boundaries.
 - ``node_data`` (list of str): names under ``node/``.
 - ``files`` ({relative path: {"bytes": int, "crc32": int}}): every file, checked on open
@@ -48,7 +48,7 @@ import torch
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.layout import chunk
-from gnnpar.sparse.source import inverse, random_permutations, root_block
+from gnnpar.sparse.source import inverse, make_permutations, root_block
 
 SCHEMA = 1
 
@@ -77,13 +77,14 @@ def prepare_shards(
     out: str | Path,
     norm: str = "gcn",
     blocks: tuple[int, int] = (8, 8),
-    seed: int | None = 0,
+    seed: int = 0,
+    permutation: str = "random",
     overwrite: bool = False,
 ) -> Path:
     """Normalise ``graph`` (``norm``: ``"gcn"`` for Â = D^-1/2 (A+I) D^-1/2, ``"mean"`` for
-    row-normalised A), permute it (two seeded random permutations; ``seed=None`` keeps the
-    ids) and write the shard folder ``out`` atomically (a temporary sibling renamed at the
-    end). Returns ``out``."""
+    row-normalised A), permute it (``permutation``: ``"random"`` as Plexus, ``"balanced"``
+    degree-aware over the file blocks, or ``"none"``) and write the shard folder ``out``
+    atomically (a temporary sibling renamed at the end). Returns ``out``."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"shard folder {out} already exists (pass overwrite=True)")
@@ -100,18 +101,16 @@ def prepare_shards(
     if r_parts < 1 or c_parts < 1:
         raise ValueError(f"file blocks must be positive, got {blocks}")
     values = g.edge_weight.to(torch.float32)
-    if seed is None:
-        p = p2 = torch.arange(n)
-    else:
-        p, p2 = random_permutations(n, seed)
-    perms = (p2, p)
+    p, p2 = make_permutations(permutation, g.indptr, g.indices, seed, max(r_parts, c_parts))
+    inv = (p2, p)  # order o: node at each position (order 0 uses P₂)
+    perms = (inverse(p2), inverse(p))  # order o: position of each node
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     files: dict[str, dict[str, int]] = {}
     try:
         row_bounds = [chunk(n, r_parts, i)[0] for i in range(r_parts)] + [n]
         col_bounds = [chunk(n, c_parts, j)[0] for j in range(c_parts)] + [n]
-        for parity, (rp, cp) in enumerate(((p, p2), (p2, p))):
+        for parity, (rp, cp) in enumerate(((perms[1], perms[0]), (perms[0], perms[1]))):
             a = csr.permute(g.indptr, g.indices, values, rp, cp)
             for i in range(r_parts):
                 for j in range(c_parts):
@@ -126,7 +125,6 @@ def prepare_shards(
                     _save(tmp, f"{stem}.indptr.npy", b.indptr.numpy(), files)
                     _save(tmp, f"{stem}.indices.npy", b.indices.numpy(), files)
                     _save(tmp, f"{stem}.values.npy", b.values.numpy(), files)
-        inv = (inverse(p2), inverse(p))
         _save(tmp, "feat.npy", graph.feat.to(torch.float32)[inv[0]].numpy(), files)
         names = []
         for name, arr in graph.ndata.items():
@@ -147,6 +145,7 @@ def prepare_shards(
             "feat_dim": int(graph.feat.shape[1]),
             "num_classes": int(graph.num_classes) if graph.label is not None else 0,
             "seed": seed,
+            "permutation": permutation,
             "row_bounds": row_bounds,
             "col_bounds": col_bounds,
             "node_data": names,
@@ -227,7 +226,7 @@ class DiskSource:
                 all_r.append(local_rows[keep] + (rb[i] + lo - rows[0]))
                 all_c.append(gcol[keep] - cols[0])
                 all_v.append(val[keep])
-        cat = (lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt))  # noqa: E731
+        cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
         return csr.from_coo(
             cat(all_r, torch.int64),
             cat(all_c, torch.int64),

@@ -1,8 +1,9 @@
 """Where a rank's shards of a full graph come from: memory (tests, small graphs) or disk.
 
-Both sources present the graph in the two orders of Plexus's double permutation. With random
-permutations P and P₂ of the node ids (``perm[o][v]`` is the position of original node ``v``
-in order ``o``; order 0 uses P₂, order 1 uses P):
+Both sources present the graph in the two orders of Plexus's double permutation. Permutations
+follow the project's convention (that of ``Graph.permute`` and :mod:`partitioners.blocks`):
+position ``i`` of an order holds original node ``perm[i]``. With P and P₂ (order 0 uses P₂,
+order 1 uses P):
 
 - the input features are stored in order 0;
 - even layers multiply by Â₁ = P·Â·P₂ᵀ (order 0 → order 1), odd layers by Â₂ = P₂·Â·Pᵀ
@@ -47,11 +48,24 @@ class ShardSource(Protocol):
         """``label`` or a mask (``train_mask``...) at positions ``rows`` of ``order``."""
 
 
-def random_permutations(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plexus's double permutation: two independent seeded permutations (P, P₂) of n ids,
-    each as a new-position array (``P[v]`` is where node ``v`` goes)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(n, generator=g), torch.randperm(n, generator=g)
+def make_permutations(
+    method: str, indptr: torch.Tensor, indices: torch.Tensor, seed: int, blocks: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, P₂) by ``method``: ``"random"`` (Plexus's double permutation), ``"balanced"``
+    (degree-aware, balancing a ``blocks`` × ``blocks`` grid) or ``"none"`` (identity)."""
+    from partitioners import blocks as pb
+
+    n = indptr.numel() - 1
+    if method == "none":
+        ident = torch.arange(n)
+        return ident, ident
+    if method == "random":
+        p, p2 = pb.double_permutation(n, seed)
+    elif method == "balanced":
+        p, p2 = pb.balanced_permutation(indptr.numpy(), indices.numpy(), blocks, blocks, seed)
+    else:
+        raise ValueError(f"unknown permutation {method!r}; use random, balanced or none")
+    return torch.as_tensor(p, dtype=torch.int64), torch.as_tensor(p2, dtype=torch.int64)
 
 
 def inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -86,11 +100,12 @@ class MemorySource:
         self.feat_dim = int(features.shape[1])
         label = node_data.get("label")
         self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
-        self.perm = (p2, p)  # order 0 uses P₂, order 1 uses P
-        self.inv = (inverse(p2), inverse(p))
+        # order o: inv[o][position] = node, perm[o][node] = position (order 0 uses P₂)
+        self.inv = (p2, p)
+        self.perm = (inverse(p2), inverse(p))
         vals = values.to(dtype)
-        a1 = csr.permute(indptr, indices, vals, p, p2)
-        a2 = csr.permute(indptr, indices, vals, p2, p)
+        a1 = csr.permute(indptr, indices, vals, self.perm[1], self.perm[0])
+        a2 = csr.permute(indptr, indices, vals, self.perm[0], self.perm[1])
         self._adj = (a1, a2)
         self._features = features.to(dtype)[self.inv[0]]
         self._node_data = {

@@ -1,0 +1,1 @@
+"""Training: config, loop, checkpoints, metrics and the tasks."""

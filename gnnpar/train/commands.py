@@ -1,0 +1,60 @@
+"""``gnnpar train TASK``: flags or a TOML file onto a typed config, local launch, the loop."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from gnnpar.train.config import add_flags, resolve, to_toml
+
+
+def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
+    """TASK name → (config class, task factory, help)."""
+    from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+
+    return {"gcn": (FullGraphConfig, FullGraphTask, "full-graph GCN / GraphSAGE (1D, 2D, 3D)")}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gnnpar.launch import launch_local, strip_nprocs, under_launcher
+
+    cls, factory, _ = _tasks()[args.task]
+    cfg = resolve(cls, args, args.config)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    if args.nprocs > 1 and not under_launcher():
+        return launch_local(args.nprocs, strip_nprocs(sys.argv[1:]))
+    import gnnpar
+    from gnnpar.train.loop import Trainer
+
+    task = factory(cfg)
+    trainer = Trainer(
+        task,
+        cfg.out,
+        eval_every=cfg.eval_every,
+        checkpoint_every=cfg.checkpoint_every,
+        resume=cfg.resume,
+        quiet=cfg.quiet,
+    )
+    result = trainer.run()
+    if task.grid.global_rank == 0:
+        summary = " ".join(f"{k}={v:.4f}" for k, v in result.items())
+        print(f"done: {task.grid.describe()} {summary}; metrics in {cfg.out}/metrics.jsonl")
+    gnnpar.shutdown(task.grid)
+    return 0
+
+
+def add_train_commands(subparsers: Any) -> None:
+    """Register ``gnnpar train TASK`` on an argparse sub-parsers object."""
+    train = subparsers.add_parser("train", help="train a model (gcn)")
+    tasks = train.add_subparsers(dest="task", required=True)
+    for name, (cls, _, help_text) in _tasks().items():
+        p = tasks.add_parser(name, help=help_text)
+        p.add_argument("--config", default=None, help="TOML file with options")
+        p.add_argument("--print-config", action="store_true", help="show the merged config")
+        p.add_argument("--nprocs", type=int, default=1, help="local processes to start")
+        add_flags(p, cls)
+        p.set_defaults(func=_run)

@@ -1,0 +1,210 @@
+"""Full-graph GCN / GraphSAGE training on an x × y × z grid (the ``gcn`` task).
+
+Rank 0 cuts the dataset into a shard folder once (next to the run, or where ``shards``
+points); every rank then reads only its own blocks. The grid comes from ``grid`` or, when
+not given, from the communication model in :mod:`gnnpar.plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gnnpar
+from gnnpar import comm
+from gnnpar.grid import parse_grid_spec
+from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.plan import choose_fullgraph_grid
+from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
+from gnnpar.sparse.shards import DiskSource, prepare_shards
+from gnnpar.train.config import ConfigError
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.field
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class FullGraphConfig:
+    """Options of ``gnnpar train gcn`` (and ``--config FILE`` keys)."""
+
+    dataset: str = _field("sbm", "dataset name or path (see `gnnpar data list`)")
+    root: str | None = _field(None, "dataset root folder (default: datasets/)")
+    dataset_options: str | None = _field(
+        None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
+    )
+    model: str = _field("gcn", "gcn or sage (GraphSAGE-mean)")
+    hidden: int = _field(16, "hidden width")
+    layers: int = _field(2, "number of layers")
+    dropout: float = _field(0.5, "dropout probability")
+    lr: float = _field(0.01, "Adam learning rate")
+    weight_decay: float = _field(5e-4, "Adam weight decay")
+    decay_all_layers: bool = _field(
+        False, "weight decay on every layer (default: the first only, as Kipf & Welling)"
+    )
+    epochs: int = _field(200, "training epochs")
+    algorithm: str = _field("3d", "3d (Plexus), 2d (SUMMA) or 1d")
+    grid: str | None = _field(None, "grid such as x=2,y=2,z=2 (default: planner)")
+    ranks_per_node: int | None = _field(None, "ranks per node (default: local world size)")
+    shards: str | None = _field(None, "shard folder (default: RUN/shards), made if missing")
+    blocks: int = _field(8, "file blocks per side when cutting shards")
+    permutation: str = _field("random", "node relabelling: random (Plexus), balanced, none")
+    seed: int = _field(0, "seed of weights, dropout and permutations")
+    dtype: str = _field("float32", "float32 or float64")
+    overlap_chunks: int = _field(1, "row chunks whose all-reduce overlaps the next SpMM")
+    eval_every: int = _field(10, "evaluate every N epochs")
+    out: str = _field("runs/gcn", "run folder: metrics, checkpoints, plots")
+    checkpoint_every: int = _field(0, "checkpoint every N epochs (0: only at the end)")
+    resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
+    quiet: bool = _field(False, "log lines instead of a progress bar")
+
+    def check(self) -> None:
+        """Reject values that cannot work, naming the key."""
+        if self.model not in ("gcn", "sage"):
+            raise ConfigError(f"config key 'model' must be gcn or sage, got {self.model!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
+        if self.permutation not in ("random", "balanced", "none"):
+            raise ConfigError("config key 'permutation' must be random, balanced or none")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"config key 'dtype' must be one of {sorted(_DTYPES)}")
+        for key in ("hidden", "layers", "epochs", "blocks", "overlap_chunks"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("config key 'dropout' must be in [0, 1)")
+        if self.grid is not None:
+            parse_grid_spec(self.grid)
+
+
+def _shard_folder(cfg: FullGraphConfig) -> Path:
+    return Path(cfg.shards) if cfg.shards else Path(cfg.out) / "shards"
+
+
+def _prepare(cfg: FullGraphConfig, world: gnnpar.ProcessGrid) -> Path:
+    """Rank 0 cuts the shards if they are missing; the others wait."""
+    folder = _shard_folder(cfg)
+    error = torch.zeros(1)
+    if world.global_rank == 0 and not (folder / "meta.json").is_file():
+        from gnnpar.data import load
+
+        try:
+            from gnnpar.data.commands import parse_options
+
+            pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
+            graph = load(cfg.dataset, root=cfg.root, **parse_options(pairs))
+            norm = "gcn" if cfg.model == "gcn" else "mean"
+            prepare_shards(
+                graph,
+                folder,
+                norm=norm,
+                blocks=(cfg.blocks, cfg.blocks),
+                seed=cfg.seed,
+                permutation=cfg.permutation,
+            )
+        except Exception:
+            error += 1
+            comm.all_reduce(error, world, "world")
+            raise
+    comm.all_reduce(error, world, "world")
+    if error.item():
+        raise RuntimeError("rank 0 could not prepare the graph shards (see its error)")
+    return folder
+
+
+class FullGraphTask:
+    """The ``gcn`` task: full-graph training of a GCN or GraphSAGE on sharded data."""
+
+    unit = "epoch"
+
+    def __init__(self, cfg: FullGraphConfig):
+        self.cfg = cfg
+        world = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        folder = _prepare(cfg, world)
+        meta = json.loads((folder / "meta.json").read_text())
+        expected_norm = "gcn" if cfg.model == "gcn" else "mean"
+        if meta["norm"] != expected_norm:
+            raise ConfigError(
+                f"shard folder {folder} holds a '{meta['norm']}'-normalised graph; model "
+                f"{cfg.model} needs '{expected_norm}' (use another shards folder)"
+            )
+        dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
+        if cfg.grid:
+            shape = parse_grid_spec(cfg.grid)
+        elif cfg.algorithm == "3d":
+            num_ops = 2 if cfg.model == "sage" else 1
+            shape = choose_fullgraph_grid(world.world_size, meta["num_nodes"], dims, num_ops)
+        elif cfg.algorithm == "2d":
+            shape = _square_ish(world.world_size)
+        else:
+            shape = {"x": world.world_size}
+        self.grid = gnnpar.init(**shape, ranks_per_node=cfg.ranks_per_node)
+        self.source = DiskSource(folder)
+        dtype = _DTYPES[cfg.dtype]
+        torch.manual_seed(cfg.seed)
+        model = FullGraphGNN(
+            dims[0], cfg.hidden, dims[-1], cfg.layers, cfg.dropout, kind=cfg.model
+        ).to(dtype)
+        self.model = parallelize_fullgraph(
+            model, self.grid, self.source, cfg.algorithm, cfg.overlap_chunks, dtype
+        )
+        self.features = self.model.input_features()
+        self.optimizer = torch.optim.Adam(self._param_groups(cfg), lr=cfg.lr)
+        self.num_steps = cfg.epochs
+
+    def _param_groups(self, cfg: FullGraphConfig) -> list[dict[str, Any]]:
+        groups = []
+        for i in range(self.model.num_layers):
+            params = [p for name, p in self.model.named_parameters() if _layer_of(name) == i]
+            decay = cfg.weight_decay if (i == 0 or cfg.decay_all_layers) else 0.0
+            groups.append({"params": params, "weight_decay": decay})
+        return groups
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One full-graph epoch."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(self.features, dropout_seed=self.cfg.seed * 1_000_003 + step)
+        loss = self.model.loss(logits, "train_mask")
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": float(loss.item())}
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Train, validation and test accuracy (masks the dataset lacks are skipped)."""
+        self.model.eval()
+        logits = self.model(self.features)
+        out = {}
+        for name in ("train", "val", "test"):
+            key = f"{name}_mask"
+            if key in self.source.meta["node_data"]:
+                out[f"{name}_acc"] = self.model.accuracy(logits, key)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model shards and optimizer state of this rank."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _layer_of(param_name: str) -> int:
+    """Layer index of a parameter named like ``weights.0`` or ``params.biases.1``."""
+    return int(param_name.rsplit(".", 1)[1])
+
+
+def _square_ish(world: int) -> dict[str, int]:
+    x = int(world**0.5)
+    while world % x:
+        x -= 1
+    return {"x": x, "y": world // x}

@@ -1,0 +1,128 @@
+"""One training loop for every workload: steps, evaluation, progress, metrics, checkpoints.
+
+A task (full-graph GCN, mini-batch SAGE, GPT) supplies the model-specific parts through the
+small :class:`Task` protocol; the loop owns everything else, the same way for all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm import tqdm
+
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+from gnnpar.train.checkpoint import load_checkpoint, save_checkpoint
+from gnnpar.train.metrics import MetricsLog, peak_rss_mb
+
+
+class Task(Protocol):
+    """What a workload provides to :class:`Trainer`."""
+
+    grid: ProcessGrid
+    num_steps: int
+    unit: str  # "epoch" or "step": what one call of train_step covers
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Run one step; return metrics such as loss and throughput."""
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Return evaluation metrics (e.g. val/test accuracy)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: model, optimizer, RNG, data position."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+
+
+class Trainer:
+    """Runs a :class:`Task`: progress bar on rank 0, JSONL metrics with bytes per axis and
+    peak memory, checkpoints every ``checkpoint_every`` steps and at the end, and
+    ``resume`` from the newest complete checkpoint."""
+
+    def __init__(
+        self,
+        task: Task,
+        out: str | Path,
+        eval_every: int = 10,
+        checkpoint_every: int = 0,
+        resume: bool = False,
+        quiet: bool = False,
+    ):
+        self.task = task
+        self.grid = task.grid
+        self.out = Path(out)
+        self.eval_every = eval_every
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.quiet = quiet
+        self.is_main = self.grid.global_rank == 0
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.is_main)
+
+    def _save(self, step: int) -> None:
+        state = {"task": self.task.state_dict(), "rng": _rng_state(), "step": step}
+        save_checkpoint(self.out / "checkpoints", step, self.grid, state)
+
+    def run(self) -> dict[str, float]:
+        """Train to the end; return the final evaluation."""
+        start_step = 0
+        if self.resume:
+            found = load_checkpoint(self.out / "checkpoints", self.grid)
+            if found is not None:
+                start_step, state = found
+                self.task.load_state_dict(state["task"])
+                _set_rng_state(state["rng"])
+                self.metrics.write({"event": "resume", "step": start_step})
+        if start_step == 0:
+            self.metrics.write({"event": "start", "grid": self.grid.shape})
+        total = self.task.num_steps
+        bar = tqdm(
+            total=total,
+            initial=start_step,
+            unit=self.task.unit,
+            disable=not self.is_main or self.quiet,
+            dynamic_ncols=True,
+        )
+        last_eval: dict[str, float] = {}
+        for step in range(start_step, total):
+            t0 = time.perf_counter()
+            with comm.record(self.grid) as traffic:
+                record = self.task.train_step(step)
+            record["seconds"] = time.perf_counter() - t0
+            record["bytes"] = traffic.as_dict()
+            done = step + 1
+            if self.eval_every and (done % self.eval_every == 0 or done == total):
+                last_eval = self.task.evaluate(step)
+                record.update(last_eval)
+            record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
+            self.metrics.write(record)
+            shown = {k: v for k, v in record.items() if k in _SHOWN and isinstance(v, float)}
+            bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()})
+            bar.update(1)
+            if self.quiet and self.is_main and (done % max(1, total // 10) == 0):
+                text = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
+                print(f"{self.task.unit} {done}/{total} {text}", flush=True)
+            if self.checkpoint_every and done % self.checkpoint_every == 0 and done < total:
+                self._save(done)
+        bar.close()
+        if self.checkpoint_every:
+            self._save(total)
+        if not last_eval:
+            last_eval = self.task.evaluate(total - 1)
+        self.metrics.write({"event": "end", **last_eval})
+        return last_eval
+
+
+_SHOWN = ("loss", "train_acc", "val_acc", "test_acc", "tokens_per_s", "seeds_per_s")
