@@ -8,8 +8,8 @@ Megatron's column-then-row layout) and with DTensor's ``ColwiseParallel``/``Roww
 weights (the fused q/k/v rows are permuted for DTensor so each rank holds whole heads) and
 the benchmark checks that they compute the same loss. Bytes per step: ours from
 ``gnnpar.comm.record``; DTensor's from its functional collectives (intercepted with a
-dispatch mode, with the same ring formulas). Rounds alternate between the two; the median
-step time is reported.
+dispatch mode, with the same ring formulas). Rounds alternate between the two (and which
+goes first); the median step time is reported.
 
 The same 2 ranks then run the blocks on z=2 (each layer's weight split over z and
 all-gathered before use, the batch split over z), with and without prefetching the next
@@ -181,8 +181,9 @@ def _tp_world(cfg: dict, batch: int, rounds: int, steps: int) -> dict[str, Any]:
     with counter:
         step_theirs()
     times: dict[str, list[float]] = {"ours": [], "dtensor": []}
-    for _ in range(rounds):
-        for name, fn in (("ours", step_ours), ("dtensor", step_theirs)):
+    pair = [("ours", step_ours), ("dtensor", step_theirs)]
+    for i in range(rounds):  # alternate which goes first, so neither always pays for it
+        for name, fn in pair if i % 2 == 0 else pair[::-1]:
             comm.barrier(grid)
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -209,8 +210,8 @@ def _tp_world(cfg: dict, batch: int, rounds: int, steps: int) -> dict[str, Any]:
     ztimes: dict[str, list[float]] = {"prefetch": [], "no prefetch": []}
     for name in ztimes:
         step_z(name)
-    for _ in range(rounds):
-        for name in ztimes:
+    for i in range(rounds):
+        for name in list(ztimes) if i % 2 == 0 else list(ztimes)[::-1]:
             comm.barrier(zgrid)
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -245,8 +246,9 @@ def _linear_case(n_in: int, n_out: int, tokens: int, rounds: int, iters: int) ->
         for _ in range(3):
             run(layer)
     times: dict[str, list[float]] = {"nn.Linear": [], "ours": []}
-    for _ in range(rounds):
-        for name, layer in (("nn.Linear", ref), ("ours", ours)):
+    pair = [("nn.Linear", ref), ("ours", ours)]
+    for i in range(rounds):
+        for name, layer in pair if i % 2 == 0 else pair[::-1]:
             t0 = time.perf_counter()
             for _ in range(iters):
                 run(layer)
