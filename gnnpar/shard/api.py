@@ -1,0 +1,709 @@
+"""``shard(model, grid, stage=...)``: sharded data parallelism applied to a plain model.
+
+Like PyTorch's FSDP2 ``fully_shard``, :func:`shard` works in place on a model the caller
+built (the same values on every rank), unit by unit: the caller names the units (each
+transformer block, say) or a policy picks them; the model itself is always the outermost
+unit and owns every parameter no other unit holds. It returns a :class:`ShardedModel`, a
+handle that gives the optimizer its parameters and offers ``no_sync``, gradient clipping,
+full state dicts and memory figures. The model stays callable as before.
+
+Typical use::
+
+    dp = shard(model, grid, stage=3, units=by_type(Block), mixed_precision=MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    opt = dp.attach(torch.optim.AdamW(dp.parameters(), lr=3e-4))
+    for x, y in batches:             # x, y: this rank's part of the batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()              # gradients are reduced while backward runs
+        opt.step()                   # steps this rank's shard; stages 1-2 then all-gather
+        opt.zero_grad()
+
+Stages (see DESIGN): 0 bucketed all-reduce; 1 optimizer state sharded; 2 + gradients; 3 +
+parameters; ``fcdp=FCDP()`` on stage 3 caches what forward gathered. Tensor-parallel models
+(:func:`gnnpar.tensor.parallelize`) compose: their parameter pieces are sharded further along
+the data axis, and gradients that the tensor layers replicate over z are also summed over z.
+
+The optimizer must update each element from that element's own gradient and state (SGD,
+Adam, AdamW, RMSprop, Adagrad, ... — every ``torch.optim`` optimizer except L-BFGS and
+others that need whole tensors), because from stage 1 on each rank steps only its chunk.
+Which parameters are trainable is fixed when :func:`shard` is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+from gnnpar.shard.buckets import GradBuckets, build_buckets
+from gnnpar.shard.config import FCDP, STAGES, MixedPrecision
+from gnnpar.shard.flat import FlatGroup, Slot
+from gnnpar.shard.groups import NodeGroups, node_groups
+from gnnpar.shard.zero3 import Stage3, Unit, _cast_floats
+
+__all__ = ["ShardedModel", "UnitSpec", "by_numel", "by_type", "shard"]
+
+UnitSpec = Sequence["nn.Module | str"] | Callable[[str, nn.Module], bool] | str | nn.Module | None
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+def by_type(*types: type) -> Callable[[str, nn.Module], bool]:
+    """A unit policy: every module that is an instance of one of ``types``."""
+    if not types or not all(isinstance(t, type) for t in types):
+        raise ValueError(f"by_type needs module classes, got {types!r}")
+    return lambda name, module: isinstance(module, types)
+
+
+def by_numel(min_params: int) -> Callable[[str, nn.Module], bool]:
+    """A unit policy: every module holding at least ``min_params`` parameters of its own
+    subtree (outer modules first take what they hold, as FSDP's size-based policy)."""
+    if not isinstance(min_params, int) or min_params < 1:
+        raise ValueError(f"min_params must be a positive integer, got {min_params!r}")
+    return lambda name, module: sum(p.numel() for p in module.parameters()) >= min_params
+
+
+def _select_units(model: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
+    names = {id(m): n for n, m in model.named_modules()}
+    out: list[tuple[str, nn.Module]] = [("", model)]
+    if units is None:
+        return out
+    if isinstance(units, (str, nn.Module)):
+        units = [units]
+    chosen: list[tuple[str, nn.Module]] = []
+    if callable(units) and not isinstance(units, (list, tuple)):
+        chosen = [(n, m) for n, m in model.named_modules() if n and units(n, m)]
+    else:
+        for spec in units:
+            if isinstance(spec, str):
+                hits = [
+                    (n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, spec)
+                ]
+                if not hits:
+                    raise ValueError(f"unit pattern {spec!r} matches no submodule of the model")
+                chosen.extend(hits)
+            elif isinstance(spec, nn.Module):
+                if id(spec) not in names:
+                    raise ValueError(f"unit {type(spec).__name__} is not a submodule of the model")
+                if spec is not model:
+                    chosen.append((names[id(spec)], spec))
+            else:
+                raise ValueError(f"units must be modules, name patterns or a policy, got {spec!r}")
+    seen = {id(model)}
+    for n, m in chosen:
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append((n, m))
+    return out
+
+
+def _unit_of(module_name: str, unit_names: list[str]) -> str:
+    best = ""
+    for u in unit_names:
+        if u and (module_name == u or module_name.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def _common_unit(names: list[str], unit_names: list[str]) -> str:
+    """The innermost unit that contains every one of ``names`` (module names)."""
+    owners = {_unit_of(n, unit_names) for n in names}
+    if len(owners) == 1:
+        return owners.pop()
+    best = ""
+    for u in unit_names:
+        if u and all(o == u or o.startswith(u + ".") for o in owners) and len(u) > len(best):
+            best = u
+    return best
+
+
+def _collect_slots(model: nn.Module, grid: ProcessGrid) -> tuple[list[Slot], dict[int, list]]:
+    """Every parameter once (in registration order), and the module names holding each."""
+    layouts: dict[int, tuple[Any, nn.Module, str]] = {}
+    from gnnpar.tensor.state import sharded_parameters
+
+    for module, pname, layout in sharded_parameters(model).values():
+        layouts[id(getattr(module, pname))] = (layout, module, pname)
+    slots: dict[int, Slot] = {}
+    holders: dict[int, list[str]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            key = f"{mname}.{pname}" if mname else pname
+            slot = slots.get(id(p))
+            if slot is None:
+                lay = layouts.get(id(p))
+                layout, owner, attr = lay if lay is not None else (None, None, "")
+                z_reduce = grid.size("z") > 1 and (layout is None or layout.kind != "matrix")
+                slot = Slot(
+                    key,
+                    [],
+                    p.shape,
+                    p.dtype,
+                    p.requires_grad,
+                    z_reduce=z_reduce,
+                    param=p,
+                    layout=layout,
+                    owner=owner,
+                    owner_attr=attr,
+                )
+                slots[id(p)] = slot
+                holders[id(p)] = []
+            if (module, pname) not in [(m, a) for m, a in slot.refs]:
+                slot.refs.append((module, pname))
+            if key not in slot.aliases:
+                slot.aliases.append(key)
+            holders[id(p)].append(mname)
+    return list(slots.values()), holders
+
+
+def _uniform_dtype(slots: list[Slot], what: str) -> torch.dtype:
+    dtypes = {s.dtype for s in slots}
+    if len(dtypes) > 1:
+        names = {str(d): next(s.name for s in slots if s.dtype == d) for d in dtypes}
+        raise ValueError(
+            f"{what} mixes parameter dtypes {names}; give a MixedPrecision policy or convert "
+            "the model to one dtype"
+        )
+    return dtypes.pop()
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+class ShardedModel:
+    """The handle :func:`shard` returns (see the module docstring). Calling it calls the
+    model."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        grid: ProcessGrid,
+        stage: int,
+        slots: list[Slot],
+        unit_names: list[str],
+        keys: list[str],
+        mp: MixedPrecision | None,
+        fcdp: FCDP | None,
+        nodes: NodeGroups | None,
+    ):
+        self.module = module
+        self.grid = grid
+        self.stage = stage
+        self.slots = slots
+        self.unit_names = unit_names
+        self.mixed_precision = mp
+        self.fcdp = fcdp
+        self.nodes = nodes
+        self._keys = keys
+        self.buckets: GradBuckets | None = None
+        self.stage3: Stage3 | None = None
+        self._hooks: list = []
+
+    # ---------------------------------------------------------------------- basics
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedModel(stage={self.stage}, units={len(self.unit_names)}, "
+            f"params={self.numel:,}, data={self.grid.size('data')}"
+            + (", fcdp" if self.fcdp else "")
+            + ")"
+        )
+
+    @property
+    def numel(self) -> int:
+        """Parameters of the model this rank sees before data sharding (ties once)."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_numel(self) -> int:
+        """Ψ as the collectives move it: every flat group padded to a multiple of the data
+        size (stages 1–3), trainable and frozen together; for stage 0 the trainable ones."""
+        return sum(g.padded if self.stage else g.numel for g in self._groups())
+
+    def _groups(self, kinds: tuple[str, ...] = ("trainable", "frozen")) -> list[FlatGroup]:
+        if self.stage3 is not None:
+            return [u.groups[k] for u in self.stage3.units for k in kinds if k in u.groups]
+        if self.buckets is not None and "trainable" in kinds:
+            return [b.group for b in self.buckets.buckets]
+        return []
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` for every trainable parameter the optimizer should step on
+        this rank: this rank's pieces (1-D views of its master chunk) from stage 1 on or with
+        mixed precision; the model's own parameters at stage 0 without it. Names are the
+        model's state-dict keys, so param groups can be built by name."""
+        groups = self._groups(("trainable",))
+        if self.stage == 0 and (not groups or not groups[0].master.numel()):
+            for s in self.slots:
+                if s.trainable:
+                    yield s.name, s.param
+            return
+        for g in groups:
+            for piece in g.pieces:
+                yield piece.slot.name, piece.param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of :meth:`named_parameters`."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def piece_index(self) -> dict[int, tuple[Slot, int, int]]:
+        """``id(parameter)`` → (slot, start, stop) for every optimizer parameter: which
+        elements of the flattened model parameter it holds."""
+        out = {}
+        groups = self._groups(("trainable",))
+        if self.stage == 0 and (not groups or not groups[0].master.numel()):
+            for s in self.slots:
+                if s.trainable:
+                    out[id(s.param)] = (s, 0, s.numel)
+            return out
+        for g in groups:
+            for piece in g.pieces:
+                out[id(piece.param)] = (piece.slot, piece.start, piece.stop)
+        return out
+
+    # ------------------------------------------------------------------ optimizer glue
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Register a step post-hook on ``optimizer`` that brings the model's parameters up
+        to date right after each step (stages 1–2: all-gather; stage 0 with mixed precision:
+        copy). Without it this happens at the start of the next forward. Returns it."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"attach needs a torch.optim.Optimizer, got {type(optimizer)}")
+        own = {id(p) for p in self.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in own:
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not one of this "
+                        "ShardedModel's parameters(); build it from dp.parameters()"
+                    )
+        self._hooks.append(optimizer.register_step_post_hook(lambda *a: self.sync_params()))
+        return optimizer
+
+    def sync_params(self) -> None:
+        """Bring the model's parameters up to date with the masters now (collective at
+        stages 1–2; nothing to do at stage 3, which gathers on use)."""
+        if self.buckets is not None and self.buckets.stale():
+            self.buckets.gather_params()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the block; the first
+        backward outside reduces the sum. At stages 2–3 the local sum is a full-size
+        gradient, as in FSDP."""
+        rt = self.buckets or self.stage3
+        old = rt.sync
+        rt.sync = False
+        try:
+            yield
+        finally:
+            rt.sync = old
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[nn.Module]:
+        """At stage 3, gather every unit and put the parameter attributes back for the
+        duration of the block (read-only use: inspection, generation); yields the model."""
+        if self.stage3 is None:
+            yield self.module
+            return
+        with torch.no_grad():
+            self.stage3.gather_all()
+        try:
+            yield self.module
+        finally:
+            self.stage3.release_all()
+
+    # ---------------------------------------------------------------------- gradients
+    def _replication(self, slot: Slot) -> int:
+        repl = self.grid.size("tensor")
+        if slot.layout is not None:
+            for a in set(slot.layout.split_axes):
+                repl //= self.grid.size(a)
+        return repl
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Norm of the full model's gradient (each element counted once), the same on every
+        rank. Call after backward."""
+        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        index = self.piece_index()
+        inf = norm_type == float("inf")
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.detach().to(torch.float64)
+            if inf:
+                total = torch.maximum(total, g.abs().max()) if g.numel() else total
+            else:
+                total = total + g.abs().pow(norm_type).sum() / self._replication(index[id(p)][0])
+        sharded = self.stage > 0
+        op = "max" if inf else "sum"
+        if sharded:
+            comm.all_reduce(total, self.grid, "data", op=op)
+        comm.all_reduce(total, self.grid, "tensor", op=op)
+        return total if inf else total.pow(1.0 / norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so the full model's gradient norm is at most ``max_norm``;
+        return the norm before clipping."""
+        norm = self.grad_norm(norm_type)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+    # --------------------------------------------------------------------- state dicts
+    def _local_full(self) -> dict[str, torch.Tensor]:
+        """Every slot's tensor as this rank's tensor-parallel piece (gathered over data)."""
+        out: dict[str, torch.Tensor] = {}
+        groups = self._groups()
+        covered = set()
+        for g in groups:
+            if g.master.numel() == 0:
+                continue
+            full = (
+                comm.all_gather(g.master.detach(), self.grid, "data") if g.world > 1 else g.master
+            )
+            for s, v in zip(g.slots, g.views(full.detach()), strict=False):
+                out[s.name] = v.clone()
+                covered.add(s.name)
+        for s in self.slots:
+            if s.name not in covered:
+                out[s.name] = s.param.detach().clone()
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's state dict with every parameter whole (master values, gathered
+        over data and, for tensor-parallel layers, over the tensor axes). Collective."""
+        local = self._local_full()
+        values: dict[str, torch.Tensor] = {}
+        for s in self.slots:
+            t = local[s.name]
+            if s.layout is not None:
+                from gnnpar.tensor.state import gather_full
+
+                t = s.owner.to_full_format(s.owner_attr, gather_full(t, s.layout, self.grid))
+            for key in s.aliases:
+                values[key] = t
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
+        state = self.module.state_dict()
+        out = {}
+        for key in self._keys:
+            if key in values:
+                out[key] = values[key]
+            elif key in state:
+                out[key] = state[key].detach().clone()
+            elif key in buffers:
+                out[key] = buffers[key].detach().clone()
+        return out
+
+    def local_pieces(self) -> list[tuple[Slot, int, int, torch.Tensor, bool]]:
+        """Every parameter element this rank stores: ``(slot, start, stop, values 1-D,
+        replicated)``; ``replicated`` pieces are held whole by every data rank."""
+        out = []
+        covered = set()
+        for g in self._groups():
+            if g.master.numel() == 0:
+                continue
+            for s in g.slots:
+                covered.add(s.name)
+            rep = g.world == 1 and self.grid.size("data") > 1
+            for piece in g.pieces:
+                out.append((piece.slot, piece.start, piece.stop, piece.param.detach(), rep))
+        for s in self.slots:
+            if s.name not in covered:
+                out.append(
+                    (s, 0, s.numel, s.param.detach().reshape(-1), self.grid.size("data") > 1)
+                )
+        return out
+
+    @torch.no_grad()
+    def load_local(self, values: dict[str, torch.Tensor]) -> None:
+        """Set every parameter from ``values`` (slot name → this rank's tensor-parallel
+        piece, whole over data): masters, pieces and model parameters. No communication."""
+        for s in self.slots:
+            if s.name not in values:
+                raise ValueError(f"no value for parameter {s.name!r}")
+            v = values[s.name]
+            if tuple(v.shape) != tuple(s.shape) and v.numel() != s.numel:
+                raise ValueError(
+                    f"{s.name}: got shape {tuple(v.shape)}, this rank holds {tuple(s.shape)}"
+                )
+        for g in self._groups():
+            for piece in g.pieces:
+                flat = values[piece.slot.name].reshape(-1)
+                piece.param.copy_(flat[piece.start : piece.stop])
+        if self.stage3 is None:
+            for s in self.slots:
+                s.param.copy_(values[s.name].reshape(s.shape))
+            if self.buckets is not None:
+                self.buckets._gathered_versions = [b.group.version for b in self.buckets.buckets]
+        else:
+            for unit in self.stage3.units:
+                self.stage3._uncache(unit, "frozen")
+                self.stage3._uncache(unit, "trainable")
+
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """Load a plain model's state dict: each rank keeps its pieces. No communication.
+        With ``strict``, missing or unexpected keys raise ValueError before anything is
+        written."""
+        if strict:
+            missing = sorted(set(self._keys) - set(state_dict))
+            unexpected = sorted(set(state_dict) - set(self._keys))
+            if missing or unexpected:
+                raise ValueError(
+                    f"state dict does not match the model: missing keys {missing}, "
+                    f"unexpected keys {unexpected}"
+                )
+        local = {}
+        for s in self.slots:
+            key = next((k for k in s.aliases if k in state_dict), None)
+            if key is None:
+                raise ValueError(f"state dict has no entry for parameter {s.name!r}")
+            src = state_dict[key]
+            if s.layout is not None:
+                src = s.owner.from_full_format(s.owner_attr, src)
+                if tuple(src.shape) != tuple(s.layout.shape):
+                    raise ValueError(
+                        f"{key}: full tensor has shape {tuple(src.shape)}, the layer expects "
+                        f"{tuple(s.layout.shape)}"
+                    )
+                r, c, d = s.layout.coords(self.grid)
+                src = s.layout.shard(src, r, c, d)
+            if tuple(src.shape) != tuple(s.shape):
+                raise ValueError(
+                    f"{key}: got shape {tuple(src.shape)}, the model holds {tuple(s.shape)}"
+                )
+            local[s.name] = src
+        self.load_local(local)
+        buffers = dict(self.module.named_buffers())
+        with torch.no_grad():
+            for key, b in buffers.items():
+                if key in state_dict:
+                    b.copy_(state_dict[key])
+
+    # ------------------------------------------------------------------------ memory
+    def memory(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients, optimizer state and the FCDP
+        cache (tensor storage measured, shared storage once)."""
+        groups = self._groups()
+        params: list[torch.Tensor | None] = [g.master for g in groups]
+        grads: list[torch.Tensor | None] = [g.grad for g in groups]
+        grads += [p.grad for p in self.parameters()]
+        if self.stage3 is None:
+            params += [s.param for s in self.slots]
+            grads += [s.param.grad for s in self.slots]
+            if self.buckets is not None:
+                grads += [b.buffer for b in self.buckets.buckets]
+        else:
+            grads += [u.acc for u in self.stage3.units]
+        state: list[torch.Tensor | None] = []
+        if optimizer is not None:
+            for st in optimizer.state.values():
+                state += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        out = {
+            "params": _storage_bytes(params),
+            "grads": _storage_bytes(grads),
+            "optimizer": _storage_bytes(state),
+        }
+        if self.stage3 is not None:
+            out["cache_device"] = self.stage3.cache_bytes["device"]
+            out["cache_host"] = self.stage3.cache_bytes["host"]
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
+
+    def remove(self) -> None:
+        """Detach every hook this handle installed (the model keeps its current form)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self.buckets is not None:
+            self.buckets.remove_hooks()
+        if self.stage3 is not None:
+            self.stage3.remove_hooks()
+
+
+def shard(
+    model: nn.Module,
+    grid: ProcessGrid,
+    stage: int = 3,
+    *,
+    units: UnitSpec = None,
+    mixed_precision: MixedPrecision | None = None,
+    fcdp: FCDP | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    prefetch: bool = True,
+) -> ShardedModel:
+    """Make ``model`` data-parallel over ``grid``'s data axis, in place.
+
+    Args:
+        model: a plain (or tensor-parallel) model with the same values on every rank.
+        grid: the process grid; sharding is along its ``data`` axis.
+        stage: 0 (bucketed all-reduce), 1 (+ optimizer state sharded), 2 (+ gradients),
+            3 (+ parameters).
+        units: which submodules are gathered and released together (stage 3) and where
+            gradient buckets are cut (stages 0–2): a list of modules or module-name patterns
+            (``"blocks.*"``), or a policy ``(name, module) -> bool`` such as
+            :func:`by_type`. The model is always the outermost unit.
+        mixed_precision: a :class:`MixedPrecision` policy (default: none, every dtype stays).
+        fcdp: an :class:`FCDP` configuration (stage 3 only).
+        bucket_bytes: size of a gradient bucket at stages 0–2.
+        prefetch: gather the next unit during the current one (stage 3).
+
+    Every rank must call it (it creates process groups for FCDP). Returns the
+    :class:`ShardedModel` handle.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"shard needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if fcdp is not None and not isinstance(fcdp, FCDP):
+        raise ValueError(f"fcdp must be an FCDP configuration, got {type(fcdp).__name__}")
+    if fcdp is not None and stage != 3:
+        raise ValueError(f"FCDP builds on stage 3 (parameters sharded), not stage {stage}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(
+            f"mixed_precision must be a MixedPrecision policy, got {type(mixed_precision)}"
+        )
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    if getattr(model, "_gnnpar_sharded", False):
+        raise ValueError("this model is already sharded; call shard() once per model")
+    mp = mixed_precision
+    unit_list = _select_units(model, units)
+    unit_names = [n for n, _ in unit_list]
+    keys = list(model.state_dict().keys())
+    slots, holders = _collect_slots(model, grid)
+    unit_of_slot = {id(s.param): _common_unit(holders[id(s.param)], unit_names) for s in slots}
+    trainable = [s for s in slots if s.trainable]
+    nodes = node_groups(grid) if fcdp is not None else None
+
+    dp = ShardedModel(model, grid, stage, slots, unit_names, keys, mp, fcdp, nodes)
+    if stage < 3:
+        if mp is None and trainable:
+            _uniform_dtype(trainable, "the model")
+        reduce_dtype = mp.reduce() if mp else (trainable[0].dtype if trainable else torch.float32)
+        master = None if (stage == 0 and mp is None) else (mp.master_dtype if mp else None)
+        if stage > 0 and mp is None:
+            master = reduce_dtype
+        param_dtype = mp.param_dtype if mp is not None and mp.param_dtype else None
+        index = {n: i for i, n in enumerate(unit_names)}
+        unit_idx = {k: index[v] for k, v in unit_of_slot.items()}
+        buckets = build_buckets(
+            trainable,
+            unit_idx,
+            grid,
+            stage,
+            bucket_bytes,
+            master,
+            reduce_dtype,
+            param_dtype or (trainable[0].dtype if trainable else reduce_dtype),
+        )
+        if param_dtype is not None:  # after the masters took the full-precision values
+            with torch.no_grad():
+                for s in slots:
+                    s.param.data = s.param.data.to(param_dtype)
+        dp.buckets = GradBuckets(grid, stage, buckets, grid.size("data") * grid.size("z"))
+
+        def pre(module, args, kwargs):
+            dp.sync_params()
+            if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+                return _cast_floats((args, kwargs), mp.param_dtype)
+            return None
+
+        def post(module, args, output):
+            if mp is not None and mp.output_dtype is not None:
+                return _cast_floats(output, mp.output_dtype)
+            return None
+
+        dp._hooks.append(model.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+        dp._hooks.append(model.register_forward_hook(post))
+    else:
+        rt = Stage3(
+            grid,
+            [],
+            mp,
+            mp.compute() if mp else None,
+            mp.reduce() if mp else None,
+            fcdp,
+            nodes,
+            prefetch,
+        )
+        p, r = grid.size("data"), grid.rank("data")
+        for i, (name, module) in enumerate(unit_list):
+            unit = Unit(i, name, module, rt)
+            mine = [s for s in slots if unit_of_slot[id(s.param)] == name]
+            for kind, members in (
+                ("trainable", [s for s in mine if s.trainable]),
+                ("frozen", [s for s in mine if not s.trainable]),
+            ):
+                if not members:
+                    continue
+                if mp is None:
+                    dtype = _uniform_dtype(members, f"unit {name or '<root>'}")
+                else:
+                    dtype = mp.master_dtype if kind == "trainable" else members[0].dtype
+                    if kind == "frozen":
+                        dtype = _uniform_dtype(members, f"frozen part of unit {name or '<root>'}")
+                values = [s.param.detach() for s in members]
+                unit.groups[kind] = FlatGroup(
+                    members, p, r, dtype, grid.device, values, trainable=kind == "trainable"
+                )
+            rt.units.append(unit)
+        # The model's parameters now live in the chunks: take them off the modules.
+        for s in slots:
+            for module, attr in s.refs:
+                module._parameters.pop(attr, None)
+        _split_prefetch_chains(model, unit_of_slot, slots)
+        rt.register()
+        dp.stage3 = rt
+    model._gnnpar_sharded = True
+    return dp
+
+
+def _split_prefetch_chains(model: nn.Module, unit_of_slot: dict, slots: list[Slot]) -> None:
+    """Keep a tensor-parallel layer's weight prefetch only toward layers of the same unit:
+    a layer of another unit has no weight to prefetch until that unit is gathered."""
+    from gnnpar.tensor.layers import PrefetchChain, ShardedModule
+
+    unit_by_param = {id(s.param): unit_of_slot[id(s.param)] for s in slots}
+    weight_of = {}
+    for s in slots:
+        for module, attr in s.refs:
+            if isinstance(module, ShardedModule) and attr == "weight":
+                weight_of[id(module)] = unit_by_param[id(s.param)]
+    chains = {}
+    for m in model.modules():
+        if isinstance(m, ShardedModule) and m._chain is not None:
+            chains[id(m._chain)] = m._chain
+    for chain in chains.values():
+        runs: list[list] = []
+        for layer in chain.layers:
+            u = weight_of.get(id(layer))
+            if runs and weight_of.get(id(runs[-1][-1])) == u:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        for run in runs:
+            for layer in run:
+                layer._chain, layer._pending = None, None
+            if len(run) > 1:
+                PrefetchChain(run)

@@ -1,0 +1,255 @@
+"""Stages 0–2: gradients reduced in buckets from backward hooks, overlapping backward.
+
+The trainable parameters are cut into buckets of about ``bucket_bytes``, in reverse order of
+registration (the order in which backward produces their gradients) and never across a
+unit boundary. A hook on every parameter (``register_post_accumulate_grad_hook``) copies its
+gradient into its bucket; when a bucket is full it is launched as an asynchronous collective
+over the data axis while backward goes on with the layers below. Buckets are launched strictly
+in order (a full bucket waits for the ones before it), so every rank issues the same
+collectives in the same order. At the end of backward (an autograd callback) the remaining
+buckets are launched (parameters that got no gradient count as zero), every collective is
+waited for, and the results are written where the optimizer reads them.
+
+- **stage 0**: all-reduce; the parameters' ``.grad`` are views of the bucket buffers, so
+  the result lands where any optimizer on the model's parameters reads it (DDP's
+  ``gradient_as_bucket_view``).
+- **stage 1**: reduce-scatter into this rank's master chunk of the bucket; the full gradient
+  buffers stay allocated (ZeRO-1 keeps full gradients and shards the optimizer state).
+- **stage 2**: reduce-scatter as stage 1, but each bucket's buffer exists only between its
+  first gradient and the end of its reduce-scatter, and the parameters' ``.grad`` are freed as
+  soon as they are copied (ZeRO-2).
+
+After an optimizer step on the master pieces, stages 1–2 all-gather every bucket's chunks back
+into the model's parameters (:meth:`GradBuckets.gather_params`).
+
+Gradients are averaged over the data axis — and over z for the parameters that a
+tensor-parallel model replicates over z, as :func:`gnnpar.tensor.sync_gradients` does — so
+each rank's loss should be the mean over its part of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+from gnnpar.shard.flat import FlatGroup, Slot
+
+__all__ = ["Bucket", "GradBuckets"]
+
+
+def _queue_callback(fn) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class Bucket:
+    """Some trainable parameters whose gradients travel in one collective."""
+
+    def __init__(
+        self,
+        index: int,
+        group: FlatGroup,
+        stage: int,
+        reduce_dtype: torch.dtype,
+        param_dtype: torch.dtype,
+    ):
+        self.index = index
+        self.group = group
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.slot_of = {id(s.param): s for s in group.slots}
+        self.ready: set[int] = set()
+        self.buffer: torch.Tensor | None = None
+        self.handle: comm.Handle | None = None
+        self.launched = False
+        # Gradients are views of the bucket buffer when no cast separates them (stages 0-1).
+        self.grad_views = stage in (0, 1) and param_dtype == reduce_dtype
+
+    def _buffer(self) -> torch.Tensor:
+        if self.buffer is None:
+            n = self.group.padded if self.stage > 0 else self.group.numel
+            self.buffer = torch.zeros(n, dtype=self.reduce_dtype, device=self.group.device)
+        return self.buffer
+
+    def take(self, param: nn.Parameter) -> None:
+        """Move ``param.grad`` into the bucket buffer."""
+        slot = self.slot_of[id(param)]
+        buf = self._buffer()
+        view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        elif grad is None:
+            view.zero_()
+        if self.grad_views:
+            param.grad = view
+        else:
+            param.grad = None
+        self.ready.add(id(param))
+
+    @property
+    def full(self) -> bool:
+        """Every parameter of the bucket has delivered its gradient."""
+        return len(self.ready) == len(self.group.slots)
+
+    def launch(self, grid: ProcessGrid, scale: float) -> None:
+        """Start the asynchronous reduction (missing gradients count as zero)."""
+        buf = self._buffer()
+        for s in self.group.slots:
+            if id(s.param) not in self.ready:
+                buf[s.offset : s.offset + s.numel].zero_()
+                if self.grad_views:
+                    s.param.grad = buf[s.offset : s.offset + s.numel].view(s.shape)
+        g = self.group
+        if g.z_start < g.numel and grid.size("z") > 1:
+            comm.all_reduce(buf[g.z_start : g.numel], grid, "z")
+        buf.div_(scale)
+        if self.stage == 0:
+            self.handle = comm.all_reduce(buf, grid, "data", async_op=True)
+        else:
+            self.handle = comm.reduce_scatter(buf, grid, "data", async_op=True)
+        self.launched = True
+
+    def finish(self) -> None:
+        """Wait for the reduction and hand the result to the optimizer's parameters."""
+        if self.handle is None:
+            return
+        out = self.handle.wait()
+        self.handle = None
+        g = self.group
+        if self.stage == 0:
+            if g.pieces:  # mixed precision: separate master copies
+                g.set_grad(out)
+            elif not self.grad_views:
+                for s in g.slots:
+                    piece = out[s.offset : s.offset + s.numel].view(s.shape).to(s.param.dtype)
+                    s.param.grad = piece
+        else:
+            g.set_grad(out)
+            if self.stage == 2:
+                self.buffer = None
+            else:
+                self.buffer.zero_()
+        self.ready.clear()
+        self.launched = False
+
+
+class GradBuckets:
+    """The bucketed gradient reduction of stages 0–2 (see the module docstring)."""
+
+    def __init__(
+        self,
+        grid: ProcessGrid,
+        stage: int,
+        buckets: list[Bucket],
+        scale: float,
+    ):
+        self.grid = grid
+        self.stage = stage
+        self.buckets = buckets
+        self.scale = scale
+        self.sync = True
+        self._next = 0
+        self._in_backward = False
+        self._hooks = []
+        self._bucket_of: dict[int, Bucket] = {}
+        for b in buckets:
+            for s in b.group.slots:
+                self._bucket_of[id(s.param)] = b
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
+        self._gathered_versions = [b.group.version for b in buckets]
+
+    # --------------------------------------------------------------------------- backward
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return  # no_sync: the gradient stays in param.grad and accumulates there
+        if not self._in_backward:
+            self._in_backward = True
+            _queue_callback(self._end_of_backward)
+        bucket = self._bucket_of[id(param)]
+        bucket.take(param)
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
+            self.buckets[self._next].launch(self.grid, self.scale)
+            self._next += 1
+
+    def _end_of_backward(self) -> None:
+        try:
+            for b in self.buckets[self._next :]:
+                b.launch(self.grid, self.scale)
+            for b in self.buckets:
+                b.finish()
+        finally:
+            self._next = 0
+            self._in_backward = False
+
+    # ------------------------------------------------------------------------ parameters
+    def stale(self) -> bool:
+        """Whether an optimizer has changed some master chunk since the last gather."""
+        return any(
+            b.group.version != v for b, v in zip(self.buckets, self._gathered_versions, strict=True)
+        )
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Bring the model's parameters up to date with the master chunks: all-gather each
+        bucket's chunks (stages 1–2) or copy the masters (stage 0 with mixed precision)."""
+        pending = []
+        for b in self.buckets:
+            g = b.group
+            if not g.pieces and self.stage == 0:
+                continue
+            dtype = g.slots[0].param.dtype
+            send = g.master.to(dtype)
+            if self.stage == 0:
+                pending.append((b, comm.Handle(None, lambda s=send: s, "local")))
+            else:
+                pending.append((b, comm.all_gather(send, self.grid, "data", async_op=True)))
+        for b, handle in pending:
+            full = handle.wait()
+            for s, view in zip(b.group.slots, b.group.views(full), strict=False):
+                s.param.copy_(view)
+        self._gathered_versions = [b.group.version for b in self.buckets]
+
+    def remove_hooks(self) -> None:
+        """Detach the backward hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def build_buckets(
+    slots: list[Slot],
+    unit_of: dict[int, int],
+    grid: ProcessGrid,
+    stage: int,
+    bucket_bytes: int,
+    master_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    param_dtype: torch.dtype,
+) -> list[Bucket]:
+    """Trainable ``slots`` cut into buckets (reverse registration order; a new bucket at each
+    unit boundary and after ``bucket_bytes``). ``master_dtype`` None (stage 0 without mixed
+    precision) creates no master copies: the model's parameters are the optimizer's.
+    ``param_dtype`` is the dtype the model's parameters have during training."""
+    world = grid.size("data") if stage > 0 else 1
+    rank = grid.rank("data") if stage > 0 else 0
+    chosen: list[list[Slot]] = []
+    size, unit = 0, None
+    for s in reversed(slots):
+        nbytes = s.numel * torch.empty((), dtype=reduce_dtype).element_size()
+        u = unit_of.get(id(s.param))
+        if not chosen or u != unit or (size + nbytes > bucket_bytes and size > 0):
+            chosen.append([])
+            size = 0
+        chosen[-1].append(s)
+        size += nbytes
+        unit = u
+    out = []
+    for i, group_slots in enumerate(chosen):
+        values = [s.param.detach() for s in group_slots]
+        group = FlatGroup(
+            group_slots, world, rank, master_dtype, grid.device, values, trainable=True
+        )
+        out.append(Bucket(i, group, stage, reduce_dtype, param_dtype))
+    return out

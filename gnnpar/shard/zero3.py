@@ -1,0 +1,440 @@
+"""Stage 3: parameters sharded, each unit gathered just before it runs and released after;
+and FCDP, which caches what forward gathered so that backward need not gather it again.
+
+Each unit owns up to two :class:`~gnnpar.shard.flat.FlatGroup` s: its trainable parameters
+and its frozen ones. Outside its forward a unit holds only this rank's chunks; its modules do
+not have the parameter attributes at all (reading one raises ``AttributeError``).
+
+**Forward.** A pre-forward hook all-gathers the unit's chunks over the data axis (or takes the
+gather that the previous unit prefetched), wraps the trainable buffer in an autograd function
+whose backward receives the whole unit's gradient at once, and sets every parameter attribute
+to a view of the gathered buffer. It then starts the gather of the next unit (the order is
+recorded during each forward and used by the next). The post-forward hook removes the
+attributes and drops the buffer.
+
+**Saved tensors.** Autograd would keep the gathered buffer alive until backward by saving the
+weights that, e.g., a matmul needs. While the model's forward runs, a
+``saved_tensors_hooks`` pair replaces every saved tensor that lives in a gathered buffer by a
+small reference (unit, offset, shape, strides), and backward resolves it by gathering the unit
+again — in backward order, one unit ahead (prefetch). Only units that had something saved are
+gathered again, so a unit whose backward needs no parameter (an embedding lookup) costs no
+second gather.
+
+**Gradients.** When backward has produced the gradient of the whole unit, the autograd
+function's backward z-reduces the tail that needs it (tensor-parallel composition), divides by
+``data·z``, launches an asynchronous reduce-scatter over the data axis and releases the unit.
+At the end of backward every reduce-scatter is waited for and the chunks become the gradients
+of the master pieces. Under ``no_sync`` the full unit gradients accumulate locally instead.
+
+**FCDP.** With :class:`~gnnpar.shard.FCDP`, the post-forward hook keeps the gathered trainable
+buffer — whole, or this rank's 1/k node-local slice for k data ranks per node — in a cache, on
+the device while ``device_budget_bytes`` allows and in host memory beyond. Backward rebuilds
+the unit from the cache: with slices, an all-gather inside the node (axis label
+``"data.intra"``); with whole copies, nothing. The second all-gather over the whole data axis,
+which crosses nodes, is skipped. Frozen parameters are cached whole the first time they are
+gathered and never communicated again.
+
+Bytes per step for Ψ parameters (padded) of e bytes, p data ranks, k per node::
+
+    stage 3   all-gather  Ψe·(p−1)/p forward + Ψe·(p−1)/p backward; reduce-scatter Ψe·(p−1)/p
+    FCDP      all-gather  Ψe·(p−1)/p forward; intra-node Ψe·(k−1)/k backward; reduce-scatter
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+from gnnpar.shard.config import FCDP, MixedPrecision
+from gnnpar.shard.flat import FlatGroup
+from gnnpar.shard.groups import INTRA, NodeGroups
+
+__all__ = ["Stage3", "Unit"]
+
+KINDS = ("trainable", "frozen")
+
+
+class _Ready:
+    """A finished result with the interface of :class:`gnnpar.comm.Handle`."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """A saved tensor that lives in a unit's gathered buffer."""
+
+    unit: Unit
+    kind: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _UnitGrad(torch.autograd.Function):
+    """Identity on a unit's gathered trainable buffer; backward hands the gradient of the
+    whole buffer to the unit (nothing flows to the anchor)."""
+
+    @staticmethod
+    def forward(ctx, anchor, full, unit):  # noqa: D102
+        ctx.unit = unit
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        ctx.unit.runtime.on_unit_grad(ctx.unit, grad)
+        return None, None, None
+
+
+class Unit:
+    """A module whose parameters are gathered and released together."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, runtime: Stage3):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.runtime = runtime
+        self.groups: dict[str, FlatGroup] = {}
+        self.full: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, Any] = {}
+        self.cache: dict[str, tuple[torch.Tensor, str]] = {}
+        self.anchor = torch.empty(0, requires_grad=True)
+        self.depth = 0
+        self.saved: set[str] = set()
+        self.seen_in_backward = False
+        self.acc: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name or '<root>'})"
+
+
+class Stage3:
+    """The runtime of stage 3 and FCDP over a list of units (the root, the model, first)."""
+
+    def __init__(
+        self,
+        grid: ProcessGrid,
+        units: list[Unit],
+        mp: MixedPrecision | None,
+        compute_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        fcdp: FCDP | None,
+        nodes: NodeGroups | None,
+        prefetch: bool,
+    ):
+        self.grid = grid
+        self.units = units
+        self.mp = mp
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.fcdp = fcdp
+        self.nodes = nodes
+        self.prefetch = prefetch
+        self.scale = grid.size("data") * grid.size("z")
+        self.sync = True
+        self.order: list[Unit] = []
+        self._next_fw: dict[int, Unit] = {}
+        self._recording: list[Unit] = []
+        self._live: dict[int, tuple[Unit, str, torch.Tensor]] = {}
+        self._pending_rs: list[tuple[FlatGroup, Any]] = []
+        self._in_backward = False
+        self._saved_hooks = None
+        self._bw_order: list[Unit] = []
+        self.cache_bytes = {"device": 0, "host": 0}
+        self._hooks: list = []
+
+    # ------------------------------------------------------------------------ hooks
+    def register(self) -> None:
+        """Install the forward hooks on every unit's module."""
+        root = self.units[0]
+        self._hooks.append(
+            root.module.register_forward_pre_hook(self._root_pre, prepend=True, with_kwargs=True)
+        )
+        for unit in self.units:
+            self._hooks.append(
+                unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre(u))
+            )
+            self._hooks.append(
+                unit.module.register_forward_hook(
+                    lambda m, a, o, u=unit: self._post(u), always_call=True
+                )
+            )
+        self._hooks.append(root.module.register_forward_hook(self._root_post, always_call=True))
+
+    def remove_hooks(self) -> None:
+        """Detach every hook."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _root_pre(self, module, args, kwargs):
+        self._recording = []
+        if torch.is_grad_enabled():
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+            for unit in self.units:
+                unit.saved = set()
+        if self.mp is not None and self.mp.cast_forward_inputs and self.mp.param_dtype:
+            cast = self.mp.param_dtype
+            args, kwargs = _cast_floats((args, kwargs), cast)
+            return args, kwargs
+        return None
+
+    def _root_post(self, module, args, output):
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        if self._recording:
+            self.order = self._recording
+            self._next_fw = {}
+            for a, b in zip(self.order, self.order[1:], strict=False):
+                self._next_fw.setdefault(id(a), b)
+        self._recording = []
+        for unit in self.units:  # prefetched but never used: finish and drop
+            for kind in list(unit.pending):
+                if unit.depth == 0:
+                    unit.pending.pop(kind).wait()
+        if self.mp is not None and self.mp.output_dtype is not None:
+            return _cast_floats(output, self.mp.output_dtype)
+        return None
+
+    def _pre(self, unit: Unit) -> None:
+        self._recording.append(unit)
+        unit.depth += 1
+        if unit.depth > 1:
+            return  # re-entered (a module called twice): already installed
+        for kind in unit.groups:
+            self._materialize(unit, kind, backward=False)
+        self._install(unit)
+        nxt = self._next_fw.get(id(unit))
+        if self.prefetch and nxt is not None and nxt.depth == 0:
+            for kind in nxt.groups:
+                self._start(nxt, kind, backward=False)
+
+    def _post(self, unit: Unit) -> None:
+        unit.depth = max(0, unit.depth - 1)
+        if unit.depth:
+            return
+        self._uninstall(unit)
+        if self.fcdp is not None:
+            self._cache(unit)
+        self._drop(unit)
+
+    # ------------------------------------------------------------------ gather / release
+    def _start(self, unit: Unit, kind: str, backward: bool) -> None:
+        """Start getting ``kind`` of ``unit`` (no-op if it is held or on its way)."""
+        if kind in unit.full or kind in unit.pending:
+            return
+        cached = unit.cache.get(kind)
+        if cached is not None and (kind == "frozen" or backward):
+            tensor, _ = cached
+            tensor = tensor.to(self.grid.device, non_blocking=True)
+            if self.fcdp.cache == "slice" and kind == "trainable" and self.nodes.local_size > 1:
+                unit.pending[kind] = comm.all_gather(tensor, self.nodes, INTRA, async_op=True)
+            else:
+                unit.pending[kind] = _Ready(tensor)
+            return
+        group = unit.groups[kind]
+        send = group.master.to(self.compute_dtype or group.master.dtype)
+        unit.pending[kind] = comm.all_gather(send, self.grid, "data", async_op=True)
+
+    def _materialize(self, unit: Unit, kind: str, backward: bool) -> torch.Tensor:
+        if kind not in unit.full:
+            self._start(unit, kind, backward)
+            unit.full[kind] = unit.pending.pop(kind).wait()
+        return unit.full[kind]
+
+    def _install(self, unit: Unit) -> None:
+        for kind, group in unit.groups.items():
+            full = unit.full[kind]
+            self._live[full.untyped_storage().data_ptr()] = (unit, kind, full)
+            tracked = full
+            if kind == "trainable" and torch.is_grad_enabled():
+                tracked = _UnitGrad.apply(unit.anchor, full, unit)
+            for slot, view in zip(group.slots, group.views(tracked), strict=False):
+                for module, attr in slot.refs:
+                    module.__dict__[attr] = view
+
+    def _uninstall(self, unit: Unit) -> None:
+        for kind, group in unit.groups.items():
+            full = unit.full.get(kind)
+            if full is not None:
+                self._live.pop(full.untyped_storage().data_ptr(), None)
+            for slot in group.slots:
+                for module, attr in slot.refs:
+                    module.__dict__.pop(attr, None)
+
+    def _drop(self, unit: Unit, kinds: tuple[str, ...] = KINDS) -> None:
+        for kind in kinds:
+            unit.full.pop(kind, None)
+
+    # ------------------------------------------------------------------------- FCDP
+    def _cache(self, unit: Unit) -> None:
+        """Keep what forward gathered (see the module docstring)."""
+        fc = self.fcdp
+        for kind, full in unit.full.items():
+            if kind == "frozen":
+                if "frozen" not in unit.cache:
+                    self._store(unit, kind, full, whole=True)
+            elif torch.is_grad_enabled():
+                k = self.nodes.local_size
+                if fc.cache == "slice" and k > 1:
+                    part = full.numel() // k
+                    sl = full[self.nodes.local_rank * part : (self.nodes.local_rank + 1) * part]
+                    self._store(unit, kind, sl, whole=False)
+                else:
+                    self._store(unit, kind, full, whole=True)
+
+    def _store(self, unit: Unit, kind: str, t: torch.Tensor, whole: bool) -> None:
+        self._uncache(unit, kind)
+        nbytes = t.numel() * t.element_size()
+        on_device = self.cache_bytes["device"] + nbytes <= self.fcdp.device_budget_bytes
+        if on_device:
+            kept = t if whole else t.clone()
+            where = "device"
+        else:
+            pin = self.fcdp.pin_memory and t.device.type == "cuda"
+            if t.device.type == "cpu" and whole:
+                kept = t  # already in host memory
+            else:
+                kept = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                kept.copy_(t, non_blocking=pin)
+            where = "host"
+        unit.cache[kind] = (kept, where)
+        self.cache_bytes[where] += nbytes
+
+    def _uncache(self, unit: Unit, kind: str) -> None:
+        old = unit.cache.pop(kind, None)
+        if old is not None:
+            self.cache_bytes[old[1]] -= old[0].numel() * old[0].element_size()
+
+    # --------------------------------------------------------------------- saved tensors
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._live:
+            return t
+        try:
+            key = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        entry = self._live.get(key)
+        if entry is None:
+            return t
+        unit, kind, full = entry
+        if t.dtype != full.dtype or t.device != full.device:
+            return t
+        unit.saved.add(kind)
+        offset = t.storage_offset() - full.storage_offset()
+        return _Ref(unit, kind, tuple(t.shape), tuple(t.stride()), offset)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Ref):
+            return packed
+        unit = packed.unit
+        self._begin_backward()
+        full = self._materialize(unit, packed.kind, backward=True)
+        if not unit.seen_in_backward:
+            unit.seen_in_backward = True
+            self._prefetch_backward(unit)
+        return full.as_strided(packed.shape, packed.stride, packed.offset)
+
+    def _prefetch_backward(self, unit: Unit) -> None:
+        if not self.prefetch:
+            return
+        order = self._bw_order
+        try:
+            i = order.index(unit)
+        except ValueError:
+            return
+        for nxt in order[i + 1 :]:
+            if not nxt.seen_in_backward:
+                for kind in nxt.saved:
+                    self._start(nxt, kind, backward=True)
+                return
+
+    # ------------------------------------------------------------------------- backward
+    def _begin_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._bw_order = []
+        for u in reversed(self.order):
+            if u.saved and u not in self._bw_order:
+                self._bw_order.append(u)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def on_unit_grad(self, unit: Unit, grad: torch.Tensor) -> None:
+        """The gradient of ``unit``'s whole trainable buffer is ready."""
+        self._begin_backward()
+        group = unit.groups["trainable"]
+        reduce_dtype = self.reduce_dtype or group.master.dtype
+        if not self.sync:
+            g = grad.to(reduce_dtype)
+            unit.acc = g if unit.acc is None else unit.acc.add_(g)
+        else:
+            if unit.acc is not None:
+                g = unit.acc.add_(grad.to(reduce_dtype))
+                unit.acc = None
+            else:
+                g = grad.to(reduce_dtype)
+            if group.z_start < group.numel and self.grid.size("z") > 1:
+                comm.all_reduce(g[group.z_start : group.numel], self.grid, "z")
+            g.div_(self.scale)
+            handle = comm.reduce_scatter(g, self.grid, "data", async_op=True)
+            self._pending_rs.append((group, handle))
+        self._drop(unit)
+        self._uncache(unit, "trainable")
+
+    def _end_of_backward(self) -> None:
+        try:
+            for group, handle in self._pending_rs:
+                group.set_grad(handle.wait())
+        finally:
+            self._pending_rs.clear()
+            for unit in self.units:
+                for kind in list(unit.pending):
+                    unit.pending.pop(kind).wait()
+                if unit.depth == 0:
+                    self._drop(unit)
+                    self._uncache(unit, "trainable")
+                unit.seen_in_backward = False
+            self._in_backward = False
+
+    # ------------------------------------------------------------------------- helpers
+    def gather_all(self) -> None:
+        """Gather and install every unit (for :meth:`ShardedModel.gathered`)."""
+        for unit in self.units:
+            unit.depth += 1
+            if unit.depth == 1:
+                for kind in unit.groups:
+                    self._materialize(unit, kind, backward=False)
+                self._install(unit)
+
+    def release_all(self) -> None:
+        """Undo :meth:`gather_all`."""
+        for unit in self.units:
+            unit.depth = max(0, unit.depth - 1)
+            if unit.depth == 0:
+                self._uninstall(unit)
+                self._drop(unit)
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every floating tensor inside tuples, lists and dicts cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [_cast_floats(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
