@@ -81,9 +81,7 @@ def _select_units(model: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Modul
     else:
         for spec in units:
             if isinstance(spec, str):
-                hits = [
-                    (n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, spec)
-                ]
+                hits = [(n, m) for n, m in model.named_modules() if n and _name_matches(n, spec)]
                 if not hits:
                     raise ValueError(f"unit pattern {spec!r} matches no submodule of the model")
                 chosen.extend(hits)
@@ -100,6 +98,15 @@ def _select_units(model: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Modul
             seen.add(id(m))
             out.append((n, m))
     return out
+
+
+def _name_matches(name: str, pattern: str) -> bool:
+    """fnmatch per dotted component: ``"blocks.*"`` matches ``blocks.0`` but not
+    ``blocks.0.attn``."""
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(
+        fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True)
+    )
 
 
 def _unit_of(module_name: str, unit_names: list[str]) -> str:
@@ -561,7 +568,7 @@ def shard(
             3 (+ parameters).
         units: which submodules are gathered and released together (stage 3) and where
             gradient buckets are cut (stages 0–2): a list of modules or module-name patterns
-            (``"blocks.*"``), or a policy ``(name, module) -> bool`` such as
+            (``"blocks.*"``; each ``*`` stays within one dotted component), or a policy ``(name, module) -> bool`` such as
             :func:`by_type`. The model is always the outermost unit.
         mixed_precision: a :class:`MixedPrecision` policy (default: none, every dtype stays).
         fcdp: an :class:`FCDP` configuration (stage 3 only).

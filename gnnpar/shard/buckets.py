@@ -119,8 +119,9 @@ class Bucket:
         self.handle = None
         g = self.group
         if self.stage == 0:
-            if g.pieces:  # mixed precision: separate master copies
+            if g.pieces:  # mixed precision: separate master copies hold the gradient now
                 g.set_grad(out)
+                self.buffer.zero_()
             elif not self.grad_views:
                 for s in g.slots:
                     piece = out[s.offset : s.offset + s.numel].view(s.shape).to(s.param.dtype)
