@@ -18,8 +18,8 @@ $(VENV)/.stamp-%: pyproject.toml | $(VENV)/bin/python
 	touch $@
 
 demo: $(VENV)/.stamp-dev-llm
-	$(VENV)/bin/gnnpar data prepare sbm --out datasets/sbm
-	$(VENV)/bin/gnnpar info --check --nprocs 4
+	$(VENV)/bin/gnnpar train gcn --dataset sbm --nprocs 4 --epochs 100 --out runs/demo --overwrite
+	$(VENV)/bin/gnnpar report runs/demo
 
 test: $(VENV)/.stamp-dev-llm
 	$(PY) -m pytest -x --timeout=600

@@ -286,8 +286,9 @@ class Linear(ShardedModule):
         self.in_sizes = self.weight_layout.col_sizes()
         self.out_sizes = self.weight_layout.row_sizes()
         self._serial = grid.size(self.in_axis) * grid.size(self.out_axis) * grid.size("z") == 1
-        if fused > 1 and self.gather_output:
-            self.register_buffer("_unfuse", self.weight_layout.row_order(), persistent=False)
+        if fused > 1:
+            order = self.weight_layout.row_order().to(device)
+            self.register_buffer("_unfuse", order, persistent=False)
         if init_weights:
             self.reset_parameters()
 

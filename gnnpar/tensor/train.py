@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -245,10 +246,18 @@ def sample(s: Session, prompt: str | None = None, tokens: int | None = None) -> 
     return s.corpus.decode(out[0])
 
 
-def train_gpt(config: GPTTrainConfig, grid: ProcessGrid | None = None) -> dict[str, Any]:
+def train_gpt(
+    config: GPTTrainConfig,
+    grid: ProcessGrid | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, Any]:
     """Train a GPT as ``config`` says; return ``{"losses", "final_loss", "val_loss",
-    "tokens_per_s", "num_params", "local_params", "grid", "sample", "checkpoint",
-    "time_s"}`` (the same on every rank)."""
+    "val_losses", "tokens_per_s", "num_params", "local_params", "grid", "sample",
+    "checkpoint", "time_s"}`` (the same on every rank).
+
+    ``on_step(step, metrics)`` is called on every rank after each optimizer step with
+    ``loss``, ``grad_norm``, ``lr`` and ``tokens_per_s`` (for a caller's own progress
+    display or metrics log; set ``config.progress=False`` to drop the built-in bar)."""
     from tqdm import tqdm
 
     s = setup(config, grid)
@@ -272,7 +281,7 @@ def train_gpt(config: GPTTrainConfig, grid: ProcessGrid | None = None) -> dict[s
     t0 = time.perf_counter()
     timed_from, timed_steps = None, 0
     for step in bar:
-        loss, _ = train_step(s, step)
+        loss, norm = train_step(s, step)
         losses.append(loss)
         if step > start:  # the first step pays for warm-up; leave it out of the rate
             timed_steps += 1
@@ -280,6 +289,9 @@ def train_gpt(config: GPTTrainConfig, grid: ProcessGrid | None = None) -> dict[s
             timed_from = time.perf_counter()
         rate = tokens_per_step * timed_steps / max(time.perf_counter() - timed_from, 1e-9)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
+        if on_step is not None:
+            metrics = {"loss": loss, "grad_norm": norm, "lr": lr_at(config, step)}
+            on_step(step, {**metrics, "tokens_per_s": rate})
         done = step + 1
         if config.val_every and done % config.val_every == 0 and done < config.steps:
             val_losses.append((done, evaluate(s)))

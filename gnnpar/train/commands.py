@@ -38,12 +38,20 @@ def _run(args: argparse.Namespace) -> int:
         checkpoint_every=cfg.checkpoint_every,
         resume=cfg.resume,
         quiet=cfg.quiet,
+        overwrite=getattr(cfg, "overwrite", False),
     )
     result = trainer.run()
     if task.grid.global_rank == 0:
         summary = " ".join(f"{k}={v:.4f}" for k, v in result.items())
         print(f"done: {task.grid.describe()} {summary}; metrics in {cfg.out}/metrics.jsonl")
     gnnpar.shutdown(task.grid)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from gnnpar.train.report import write_report
+
+    print(write_report(args.run_dir))
     return 0
 
 
@@ -58,3 +66,6 @@ def add_train_commands(subparsers: Any) -> None:
         p.add_argument("--nprocs", type=int, default=1, help="local processes to start")
         add_flags(p, cls)
         p.set_defaults(func=_run)
+    report = subparsers.add_parser("report", help="plots and a summary of a run folder")
+    report.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
+    report.set_defaults(func=_report)

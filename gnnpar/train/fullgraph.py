@@ -8,6 +8,7 @@ not given, from the communication model in :mod:`gnnpar.plan`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ class FullGraphConfig:
     out: str = _field("runs/gcn", "run folder: metrics, checkpoints, plots")
     checkpoint_every: int = _field(0, "checkpoint every N epochs (0: only at the end)")
     resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
+    overwrite: bool = _field(False, "start again in a run folder that holds a run")
     quiet: bool = _field(False, "log lines instead of a progress bar")
 
     def check(self) -> None:
@@ -84,7 +86,14 @@ class FullGraphConfig:
 
 
 def _shard_folder(cfg: FullGraphConfig) -> Path:
-    return Path(cfg.shards) if cfg.shards else Path(cfg.out) / "shards"
+    """The given folder, or one under the run folder named by everything that shapes the
+    shards, so that changing the dataset or its options never reuses stale shards."""
+    if cfg.shards:
+        return Path(cfg.shards)
+    keys = (cfg.dataset, cfg.root, cfg.dataset_options, cfg.model, cfg.blocks, cfg.permutation)
+    digest = hashlib.sha1(json.dumps([*keys, cfg.seed]).encode()).hexdigest()[:10]
+    name = Path(cfg.dataset).name or "graph"
+    return Path(cfg.out) / "shards" / f"{name}-{digest}"
 
 
 def _prepare(cfg: FullGraphConfig, world: gnnpar.ProcessGrid) -> Path:

@@ -6,6 +6,7 @@ small :class:`Task` protocol; the loop owns everything else, the same way for al
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,6 +61,7 @@ class Trainer:
         checkpoint_every: int = 0,
         resume: bool = False,
         quiet: bool = False,
+        overwrite: bool = False,
     ):
         self.task = task
         self.grid = task.grid
@@ -69,7 +71,29 @@ class Trainer:
         self.resume = resume
         self.quiet = quiet
         self.is_main = self.grid.global_rank == 0
+        self._check_run_folder(overwrite)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.is_main)
+
+    def _check_run_folder(self, overwrite: bool) -> None:
+        """A finished or interrupted run is never mixed with a new one silently. Rank 0
+        decides for everyone: other ranks may look only after rank 0 has started writing."""
+        old = [self.out / "metrics.jsonl", self.out / "checkpoints", self.out / "plots"]
+        found = torch.tensor([float(self.is_main and any(p.exists() for p in old))])
+        found = comm.all_reduce(found, self.grid, "world", op="max")
+        if self.resume or not found.item():
+            return
+        if not overwrite:
+            raise FileExistsError(
+                f"run folder {self.out} already holds a run; pass --resume to continue it "
+                "or --overwrite to start again"
+            )
+        if self.is_main:
+            for p in old:
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+        comm.barrier(self.grid)
 
     def _save(self, step: int) -> None:
         state = {"task": self.task.state_dict(), "rng": _rng_state(), "step": step}

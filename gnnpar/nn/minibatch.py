@@ -1,0 +1,258 @@
+"""GNN layers and models for message-flow blocks (mini-batch training), in plain PyTorch.
+
+Each layer takes a :class:`~gnnpar.sampling.Block` and the representations of the block's
+source nodes, and returns those of its destinations (the first ``num_dst`` sources):
+
+- :class:`SAGEConv`: GraphSAGE-mean, ``W_neigh · mean(h_u, u ∈ N(v)) + W_root · h_v + b``
+  (PyG's ``SAGEConv`` with the same parameters gives the same output);
+- :class:`GCNConv`: ``W · mean(h_u, u ∈ N(v) ∪ {v}) + b``, GCN with a self loop and
+  row normalisation (symmetric normalisation needs the degrees of sources outside the
+  block, which a sample does not have);
+- :class:`GATConv`: graph attention with multi-head concatenation and a self loop.
+
+Aggregation is a CSR sparse-dense product; its backward uses the transposed CSR, built only
+when a gradient is needed. :class:`BlockGNN` stacks layers (dropout, layer, ReLU) and runs
+either on a list of blocks (training) or one layer at a time (layer-wise inference).
+Nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["BlockGNN", "GATConv", "GCNConv", "SAGEConv", "block_mean", "block_sum"]
+
+_KINDS = ("sage", "gcn", "gat")
+
+
+def _csr(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: tuple) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+        return torch.sparse_csr_tensor(indptr, indices, values, shape, check_invariants=False)
+
+
+def _transpose(
+    indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, num_cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSR of the transpose (rows = old columns), stable within rows."""
+    rows = torch.repeat_interleave(
+        torch.arange(indptr.numel() - 1, device=indptr.device),
+        indptr[1:] - indptr[:-1],
+        output_size=indices.numel(),
+    )
+    order = torch.sort(indices, stable=True).indices
+    counts = torch.bincount(indices, minlength=num_cols)
+    t_ptr = torch.zeros(num_cols + 1, dtype=torch.int64, device=indptr.device)
+    torch.cumsum(counts, 0, out=t_ptr[1:])
+    return t_ptr, rows[order], values[order]
+
+
+class _SpMM(torch.autograd.Function):
+    """``A @ H`` for a fixed CSR ``A`` (num_dst × num_src); gradient for ``H`` only."""
+
+    @staticmethod
+    def forward(ctx, h, indptr, indices, values, num_src):  # noqa: D102
+        ctx.save_for_backward(indptr, indices, values)
+        ctx.num_src = num_src
+        num_dst = indptr.numel() - 1
+        if indices.numel() == 0 or h.shape[1] == 0:
+            return h.new_zeros((num_dst, h.shape[1]))
+        return _csr(indptr, indices, values.to(h.dtype), (num_dst, num_src)) @ h.contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        indptr, indices, values = ctx.saved_tensors
+        if indices.numel() == 0:
+            return grad.new_zeros((ctx.num_src, grad.shape[1])), None, None, None, None
+        t_ptr, t_idx, t_val = _transpose(indptr, indices, values, ctx.num_src)
+        a_t = _csr(t_ptr, t_idx, t_val.to(grad.dtype), (ctx.num_src, indptr.numel() - 1))
+        return a_t @ grad.contiguous(), None, None, None, None
+
+
+def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_{u -> v} w_uv h_u`` for every destination ``v`` (weights default to 1)."""
+    if h_src.shape[0] != block.num_src:
+        raise ValueError(
+            f"the block has {block.num_src} source nodes but h_src has {h_src.shape[0]} rows"
+        )
+    if weight is None:
+        weight = torch.ones(block.num_edges, dtype=h_src.dtype, device=h_src.device)
+    return _SpMM.apply(h_src, block.indptr, block.indices, weight, block.num_src)
+
+
+def block_mean(block: Any, h_src: torch.Tensor) -> torch.Tensor:
+    """Mean of the in-neighbours' rows for every destination (0 where there are none)."""
+    deg = block.in_degrees()
+    inv = 1.0 / deg.clamp(min=1).to(h_src.dtype)
+    weight = torch.repeat_interleave(inv, deg, output_size=block.num_edges)
+    return block_sum(block, h_src, weight)
+
+
+class SAGEConv(nn.Module):
+    """GraphSAGE with mean aggregation on a block.
+
+    ``lin_neigh`` (with the bias) and ``lin_root`` play the roles of PyG's ``lin_l`` and
+    ``lin_r``. The neighbour transform is applied before aggregating when that is narrower.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
+        super().__init__()
+        self.in_dim, self.out_dim = in_dim, out_dim
+        self.lin_neigh = nn.Linear(in_dim, out_dim, bias=bias)
+        self.lin_root = nn.Linear(in_dim, out_dim, bias=False)
+
+    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        h_dst = h_src[: block.num_dst]
+        if self.in_dim > self.out_dim:
+            agg = block_mean(block, h_src @ self.lin_neigh.weight.t())
+            if self.lin_neigh.bias is not None:
+                agg = agg + self.lin_neigh.bias
+        else:
+            agg = self.lin_neigh(block_mean(block, h_src))
+        return agg + self.lin_root(h_dst)
+
+
+class GCNConv(nn.Module):
+    """GCN on a block: ``W · (h_v + sum_{u in N(v)} h_u) / (deg(v) + 1) + b``."""
+
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
+        super().__init__()
+        self.in_dim, self.out_dim = in_dim, out_dim
+        self.lin = nn.Linear(in_dim, out_dim, bias=False)
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+
+    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if self.in_dim > self.out_dim:
+            h_src = self.lin(h_src)
+        total = block_sum(block, h_src) + h_src[: block.num_dst]
+        out = total / (block.in_degrees() + 1).to(total.dtype)[:, None]
+        if self.in_dim <= self.out_dim:
+            out = self.lin(out)
+        return out if self.bias is None else out + self.bias
+
+
+class GATConv(nn.Module):
+    """Graph attention (Veličković et al.) on a block, with a self loop per destination.
+
+    ``heads`` attention heads of ``out_dim // heads`` features each are concatenated
+    (``concat=True``) or averaged (``concat=False``, then each head has ``out_dim``).
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        heads: int = 1,
+        concat: bool = True,
+        negative_slope: float = 0.2,
+        attn_dropout: float = 0.0,
+        bias: bool = True,
+    ):
+        super().__init__()
+        if heads < 1:
+            raise ValueError(f"heads must be >= 1, got {heads}")
+        if concat and out_dim % heads:
+            raise ValueError(f"out_dim {out_dim} is not divisible by {heads} heads")
+        self.heads, self.concat = heads, concat
+        self.head_dim = out_dim // heads if concat else out_dim
+        self.negative_slope, self.attn_dropout = negative_slope, attn_dropout
+        self.lin = nn.Linear(in_dim, heads * self.head_dim, bias=False)
+        self.att_src = nn.Parameter(torch.empty(heads, self.head_dim))
+        self.att_dst = nn.Parameter(torch.empty(heads, self.head_dim))
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+        nn.init.xavier_uniform_(self.att_src)
+        nn.init.xavier_uniform_(self.att_dst)
+
+    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        nd, heads = block.num_dst, self.heads
+        z = self.lin(h_src).view(-1, heads, self.head_dim)
+        a_src = (z * self.att_src).sum(-1)
+        a_dst = (z[:nd] * self.att_dst).sum(-1)
+        loops = torch.arange(nd, device=h_src.device)
+        src = torch.cat([block.indices, loops])
+        dst = torch.cat([block.dst_index(), loops])
+        e = F.leaky_relu(a_src[src] + a_dst[dst], self.negative_slope)
+        e_max = torch.full((nd, heads), float("-inf"), dtype=e.dtype, device=e.device)
+        e_max = e_max.scatter_reduce(0, dst[:, None].expand_as(e), e, "amax", include_self=True)
+        w = torch.exp(e - e_max[dst])
+        denom = torch.zeros((nd, heads), dtype=e.dtype, device=e.device).index_add_(0, dst, w)
+        alpha = w / denom[dst]
+        alpha = F.dropout(alpha, self.attn_dropout, self.training)
+        out = torch.zeros((nd, heads, self.head_dim), dtype=z.dtype, device=z.device)
+        out = out.index_add_(0, dst, alpha[:, :, None] * z[src])
+        out = out.reshape(nd, -1) if self.concat else out.mean(1)
+        return out if self.bias is None else out + self.bias
+
+
+class BlockGNN(nn.Module):
+    """A stack of block layers: dropout, layer, ReLU (no ReLU after the last).
+
+    Args:
+        in_dim, hidden, out_dim: widths of the input, hidden layers and output.
+        num_layers: number of layers (one block each).
+        dropout: dropout probability on every layer's input.
+        kind: ``"sage"``, ``"gcn"`` or ``"gat"``.
+        heads: attention heads of the hidden GAT layers (the last has one).
+
+    ``forward(blocks, x)`` takes the blocks of a mini-batch (input layer first) and the
+    features of ``blocks[0]``'s sources; ``forward_layer`` runs one layer, for layer-wise
+    inference.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        hidden: int,
+        out_dim: int,
+        num_layers: int = 2,
+        dropout: float = 0.5,
+        kind: str = "sage",
+        heads: int = 4,
+    ):
+        super().__init__()
+        if kind not in _KINDS:
+            raise ValueError(f"unknown block model {kind!r}; use one of {', '.join(_KINDS)}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
+        layers: list[nn.Module] = []
+        for i in range(num_layers):
+            last = i == num_layers - 1
+            if kind == "sage":
+                layers.append(SAGEConv(dims[i], dims[i + 1]))
+            elif kind == "gcn":
+                layers.append(GCNConv(dims[i], dims[i + 1]))
+            else:
+                layers.append(GATConv(dims[i], dims[i + 1], heads=1 if last else heads))
+        self.kind = kind
+        self.dropout = dropout
+        self.layers = nn.ModuleList(layers)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers (and of blocks a forward pass takes)."""
+        return len(self.layers)
+
+    def forward_layer(self, i: int, block: Any, h_src: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` on ``block``: dropout (in training), the layer, ReLU unless last."""
+        h = F.dropout(h_src, self.dropout, self.training)
+        h = self.layers[i](block, h)
+        return h if i == self.num_layers - 1 else torch.relu(h)
+
+    def forward(self, blocks: list[Any], x: torch.Tensor) -> torch.Tensor:
+        """Logits of the seeds (``blocks[-1]``'s destinations)."""
+        if len(blocks) != self.num_layers:
+            raise ValueError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
+        h = x
+        for i, block in enumerate(blocks):
+            h = self.forward_layer(i, block, h)
+        return h

@@ -1,0 +1,74 @@
+"""Mini-batch GNN training data: neighbour sampling, message-flow blocks, a prefetching
+loader, layer-wise inference, and distributed sampling and feature fetching over partitions.
+
+Quick start::
+
+    from gnnpar.sampling import NeighborSampler, NodeLoader, layerwise_inference
+    from gnnpar.nn.minibatch import BlockGNN
+
+    sampler = NeighborSampler(graph, fanouts=[15, 10])          # hop order: seeds first
+    loader = NodeLoader(sampler, graph.train_mask, batch_size=1024,
+                        features=graph.feat, labels=graph.label)
+    model = BlockGNN(graph.feat.shape[1], 256, graph.num_classes, num_layers=2)
+    for epoch in range(10):
+        for batch in loader:                                    # prefetched in a thread
+            loss = F.cross_entropy(model(batch.blocks, batch.x), batch.y)
+            ...
+    logits = layerwise_inference(model, graph)                  # exact, every node
+
+Modules: :mod:`~gnnpar.sampling.rng` (counter-based random numbers),
+:mod:`~gnnpar.sampling.block` (``Block``, ``MiniBatch``), :mod:`~gnnpar.sampling.neighbor`
+(``NeighborSampler``), :mod:`~gnnpar.sampling.vertex` (ScaleGNN's ``VertexSampler``),
+:mod:`~gnnpar.sampling.loader` (``NodeLoader``), :mod:`~gnnpar.sampling.inference`
+(``layerwise_inference``), :mod:`~gnnpar.sampling.distributed` (``LocalPart``,
+``DistNeighborSampler``, ``FeatureFetcher``, ``distributed_inference``).
+"""
+
+from gnnpar.sampling.block import Block, MiniBatch
+from gnnpar.sampling.distributed import (
+    DistNeighborSampler,
+    FeatureFetcher,
+    LocalPart,
+    balanced_steps,
+    distributed_inference,
+    request_rows,
+)
+from gnnpar.sampling.inference import BlockModel, full_blocks, layerwise_inference
+from gnnpar.sampling.loader import NodeLoader, Sampler, batch_sizes, steps_for
+from gnnpar.sampling.neighbor import (
+    NeighborSampler,
+    Relabeler,
+    as_node_ids,
+    parse_fanouts,
+    sample_rows,
+)
+from gnnpar.sampling.rng import derive_key, random_bits, uniform_below
+from gnnpar.sampling.vertex import VertexSampler, uniform_subset
+
+__all__ = [
+    "Block",
+    "BlockModel",
+    "DistNeighborSampler",
+    "FeatureFetcher",
+    "LocalPart",
+    "MiniBatch",
+    "NeighborSampler",
+    "NodeLoader",
+    "Relabeler",
+    "Sampler",
+    "VertexSampler",
+    "as_node_ids",
+    "balanced_steps",
+    "batch_sizes",
+    "derive_key",
+    "distributed_inference",
+    "full_blocks",
+    "layerwise_inference",
+    "parse_fanouts",
+    "random_bits",
+    "request_rows",
+    "sample_rows",
+    "steps_for",
+    "uniform_below",
+    "uniform_subset",
+]

@@ -1,0 +1,278 @@
+"""A mini-batch loader over seed nodes: shuffling, batching, data gathering and prefetching.
+
+:class:`NodeLoader` cuts the seeds into batches (shuffled per epoch from ``seed``), asks a
+sampler for each batch's blocks, gathers the input features and the seed labels, and hands
+out :class:`~gnnpar.sampling.block.MiniBatch` objects. With ``prefetch > 0`` a background
+thread prepares batch ``i + 1`` (sampling and feature gathering) while batch ``i`` trains;
+with a CUDA ``device`` the batch is pinned in that thread and copied asynchronously.
+
+Everything random is a function of ``(seed, epoch, batch index, rank)``, so an epoch is the
+same whether or not it is prefetched, and :meth:`NodeLoader.state_dict` (epoch and position
+in the epoch) is enough to resume exactly where a run stopped::
+
+    loader = NodeLoader(sampler, train_ids, batch_size=1024, features=feat, labels=label)
+    for epoch in range(10):
+        for batch in loader:              # one epoch; the loader then moves to the next
+            logits = model(batch.blocks, batch.x)
+            loss = F.cross_entropy(logits, batch.y)
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from gnnpar.sampling.block import MiniBatch
+from gnnpar.sampling.neighbor import as_node_ids
+from gnnpar.sampling.rng import derive_key
+
+__all__ = ["NodeLoader", "Sampler", "batch_sizes", "steps_for"]
+
+_PERMUTATION = 0x5EED  # salts that keep the streams of the loader apart
+_BATCH = 0xB47C
+
+
+class Sampler(Protocol):
+    """What :class:`NodeLoader` needs from a sampler."""
+
+    def sample(self, seeds: torch.Tensor, key: int | None = None) -> MiniBatch:
+        """Blocks for ``seeds`` drawn with random key ``key``."""
+
+
+DataSource = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+def batch_sizes(
+    num_seeds: int, batch_size: int, drop_last: bool, num_steps: int | None
+) -> list[int]:
+    """Sizes of the batches of one epoch.
+
+    Without ``num_steps``: ``batch_size`` each, the last one smaller (or dropped with
+    ``drop_last``). With ``num_steps``: exactly that many batches whose sizes differ by at
+    most one (all at most ``batch_size`` when ``num_steps >= ceil(num_seeds / batch_size)``),
+    which is how distributed ranks with different seed counts run the same number of steps.
+    """
+    if num_steps is None:
+        full, rest = divmod(num_seeds, batch_size)
+        return [batch_size] * full + ([rest] if rest and not drop_last else [])
+    base, extra = divmod(num_seeds, num_steps)
+    return [base + (1 if i < extra else 0) for i in range(num_steps)]
+
+
+def steps_for(num_seeds: int, batch_size: int, drop_last: bool = False) -> int:
+    """Batches an epoch of ``num_seeds`` seeds takes (at least one)."""
+    if drop_last:
+        return max(1, num_seeds // batch_size)
+    return max(1, math.ceil(num_seeds / batch_size))
+
+
+def _gather(source: DataSource | None, ids: torch.Tensor) -> torch.Tensor | None:
+    if source is None:
+        return None
+    if isinstance(source, torch.Tensor):
+        return source.index_select(0, ids)
+    return source(ids)
+
+
+class NodeLoader:
+    """Iterate mini-batches of seed nodes through a sampler.
+
+    Args:
+        sampler: anything with ``sample(seeds, key) -> MiniBatch`` (a
+            :class:`~gnnpar.sampling.NeighborSampler`, a distributed sampler, ...).
+        seeds: the seed node ids (int64) or a boolean mask.
+        batch_size: seeds per batch (at least 1).
+        shuffle: a new seed order every epoch.
+        drop_last: drop the last, smaller batch.
+        seed: the seed of shuffling and sampling.
+        features: node features, indexed by :attr:`MiniBatch.input_nodes` to give
+            ``batch.x``: an ``(N, F)`` tensor, or a function of the ids (e.g. a distributed
+            fetcher's ``fetch``).
+        labels: the same for ``batch.y``, indexed by the seeds.
+        num_steps: batches per epoch, overriding ``batch_size`` (see :func:`batch_sizes`).
+        prefetch: batches prepared ahead by a background thread (0: none).
+        device: where batches go; ``None`` keeps them on the CPU.
+        pin_memory: pin batches before the copy (default: when ``device`` is CUDA).
+        rank: mixed into the random keys, so data-parallel ranks draw differently.
+        num_nodes: the id bound for validating ``seeds`` (default: the sampler's
+            ``num_nodes`` if it has one).
+
+    Raises:
+        ValueError: ``batch_size < 1``, ``prefetch < 0``, ``num_steps < 1``, or bad seeds.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        seeds: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        features: DataSource | None = None,
+        labels: DataSource | None = None,
+        num_steps: int | None = None,
+        prefetch: int = 1,
+        device: torch.device | str | None = None,
+        pin_memory: bool | None = None,
+        rank: int = 0,
+        num_nodes: int | None = None,
+    ):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 1):
+            raise ValueError(f"num_steps must be a positive integer or None, got {num_steps!r}")
+        bound = num_nodes if num_nodes is not None else getattr(sampler, "num_nodes", None)
+        if bound is None:
+            raise ValueError("pass num_nodes: the sampler does not say how many nodes there are")
+        self.sampler = sampler
+        self.seeds = as_node_ids(seeds, int(bound))
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.seed = int(seed)
+        self.features = features
+        self.labels = labels
+        self.num_steps = num_steps
+        self.prefetch = prefetch
+        self.device = None if device is None else torch.device(device)
+        if pin_memory is None:
+            pin_memory = self.device is not None and self.device.type == "cuda"
+        self.pin_memory = bool(pin_memory)
+        self.rank = int(rank)
+        self.epoch = 0
+        self.position = 0
+
+    # ------------------------------------------------------------------ epochs and state
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(batch_sizes(self.seeds.numel(), self.batch_size, self.drop_last, self.num_steps))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch at the next iteration."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self.epoch, self.position = int(epoch), 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader stands: the epoch and the batches of it already handed out."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from :meth:`state_dict`; a different ``seed`` is refused."""
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"loader state was saved with seed {state['seed']}, this loader has {self.seed}"
+            )
+        if not 0 <= int(state["position"]) <= len(self):
+            raise ValueError(f"loader position {state['position']} is outside 0..{len(self)}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def batch_key(self, epoch: int, index: int) -> int:
+        """The random key of batch ``index`` of ``epoch`` (what the sampler receives)."""
+        return derive_key(self.seed, _BATCH, epoch, index, self.rank)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The seeds in the order of ``epoch``."""
+        if not self.shuffle:
+            return self.seeds
+        g = torch.Generator().manual_seed(
+            derive_key(self.seed, _PERMUTATION, epoch, self.rank) & ((1 << 63) - 1)
+        )
+        return self.seeds[torch.randperm(self.seeds.numel(), generator=g)]
+
+    def epoch_batches(self, epoch: int) -> list[torch.Tensor]:
+        """The seed ids of every batch of ``epoch``."""
+        order = self.epoch_order(epoch)
+        sizes = batch_sizes(order.numel(), self.batch_size, self.drop_last, self.num_steps)
+        return list(torch.split(order[: sum(sizes)], sizes)) if sizes else []
+
+    # ------------------------------------------------------------------ making batches
+    def make_batch(self, epoch: int, index: int, seeds: torch.Tensor) -> MiniBatch:
+        """Sample and gather batch ``index`` of ``epoch`` (what the prefetch thread runs)."""
+        t0 = time.perf_counter()
+        batch = self.sampler.sample(seeds, key=self.batch_key(epoch, index))
+        t1 = time.perf_counter()
+        batch.x = _gather(self.features, batch.input_nodes)
+        batch.y = _gather(self.labels, batch.seeds)
+        t2 = time.perf_counter()
+        batch.epoch, batch.index = epoch, index
+        batch.stats.setdefault("sample_s", t1 - t0)
+        batch.stats.setdefault("gather_s", t2 - t1)
+        if self.pin_memory:
+            batch = batch.pin_memory()
+        return batch
+
+    def _deliver(self, batch: MiniBatch) -> MiniBatch:
+        if self.device is None:
+            return batch
+        return batch.to(self.device, non_blocking=self.pin_memory)
+
+    def __iter__(self) -> Iterator[MiniBatch]:
+        """The rest of the current epoch; at its end the loader moves to the next epoch."""
+        epoch, start = self.epoch, self.position
+        batches = self.epoch_batches(epoch)
+        if self.prefetch == 0:
+            for i in range(start, len(batches)):
+                batch = self.make_batch(epoch, i, batches[i])
+                self.position = i + 1
+                yield self._deliver(batch)
+        else:
+            yield from self._prefetched(epoch, start, batches)
+        if self.epoch == epoch and self.position >= len(batches):
+            self.epoch, self.position = epoch + 1, 0
+
+    def _prefetched(
+        self, epoch: int, start: int, batches: list[torch.Tensor]
+    ) -> Iterator[MiniBatch]:
+        slots: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for i in range(start, len(batches)):
+                    if stop.is_set():
+                        return
+                    item = self.make_batch(epoch, i, batches[i])
+                    while not stop.is_set():
+                        try:
+                            slots.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+            except BaseException as err:  # noqa: BLE001 - handed to the consumer
+                slots.put(err)
+
+        worker = threading.Thread(target=produce, name="gnnpar-prefetch", daemon=True)
+        worker.start()
+        try:
+            for i in range(start, len(batches)):
+                item = slots.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.position = i + 1
+                yield self._deliver(item)
+        finally:
+            stop.set()
+            while worker.is_alive():
+                try:
+                    slots.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            worker.join()
+
+    def __repr__(self) -> str:
+        return (
+            f"NodeLoader(seeds={self.seeds.numel()}, batch_size={self.batch_size}, "
+            f"batches={len(self)}, shuffle={self.shuffle}, prefetch={self.prefetch})"
+        )

@@ -1,0 +1,372 @@
+"""Uniform neighbour sampling on a CSR graph, in pure PyTorch.
+
+For every destination node ``v`` of a hop and a fan-out ``k``:
+
+- without replacement (the default): ``min(k, deg(v))`` distinct in-edges of ``v``, every
+  subset of that size equally likely (Floyd's algorithm, vectorised over nodes: ``k`` rounds
+  of a few tensor operations, ``O(k)`` work per node whatever its degree);
+- with replacement: ``k`` in-edges drawn independently (none if ``deg(v) = 0``);
+- ``k = -1``: every in-edge.
+
+The random numbers are a hash of ``(batch key, hop, node key, draw)``
+(:mod:`gnnpar.sampling.rng`): the neighbours of a node depend on nothing else, not on the
+rest of the batch, the thread or the process. The node key is the node id unless
+``node_keys`` says otherwise (the distributed sampler passes original ids, so partition
+owners draw exactly what a single process draws on the whole graph).
+
+Sampled ids are relabelled so that each block's destinations come first among its sources,
+and the other sources follow in order of first appearance (as DGL's ``to_block``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gnnpar.graph import Graph
+from gnnpar.sampling.block import Block, MiniBatch
+from gnnpar.sampling.rng import derive_key, random_bits
+
+__all__ = [
+    "NeighborSampler",
+    "Relabeler",
+    "as_node_ids",
+    "parse_fanouts",
+    "sample_rows",
+]
+
+_MAX_DEGREE = 2**31 - 1
+
+
+def parse_fanouts(fanouts: Sequence[int] | str) -> list[int]:
+    """Fan-outs as a list of ints, from a sequence or a string like ``"15,10"``.
+
+    Raises:
+        ValueError: an empty list, or an entry that is neither ``-1`` nor positive.
+    """
+    if isinstance(fanouts, str):
+        parts = [p.strip() for p in fanouts.split(",") if p.strip()]
+        try:
+            values: list[Any] = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(
+                f"fan-outs must be comma-separated integers such as '15,10', got {fanouts!r}"
+            ) from None
+    else:
+        values = list(fanouts)
+    if not values:
+        raise ValueError("the fan-out list is empty: give one fan-out per layer, e.g. [15, 10]")
+    out = []
+    for i, f in enumerate(values):
+        if isinstance(f, bool) or not isinstance(f, int) and not hasattr(f, "__index__"):
+            raise ValueError(f"fan-out {i} must be an integer, got {f!r}")
+        f = int(f)
+        if f < 1 and f != -1:
+            raise ValueError(
+                f"fan-out {i} is {f}: use a positive number of neighbours, or -1 for all"
+            )
+        out.append(f)
+    return out
+
+
+def as_node_ids(ids: Any, num_nodes: int, what: str = "seeds") -> torch.Tensor:
+    """``ids`` as a 1-D int64 tensor of node ids in ``[0, num_nodes)``; ValueError otherwise."""
+    t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+    if t.dtype == torch.bool:
+        if t.dim() != 1 or t.numel() != num_nodes:
+            raise ValueError(f"a boolean {what} mask must have shape ({num_nodes},)")
+        return torch.nonzero(t, as_tuple=True)[0]
+    if t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{what} must be integer node ids, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
+    t = t.to(torch.int64)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_nodes):
+        bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+        raise ValueError(f"{what} contain node id {bad}, outside [0, {num_nodes})")
+    return t
+
+
+def _all_positions(start: torch.Tensor, deg: torch.Tensor) -> torch.Tensor:
+    """Concatenated ``start[i] + arange(deg[i])``."""
+    total = int(deg.sum())
+    offsets = torch.zeros(deg.numel() + 1, dtype=torch.int64, device=deg.device)
+    torch.cumsum(deg, 0, out=offsets[1:])
+    return torch.arange(total, dtype=torch.int64, device=deg.device) + torch.repeat_interleave(
+        start - offsets[:-1], deg, output_size=total
+    )
+
+
+def _floyd(
+    bits: torch.Tensor, deg: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Floyd's algorithm for every row at once, for rows with ``deg >= k``.
+
+    Round ``i`` draws ``t`` uniform in ``[0, j]`` with ``j = deg - k + i`` and keeps ``t``, or
+    ``j`` if ``t`` was already taken; the ``k`` picks are a uniform ``k``-subset of
+    ``[0, deg)``. Returns ``(j, t, taken)``, each ``(k, m)``: the pick of round ``i`` is
+    ``j`` where ``taken`` else ``t``. Membership is a 64-bit mask per row for rows of degree
+    at most 64 (a handful of tensor operations per round) and a comparison with the earlier
+    picks for the others.
+    """
+    m = deg.numel()
+    ramp = torch.arange(k, dtype=torch.int64, device=deg.device)[:, None]
+    j = (deg - k)[None, :] + ramp
+    t = (bits * (j + 1)) >> 32
+    taken = torch.zeros((k, m), dtype=torch.bool, device=deg.device)
+    wide = deg > 64
+    num_wide = int(wide.sum())
+    if num_wide < m:
+        # shifts by 64 or more give 0: harmless for wide rows, redone below
+        one = torch.ones((), dtype=torch.int64, device=deg.device)
+        bit_t = torch.bitwise_left_shift(one, t)
+        bit_j = torch.bitwise_left_shift(one, j)
+        mask = torch.zeros(m, dtype=torch.int64, device=deg.device)
+        tmp = torch.empty(m, dtype=torch.int64, device=deg.device)
+        for i in range(1, k):
+            mask |= torch.where(taken[i - 1], bit_j[i - 1], bit_t[i - 1])
+            torch.bitwise_and(mask, bit_t[i], out=tmp)
+            torch.ne(tmp, 0, out=taken[i])
+    if num_wide:
+        rows = torch.nonzero(wide, as_tuple=True)[0]
+        tw, jw = t[:, rows], j[:, rows]
+        picks = torch.empty_like(tw)
+        taken_w = torch.zeros(tw.shape, dtype=torch.bool, device=deg.device)
+        picks[0] = tw[0]
+        for i in range(1, k):
+            taken_w[i] = (picks[:i] == tw[i]).any(0)
+            picks[i] = torch.where(taken_w[i], jw[i], tw[i])
+        taken[:, rows] = taken_w
+    return j, t, taken
+
+
+def sample_rows(
+    indptr: torch.Tensor,
+    rows: torch.Tensor,
+    fanout: int,
+    *,
+    replace: bool = False,
+    key: int | torch.Tensor = 0,
+    row_keys: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample up to ``fanout`` entries of each CSR row ``rows[i]``.
+
+    Args:
+        indptr: CSR offsets of the graph.
+        rows: the rows (destination nodes) to sample, int64.
+        fanout: entries per row; ``-1`` takes every entry.
+        replace: draw with replacement.
+        key: the random key of this draw (see :func:`~gnnpar.sampling.rng.derive_key`),
+            or one key per row.
+        row_keys: the id hashed for each row (default: ``rows``).
+
+    Returns:
+        ``(counts, positions)``: the number of entries taken in each row, and their
+        positions in the CSR ``indices`` array, row by row.
+    """
+    start = indptr.index_select(0, rows)
+    deg = indptr.index_select(0, rows + 1) - start
+    m = rows.numel()
+    if fanout < 0:
+        return deg, _all_positions(start, deg)
+    if m == 0:
+        return deg, torch.zeros(0, dtype=torch.int64, device=rows.device)
+    k = fanout
+    if int(deg.max()) > _MAX_DEGREE:
+        raise ValueError(f"sampling supports degrees below 2**31, got {int(deg.max())}")
+    bits = random_bits(key, rows if row_keys is None else row_keys, k)  # (k, m)
+    if replace:
+        picks = (bits * deg) >> 32
+        counts = torch.where(deg > 0, k, 0)
+        full = bool((deg > 0).all())
+    else:
+        short = deg <= k
+        # short rows take offsets 0..deg-1: with deg raised to k their j is the round index
+        j, t, taken = _floyd(bits, deg.clamp(min=k), k)
+        counts = deg.clamp(max=k)
+        full = not bool(short.any())
+        if not full:
+            taken |= short
+        picks = torch.where(taken, j, t)
+    picks += start
+    if full:  # every row has k entries: row-major order is the CSR order
+        return counts, picks.t().reshape(-1)
+    # Scatter entry (i, row) to its CSR slot; entries past a row's count go to a spare slot.
+    ramp = torch.arange(k, dtype=torch.int64, device=rows.device)[:, None]
+    offsets = torch.cumsum(counts, 0) - counts
+    total = int(counts.sum())
+    dest = torch.where(ramp < counts, offsets + ramp, total)
+    out = torch.empty(total + 1, dtype=torch.int64, device=rows.device)
+    out.scatter_(0, dest.view(-1), picks.view(-1))
+    return counts, out[:total]
+
+
+class Relabeler:
+    """Maps sampled global ids to block-local ids: destinations first, then new sources in
+    order of first appearance.
+
+    Keeps one scratch array of ``num_nodes`` entries, guarded by a lock so one relabeler can
+    serve several threads. Entries are stamped with a call counter that decreases, so stale
+    entries of earlier calls never win the minimum and nothing needs clearing.
+    """
+
+    _STAMPS = 1 << 30
+
+    def __init__(self, num_nodes: int):
+        self.num_nodes = int(num_nodes)
+        self._scratch: torch.Tensor | None = None
+        self._stamp = 0
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, dst: torch.Tensor, nbr: torch.Tensor, check_unique: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src_nodes, local)``: the block's sources and the local id of every ``nbr``."""
+        return self.relabel(torch.cat([dst, nbr]), dst.numel(), check_unique)
+
+    def relabel(
+        self, ids: torch.Tensor, num_dst: int, check_unique: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like calling the relabeler with ``ids[:num_dst]`` as destinations and the rest
+        as sampled neighbours."""
+        n = ids.numel()
+        if n >= 1 << 32:
+            raise ValueError(f"cannot relabel {n} ids at once (at most 2**32)")
+        with self._lock:
+            if self._scratch is None or self._scratch.device != ids.device:
+                self._scratch = torch.full(
+                    (self.num_nodes,),
+                    torch.iinfo(torch.int64).max,
+                    dtype=torch.int64,
+                    device=ids.device,
+                )
+                self._stamp = 0
+            self._stamp += 1
+            if self._stamp >= self._STAMPS:
+                self._scratch.fill_(torch.iinfo(torch.int64).max)
+                self._stamp = 1
+            tag = (self._STAMPS - self._stamp) << 32
+            vals = torch.arange(tag, tag + n, dtype=torch.int64, device=ids.device)
+            mark = self._scratch
+            # first occurrence of every id (a min: the same whatever the thread count)
+            mark.scatter_reduce_(0, ids, vals, "amin", include_self=True)
+            first = mark.index_select(0, ids)
+        rank = torch.cumsum(first == vals, 0)
+        first -= tag
+        local = rank.index_select(0, first)
+        local -= 1
+        m = num_dst
+        if check_unique and m and int(rank[m - 1]) != m:
+            dup = int(ids[:m][local[:m] != torch.arange(m, device=ids.device)][0])
+            raise ValueError(f"seed nodes must be distinct; node {dup} appears more than once")
+        num_src = int(rank[-1]) if n else 0
+        # every occurrence writes its own id into its local slot: duplicates write the same
+        src_nodes = torch.empty(num_src, dtype=torch.int64, device=ids.device)
+        src_nodes.scatter_(0, local, ids)
+        return src_nodes, local[m:]
+
+
+def _indptr(counts: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(counts, 0, out=out[1:])
+    return out
+
+
+class NeighborSampler:
+    """Multi-hop uniform neighbour sampler producing message-flow blocks.
+
+    Args:
+        graph: a :class:`~gnnpar.graph.Graph`, or ``(indptr, indices)`` of a CSR whose row
+            ``i`` lists the in-neighbours of node ``i``.
+        fanouts: one fan-out per layer, **in hop order**: ``fanouts[0]`` neighbours of each
+            seed, then ``fanouts[1]`` of each of those, ... (PyG's ``num_neighbors`` order;
+            DGL's ``NeighborSampler`` lists them input layer first). ``-1`` takes all
+            neighbours. A string such as ``"15,10"`` is accepted.
+        replace: sample with replacement.
+        seed: the default random seed (a batch key derived from it is used when
+            :meth:`sample` gets no key).
+        node_keys: the id hashed for each node (default: the node id); e.g. the original
+            ids of a relabelled graph, so that its samples equal the original graph's.
+
+    Example::
+
+        >>> sampler = NeighborSampler(graph, [10, 5])
+        >>> batch = sampler.sample(torch.tensor([0, 7, 3]), key=derive_key(0, 1))
+        >>> [b.num_dst for b in batch.blocks]    # input layer first
+        [..., 3]
+    """
+
+    def __init__(
+        self,
+        graph: Graph | tuple[torch.Tensor, torch.Tensor],
+        fanouts: Sequence[int] | str,
+        replace: bool = False,
+        seed: int = 0,
+        node_keys: torch.Tensor | None = None,
+    ):
+        if isinstance(graph, Graph):
+            indptr, indices = graph.indptr, graph.indices
+        else:
+            indptr, indices = graph
+        self.indptr = torch.as_tensor(indptr, dtype=torch.int64)
+        self.indices = torch.as_tensor(indices, dtype=torch.int64)
+        if self.indptr.dim() != 1 or self.indptr.numel() < 1:
+            raise ValueError("indptr must be a 1-D tensor with num_nodes + 1 entries")
+        self.num_nodes = self.indptr.numel() - 1
+        if int(self.indptr[-1]) != self.indices.numel():
+            raise ValueError(
+                f"indptr ends at {int(self.indptr[-1])} but there are {self.indices.numel()} "
+                "indices"
+            )
+        self.fanouts = parse_fanouts(fanouts)
+        self.replace = bool(replace)
+        self.seed = int(seed)
+        if node_keys is not None:
+            node_keys = torch.as_tensor(node_keys, dtype=torch.int64)
+            if node_keys.shape != (self.num_nodes,):
+                raise ValueError(
+                    f"node_keys must have shape ({self.num_nodes},), got {tuple(node_keys.shape)}"
+                )
+        self.node_keys = node_keys
+        self.relabel = Relabeler(self.num_nodes)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of blocks per mini-batch."""
+        return len(self.fanouts)
+
+    def sample(self, seeds: Any, key: int | None = None) -> MiniBatch:
+        """Sample the blocks of the distinct ``seeds``; ``key`` fixes the random draw
+        (default: derived from the sampler's seed)."""
+        seeds = as_node_ids(seeds, self.num_nodes)
+        key = derive_key(self.seed) if key is None else int(key)
+        frontier = seeds
+        blocks = []
+        for hop, fanout in enumerate(self.fanouts):
+            row_keys = None if self.node_keys is None else self.node_keys[frontier]
+            counts, pos = sample_rows(
+                self.indptr,
+                frontier,
+                fanout,
+                replace=self.replace,
+                key=derive_key(key, hop),
+                row_keys=row_keys,
+            )
+            m = frontier.numel()
+            ids = torch.empty(m + pos.numel(), dtype=torch.int64)
+            ids[:m] = frontier
+            torch.index_select(self.indices, 0, pos, out=ids[m:])
+            src, local = self.relabel.relabel(ids, m, check_unique=hop == 0)
+            blocks.append(Block(src, frontier.numel(), _indptr(counts), local, pos))
+            frontier = src
+        blocks.reverse()
+        return MiniBatch(seeds, blocks)
+
+    def __repr__(self) -> str:
+        return (
+            f"NeighborSampler(num_nodes={self.num_nodes}, fanouts={self.fanouts}, "
+            f"replace={self.replace})"
+        )
