@@ -323,9 +323,11 @@ class FeatureFetcher:
             first hops request most), ties by id. Building the cache is collective.
         key: which node data to serve.
 
-    :attr:`stats` counts ``requests`` (ids asked for), ``local`` (owned), ``remote`` (not
-    owned), ``hits`` (remote ids served by the cache), ``fetched`` (rows moved) and ``bytes``
-    (what this rank sent, ids and rows, as :mod:`gnnpar.comm` counts it).
+    :attr:`stats` counts, over the :meth:`fetch` calls, ``requests`` (ids asked for),
+    ``local`` (owned), ``remote`` (not owned), ``hits`` (remote ids served by the cache),
+    ``fetched`` (rows requested from owners) and ``bytes`` (what this rank sent: its id
+    requests, the rows it served, and the counts, as :mod:`gnnpar.comm` counts them).
+    Filling the cache is counted apart, in :attr:`cache_bytes`.
     """
 
     def __init__(
@@ -347,7 +349,7 @@ class FeatureFetcher:
             ("requests", "local", "remote", "hits", "fetched", "bytes"), 0
         )
         self.cache_ids = self._cache_candidates(cache_size)
-        self.cache_rows = self._fetch_remote(self.cache_ids)
+        self.cache_rows, self.cache_bytes = self._fetch_remote(self.cache_ids)
 
     def _cache_candidates(self, size: int) -> torch.Tensor:
         part = self.part
@@ -361,14 +363,12 @@ class FeatureFetcher:
         order = torch.sort(-freq, stable=True).indices[:size]
         return torch.sort(halo.index_select(0, order)).values
 
-    def _fetch_remote(self, ids: torch.Tensor) -> torch.Tensor:
+    def _fetch_remote(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         with comm.record(self.grid) as traffic:
             rows = request_rows(
                 ids, self.part.owner(ids), self.table, self.part.start, self.grid, self.axis
             )
-        self.stats["bytes"] += traffic.bytes(axis=self.axis)
-        self.stats["fetched"] += int(ids.numel())
-        return rows
+        return rows, traffic.bytes(axis=self.axis)
 
     @property
     def cache_size(self) -> int:
@@ -395,7 +395,9 @@ class FeatureFetcher:
             hit = self.cache_ids[slot] == remote
             out[remote_at[hit]] = self.cache_rows.index_select(0, slot[hit])
         miss_at = remote_at[~hit]
-        out[miss_at] = self._fetch_remote(ids[miss_at])
+        out[miss_at], nbytes = self._fetch_remote(ids[miss_at])
+        self.stats["bytes"] += nbytes
+        self.stats["fetched"] += int(miss_at.numel())
         self.stats["requests"] += int(ids.numel())
         self.stats["local"] += int(local_at.numel())
         self.stats["remote"] += int(remote.numel())

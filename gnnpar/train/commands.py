@@ -13,8 +13,16 @@ from gnnpar.train.config import add_flags, resolve, to_toml
 def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
     """TASK name → (config class, task factory, help)."""
     from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
-    return {"gcn": (FullGraphConfig, FullGraphTask, "full-graph GCN / GraphSAGE (1D, 2D, 3D)")}
+    return {
+        "gcn": (FullGraphConfig, FullGraphTask, "full-graph GCN / GraphSAGE (1D, 2D, 3D)"),
+        "sage": (
+            MiniBatchConfig,
+            MiniBatchTask,
+            "mini-batch GraphSAGE / GCN / GAT with neighbour sampling (one part per rank)",
+        ),
+    }
 
 
 def _run(args: argparse.Namespace) -> int:

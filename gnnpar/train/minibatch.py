@@ -1,0 +1,360 @@
+"""Mini-batch GNN training with neighbour sampling (the ``sage`` task).
+
+One process trains on the whole graph. With N processes, each data-parallel rank owns one
+part of a partition folder (rank 0 writes it once if it is missing; every rank then reads
+only its own part): it samples across parts and fetches remote features with all-to-alls
+(:mod:`gnnpar.sampling.distributed`), and the gradients are summed over the data axis with
+one all-reduce per step through :mod:`gnnpar.comm` (a stand-in until gnnpar's
+data-parallel layer, :mod:`gnnpar.shard`, is used here).
+
+``train_step`` is **one epoch**: the Trainer's progress bar, evaluation (``eval_every``) and
+checkpoints (``checkpoint_every``) count epochs. The checkpoint holds the model, the
+optimizer and the loader position (epoch, batch, seed); the Trainer adds the torch RNG state
+(dropout), and sampling is a pure function of (seed, epoch, batch, rank), so ``--resume``
+continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import gnnpar
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+from gnnpar.nn.minibatch import BlockGNN
+from gnnpar.sampling import (
+    DistNeighborSampler,
+    FeatureFetcher,
+    LocalPart,
+    NeighborSampler,
+    NodeLoader,
+    balanced_steps,
+    distributed_inference,
+    full_blocks,
+    layerwise_inference,
+    parse_fanouts,
+)
+from gnnpar.train.config import ConfigError
+
+_MODELS = ("sage", "gcn", "gat")
+_MASKS = ("train", "val", "test")
+
+
+def _field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.field
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class MiniBatchConfig:
+    """Options of ``gnnpar train sage`` (and ``--config FILE`` keys)."""
+
+    dataset: str = _field("sbm", "dataset name or path (see `gnnpar data list`)")
+    root: str | None = _field(None, "dataset root folder (default: datasets/)")
+    dataset_options: str | None = _field(
+        None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
+    )
+    model: str = _field("sage", "sage (GraphSAGE-mean), gcn or gat")
+    parts: int | None = _field(None, "parts of the partition, one per process (default: all)")
+    partition_method: str = _field("metis", "partitioning method (see gnnpar-partition)")
+    partitions: str | None = _field(
+        None, "partition folder (default: RUN/parts-N), written by rank 0 if missing"
+    )
+    fanouts: str = _field("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
+    replace: bool = _field(False, "sample neighbours with replacement")
+    batch_size: int = _field(32, "seeds per batch (per rank)")
+    hidden: int = _field(64, "hidden width")
+    layers: int = _field(2, "number of layers (one fan-out each)")
+    heads: int = _field(4, "attention heads of hidden GAT layers")
+    dropout: float = _field(0.5, "dropout probability")
+    lr: float = _field(0.01, "Adam learning rate")
+    weight_decay: float = _field(5e-4, "Adam weight decay")
+    epochs: int = _field(50, "training epochs")
+    seed: int = _field(0, "seed of weights, shuffling, sampling and dropout")
+    feature_cache: int = _field(0, "remote feature rows cached per rank (distributed)")
+    prefetch: int = _field(1, "batches sampled ahead in a background thread (0: none)")
+    eval_every: int = _field(1, "evaluate every N epochs")
+    out: str = _field("runs/sage", "run folder: metrics, checkpoints")
+    checkpoint_every: int = _field(0, "checkpoint every N epochs (0: only at the end)")
+    resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
+    quiet: bool = _field(False, "log lines instead of a progress bar")
+    ranks_per_node: int | None = _field(None, "ranks per node (default: local world size)")
+
+    def check(self) -> None:
+        """Reject values that cannot work, naming the key."""
+        if self.model not in _MODELS:
+            raise ConfigError(f"config key 'model' must be one of {_MODELS}, got {self.model!r}")
+        try:
+            fanouts = parse_fanouts(self.fanouts)
+        except ValueError as err:
+            raise ConfigError(f"config key 'fanouts': {err}") from None
+        if len(fanouts) != self.layers:
+            raise ConfigError(
+                f"config key 'fanouts' gives {len(fanouts)} fan-outs but 'layers' is "
+                f"{self.layers}: give one fan-out per layer"
+            )
+        for key in ("batch_size", "hidden", "layers", "epochs", "heads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.parts is not None and self.parts < 1:
+            raise ConfigError(f"config key 'parts' must be >= 1, got {self.parts}")
+        for key in ("feature_cache", "prefetch", "eval_every", "checkpoint_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"config key 'dropout' must be in [0, 1), got {self.dropout}")
+        if self.lr <= 0:
+            raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
+
+
+def _load_graph(cfg: MiniBatchConfig) -> Any:
+    from gnnpar.data import load
+    from gnnpar.data.commands import parse_options
+
+    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
+    return load(cfg.dataset, root=cfg.root, **parse_options(pairs))
+
+
+def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
+    return Path(cfg.partitions) if cfg.partitions else Path(cfg.out) / f"parts-{parts}"
+
+
+def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int) -> Path:
+    """Rank 0 partitions the dataset into ``parts`` if the folder is missing; others wait."""
+    import partitioners
+
+    folder = _partition_folder(cfg, parts)
+    error = torch.zeros(1)
+    if grid.global_rank == 0 and not (folder / "meta.json").is_file():
+        try:
+            graph = _load_graph(cfg)
+            balance = ["nodes", "train"] if cfg.partition_method == "metis" else None
+            part = partitioners.partition(
+                graph, parts, method=cfg.partition_method, seed=cfg.seed, balance=balance
+            )
+            partitioners.write(graph, part, folder, halo=1)
+        except Exception:
+            error += 1
+            comm.all_reduce(error, grid, "world")
+            raise
+    comm.all_reduce(error, grid, "world")
+    if error.item():
+        raise RuntimeError("rank 0 could not write the partition folder (see its error)")
+    return folder
+
+
+def allreduce_gradients(
+    model: torch.nn.Module, grid: ProcessGrid, count: int, axis: str = "data"
+) -> int:
+    """Sum every gradient and ``count`` over ``axis`` in one all-reduce, then divide the
+    gradients by the summed count; returns it. With a loss summed over a rank's ``count``
+    seeds, this gives the gradient of the mean loss over the global batch."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+        + [torch.tensor([float(count)], dtype=params[0].dtype)]
+    )
+    comm.all_reduce(flat, grid, axis)
+    total = int(round(float(flat[-1])))
+    if total > 0:
+        flat.div_(total)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+        else:
+            p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+    return total
+
+
+class MiniBatchTask:
+    """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
+
+    unit = "epoch"
+
+    def __init__(self, cfg: MiniBatchConfig):
+        self.cfg = cfg
+        self.grid = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        world = self.grid.world_size
+        parts = cfg.parts or world
+        if parts != world:
+            raise ConfigError(
+                f"config key 'parts' is {parts} but {world} processes run: each data-parallel "
+                "rank owns one part (use --nprocs equal to --parts)"
+            )
+        self.rank = self.grid.rank("data")
+        self.fanouts = parse_fanouts(cfg.fanouts)
+        self.distributed = world > 1
+        if self.distributed:
+            self._setup_parts(parts)
+        else:
+            self._setup_graph()
+        torch.manual_seed(cfg.seed)
+        self.model = BlockGNN(
+            self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model, cfg.heads
+        )
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.num_steps = cfg.epochs
+
+    # ------------------------------------------------------------------ setup
+    def _setup_graph(self) -> None:
+        cfg = self.cfg
+        graph = _load_graph(cfg)
+        for key in ("feat", "label", "train_mask"):
+            if key not in graph.ndata:
+                raise ConfigError(f"dataset {cfg.dataset!r} has no node data {key!r}")
+        self.graph = graph
+        sampler = NeighborSampler(graph, self.fanouts, replace=cfg.replace, seed=cfg.seed)
+        self.loader = NodeLoader(
+            sampler,
+            graph.train_mask,
+            cfg.batch_size,
+            seed=cfg.seed,
+            features=graph.feat,
+            labels=graph.label,
+            prefetch=cfg.prefetch,
+        )
+        self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
+        self.fetcher: FeatureFetcher | None = None
+        self._eval_blocks = full_blocks(graph)
+
+    def _setup_parts(self, parts: int) -> None:
+        cfg = self.cfg
+        folder = _prepare_parts(cfg, self.grid, parts)
+        part = LocalPart.load(folder, self.rank)
+        if part.num_parts != parts:
+            raise ConfigError(
+                f"partition folder {folder} holds {part.num_parts} parts, but {parts} processes "
+                "run: remove it or point --partitions elsewhere"
+            )
+        for key in ("feat", "label", "train_mask"):
+            if key not in part.ndata:
+                raise ConfigError(f"partition folder {folder} has no node data {key!r}")
+        self.part = part
+        # The loader samples and fetches in a background thread: it gets process groups of
+        # its own, so its all-to-alls never interleave with this thread's collectives.
+        self.sample_grid = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        sampler = DistNeighborSampler(
+            part, self.fanouts, self.sample_grid, replace=cfg.replace, seed=cfg.seed
+        )
+        self.fetcher = FeatureFetcher(part, self.sample_grid, cache_size=cfg.feature_cache)
+        train = part.ndata["train_mask"].to(torch.bool)
+        seeds = part.start + torch.nonzero(train, as_tuple=True)[0]
+        total = torch.tensor([seeds.numel()], dtype=torch.int64)
+        comm.all_reduce(total, self.grid, "data")
+        if int(total) == 0:
+            raise ConfigError(f"dataset {cfg.dataset!r} has no training nodes")
+        steps = balanced_steps(seeds.numel(), cfg.batch_size, self.grid)
+        labels = part.ndata["label"]
+        start = part.start
+        self.loader = NodeLoader(
+            sampler,
+            seeds,
+            cfg.batch_size,
+            seed=cfg.seed,
+            features=self.fetcher.fetch,
+            labels=lambda ids: labels.index_select(0, ids - start),
+            num_steps=steps,
+            prefetch=cfg.prefetch,
+            rank=self.rank,
+        )
+        self.in_dim = int(part.ndata["feat"].shape[1])
+        num_classes = torch.tensor([int(labels.max()) + 1 if labels.numel() else 0])
+        comm.all_reduce(num_classes, self.grid, "data", op="max")
+        self.num_classes = int(num_classes)
+
+    # ------------------------------------------------------------------ the protocol
+    def train_step(self, step: int) -> dict[str, float]:
+        """One epoch of mini-batches; returns its loss, throughput and traffic."""
+        cfg, model = self.cfg, self.model
+        self.loader.set_epoch(step)
+        model.train()
+        fetch_before = dict(self.fetcher.stats) if self.fetcher else {}
+        sums = torch.zeros(4, dtype=torch.float64)  # loss, correct, seeds, sampling bytes
+        show = self.grid.global_rank == 0 and not cfg.quiet and len(self.loader) > 1
+        bar = tqdm(total=len(self.loader), desc=f"epoch {step + 1}", leave=False, disable=not show)
+        t0 = time.perf_counter()
+        for batch in self.loader:
+            logits = model(batch.blocks, batch.x)
+            loss = F.cross_entropy(logits, batch.y, reduction="sum")
+            self.optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            if allreduce_gradients(model, self.grid, batch.num_seeds) > 0:
+                self.optimizer.step()
+            sums[0] += float(loss.detach())
+            sums[1] += float((logits.argmax(1) == batch.y).sum()) if batch.num_seeds else 0.0
+            sums[2] += batch.num_seeds
+            sums[3] += batch.stats.get("sample_bytes", 0.0)
+            bar.update(1)
+        bar.close()
+        elapsed = time.perf_counter() - t0
+        fetched = (
+            {k: v - fetch_before[k] for k, v in self.fetcher.stats.items()} if self.fetcher else {}
+        )
+        extra = torch.tensor(
+            [fetched.get("bytes", 0), fetched.get("remote", 0), fetched.get("hits", 0)],
+            dtype=torch.float64,
+        )
+        both = torch.cat([sums, extra])
+        comm.all_reduce(both, self.grid, "data")
+        seeds = max(float(both[2]), 1.0)
+        record = {
+            "loss": float(both[0]) / seeds,
+            "batch_acc": float(both[1]) / seeds,
+            "seeds_per_s": float(both[2]) / elapsed,
+            "batches": float(len(self.loader)),
+        }
+        if self.distributed:
+            record["sample_bytes"] = float(both[3])
+            record["feature_bytes"] = float(both[4])
+            record["cache_hit_rate"] = float(both[6]) / float(both[5]) if both[5] else 0.0
+        return record
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Accuracy on the train/val/test masks, with full neighbourhoods (layer-wise)."""
+        if not self.distributed:
+            g = self.graph
+            logits = layerwise_inference(self.model, g, blocks=self._eval_blocks)
+            pred, label, data = logits.argmax(1), g.label, g.ndata
+        else:
+            part = self.part
+            logits = distributed_inference(self.model, part, part.ndata["feat"], self.grid)
+            pred, label, data = logits.argmax(1), part.ndata["label"], part.ndata
+        counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64)
+        for i, name in enumerate(_MASKS):
+            mask = data.get(f"{name}_mask")
+            if mask is not None:
+                mask = mask.to(torch.bool)
+                counts[2 * i] = float((pred[mask] == label[mask]).sum())
+                counts[2 * i + 1] = float(mask.sum())
+        comm.all_reduce(counts, self.grid, "data")
+        return {
+            f"{name}_acc": float(counts[2 * i] / counts[2 * i + 1])
+            for i, name in enumerate(_MASKS)
+            if counts[2 * i + 1] > 0
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and loader position (the Trainer adds the RNG state)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "loader": self.loader.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
