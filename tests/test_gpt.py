@@ -343,7 +343,10 @@ def _train_world(text: str, grid_spec: str) -> dict:
 def test_training_on_4_ranks_follows_1_rank(small_text, tmp_path, monkeypatch):
     monkeypatch.setenv("GNNPAR_DATA", str(tmp_path))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    one = train_gpt(_train_config(small_text))
+    seen = []
+    one = train_gpt(_train_config(small_text), on_step=lambda step, m: seen.append((step, m)))
+    assert [s for s, _ in seen] == list(range(40))
+    assert set(seen[-1][1]) == {"loss", "grad_norm", "lr", "tokens_per_s"}
     four = run_distributed(_train_world, 4, str(small_text), "data=2,x=2", timeout=300)
     assert all(r["losses"] == four[0]["losses"] for r in four)  # every rank reports the same
     four = four[0]

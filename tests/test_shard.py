@@ -12,15 +12,15 @@ the implementation:
     FCDP          reduce-scatter  (p−1)/p·Ψ'e   all-gather (p−1)/p·Ψ'e   intra-node (k−1)/k·Ψ'e
 
 with Ψ' = Σ over units (stage 3) or gradient buckets (stages 1–2) of their size padded to a
-multiple of p, and k data ranks per node (``ranks_per_node``). Also: mixed precision, ``no_sync``, fine-tuning with frozen
-weights, tied weights, memory per rank at stage 3, composition with tensor parallelism,
-checkpoints moved between 4 and 2 ranks and between stages, consolidation, bad input.
+multiple of p, and k data ranks per node (``ranks_per_node``). Also: mixed precision,
+``no_sync``, fine-tuning with frozen weights, tied weights, memory per rank at stage 3,
+composition with tensor parallelism, checkpoints moved between 4 and 2 ranks and between
+stages, consolidation, bad input.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -217,7 +217,7 @@ def _check_world(world: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
 def test_layers_match_serial_on_every_grid(world):
     out = run_distributed(_check_world, world, world, timeout=300)
     assert out[0] == 8 * len(factorizations(world))

@@ -36,19 +36,20 @@ def _keys(ids: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
     return ((x >> 32) & 0xFFFFFFFF).to(torch.int32)  # wraps into the int32 range
 
 
-def hash_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """24 random bits (as int32 in [0, 2^24)) for every (row, col) pair of the two id
-    vectors (outer product), a pure function of ``seed`` and the ids."""
+def hash_int32(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """A uniform int32 for every (row, col) pair of the two id vectors (outer product), a
+    pure function of ``seed`` and the ids; its high bits are the well-mixed ones."""
     base = _mix(torch.tensor(seed, dtype=torch.int64) * _GOLDEN + 1)
     r = _keys(rows, base)
     c = _keys(cols, _mix(base + 7))
-    x = (r[:, None] ^ c[None, :]) * _M32
-    return (x >> (32 - _BITS)) & ((1 << _BITS) - 1)
+    return (r[:, None] ^ c[None, :]) * _M32
 
 
 def hash_uniform(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Uniform numbers in [0, 1) on a 2^-24 lattice, as :func:`hash_bits`."""
-    return hash_bits(seed, rows, cols).to(torch.float64) / float(1 << _BITS)
+    """Uniform numbers in [0, 1) on a 2^-24 lattice (the top 24 bits of
+    :func:`hash_int32`)."""
+    top = (hash_int32(seed, rows, cols) >> (32 - _BITS)) + (1 << (_BITS - 1))  # signed shift
+    return top.to(torch.float64) / float(1 << _BITS)
 
 
 def index_dropout(
@@ -66,5 +67,8 @@ def index_dropout(
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     cols = torch.arange(col_start, col_start + h.shape[1], device=row_ids.device)
-    keep = hash_bits(seed, row_ids, cols) >= round(p * (1 << _BITS))
-    return h * keep.to(device=h.device, dtype=h.dtype) * (1.0 / (1.0 - p))
+    # x >= p·2^32 − 2^31 keeps a fraction 1 − p of uniform int32 values; only the
+    # (well-mixed) high bits decide, as in hash_uniform.
+    threshold = round(p * (1 << _BITS)) * (1 << (32 - _BITS)) - (1 << 31)
+    keep = hash_int32(seed, row_ids, cols) >= threshold
+    return torch.where(keep.to(h.device), h, 0.0).mul_(1.0 / (1.0 - p))

@@ -568,8 +568,9 @@ def shard(
             3 (+ parameters).
         units: which submodules are gathered and released together (stage 3) and where
             gradient buckets are cut (stages 0–2): a list of modules or module-name patterns
-            (``"blocks.*"``; each ``*`` stays within one dotted component), or a policy ``(name, module) -> bool`` such as
-            :func:`by_type`. The model is always the outermost unit.
+            (``"blocks.*"``; each ``*`` stays within one dotted component), or a policy
+            ``(name, module) -> bool`` such as :func:`by_type`. The model is always the
+            outermost unit.
         mixed_precision: a :class:`MixedPrecision` policy (default: none, every dtype stays).
         fcdp: an :class:`FCDP` configuration (stage 3 only).
         bucket_bytes: size of a gradient bucket at stages 0–2.
@@ -680,6 +681,8 @@ def shard(
             for module, attr in s.refs:
                 module._parameters.pop(attr, None)
         _split_prefetch_chains(model, unit_of_slot, slots)
+        for s in slots:  # drop the last reference to the full parameters
+            s.param = None
         rt.register()
         dp.stage3 = rt
     model._gnnpar_sharded = True

@@ -36,7 +36,10 @@ from gnnpar import comm
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.flat import FlatGroup, Slot
 
-__all__ = ["Bucket", "GradBuckets"]
+__all__ = ["Bucket", "GradBuckets", "build_buckets"]
+
+#: Bucket reductions allowed in flight during backward.
+MAX_INFLIGHT_BUCKETS = 2
 
 
 def _queue_callback(fn) -> None:
@@ -127,7 +130,7 @@ class Bucket:
                     piece = out[s.offset : s.offset + s.numel].view(s.shape).to(s.param.dtype)
                     s.param.grad = piece
         else:
-            g.set_grad(out)
+            g.set_grad(out, owned=out.data_ptr() != self.buffer.data_ptr())
             if self.stage == 2:
                 self.buffer = None
             else:
@@ -152,6 +155,7 @@ class GradBuckets:
         self.scale = scale
         self.sync = True
         self._next = 0
+        self._done = 0
         self._in_backward = False
         self._hooks = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -173,15 +177,20 @@ class GradBuckets:
         while self._next < len(self.buckets) and self.buckets[self._next].full:
             self.buckets[self._next].launch(self.grid, self.scale)
             self._next += 1
+        # Bound the reductions in flight (at stage 2 each holds its bucket's full gradient).
+        while self._next - self._done > MAX_INFLIGHT_BUCKETS:
+            self.buckets[self._done].finish()
+            self._done += 1
 
     def _end_of_backward(self) -> None:
         try:
             for b in self.buckets[self._next :]:
                 b.launch(self.grid, self.scale)
-            for b in self.buckets:
+            for b in self.buckets[self._done :]:
                 b.finish()
         finally:
             self._next = 0
+            self._done = 0
             self._in_backward = False
 
     # ------------------------------------------------------------------------ parameters

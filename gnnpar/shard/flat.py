@@ -152,12 +152,13 @@ class FlatGroup:
         return self.master._version
 
     # ------------------------------------------------------------------------- grads
-    def set_grad(self, shard_grad: torch.Tensor) -> None:
+    def set_grad(self, shard_grad: torch.Tensor, owned: bool = False) -> None:
         """Add this rank's reduced gradient chunk to the pieces' gradients (assigning views of
-        one fresh buffer where the optimizer has set them to ``None``)."""
+        one buffer where the optimizer has set them to ``None``). ``owned``: nobody else uses
+        ``shard_grad``, so it may become that buffer."""
         g = shard_grad.to(self.master.dtype)
         if all(p.param.grad is None for p in self.pieces):
-            self.grad = g if g.data_ptr() != shard_grad.data_ptr() else g.clone()
+            self.grad = g if owned or g.data_ptr() != shard_grad.data_ptr() else g.clone()
             for p in self.pieces:
                 p.param.grad = self.grad[p.chunk_offset : p.chunk_offset + p.numel]
             return

@@ -57,6 +57,8 @@ from gnnpar.shard.groups import INTRA, NodeGroups
 __all__ = ["Stage3", "Unit"]
 
 KINDS = ("trainable", "frozen")
+#: Reduce-scatters allowed in flight during backward (each holds a unit's full gradient).
+MAX_INFLIGHT_REDUCTIONS = 2
 
 
 class _Ready:
@@ -390,13 +392,17 @@ class Stage3:
             g.div_(self.scale)
             handle = comm.reduce_scatter(g, self.grid, "data", async_op=True)
             self._pending_rs.append((group, handle))
+            # Bound the reduce-scatters in flight: each holds a whole unit's gradient.
+            while len(self._pending_rs) > MAX_INFLIGHT_REDUCTIONS:
+                done, h = self._pending_rs.pop(0)
+                done.set_grad(h.wait(), owned=True)
         self._drop(unit)
         self._uncache(unit, "trainable")
 
     def _end_of_backward(self) -> None:
         try:
             for group, handle in self._pending_rs:
-                group.set_grad(handle.wait())
+                group.set_grad(handle.wait(), owned=True)
         finally:
             self._pending_rs.clear()
             for unit in self.units:

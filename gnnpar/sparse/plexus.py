@@ -41,7 +41,8 @@ def _aggregate(
     n_chunks = len(ops[0])
     handles = []
     for i in range(n_chunks):
-        part = torch.cat([op_chunks[i][2].mm(h) for op_chunks in ops], dim=1)
+        pieces = [op_chunks[i][2].mm(h) for op_chunks in ops]
+        part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         handles.append(comm.all_reduce(part, grid, axis, async_op=True))
     pieces = [hd.wait() for hd in handles]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

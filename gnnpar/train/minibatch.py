@@ -17,6 +17,8 @@ continues exactly.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,7 @@ class MiniBatchConfig:
     parts: int | None = _field(None, "parts of the partition, one per process (default: all)")
     partition_method: str = _field("metis", "partitioning method (see gnnpar-partition)")
     partitions: str | None = _field(
-        None, "partition folder (default: RUN/parts-N), written by rank 0 if missing"
+        None, "partition folder (default: under RUN/parts/), written by rank 0 if missing"
     )
     fanouts: str = _field("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
     replace: bool = _field(False, "sample neighbours with replacement")
@@ -83,6 +85,7 @@ class MiniBatchConfig:
     out: str = _field("runs/sage", "run folder: metrics, checkpoints")
     checkpoint_every: int = _field(0, "checkpoint every N epochs (0: only at the end)")
     resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
+    overwrite: bool = _field(False, "start again in a run folder that holds a run")
     quiet: bool = _field(False, "log lines instead of a progress bar")
     ranks_per_node: int | None = _field(None, "ranks per node (default: local world size)")
 
@@ -122,7 +125,14 @@ def _load_graph(cfg: MiniBatchConfig) -> Any:
 
 
 def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
-    return Path(cfg.partitions) if cfg.partitions else Path(cfg.out) / f"parts-{parts}"
+    """The given folder, or one under the run folder named by everything that shapes the
+    partition, so that a change of dataset, options or method never reuses a stale one."""
+    if cfg.partitions:
+        return Path(cfg.partitions)
+    keys = [cfg.dataset, cfg.root, cfg.dataset_options, cfg.partition_method, cfg.seed, parts]
+    digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:10]
+    name = Path(cfg.dataset).name or "graph"
+    return Path(cfg.out) / "parts" / f"{name}-{parts}-{digest}"
 
 
 def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int) -> Path:

@@ -1,0 +1,76 @@
+"""Full-graph training end to end: CiteSeer accuracy, grid-independent loss curves, overlap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gnnpar.sparse.shards import prepare_shards
+from gnnpar.testing import run_distributed
+from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+
+PLANETOID = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "planetoid"
+needs_citeseer = pytest.mark.skipif(
+    not (PLANETOID / "ind.citeseer.graph").is_file(), reason="CiteSeer files not present"
+)
+
+
+@pytest.fixture(scope="module")
+def citeseer_shards(tmp_path_factory) -> str:
+    from gnnpar.data import load
+
+    graph = load("citeseer", root=str(PLANETOID.parent), normalize_features=True)
+    out = tmp_path_factory.mktemp("citeseer") / "shards"
+    return str(prepare_shards(graph, out, norm="gcn", blocks=(8, 8), seed=0))
+
+
+def _losses(shards: str, grid: str | None, epochs: int, dtype: str, chunks: int = 1) -> dict:
+    cfg = FullGraphConfig(
+        dataset="citeseer",
+        shards=shards,
+        grid=grid,
+        epochs=epochs,
+        dtype=dtype,
+        overlap_chunks=chunks,
+        out="unused",
+    )
+    task = FullGraphTask(cfg)
+    losses = [task.train_step(e)["loss"] for e in range(epochs)]
+    return {"losses": losses, **task.evaluate(epochs - 1)}
+
+
+@needs_citeseer
+def test_citeseer_gcn_single_process_reaches_kipf(citeseer_shards, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.set_num_threads(2)
+    out = _losses(citeseer_shards, None, 200, "float32")
+    # Kipf & Welling report 70.3%; the issue asks for at least 68%.
+    assert out["test_acc"] >= 0.68, out["test_acc"]
+
+
+@needs_citeseer
+def test_loss_curves_agree_across_8_rank_grids(citeseer_shards, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    epochs = 8
+    serial = _losses(citeseer_shards, None, epochs, "float64")["losses"]
+    for grid in ("x=2,y=2,z=2", "x=1,y=2,z=4", "x=8,y=1,z=1"):
+        per_rank = run_distributed(
+            _losses, 8, citeseer_shards, grid, epochs, "float64", timeout=600
+        )
+        for losses in (r["losses"] for r in per_rank):
+            diff = max(abs(a - b) for a, b in zip(losses, serial, strict=True))
+            assert diff < 1e-4, (grid, diff)
+
+
+def test_overlapped_chunks_equal_plain(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from gnnpar.data import load
+
+    graph = load("sbm", root=str(tmp_path), num_nodes=301, feat_dim=11)
+    shards = str(prepare_shards(graph, tmp_path / "s", blocks=(3, 3), seed=2))
+    plain = run_distributed(_losses, 4, shards, "x=2,z=2", 3, "float64", 1)
+    chunked = run_distributed(_losses, 4, shards, "x=2,z=2", 3, "float64", 4)
+    for a, b in zip(plain, chunked, strict=True):
+        assert max(abs(u - v) for u, v in zip(a["losses"], b["losses"], strict=True)) < 1e-12
