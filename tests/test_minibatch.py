@@ -1,0 +1,142 @@
+"""The ``sage`` task: configuration checks, exact resume, the command line, and CiteSeer
+accuracy in one process and on 4 ranks (skipped when the CiteSeer files are absent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gnnpar.cli import main
+from gnnpar.testing import run_distributed
+from gnnpar.train.config import ConfigError, from_mapping
+from gnnpar.train.loop import Trainer
+from gnnpar.train.metrics import read_metrics
+from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets"
+HAS_CITESEER = (SHARED / "planetoid" / "ind.citeseer.graph").is_file()
+SMALL = "num_nodes=300,feat_dim=8,seed=3"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(out: Path, **kw) -> MiniBatchConfig:
+    values = {
+        "dataset": "sbm",
+        "dataset_options": SMALL,
+        "fanouts": "5,3",
+        "batch_size": 8,
+        "hidden": 16,
+        "epochs": 4,
+        "out": str(out),
+        "quiet": True,
+        **kw,
+    }
+    return from_mapping(MiniBatchConfig, values)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"fanouts": ""}, "fan-out list is empty"),
+        ({"fanouts": "5,0"}, "fan-out 1 is 0"),
+        ({"fanouts": "5,3,2"}, "one fan-out per layer"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"model": "gin"}, "model"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"parts": 0}, "parts"),
+        ({"feature_cache": -1}, "feature_cache"),
+    ],
+)
+def test_bad_config(tmp_path, values, message):
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, **values)
+
+
+def test_parts_must_match_processes(tmp_path):
+    with pytest.raises(ConfigError, match="each data-parallel rank owns one part"):
+        MiniBatchTask(config(tmp_path, parts=2))
+
+
+def _params(task: MiniBatchTask) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in task.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("model", ["sage", "gat"])
+def test_resume_is_exact(tmp_path, model):
+    """4 epochs in one go == 2 epochs, a checkpoint, and 2 more after --resume (dropout,
+    shuffling, sampling and the prefetch thread included)."""
+    once = MiniBatchTask(config(tmp_path / "once", model=model))
+    Trainer(once, tmp_path / "once", eval_every=0, quiet=True).run()
+    first = MiniBatchTask(config(tmp_path / "split", model=model, epochs=2))
+    Trainer(first, tmp_path / "split", eval_every=0, checkpoint_every=1, quiet=True).run()
+    assert first.loader.state_dict()["epoch"] == 2
+    second = MiniBatchTask(config(tmp_path / "split", model=model, resume=True))
+    Trainer(second, tmp_path / "split", eval_every=0, resume=True, quiet=True).run()
+    a, b = _params(once), _params(second)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    fresh = MiniBatchTask(config(tmp_path / "fresh", model=model, seed=1))
+    Trainer(fresh, tmp_path / "fresh", eval_every=0, quiet=True).run()
+    assert not all(torch.equal(a[k], v) for k, v in _params(fresh).items())
+
+
+def test_command_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "sage", "--dataset", "sbm", "--dataset-options", SMALL, "--out", str(out)]
+    argv += ["--epochs", "3", "--fanouts", "4,4", "--batch-size", "16", "--quiet"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "done:" in text and "test_acc=" in text
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "epoch" in r]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert all(r["seeds_per_s"] > 0 and "val_acc" in r for r in records)
+    assert main(["train", "sage", "--print-config", "--fanouts", "15,10"]) == 0
+    assert 'fanouts = "15,10"' in capsys.readouterr().out
+    assert main(["train", "sage", "--fanouts", "15,10,5", "--out", str(tmp_path / "x")]) == 2
+    assert "one fan-out per layer" in capsys.readouterr().err
+
+
+def _citeseer(out: str, epochs: int, batch_size: int) -> dict[str, float]:
+    cfg = from_mapping(
+        MiniBatchConfig,
+        {
+            "dataset": "citeseer",
+            "root": str(SHARED),
+            "dataset_options": "normalize_features=true",
+            "fanouts": "10,10",
+            "batch_size": batch_size,
+            "epochs": epochs,
+            "out": out,
+            "quiet": True,
+            "feature_cache": 64,
+        },
+    )
+    task = MiniBatchTask(cfg)
+    result = Trainer(task, cfg.out, eval_every=0, quiet=True).run()
+    if task.distributed:
+        result["cache_hit_rate"] = task.fetcher.hit_rate()
+    return result
+
+
+@pytest.mark.skipif(not HAS_CITESEER, reason="CiteSeer files are not in ../shared/datasets")
+def test_citeseer_one_process(tmp_path):
+    result = _citeseer(str(tmp_path / "run"), epochs=40, batch_size=32)
+    assert result["test_acc"] >= 0.67, result
+
+
+@pytest.mark.skipif(not HAS_CITESEER, reason="CiteSeer files are not in ../shared/datasets")
+def test_citeseer_four_ranks(tmp_path):
+    """Four ranks, one METIS part each, 8 seeds per rank and step (a global batch of 32)."""
+    results = run_distributed(_citeseer, 4, str(tmp_path / "run"), 50, 8, timeout=600)
+    assert results[0]["test_acc"] >= 0.67, results[0]
+    assert all(r["test_acc"] == results[0]["test_acc"] for r in results)
+    rates = [r["cache_hit_rate"] for r in results]
+    assert all(0.0 <= x <= 1.0 for x in rates) and max(rates) > 0.0, rates
