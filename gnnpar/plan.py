@@ -7,6 +7,7 @@ chunks); :func:`choose_fullgraph_grid` ranks every x·y·z factorisation of the 
 
 from __future__ import annotations
 
+from gnnpar.comm import ring_bytes
 from gnnpar.grid import GridShape, factorizations
 from gnnpar.sparse.layout import layout3d
 from gnnpar.sparse.plexus import layer_bytes
@@ -18,9 +19,11 @@ def fullgraph_epoch_bytes(
     dims: list[int],
     num_ops: int = 1,
     element_size: int = 4,
+    bias: bool = True,
 ) -> dict[str, float]:
     """Bytes per axis that rank 0 moves in one training epoch (forward + backward) of a 3D
-    full-graph model with feature widths ``dims``."""
+    full-graph model with feature widths ``dims`` (and biases, whose gradients are summed
+    over the depth axis)."""
     g = GridShape(**shape)
     total: dict[str, float] = {"x": 0.0, "y": 0.0, "z": 0.0}
     for i in range(len(dims) - 1):
@@ -28,6 +31,9 @@ def fullgraph_epoch_bytes(
         part = layer_bytes(g, lay, num_ops, i == 0, i > 0, element_size)
         for k, v in part.items():
             total[k] += v
+        if bias:
+            width = (lay.fout[1] - lay.fout[0]) * element_size
+            total[lay.depth] += ring_bytes("all_reduce", width, g.size(lay.depth))
     return total
 
 

@@ -513,8 +513,7 @@ class ShardedModel:
         cache (tensor storage measured, shared storage once)."""
         groups = self._groups()
         params: list[torch.Tensor | None] = [g.master for g in groups]
-        grads: list[torch.Tensor | None] = [g.grad for g in groups]
-        grads += [p.grad for p in self.parameters()]
+        grads: list[torch.Tensor | None] = [p.grad for p in self.parameters()]
         if self.stage3 is None:
             params += [s.param for s in self.slots]
             grads += [s.param.grad for s in self.slots]

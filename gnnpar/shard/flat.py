@@ -112,7 +112,6 @@ class FlatGroup:
         self.trainable = trainable
         self.device = device
         self.pieces: list[Piece] = []
-        self.grad: torch.Tensor | None = None
         if master_dtype is None:
             self.master = torch.zeros(0, device=device)
             return
@@ -158,9 +157,11 @@ class FlatGroup:
         ``shard_grad``, so it may become that buffer."""
         g = shard_grad.to(self.master.dtype)
         if all(p.param.grad is None for p in self.pieces):
-            self.grad = g if owned or g.data_ptr() != shard_grad.data_ptr() else g.clone()
+            # The pieces' gradients are views of one buffer, which lives as long as they do
+            # (an optimizer's zero_grad frees it).
+            buf = g if owned or g.data_ptr() != shard_grad.data_ptr() else g.clone()
             for p in self.pieces:
-                p.param.grad = self.grad[p.chunk_offset : p.chunk_offset + p.numel]
+                p.param.grad = buf[p.chunk_offset : p.chunk_offset + p.numel]
             return
         for p in self.pieces:
             part = g[p.chunk_offset : p.chunk_offset + p.numel]

@@ -58,7 +58,7 @@ __all__ = ["Stage3", "Unit"]
 
 KINDS = ("trainable", "frozen")
 #: Reduce-scatters allowed in flight during backward (each holds a unit's full gradient).
-MAX_INFLIGHT_REDUCTIONS = 2
+MAX_INFLIGHT_REDUCTIONS = 1
 
 
 class _Ready:

@@ -269,9 +269,10 @@ class Parallel2DGNN(ShardedGNN):
             w_cols = c * max(self.fin_sizes[i + 1]) * self.num_ops * d_in * es
             fwd["y"] += stream + rb("all_gather", agg, c)
             fwd["x"] += rb("all_gather", h_col, r)
-            bwd["y"] += stream + rb("reduce_scatter", agg, c) + rb("all_gather", w_cols, c)
+            bwd["y"] += rb("all_gather", w_cols, c)
             bwd["x"] += rb("all_reduce", self.num_ops * d_in * d_out * es, r)
-            if input_grad or i > 0:
+            if input_grad or i > 0:  # only H's gradient needs these (none for raw features)
+                bwd["y"] += stream + rb("reduce_scatter", agg, c)
                 bwd["x"] += rb("reduce_scatter", h_col, r)
             if len(self.params.biases) == self.num_layers:
                 bwd["y"] += rb("all_gather", c * max(self.fin_sizes[i + 1]) * es, c)
