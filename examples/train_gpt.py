@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [here, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
-        return launch_local(args.nprocs, strip_nprocs(argv), module=Path(__file__).stem)
+        return launch_local(args.nprocs, strip_nprocs(argv), script=__file__)
     if args.threads:
         torch.set_num_threads(args.threads)
     names = {f.name for f in dataclasses.fields(GPTTrainConfig)}

@@ -16,12 +16,18 @@ def under_launcher() -> bool:
 
 
 def launch_local(
-    nprocs: int, module_argv: Sequence[str], max_restarts: int = 0, module: str = "gnnpar.cli"
+    nprocs: int,
+    module_argv: Sequence[str],
+    max_restarts: int = 0,
+    module: str = "gnnpar.cli",
+    script: str | None = None,
 ) -> int:
-    """Run ``python -m module *module_argv`` on ``nprocs`` local processes under
-    ``torch.distributed.run --standalone``; return the launcher's exit code."""
+    """Run ``python -m module *module_argv`` (or ``python script *module_argv``) on
+    ``nprocs`` local processes under ``torch.distributed.run --standalone``; return the
+    launcher's exit code."""
     if nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1, got {nprocs}")
+    target = [script] if script is not None else ["-m", module]
     cmd = [
         sys.executable,
         "-m",
@@ -29,8 +35,7 @@ def launch_local(
         "--standalone",
         f"--nproc-per-node={nprocs}",
         f"--max-restarts={max_restarts}",
-        "-m",
-        module,
+        *target,
         *module_argv,
     ]
     env = dict(os.environ)
