@@ -1,0 +1,144 @@
+"""The gnnpar command: info, config errors as one line, --print-config, resume, reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gnnpar.cli import main
+from gnnpar.train.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # one clear line, no traceback
+    return err[0]
+
+
+def test_info_prints_versions(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "gloo" in out
+
+
+def test_info_check_runs_every_collective(tmp_path):
+    out = tmp_path / "bw.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gnnpar.cli",
+            "info",
+            "--check",
+            "--nprocs",
+            "2",
+            "--mbytes",
+            "0.25",
+            "--iters",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "all collectives returned correct results" in proc.stdout
+    import json
+
+    kinds = {e["kind"] for e in json.loads(out.read_text())["entries"]}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
+
+
+def test_config_errors_are_one_line(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("hiden = 16\n")
+    assert main(["train", "gcn", "--config", str(cfg)]) == 2
+    assert "unknown key 'hiden'" in _err_line(capsys)
+    cfg.write_text('hidden = "sixteen"\n')
+    assert main(["train", "gcn", "--config", str(cfg)]) == 2
+    assert "config key 'hidden' must be a int, got str" in _err_line(capsys)
+    assert main(["train", "gcn", "--algorithm", "4d"]) == 2
+    assert "config key 'algorithm'" in _err_line(capsys)
+    assert main(["train", "gcn", "--grid", "x=2,y=2", "--out", str(tmp_path / "r")]) == 2
+    assert "= 4 does not divide the world size 1" in _err_line(capsys)
+    assert main(["train", "gcn", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in _err_line(capsys)
+
+
+def test_print_config_merges_file_and_flags(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[gcn]\nhidden = 32\nepochs = 7\n")
+    assert main(["train", "gcn", "--config", str(cfg), "--epochs", "9", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "hidden = 32" in out and "epochs = 9" in out and 'model = "gcn"' in out
+
+
+def _train(out: Path, epochs: int, extra: list[str] = ()) -> int:
+    return main(
+        [
+            "train",
+            "gcn",
+            "--dataset",
+            "sbm",
+            "--dataset-options",
+            "num_nodes=300,feat_dim=8",
+            "--root",
+            str(out.parent / "data"),
+            "--epochs",
+            str(epochs),
+            "--out",
+            str(out),
+            "--eval-every",
+            "2",
+            "--quiet",
+            *extra,
+        ]
+    )
+
+
+def test_resume_continues_exactly(tmp_path):
+    full, half = tmp_path / "full", tmp_path / "half"
+    assert _train(full, 8, ["--checkpoint-every", "4"]) == 0
+    assert _train(half, 4, ["--checkpoint-every", "4"]) == 0
+    assert _train(half, 8, ["--checkpoint-every", "4", "--resume"]) == 0
+    a = torch.load(full / "checkpoints" / "step-000008" / "rank-00000.pt", weights_only=False)
+    b = torch.load(half / "checkpoints" / "step-000008" / "rank-00000.pt", weights_only=False)
+    for k, v in a["task"]["model"].items():
+        assert torch.equal(v, b["task"]["model"][k]), k
+    from gnnpar.train.report import write_report
+
+    summary = write_report(half)
+    assert "resumed 1 time(s)" in summary
+    assert all((half / "plots" / f"{n}.png").is_file() for n in ("loss", "accuracy", "throughput"))
+    # A second run into the same folder must say how to proceed.
+    assert _train(half, 2) == 2
+
+
+def test_interrupted_checkpoint_leaves_previous_usable(tmp_path):
+    import gnnpar
+
+    grid = gnnpar.init()
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, grid, {"w": torch.ones(3)})
+    # What a kill mid-write leaves: a temporary folder with a partial rank file, no meta.
+    tmp = root / ".tmp-step-000002"
+    tmp.mkdir()
+    (tmp / "rank-00000.partial").write_bytes(b"\x80\x02truncated")
+    assert complete_checkpoints(root) == [1]
+    step, state = load_checkpoint(root, grid)
+    assert step == 1 and torch.equal(state["w"], torch.ones(3))
