@@ -10,15 +10,15 @@ source nodes, and returns those of its destinations (the first ``num_dst`` sourc
   block, which a sample does not have);
 - :class:`GATConv`: graph attention with multi-head concatenation and a self loop.
 
-Aggregation is a CSR sparse-dense product; its backward uses the transposed CSR, built only
-when a gradient is needed. :class:`BlockGNN` stacks layers (dropout, layer, ReLU) and runs
+Aggregation is a CSR sparse-dense product (through ``embedding_bag``, whose CPU kernel is the
+fastest CSR product torch has); its backward uses the transposed CSR, built only when a
+gradient is needed. :class:`BlockGNN` stacks layers (dropout, layer, ReLU) and runs
 either on a list of blocks (training) or one layer at a time (layer-wise inference).
 Nothing here imports torch.distributed.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -28,12 +28,6 @@ from torch import nn
 __all__ = ["BlockGNN", "GATConv", "GCNConv", "SAGEConv", "block_mean", "block_sum"]
 
 _KINDS = ("sage", "gcn", "gat")
-
-
-def _csr(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: tuple) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
-        return torch.sparse_csr_tensor(indptr, indices, values, shape, check_invariants=False)
 
 
 def _transpose(
@@ -52,6 +46,24 @@ def _transpose(
     return t_ptr, rows[order], values[order]
 
 
+def _csr_mm(
+    indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, dense: torch.Tensor
+) -> torch.Tensor:
+    """``A @ dense`` for the CSR ``A`` given by its arrays. ``embedding_bag`` (sum with
+    per-entry weights) is exactly a CSR product, and its CPU kernel is several times faster
+    than torch's sparse CSR one at GNN widths."""
+    num_rows = indptr.numel() - 1
+    if indices.numel() == 0 or dense.shape[1] == 0 or num_rows == 0:
+        return dense.new_zeros((num_rows, dense.shape[1]))
+    return F.embedding_bag(
+        indices,
+        dense.contiguous(),
+        indptr[:-1],
+        mode="sum",
+        per_sample_weights=values.to(dense.dtype),
+    )
+
+
 class _SpMM(torch.autograd.Function):
     """``A @ H`` for a fixed CSR ``A`` (num_dst × num_src); gradient for ``H`` only."""
 
@@ -59,21 +71,15 @@ class _SpMM(torch.autograd.Function):
     def forward(ctx, h, indptr, indices, values, num_src):  # noqa: D102
         ctx.save_for_backward(indptr, indices, values)
         ctx.num_src = num_src
-        num_dst = indptr.numel() - 1
-        if indices.numel() == 0 or h.shape[1] == 0:
-            return h.new_zeros((num_dst, h.shape[1]))
-        return _csr(indptr, indices, values.to(h.dtype), (num_dst, num_src)) @ h.contiguous()
+        return _csr_mm(indptr, indices, values, h)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         indptr, indices, values = ctx.saved_tensors
-        if indices.numel() == 0:
-            return grad.new_zeros((ctx.num_src, grad.shape[1])), None, None, None, None
         t_ptr, t_idx, t_val = _transpose(indptr, indices, values, ctx.num_src)
-        a_t = _csr(t_ptr, t_idx, t_val.to(grad.dtype), (ctx.num_src, indptr.numel() - 1))
-        return a_t @ grad.contiguous(), None, None, None, None
+        return _csr_mm(t_ptr, t_idx, t_val, grad), None, None, None, None
 
 
 def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

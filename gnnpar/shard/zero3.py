@@ -6,11 +6,11 @@ and its frozen ones. Outside its forward a unit holds only this rank's chunks; i
 not have the parameter attributes at all (reading one raises ``AttributeError``).
 
 **Forward.** A pre-forward hook all-gathers the unit's chunks over the data axis (or takes the
-gather that the previous unit prefetched), wraps the trainable buffer in an autograd function
-whose backward receives the whole unit's gradient at once, and sets every parameter attribute
-to a view of the gathered buffer. It then starts the gather of the next unit (the order is
-recorded during each forward and used by the next). The post-forward hook removes the
-attributes and drops the buffer.
+gather that the previous unit prefetched) and sets every parameter attribute to a view of the
+gathered buffer; the trainable buffer first passes through an autograd function whose
+backward receives the gradient of the whole unit at once. It then starts the gather of the
+next unit (the order is recorded during each forward and used by the next). The post-forward
+hook removes the attributes and drops the buffer.
 
 **Saved tensors.** Autograd would keep the gathered buffer alive until backward by saving the
 weights that, e.g., a matmul needs. While the model's forward runs, a
@@ -20,11 +20,14 @@ again — in backward order, one unit ahead (prefetch). Only units that had some
 gathered again, so a unit whose backward needs no parameter (an embedding lookup) costs no
 second gather.
 
-**Gradients.** When backward has produced the gradient of the whole unit, the autograd
-function's backward z-reduces the tail that needs it (tensor-parallel composition), divides by
-``data·z``, launches an asynchronous reduce-scatter over the data axis and releases the unit.
-At the end of backward every reduce-scatter is waited for and the chunks become the gradients
-of the master pieces. Under ``no_sync`` the full unit gradients accumulate locally instead.
+**Gradients.** When backward has produced the gradient of the whole unit (the autograd
+function's backward; separate leaves per parameter would pin the gathered buffer through
+their gradient accumulators), its tail that needs it is z-reduced (tensor-parallel
+composition), it is divided by ``data·z`` and reduce-scattered over the data axis,
+asynchronously, and the unit is released. Reduce-scatters that have finished are handed over
+while backward goes on (one at most stays in flight); at the end of backward the last is
+waited for, and the chunks become the gradients of the master pieces. Under ``no_sync`` the
+flat gradients accumulate locally instead.
 
 **FCDP.** With :class:`~gnnpar.shard.FCDP`, the post-forward hook keeps the gathered trainable
 buffer — whole, or this rank's 1/k node-local slice for k data ranks per node — in a cache, on
@@ -110,10 +113,10 @@ class Unit:
         self.pending: dict[str, Any] = {}
         self.cache: dict[str, tuple[torch.Tensor, str]] = {}
         self.anchor = torch.empty(0, requires_grad=True)
+        self.acc: torch.Tensor | None = None  # gradient accumulated under no_sync
         self.depth = 0
         self.saved: set[str] = set()
         self.seen_in_backward = False
-        self.acc: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'})"
@@ -342,6 +345,7 @@ class Stage3:
             return packed
         unit = packed.unit
         self._begin_backward()
+        self._poll_reductions()
         full = self._materialize(unit, packed.kind, backward=True)
         if not unit.seen_in_backward:
             unit.seen_in_backward = True
@@ -373,31 +377,35 @@ class Stage3:
                 self._bw_order.append(u)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _poll_reductions(self) -> None:
+        """Hand over the reduce-scatters that have finished, freeing their inputs early."""
+        while self._pending_rs and self._pending_rs[0][1].is_completed():
+            group, handle = self._pending_rs.pop(0)
+            group.set_grad(handle.wait(), owned=True)
+
     def on_unit_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         """The gradient of ``unit``'s whole trainable buffer is ready."""
         self._begin_backward()
+        self._drop(unit)  # the parameters are not needed any more: free them first
+        self._uncache(unit, "trainable")
+        self._poll_reductions()
         group = unit.groups["trainable"]
-        reduce_dtype = self.reduce_dtype or group.master.dtype
+        g = grad.to(self.reduce_dtype or group.master.dtype)
+        if unit.acc is not None:
+            g = unit.acc.add_(g)
+            unit.acc = None
         if not self.sync:
-            g = grad.to(reduce_dtype)
-            unit.acc = g if unit.acc is None else unit.acc.add_(g)
+            unit.acc = g
         else:
-            if unit.acc is not None:
-                g = unit.acc.add_(grad.to(reduce_dtype))
-                unit.acc = None
-            else:
-                g = grad.to(reduce_dtype)
             if group.z_start < group.numel and self.grid.size("z") > 1:
                 comm.all_reduce(g[group.z_start : group.numel], self.grid, "z")
             g.div_(self.scale)
-            handle = comm.reduce_scatter(g, self.grid, "data", async_op=True)
-            self._pending_rs.append((group, handle))
             # Bound the reduce-scatters in flight: each holds a whole unit's gradient.
-            while len(self._pending_rs) > MAX_INFLIGHT_REDUCTIONS:
+            while len(self._pending_rs) >= MAX_INFLIGHT_REDUCTIONS:
                 done, h = self._pending_rs.pop(0)
                 done.set_grad(h.wait(), owned=True)
-        self._drop(unit)
-        self._uncache(unit, "trainable")
+            handle = comm.reduce_scatter(g, self.grid, "data", async_op=True)
+            self._pending_rs.append((group, handle))
 
     def _end_of_backward(self) -> None:
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from gnnpar.comm import chunk_offsets, chunk_sizes
-from gnnpar.grid import ProcessGrid
+from gnnpar.grid import GridShape, ProcessGrid
 
 ROLES: tuple[tuple[str, str, str], ...] = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
 
@@ -60,7 +60,7 @@ class Layout3D:
 
 
 def layout3d(
-    grid: ProcessGrid,
+    grid: ProcessGrid | GridShape,
     layer: int,
     n: int,
     d_in: int,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from gnnpar import comm
-from gnnpar.grid import ProcessGrid
+from gnnpar.grid import GridShape, ProcessGrid
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.layout import Layout3D
 
@@ -112,7 +112,7 @@ def plexus_layer(
 
 
 def layer_bytes(
-    grid: ProcessGrid,
+    grid: ProcessGrid | GridShape,
     lay: Layout3D,
     num_ops: int,
     input_split: bool,
