@@ -15,7 +15,9 @@ from gnnpar.train.loop import Trainer
 from gnnpar.train.metrics import read_metrics
 from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "datasets"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT / ".." / "shared" / "datasets"
+EXAMPLE = ROOT / "examples" / "train_sage_minibatch.py"
 HAS_CITESEER = (SHARED / "planetoid" / "ind.citeseer.graph").is_file()
 SMALL = "num_nodes=300,feat_dim=8,seed=3"
 
@@ -104,7 +106,31 @@ def test_command_line(tmp_path, capsys):
     assert "one fan-out per layer" in capsys.readouterr().err
 
 
-def _citeseer(out: str, epochs: int, batch_size: int) -> dict[str, float]:
+def _run_example(argv: list[str]) -> str:
+    """Rank body: run the example's main() and return what it printed."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("train_sage_minibatch", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert module.main(argv) == 0
+    return text.getvalue()
+
+
+def test_example_script_on_two_ranks(tmp_path):
+    """examples/train_sage_minibatch.py trains on 2 ranks (one part each)."""
+    argv = ["--dataset", "sbm", "--epochs", "2", "--fanouts", "4,4", "--hidden", "8"]
+    argv += ["--feature-cache", "10", "--parts-dir", str(tmp_path / "parts")]
+    out = run_distributed(_run_example, 2, argv, env={"GNNPAR_DATA": str(tmp_path)})
+    assert "epoch   2:" in out[0] and "seeds/s" in out[0] and "cache hit rate" in out[0]
+    assert out[1] == ""  # only rank 0 prints
+
+
+def _citeseer(out: str, batch_size: int) -> dict[str, float]:
     cfg = from_mapping(
         MiniBatchConfig,
         {
@@ -113,7 +139,8 @@ def _citeseer(out: str, epochs: int, batch_size: int) -> dict[str, float]:
             "dataset_options": "normalize_features=true",
             "fanouts": "10,10",
             "batch_size": batch_size,
-            "epochs": epochs,
+            "hidden": 32,
+            "epochs": 30,
             "out": out,
             "quiet": True,
             "feature_cache": 64,
@@ -128,14 +155,14 @@ def _citeseer(out: str, epochs: int, batch_size: int) -> dict[str, float]:
 
 @pytest.mark.skipif(not HAS_CITESEER, reason="CiteSeer files are not in ../shared/datasets")
 def test_citeseer_one_process(tmp_path):
-    result = _citeseer(str(tmp_path / "run"), epochs=40, batch_size=32)
+    result = _citeseer(str(tmp_path / "run"), batch_size=32)
     assert result["test_acc"] >= 0.67, result
 
 
 @pytest.mark.skipif(not HAS_CITESEER, reason="CiteSeer files are not in ../shared/datasets")
 def test_citeseer_four_ranks(tmp_path):
     """Four ranks, one METIS part each, 8 seeds per rank and step (a global batch of 32)."""
-    results = run_distributed(_citeseer, 4, str(tmp_path / "run"), 50, 8, timeout=600)
+    results = run_distributed(_citeseer, 4, str(tmp_path / "run"), 8, timeout=600)
     assert results[0]["test_acc"] >= 0.67, results[0]
     assert all(r["test_acc"] == results[0]["test_acc"] for r in results)
     rates = [r["cache_hit_rate"] for r in results]
