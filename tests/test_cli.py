@@ -142,3 +142,4 @@ def test_interrupted_checkpoint_leaves_previous_usable(tmp_path):
     assert complete_checkpoints(root) == [1]
     step, state = load_checkpoint(root, grid)
     assert step == 1 and torch.equal(state["w"], torch.ones(3))
+

@@ -34,7 +34,8 @@ def _run(args: argparse.Namespace) -> int:
         print(to_toml(cfg), end="")
         return 0
     if args.nprocs > 1 and not under_launcher():
-        return launch_local(args.nprocs, strip_nprocs(sys.argv[1:]))
+        argv = _strip_flag(strip_nprocs(sys.argv[1:]), "--max-restarts")
+        return launch_local(args.nprocs, argv, max_restarts=args.max_restarts)
     import gnnpar
     from gnnpar.train.loop import Trainer
 
@@ -56,6 +57,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _strip_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag VALUE`` / ``flag=VALUE`` (options for the launcher only)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def _report(args: argparse.Namespace) -> int:
     from gnnpar.train.report import write_report
 
@@ -72,6 +86,12 @@ def add_train_commands(subparsers: Any) -> None:
         p.add_argument("--config", default=None, help="TOML file with options")
         p.add_argument("--print-config", action="store_true", help="show the merged config")
         p.add_argument("--nprocs", type=int, default=1, help="local processes to start")
+        p.add_argument(
+            "--max-restarts",
+            type=int,
+            default=0,
+            help="with --nprocs: restart all ranks this often after a failure (use --resume)",
+        )
         add_flags(p, cls)
         p.set_defaults(func=_run)
     report = subparsers.add_parser("report", help="plots and a summary of a run folder")
