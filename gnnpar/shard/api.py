@@ -520,7 +520,7 @@ class ShardedModel:
             if self.buckets is not None:
                 grads += [b.buffer for b in self.buckets.buckets]
         else:
-            grads += [u.acc for u in self.stage3.units]
+            grads += [u.grad for u in self.stage3.units]
         state: list[torch.Tensor | None] = []
         if optimizer is not None:
             for st in optimizer.state.values():

@@ -7,10 +7,10 @@ not have the parameter attributes at all (reading one raises ``AttributeError``)
 
 **Forward.** A pre-forward hook all-gathers the unit's chunks over the data axis (or takes the
 gather that the previous unit prefetched) and sets every parameter attribute to a view of the
-gathered buffer; the trainable buffer first passes through an autograd function whose
-backward receives the gradient of the whole unit at once. It then starts the gather of the
-next unit (the order is recorded during each forward and used by the next). The post-forward
-hook removes the attributes and drops the buffer.
+gathered buffer (for a trainable parameter, a fresh autograd leaf aliasing it). It then
+starts the gather of the next unit (the order is recorded during each forward and used by the
+next). The post-forward hook removes the attributes and frees the buffer's memory (the
+leaves' gradient accumulators keep the leaves, which alias it, until backward).
 
 **Saved tensors.** Autograd would keep the gathered buffer alive until backward by saving the
 weights that, e.g., a matmul needs. While the model's forward runs, a
@@ -20,14 +20,14 @@ again — in backward order, one unit ahead (prefetch). Only units that had some
 gathered again, so a unit whose backward needs no parameter (an embedding lookup) costs no
 second gather.
 
-**Gradients.** When backward has produced the gradient of the whole unit (the autograd
-function's backward; separate leaves per parameter would pin the gathered buffer through
-their gradient accumulators), its tail that needs it is z-reduced (tensor-parallel
-composition), it is divided by ``data·z`` and reduce-scattered over the data axis,
-asynchronously, and the unit is released. Reduce-scatters that have finished are handed over
+**Gradients.** As soon as autograd has accumulated a parameter's gradient (a post-accumulate
+hook on its leaf), the hook takes it. When the unit's last one has arrived, the unit is
+released, the gradients are laid end to end in one flat buffer, its tail that needs it is
+z-reduced (tensor-parallel composition), it is divided by ``data·z`` and reduce-scattered over
+the data axis, asynchronously. Reduce-scatters that have finished are handed over
 while backward goes on (one at most stays in flight); at the end of backward the last is
-waited for, and the chunks become the gradients of the master pieces. Under ``no_sync`` the
-flat gradients accumulate locally instead.
+waited for, and the chunks become the gradients of the master pieces. Parameters that got no
+gradient count as zero. Under ``no_sync`` the flat gradients accumulate locally instead.
 
 **FCDP.** With :class:`~gnnpar.shard.FCDP`, the post-forward hook keeps the gathered trainable
 buffer — whole, or this rank's 1/k node-local slice for k data ranks per node — in a cache, on
@@ -54,7 +54,7 @@ from torch import nn
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.config import FCDP, MixedPrecision
-from gnnpar.shard.flat import FlatGroup
+from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import INTRA, NodeGroups
 
 __all__ = ["Stage3", "Unit"]
@@ -85,21 +85,6 @@ class _Ref:
     offset: int
 
 
-class _UnitGrad(torch.autograd.Function):
-    """Identity on a unit's gathered trainable buffer; backward hands the gradient of the
-    whole buffer to the unit (nothing flows to the anchor)."""
-
-    @staticmethod
-    def forward(ctx, anchor, full, unit):  # noqa: D102
-        ctx.unit = unit
-        return full.view_as(full)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        ctx.unit.runtime.on_unit_grad(ctx.unit, grad)
-        return None, None, None
-
-
 class Unit:
     """A module whose parameters are gathered and released together."""
 
@@ -112,8 +97,8 @@ class Unit:
         self.full: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Any] = {}
         self.cache: dict[str, tuple[torch.Tensor, str]] = {}
-        self.anchor = torch.empty(0, requires_grad=True)
-        self.acc: torch.Tensor | None = None  # gradient accumulated under no_sync
+        self.grad: torch.Tensor | None = None  # flat gradient (accumulated under no_sync)
+        self.arrived: list = []  # (slot, gradient) received during this backward
         self.depth = 0
         self.saved: set[str] = set()
         self.seen_in_backward = False
@@ -232,6 +217,16 @@ class Stage3:
         self._uninstall(unit)
         if self.fcdp is not None:
             self._cache(unit)
+        full = unit.full.get("trainable")
+        if full is not None and torch.is_grad_enabled():
+            # The leaves' gradient accumulators hold the leaves until backward, and the
+            # leaves alias this buffer: free its memory explicitly, unless the buffer is
+            # the master chunk itself (one data rank) or kept by the cache.
+            ptr = full.untyped_storage().data_ptr()
+            keep = {unit.groups["trainable"].master.untyped_storage().data_ptr()}
+            keep |= {t.untyped_storage().data_ptr() for t, _ in unit.cache.values()}
+            if ptr not in keep:
+                full.untyped_storage().resize_(0)
         self._drop(unit)
 
     # ------------------------------------------------------------------ gather / release
@@ -262,10 +257,15 @@ class Stage3:
         for kind, group in unit.groups.items():
             full = unit.full[kind]
             self._live[full.untyped_storage().data_ptr()] = (unit, kind, full)
-            tracked = full
-            if kind == "trainable" and torch.is_grad_enabled():
-                tracked = _UnitGrad.apply(unit.anchor, full, unit)
-            for slot, view in zip(group.slots, group.views(tracked), strict=False):
+            track = kind == "trainable" and torch.is_grad_enabled()
+            for slot, view in zip(group.slots, group.views(full), strict=False):
+                if track:
+                    # A fresh autograd leaf aliasing the gathered buffer; its gradient goes
+                    # into the unit's flat gradient as soon as autograd has accumulated it.
+                    view = view.detach().requires_grad_(True)
+                    view.register_post_accumulate_grad_hook(
+                        lambda t, u=unit, s=slot: self._on_param_grad(u, s, t)
+                    )
                 for module, attr in slot.refs:
                     module.__dict__[attr] = view
 
@@ -383,32 +383,57 @@ class Stage3:
             group, handle = self._pending_rs.pop(0)
             group.set_grad(handle.wait(), owned=True)
 
-    def on_unit_grad(self, unit: Unit, grad: torch.Tensor) -> None:
-        """The gradient of ``unit``'s whole trainable buffer is ready."""
+    def _on_param_grad(self, unit: Unit, slot: Slot, leaf: torch.Tensor) -> None:
+        """One parameter's gradient is ready: take it from its leaf; when the unit's last one
+        has arrived, free the unit's parameters, lay the gradients end to end and
+        reduce-scatter them."""
         self._begin_backward()
-        self._drop(unit)  # the parameters are not needed any more: free them first
-        self._uncache(unit, "trainable")
+        unit.arrived.append((slot, leaf.grad))
+        leaf.grad = None
+        if len(unit.arrived) == len(unit.groups["trainable"].slots):
+            self._drop(unit)  # backward needs these parameters no more
+            self._uncache(unit, "trainable")
+            self._collect(unit)
+            if self.sync:
+                self._reduce(unit)
+
+    def _collect(self, unit: Unit) -> None:
+        """Add the gradients that arrived into the unit's flat gradient (allocated only now,
+        after the parameters are freed, to keep the peak low)."""
+        group = unit.groups["trainable"]
+        if unit.grad is None:
+            dtype = self.reduce_dtype or group.master.dtype
+            unit.grad = torch.zeros(group.padded, dtype=dtype, device=self.grid.device)
+        while unit.arrived:
+            slot, grad = unit.arrived.pop()
+            unit.grad[slot.offset : slot.offset + slot.numel].view(slot.shape).add_(grad)
+            del grad
+
+    def _reduce(self, unit: Unit) -> None:
+        """Launch the reduce-scatter of the unit's flat gradient (after its z-reduction)."""
         self._poll_reductions()
         group = unit.groups["trainable"]
-        g = grad.to(self.reduce_dtype or group.master.dtype)
-        if unit.acc is not None:
-            g = unit.acc.add_(g)
-            unit.acc = None
-        if not self.sync:
-            unit.acc = g
-        else:
-            if group.z_start < group.numel and self.grid.size("z") > 1:
-                comm.all_reduce(g[group.z_start : group.numel], self.grid, "z")
-            g.div_(self.scale)
-            # Bound the reduce-scatters in flight: each holds a whole unit's gradient.
-            while len(self._pending_rs) >= MAX_INFLIGHT_REDUCTIONS:
-                done, h = self._pending_rs.pop(0)
-                done.set_grad(h.wait(), owned=True)
-            handle = comm.reduce_scatter(g, self.grid, "data", async_op=True)
-            self._pending_rs.append((group, handle))
+        g, unit.grad = unit.grad, None
+        if group.z_start < group.numel and self.grid.size("z") > 1:
+            comm.all_reduce(g[group.z_start : group.numel], self.grid, "z")
+        g.div_(self.scale)
+        # Bound the reduce-scatters in flight: each holds a whole unit's gradient.
+        while len(self._pending_rs) >= MAX_INFLIGHT_REDUCTIONS:
+            done, h = self._pending_rs.pop(0)
+            done.set_grad(h.wait(), owned=True)
+        handle = comm.reduce_scatter(g, self.grid, "data", async_op=True)
+        self._pending_rs.append((group, handle))
 
     def _end_of_backward(self) -> None:
         try:
+            for unit in self.units:
+                # A unit some of whose parameters got no gradient (unused in this forward):
+                # the missing ones count as zero. Every rank runs the same graph, so every
+                # rank launches these in the same order.
+                if unit.arrived:
+                    self._collect(unit)
+                if self.sync and unit.grad is not None:
+                    self._reduce(unit)
             for group, handle in self._pending_rs:
                 group.set_grad(handle.wait(), owned=True)
         finally:
