@@ -143,3 +143,50 @@ def test_interrupted_checkpoint_leaves_previous_usable(tmp_path):
     step, state = load_checkpoint(root, grid)
     assert step == 1 and torch.equal(state["w"], torch.ones(3))
 
+
+def _train_gpt(out: Path, steps: int, extra: list[str] = ()) -> int:
+    return main(
+        [
+            "train",
+            "gpt",
+            "--steps",
+            str(steps),
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--batch-size",
+            "2",
+            "--block-size",
+            "16",
+            "--vocab-size",
+            "300",
+            "--warmup",
+            "2",
+            "--eval-every",
+            "100",
+            "--val-batches",
+            "1",
+            "--sample-tokens",
+            "5",
+            "--out",
+            str(out),
+            "--quiet",
+            "--checkpoint-every",
+            "3",
+            *extra,
+        ]
+    )
+
+
+def test_gpt_resume_continues_exactly(tmp_path):
+    full, half = tmp_path / "full", tmp_path / "half"
+    assert _train_gpt(full, 6) == 0
+    assert _train_gpt(half, 3) == 0
+    assert _train_gpt(half, 6, ["--resume"]) == 0
+    a = torch.load(full / "checkpoints" / "step-000006" / "rank-00000.pt", weights_only=False)
+    b = torch.load(half / "checkpoints" / "step-000006" / "rank-00000.pt", weights_only=False)
+    for k, v in a["task"]["model"].items():
+        assert torch.equal(v, b["task"]["model"][k]), k

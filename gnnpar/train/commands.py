@@ -13,6 +13,7 @@ from gnnpar.train.config import add_flags, resolve, to_toml
 def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
     """TASK name → (config class, task factory, help)."""
     from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+    from gnnpar.train.gpt import GPTRunConfig, GPTTask
     from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
     return {
@@ -22,6 +23,7 @@ def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
             MiniBatchTask,
             "mini-batch GraphSAGE / GCN / GAT with neighbour sampling (one part per rank)",
         ),
+        "gpt": (GPTRunConfig, GPTTask, "GPT with data x 3D tensor parallelism (4D)"),
     }
 
 
@@ -50,7 +52,10 @@ def _run(args: argparse.Namespace) -> int:
         overwrite=getattr(cfg, "overwrite", False),
     )
     result = trainer.run()
+    sample = task.finish() if hasattr(task, "finish") else None
     if task.grid.global_rank == 0:
+        if sample:
+            print(f"sample:\n{sample}")
         summary = " ".join(f"{k}={v:.4f}" for k, v in result.items())
         print(f"done: {task.grid.describe()} {summary}; metrics in {cfg.out}/metrics.jsonl")
     gnnpar.shutdown(task.grid)

@@ -149,4 +149,12 @@ class Trainer:
         return last_eval
 
 
-_SHOWN = ("loss", "train_acc", "val_acc", "test_acc", "tokens_per_s", "seeds_per_s")
+_SHOWN = (
+    "loss",
+    "train_acc",
+    "val_acc",
+    "test_acc",
+    "val_loss",
+    "tokens_per_s",
+    "seeds_per_s",
+)

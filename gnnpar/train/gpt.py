@@ -1,0 +1,84 @@
+"""GPT training with 4D hybrid parallelism (the ``gpt`` task): data × 3D tensor parallelism.
+
+The model, data and step are :mod:`gnnpar.tensor.train`'s; this module adapts them to the
+trainer (progress, metrics, checkpoints, ``--resume``). The batch of step ``i`` is a pure
+function of ``i`` and the seed, so restoring the model and optimizer resumes exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from gnnpar.grid import parse_grid_spec
+from gnnpar.tensor import train as gpt_train
+from gnnpar.train.config import ConfigError
+
+
+@dataclasses.dataclass
+class GPTRunConfig(gpt_train.GPTTrainConfig):
+    """Options of ``gnnpar train gpt``: the GPT run's plus the trainer's."""
+
+    out: str = "runs/gpt"
+    eval_every: int = 100
+    checkpoint_every: int = 0
+    quiet: bool = False
+    overwrite: bool = False
+
+    def check(self) -> None:
+        """Reject values that cannot work, naming the key."""
+        for key in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be positive")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"config key 'n_embd' ({self.n_embd}) must be a multiple of n_head "
+                f"({self.n_head})"
+            )
+        parse_grid_spec(self.grid)
+
+    def train_config(self) -> gpt_train.GPTTrainConfig:
+        """The run's fields, without the trainer's (which it handles itself)."""
+        names = {f.name for f in dataclasses.fields(gpt_train.GPTTrainConfig)}
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+        values.update(progress=False, ckpt_dir=None, resume=False, val_every=0)
+        return gpt_train.GPTTrainConfig(**values)
+
+
+class GPTTask:
+    """The ``gpt`` task: one optimizer step per trainer step."""
+
+    unit = "step"
+
+    def __init__(self, cfg: GPTRunConfig):
+        self.cfg = cfg
+        self.session = gpt_train.setup(cfg.train_config())
+        self.grid = self.session.grid
+        self.num_steps = cfg.steps
+        self.tokens_per_step = cfg.batch_size * cfg.block_size
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step; loss is the mean over the whole batch."""
+        start = time.perf_counter()
+        loss, norm = gpt_train.train_step(self.session, step)
+        seconds = time.perf_counter() - start
+        return {"loss": loss, "grad_norm": norm, "tokens_per_s": self.tokens_per_step / seconds}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Validation loss."""
+        return {"val_loss": gpt_train.evaluate(self.session)}
+
+    def finish(self) -> str:
+        """A short generated sample (the same on every rank)."""
+        return gpt_train.sample(self.session)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model shards and optimizer state."""
+        s = self.session
+        return {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.session.model.load_state_dict(state["model"])
+        self.session.optimizer.load_state_dict(state["optimizer"])
