@@ -557,6 +557,19 @@ def reduce_from(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:
     return x if grid.group(axis) is None else _ReduceFrom.apply(x, grid, axis)
 
 
+def _pair(
+    fn: type[torch.autograd.Function],
+    x: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dim: int,
+    sizes: Sequence[int] | None,
+) -> torch.Tensor:
+    if grid.group(axis) is None:
+        return x
+    return fn.apply(x, grid, axis, dim % x.dim(), None if sizes is None else list(sizes))
+
+
 def gather_from(
     x: torch.Tensor,
     grid: ProcessGrid,
@@ -565,11 +578,9 @@ def gather_from(
     sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """All-gather along ``dim`` forward; reduce-scatter of the gradient backward."""
-    if grid.group(axis) is None:
-        return x
-    if sizes is None:
+    if sizes is None and grid.group(axis) is not None:
         sizes = [x.shape[dim]] * grid.size(axis)
-    return _GatherFrom.apply(x, grid, axis, dim % x.dim(), list(sizes))
+    return _pair(_GatherFrom, x, grid, axis, dim, sizes)
 
 
 def scatter_to(
@@ -580,9 +591,7 @@ def scatter_to(
     sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
-    if grid.group(axis) is None:
-        return x
-    return _ScatterTo.apply(x, grid, axis, dim % x.dim(), sizes)
+    return _pair(_ScatterTo, x, grid, axis, dim, sizes)
 
 
 def split_to(
@@ -593,9 +602,7 @@ def split_to(
     sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Keep this rank's chunk along ``dim`` forward (no communication); all-gather backward."""
-    if grid.group(axis) is None:
-        return x
-    return _SplitTo.apply(x, grid, axis, dim % x.dim(), sizes)
+    return _pair(_SplitTo, x, grid, axis, dim, sizes)
 
 
 def gather_replicated(
@@ -606,6 +613,4 @@ def gather_replicated(
     sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
-    if grid.group(axis) is None:
-        return x
-    return _GatherReplicated.apply(x, grid, axis, dim % x.dim(), sizes)
+    return _pair(_GatherReplicated, x, grid, axis, dim, sizes)

@@ -105,20 +105,17 @@ class GridShape:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class ProcessGrid:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessGrid(GridShape):
     """An immutable data × x × y × z grid of processes with one group per axis.
 
     Build one with :func:`gnnpar.init`. Query it by axis name (``"x"``, ``"y"``, ``"z"``,
     ``"data"``, or the combinations ``"tensor"`` = x·y·z, ``"world"``, ``"xy"``, ``"xz"``,
-    ``"yz"``): :meth:`group`, :meth:`rank`, :meth:`size`, :meth:`ranks`.
+    ``"yz"``): :meth:`group`, :meth:`rank`, :meth:`size`, :meth:`ranks`. Shape and rank
+    arithmetic (``shape``, ``world_size``, ``size``, ``coords``) come from
+    :class:`GridShape`.
     """
 
-    x: int
-    y: int
-    z: int
-    data: int
-    global_rank: int
     backend: str
     device: torch.device
     ranks_per_node: int
@@ -128,41 +125,12 @@ class ProcessGrid:
     # Traffic recorders opened by gnnpar.comm.record(); the list object is owned by this grid.
     recorders: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
-    # ----------------------------------------------------------------------------- shape
-    @property
-    def shape(self) -> dict[str, int]:
-        """Sizes of the four axes, by name."""
-        return {"x": self.x, "y": self.y, "z": self.z, "data": self.data}
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes in the grid."""
-        return self.x * self.y * self.z * self.data
-
     @property
     def distributed(self) -> bool:
         """Whether the grid runs on torch.distributed (False for a plain single process)."""
         return dist.is_available() and dist.is_initialized()
 
-    def size(self, axis: str) -> int:
-        """Number of ranks in this rank's group along ``axis``."""
-        out = 1
-        for a in axes_of(axis):
-            out *= self.shape[a]
-        return out
-
     # ------------------------------------------------------------------------ coordinates
-    def coords(self, rank: int | None = None) -> dict[str, int]:
-        """Grid coordinates of ``rank`` (default: this process)."""
-        rank = self.global_rank if rank is None else rank
-        if not 0 <= rank < self.world_size:
-            raise GridError(f"rank {rank} is outside a grid of {self.world_size} ranks")
-        out = {}
-        for a in AXES:
-            out[a] = rank % self.shape[a]
-            rank //= self.shape[a]
-        return out
-
     def rank_of(self, **coords: int) -> int:
         """Global rank at the given coordinates; missing axes default to this rank's."""
         mine = self.coords()
