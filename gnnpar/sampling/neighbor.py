@@ -100,36 +100,35 @@ def _all_positions(start: torch.Tensor, deg: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _floyd(
-    bits: torch.Tensor, deg: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Floyd's algorithm for every row at once, for rows with ``deg >= k``.
+def _floyd(bits: torch.Tensor, deg: torch.Tensor, k: int) -> torch.Tensor:
+    """Floyd's algorithm for every row at once: ``(k, m)`` distinct offsets in
+    ``[0, deg)`` per row, for rows with ``deg >= k``. Consumes ``bits`` (it is overwritten).
 
     Round ``i`` draws ``t`` uniform in ``[0, j]`` with ``j = deg - k + i`` and keeps ``t``, or
     ``j`` if ``t`` was already taken; the ``k`` picks are a uniform ``k``-subset of
-    ``[0, deg)``. Returns ``(j, t, taken)``, each ``(k, m)``: the pick of round ``i`` is
-    ``j`` where ``taken`` else ``t``. Membership is a 64-bit mask per row for rows of degree
-    at most 64 (a handful of tensor operations per round) and a comparison with the earlier
+    ``[0, deg)``. Membership is a 64-bit mask per row for rows of degree at most 64 (a
+    handful of operations on ``m`` numbers per round) and a comparison with the earlier
     picks for the others.
     """
     m = deg.numel()
-    ramp = torch.arange(k, dtype=torch.int64, device=deg.device)[:, None]
-    j = (deg - k)[None, :] + ramp
-    t = (bits * (j + 1)) >> 32
+    j = torch.arange(k, dtype=torch.int64, device=deg.device)[:, None] + (deg - k)
+    j += 1
+    t = bits.mul_(j).bitwise_right_shift_(32)  # uniform in [0, j]
+    j -= 1
     taken = torch.zeros((k, m), dtype=torch.bool, device=deg.device)
     wide = deg > 64
     num_wide = int(wide.sum())
     if num_wide < m:
         # shifts by 64 or more give 0: harmless for wide rows, redone below
         one = torch.ones((), dtype=torch.int64, device=deg.device)
-        bit_t = torch.bitwise_left_shift(one, t)
-        bit_j = torch.bitwise_left_shift(one, j)
-        mask = torch.zeros(m, dtype=torch.int64, device=deg.device)
-        tmp = torch.empty(m, dtype=torch.int64, device=deg.device)
+        mask = torch.bitwise_left_shift(one, t[0])
+        bit_t = torch.empty_like(mask)
+        bit_j = torch.empty_like(mask)
         for i in range(1, k):
-            mask |= torch.where(taken[i - 1], bit_j[i - 1], bit_t[i - 1])
-            torch.bitwise_and(mask, bit_t[i], out=tmp)
-            torch.ne(tmp, 0, out=taken[i])
+            torch.bitwise_left_shift(one, t[i], out=bit_t)
+            torch.ne(torch.bitwise_and(mask, bit_t, out=bit_j), 0, out=taken[i])
+            torch.bitwise_left_shift(one, j[i], out=bit_j)
+            mask |= torch.where(taken[i], bit_j, bit_t, out=bit_t)
     if num_wide:
         rows = torch.nonzero(wide, as_tuple=True)[0]
         tw, jw = t[:, rows], j[:, rows]
@@ -140,7 +139,7 @@ def _floyd(
             taken_w[i] = (picks[:i] == tw[i]).any(0)
             picks[i] = torch.where(taken_w[i], jw[i], tw[i])
         taken[:, rows] = taken_w
-    return j, t, taken
+    return torch.where(taken, j, t, out=t)
 
 
 def sample_rows(
@@ -178,27 +177,30 @@ def sample_rows(
     if int(deg.max()) > _MAX_DEGREE:
         raise ValueError(f"sampling supports degrees below 2**31, got {int(deg.max())}")
     bits = random_bits(key, rows if row_keys is None else row_keys, k)  # (k, m)
+    ramp = torch.arange(k, dtype=torch.int64, device=rows.device)[:, None]
     if replace:
-        picks = (bits * deg) >> 32
+        picks = bits.mul_(deg).bitwise_right_shift_(32)
         counts = torch.where(deg > 0, k, 0)
         full = bool((deg > 0).all())
     else:
         short = deg <= k
-        # short rows take offsets 0..deg-1: with deg raised to k their j is the round index
-        j, t, taken = _floyd(bits, deg.clamp(min=k), k)
         counts = deg.clamp(max=k)
         full = not bool(short.any())
-        if not full:
-            taken |= short
-        picks = torch.where(taken, j, t)
+        if full:
+            picks = _floyd(bits, deg, k)
+        else:
+            # short rows take offsets 0..deg-1: with deg raised to k their j is the round
+            # index; their garbage picks are replaced by that index
+            picks = _floyd(bits, deg.clamp(min=k), k)
+            torch.where(short, ramp, picks, out=picks)
     picks += start
     if full:  # every row has k entries: row-major order is the CSR order
         return counts, picks.t().reshape(-1)
     # Scatter entry (i, row) to its CSR slot; entries past a row's count go to a spare slot.
-    ramp = torch.arange(k, dtype=torch.int64, device=rows.device)[:, None]
     offsets = torch.cumsum(counts, 0) - counts
     total = int(counts.sum())
-    dest = torch.where(ramp < counts, offsets + ramp, total)
+    dest = ramp + offsets
+    dest.masked_fill_(ramp >= counts, total)
     out = torch.empty(total + 1, dtype=torch.int64, device=rows.device)
     out.scatter_(0, dest.view(-1), picks.view(-1))
     return counts, out[:total]
