@@ -22,7 +22,7 @@ demo: $(VENV)/.stamp-dev-llm
 	$(VENV)/bin/gnnpar report runs/demo
 
 test: $(VENV)/.stamp-dev-llm
-	$(PY) -m pytest -x --timeout=600
+	$(PY) -m pytest --timeout=1200
 
 bench: $(VENV)/.stamp-dev-llm-bench
 	$(PY) benchmarks/run_all.py
