@@ -56,6 +56,7 @@ def config(out: Path, **kw) -> MiniBatchConfig:
         ({"dropout": 1.0}, "dropout"),
         ({"parts": 0}, "parts"),
         ({"feature_cache": -1}, "feature_cache"),
+        ({"model": "gat", "hidden": 10, "heads": 4}, "divisible"),
     ],
 )
 def test_bad_config(tmp_path, values, message):

@@ -114,7 +114,8 @@ class SAGEConv(nn.Module):
         self.lin_neigh = nn.Linear(in_dim, out_dim, bias=bias)
         self.lin_root = nn.Linear(in_dim, out_dim, bias=False)
 
-    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:
+        """Outputs of the block's destinations from its sources' ``h_src``."""
         h_dst = h_src[: block.num_dst]
         if self.in_dim > self.out_dim:
             agg = block_mean(block, h_src @ self.lin_neigh.weight.t())
@@ -134,7 +135,8 @@ class GCNConv(nn.Module):
         self.lin = nn.Linear(in_dim, out_dim, bias=False)
         self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
 
-    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:
+        """Outputs of the block's destinations from its sources' ``h_src``."""
         if self.in_dim > self.out_dim:
             h_src = self.lin(h_src)
         total = block_sum(block, h_src) + h_src[: block.num_dst]
@@ -176,7 +178,8 @@ class GATConv(nn.Module):
         nn.init.xavier_uniform_(self.att_src)
         nn.init.xavier_uniform_(self.att_dst)
 
-    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:
+        """Outputs of the block's destinations from its sources' ``h_src``."""
         nd, heads = block.num_dst, self.heads
         z = self.lin(h_src).view(-1, heads, self.head_dim)
         a_src = (z * self.att_src).sum(-1)

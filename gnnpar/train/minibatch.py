@@ -112,6 +112,11 @@ class MiniBatchConfig:
                 raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"config key 'dropout' must be in [0, 1), got {self.dropout}")
+        if self.model == "gat" and self.layers > 1 and self.hidden % self.heads:
+            raise ConfigError(
+                f"config key 'hidden' ({self.hidden}) must be divisible by 'heads' "
+                f"({self.heads}) for GAT"
+            )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
 
