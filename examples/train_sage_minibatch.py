@@ -91,7 +91,7 @@ def setup_parts(args: argparse.Namespace, fanouts: list[int], grid: gnnpar.Proce
     comm.barrier(grid)
     part = LocalPart.load(folder, grid.rank("data"))
     # the loader's thread gets process groups of its own (collectives never interleave)
-    loader_grid = gnnpar.init()
+    loader_grid = gnnpar.init(backend="gloo")
     sampler = DistNeighborSampler(part, fanouts, loader_grid, seed=args.seed)
     fetcher = FeatureFetcher(part, loader_grid, cache_size=args.feature_cache)
     seeds = part.start + torch.nonzero(part.ndata["train_mask"], as_tuple=True)[0]
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             [here, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         return launch_local(args.nprocs, strip_nprocs(argv), module=Path(__file__).stem)
-    grid = gnnpar.init()
+    grid = gnnpar.init(backend="gloo")  # sampling and training on the CPU
     rank0 = grid.global_rank == 0
     fanouts = parse_fanouts(args.fanouts)
     if grid.world_size == 1:

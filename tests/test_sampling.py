@@ -375,6 +375,8 @@ def test_loader_epochs_batches_and_prefetch():
     assert torch.equal(batch.x, g.feat[batch.input_nodes]) and torch.equal(
         batch.y, g.label[batch.seeds]
     )
+    on_cpu = NodeLoader(sampler, seeds, 16, features=g.feat, device="cpu", seed=3)
+    assert not on_cpu.pin_memory and next(iter(on_cpu)).x.device.type == "cpu"
     dropped = NodeLoader(sampler, seeds, 16, drop_last=True, shuffle=False, prefetch=0)
     assert _seed_lists(dropped) == [seeds[i : i + 16].tolist() for i in range(0, 96, 16)]
     assert batch_sizes(10, 4, False, 3) == [4, 3, 3] and batch_sizes(2, 4, False, 3) == [1, 1, 0]

@@ -7,6 +7,9 @@ only its own part): it samples across parts and fetches remote features with all
 one all-reduce per step through :mod:`gnnpar.comm` (a stand-in until gnnpar's
 data-parallel layer, :mod:`gnnpar.shard`, is used here).
 
+Everything runs on the CPU with gloo (the loader itself can pin batches and copy them to a
+GPU; the task does not use one yet).
+
 ``train_step`` is **one epoch**: the Trainer's progress bar, evaluation (``eval_every``) and
 checkpoints (``checkpoint_every``) count epochs. The checkpoint holds the model, the
 optimizer and the loader position (epoch, batch, seed); the Trainer adds the torch RNG state
@@ -197,7 +200,8 @@ class MiniBatchTask:
 
     def __init__(self, cfg: MiniBatchConfig):
         self.cfg = cfg
-        self.grid = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        # Sampling, features and the model all live on the CPU: gloo, even where CUDA exists.
+        self.grid = gnnpar.init(backend="gloo", ranks_per_node=cfg.ranks_per_node)
         world = self.grid.world_size
         parts = cfg.parts or world
         if parts != world:
@@ -258,7 +262,7 @@ class MiniBatchTask:
         self.part = part
         # The loader samples and fetches in a background thread: it gets process groups of
         # its own, so its all-to-alls never interleave with this thread's collectives.
-        self.sample_grid = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        self.sample_grid = gnnpar.init(backend="gloo", ranks_per_node=cfg.ranks_per_node)
         sampler = DistNeighborSampler(
             part, self.fanouts, self.sample_grid, replace=cfg.replace, seed=cfg.seed
         )
