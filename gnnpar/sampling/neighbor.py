@@ -4,7 +4,7 @@ For every destination node ``v`` of a hop and a fan-out ``k``:
 
 - without replacement (the default): ``min(k, deg(v))`` distinct in-edges of ``v``, every
   subset of that size equally likely (Floyd's algorithm, vectorised over nodes: ``k`` rounds
-  of a few tensor operations, ``O(k)`` work per node whatever its degree);
+  of a few tensor operations, at most ``O(k^2)`` work per node whatever its degree);
 - with replacement: ``k`` in-edges drawn independently (none if ``deg(v) = 0``);
 - ``k = -1``: every in-edge.
 
@@ -358,7 +358,7 @@ class NeighborSampler:
                 row_keys=row_keys,
             )
             m = frontier.numel()
-            ids = torch.empty(m + pos.numel(), dtype=torch.int64)
+            ids = torch.empty(m + pos.numel(), dtype=torch.int64, device=self.indices.device)
             ids[:m] = frontier
             torch.index_select(self.indices, 0, pos, out=ids[m:])
             src, local = self.relabel.relabel(ids, m, check_unique=hop == 0)
