@@ -336,6 +336,21 @@ def _world_4() -> dict:
     for opt_name in ("sgd", "adamw"):
         out[("finetune", opt_name)] = _train(grid, 3, opt_name, fcdp=FCDP(), freeze=True)[0]
     out[("finetune_zero3", "sgd")] = _train(grid, 3, "sgd", freeze=True)[0]
+    # A model smaller than the data axis: ranks 2 and 3 own no element at all.
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        tiny, ref = nn.Linear(1, 1).to(F64), nn.Linear(1, 1).to(F64)
+        ref.load_state_dict(tiny.state_dict())
+        dp = shard(tiny, grid, stage)
+        opts = [dp.attach(_opt("adamw", dp.parameters())), _opt("adamw", ref.parameters())]
+        for step in range(2):
+            x, _ = _batch(step)
+            F.mse_loss(tiny(x[_rows(grid), :1]), x[_rows(grid), 1:2]).backward()
+            F.mse_loss(ref(x[:, :1]), x[:, 1:2]).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        out[("tiny", stage)] = _max_diff(dp.full_state_dict(), ref.state_dict())
     # Memory per rank at stage 3 with AdamW: parameters, gradients and optimizer state.
     net = _net()
     dp = shard(net, grid, 3, units="blocks.*")

@@ -219,6 +219,7 @@ class ShardedModel:
         self.buckets: GradBuckets | None = None
         self.stage3: Stage3 | None = None
         self._hooks: list = []
+        self._attached = 0
 
     # ---------------------------------------------------------------------- basics
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -289,7 +290,8 @@ class ShardedModel:
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register a step post-hook on ``optimizer`` that brings the model's parameters up
         to date right after each step (stages 1–2: all-gather; stage 0 with mixed precision:
-        copy). Without it this happens at the start of the next forward. Returns it."""
+        copy). Without it this happens at the start of the next forward, on the ranks whose
+        masters changed (see :meth:`sync_params`). Returns ``optimizer``."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"attach needs a torch.optim.Optimizer, got {type(optimizer)}")
         own = {id(p) for p in self.parameters()}
@@ -300,14 +302,24 @@ class ShardedModel:
                         "the optimizer holds a parameter that is not one of this "
                         "ShardedModel's parameters(); build it from dp.parameters()"
                     )
-        self._hooks.append(optimizer.register_step_post_hook(lambda *a: self.sync_params()))
+        self._hooks.append(
+            optimizer.register_step_post_hook(lambda *a: self.sync_params(force=True))
+        )
+        self._attached += 1
         return optimizer
 
-    def sync_params(self) -> None:
-        """Bring the model's parameters up to date with the masters now (collective at
-        stages 1–2; nothing to do at stage 3, which gathers on use)."""
-        if self.buckets is not None and self.buckets.stale():
+    def sync_params(self, force: bool = False) -> None:
+        """Bring the model's parameters up to date with the masters (collective at stages
+        1–2; nothing to do at stage 3, which gathers on use). Without ``force`` only when
+        this rank's masters changed since the last gather — every rank must then agree, which
+        holds when each rank owns elements of every bucket; an attached optimizer gathers
+        unconditionally after each step instead, on every rank alike."""
+        if self.buckets is not None and (force or self.buckets.stale()):
             self.buckets.gather_params()
+
+    def _sync_before_forward(self) -> None:
+        if not self._attached:  # no optimizer hook: catch a step that happened since
+            self.sync_params()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -631,7 +643,7 @@ def shard(
         dp.buckets = GradBuckets(grid, stage, buckets, grid.size("data") * grid.size("z"))
 
         def pre(module, args, kwargs):
-            dp.sync_params()
+            dp._sync_before_forward()
             if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
                 return _cast_floats((args, kwargs), mp.param_dtype)
             return None
@@ -684,6 +696,9 @@ def shard(
             s.param = None
         rt.register()
         dp.stage3 = rt
+    owned = [g for g in dp._groups(("trainable",)) if g.master.numel() or g.pieces]
+    if owned and not any(g.pieces for g in owned):
+        owned[0].add_empty_piece()  # this rank owns nothing; still give the optimizer a tensor
     model._gnnpar_sharded = True
     return dp
 

@@ -255,7 +255,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load this rank's parameters (and optimizer state) from a checkpoint saved on any data
     size and stage with the same tensor-parallel shape; return its meta (``step``,
-    ``extra``). Every rank calls it (stages 1–2 all-gather the new values)."""
+    ``extra``). No communication: each rank reads what it needs."""
     folder = Path(folder)
     meta = _read_meta(folder)
     grid = dp.grid
@@ -297,7 +297,6 @@ def load_checkpoint(
             for key, b in dp.module.named_buffers():
                 if key in buffers:
                     b.copy_(buffers[key])
-    dp.sync_params()
     return meta
 
 

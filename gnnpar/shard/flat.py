@@ -126,6 +126,13 @@ class FlatGroup:
                 param = nn.Parameter(self.master[a - self.lo : b - self.lo], trainable)
                 self.pieces.append(Piece(s, a - s.offset, b - s.offset, a - self.lo, param))
 
+    def add_empty_piece(self) -> None:
+        """Give this rank an empty piece of the first parameter (for a rank that owns no
+        element of the model at all: an optimizer refuses an empty parameter list)."""
+        if self.slots:
+            param = nn.Parameter(self.master[:0], self.trainable)
+            self.pieces.append(Piece(self.slots[0], 0, 0, 0, param))
+
     # ------------------------------------------------------------------------ layout
     def slot_range(self, slot: Slot) -> tuple[int, int]:
         """``[start, stop)`` of ``slot`` in the flat buffer."""

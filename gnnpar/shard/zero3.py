@@ -22,7 +22,8 @@ second gather.
 
 **Gradients.** As soon as autograd has accumulated a parameter's gradient (a post-accumulate
 hook on its leaf), the hook takes it. When the unit's last one has arrived, the unit is
-released, the gradients are laid end to end in one flat buffer, its tail that needs it is
+released, the gradients are laid end to end in one flat buffer (the freed parameter buffer
+when it has the right dtype), its tail that needs it is
 z-reduced (tensor-parallel composition), it is divided by ``data·z`` and reduce-scattered over
 the data axis, asynchronously. Reduce-scatters that have finished are handed over
 while backward goes on (one at most stays in flight); at the end of backward the last is
@@ -391,22 +392,53 @@ class Stage3:
         unit.arrived.append((slot, leaf.grad))
         leaf.grad = None
         if len(unit.arrived) == len(unit.groups["trainable"].slots):
+            spare = self._spare(unit)
             self._drop(unit)  # backward needs these parameters no more
             self._uncache(unit, "trainable")
-            self._collect(unit)
+            self._collect(unit, spare)
             if self.sync:
                 self._reduce(unit)
 
-    def _collect(self, unit: Unit) -> None:
-        """Add the gradients that arrived into the unit's flat gradient (allocated only now,
-        after the parameters are freed, to keep the peak low)."""
+    def _spare(self, unit: Unit) -> torch.Tensor | None:
+        """The unit's gathered trainable buffer, if nothing else uses it and it can hold the
+        flat gradient (same dtype and size): the gradient may then overwrite it instead of
+        taking new memory."""
+        full = unit.full.get("trainable")
         group = unit.groups["trainable"]
-        if unit.grad is None:
-            dtype = self.reduce_dtype or group.master.dtype
-            unit.grad = torch.zeros(group.padded, dtype=dtype, device=self.grid.device)
+        dtype = self.reduce_dtype or group.master.dtype
+        if full is None or unit.grad is not None or unit.depth:
+            return None
+        if full.dtype != dtype or full.numel() != group.padded or full.storage_offset():
+            return None
+        st = full.untyped_storage()
+        if st.nbytes() != full.numel() * full.element_size():
+            return None
+        others = {group.master.untyped_storage().data_ptr()}
+        others |= {t.untyped_storage().data_ptr() for t, _ in unit.cache.values()}
+        return None if st.data_ptr() in others else full
+
+    def _collect(self, unit: Unit, spare: torch.Tensor | None = None) -> None:
+        """Lay the gradients that arrived into the unit's flat gradient: into ``spare`` (the
+        freed parameter buffer), or added into the gradient accumulated so far, or into a new
+        buffer."""
+        group = unit.groups["trainable"]
+        if unit.grad is None and spare is not None:
+            arrived = {id(slot) for slot, _ in unit.arrived}
+            spare[group.numel :].zero_()
+            for slot in group.slots:
+                if id(slot) not in arrived:
+                    spare[slot.offset : slot.offset + slot.numel].zero_()
+            unit.grad = spare
+            write = "copy_"
+        else:
+            if unit.grad is None:
+                dtype = self.reduce_dtype or group.master.dtype
+                unit.grad = torch.zeros(group.padded, dtype=dtype, device=self.grid.device)
+            write = "add_"
         while unit.arrived:
             slot, grad = unit.arrived.pop()
-            unit.grad[slot.offset : slot.offset + slot.numel].view(slot.shape).add_(grad)
+            part = unit.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            getattr(part, write)(grad)
             del grad
 
     def _reduce(self, unit: Unit) -> None:
