@@ -5,8 +5,11 @@ Every implementation trains the same model (``--blocks`` GPT blocks of width ``-
 about 71M parameters by default; one unit per block) from the same seed on the same data with
 AdamW in float32, and reports per rank:
 
-- **step time**: median over the timed steps (after ``--warmup`` steps), best of
-  ``--repeats`` runs, each run in a fresh process (the machine is shared);
+- **step time**: median over the timed steps (after ``--warmup`` steps) of the slowest rank,
+  best of ``--repeats`` runs, each run in a fresh process (the machine is shared);
+- **CPU time** per step and rank (all threads of the process, median, best run): what the
+  step costs in processor work — far less sensitive than wall time to other jobs on a loaded
+  machine, though it does not show waiting;
 - **peak RSS during training**: the process's resident-set high-water mark, reset after the
   model is built and sharded (``/proc/self/clear_refs``), read after the last step — so it
   covers the training steps, not building the full model; the largest over ranks. Every run
@@ -189,19 +192,21 @@ def _rank(impl: str, cfg: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     rss_start = _rss_kb("VmRSS")
     reset = _reset_peak_rss()
-    times = []
+    times, cpu = [], []
     loss = None
     for i in range(cfg["warmup"] + cfg["steps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = step(xs[i % 2], ys[i % 2])
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if i >= cfg["warmup"]:
             times.append(dt)
+            cpu.append(dc)
     peak = _rss_kb("VmHWM")
     out: dict[str, Any] = {
         "rank": rank,
         "times": times,
         "step_s": statistics.median(times),
+        "cpu_s": statistics.median(cpu),
         "peak_rss_mb": peak / 1024,
         "rss_start_mb": rss_start / 1024,
         "peak_reset": reset,
@@ -226,6 +231,7 @@ def run_case(impl: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "impl": impl,
         "world": world,
         "step_s": max(r["step_s"] for r in ranks),  # the slowest rank sets the pace
+        "cpu_s": sum(r["cpu_s"] for r in ranks) / len(ranks),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "rss_start_mb": max(r["rss_start_mb"] for r in ranks),
         "loss": ranks[0]["loss"],
@@ -278,6 +284,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         fastest = min(ok, key=lambda r: r["step_s"])
         best[key] = {
             "step_s": fastest["step_s"],
+            "cpu_s": min(r["cpu_s"] for r in ok),
             "peak_rss_mb": min(r["peak_rss_mb"] for r in ok),
             "rss_start_mb": min(r["rss_start_mb"] for r in ok),
             "loss": fastest["loss"],
@@ -295,6 +302,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 continue
             row = {"impl": impl, "world": world, **b}
             row["time_vs_fsdp2"] = _ratio(b.get("step_s"), fsdp.get("step_s"))
+            row["cpu_vs_fsdp2"] = _ratio(b.get("cpu_s"), fsdp.get("cpu_s"))
             row["memory_vs_fsdp2"] = _ratio(b.get("peak_rss_mb"), fsdp.get("peak_rss_mb"))
             if impl == "fcdp" and b.get("bytes") and zero3.get("bytes"):
                 inter = b["bytes"]["data"]["all_gather"]
@@ -310,10 +318,10 @@ def _fmt(v: Any, spec: str) -> str:
 def table(summary: dict[str, Any]) -> str:
     """The printed (and README) table."""
     head = (
-        "| ranks | implementation | step (s) | × FSDP2 | peak RSS (MB) | × FSDP2 "
-        "| data all-gather (MB) | intra-node all-gather (MB) | loss |"
+        "| ranks | implementation | step (s) | × FSDP2 | CPU s/step/rank | × FSDP2 "
+        "| peak RSS (MB) | × FSDP2 | data all-gather (MB) | intra-node all-gather (MB) | loss |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 11]
     names = {
         "ours": "gnnpar stage 3",
         "fcdp": "gnnpar FCDP",
@@ -323,14 +331,15 @@ def table(summary: dict[str, Any]) -> str:
     for r in summary["rows"]:
         if "error" in r:
             msg = r["error"].splitlines()[-1] if r["error"] else "failed"
-            lines.append(f"| {r['world']} | {names[r['impl']]} | failed: {msg[:80]} |||||||")
+            lines.append(f"| {r['world']} | {names[r['impl']]} | failed: {msg[:80]} |||||||||")
             continue
         by = r.get("bytes") or {}
         ag = by.get("data", {}).get("all_gather")
         intra = by.get("data.intra", {}).get("all_gather")
         lines.append(
             f"| {r['world']} | {names[r['impl']]} | {r['step_s']:.2f} "
-            f"| {_fmt(r['time_vs_fsdp2'], '.2f')} | {r['peak_rss_mb']:.0f} "
+            f"| {_fmt(r['time_vs_fsdp2'], '.2f')} | {r['cpu_s']:.2f} "
+            f"| {_fmt(r['cpu_vs_fsdp2'], '.2f')} | {r['peak_rss_mb']:.0f} "
             f"| {_fmt(r['memory_vs_fsdp2'], '.2f')} "
             f"| {_fmt(ag / 1e6 if ag else None, '.1f')} "
             f"| {_fmt(intra / 1e6 if intra else None, '.1f')} | {r['loss']:.5f} |"
