@@ -228,6 +228,32 @@ def _resolve_sizes(world: int, data: int | None, x: int, y: int, z: int) -> tupl
     return data, x, y, z
 
 
+def _restart_safe_store(timeout: timedelta) -> dict:
+    """Under torchrun's shared agent store, a rendezvous store of this restart attempt only.
+
+    After ``--max-restarts`` brings the ranks back, torchrun (2.4 and later) hands them the
+    same TCP store as the failed attempt, still holding the dead ranks' gloo addresses, so
+    the new ranks connect to closed ports ("connectFullMesh failed ... Connection refused").
+    Prefixing every key with the restart count gives each attempt a clean namespace.
+    Outside that case, an empty dict: ``init_process_group`` reads ``env://`` as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"gnnpar/attempt-{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
 def init(
     data: int | None = None,
     x: int = 1,
@@ -269,7 +295,9 @@ def init(
         if int(os.environ["WORLD_SIZE"]) > 1 or "MASTER_ADDR" in os.environ:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(
+                backend=backend, timeout=timeout, **_restart_safe_store(timeout)
+            )
             owns = True
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()

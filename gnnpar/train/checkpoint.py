@@ -50,6 +50,8 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         for old in sorted(complete_checkpoints(root))[:-keep] if keep > 0 else []:
+            # meta.json first: a kill mid-delete must not leave a "complete" partial folder.
+            (_step_dir(root, old) / "meta.json").unlink(missing_ok=True)
             shutil.rmtree(_step_dir(root, old), ignore_errors=True)
     comm.barrier(grid)
     return final

@@ -6,6 +6,7 @@ small :class:`Task` protocol; the loop owns everything else, the same way for al
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -68,7 +69,10 @@ class Trainer:
         self.out = Path(out)
         self.eval_every = eval_every
         self.checkpoint_every = checkpoint_every
-        self.resume = resume
+        # Ranks brought back by torchrun --max-restarts continue their own run from its
+        # newest checkpoint (or from the start when none was written yet).
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.resume = resume or self.attempt > 0
         self.quiet = quiet
         self.is_main = self.grid.global_rank == 0
         self._check_run_folder(overwrite)
@@ -108,9 +112,9 @@ class Trainer:
                 start_step, state = found
                 self.task.load_state_dict(state["task"])
                 _set_rng_state(state["rng"])
-                self.metrics.write({"event": "resume", "step": start_step})
+                self.metrics.write({"event": "resume", "step": start_step, "attempt": self.attempt})
         if start_step == 0:
-            self.metrics.write({"event": "start", "grid": self.grid.shape})
+            self.metrics.write({"event": "start", "grid": self.grid.shape, "attempt": self.attempt})
         total = self.task.num_steps
         bar = tqdm(
             total=total,

@@ -47,6 +47,7 @@ def write_report(run_dir: str | Path) -> str:
     records = read_metrics(path)
     unit = _unit(records)
     series = _series(records, unit)
+    resumes = [r for r in records if r.get("event") == "resume"]
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     written = []
@@ -61,6 +62,9 @@ def write_report(run_dir: str | Path) -> str:
             ax.plot(
                 xs, ys, label=k.replace("bytes:", "axis "), marker="." if len(xs) < 60 else None
             )
+        for i, r in enumerate(resumes):  # where the run came back from a checkpoint
+            label = "resumed" if i == 0 else None
+            ax.axvline(r.get("step", 0), color="grey", linestyle="--", linewidth=1, label=label)
         ax.set_xlabel(unit)
         ax.set_ylabel(ylabel)
         if logy:
@@ -98,8 +102,10 @@ def write_report(run_dir: str | Path) -> str:
         lines.append(f"  mean seconds per {unit}: {sum(secs) / len(secs):.4f}")
     for k in sorted(k for k in last if k.startswith("bytes:")):
         lines.append(f"  bytes per {unit} on {k[6:]:<7} {last[k]:,.0f}")
-    restarts = sum(1 for r in records if r.get("event") == "resume")
+    if resumes:
+        lines.append(f"  resumed {len(resumes)} time(s) from a checkpoint")
+    restarts = {r["attempt"] for r in records if r.get("attempt")}
     if restarts:
-        lines.append(f"  resumed {restarts} time(s) from a checkpoint")
+        lines.append(f"  restarted by the launcher {len(restarts)} time(s)")
     lines.extend(f"  wrote {p}" for p in written)
     return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Recovery with real kills: a rank SIGKILLed mid-run under ``--max-restarts`` and a process
+SIGKILLed while it writes checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gnnpar.train.checkpoint import complete_checkpoints, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find ranks")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_killed_rank_restarts_from_checkpoint(tmp_path):
+    out, epochs = tmp_path / "run", 300
+    cmd = [
+        sys.executable,
+        "-m",
+        "gnnpar.cli",
+        "train",
+        "gcn",
+        "--dataset",
+        "sbm",
+        "--dataset-options",
+        "num_nodes=300,feat_dim=8",
+        "--root",
+        str(tmp_path / "data"),
+        "--epochs",
+        str(epochs),
+        "--checkpoint-every",
+        "20",
+        "--eval-every",
+        "20",
+        "--out",
+        str(out),
+        "--quiet",
+        "--nprocs",
+        "2",
+        "--grid",
+        "x=2",
+        "--max-restarts",
+        "1",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not complete_checkpoints(out / "checkpoints"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no checkpoint appeared; output:\n{proc.communicate()[0][-3000:]}")
+            time.sleep(0.05)
+        # The workers run ``-m gnnpar.cli`` below the launcher (``-m torch.distributed.run``).
+        workers = [
+            p
+            for p in _descendants(proc.pid)
+            if "gnnpar.cli" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+        ]
+        assert len(workers) == 2, [_cmdline(p) for p in workers]
+        killed_after = max(r.get("epoch", 0) for r in _records(out / "metrics.jsonl"))
+        os.kill(workers[-1], signal.SIGKILL)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert killed_after < epochs, "the run ended before the kill; make it longer"
+    records = _records(out / "metrics.jsonl")
+    resumes = [r for r in records if r.get("event") == "resume"]
+    assert len(resumes) == 1 and resumes[0]["attempt"] == 1, resumes
+    assert resumes[0]["step"] >= 20 and resumes[0]["step"] % 20 == 0
+    assert records[-1]["event"] == "end"
+    assert max(r.get("epoch", 0) for r in records) == epochs
+    from gnnpar.train.report import write_report
+
+    summary = write_report(out)
+    assert "restarted by the launcher 1 time(s)" in summary
+
+
+_WRITER = """
+import sys, torch, gnnpar
+from gnnpar.train.checkpoint import complete_checkpoints, save_checkpoint
+grid = gnnpar.init()
+step = max(complete_checkpoints(sys.argv[1]), default=0)
+while True:
+    step += 1
+    save_checkpoint(sys.argv[1], step, grid, {"w": torch.full((2_000_000,), float(step))}, keep=2)
+"""
+
+
+def test_kill_during_checkpoint_writes_leaves_a_loadable_one(tmp_path):
+    import gnnpar
+
+    grid = gnnpar.init()
+    root = tmp_path / "ckpt"
+    for delay in (0.13, 0.41, 0.77):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 120
+            while not complete_checkpoints(root) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(delay)  # somewhere inside a later write
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        found = load_checkpoint(root, grid)
+        assert found is not None
+        step, state = found
+        assert torch.equal(state["w"], torch.full((2_000_000,), float(step)))
