@@ -356,6 +356,11 @@ class Stage3:
     def _prefetch_backward(self, unit: Unit) -> None:
         if not self.prefetch:
             return
+        # The gather queues behind the reduce-scatter in flight on the same group anyway:
+        # finish that first, so its input is freed before the gather's output is allocated.
+        while self._pending_rs:
+            group, handle = self._pending_rs.pop(0)
+            group.set_grad(handle.wait(), owned=True)
         order = self._bw_order
         try:
             i = order.index(unit)
