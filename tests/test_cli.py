@@ -190,3 +190,33 @@ def test_gpt_resume_continues_exactly(tmp_path):
     b = torch.load(half / "checkpoints" / "step-000006" / "rank-00000.pt", weights_only=False)
     for k, v in a["task"]["model"].items():
         assert torch.equal(v, b["task"]["model"][k]), k
+
+
+def test_tensorboard_scalars_match_the_metrics_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gnnpar.train.metrics import read_metrics
+
+    out = tmp_path / "tb"
+    assert _train(out, 4, ["--tensorboard"]) == 0
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("loss")]
+    expected = [(r["epoch"], r["loss"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [s for s, _ in logged] == [s for s, _ in expected] == [1, 2, 3, 4]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+    assert {"seconds", "peak_rss_mb", "val_acc"} <= set(events.Tags()["scalars"])
+
+
+def test_metric_scalars_flatten_bytes_per_axis_and_kind():
+    from gnnpar.train.metrics import scalars
+
+    record = {
+        "time": 1.0,
+        "epoch": 3,
+        "loss": 0.5,
+        "quiet": True,
+        "bytes": {"x": {"all_gather": 8}},
+    }
+    assert scalars(record) == {"loss": 0.5, "bytes/x/all_gather": 8.0}

@@ -50,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
         resume=cfg.resume,
         quiet=cfg.quiet,
         overwrite=getattr(cfg, "overwrite", False),
+        tensorboard=getattr(cfg, "tensorboard", False),
     )
     result = trainer.run()
     sample = task.finish() if hasattr(task, "finish") else None

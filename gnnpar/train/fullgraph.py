@@ -65,6 +65,7 @@ class FullGraphConfig:
     resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
     overwrite: bool = _field(False, "start again in a run folder that holds a run")
     quiet: bool = _field(False, "log lines instead of a progress bar")
+    tensorboard: bool = _field(False, "also write TensorBoard scalars to OUT/tensorboard")
 
     def check(self) -> None:
         """Reject values that cannot work, naming the key."""

@@ -25,6 +25,7 @@ class GPTRunConfig(gpt_train.GPTTrainConfig):
     checkpoint_every: int = 0
     quiet: bool = False
     overwrite: bool = False
+    tensorboard: bool = False
 
     def check(self) -> None:
         """Reject values that cannot work, naming the key."""

@@ -63,6 +63,7 @@ class Trainer:
         resume: bool = False,
         quiet: bool = False,
         overwrite: bool = False,
+        tensorboard: bool = False,
     ):
         self.task = task
         self.grid = task.grid
@@ -76,12 +77,16 @@ class Trainer:
         self.quiet = quiet
         self.is_main = self.grid.global_rank == 0
         self._check_run_folder(overwrite)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.is_main)
+        self.metrics = MetricsLog(
+            self.out / "metrics.jsonl",
+            enabled=self.is_main,
+            tensorboard_dir=self.out / "tensorboard" if tensorboard else None,
+        )
 
     def _check_run_folder(self, overwrite: bool) -> None:
         """A finished or interrupted run is never mixed with a new one silently. Rank 0
         decides for everyone: other ranks may look only after rank 0 has started writing."""
-        old = [self.out / "metrics.jsonl", self.out / "checkpoints", self.out / "plots"]
+        old = [self.out / n for n in ("metrics.jsonl", "checkpoints", "plots", "tensorboard")]
         found = torch.tensor([float(self.is_main and any(p.exists() for p in old))])
         found = comm.all_reduce(found, self.grid, "world", op="max")
         if self.resume or not found.item():
@@ -150,6 +155,7 @@ class Trainer:
         if not last_eval:
             last_eval = self.task.evaluate(total - 1)
         self.metrics.write({"event": "end", **last_eval})
+        self.metrics.close()
         return last_eval
 
 

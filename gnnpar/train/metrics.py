@@ -18,13 +18,19 @@ def peak_rss_mb() -> float:
 
 
 class MetricsLog:
-    """Append-only JSONL log; each record gets a wall-clock time stamp."""
+    """Append-only JSONL log; each record gets a wall-clock time stamp. With
+    ``tensorboard_dir``, the numbers of every step record also go to TensorBoard."""
 
-    def __init__(self, path: str | Path, enabled: bool = True):
+    def __init__(
+        self, path: str | Path, enabled: bool = True, tensorboard_dir: str | Path | None = None
+    ):
         self.path = Path(path)
         self.enabled = enabled
+        self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard_dir is not None:
+                self._tb = _summary_writer(Path(tensorboard_dir))
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (a line of JSON)."""
@@ -33,6 +39,47 @@ class MetricsLog:
         record = {"time": time.time(), **record}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            self._write_scalars(record)
+
+    def _write_scalars(self, record: dict[str, Any]) -> None:
+        step = next((record[k] for k in ("step", "epoch") if k in record), None)
+        if step is None or "event" in record:
+            return
+        for key, value in scalars(record).items():
+            self._tb.add_scalar(key, value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer, if any."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as flat names: ``loss``, ``bytes/x/all_reduce``, ..."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in ("time", "step", "epoch"):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+        elif key == "bytes" and isinstance(value, dict):
+            for axis, kinds in value.items():
+                for kind, n in kinds.items():
+                    out[f"bytes/{axis}/{kind}"] = float(n)
+    return out
+
+
+def _summary_writer(logdir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:  # torch's writer needs the tensorboard package
+        raise RuntimeError(
+            "--tensorboard needs the tensorboard package: pip install tensorboard"
+        ) from err
+    return SummaryWriter(log_dir=str(logdir))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

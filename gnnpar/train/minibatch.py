@@ -90,6 +90,7 @@ class MiniBatchConfig:
     resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
     overwrite: bool = _field(False, "start again in a run folder that holds a run")
     quiet: bool = _field(False, "log lines instead of a progress bar")
+    tensorboard: bool = _field(False, "also write TensorBoard scalars to OUT/tensorboard")
     ranks_per_node: int | None = _field(None, "ranks per node (default: local world size)")
 
     def check(self) -> None:
