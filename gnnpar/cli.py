@@ -90,11 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_info)
 
     from gnnpar.data.commands import add_data_commands
+    from gnnpar.plan.cli import add_plan_commands
     from gnnpar.shard.commands import add_ckpt_commands
     from gnnpar.train.commands import add_train_commands
 
     add_data_commands(sub)
     add_train_commands(sub)
+    add_plan_commands(sub)
     add_ckpt_commands(sub)
     return parser
 

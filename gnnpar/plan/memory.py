@@ -1,0 +1,107 @@
+"""Device memory of one rank during training (rank 0, which holds the largest chunks).
+
+Full-graph GCN (:func:`gcn_memory`), per rank:
+
+- ``adjacency``: every layer's Â block and its transpose (kept for backward), CSR with
+  int64 indices: ``2 · (nnz_local·(8 + e) + rows·8)`` per sparse operator and layer;
+- ``features``: the input block (rows over outer and depth, features over inner);
+- ``weights``: weight and bias pieces with their gradients and two Adam moments (4 copies);
+- ``activations``: what backward keeps per layer (the aggregate ``Â·H`` and the output
+  before and after the ReLU) plus the largest transient (a gathered ``H`` and ``W``).
+
+GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
+
+- ``parameters`` (e each), ``gradients`` (e each), ``optimizer`` (Adam's two moments in
+  float32, plus float32 master weights when e < 4); the data-axis ``stage`` divides the
+  optimizer state (≥ 1), the gradients (≥ 2) and the parameters (3, plus one gathered block
+  in flight) by the data size, as :mod:`gnnpar.shard` does;
+- ``activations``: Megatron's per-layer count (Korthikanti et al., 2022) for tensor
+  parallelism without sequence parallelism and without the attention-score term (our
+  attention goes through ``scaled_dot_product_attention``, whose fused kernels keep no
+  score matrix): ``tokens · h · (10 + 24/t)`` bytes at 2 bytes per element, ``t`` the
+  size of the axis that splits the heads, scaled by e/2; plus float32 logits and their
+  softmax for this rank's vocabulary chunk.
+
+Not counted: allocator fragmentation, communication buffers, the CUDA context (about 0.5–1
+GB per GPU). The planner keeps 10% of device memory free for them (``usable``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gnnpar.plan.comm_model import (
+    ShardedLayer,
+    batch_per_rank,
+    gpt_layout,
+    grid_shape,
+    local_params,
+)
+from gnnpar.plan.problems import GCNProblem, GPTProblem
+from gnnpar.sparse.layout import layout3d
+
+__all__ = ["USABLE_FRACTION", "gcn_memory", "gpt_memory"]
+
+#: Fraction of device memory the planner lets a shape use.
+USABLE_FRACTION = 0.9
+
+
+def gcn_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[str, float]:
+    """Bytes on rank 0 of one full-graph training run, by part (see the module docstring)."""
+    g = grid_shape(shape)
+    e, ops, n = problem.element_size, problem.num_ops, problem.nodes
+    dims = problem.dims
+    out = {"adjacency": 0.0, "features": 0.0, "weights": 0.0, "activations": 0.0}
+    transient = 0.0
+    for i in range(len(dims) - 1):
+        lay = layout3d(g, i, n, dims[i], dims[i + 1], ops)
+        rows = lay.rows[1] - lay.rows[0]
+        cols = lay.cols[1] - lay.cols[0]
+        fin = lay.fin[1] - lay.fin[0]
+        fout = lay.fout[1] - lay.fout[0]
+        nnz = problem.nnz * (rows / n) * (cols / n)
+        out["adjacency"] += ops * 2 * (nnz * (8 + e) + (rows + cols + 2) * 8)
+        if i == 0:
+            out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
+        w_local = lay.w_part[1] - lay.w_part[0]
+        out["weights"] += 4 * (w_local + (fout if problem.bias else 0)) * e
+        out["activations"] += (rows * ops * fin + 2 * rows * fout) * e
+        transient = max(transient, (cols * fin + ops * fin * fout) * e)
+    out["activations"] += transient
+    return out
+
+
+def gpt_memory(
+    problem: GPTProblem, shape: Mapping[str, int], layout: list[ShardedLayer] | None = None
+) -> dict[str, float]:
+    """Bytes on rank 0 of one GPT training step, by part (see the module docstring);
+    ``layout`` is :func:`gpt_layout` of the shape (computed when not given)."""
+    g = grid_shape(shape)
+    mods = gpt_layout(problem, shape) if layout is None else layout
+    coords = g.coords(0)
+    matrix, other = local_params(problem, mods, coords)
+    n = matrix + other
+    e = problem.element_size
+    d = g.data
+    opt_per = 8 + (4 if e < 4 else 0)
+    out = {
+        "parameters": float(n * e),
+        "gradients": float(n * e),
+        "optimizer": float(n * opt_per),
+        "activations": 0.0,
+    }
+    if problem.stage >= 1:
+        out["optimizer"] /= d
+    if problem.stage >= 2:
+        out["gradients"] /= d
+    if problem.stage >= 3:
+        per_block = (n - other) / max(1, problem.layers)
+        out["parameters"] = n * e / d + per_block * e
+    tokens = batch_per_rank(problem, g) * problem.seq
+    qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
+    head = next(m for m in mods if m.name == "lm_head")
+    t = qkv.layout.row_parts
+    per_layer = tokens * problem.hidden * (10 + 24 / t) * e / 2
+    logits = 2 * tokens * head.layout.row_sizes()[0] * 4
+    out["activations"] = problem.layers * per_layer + logits
+    return out

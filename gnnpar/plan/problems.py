@@ -1,0 +1,202 @@
+"""What the planner plans for: a full-graph GCN (:class:`GCNProblem`) or a GPT
+(:class:`GPTProblem`), with the dataset and model presets the command line knows."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = [
+    "GCNProblem",
+    "GPTProblem",
+    "PlanError",
+    "gcn_datasets",
+    "gpt_sizes",
+    "parse_count",
+]
+
+
+class PlanError(ValueError):
+    """Input the planner cannot use; the message names the problem (one line)."""
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GCNProblem:
+    """A full-graph GCN (or GraphSAGE-mean) training run of ``layers`` layers.
+
+    ``nnz`` is the number of nonzeros of the normalised adjacency Â (stored entries, self
+    loops included); :meth:`from_edges` derives it from an undirected edge count as
+    ``2·E + N``. ``element_size`` is the bytes of a feature, weight and activation (4:
+    float32, as Plexus trains). ``input_grad`` asks for the gradient of the input features
+    (the trainer does not need it).
+    """
+
+    nodes: int
+    nnz: int
+    features: int
+    classes: int
+    hidden: int = 128
+    layers: int = 3
+    model: str = "gcn"
+    element_size: int = 4
+    bias: bool = True
+    input_grad: bool = False
+    name: str = ""
+    widths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "nnz", "features", "classes", "hidden", "layers", "element_size"):
+            _positive(key, getattr(self, key))
+        if self.model not in ("gcn", "sage"):
+            raise PlanError(f"model must be gcn or sage, got {self.model!r}")
+        if self.widths:
+            for w in self.widths:
+                _positive("width", w)
+            w = self.widths
+            if len(w) != self.layers + 1 or w[0] != self.features or w[-1] != self.classes:
+                raise PlanError(
+                    f"widths {list(w)} must run from features {self.features} to classes "
+                    f"{self.classes} over {self.layers} layers"
+                )
+
+    @classmethod
+    def from_widths(cls, nodes: int, nnz: int, widths: list[int], **kwargs: object) -> GCNProblem:
+        """A problem whose layer boundaries have the given ``widths`` (features first,
+        classes last; hidden widths may differ)."""
+        if len(widths) < 2:
+            raise PlanError(f"widths need at least an input and an output, got {widths}")
+        hidden = widths[1] if len(widths) > 2 else widths[-1]
+        return cls(
+            nodes=nodes,
+            nnz=nnz,
+            features=widths[0],
+            classes=widths[-1],
+            hidden=hidden,
+            layers=len(widths) - 1,
+            widths=tuple(widths),
+            **kwargs,
+        )
+
+    @classmethod
+    def from_edges(cls, nodes: int, edges: int, **kwargs: object) -> GCNProblem:
+        """A problem on a graph of ``edges`` undirected edges: Â holds both directions of
+        each and a self loop per node (``nnz = 2·edges + nodes``)."""
+        _positive("edges", edges)
+        _positive("nodes", nodes)
+        return cls(nodes=nodes, nnz=2 * edges + nodes, **kwargs)
+
+    @property
+    def dims(self) -> list[int]:
+        """Feature widths of every layer boundary: features, hidden…, classes."""
+        if self.widths:
+            return list(self.widths)
+        return [self.features] + [self.hidden] * (self.layers - 1) + [self.classes]
+
+    @property
+    def num_ops(self) -> int:
+        """Sparse operators per layer (GraphSAGE-mean stacks the root term: 2)."""
+        return 2 if self.model == "sage" else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTProblem:
+    """A GPT training step (:mod:`gnnpar.tensor.train`): ``batch`` sequences of ``seq``
+    tokens per step over all ranks, pre-norm blocks with fused q/k/v, a 4× MLP, learned
+    positions and a head tied to the token embedding (``tie``).
+
+    ``element_size`` is the bytes of parameters, gradients and activations (2: bf16 with
+    fp32 master weights and Adam state, as at scale; 4: float32 as gnnpar trains on CPU).
+    ``stage`` is the data-axis sharding (:mod:`gnnpar.shard`): 0 replicates everything, 1
+    shards optimizer state, 2 also gradients, 3 also parameters. ``grad_clip`` includes the
+    gradient-norm all-reduce of the trainer.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int = 2048
+    batch: int = 1024
+    vocab: int = 50304
+    bias: bool = True
+    tie: bool = True
+    element_size: int = 2
+    stage: int = 0
+    grad_clip: bool = True
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "hidden", "heads", "seq", "batch", "vocab", "element_size"):
+            _positive(key, getattr(self, key))
+        if self.hidden % self.heads:
+            raise PlanError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.stage not in (0, 1, 2, 3):
+            raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the model (a tied head counted once)."""
+        h, v = self.hidden, self.vocab
+        # 12h² of matrices; biases 9h and two LayerNorms (weight and bias: 4h), or 2h
+        block = 12 * h * h + (13 * h if self.bias else 2 * h)
+        head = 0 if self.tie else v * h
+        final_norm = (2 if self.bias else 1) * h
+        return self.layers * block + v * h + self.seq * h + head + final_norm
+
+
+def gcn_datasets() -> Mapping[str, dict[str, int]]:
+    """Sizes of well-known graphs (OGB's numbers: undirected edges)."""
+    return MappingProxyType(
+        {
+            "ogbn-arxiv": {"nodes": 169_343, "edges": 1_166_243, "features": 128, "classes": 40},
+            "ogbn-products": {
+                "nodes": 2_449_029,
+                "edges": 61_859_140,
+                "features": 100,
+                "classes": 47,
+            },
+            "ogbn-papers100M": {
+                "nodes": 111_059_956,
+                "edges": 1_615_685_872,
+                "features": 128,
+                "classes": 172,
+            },
+            "reddit": {"nodes": 232_965, "edges": 57_307_946, "features": 602, "classes": 41},
+        }
+    )
+
+
+def gpt_sizes() -> Mapping[str, dict[str, int]]:
+    """GPT shapes by parameter count (GPT-3 family; 20B as GPT-NeoX-20B; 40B and 80B
+    chosen here with head width 128)."""
+    return MappingProxyType(
+        {
+            "125M": {"layers": 12, "hidden": 768, "heads": 12},
+            "350M": {"layers": 24, "hidden": 1024, "heads": 16},
+            "1.3B": {"layers": 24, "hidden": 2048, "heads": 16},
+            "2.7B": {"layers": 32, "hidden": 2560, "heads": 20},
+            "6.7B": {"layers": 32, "hidden": 4096, "heads": 32},
+            "13B": {"layers": 40, "hidden": 5120, "heads": 40},
+            "20B": {"layers": 44, "hidden": 6144, "heads": 64},
+            "40B": {"layers": 48, "hidden": 8192, "heads": 64},
+            "80B": {"layers": 80, "hidden": 9216, "heads": 72},
+            "175B": {"layers": 96, "hidden": 12288, "heads": 96},
+        }
+    )
+
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """``"20B"`` → 20_000_000_000, ``"1.3b"``, ``"350M"``, ``"4096"``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMbBtT]?)\s*", str(text))
+    if not m:
+        raise PlanError(f"cannot read {text!r} as a count such as 20B, 350M or 4096")
+    return round(float(m.group(1)) * _SUFFIX[m.group(2).lower()])

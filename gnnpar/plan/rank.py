@@ -1,0 +1,268 @@
+"""Rank grid shapes: every factorisation of the world into (data, x, y, z), costed with the
+communication, compute and memory models, those that fit in memory first, fastest first.
+
+Predicted step time = compute (:mod:`gnnpar.plan.compute`) + communication
+(:mod:`gnnpar.plan.comm_model`), with no overlap between them. Full-graph training has no
+batch to split, so its shapes all have data = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+
+from gnnpar.grid import AXES, factorizations
+from gnnpar.plan.comm_model import (
+    Collective,
+    Infeasible,
+    bytes_by_axis,
+    comm_seconds,
+    gcn_collectives,
+    gpt_collectives,
+    gpt_layout,
+    intra_node_axes,
+    meta_gpt,
+)
+from gnnpar.plan.compute import gcn_compute_seconds, gpt_compute_seconds
+from gnnpar.plan.machines import Machine
+from gnnpar.plan.memory import USABLE_FRACTION, gcn_memory, gpt_memory
+from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
+
+__all__ = [
+    "Candidate",
+    "choose_fullgraph_grid",
+    "choose_gpt_grid",
+    "fullgraph_epoch_bytes",
+    "rank_gcn",
+    "rank_gpt",
+    "shape_label",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One grid shape with its predictions (rank 0, the busiest rank).
+
+    ``fits`` is False when the shape cannot run the problem or needs more memory than the
+    machine has; ``reason`` then says why. Times are seconds per step (epoch for GCN).
+    """
+
+    shape: Mapping[str, int]
+    fits: bool
+    reason: str = ""
+    step_seconds: float = float("inf")
+    compute: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    comm: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    memory: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    intra_node: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def compute_seconds(self) -> float:
+        """Compute seconds per step."""
+        return sum(self.compute.values())
+
+    @property
+    def comm_seconds(self) -> float:
+        """Communication seconds per step."""
+        return sum(self.comm.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes this rank sends per step, over all axes."""
+        return sum(self.bytes.values())
+
+    @property
+    def memory_bytes(self) -> float:
+        """Device memory this rank needs."""
+        return sum(self.memory.values())
+
+    def as_dict(self) -> dict:
+        """JSON-ready summary (without the collective list)."""
+        return {
+            "shape": dict(self.shape),
+            "fits": self.fits,
+            "reason": self.reason,
+            "step_seconds": self.step_seconds if self.fits else None,
+            "compute_seconds": dict(self.compute),
+            "comm_seconds": dict(self.comm),
+            "bytes": dict(self.bytes),
+            "memory_bytes": dict(self.memory),
+            "intra_node": dict(self.intra_node),
+        }
+
+
+def shape_label(shape: Mapping[str, int]) -> str:
+    """``"d1 x2 y2 z2"``."""
+    return " ".join(f"{'d' if a == 'data' else a}{shape.get(a, 1)}" for a in ("data", *AXES[:3]))
+
+
+def _shapes(world: int, data: bool) -> list[dict[str, int]]:
+    if world < 1:
+        raise PlanError(f"the number of GPUs must be positive, got {world}")
+    out = []
+    for d, x, y, z in factorizations(world):
+        if d != 1 and not data:
+            continue
+        out.append({"data": d, "x": x, "y": y, "z": z})
+    return out
+
+
+def _evaluate(
+    shape: dict[str, int],
+    machine: Machine,
+    collectives: Callable[[], list[Collective]],
+    compute: Callable[[], dict[str, float]],
+    memory: Callable[[], dict[str, float]],
+) -> Candidate:
+    world = shape["data"] * shape["x"] * shape["y"] * shape["z"]
+    try:
+        colls = collectives()
+        mem = memory()
+        comp = compute()
+    except Infeasible as err:
+        return Candidate(shape, False, str(err))
+    comm = comm_seconds(colls, shape, machine)
+    intra = intra_node_axes(shape, machine.ranks_per_node(world))
+    fits, reason = True, ""
+    usable = USABLE_FRACTION * machine.memory_gb * 1e9
+    if sum(mem.values()) > usable:
+        fits = False
+        reason = f"needs {sum(mem.values()) / 1e9:.1f} GB of {machine.memory_gb:g} GB"
+    return Candidate(
+        shape=shape,
+        fits=fits,
+        reason=reason,
+        step_seconds=sum(comp.values()) + sum(comm.values()),
+        compute=comp,
+        comm=comm,
+        bytes=bytes_by_axis(colls),
+        memory=mem,
+        intra_node={a: intra[a] for a in (*AXES, "tensor")},
+        collectives=tuple(colls),
+    )
+
+
+def _order(cands: Iterable[Candidate]) -> list[Candidate]:
+    def key(c: Candidate):
+        s = c.shape
+        return (
+            not c.fits,
+            c.step_seconds,
+            c.total_bytes,
+            -s["data"],
+            -s["x"],
+            -s["y"],
+        )
+
+    return sorted(cands, key=key)
+
+
+def rank_gcn(problem: GCNProblem, world: int, machine: Machine) -> list[Candidate]:
+    """Every x·y·z shape of ``world`` ranks (data = 1) for a full-graph run, best first."""
+    return _order(
+        _evaluate(
+            s,
+            machine,
+            lambda s=s: gcn_collectives(problem, s),
+            lambda s=s: gcn_compute_seconds(problem, s, machine),
+            lambda s=s: gcn_memory(problem, s),
+        )
+        for s in _shapes(world, data=False)
+    )
+
+
+def rank_gpt(problem: GPTProblem, world: int, machine: Machine) -> list[Candidate]:
+    """Every data·x·y·z shape of ``world`` ranks for a GPT step, best first."""
+    model = meta_gpt(problem)
+    out = []
+    for s in _shapes(world, data=True):
+        try:
+            layout = gpt_layout(problem, s, model)
+        except Infeasible as err:
+            out.append(Candidate(s, False, str(err)))
+            continue
+        out.append(
+            _evaluate(
+                s,
+                machine,
+                lambda s=s, lay=layout: gpt_collectives(problem, s, layout=lay),
+                lambda s=s, lay=layout: gpt_compute_seconds(problem, s, machine, lay),
+                lambda s=s, lay=layout: gpt_memory(problem, s, lay),
+            )
+        )
+    return _order(out)
+
+
+def _best(cands: list[Candidate], what: str) -> dict[str, int]:
+    if not cands or not cands[0].fits:
+        reasons = sorted({c.reason for c in cands})[:3]
+        raise PlanError(f"no grid shape can run this {what}: {'; '.join(reasons)}")
+    return dict(cands[0].shape)
+
+
+def fullgraph_epoch_bytes(
+    shape: dict[str, int],
+    num_nodes: int,
+    dims: list[int],
+    num_ops: int = 1,
+    element_size: int = 4,
+    bias: bool = True,
+) -> dict[str, float]:
+    """Bytes per axis that rank 0 moves in one forward + backward pass of a 3D full-graph
+    model with feature widths ``dims`` (biases included, the loss's few scalars not)."""
+    problem = GCNProblem.from_widths(
+        num_nodes,
+        1,
+        list(dims),
+        model="sage" if num_ops == 2 else "gcn",
+        element_size=element_size,
+        bias=bias,
+    )
+    colls = gcn_collectives(problem, {"data": 1, **shape}, loss=False)
+    out = {"x": 0.0, "y": 0.0, "z": 0.0}
+    for axis, b in bytes_by_axis(colls).items():
+        out[axis] += float(b)
+    return out
+
+
+def choose_fullgraph_grid(
+    world: int,
+    num_nodes: int,
+    dims: list[int],
+    num_ops: int = 1,
+    *,
+    nnz: int | None = None,
+    machine: Machine | None = None,
+    element_size: int = 4,
+) -> dict[str, int]:
+    """The x·y·z shape for a full-graph run on ``world`` ranks.
+
+    With a ``machine`` (and the adjacency's ``nnz``): the fastest predicted shape that fits
+    (:func:`rank_gcn`). Without: the shape with the fewest bytes per epoch; ties go to the
+    shape whose busiest axis moves least, then to x before y before z.
+    """
+    if machine is not None:
+        problem = GCNProblem.from_widths(
+            num_nodes,
+            nnz or num_nodes,
+            list(dims),
+            model="sage" if num_ops == 2 else "gcn",
+            element_size=element_size,
+        )
+        best = _best(rank_gcn(problem, world, machine), "graph")
+        return {a: best[a] for a in ("x", "y", "z")}
+    chosen = None
+    for s in _shapes(world, data=False):
+        shape = {a: s[a] for a in ("x", "y", "z")}
+        b = fullgraph_epoch_bytes(shape, num_nodes, dims, num_ops)
+        key = (sum(b.values()), max(b.values()), -shape["x"], -shape["y"])
+        if chosen is None or key < chosen[0]:
+            chosen = (key, shape)
+    return chosen[1]
+
+
+def choose_gpt_grid(problem: GPTProblem, world: int, machine: Machine) -> dict[str, int]:
+    """The fastest predicted data·x·y·z shape for ``problem`` that fits on ``machine``."""
+    return _best(rank_gpt(problem, world, machine), "model")

@@ -1,0 +1,110 @@
+"""The planner's predicted bytes equal what gnnpar's comm accounting measures, per rank, per
+axis and per collective kind, for every grid shape of 8 ranks: one full-graph training epoch
+(3-layer GCN and 2-layer GraphSAGE, 3D) on every x·y·z shape, and one GPT optimizer step
+(:func:`gnnpar.tensor.train.train_step`) on every data·x·y·z shape. One 8-rank world hosts
+all the grids. Sizes are small and odd (23 nodes, widths 7/5/5/3, vocabulary 37, 9
+positions) so chunks are uneven and padding shows."""
+
+from __future__ import annotations
+
+import torch
+
+import gnnpar
+from gnnpar import comm
+from gnnpar.grid import factorizations
+from gnnpar.plan import GCNProblem, GPTProblem, gcn_collectives, gpt_collectives
+from gnnpar.plan.comm_model import bytes_by_axis_kind
+from gnnpar.testing import run_distributed
+from tests.fullgraph_utils import make_source, normalise, serial_model, small_graph
+
+GPT_SIZES = {"vocab": 37, "seq": 9, "layers": 2, "hidden": 24, "heads": 8, "batch": 8}
+
+
+def _compare(measured: dict, predicted: dict, what: str) -> None:
+    if measured != predicted:
+        raise AssertionError(f"{what}: measured {measured} != predicted {predicted}")
+
+
+def _gcn_epoch(grid, kind: str, dims: list[int]) -> int:
+    from gnnpar.sparse import parallelize_fullgraph
+
+    a, x, y, train = small_graph()
+    model = serial_model(kind, dims, dropout=0.5)
+    par = parallelize_fullgraph(model, grid, make_source(normalise(a, kind), x, y, train, True))
+    opt = torch.optim.Adam(par.parameters(), lr=0.01)
+    feats = par.input_features()
+    with comm.record(grid) as traffic:  # what FullGraphTask.train_step does
+        par.train()
+        opt.zero_grad(set_to_none=True)
+        loss = par.loss(par(feats, dropout_seed=3), "train_mask")
+        loss.backward()
+        opt.step()
+    problem = GCNProblem.from_widths(
+        23,
+        1,
+        dims,
+        model=kind,
+        element_size=8,  # float64; bytes do not depend on nnz
+    )
+    predicted = bytes_by_axis_kind(gcn_collectives(problem, grid.shape, grid.coords()))
+    _compare(traffic.as_dict(), predicted, f"{kind} {grid.describe()}")
+    return 1
+
+
+class _Batches:
+    """Fixed token blocks of this rank's share of the batch (the role of TokenBlocks)."""
+
+    def __init__(self, grid, sizes: dict):
+        shards = grid.size("data") * grid.size("z")
+        me = grid.rank("z") + grid.size("z") * grid.rank("data")
+        gen = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"] + 1), generator=gen)
+        per = sizes["batch"] // shards
+        self.ids = ids[me * per : (me + 1) * per]
+
+    def batch(self, step: int):
+        return self.ids[:, :-1], self.ids[:, 1:]
+
+
+def _gpt_step(grid) -> int:
+    from gnnpar.nn.gpt import GPT
+    from gnnpar.tensor.parallelize import parallelize
+    from gnnpar.tensor.train import GPTTrainConfig, Session, train_step
+
+    s = GPT_SIZES
+    cfg = GPTTrainConfig(
+        block_size=s["seq"],
+        n_layer=s["layers"],
+        n_head=s["heads"],
+        n_embd=s["hidden"],
+        batch_size=s["batch"],
+        grid="",
+        warmup=1,
+        steps=2,
+    )
+    torch.manual_seed(0)
+    model = parallelize(GPT(cfg.model_config(s["vocab"])), grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = Session(cfg, grid, None, _Batches(grid, s), None, model, opt, 0)
+    with comm.record(grid) as traffic:
+        train_step(session, 0)
+    problem = GPTProblem(**s, element_size=4)
+    predicted = bytes_by_axis_kind(gpt_collectives(problem, grid.shape, grid.coords()))
+    _compare(traffic.as_dict(), predicted, f"GPT step {grid.describe()}")
+    return 1
+
+
+def _world() -> dict:
+    done = {"gcn": 0, "sage": 0, "gpt": 0}
+    for data, x, y, z in factorizations(8):
+        grid = gnnpar.init(data=data, x=x, y=y, z=z)  # one grid (its groups) per shape
+        if data == 1:
+            done["gcn"] += _gcn_epoch(grid, "gcn", [7, 5, 5, 3])
+            done["sage"] += _gcn_epoch(grid, "sage", [7, 4, 3])
+        done["gpt"] += _gpt_step(grid)
+    return done
+
+
+def test_predicted_bytes_equal_measured_on_every_8_rank_grid():
+    results = run_distributed(_world, 8, timeout=600)
+    assert results == [{"gcn": 10, "sage": 10, "gpt": 20}] * 8
