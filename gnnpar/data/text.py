@@ -31,12 +31,12 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gnnpar.atomic import atomic_write
 from gnnpar.data.catalogue import default_root
 
 __all__ = [
@@ -134,21 +134,6 @@ def _pieces(text: str, size: int = 1 << 16) -> list[str]:
     return out
 
 
-def _atomic_write(dest: Path, write) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @dataclasses.dataclass
 class TextCorpus:
     """A tokenized text: the tokenizer and the whole token stream."""
@@ -216,10 +201,10 @@ def load_corpus(
             dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
             ids = [e.ids for e in tok.encode_batch(_pieces(text))]
             tokens = np.fromiter((i for piece in ids for i in piece), dtype=dtype)
-            _atomic_write(paths["json"], lambda tmp, tok=tok: tok.save(tmp))
-            _atomic_write(paths["tokens.npy"], lambda tmp, t=tokens: _save_npy(tmp, t))
+            atomic_write(paths["json"], lambda tmp, tok=tok: tok.save(tmp))
+            atomic_write(paths["tokens.npy"], lambda tmp, t=tokens: _save_npy(tmp, t))
             info = {"sha256": digest, "vocab_size": vocab_size, "num_tokens": int(len(tokens))}
-            _atomic_write(meta, lambda tmp, i=info: Path(tmp).write_text(json.dumps(i) + "\n"))
+            atomic_write(meta, lambda tmp, i=info: Path(tmp).write_text(json.dumps(i) + "\n"))
             return TextCorpus(str(source), tok, tokens, base)
         except PermissionError:
             continue

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,22 +44,12 @@ from typing import Any
 import torch
 
 from gnnpar import comm
+from gnnpar.atomic import atomic_write, latest_checkpoint, mark_latest, read_meta, write_json
 from gnnpar.shard.api import ShardedModel
 
 __all__ = ["FORMAT", "consolidate", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "gnnpar.shard/1"
-
-
-def _atomic(dest: Path, write: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _stem(rank: int) -> str:
@@ -133,9 +122,9 @@ def save_checkpoint(
         buffers = {k: v.detach().clone() for k, v in dp.module.named_buffers()}
     blob = {"params": params, "state": state, "groups": groups, "buffers": buffers}
     stem = _stem(grid.global_rank)
-    _atomic(folder / f"{stem}.pt", lambda tmp: torch.save(blob, tmp))
+    atomic_write(folder / f"{stem}.pt", lambda tmp: torch.save(blob, tmp))
     index_doc = {"rank": grid.global_rank, "coords": grid.coords(), "params": ranges}
-    _atomic(folder / f"{stem}.json", lambda tmp: Path(tmp).write_text(json.dumps(index_doc)))
+    write_json(folder / f"{stem}.json", index_doc)
     comm.barrier(grid)
     if grid.global_rank == 0:
         sharded = {}
@@ -157,28 +146,14 @@ def save_checkpoint(
             "files": [_stem(r) for r in range(grid.world_size)],
             "extra": dict(extra or {}),
         }
-        _atomic(folder / "meta.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
-        _atomic(Path(directory) / "latest", lambda tmp: Path(tmp).write_text(folder.name + "\n"))
+        write_json(folder / "meta.json", meta, indent=1)
+        mark_latest(directory, folder)
     comm.barrier(grid)
     return folder
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint folder under ``directory``, or None."""
-    pointer = Path(directory) / "latest"
-    if pointer.is_file():
-        folder = Path(directory) / pointer.read_text().strip()
-        if (folder / "meta.json").is_file():
-            return folder
-    done = sorted(p.parent for p in Path(directory).glob("step-*/meta.json"))
-    return done[-1] if done else None
-
-
 def _read_meta(folder: Path) -> dict[str, Any]:
-    meta_file = folder / "meta.json"
-    if not meta_file.is_file():
-        raise FileNotFoundError(f"{folder} is not a complete checkpoint (no meta.json)")
-    meta = json.loads(meta_file.read_text())
+    meta = read_meta(folder)
     if meta.get("format") != FORMAT:
         raise ValueError(
             f"{folder} is not a gnnpar.shard checkpoint (format {meta.get('format')!r})"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ __all__ = ["add_ckpt_commands"]
 def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
+    from gnnpar.atomic import atomic_write
     from gnnpar.shard.checkpoint import consolidate
 
     src = Path(args.dir)
@@ -23,15 +22,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it")
     state = consolidate(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(out, lambda tmp: torch.save(state, tmp))
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {out}: {len(state)} tensors, {numel:,} numbers")
     return 0

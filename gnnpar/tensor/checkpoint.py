@@ -23,9 +23,7 @@ model) state dict from the files alone, without a process group.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,23 +32,13 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.atomic import atomic_write, latest_checkpoint, mark_latest, read_meta, write_json
 from gnnpar.grid import ProcessGrid
 from gnnpar.tensor.layers import Linear
 from gnnpar.tensor.layout import ShardLayout
 from gnnpar.tensor.state import sharded_parameters
 
 __all__ = ["consolidate", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
-
-
-def _atomic(dest: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _rank_file(rank: int) -> str:
@@ -77,7 +65,7 @@ def save_checkpoint(
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "coords": coords,
         }
-        _atomic(folder / _rank_file(grid.global_rank), lambda tmp: torch.save(blob, tmp))
+        atomic_write(folder / _rank_file(grid.global_rank), lambda tmp: torch.save(blob, tmp))
     comm.barrier(grid)
     if grid.global_rank == 0:
         files = {
@@ -97,28 +85,10 @@ def save_checkpoint(
             "sharded": sharded,
             "extra": dict(extra or {}),
         }
-        _atomic(folder / "meta.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
-        _atomic(Path(directory) / "latest", lambda tmp: Path(tmp).write_text(folder.name + "\n"))
+        write_json(folder / "meta.json", meta, indent=1)
+        mark_latest(directory, folder)
     comm.barrier(grid)
     return folder
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint folder under ``directory``, or None."""
-    pointer = Path(directory) / "latest"
-    if pointer.is_file():
-        folder = Path(directory) / pointer.read_text().strip()
-        if (folder / "meta.json").is_file():
-            return folder
-    done = sorted(p.parent for p in Path(directory).glob("step-*/meta.json"))
-    return done[-1] if done else None
-
-
-def _read_meta(folder: Path) -> dict[str, Any]:
-    meta = folder / "meta.json"
-    if not meta.is_file():
-        raise FileNotFoundError(f"{folder} is not a complete checkpoint (no meta.json)")
-    return json.loads(meta.read_text())
 
 
 def load_checkpoint(
@@ -131,7 +101,7 @@ def load_checkpoint(
     data axis may differ); return its meta (``step``, ``extra``). For another grid shape,
     :func:`consolidate` it and load with :func:`gnnpar.tensor.load_full_state_dict`."""
     folder = Path(folder)
-    meta = _read_meta(folder)
+    meta = read_meta(folder)
     saved = meta["grid"]
     if (saved["x"], saved["y"], saved["z"]) != (grid.x, grid.y, grid.z):
         raise ValueError(
@@ -151,7 +121,7 @@ def load_checkpoint(
 def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full state dict of the plain model from a sharded checkpoint (no process group)."""
     folder = Path(folder)
-    meta = _read_meta(folder)
+    meta = read_meta(folder)
     blobs = {}
     for name in meta["files"].values():
         blob = torch.load(folder / name, map_location="cpu", weights_only=True)
