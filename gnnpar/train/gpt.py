@@ -47,6 +47,30 @@ class GPTRunConfig(gpt_train.GPTTrainConfig):
         return gpt_train.GPTTrainConfig(**values)
 
 
+def planned_grid(cfg: gpt_train.GPTTrainConfig) -> Any:
+    """The grid :mod:`gnnpar.plan` predicts fastest for this model on this machine (used when
+    no ``grid`` is given)."""
+    import torch
+
+    import gnnpar
+    from gnnpar.plan import GPTProblem, choose_gpt_grid, local_machine
+
+    world = gnnpar.init()
+    problem = GPTProblem(
+        layers=cfg.n_layer,
+        hidden=cfg.n_embd,
+        heads=cfg.n_head,
+        seq=cfg.block_size,
+        batch=cfg.batch_size,
+        vocab=cfg.vocab_size,
+        bias=cfg.bias,
+        tie=cfg.tie_weights,
+        element_size=getattr(torch, cfg.dtype).itemsize,
+    )
+    machine = local_machine(world.backend)
+    return gnnpar.init(**choose_gpt_grid(problem, world.world_size, machine))
+
+
 class GPTTask:
     """The ``gpt`` task: one optimizer step per trainer step."""
 
@@ -54,7 +78,8 @@ class GPTTask:
 
     def __init__(self, cfg: GPTRunConfig):
         self.cfg = cfg
-        self.session = gpt_train.setup(cfg.train_config())
+        grid = None if cfg.grid else planned_grid(cfg)
+        self.session = gpt_train.setup(cfg.train_config(), grid)
         self.grid = self.session.grid
         self.num_steps = cfg.steps
         self.tokens_per_step = cfg.batch_size * cfg.block_size

@@ -1,0 +1,254 @@
+"""The planner on hand-computed cases: bytes per axis of a 2-layer GCN and of a GPT's 2-layer
+MLP on a few shapes, intra- versus inter-node placement and its price, the bandwidth-table
+fit, ranking and memory limits, the command line and its one-line errors. Every expected
+number below is worked out by hand from the ring costs (AR 2(p-1)/p·V, AG/RS (p-1)/p·V)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gnnpar.cli import main
+from gnnpar.plan import (
+    GCNProblem,
+    GPTProblem,
+    Link,
+    Machine,
+    PlanError,
+    bytes_by_axis,
+    choose_fullgraph_grid,
+    comm_seconds,
+    gcn_collectives,
+    get_machine,
+    gpt_collectives,
+    intra_node_axes,
+    load_bandwidth_table,
+    rank_gcn,
+    rank_gpt,
+)
+
+# 12 nodes, widths 6 -> 4 -> 2, float32, biases: small enough to follow by hand
+GCN = GCNProblem.from_widths(12, 40, [6, 4, 2], element_size=4)
+
+
+def _shape(**kw):
+    return {"data": 1, "x": 1, "y": 1, "z": 1, **kw}
+
+
+def test_gcn_bytes_x2_by_hand():
+    # layer 0 (outer x): AGG is 12 rows x 6 features, all-reduced over x forward and
+    # backward: 2 * 288 B. layer 1 (inner x): OUT is 12 x 2, all-reduced over x: 96 B.
+    assert bytes_by_axis(gcn_collectives(GCN, _shape(x=2))) == {"x": 576 + 96}
+
+
+def test_gcn_bytes_z2_by_hand():
+    # layer 0 (depth z): gather H (2 pieces of 6x6 floats = 288 B) 144; gather W (24
+    # floats in 2 pieces: 96 B) 48 forward, 48 backward, dW reduce-scatter 48; bias (4
+    # floats) all-reduce 16. layer 1 (outer z): AGG 12x4 floats = 192 B, all-reduced
+    # forward and backward 2 * 192. loss over classes (z): three all-reduces of 12 floats
+    # (48 B each).
+    z = 144 + 48 + 48 + 48 + 16 + 2 * 192 + 3 * 48
+    assert bytes_by_axis(gcn_collectives(GCN, _shape(z=2))) == {"z": z}
+    assert bytes_by_axis(gcn_collectives(GCN, _shape(z=2), loss=False)) == {"z": z - 144}
+
+
+def test_gcn_bytes_y2_by_hand():
+    # layer 0 (inner y): OUT 12x4 floats all-reduced: 192. layer 1 (depth y): W is 4x2 = 8
+    # floats in 2 pieces of 4 (32 B): gather 16 forward + 16 backward, dW 16; dH all-reduce
+    # 12x4 floats: 192; bias 2 floats: 8. loss over rows (y): one float (4) and the float64
+    # mask count (8).
+    y = 192 + 16 + 16 + 16 + 192 + 8 + 4 + 8
+    assert bytes_by_axis(gcn_collectives(GCN, _shape(y=2))) == {"y": y}
+
+
+def test_gcn_rejects_a_data_axis():
+    with pytest.raises(PlanError, match="no batch to split over data=2"):
+        gcn_collectives(GCN, _shape(data=2))
+
+
+# GPT with one block: hidden 8 (MLP 8 -> 32 -> 8), 12 tokens per rank, float32
+GPT = GPTProblem(layers=1, hidden=8, heads=2, seq=3, batch=4, vocab=10, element_size=4)
+
+
+def _mlp_bytes(shape):
+    colls = [c for c in gpt_collectives(GPT, shape) if c.what.startswith("blocks.0.mlp")]
+    return bytes_by_axis(colls)
+
+
+def test_mlp_bytes_megatron_on_x2_and_y2():
+    # 1D: one all-reduce of the 12 x 8 floats (384 B) forward and one backward
+    assert _mlp_bytes(_shape(x=2)) == {"x": 384 + 384}
+    assert _mlp_bytes(_shape(y=2)) == {"y": 384 + 384}
+
+
+def test_mlp_bytes_z2_gathers_weights():
+    # each 32x8 weight (256 floats) split over z in 2 pieces: gather 1024 B -> 512 forward,
+    # reduce-scatter 512 backward; two layers
+    assert _mlp_bytes(_shape(z=2)) == {"z": 2 * (512 + 512)}
+
+
+def test_mlp_bytes_data2_is_silent_until_the_gradient_sync():
+    assert _mlp_bytes(_shape(data=2)) == {}
+    sync = [c for c in gpt_collectives(GPT, _shape(data=2)) if c.what.startswith("gradient")]
+    assert [c.axis for c in sync] == ["data"]
+
+
+def test_intra_and_inter_node_placement_by_hand():
+    # 2x2x2 on nodes of 4 ranks: x (stride 1) and y (stride 2) groups stay inside a node;
+    # z (stride 4, size 2) crosses nodes
+    p = intra_node_axes(_shape(x=2, y=2, z=2), 4)
+    assert (p["x"], p["y"], p["z"], p["xy"], p["tensor"]) == (True, True, False, True, False)
+    assert all(intra_node_axes(_shape(x=2, y=2, z=2), 8).values())
+    # data (stride 4) over two nodes of 4
+    assert not intra_node_axes(_shape(x=4, data=2), 4)["data"]
+    # x=3 on nodes of 4: the group {3, 4, 5} straddles two nodes
+    assert not intra_node_axes(_shape(x=3, y=2), 4)["x"]
+
+
+def _toy_machine() -> Machine:
+    return Machine(
+        "toy",
+        "",
+        devices_per_node=4,
+        memory_gb=1.0,
+        intra=Link(gbps=100.0, latency_us=1.0),
+        inter=Link(gbps=10.0, latency_us=10.0),
+        peak_tflops=1.0,
+        gemm_tflops=1.0,
+        spmm_gflops=1.0,
+        mem_gbps=1.0,
+    )
+
+
+def test_collective_seconds_follow_placement():
+    m = _toy_machine()
+    # all-reduce over 4 ranks: 6 ring steps; 1e9 ring bytes
+    assert m.collective_seconds("all_reduce", 4, 1e9, True) == pytest.approx(6e-6 + 1e-2)
+    assert m.collective_seconds("all_gather", 4, 1e9, False) == pytest.approx(3e-5 + 1e-1)
+    assert m.collective_seconds("all_gather", 1, 1e9, False) == 0.0
+    # the z axis of 2x2x2 is inter-node on this 4-GPU machine: 10x slower than x
+    colls = gcn_collectives(GCN, _shape(x=2, y=2, z=2))
+    secs = comm_seconds(colls, _shape(x=2, y=2, z=2), m)
+    b = bytes_by_axis(colls)
+    per_byte = {a: (secs[a] / b[a]) for a in b}
+    assert per_byte["z"] > 5 * per_byte["x"]
+
+
+def test_bandwidth_table_fit(tmp_path):
+    # t = 1 ms + bytes / 2 GB/s, measured at two sizes, for all-reduce over 2 ranks (ring
+    # bytes = the buffer)
+    entries = []
+    for nbytes in (1e6, 1e7):
+        t = 1e-3 + nbytes / 2e9
+        entries.append(
+            {
+                "axis": "x",
+                "group_size": 2,
+                "intra_node": True,
+                "kind": "all_reduce",
+                "bytes": nbytes,
+                "seconds": t,
+                "busbw_gbps": nbytes / t / 1e9,
+            }
+        )
+    path = tmp_path / "bw.json"
+    path.write_text(json.dumps({"schema": 1, "entries": entries}))
+    (fit,) = load_bandwidth_table(path)
+    assert fit.alpha_s == pytest.approx(1e-3) and fit.sec_per_byte == pytest.approx(0.5e-9)
+    m = get_machine(str(path))
+    assert m.name == "cpu+measured"
+    assert m.collective_seconds("all_reduce", 2, 4e9, True) == pytest.approx(1e-3 + 2.0)
+    # inter-node groups were not measured: the machine's defaults price them
+    assert m.collective_seconds("all_reduce", 2, 1e9, False) == pytest.approx(
+        m.inter.latency_us * 2e-6 + 1e9 / (m.inter.gbps * 1e9)
+    )
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanError, match="is not JSON"):
+        load_bandwidth_table(bad)
+    bad.write_text(json.dumps({"schema": 1, "entries": [{"axis": "x"}]}))
+    with pytest.raises(PlanError, match="entry 0 lacks group_size"):
+        load_bandwidth_table(bad)
+
+
+def test_ranking_orders_by_time_and_drops_what_does_not_fit():
+    problem = GCNProblem.from_edges(2_449_029, 61_859_140, features=100, classes=47)
+    cands = rank_gcn(problem, 64, get_machine("perlmutter"))
+    assert len(cands) == 28 and all(c.shape["data"] == 1 for c in cands)
+    times = [c.step_seconds for c in cands if c.fits]
+    assert times == sorted(times)
+    small = rank_gcn(problem, 8, _toy_machine())  # 1 GB per device: nothing fits
+    assert not any(c.fits for c in small) and "needs" in small[0].reason
+    gpt = rank_gpt(
+        GPTProblem(layers=2, hidden=64, heads=8, seq=16, batch=8), 16, get_machine("a100x4")
+    )
+    bad = [c for c in gpt if not c.fits]
+    assert any("heads" in c.reason for c in bad)  # 8 heads cannot split over 16
+    assert any("does not divide over data*z" in c.reason for c in bad)
+
+
+def test_choose_fullgraph_grid_by_bytes_or_time():
+    assert choose_fullgraph_grid(8, 1000, [64, 64, 8]) in (
+        {"x": 2, "y": 2, "z": 2},
+        {"x": 2, "y": 4, "z": 1},
+        {"x": 4, "y": 2, "z": 1},
+        {"x": 1, "y": 2, "z": 4},
+        {"x": 2, "y": 1, "z": 4},
+        {"x": 4, "y": 1, "z": 2},
+        {"x": 1, "y": 4, "z": 2},
+        {"x": 8, "y": 1, "z": 1},
+        {"x": 1, "y": 8, "z": 1},
+        {"x": 1, "y": 1, "z": 8},
+    )
+    shape = choose_fullgraph_grid(8, 1000, [64, 64, 8], nnz=20_000, machine=_toy_machine())
+    assert shape["x"] * shape["y"] * shape["z"] == 8
+
+
+def test_problem_errors_are_clear():
+    with pytest.raises(PlanError, match="nodes must be a positive integer"):
+        GCNProblem.from_edges(0, 10, features=3, classes=2)
+    with pytest.raises(PlanError, match="hidden 10 is not a multiple of heads 4"):
+        GPTProblem(layers=1, hidden=10, heads=4)
+    with pytest.raises(PlanError, match="unknown machine 'nope'; built-in machines: cpu"):
+        get_machine("nope")
+    assert GPTProblem(layers=44, hidden=6144, heads=64).num_params == pytest.approx(20.2e9, 0.01)
+
+
+def test_cli_plan_tables_plot_and_json(tmp_path, capsys):
+    out_json, png = tmp_path / "p.json", tmp_path / "p.png"
+    argv = "plan gcn --dataset ogbn-products --gpus 64 --machine perlmutter --top 3".split()
+    rc = main([*argv, "--plot", str(png), "--json", str(out_json)])
+    assert rc == 0 and png.stat().st_size > 1000
+    text = capsys.readouterr().out
+    assert "ogbn-products" in text and "\n1 " in text and "\n3 " in text and "\n4 " not in text
+    doc = json.loads(out_json.read_text())
+    assert doc["candidates"][0]["fits"] and doc["candidates"][0]["shape"]["data"] == 1
+    argv = "plan gpt --layers 2 --hidden 64 --heads 8 --seq 16 --batch 8 --gpus 8 --machine h100x8"
+    rc = main(argv.split())
+    assert rc == 0 and "GPT" in capsys.readouterr().out
+    assert main(["plan", "machines"]) == 0 and "frontier" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("plan gcn --gpus 8", "give --dataset NAME, or --nodes"),
+        ("plan gpt --params 21q --gpus 8", "cannot read '21q' as a count"),
+        ("plan gpt --params 5B --gpus 8", "no GPT shape of about 5B"),
+        ("plan gpt --params 20B --gpus 0", "must be positive"),
+        ("plan gcn --dataset ogbn-arxiv --gpus 4 --machine x", "unknown machine 'x'"),
+    ],
+)
+def test_cli_errors_are_one_line(argv, message, capsys):
+    assert main(argv.split()) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_train_gpt_without_a_grid_asks_the_planner():
+    from gnnpar.train.gpt import GPTRunConfig, planned_grid
+
+    cfg = GPTRunConfig(n_layer=1, n_embd=16, n_head=2, block_size=8, batch_size=4)
+    grid = planned_grid(cfg)  # one process here: the only shape
+    assert grid.world_size == 1 and grid.shape == {"x": 1, "y": 1, "z": 1, "data": 1}
