@@ -17,6 +17,7 @@ CPU box can be described by what it actually does.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -129,7 +130,9 @@ def measure_local_rates(seconds: float = 0.5, size: int = 256) -> dict[str, floa
     gen = torch.Generator().manual_seed(0)
     cols = torch.randint(0, rows, (rows * per_row,), generator=gen)
     crow = torch.arange(0, rows * per_row + 1, per_row)
-    sp = torch.sparse_csr_tensor(crow, cols, torch.rand(rows * per_row), (rows, rows))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+        sp = torch.sparse_csr_tensor(crow, cols, torch.rand(rows * per_row), (rows, rows))
     dense = torch.randn(rows, width)
     spmm = rate(lambda: sp @ dense, 2.0 * rows * per_row * width) / 1e9
     big = torch.randn(1 << 22)
