@@ -6,7 +6,7 @@ comma := ,
 PY := $(VENV)/bin/python
 
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench bench-quick lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test: $(VENV)/.stamp-dev-llm
 
 bench: $(VENV)/.stamp-dev-llm-bench
 	$(PY) benchmarks/run_all.py
+
+bench-quick: $(VENV)/.stamp-dev-llm-bench
+	$(PY) benchmarks/run_all.py --quick
 
 lint: $(VENV)/.stamp-dev-llm
 	$(VENV)/bin/ruff check .

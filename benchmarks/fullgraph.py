@@ -15,7 +15,8 @@ width 128), in one run:
 Run::
 
     python benchmarks/fullgraph.py              # full run (several minutes on 2 cores)
-    python benchmarks/fullgraph.py --scale 14   # quick
+    python benchmarks/fullgraph.py --scale 14   # smaller
+    python benchmarks/fullgraph.py --quick      # scale 12, one timed epoch (a smoke run)
 
 Writes ``benchmarks/out/fullgraph.json`` and prints the tables with ratios.
 """
@@ -177,7 +178,10 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", default=str(OUT / "fullgraph.json"))
+    parser.add_argument("--quick", action="store_true", help="R-MAT scale 12, one timed epoch")
     args = parser.parse_args()
+    if args.quick:
+        args.scale, args.epochs = 12, 1
 
     from gnnpar.data import rmat
     from gnnpar.grid import factorizations

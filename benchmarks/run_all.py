@@ -6,6 +6,7 @@ the date and the command. JSON results stay in ``benchmarks/out/``.
 
     python benchmarks/run_all.py                 # every benchmark
     python benchmarks/run_all.py fullgraph       # only those whose name contains a word
+    python benchmarks/run_all.py --quick         # every script with --quick (a smoke run)
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("only", nargs="*", help="run only benchmarks whose name contains these")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per benchmark")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="pass --quick to every script: small inputs, minutes in all (checks the machinery)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="the Markdown summary (RESULTS.md; RESULTS-quick.md with --quick)",
+    )
     args = parser.parse_args()
     scripts = sorted(p for p in HERE.glob("*.py") if p.name != Path(__file__).name)
     if args.only:
@@ -37,7 +48,7 @@ def main() -> int:
         start = time.perf_counter()
         try:
             proc = subprocess.run(
-                [sys.executable, str(script)],
+                [sys.executable, str(script), *(["--quick"] if args.quick else [])],
                 capture_output=True,
                 text=True,
                 timeout=args.timeout,
@@ -54,8 +65,9 @@ def main() -> int:
         print(output, flush=True)
         if not ok:
             failed.append(script.name)
+        flag = " --quick" if args.quick else ""
         sections.append(
-            f"## {script.stem}\n\n`python benchmarks/{script.name}` ({seconds:.0f}s"
+            f"## {script.stem}\n\n`python benchmarks/{script.name}{flag}` ({seconds:.0f}s"
             f"{'' if ok else ', FAILED'})\n\n```\n{output.strip()}\n```\n"
         )
     header = (
@@ -63,8 +75,13 @@ def main() -> int:
         f"{datetime.date.today()} on {platform.platform()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}. Written by `make bench` "
         "(`python benchmarks/run_all.py`); JSON in `benchmarks/out/`.\n\n"
+        + (
+            "**Quick run** (`--quick`: small inputs; a smoke test, not the figures to quote).\n\n"
+            if args.quick
+            else ""
+        )
     )
-    target = HERE / "RESULTS.md"
+    target = Path(args.out or HERE / ("RESULTS-quick.md" if args.quick else "RESULTS.md"))
     tmp = target.with_suffix(".md.tmp")
     tmp.write_text(header + "\n".join(sections))
     tmp.replace(target)
