@@ -17,7 +17,9 @@ Reports Spearman's rank correlation between predicted and measured times and whe
 measured best shape is in the predicted top 3; writes ``benchmarks/out/planner.json`` and
 ``benchmarks/out/planner.png`` (predicted against measured, one panel per workload).
 
-    python benchmarks/planner.py            # about 3-4 minutes on 2 cores
+    python benchmarks/planner.py            # about 4-5 minutes on 2 cores
+    python benchmarks/planner.py --quick    # a smoke run (numbers are noise)
+    python benchmarks/planner.py --paper-only
 """
 
 from __future__ import annotations
@@ -281,7 +283,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per shape")
     parser.add_argument("--rounds", type=int, default=2, help="passes over all shapes")
     parser.add_argument("--paper-only", action="store_true", help="only the paper-scale table")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: scale 9, one round of one step"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.scale, args.steps, args.rounds = 9, 1, 1
     OUT.mkdir(parents=True, exist_ok=True)
     paper = paper_scale()
     (OUT / "planner_paper.json").write_text(json.dumps(paper, indent=1))
@@ -297,6 +304,7 @@ def main() -> None:
     from gnnpar.testing import run_distributed
 
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     OUT.mkdir(parents=True, exist_ok=True)
     graph = rmat(scale=args.scale, edge_factor=8, feat_dim=64, num_classes=8)
     dims = [64, 64, 64, 8]
@@ -369,7 +377,12 @@ def main() -> None:
     png = OUT / "planner.png"
     _plot([gcn, gpt], png)
     doc = {
-        "machine": {"platform": platform.platform(), "cores": os.cpu_count()},
+        "machine": {
+            "platform": platform.platform(),
+            "cores": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
         "rates_one_thread": rates,
         "bandwidth_table": str(bw_path.relative_to(ROOT)),
         "gcn": {
