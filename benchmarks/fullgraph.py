@@ -146,6 +146,7 @@ def _eight_rank_worker(shards: str, dims: list[int], epochs: int, shapes: list, 
             want = par.expected_bytes()
             analytic = sum(sum(v.values()) for v in want.values())
         result["bytes"][algo] = {"shape": shape, "measured": measured, "analytic": analytic}
+        gnnpar.release(grid)
     for shape in shapes:
         grid = gnnpar.init(**shape)
         par = parallelize_fullgraph(_model(dims), grid, source)
@@ -162,6 +163,7 @@ def _eight_rank_worker(shards: str, dims: list[int], epochs: int, shapes: list, 
         result["times"][key] = _time_epochs(step, epochs)
         nnz = torch.tensor([float(par.shard_numel()["adjacency_nnz"])])
         result["nnz"][key] = comm.all_gather(nnz, grid, "world").tolist()
+        gnnpar.release(grid)
     return result
 
 

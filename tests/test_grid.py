@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,9 +13,16 @@ from gnnpar.grid import GridError, axes_of, factorizations
 from gnnpar.testing import run_distributed
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 def _check_every_factorization(world: int) -> int:
     checked = 0
+    threads = None
     for data, x, y, z in factorizations(world):
+        if checked == 1:  # the world group and its threads exist from here on
+            threads = _threads()
         grid = gnnpar.init(data=data, x=x, y=y, z=z)
         me = dist.get_rank()
         if grid.world_size != world or grid.global_rank != me:
@@ -45,7 +54,11 @@ def _check_every_factorization(world: int) -> int:
             gnnpar.comm.all_reduce(t, grid, axis)
             if t.item() != float(sum(members)):
                 raise AssertionError(f"{axis}: all_reduce gave {t.item()}, not {sum(members)}")
+        gnnpar.release(grid)
         checked += 1
+    # Released grids leave no threads behind (each gloo group holds several).
+    if threads is not None and _threads() > threads + 2:
+        raise AssertionError(f"{_threads() - threads} threads left after releasing every grid")
     return checked
 
 
