@@ -125,6 +125,7 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
 
     summary = write_report(out)
     assert "restarted by the launcher 1 time(s)" in summary
+    assert f"{epochs} epochs recorded" in summary  # the redone epochs count once
 
 
 _WRITER = """

@@ -26,6 +26,21 @@ def _series(records: list[dict], unit: str) -> dict[str, list[tuple[float, float
     return out
 
 
+def _surviving(records: list[dict], unit: str) -> tuple[list[dict], int]:
+    """The records of the run's final timeline: a ``resume`` from step k drops the records
+    past k that the interrupted attempt wrote (the resumed one writes them again); also
+    returns how many were dropped (work redone)."""
+    kept: list[dict] = []
+    dropped = 0
+    for r in records:
+        if r.get("event") == "resume":
+            before = len(kept)
+            kept = [k for k in kept if unit not in k or k[unit] <= r.get("step", 0)]
+            dropped += before - len(kept)
+        kept.append(r)
+    return kept, dropped
+
+
 def _unit(records: list[dict]) -> str:
     for key in ("epoch", "step"):
         if any(key in r for r in records):
@@ -46,6 +61,7 @@ def write_report(run_dir: str | Path) -> str:
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl (is it a run folder?)")
     records = read_metrics(path)
     unit = _unit(records)
+    records, redone = _surviving(records, unit)
     series = _series(records, unit)
     resumes = [r for r in records if r.get("event") == "resume"]
     out = run_dir / "plots"
@@ -103,7 +119,9 @@ def write_report(run_dir: str | Path) -> str:
     for k in sorted(k for k in last if k.startswith("bytes:")):
         lines.append(f"  bytes per {unit} on {k[6:]:<7} {last[k]:,.0f}")
     if resumes:
-        lines.append(f"  resumed {len(resumes)} time(s) from a checkpoint")
+        lines.append(
+            f"  resumed {len(resumes)} time(s) from a checkpoint ({redone} {unit}s redone)"
+        )
     restarts = {r["attempt"] for r in records if r.get("attempt")}
     if restarts:
         lines.append(f"  restarted by the launcher {len(restarts)} time(s)")
