@@ -121,6 +121,7 @@ def _worker(shards: str, dims: list[int], steps: int, rounds: int, sizes: list[i
         grid = gnnpar.init(**shape)
         for nbytes in sizes:
             entries += info.probe(grid, nbytes=nbytes, iters=4)
+        gnnpar.release(grid)
     shapes = [dict(zip(("data", "x", "y", "z"), f, strict=True)) for f in factorizations(8)]
     gcn: dict[str, list[float]] = {}
     gpt: dict[str, list[float]] = {}
@@ -131,6 +132,7 @@ def _worker(shards: str, dims: list[int], steps: int, rounds: int, sizes: list[i
             if s["data"] == 1:
                 gcn.setdefault(key, []).append(_gcn_time(grid, shards, dims, steps))
             gpt.setdefault(key, []).append(_gpt_time(grid, steps))
+            gnnpar.release(grid)  # free this shape's gloo groups
     return {"entries": entries, "gcn": gcn, "gpt": gpt}
 
 

@@ -102,6 +102,7 @@ def _world() -> dict:
             done["gcn"] += _gcn_epoch(grid, "gcn", [7, 5, 5, 3])
             done["sage"] += _gcn_epoch(grid, "sage", [7, 4, 3])
         done["gpt"] += _gpt_step(grid)
+        gnnpar.release(grid)  # free the shape's gloo groups before the next one
     return done
 
 
