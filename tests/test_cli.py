@@ -220,3 +220,13 @@ def test_metric_scalars_flatten_bytes_per_axis_and_kind():
         "bytes": {"x": {"all_gather": 8}},
     }
     assert scalars(record) == {"loss": 0.5, "bytes/x/all_gather": 8.0}
+
+
+def test_metrics_log_after_a_torn_line(tmp_path):
+    from gnnpar.train.metrics import MetricsLog, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"epoch": 1, "loss": 0.5}\n{"epoch": 2, "lo')  # killed mid-write
+    MetricsLog(path).write({"event": "resume", "step": 1})
+    records = read_metrics(path)
+    assert [r.get("epoch", r.get("event")) for r in records] == [1, "resume"]

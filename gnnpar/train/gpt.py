@@ -68,7 +68,9 @@ def planned_grid(cfg: gpt_train.GPTTrainConfig) -> Any:
         element_size=getattr(torch, cfg.dtype).itemsize,
     )
     machine = local_machine(world.backend)
-    return gnnpar.init(**choose_gpt_grid(problem, world.world_size, machine))
+    shape = choose_gpt_grid(problem, world.world_size, machine)
+    gnnpar.release(world)
+    return gnnpar.init(**shape)
 
 
 class GPTTask:

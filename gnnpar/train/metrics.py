@@ -29,8 +29,18 @@ class MetricsLog:
         self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._end_torn_line()
             if tensorboard_dir is not None:
                 self._tb = _summary_writer(Path(tensorboard_dir))
+
+    def _end_torn_line(self) -> None:
+        # A run killed mid-write leaves a partial last line; start the next record on a
+        # line of its own so that only the torn one is lost.
+        if self.path.is_file() and self.path.stat().st_size:
+            with open(self.path, "rb+") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (a line of JSON)."""
