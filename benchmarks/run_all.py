@@ -42,6 +42,7 @@ def main() -> int:
     scripts = sorted(p for p in HERE.glob("*.py") if p.name != Path(__file__).name)
     if args.only:
         scripts = [p for p in scripts if any(w in p.stem for w in args.only)]
+    suffix, flag = ("-quick", " --quick") if args.quick else ("", "")
     sections, failed = [], []
     for script in scripts:
         print(f"== {script.name}", flush=True)
@@ -65,7 +66,6 @@ def main() -> int:
         print(output, flush=True)
         if not ok:
             failed.append(script.name)
-        flag = " --quick" if args.quick else ""
         sections.append(
             f"## {script.stem}\n\n`python benchmarks/{script.name}{flag}` ({seconds:.0f}s"
             f"{'' if ok else ', FAILED'})\n\n```\n{output.strip()}\n```\n"
@@ -73,8 +73,9 @@ def main() -> int:
     header = (
         "# Benchmark results\n\n"
         f"{datetime.date.today()} on {platform.platform()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}. Written by `make bench` "
-        "(`python benchmarks/run_all.py`); JSON in `benchmarks/out/`.\n\n"
+        f"Python {platform.python_version()}. Written by `make bench{suffix}` "
+        f"(`python benchmarks/run_all.py{flag}`); "
+        "JSON in `benchmarks/out/`.\n\n"
         + (
             "**Quick run** (`--quick`: small inputs; a smoke test, not the figures to quote).\n\n"
             if args.quick
