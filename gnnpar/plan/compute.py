@@ -23,10 +23,15 @@ from collections.abc import Mapping
 import torch
 
 from gnnpar.grid import GridShape
-from gnnpar.plan.comm_model import ShardedLayer, batch_per_rank, gpt_layout, grid_shape
+from gnnpar.plan.comm_model import (
+    ShardedLayer,
+    batch_per_rank,
+    gcn_local_layers,
+    gpt_layout,
+    grid_shape,
+)
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem
-from gnnpar.sparse.layout import layout3d
 
 __all__ = ["gcn_compute_seconds", "gpt_compute_seconds", "measure_local_rates"]
 
@@ -46,17 +51,10 @@ def gcn_compute_seconds(
 ) -> dict[str, float]:
     """Seconds of one full-graph epoch on rank 0: ``{"spmm", "gemm", "elementwise"}``.
     Nonzeros are assumed spread evenly over blocks (Plexus's permutation gets within 1%)."""
-    g = grid_shape(shape, None)
-    e, ops, n = problem.element_size, problem.num_ops, problem.nodes
-    dims = problem.dims
+    e, ops = problem.element_size, problem.num_ops
     out = {"spmm": 0.0, "gemm": 0.0, "elementwise": 0.0}
-    for i in range(len(dims) - 1):
-        lay = layout3d(g, i, n, dims[i], dims[i + 1], ops)
-        rows = lay.rows[1] - lay.rows[0]
-        cols = lay.cols[1] - lay.cols[0]
-        fin = lay.fin[1] - lay.fin[0]
-        fout = lay.fout[1] - lay.fout[0]
-        nnz = problem.nnz * (rows / n) * (cols / n)
+    g = grid_shape(shape)
+    for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
         spmm_flops = 2.0 * nnz * fin * ops
         spmm_bytes = ops * (nnz * (8 + e) + (rows + cols) * fin * e)
         one = max(spmm_flops / (machine.spmm_gflops * 1e9), _stream(spmm_bytes, machine))

@@ -33,12 +33,12 @@ from collections.abc import Mapping
 from gnnpar.plan.comm_model import (
     ShardedLayer,
     batch_per_rank,
+    gcn_local_layers,
     gpt_layout,
     grid_shape,
     local_params,
 )
 from gnnpar.plan.problems import GCNProblem, GPTProblem
-from gnnpar.sparse.layout import layout3d
 
 __all__ = ["USABLE_FRACTION", "gcn_memory", "gpt_memory"]
 
@@ -48,18 +48,10 @@ USABLE_FRACTION = 0.9
 
 def gcn_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[str, float]:
     """Bytes on rank 0 of one full-graph training run, by part (see the module docstring)."""
-    g = grid_shape(shape)
-    e, ops, n = problem.element_size, problem.num_ops, problem.nodes
-    dims = problem.dims
+    e, ops = problem.element_size, problem.num_ops
     out = {"adjacency": 0.0, "features": 0.0, "weights": 0.0, "activations": 0.0}
     transient = 0.0
-    for i in range(len(dims) - 1):
-        lay = layout3d(g, i, n, dims[i], dims[i + 1], ops)
-        rows = lay.rows[1] - lay.rows[0]
-        cols = lay.cols[1] - lay.cols[0]
-        fin = lay.fin[1] - lay.fin[0]
-        fout = lay.fout[1] - lay.fout[0]
-        nnz = problem.nnz * (rows / n) * (cols / n)
+    for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
         out["adjacency"] += ops * 2 * (nnz * (8 + e) + (rows + cols + 2) * 8)
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
