@@ -3,7 +3,6 @@ SIGKILLed while it writes checkpoints."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from gnnpar.train.checkpoint import complete_checkpoints, load_checkpoint
+from gnnpar.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,12 +52,6 @@ def _cmdline(pid: int) -> list[str]:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
     except OSError:
         return []
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_killed_rank_restarts_from_checkpoint(tmp_path):
@@ -107,7 +101,7 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
             if "gnnpar.cli" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
         ]
         assert len(workers) == 2, [_cmdline(p) for p in workers]
-        killed_after = max(r.get("epoch", 0) for r in _records(out / "metrics.jsonl"))
+        killed_after = max(r.get("epoch", 0) for r in read_metrics(out / "metrics.jsonl"))
         os.kill(workers[-1], signal.SIGKILL)
         output = proc.communicate(timeout=300)[0]
     finally:
@@ -115,7 +109,7 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
     assert killed_after < epochs, "the run ended before the kill; make it longer"
-    records = _records(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl")
     resumes = [r for r in records if r.get("event") == "resume"]
     assert len(resumes) == 1 and resumes[0]["attempt"] == 1, resumes
     assert resumes[0]["step"] >= 20 and resumes[0]["step"] % 20 == 0
