@@ -15,10 +15,10 @@ Bad input is one line on stderr and exit code 2 (:class:`~gnnpar.plan.PlanError`
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from gnnpar.atomic import atomic_write, write_json
 from gnnpar.plan.machines import Machine, builtin_machines, get_machine
 from gnnpar.plan.problems import (
     GCNProblem,
@@ -186,8 +186,7 @@ def plot_candidates(cands: list[Candidate], path: str | Path, title: str) -> Non
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=Path(path).suffix[1:] or None))
     plt.close(fig)
 
 
@@ -199,7 +198,7 @@ def _report(cands: list[Candidate], args: argparse.Namespace, title: str) -> int
         print(f"wrote {args.plot}")
     if args.json:
         doc = {"title": title, "candidates": [c.as_dict() for c in cands]}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+        write_json(args.json, doc, indent=1)  # whole or not at all
         print(f"wrote {args.json}")
     return 0
 
