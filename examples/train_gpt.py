@@ -24,14 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gnnpar import tensor
+from gnnpar import checkpoint, tensor
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
-from gnnpar.tensor.checkpoint import (
-    consolidate,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
 from gnnpar.tensor.train import GPTTrainConfig, evaluate, sample, setup, train_step
 
 
@@ -65,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.consolidate:
         src, dest = args.consolidate
-        torch.save(consolidate(src), dest)
+        torch.save(checkpoint.consolidate(src), dest)
         print(f"wrote the full state dict of {src} to {dest}")
         return 0
     if args.nprocs > 1 and not under_launcher():
@@ -89,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{tensor.local_numel(s.model) / 1e6:.2f}M on this rank"
         )
     start = 0
-    if cfg.resume and cfg.ckpt_dir and (found := latest_checkpoint(cfg.ckpt_dir)):
-        start = load_checkpoint(found, s.model, s.optimizer, s.grid)["step"]
-        if rank0:
-            print(f"resumed from {found}")
+    if cfg.resume and cfg.ckpt_dir:
+        found = checkpoint.load(cfg.ckpt_dir, s.grid, s.model, s.optimizer)  # on any grid
+        if found is not None:
+            start = found.step
+            if rank0:
+                print(f"resumed from {found.folder}")
 
     # --- the loop ------------------------------------------------------------------------
     # train_step(s, step) is: set the learning rate; logits = model(x);
@@ -119,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             if rank0:
                 tqdm.write(f"step {step + 1}: val loss {val:.3f}")
         if cfg.ckpt_dir and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-            save_checkpoint(cfg.ckpt_dir, s.model, s.optimizer, s.grid, step + 1)
+            checkpoint.save(cfg.ckpt_dir, step + 1, s.grid, s.model, s.optimizer)
     bar.close()
 
     # --- the end: validation, a checkpoint, a sample ---------------------------------------
     val = evaluate(s)
     if cfg.ckpt_dir:
-        save_checkpoint(cfg.ckpt_dir, s.model, s.optimizer, s.grid, cfg.steps)
+        checkpoint.save(cfg.ckpt_dir, cfg.steps, s.grid, s.model, s.optimizer)
     text = sample(s) if cfg.sample_tokens else ""
     if rank0:
         print(

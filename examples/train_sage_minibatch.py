@@ -2,15 +2,17 @@
 
     python examples/train_sage_minibatch.py --dataset citeseer --root ../shared/datasets
     python examples/train_sage_minibatch.py --dataset citeseer --root ../shared/datasets \\
-        --nprocs 4 --batch-size 8 --feature-cache 64
+        --nprocs 4 --batch-size 32 --feature-cache 64
     python examples/train_sage_minibatch.py --dataset sbm --fanouts 15,10 --model gat
 
 One process samples the whole graph. With ``--nprocs N`` rank 0 cuts the graph into N METIS
 parts (a partition folder, written once), every rank loads only its own part, samples
 across parts and fetches remote features with all-to-alls, and the gradients are summed
-with one all-reduce per step. Sampling and feature gathering of the next batch run in a
-background thread while the current batch trains. The same recipe, with checkpoints and
-metrics files, is ``gnnpar train sage``.
+with one all-reduce per step. ``--batch-size`` is the global batch: each rank trains the
+seeds of every global batch that it owns, so N ranks train what one process trains.
+Sampling and feature gathering of the next batch run in a background thread while the
+current batch trains. The same recipe, with checkpoints and metrics files, is ``gnnpar train
+sage``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from gnnpar.sampling import (
     LocalPart,
     NeighborSampler,
     NodeLoader,
-    balanced_steps,
     distributed_inference,
     layerwise_inference,
     parse_fanouts,
@@ -50,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nprocs", type=int, default=1, help="data-parallel processes (one part each)")
     p.add_argument("--parts-dir", default="runs/sage-example/parts", help="partition folder")
     p.add_argument("--fanouts", default="10,10", help="neighbours per hop, seeds' hop first")
-    p.add_argument("--batch-size", type=int, default=32, help="seeds per batch and rank")
+    p.add_argument("--batch-size", type=int, default=32, help="seeds per global batch")
     p.add_argument("--model", default="sage", choices=["sage", "gcn", "gat"])
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--dropout", type=float, default=0.5)
@@ -94,12 +95,13 @@ def setup_parts(args: argparse.Namespace, fanouts: list[int], grid: gnnpar.Proce
     loader_grid = gnnpar.init(backend="gloo")
     sampler = DistNeighborSampler(part, fanouts, loader_grid, seed=args.seed)
     fetcher = FeatureFetcher(part, loader_grid, cache_size=args.feature_cache)
-    seeds = part.start + torch.nonzero(part.ndata["train_mask"], as_tuple=True)[0]
+    owned = torch.nonzero(part.ndata["train_mask"], as_tuple=True)[0]
+    keys = part.orig_ids[owned]  # every rank knows every seed's original id: global batches
+    all_keys = comm.all_gather(keys, grid, "data", sizes=comm.gather_sizes(len(keys), grid, "data"))
     labels = part.ndata["label"]
     loader = NodeLoader(
-        sampler, seeds, args.batch_size, seed=args.seed, rank=grid.rank("data"),
-        num_steps=balanced_steps(seeds.numel(), args.batch_size, grid),
-        features=fetcher.fetch, labels=lambda ids: labels[ids - part.start],
+        sampler, part.start + owned, args.batch_size, seed=args.seed, keys=keys,
+        all_keys=all_keys, features=fetcher.fetch, labels=lambda ids: labels[ids - part.start],
     )  # fmt: skip
     classes = torch.tensor([int(labels.max()) + 1])
     comm.all_reduce(classes, grid, "data", op="max")

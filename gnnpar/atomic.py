@@ -45,23 +45,3 @@ def mark_latest(directory: str | os.PathLike, folder: str | os.PathLike) -> None
     atomic_write(
         Path(directory) / "latest", lambda tmp: Path(tmp).write_text(Path(folder).name + "\n")
     )
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint folder (``step-*`` with a ``meta.json``) under
-    ``directory``: the one ``latest`` names when it is complete, else the last by name."""
-    pointer = Path(directory) / "latest"
-    if pointer.is_file():
-        folder = Path(directory) / pointer.read_text().strip()
-        if (folder / "meta.json").is_file():
-            return folder
-    done = sorted(p.parent for p in Path(directory).glob("step-*/meta.json"))
-    return done[-1] if done else None
-
-
-def read_meta(folder: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint folder's ``meta.json``; a clear error when the folder is incomplete."""
-    meta = Path(folder) / "meta.json"
-    if not meta.is_file():
-        raise FileNotFoundError(f"{folder} is not a complete checkpoint (no meta.json)")
-    return json.loads(meta.read_text())

@@ -25,7 +25,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.check and args.nprocs > 1 and not _launched():
         from gnnpar.launch import launch_local, strip_nprocs
 
-        return launch_local(args.nprocs, strip_nprocs(sys.argv[1:]))
+        return launch_local(args.nprocs, strip_nprocs(args.argv))
     if not args.check:
         for title, table in (("versions", info.versions()), ("environment", info.environment())):
             print(f"{title}:")
@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the bandwidth table as JSON")
     p.set_defaults(func=_cmd_info)
 
+    from gnnpar.checkpoint.cli import add_ckpt_commands
     from gnnpar.data.commands import add_data_commands
     from gnnpar.plan.cli import add_plan_commands
-    from gnnpar.shard.commands import add_ckpt_commands
     from gnnpar.train.commands import add_train_commands
 
     add_data_commands(sub)
@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gnnpar`` console script."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # what a local launch hands to each rank
     try:
         return int(args.func(args) or 0)
     except (CLIError, ConfigError, GridError, FileNotFoundError, FileExistsError, ValueError) as e:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gnnpar import checkpoint
 from gnnpar.cli import main
-from gnnpar.train.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,10 +116,9 @@ def test_resume_continues_exactly(tmp_path):
     assert _train(full, 8, ["--checkpoint-every", "4"]) == 0
     assert _train(half, 4, ["--checkpoint-every", "4"]) == 0
     assert _train(half, 8, ["--checkpoint-every", "4", "--resume"]) == 0
-    a = torch.load(full / "checkpoints" / "step-000008" / "rank-00000.pt", weights_only=False)
-    b = torch.load(half / "checkpoints" / "step-000008" / "rank-00000.pt", weights_only=False)
-    for k, v in a["task"]["model"].items():
-        assert torch.equal(v, b["task"]["model"][k]), k
+    a, b = checkpoint.consolidate(full), checkpoint.consolidate(half)
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), k
     from gnnpar.train.report import write_report
 
     summary = write_report(half)
@@ -134,14 +133,16 @@ def test_interrupted_checkpoint_leaves_previous_usable(tmp_path):
 
     grid = gnnpar.init()
     root = tmp_path / "ckpt"
-    save_checkpoint(root, 1, grid, {"w": torch.ones(3)})
-    # What a kill mid-write leaves: a temporary folder with a partial rank file, no meta.
+    model = torch.nn.Linear(3, 1)
+    checkpoint.save(root, 1, grid, model)
+    # What a kill mid-write leaves: a temporary folder with a partial rank file, no manifest.
     tmp = root / ".tmp-step-000002"
     tmp.mkdir()
-    (tmp / "rank-00000.partial").write_bytes(b"\x80\x02truncated")
-    assert complete_checkpoints(root) == [1]
-    step, state = load_checkpoint(root, grid)
-    assert step == 1 and torch.equal(state["w"], torch.ones(3))
+    (tmp / "rank-00000.pt").write_bytes(b"\x80\x02truncated")
+    assert checkpoint.complete_steps(root) == [1]
+    other = torch.nn.Linear(3, 1)
+    assert checkpoint.load(root, grid, other).step == 1
+    assert torch.equal(other.weight, model.weight)
 
 
 def _train_gpt(out: Path, steps: int, extra: list[str] = ()) -> int:
@@ -186,10 +187,9 @@ def test_gpt_resume_continues_exactly(tmp_path):
     assert _train_gpt(full, 6) == 0
     assert _train_gpt(half, 3) == 0
     assert _train_gpt(half, 6, ["--resume"]) == 0
-    a = torch.load(full / "checkpoints" / "step-000006" / "rank-00000.pt", weights_only=False)
-    b = torch.load(half / "checkpoints" / "step-000006" / "rank-00000.pt", weights_only=False)
-    for k, v in a["task"]["model"].items():
-        assert torch.equal(v, b["task"]["model"][k]), k
+    a, b = checkpoint.consolidate(full), checkpoint.consolidate(half)
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), k
 
 
 def test_tensorboard_scalars_match_the_metrics_file(tmp_path):

@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import gnnpar
-from gnnpar import comm, tensor
+from gnnpar import checkpoint, comm, tensor
 from gnnpar.data.text import TokenBlocks, load_corpus, shakespeare_text
 from gnnpar.grid import ProcessGrid
 from gnnpar.nn.gpt import GPT, GPTConfig
-from gnnpar.tensor.checkpoint import consolidate, load_checkpoint, save_checkpoint
 from gnnpar.tensor.train import GPTTrainConfig, train_gpt
 from gnnpar.testing import run_distributed
 
@@ -141,14 +140,14 @@ def _check_state_dicts(make, grid, folder: Path):
         if not torch.equal(back[k], ref[k]):
             raise AssertionError(f"{grid.describe()}: {k} changed in the round trip")
     opt = torch.optim.AdamW(par.parameters())
-    ckpt = save_checkpoint(folder, par, opt, grid, step=3, extra={"note": "x"})
-    full = consolidate(ckpt)
+    ckpt = checkpoint.save(folder, 3, grid, par, opt, extra={"note": "x"})
+    full = checkpoint.consolidate(ckpt)
     for k in ref:
         if not torch.equal(full[k], ref[k]):
             raise AssertionError(f"{grid.describe()}: {k} differs after consolidate")
     again = tensor.parallelize(make(), grid)
-    meta = load_checkpoint(ckpt, again, torch.optim.AdamW(again.parameters()), grid)
-    assert meta["step"] == 3 and meta["extra"] == {"note": "x"}
+    found = checkpoint.load(ckpt, grid, again, torch.optim.AdamW(again.parameters()))
+    assert found.step == 3 and found.extra == {"note": "x"}
     for (k, a), b in zip(again.state_dict().items(), par.state_dict().values(), strict=True):
         if not torch.equal(a, b):
             raise AssertionError(f"{grid.describe()}: {k} differs after load_checkpoint")

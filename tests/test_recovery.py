@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gnnpar.train.checkpoint import complete_checkpoints, load_checkpoint
+from gnnpar import checkpoint
 from gnnpar.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
     )
     try:
         deadline = time.monotonic() + 240
-        while not complete_checkpoints(out / "checkpoints"):
+        while not checkpoint.complete_steps(out / "checkpoints"):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"no checkpoint appeared; output:\n{proc.communicate()[0][-3000:]}")
             time.sleep(0.05)
@@ -124,12 +124,14 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
 
 _WRITER = """
 import sys, torch, gnnpar
-from gnnpar.train.checkpoint import complete_checkpoints, save_checkpoint
+from gnnpar import checkpoint
 grid = gnnpar.init()
-step = max(complete_checkpoints(sys.argv[1]), default=0)
+model = torch.nn.Linear(2_000, 1_000, bias=False)
+step = max(checkpoint.complete_steps(sys.argv[1]), default=0)
 while True:
     step += 1
-    save_checkpoint(sys.argv[1], step, grid, {"w": torch.full((2_000_000,), float(step))}, keep=2)
+    torch.nn.init.constant_(model.weight, float(step))
+    checkpoint.save(sys.argv[1], step, grid, model, keep=2)
 """
 
 
@@ -142,13 +144,13 @@ def test_kill_during_checkpoint_writes_leaves_a_loadable_one(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], cwd=ROOT)
         try:
             deadline = time.monotonic() + 120
-            while not complete_checkpoints(root) and time.monotonic() < deadline:
+            while not checkpoint.complete_steps(root) and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(delay)  # somewhere inside a later write
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        found = load_checkpoint(root, grid)
+        model = torch.nn.Linear(2_000, 1_000, bias=False)
+        found = checkpoint.load(root, grid, model)
         assert found is not None
-        step, state = found
-        assert torch.equal(state["w"], torch.full((2_000_000,), float(step)))
+        assert torch.equal(model.weight, torch.full((1_000, 2_000), float(found.step)))

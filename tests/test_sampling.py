@@ -232,8 +232,10 @@ def test_bad_input_is_refused():
             NodeLoader(sampler, torch.arange(10), batch_size=bad)
     with pytest.raises(ValueError, match="prefetch"):
         NodeLoader(sampler, torch.arange(10), batch_size=2, prefetch=-1)
-    with pytest.raises(ValueError, match="num_steps"):
-        NodeLoader(sampler, torch.arange(10), batch_size=2, num_steps=0)
+    with pytest.raises(ValueError, match="appears more than once"):
+        NodeLoader(sampler, torch.arange(3), 2, keys=torch.tensor([4, 5, 4]))
+    with pytest.raises(ValueError, match="among all_keys"):
+        NodeLoader(sampler, torch.arange(2), 2, keys=torch.tensor([4, 5]), all_keys=torch.arange(5))
     with pytest.raises(ValueError, match="unknown block model"):
         BlockGNN(4, 8, 2, kind="gin")
     with pytest.raises(ValueError, match="blocks"):
@@ -379,7 +381,14 @@ def test_loader_epochs_batches_and_prefetch():
     assert not on_cpu.pin_memory and next(iter(on_cpu)).x.device.type == "cpu"
     dropped = NodeLoader(sampler, seeds, 16, drop_last=True, shuffle=False, prefetch=0)
     assert _seed_lists(dropped) == [seeds[i : i + 16].tolist() for i in range(0, 96, 16)]
-    assert batch_sizes(10, 4, False, 3) == [4, 3, 3] and batch_sizes(2, 4, False, 3) == [1, 1, 0]
+    assert batch_sizes(10, 4, False) == [4, 4, 2] and batch_sizes(10, 4, True) == [4, 4]
+    # the order of an epoch is a pure function of (seed, epoch, key): the same for any split
+    odd, even = seeds[seeds % 2 == 1], seeds[seeds % 2 == 0]
+    halves = [NodeLoader(sampler, s, 16, keys=s, all_keys=seeds) for s in (odd, even)]
+    whole = NodeLoader(sampler, seeds, 16).epoch_batches(4)
+    for i, batch in enumerate(whole):
+        got = torch.cat([h.epoch_batches(4)[i] for h in halves])
+        assert sorted(got.tolist()) == sorted(batch.tolist())
 
 
 def test_loader_resumes_mid_epoch():

@@ -16,7 +16,13 @@ import torch.nn.functional as F
 import partitioners
 from gnnpar.data import sbm
 from gnnpar.nn.minibatch import BlockGNN
-from gnnpar.sampling import LocalPart, NeighborSampler, VertexSampler, layerwise_inference
+from gnnpar.sampling import (
+    LocalPart,
+    NeighborSampler,
+    NodeLoader,
+    VertexSampler,
+    layerwise_inference,
+)
 from gnnpar.testing import run_distributed
 
 SAMPLERS = {"plain": ([4, 3], False), "all": ([-1, 2], False), "replace": ([3, 3], True)}
@@ -51,12 +57,7 @@ def _np(blocks) -> list[tuple]:
 def _rank_checks(folder: str, seeds_new: list[torch.Tensor], state: dict) -> dict:
     import gnnpar
     from gnnpar import comm
-    from gnnpar.sampling import (
-        DistNeighborSampler,
-        FeatureFetcher,
-        balanced_steps,
-        distributed_inference,
-    )
+    from gnnpar.sampling import DistNeighborSampler, FeatureFetcher, distributed_inference
     from gnnpar.train.minibatch import allreduce_gradients
 
     grid = gnnpar.init()
@@ -73,6 +74,7 @@ def _rank_checks(folder: str, seeds_new: list[torch.Tensor], state: dict) -> dic
     )
     ids = plain.input_nodes
     out["ids"] = ids.numpy()
+    out["keys"] = [b.keys.numpy() for b in plain.blocks]
     for size in (0, CACHE):
         fetcher = FeatureFetcher(part, sample_grid, cache_size=size)
         x = fetcher.fetch(ids)
@@ -104,7 +106,13 @@ def _rank_checks(folder: str, seeds_new: list[torch.Tensor], state: dict) -> dic
         share = vs.sample(KEY, owned=(part.start, part.stop)).blocks[0]
     out["vertex"] = _np([share])[0]
     out["vertex_bytes"] = traffic.bytes()
-    out["steps"] = balanced_steps(seeds_new[r].numel(), 5, grid)
+    # global batches: every rank holds its own nodes, knows every node's original id
+    keys = part.orig_ids[: part.num_owned]
+    all_keys = comm.all_gather(keys, grid, "data", sizes=comm.gather_sizes(len(keys), grid, "data"))
+    sampler = DistNeighborSampler(part, [2], sample_grid)
+    loader = NodeLoader(sampler, part.owned_nodes, 7, seed=3, keys=keys, all_keys=all_keys)
+    out["batches"] = [b.numpy() for b in loader.epoch_batches(1)]
+    out["global_sizes"] = loader.global_sizes()
     # a rank that loads another rank's part gets a clear error
     try:
         DistNeighborSampler(LocalPart.load(folder, (r + 1) % part.num_parts), [2], grid)
@@ -220,6 +228,16 @@ def test_distributed_matches_single_process(tmp_path, num_parts):
         assert res["vertex_bytes"] == 0
     assert got == want
 
-    steps = [-(-max(s.numel(), 1) // 5) for s in seeds]
-    assert all(res["steps"] == max(steps) for res in results)
+    # every block node carries its original id (the key of its dropout masks)
+    for res in results:
+        for (src, *_), keys in zip(_to_torch(res["plain"]), res["keys"], strict=True):
+            assert torch.equal(orig[src], torch.from_numpy(keys))
+    # global batches: the ranks' shares of batch i are together the one-process batch i
+    single = NodeLoader(NeighborSampler(g, [2]), torch.arange(g.num_nodes), 7, seed=3)
+    want = single.epoch_batches(1)
+    for i, batch in enumerate(want):
+        shares = [orig[torch.from_numpy(res["batches"][i])] for res in results]
+        assert sorted(torch.cat(shares).tolist()) == sorted(batch.tolist()), i
+        assert all(res["global_sizes"][i] == batch.numel() for res in results)
+    assert all(len(res["batches"]) == len(want) for res in results)
     assert all("does not fit" in res["error"] for res in results)

@@ -28,19 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import gnnpar
-from gnnpar import comm, tensor
+from gnnpar import checkpoint, comm, tensor
 from gnnpar.nn.gpt import GPT, Block, GPTConfig
-from gnnpar.shard import (
-    FCDP,
-    MixedPrecision,
-    by_numel,
-    by_type,
-    consolidate,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    shard,
-)
+from gnnpar.shard import FCDP, MixedPrecision, by_numel, by_type, shard
 from gnnpar.shard.groups import split_by_node
 from gnnpar.testing import run_distributed
 
@@ -401,16 +391,16 @@ def _ckpt_world(folder: str, load: bool, stage: int, start: int, stop: int, save
     dp = shard(net, grid, stage, units="blocks.*", fcdp=fc)
     opt = dp.attach(_opt("adamw", dp.parameters()))
     if load:
-        meta = load_checkpoint(latest_checkpoint(folder), dp, opt)
-        if meta["step"] != start or meta["extra"] != {"note": "x"}:
-            raise AssertionError(f"meta {meta}")
+        found = checkpoint.load(folder, grid, dp, opt)
+        if found.step != start or found.extra != {"note": "x"}:
+            raise AssertionError(f"loaded {found}")
     for step in range(start, stop):
         x, y = _batch(step)
         F.mse_loss(net(x[_rows(grid)]), y[_rows(grid)]).backward()
         opt.step()
         opt.zero_grad()
     if save:
-        save_checkpoint(folder, dp, opt, stop, extra={"note": "x"})
+        checkpoint.save(folder, stop, grid, dp, opt, extra={"note": "x"})
     return _max_diff(dp.full_state_dict(), _serial("adamw", stop))
 
 
@@ -459,7 +449,7 @@ def _tp_world(folder: str) -> dict:
                 o.zero_grad()
         out[(stage, fc is not None)] = _max_diff(dp.full_state_dict(), serial.state_dict())
         if stage == 3 and fc is None:
-            save_checkpoint(folder, dp, opt_p, 3)
+            checkpoint.save(folder, 3, grid, dp, opt_p)
             out["serial"] = {k: v.tolist() for k, v in serial.state_dict().items()}
     return out
 
@@ -470,7 +460,7 @@ def test_composes_with_tensor_parallel_layers(tmp_path):
         ref = rank_res.pop("serial")
         for key, err in rank_res.items():
             assert err < 1e-10, f"{key}: differs from serial by {err}"
-    full = consolidate(tmp_path)
+    full = checkpoint.consolidate(tmp_path)
     ref = {k: torch.tensor(v, dtype=F64) for k, v in ref.items()}
     assert list(full) == list(ref)
     assert _max_diff(full, ref) < 1e-10

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gnnpar.nn.dropout import index_dropout
+
 __all__ = ["BlockGNN", "GATConv", "GCNConv", "SAGEConv", "block_mean", "block_sum"]
 
 _KINDS = ("sage", "gcn", "gat")
@@ -212,7 +214,10 @@ class BlockGNN(nn.Module):
 
     ``forward(blocks, x)`` takes the blocks of a mini-batch (input layer first) and the
     features of ``blocks[0]``'s sources; ``forward_layer`` runs one layer, for layer-wise
-    inference.
+    inference. With a ``dropout_seed`` the dropout mask of every element is a hash of (seed,
+    layer, the node's key, feature): the same whichever rank or batch computes the node, so
+    training does not depend on how the batch is split over ranks; without one, dropout
+    draws from torch's generator like ``nn.Dropout``.
     """
 
     def __init__(
@@ -251,17 +256,25 @@ class BlockGNN(nn.Module):
         """Number of layers (and of blocks a forward pass takes)."""
         return len(self.layers)
 
-    def forward_layer(self, i: int, block: Any, h_src: torch.Tensor) -> torch.Tensor:
+    def forward_layer(
+        self, i: int, block: Any, h_src: torch.Tensor, dropout_seed: int | None = None
+    ) -> torch.Tensor:
         """Layer ``i`` on ``block``: dropout (in training), the layer, ReLU unless last."""
-        h = F.dropout(h_src, self.dropout, self.training)
+        if dropout_seed is None:
+            h = F.dropout(h_src, self.dropout, self.training)
+        else:
+            keys = block.keys
+            h = index_dropout(h_src, self.dropout, dropout_seed * 1009 + i, keys, 0, self.training)
         h = self.layers[i](block, h)
         return h if i == self.num_layers - 1 else torch.relu(h)
 
-    def forward(self, blocks: list[Any], x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, blocks: list[Any], x: torch.Tensor, dropout_seed: int | None = None
+    ) -> torch.Tensor:
         """Logits of the seeds (``blocks[-1]``'s destinations)."""
         if len(blocks) != self.num_layers:
             raise ValueError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
         h = x
         for i, block in enumerate(blocks):
-            h = self.forward_layer(i, block, h)
+            h = self.forward_layer(i, block, h, dropout_seed)
         return h

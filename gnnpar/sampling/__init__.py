@@ -29,12 +29,11 @@ from gnnpar.sampling.distributed import (
     DistNeighborSampler,
     FeatureFetcher,
     LocalPart,
-    balanced_steps,
     distributed_inference,
     request_rows,
 )
 from gnnpar.sampling.inference import BlockModel, full_blocks, layerwise_inference
-from gnnpar.sampling.loader import NodeLoader, Sampler, batch_sizes, steps_for
+from gnnpar.sampling.loader import NodeLoader, Sampler, batch_sizes
 from gnnpar.sampling.neighbor import (
     NeighborSampler,
     Relabeler,
@@ -58,7 +57,6 @@ __all__ = [
     "Sampler",
     "VertexSampler",
     "as_node_ids",
-    "balanced_steps",
     "batch_sizes",
     "derive_key",
     "distributed_inference",
@@ -68,7 +66,6 @@ __all__ = [
     "random_bits",
     "request_rows",
     "sample_rows",
-    "steps_for",
     "uniform_below",
     "uniform_subset",
 ]

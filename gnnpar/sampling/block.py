@@ -38,6 +38,9 @@ class Block:
         indices: ``(num_edges,)`` int64 local source id of every edge, row by row.
         edge_ids: position of every edge in the sampled graph's CSR (``indices`` array), or
             None where that has no meaning (distributed sampling).
+        src_keys: the id every source node is known by for counter-based randomness (its
+            original id before a partition relabelled it), or None when it is ``src_nodes``.
+            Dropout masks keyed by it are the same however the graph is partitioned.
     """
 
     src_nodes: torch.Tensor
@@ -45,6 +48,7 @@ class Block:
     indptr: torch.Tensor
     indices: torch.Tensor
     edge_ids: torch.Tensor | None = None
+    src_keys: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ sizes and views
     @property
@@ -56,6 +60,11 @@ class Block:
     def num_edges(self) -> int:
         """Number of sampled edges."""
         return int(self.indices.numel())
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """:attr:`src_keys`, or the source ids where no other key is known."""
+        return self.src_nodes if self.src_keys is None else self.src_keys
 
     @property
     def dst_nodes(self) -> torch.Tensor:
@@ -116,6 +125,7 @@ class Block:
             move(self.indptr),
             move(self.indices),
             move(self.edge_ids),
+            move(self.src_keys),
         )
 
     def pin_memory(self) -> Block:
@@ -130,6 +140,7 @@ class Block:
             pin(self.indptr),
             pin(self.indices),
             pin(self.edge_ids),
+            pin(self.src_keys),
         )
 
     # ------------------------------------------------------------------ converters
@@ -168,6 +179,8 @@ class MiniBatch:
         x: input features of :attr:`input_nodes` (set by a loader), or None.
         y: labels of the seeds (set by a loader), or None.
         epoch, index: where the batch comes from (set by a loader).
+        global_size: seeds of the global batch this one is part of, over all ranks (set by
+            a loader; the mean loss of the global batch divides by it).
         stats: counters of the batch (sampling and fetch bytes, cache hits, timings).
     """
 
@@ -177,6 +190,7 @@ class MiniBatch:
     y: torch.Tensor | None = None
     epoch: int = 0
     index: int = 0
+    global_size: int | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property

@@ -48,7 +48,6 @@ __all__ = [
     "DistNeighborSampler",
     "FeatureFetcher",
     "LocalPart",
-    "balanced_steps",
     "distributed_inference",
     "request_rows",
 ]
@@ -192,18 +191,6 @@ def request_rows(
     return out
 
 
-def balanced_steps(
-    num_local: int, batch_size: int, grid: ProcessGrid, axis: str = "data", drop_last: bool = False
-) -> int:
-    """Batches per epoch shared by every rank of ``axis``: those of the rank with the most
-    seeds (one small all-reduce). Pass it as ``num_steps`` to each rank's loader."""
-    from gnnpar.sampling.loader import steps_for
-
-    t = torch.tensor([steps_for(num_local, batch_size, drop_last)], dtype=torch.int64)
-    comm.all_reduce(t, grid, axis, op="max")
-    return int(t.item())
-
-
 class DistNeighborSampler:
     """Neighbour sampling across the parts of a partition, one all-to-all round per hop.
 
@@ -249,7 +236,9 @@ class DistNeighborSampler:
         return len(self.fanouts)
 
     def _hop(self, frontier: torch.Tensor, fanout: int, key: int) -> tuple[torch.Tensor, ...]:
-        """Counts and sampled neighbours (global ids, row by row) of every frontier node."""
+        """Counts, original ids of every frontier node, and sampled neighbours (global ids and
+        original ids, row by row). The owners send the original ids with their answers, so
+        every node of a batch is known by its original id (for grid-independent dropout)."""
         grid, axis, part = self.grid, self.axis, self.part
         p = grid.size(axis)
         order, send, counts = _group_by_owner(frontier, part.owner(frontier), p)
@@ -268,10 +257,15 @@ class DistNeighborSampler:
             key=recv_keys.index_select(0, by_requester),
             row_keys=self._row_keys.index_select(0, rows),
         )
-        nbr = part.local_to_global.index_select(0, part.indices.index_select(0, pos))
+        local = part.indices.index_select(0, pos)
+        nbr = torch.stack(
+            [part.local_to_global.index_select(0, local), part.orig_ids.index_select(0, local)], 1
+        )
         seg = torch.zeros(p, dtype=torch.int64).index_add_(0, by_requester, n_out)
-        # Requester side: counts per frontier node, then the neighbour lists.
-        got_counts = comm.all_to_all(n_out, grid, axis, recv_counts, counts)
+        # Requester side: counts (and original ids) per frontier node, then the lists.
+        answer = torch.stack([n_out, self._row_keys.index_select(0, rows)], 1)
+        got = comm.all_to_all(answer, grid, axis, recv_counts, counts)
+        got_counts, got_keys = got[:, 0].contiguous(), got[:, 1]
         mine = torch.zeros(p, dtype=torch.int64).index_add_(
             0, torch.repeat_interleave(torch.arange(p), torch.tensor(counts)), got_counts
         )
@@ -280,6 +274,8 @@ class DistNeighborSampler:
         offsets = torch.cumsum(got_counts, 0) - got_counts
         f_counts = torch.empty_like(got_counts)
         f_counts[order] = got_counts
+        f_keys = torch.empty_like(got_keys)
+        f_keys[order] = got_keys
         f_offsets = torch.empty_like(offsets)
         f_offsets[order] = offsets
         total = int(f_counts.sum())
@@ -287,7 +283,8 @@ class DistNeighborSampler:
         positions = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
             f_offsets - ptr, f_counts, output_size=total
         )
-        return f_counts, got_nbr.index_select(0, positions)
+        got_nbr = got_nbr.index_select(0, positions)
+        return f_counts, f_keys, got_nbr[:, 0].contiguous(), got_nbr[:, 1].contiguous()
 
     def sample(self, seeds: Any, key: int | None = None) -> MiniBatch:
         """Blocks of the distinct global ``seeds`` (collective; see the class docstring)."""
@@ -297,11 +294,14 @@ class DistNeighborSampler:
         blocks = []
         with comm.record(self.grid) as traffic:
             for hop, fanout in enumerate(self.fanouts):
-                counts, nbr = self._hop(frontier, fanout, derive_key(key, hop))
+                counts, f_keys, nbr, nbr_keys = self._hop(frontier, fanout, derive_key(key, hop))
                 src, local = self.relabel(frontier, nbr, check_unique=hop == 0)
                 indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
                 torch.cumsum(counts, 0, out=indptr[1:])
-                blocks.append(Block(src, frontier.numel(), indptr, local))
+                keys = torch.empty(src.numel(), dtype=torch.int64)
+                keys[: frontier.numel()] = f_keys
+                keys[local] = nbr_keys
+                blocks.append(Block(src, frontier.numel(), indptr, local, src_keys=keys))
                 frontier = src
         blocks.reverse()
         batch = MiniBatch(seeds, blocks)

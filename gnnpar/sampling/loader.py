@@ -6,9 +6,17 @@ out :class:`~gnnpar.sampling.block.MiniBatch` objects. With ``prefetch > 0`` a b
 thread prepares batch ``i + 1`` (sampling and feature gathering) while batch ``i`` trains;
 with a CUDA ``device`` the batch is pinned in that thread and copied asynchronously.
 
-Everything random is a function of ``(seed, epoch, batch index, rank)``, so an epoch is the
-same whether or not it is prefetched, and :meth:`NodeLoader.state_dict` (epoch and position
-in the epoch) is enough to resume exactly where a run stopped::
+Batches are **global**: each epoch orders every seed of the run by a hash of ``(seed, epoch,
+key)`` — a seed's key is its original node id — and cuts that order into batches of
+``batch_size``. A data-parallel rank's loader knows every key (``all_keys``) but holds only its
+own seeds (``keys``): its part of global batch ``i`` is those of its seeds that fall in it. So
+the global batches, their random keys and (with a model that keys its dropout by node) the
+whole training run are the same on one rank or many, however the seeds are partitioned; a
+run resumed on another number of ranks continues at the same global position.
+
+Everything random is a function of ``(seed, epoch, batch index)``, so an epoch is the same
+whether or not it is prefetched, and :meth:`NodeLoader.state_dict` (epoch and position in the
+epoch) is enough to resume exactly where a run stopped::
 
     loader = NodeLoader(sampler, train_ids, batch_size=1024, features=feat, labels=label)
     for epoch in range(10):
@@ -19,7 +27,6 @@ in the epoch) is enough to resume exactly where a run stopped::
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -30,9 +37,9 @@ import torch
 
 from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.neighbor import as_node_ids
-from gnnpar.sampling.rng import derive_key
+from gnnpar.sampling.rng import derive_key, random_bits
 
-__all__ = ["NodeLoader", "Sampler", "batch_sizes", "steps_for"]
+__all__ = ["NodeLoader", "Sampler", "batch_sizes"]
 
 _PERMUTATION = 0x5EED  # salts that keep the streams of the loader apart
 _BATCH = 0xB47C
@@ -48,28 +55,11 @@ class Sampler(Protocol):
 DataSource = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 
 
-def batch_sizes(
-    num_seeds: int, batch_size: int, drop_last: bool, num_steps: int | None
-) -> list[int]:
-    """Sizes of the batches of one epoch.
-
-    Without ``num_steps``: ``batch_size`` each, the last one smaller (or dropped with
-    ``drop_last``). With ``num_steps``: exactly that many batches whose sizes differ by at
-    most one (all at most ``batch_size`` when ``num_steps >= ceil(num_seeds / batch_size)``),
-    which is how distributed ranks with different seed counts run the same number of steps.
-    """
-    if num_steps is None:
-        full, rest = divmod(num_seeds, batch_size)
-        return [batch_size] * full + ([rest] if rest and not drop_last else [])
-    base, extra = divmod(num_seeds, num_steps)
-    return [base + (1 if i < extra else 0) for i in range(num_steps)]
-
-
-def steps_for(num_seeds: int, batch_size: int, drop_last: bool = False) -> int:
-    """Batches an epoch of ``num_seeds`` seeds takes (at least one)."""
-    if drop_last:
-        return max(1, num_seeds // batch_size)
-    return max(1, math.ceil(num_seeds / batch_size))
+def batch_sizes(num_seeds: int, batch_size: int, drop_last: bool) -> list[int]:
+    """Sizes of the (global) batches of one epoch: ``batch_size`` each, the last one smaller
+    (or dropped with ``drop_last``)."""
+    full, rest = divmod(num_seeds, batch_size)
+    return [batch_size] * full + ([rest] if rest and not drop_last else [])
 
 
 def _gather(source: DataSource | None, ids: torch.Tensor) -> torch.Tensor | None:
@@ -86,8 +76,8 @@ class NodeLoader:
     Args:
         sampler: anything with ``sample(seeds, key) -> MiniBatch`` (a
             :class:`~gnnpar.sampling.NeighborSampler`, a distributed sampler, ...).
-        seeds: the seed node ids (int64) or a boolean mask.
-        batch_size: seeds per batch (at least 1).
+        seeds: this loader's seed node ids (int64) or a boolean mask.
+        batch_size: seeds per global batch (at least 1), over all ranks.
         shuffle: a new seed order every epoch.
         drop_last: drop the last, smaller batch.
         seed: the seed of shuffling and sampling.
@@ -95,16 +85,18 @@ class NodeLoader:
             ``batch.x``: an ``(N, F)`` tensor, or a function of the ids (e.g. a distributed
             fetcher's ``fetch``).
         labels: the same for ``batch.y``, indexed by the seeds.
-        num_steps: batches per epoch, overriding ``batch_size`` (see :func:`batch_sizes`).
         prefetch: batches prepared ahead by a background thread (0: none).
         device: where batches go; ``None`` keeps them on the CPU.
         pin_memory: pin batches before the copy (default: when ``device`` is CUDA).
-        rank: mixed into the random keys, so data-parallel ranks draw differently.
         num_nodes: the id bound for validating ``seeds`` (default: the sampler's
             ``num_nodes`` if it has one).
+        keys: the key of each seed (default: its id): the id that orders it, normally its
+            original node id before a partition relabelled it.
+        all_keys: the keys of every seed of every rank (default: ``keys``, one process).
 
     Raises:
-        ValueError: ``batch_size < 1``, ``prefetch < 0``, ``num_steps < 1``, or bad seeds.
+        ValueError: ``batch_size < 1``, ``prefetch < 0``, bad seeds, repeated keys, or keys
+        missing from ``all_keys``.
     """
 
     def __init__(
@@ -118,19 +110,17 @@ class NodeLoader:
         seed: int = 0,
         features: DataSource | None = None,
         labels: DataSource | None = None,
-        num_steps: int | None = None,
         prefetch: int = 1,
         device: torch.device | str | None = None,
         pin_memory: bool | None = None,
-        rank: int = 0,
         num_nodes: int | None = None,
+        keys: torch.Tensor | None = None,
+        all_keys: torch.Tensor | None = None,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
-        if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 1):
-            raise ValueError(f"num_steps must be a positive integer or None, got {num_steps!r}")
         bound = num_nodes if num_nodes is not None else getattr(sampler, "num_nodes", None)
         if bound is None:
             raise ValueError("pass num_nodes: the sampler does not say how many nodes there are")
@@ -142,20 +132,23 @@ class NodeLoader:
         self.seed = int(seed)
         self.features = features
         self.labels = labels
-        self.num_steps = num_steps
+        self.keys, self.all_keys, self._where = _keys(self.seeds, keys, all_keys)
         self.prefetch = prefetch
         self.device = None if device is None else torch.device(device)
         if pin_memory is None:
             pin_memory = self.device is not None and self.device.type == "cuda"
         self.pin_memory = bool(pin_memory)
-        self.rank = int(rank)
         self.epoch = 0
         self.position = 0
 
     # ------------------------------------------------------------------ epochs and state
     def __len__(self) -> int:
-        """Batches per epoch."""
-        return len(batch_sizes(self.seeds.numel(), self.batch_size, self.drop_last, self.num_steps))
+        """Batches per epoch (global: the same on every rank)."""
+        return len(self.global_sizes())
+
+    def global_sizes(self) -> list[int]:
+        """Seeds in each global batch of an epoch, over all ranks."""
+        return batch_sizes(self.all_keys.numel(), self.batch_size, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch at the next iteration."""
@@ -179,23 +172,35 @@ class NodeLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def batch_key(self, epoch: int, index: int) -> int:
-        """The random key of batch ``index`` of ``epoch`` (what the sampler receives)."""
-        return derive_key(self.seed, _BATCH, epoch, index, self.rank)
+        """The random key of global batch ``index`` of ``epoch`` (what the sampler
+        receives; the same on every rank)."""
+        return derive_key(self.seed, _BATCH, epoch, index)
 
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The seeds in the order of ``epoch``."""
-        if not self.shuffle:
-            return self.seeds
-        g = torch.Generator().manual_seed(
-            derive_key(self.seed, _PERMUTATION, epoch, self.rank) & ((1 << 63) - 1)
-        )
-        return self.seeds[torch.randperm(self.seeds.numel(), generator=g)]
+    def epoch_positions(self, epoch: int) -> torch.Tensor:
+        """Where each of ``all_keys`` stands in the global order of ``epoch``: by a 64-bit
+        hash of (seed, epoch, key), ties by key; by key without ``shuffle``."""
+        n = self.all_keys.numel()
+        order = torch.argsort(self.all_keys, stable=True)
+        if self.shuffle:
+            bits = random_bits(derive_key(self.seed, _PERMUTATION, epoch), self.all_keys, 2)
+            rank = (bits[0] << 32) | bits[1]
+            order = order[torch.argsort(rank[order], stable=True)]
+        position = torch.empty(n, dtype=torch.int64)
+        position[order] = torch.arange(n, dtype=torch.int64)
+        return position
 
     def epoch_batches(self, epoch: int) -> list[torch.Tensor]:
-        """The seed ids of every batch of ``epoch``."""
-        order = self.epoch_order(epoch)
-        sizes = batch_sizes(order.numel(), self.batch_size, self.drop_last, self.num_steps)
-        return list(torch.split(order[: sum(sizes)], sizes)) if sizes else []
+        """This loader's seed ids in every global batch of ``epoch`` (some may be empty)."""
+        sizes = self.global_sizes()
+        if not sizes:
+            return []
+        pos = self.epoch_positions(epoch).index_select(0, self._where)
+        kept = pos < sum(sizes)
+        pos, seeds = pos[kept], self.seeds[kept]
+        by_pos = torch.argsort(pos)
+        pos, seeds = pos[by_pos], seeds[by_pos]
+        counts = torch.bincount(pos // self.batch_size, minlength=len(sizes))
+        return list(torch.split(seeds, counts.tolist()))
 
     # ------------------------------------------------------------------ making batches
     def make_batch(self, epoch: int, index: int, seeds: torch.Tensor) -> MiniBatch:
@@ -207,6 +212,7 @@ class NodeLoader:
         batch.y = _gather(self.labels, batch.seeds)
         t2 = time.perf_counter()
         batch.epoch, batch.index = epoch, index
+        batch.global_size = self.global_sizes()[index]
         batch.stats.setdefault("sample_s", t1 - t0)
         batch.stats.setdefault("gather_s", t2 - t1)
         if self.pin_memory:
@@ -273,6 +279,26 @@ class NodeLoader:
 
     def __repr__(self) -> str:
         return (
-            f"NodeLoader(seeds={self.seeds.numel()}, batch_size={self.batch_size}, "
+            f"NodeLoader(seeds={self.seeds.numel()} of {self.all_keys.numel()}, "
+            f"batch_size={self.batch_size}, "
             f"batches={len(self)}, shuffle={self.shuffle}, prefetch={self.prefetch})"
         )
+
+
+def _keys(
+    seeds: torch.Tensor, keys: torch.Tensor | None, all_keys: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, all_keys, where): every seed's key, every rank's keys, and the index of each of
+    this loader's keys in ``all_keys``."""
+    keys = seeds if keys is None else torch.as_tensor(keys, dtype=torch.int64)
+    if keys.shape != seeds.shape:
+        raise ValueError(f"keys must have one entry per seed ({seeds.numel()}), got {keys.numel()}")
+    all_keys = keys if all_keys is None else torch.as_tensor(all_keys, dtype=torch.int64)
+    ordered, order = torch.sort(all_keys)
+    if ordered.numel() > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+        dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+        raise ValueError(f"seed key {dup} appears more than once")
+    at = torch.searchsorted(ordered, keys).clamp(max=max(ordered.numel() - 1, 0))
+    if keys.numel() and (not ordered.numel() or bool((ordered[at] != keys).any())):
+        raise ValueError("every seed's key must be among all_keys")
+    return keys, all_keys, order[at] if keys.numel() else at

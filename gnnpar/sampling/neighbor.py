@@ -362,7 +362,8 @@ class NeighborSampler:
             ids[:m] = frontier
             torch.index_select(self.indices, 0, pos, out=ids[m:])
             src, local = self.relabel.relabel(ids, m, check_unique=hop == 0)
-            blocks.append(Block(src, frontier.numel(), _indptr(counts), local, pos))
+            keys = None if self.node_keys is None else self.node_keys.index_select(0, src)
+            blocks.append(Block(src, frontier.numel(), _indptr(counts), local, pos, keys))
             frontier = src
         blocks.reverse()
         return MiniBatch(seeds, blocks)

@@ -452,6 +452,69 @@ class ShardedModel:
                 )
         return out
 
+    def checkpoint_layout(self):
+        """This rank's :class:`~gnnpar.checkpoint.state.ModelLayout`: the elements of every
+        parameter it stores (its ZeRO pieces, of its tensor-parallel piece) and the buffers.
+        Loading writes straight into the masters; :meth:`_refresh_params` then brings the
+        model's parameters up to date (collective at stages 1–2)."""
+        from gnnpar.checkpoint.chunks import concat, restrict
+        from gnnpar.checkpoint.state import (
+            MODEL,
+            ModelLayout,
+            Piece,
+            TensorSpec,
+            replicated_piece,
+            writes,
+        )
+
+        grid = self.grid
+        tensors: dict[str, TensorSpec] = {}
+        slot_chunks = {}
+        for s in self.slots:
+            if s.layout is not None:
+                transposed = s.owner_attr == "weight" and (
+                    getattr(s.owner, "weight_format", "") == "in_out"
+                )
+                shape = tuple(reversed(s.layout.shape)) if transposed else s.layout.shape
+                r, c, d = s.layout.coords(grid)
+                chunks = s.layout.chunks(MODEL + s.name, r, c, d, transposed)
+                split = s.layout.split_axes
+            else:
+                shape, split = tuple(s.shape), ()
+                chunks = concat([(MODEL + s.name, (0,) * len(shape), shape)])
+            tensors[MODEL + s.name] = TensorSpec.of(shape, s.dtype)
+            slot_chunks[s.name] = (chunks, split)
+        pieces = []
+        params = {}
+        by_values = {}
+        for slot, start, stop, values, replicated in self.local_pieces():
+            chunks, split = slot_chunks[slot.name]
+            mine = restrict(chunks, start, stop)
+            write = writes(grid, (*split, *(() if replicated else ("data",))))
+            name = f"{slot.name}[{start}:{stop}]"
+            pieces.append(Piece(name, values, mine, write))
+            by_values[(slot.name, start)] = (mine, write)
+        for p, (slot, start, _) in self.piece_index().items():
+            params[p] = by_values.get((slot.name, start), ([], False))
+        persistent = set(self._keys)  # non-persistent buffers are rebuilt, not saved
+        for key, b in self.module.named_buffers():
+            if key not in persistent:
+                continue
+            tensors[MODEL + key] = TensorSpec.of(b.shape, b.dtype)
+            pieces.append(replicated_piece(key, key, b.detach(), writes(grid, ())))
+        aliases = {a: s.name for s in self.slots for a in s.aliases if a != s.name}
+        return ModelLayout(pieces, tensors, list(self._keys), aliases, params, self._refresh)
+
+    def _refresh(self) -> None:
+        """Bring the model's parameters up to date with the masters after they were written
+        (a checkpoint load): all-gather at stages 1–2, drop stage 3's caches."""
+        if self.stage3 is not None:
+            for unit in self.stage3.units:
+                self.stage3._uncache(unit, "frozen")
+                self.stage3._uncache(unit, "trainable")
+        elif self.buckets is not None:
+            self.buckets.gather_params()
+
     @torch.no_grad()
     def load_local(self, values: dict[str, torch.Tensor]) -> None:
         """Set every parameter from ``values`` (slot name → this rank's tensor-parallel
@@ -474,9 +537,7 @@ class ShardedModel:
             if self.buckets is not None:
                 self.buckets._gathered_versions = [b.group.version for b in self.buckets.buckets]
         else:
-            for unit in self.stage3.units:
-                self.stage3._uncache(unit, "frozen")
-                self.stage3._uncache(unit, "trainable")
+            self._refresh()
 
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor], strict: bool = True

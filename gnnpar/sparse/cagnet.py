@@ -95,6 +95,7 @@ class Parallel1DGNN(ShardedGNN):
             for i in range(self.num_layers)
         ]
         self.params = _ReplicatedParams(model, self.dtype)
+        self.has_bias = len(self.params.biases) == self.num_layers
         self._row_ids = [source.node_ids(i % 2, self.rows) for i in range(self.num_layers)]
         self.input_block = (self.rows, (0, self.dims[0]))
         self.logits_rows, self.logits_cols = self.rows, (0, self.dims[-1])
@@ -103,14 +104,13 @@ class Parallel1DGNN(ShardedGNN):
     def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
         """This rank's rows of the logits (all classes)."""
         h = x
-        has_bias = len(self.params.biases) == self.num_layers
         for i, ops in enumerate(self.ops):
             seed = None if dropout_seed is None else dropout_seed * 1009 + i
             h = index_dropout(h, self.dropout, seed, self._row_ids[i], 0, self.training)
             full = comm.gather_from(h, self.grid, self.axis, sizes=self.row_sizes)
             agg = torch.cat([spmm(op, full) for op in ops], dim=1)
             h = agg @ comm.copy_to(self.params.weights[i], self.grid, self.axis)
-            if has_bias:
+            if self.has_bias:
                 h = h + comm.copy_to(self.params.biases[i], self.grid, self.axis)
             if i < self.num_layers - 1:
                 h = torch.relu(h)
@@ -128,7 +128,7 @@ class Parallel1DGNN(ShardedGNN):
             if input_grad or i > 0:
                 bwd += rb("reduce_scatter", padded_rows * self.dims[i] * es, p)
             bwd += rb("all_reduce", self.params.weights[i].numel() * es, p)
-            if len(self.params.biases) == self.num_layers:
+            if self.has_bias:
                 bwd += rb("all_reduce", self.dims[i + 1] * es, p)
         return {"forward": {self.axis: fwd}, "backward": {self.axis: bwd}}
 
@@ -196,6 +196,7 @@ class Parallel2DGNN(ShardedGNN):
         self.fin = [chunk(d, c, j) for d in self.dims]
         self.fin_sizes = [chunk_sizes(d, c) for d in self.dims]
         self.params = _ReplicatedParams(model, self.dtype)
+        self.has_bias = len(self.params.biases) == self.num_layers
         self._row_ids = [source.node_ids(layer % 2, self.rows) for layer in range(self.num_layers)]
         self.input_block = (self.rows, self.fin[0])
         self.logits_rows, self.logits_cols = self.rows, self.fin[-1]
@@ -225,7 +226,6 @@ class Parallel2DGNN(ShardedGNN):
         """This rank's block of the logits (rows i, classes j)."""
         h = x
         grid = self.grid
-        has_bias = len(self.params.biases) == self.num_layers
         for i in range(self.num_layers):
             seed = None if dropout_seed is None else dropout_seed * 1009 + i
             h = index_dropout(
@@ -241,7 +241,7 @@ class Parallel2DGNN(ShardedGNN):
             )
             w = comm.split_to(comm.copy_to(self.params.weights[i], grid, "x"), grid, "y", dim=1)
             h = full @ w
-            if has_bias:
+            if self.has_bias:
                 b = comm.split_to(comm.copy_to(self.params.biases[i], grid, "x"), grid, "y")
                 h = h + b
             if i < self.num_layers - 1:
@@ -274,7 +274,7 @@ class Parallel2DGNN(ShardedGNN):
             if input_grad or i > 0:  # only H's gradient needs these (none for raw features)
                 bwd["y"] += stream + rb("reduce_scatter", agg, c)
                 bwd["x"] += rb("reduce_scatter", h_col, r)
-            if len(self.params.biases) == self.num_layers:
+            if self.has_bias:
                 bwd["y"] += rb("all_gather", c * max(self.fin_sizes[i + 1]) * es, c)
                 bwd["x"] += rb("all_reduce", d_out * es, r)
         return {"forward": fwd, "backward": bwd}

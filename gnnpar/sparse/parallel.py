@@ -103,6 +103,54 @@ class ShardedGNN(nn.Module):
             self.logits_cols[0],
         )
 
+    # ------------------------------------------------------------------------ checkpoints
+    def plain_keys(self, layer: int) -> tuple[list[str], str | None]:
+        """State-dict keys of ``layer`` in the plain model: one weight per sparse operator (in
+        the order they are stacked), and the bias (None without one)."""
+        ops = ["weight"] if self.kind == "gcn" else ["weight_neigh", "weight_root"]
+        bias = f"layers.{layer}.bias" if self.has_bias else None
+        return [f"layers.{layer}.{k}" for k in ops], bias
+
+    def weight_piece(self, layer: int):
+        """(parameter, chunks, split axes) of ``layer``'s stacked weight on this rank. Here:
+        replicated, the whole stack (1D and 2D keep full weights)."""
+        from gnnpar.checkpoint.chunks import concat
+
+        ops, _ = self.plain_keys(layer)
+        shape = (self.dims[layer], self.dims[layer + 1])
+        chunks = concat([("model/" + k, (0, 0), shape) for k in ops])
+        return self.params.weights[layer], chunks, ()
+
+    def bias_piece(self, layer: int):
+        """(parameter, chunks, split axes) of ``layer``'s bias on this rank (replicated)."""
+        from gnnpar.checkpoint.chunks import concat
+
+        _, key = self.plain_keys(layer)
+        n = self.dims[layer + 1]
+        return self.params.biases[layer], concat([("model/" + key, (0,), (n,))]), ()
+
+    def checkpoint_layout(self):
+        """This rank's :class:`~gnnpar.checkpoint.state.ModelLayout` against the plain
+        :class:`~gnnpar.nn.gcn.FullGraphGNN`'s state dict."""
+        from gnnpar.checkpoint.state import MODEL, ModelLayout, Piece, TensorSpec, writes
+
+        pieces, tensors, params, keys = [], {}, {}, []
+        for i in range(self.num_layers):
+            ops, bias = self.plain_keys(i)
+            for key in ops:
+                keys.append(key)
+                tensors[MODEL + key] = TensorSpec.of((self.dims[i], self.dims[i + 1]), self.dtype)
+            parts = [(f"weight.{i}", *self.weight_piece(i))]
+            if bias is not None:
+                keys.append(bias)
+                tensors[MODEL + bias] = TensorSpec.of((self.dims[i + 1],), self.dtype)
+                parts.append((f"bias.{i}", *self.bias_piece(i)))
+            for name, param, chunks, split in parts:
+                write = writes(self.grid, split)
+                pieces.append(Piece(name, param.detach(), chunks, write))
+                params[id(param)] = (chunks, write)
+        return ModelLayout(pieces, tensors, keys, {}, params)
+
     def accuracy(self, logits: torch.Tensor, mask_name: str) -> float:
         """Accuracy over the masked rows of the whole graph."""
         return sharded_accuracy(
@@ -182,6 +230,29 @@ class Parallel3DGNN(ShardedGNN):
             if i < last:
                 h = torch.relu(h)
         return h
+
+    # ----------------------------------------------------------------------- checkpoints
+    def weight_piece(self, layer: int):
+        """(parameter, chunks, split axes): the weight block (input features ``fin`` × output
+        features ``fout`` of every operator, stacked) flattened, this rank's range ``w_part``
+        of it; split over all three axes."""
+        from gnnpar.checkpoint.chunks import concat
+
+        lay = self.layouts[layer]
+        ops, _ = self.plain_keys(layer)
+        box = ((lay.fin[0], lay.fout[0]), lay.w_block_shape)
+        chunks = concat([("model/" + k, *box) for k in ops], *lay.w_part)
+        return self.weights[layer], chunks, ("x", "y", "z")
+
+    def bias_piece(self, layer: int):
+        """(parameter, chunks, split axes): output features ``fout``, split over the outer
+        axis and replicated over the others."""
+        from gnnpar.checkpoint.chunks import concat
+
+        lay = self.layouts[layer]
+        _, key = self.plain_keys(layer)
+        n = lay.fout[1] - lay.fout[0]
+        return self.biases[layer], concat([("model/" + key, (lay.fout[0],), (n,))]), (lay.outer,)
 
     # ------------------------------------------------------------------------ accounting
     def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:

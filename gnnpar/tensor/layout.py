@@ -225,6 +225,26 @@ class ShardLayout:
         out[: piece.numel()] = piece
         return out
 
+    def chunks(self, key: str, r: int, c: int = 0, d: int = 0, transposed: bool = False):
+        """Where the piece of the rank at (``r``, ``c``, ``d``) lies in the full tensor
+        ``key``: :class:`~gnnpar.checkpoint.chunks.Chunk` s over the piece's flat elements
+        (padding holds none). With ``transposed`` the full tensor is stored transposed (the
+        ``in_out`` format of GPT-2's ``Conv1D``)."""
+        from gnnpar.checkpoint.chunks import concat
+
+        part = self.shape[0] // self.fused
+        start = chunk_offsets(chunk_sizes(part, self.row_parts))[r]
+        rows = [(f * part + start, self.row_sizes()[r] // self.fused) for f in range(self.fused)]
+        if self.kind == "vector":
+            return concat([(key, (r0,), (n,)) for r0, n in rows])
+        c0, cn = self.col_range(c)
+        if transposed:
+            boxes = [(key, (c0, r0), (cn, n)) for r0, n in rows]
+        else:
+            boxes = [(key, (r0, c0), (n, cn)) for r0, n in rows]
+        n = self.shard_numel(r, c)
+        return concat(boxes, d * n, (d + 1) * n, transposed=transposed)
+
     def unflatten(self, gathered: torch.Tensor, r: int, c: int = 0) -> torch.Tensor:
         """The ``r × c`` block from its z pieces concatenated (padding dropped), as a view."""
         shape = self.block_shape(r, c)

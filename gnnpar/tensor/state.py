@@ -203,3 +203,43 @@ def clip_grad_norm_(
 def local_numel(model: nn.Module) -> int:
     """Parameters stored on this rank (tied ones once, padding included)."""
     return sum(p.numel() for p in _unique_params(model))
+
+
+def checkpoint_layout(model: nn.Module, grid: ProcessGrid):
+    """The :class:`~gnnpar.checkpoint.state.ModelLayout` of a plain or tensor-parallel
+    ``model`` on this rank: each sharded parameter by its :class:`ShardLayout`, everything
+    else replicated; data-axis replicas write nothing (the model is the same on each)."""
+    from gnnpar.checkpoint.state import (
+        MODEL,
+        ModelLayout,
+        Piece,
+        TensorSpec,
+        replicated_piece,
+        writes,
+    )
+
+    sharded = sharded_parameters(model)
+    pieces, tensors, aliases, params = [], {}, {}, {}
+    canonical: dict[int, str] = {}
+    keys = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        keys.append(key)
+        if id(value) in canonical:
+            aliases[key] = canonical[id(value)]
+            continue
+        canonical[id(value)] = key
+        if key in sharded:
+            module, pname, layout = sharded[key]
+            transposed = pname == "weight" and getattr(module, "weight_format", "") == "in_out"
+            shape = tuple(reversed(layout.shape)) if transposed else layout.shape
+            r, c, d = layout.coords(grid)
+            chunks = layout.chunks(MODEL + key, r, c, d, transposed)
+            piece = Piece(key, value.detach(), chunks, writes(grid, layout.split_axes))
+        else:
+            shape = tuple(value.shape)
+            piece = replicated_piece(key, key, value.detach(), writes(grid, ()))
+        tensors[MODEL + key] = TensorSpec.of(shape, value.dtype)
+        pieces.append(piece)
+        if isinstance(value, nn.Parameter):
+            params[id(value)] = (piece.chunks, piece.write)
+    return ModelLayout(pieces, tensors, keys, aliases, params)

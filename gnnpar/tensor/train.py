@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 import gnnpar
-from gnnpar import comm
+from gnnpar import checkpoint, comm
 from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.nn.gpt import GPT, GPTConfig
-from gnnpar.tensor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gnnpar.tensor.layers import Linear, cross_entropy
 from gnnpar.tensor.parallelize import parallelize
 from gnnpar.tensor.state import clip_grad_norm_, local_numel, sharded_parameters, sync_gradients
@@ -263,9 +262,9 @@ def train_gpt(
     s = setup(config, grid)
     grid, rank0 = s.grid, s.grid.global_rank == 0
     start = 0
-    if config.resume and config.ckpt_dir and latest_checkpoint(config.ckpt_dir) is not None:
-        meta = load_checkpoint(latest_checkpoint(config.ckpt_dir), s.model, s.optimizer, grid)
-        start = meta["step"]
+    if config.resume and config.ckpt_dir:
+        found = checkpoint.load(config.ckpt_dir, grid, s.model, s.optimizer)
+        start = found.step if found is not None else 0
     tokens_per_step = config.batch_size * config.block_size
     losses: list[float] = []
     val_losses: list[tuple[int, float]] = []
@@ -296,7 +295,7 @@ def train_gpt(
         if config.val_every and done % config.val_every == 0 and done < config.steps:
             val_losses.append((done, evaluate(s)))
         if config.ckpt_dir and config.ckpt_every and done % config.ckpt_every == 0:
-            ckpt = save_checkpoint(config.ckpt_dir, s.model, s.optimizer, grid, done)
+            ckpt = checkpoint.save(config.ckpt_dir, done, grid, s.model, s.optimizer)
     bar.close()
     elapsed = time.perf_counter() - t0
     rate = (
@@ -307,7 +306,7 @@ def train_gpt(
     val = evaluate(s)
     val_losses.append((config.steps, val))
     if config.ckpt_dir and (ckpt is None or not ckpt.name.endswith(f"{config.steps:06d}")):
-        ckpt = save_checkpoint(config.ckpt_dir, s.model, s.optimizer, grid, config.steps)
+        ckpt = checkpoint.save(config.ckpt_dir, config.steps, grid, s.model, s.optimizer)
     text = sample(s) if config.sample_tokens > 0 else ""
     tail = losses[-10:]
     return {

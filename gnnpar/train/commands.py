@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         print(to_toml(cfg), end="")
         return 0
     if args.nprocs > 1 and not under_launcher():
-        argv = _strip_flag(strip_nprocs(sys.argv[1:]), "--max-restarts")
+        argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
         return launch_local(args.nprocs, argv, max_restarts=args.max_restarts)
     import gnnpar
     from gnnpar.train.loop import Trainer

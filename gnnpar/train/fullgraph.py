@@ -198,14 +198,17 @@ class FullGraphTask:
                 out[f"{name}_acc"] = self.model.accuracy(logits, key)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model shards and optimizer state of this rank."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+    def extra_state(self) -> dict[str, Any]:
+        """Nothing beyond the model and optimizer: an epoch is a pure function of its index."""
+        return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (see :meth:`extra_state`)."""
+
+    def describe(self) -> dict[str, Any]:
+        """The run's task, model and sizes (recorded in its checkpoints)."""
+        cfg = self.cfg
+        return {"task": "gcn", "model": cfg.model, "dims": self.model.dims, "dataset": cfg.dataset}
 
 
 def _layer_of(param_name: str) -> int:

@@ -85,6 +85,8 @@ class GPTTask:
         self.grid = self.session.grid
         self.num_steps = cfg.steps
         self.tokens_per_step = cfg.batch_size * cfg.block_size
+        self.model = self.session.model
+        self.optimizer = self.session.optimizer
 
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step; loss is the mean over the whole batch."""
@@ -101,12 +103,23 @@ class GPTTask:
         """A short generated sample (the same on every rank)."""
         return gpt_train.sample(self.session)
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's model shards and optimizer state."""
-        s = self.session
-        return {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict()}
+    def extra_state(self) -> dict[str, Any]:
+        """Nothing beyond the model and optimizer: the batch of a step is a pure function of
+        the step and the seed."""
+        return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.session.model.load_state_dict(state["model"])
-        self.session.optimizer.load_state_dict(state["optimizer"])
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (see :meth:`extra_state`)."""
+
+    def describe(self) -> dict[str, Any]:
+        """The run's task and model sizes (recorded in its checkpoints)."""
+        c = self.cfg
+        return {
+            "task": "gpt",
+            "model": "gpt",
+            "n_layer": c.n_layer,
+            "n_head": c.n_head,
+            "n_embd": c.n_embd,
+            "block_size": c.block_size,
+            "vocab_size": self.session.corpus.vocab_size,
+        }

@@ -15,18 +15,24 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from gnnpar import comm
+from gnnpar import checkpoint, comm
 from gnnpar.grid import ProcessGrid
-from gnnpar.train.checkpoint import load_checkpoint, save_checkpoint
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 
 
 class Task(Protocol):
-    """What a workload provides to :class:`Trainer`."""
+    """What a workload provides to :class:`Trainer`.
+
+    ``model`` and ``optimizer`` are what :mod:`gnnpar.checkpoint` saves and reshards (a
+    plain, tensor-parallel, sharded or full-graph parallel model); everything else a task
+    needs to continue exactly (a loader's position) is JSON from :meth:`extra_state`.
+    """
 
     grid: ProcessGrid
     num_steps: int
     unit: str  # "epoch" or "step": what one call of train_step covers
+    model: Any
+    optimizer: torch.optim.Optimizer
 
     def train_step(self, step: int) -> dict[str, float]:
         """Run one step; return metrics such as loss and throughput."""
@@ -34,25 +40,21 @@ class Task(Protocol):
     def evaluate(self, step: int) -> dict[str, float]:
         """Return evaluation metrics (e.g. val/test accuracy)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: model, optimizer, RNG, data position."""
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-ready state beyond the model and optimizer (e.g. the loader position)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`extra_state`."""
 
-
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    def describe(self) -> dict[str, Any]:
+        """What the run trains (task, model kind and sizes), recorded in checkpoints."""
 
 
 class Trainer:
     """Runs a :class:`Task`: progress bar on rank 0, JSONL metrics with bytes per axis and
-    peak memory, checkpoints every ``checkpoint_every`` steps and at the end, and
-    ``resume`` from the newest complete checkpoint."""
+    peak memory, a checkpoint every ``checkpoint_every`` steps and always one at the end
+    (the newest ``keep_checkpoints`` are kept), and ``resume`` from the newest usable
+    checkpoint, on any grid."""
 
     def __init__(
         self,
@@ -64,12 +66,14 @@ class Trainer:
         quiet: bool = False,
         overwrite: bool = False,
         tensorboard: bool = False,
+        keep_checkpoints: int = 2,
     ):
         self.task = task
         self.grid = task.grid
         self.out = Path(out)
         self.eval_every = eval_every
         self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
         # Ranks brought back by torchrun --max-restarts continue their own run from its
         # newest checkpoint (or from the start when none was written yet).
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -105,19 +109,45 @@ class Trainer:
         comm.barrier(self.grid)
 
     def _save(self, step: int) -> None:
-        state = {"task": self.task.state_dict(), "rng": _rng_state(), "step": step}
-        save_checkpoint(self.out / "checkpoints", step, self.grid, state)
+        task = self.task
+        checkpoint.save(
+            self.out / "checkpoints",
+            step,
+            self.grid,
+            task.model,
+            task.optimizer,
+            extra={"task": task.extra_state()},
+            local={"torch_rng": torch.get_rng_state()},
+            info=task.describe(),
+            keep=self.keep_checkpoints,
+        )
+
+    def _resume(self) -> int:
+        """Load the newest usable checkpoint of the run (onto this run's grid, whatever grid
+        wrote it); return the step to continue from (0 without one)."""
+        found = checkpoint.load(
+            self.out / "checkpoints", self.grid, self.task.model, self.task.optimizer
+        )
+        if found is None:
+            return 0
+        self.task.load_extra_state(found.extra.get("task", {}))
+        # The RNG state is per rank, so it only means something on the grid that saved it;
+        # gnnpar's own randomness (dropout, sampling) is counter-based and needs none.
+        if "torch_rng" in found.local:
+            torch.set_rng_state(found.local["torch_rng"])
+        self.metrics.write(
+            {
+                "event": "resume",
+                "step": found.step,
+                "attempt": self.attempt,
+                "from_grid": found.grid,
+            }
+        )
+        return found.step
 
     def run(self) -> dict[str, float]:
         """Train to the end; return the final evaluation."""
-        start_step = 0
-        if self.resume:
-            found = load_checkpoint(self.out / "checkpoints", self.grid)
-            if found is not None:
-                start_step, state = found
-                self.task.load_state_dict(state["task"])
-                _set_rng_state(state["rng"])
-                self.metrics.write({"event": "resume", "step": start_step, "attempt": self.attempt})
+        start_step = self._resume() if self.resume else 0
         if start_step == 0:
             self.metrics.write({"event": "start", "grid": self.grid.shape, "attempt": self.attempt})
         total = self.task.num_steps
@@ -150,8 +180,8 @@ class Trainer:
             if self.checkpoint_every and done % self.checkpoint_every == 0 and done < total:
                 self._save(done)
         bar.close()
-        if self.checkpoint_every:
-            self._save(total)
+        if start_step < total:
+            self._save(total)  # every run ends with its trained model on disk
         if not last_eval:
             last_eval = self.task.evaluate(total - 1)
         self.metrics.write({"event": "end", **last_eval})

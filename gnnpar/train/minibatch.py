@@ -11,10 +11,12 @@ Everything runs on the CPU with gloo (the loader itself can pin batches and copy
 GPU; the task does not use one yet).
 
 ``train_step`` is **one epoch**: the Trainer's progress bar, evaluation (``eval_every``) and
-checkpoints (``checkpoint_every``) count epochs. The checkpoint holds the model, the
-optimizer and the loader position (epoch, batch, seed); the Trainer adds the torch RNG state
-(dropout), and sampling is a pure function of (seed, epoch, batch, rank), so ``--resume``
-continues exactly.
+checkpoints (``checkpoint_every``) count epochs. ``batch_size`` is the **global** batch: the
+loader orders every training node by a hash of (seed, epoch, original id) and each rank
+trains the nodes of each global batch that it owns; neighbours are drawn per (batch, node)
+and dropout masks per (batch, layer, node, feature). A run is therefore the same on any
+number of ranks, and a checkpoint (model, optimizer and the loader's global position)
+resumes exactly on another one.
 """
 
 from __future__ import annotations
@@ -40,16 +42,19 @@ from gnnpar.sampling import (
     LocalPart,
     NeighborSampler,
     NodeLoader,
-    balanced_steps,
     distributed_inference,
     full_blocks,
     layerwise_inference,
     parse_fanouts,
 )
+from gnnpar.sampling.rng import derive_key
 from gnnpar.train.config import ConfigError
 
 _MODELS = ("sage", "gcn", "gat")
 _MASKS = ("train", "val", "test")
+_DROPOUT = 0xD809  # salt of the dropout masks' seeds
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_LOW31 = (1 << 31) - 1
 
 
 def _field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.field
@@ -82,6 +87,7 @@ class MiniBatchConfig:
     weight_decay: float = _field(5e-4, "Adam weight decay")
     epochs: int = _field(50, "training epochs")
     seed: int = _field(0, "seed of weights, shuffling, sampling and dropout")
+    dtype: str = _field("float32", "float32 or float64 (parameters and features)")
     feature_cache: int = _field(0, "remote feature rows cached per rank (distributed)")
     prefetch: int = _field(1, "batches sampled ahead in a background thread (0: none)")
     eval_every: int = _field(1, "evaluate every N epochs")
@@ -123,6 +129,8 @@ class MiniBatchConfig:
             )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"config key 'dtype' must be one of {sorted(_DTYPES)}")
 
 
 def _load_graph(cfg: MiniBatchConfig) -> Any:
@@ -220,7 +228,7 @@ class MiniBatchTask:
         torch.manual_seed(cfg.seed)
         self.model = BlockGNN(
             self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model, cfg.heads
-        )
+        ).to(_DTYPES[cfg.dtype])
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
@@ -233,6 +241,7 @@ class MiniBatchTask:
         for key in ("feat", "label", "train_mask"):
             if key not in graph.ndata:
                 raise ConfigError(f"dataset {cfg.dataset!r} has no node data {key!r}")
+        graph.ndata["feat"] = graph.feat.to(_DTYPES[cfg.dtype])
         self.graph = graph
         sampler = NeighborSampler(graph, self.fanouts, replace=cfg.replace, seed=cfg.seed)
         self.loader = NodeLoader(
@@ -260,6 +269,7 @@ class MiniBatchTask:
         for key in ("feat", "label", "train_mask"):
             if key not in part.ndata:
                 raise ConfigError(f"partition folder {folder} has no node data {key!r}")
+        part.ndata["feat"] = part.ndata["feat"].to(_DTYPES[cfg.dtype])
         self.part = part
         # The loader samples and fetches in a background thread: it gets process groups of
         # its own, so its all-to-alls never interleave with this thread's collectives.
@@ -269,12 +279,15 @@ class MiniBatchTask:
         )
         self.fetcher = FeatureFetcher(part, self.sample_grid, cache_size=cfg.feature_cache)
         train = part.ndata["train_mask"].to(torch.bool)
-        seeds = part.start + torch.nonzero(train, as_tuple=True)[0]
-        total = torch.tensor([seeds.numel()], dtype=torch.int64)
-        comm.all_reduce(total, self.grid, "data")
-        if int(total) == 0:
+        owned = torch.nonzero(train, as_tuple=True)[0]
+        seeds = part.start + owned
+        # Every rank knows every training node's original id: the global batches (and so
+        # the run) are then the same on any number of ranks.
+        keys = part.orig_ids.index_select(0, owned)
+        sizes = comm.gather_sizes(keys.numel(), self.grid, "data")
+        all_keys = comm.all_gather(keys, self.grid, "data", sizes=sizes)
+        if all_keys.numel() == 0:
             raise ConfigError(f"dataset {cfg.dataset!r} has no training nodes")
-        steps = balanced_steps(seeds.numel(), cfg.batch_size, self.grid)
         labels = part.ndata["label"]
         start = part.start
         self.loader = NodeLoader(
@@ -284,9 +297,9 @@ class MiniBatchTask:
             seed=cfg.seed,
             features=self.fetcher.fetch,
             labels=lambda ids: labels.index_select(0, ids - start),
-            num_steps=steps,
             prefetch=cfg.prefetch,
-            rank=self.rank,
+            keys=keys,
+            all_keys=all_keys,
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
         num_classes = torch.tensor([int(labels.max()) + 1 if labels.numel() else 0])
@@ -305,7 +318,8 @@ class MiniBatchTask:
         bar = tqdm(total=len(self.loader), desc=f"epoch {step + 1}", leave=False, disable=not show)
         t0 = time.perf_counter()
         for batch in self.loader:
-            logits = model(batch.blocks, batch.x)
+            dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
+            logits = model(batch.blocks, batch.x, dropout_seed=dropout_seed)
             loss = F.cross_entropy(logits, batch.y, reduction="sum")
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()
@@ -365,16 +379,22 @@ class MiniBatchTask:
             if counts[2 * i + 1] > 0
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and loader position (the Trainer adds the RNG state)."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "loader": self.loader.state_dict(),
-        }
+    def extra_state(self) -> dict[str, Any]:
+        """The loader's position (the model and optimizer go through the checkpoint)."""
+        return {"loader": self.loader.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`extra_state`."""
         self.loader.load_state_dict(state["loader"])
+
+    def describe(self) -> dict[str, Any]:
+        """The run's task, model and sizes (recorded in its checkpoints)."""
+        c = self.cfg
+        return {
+            "task": "sage",
+            "model": c.model,
+            "in_dim": self.in_dim,
+            "hidden": c.hidden,
+            "classes": self.num_classes,
+            "layers": c.layers,
+        }

@@ -1,0 +1,84 @@
+"""``gnnpar ckpt consolidate | info``: offline tools over any gnnpar checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_ckpt_commands"]
+
+
+def _write_state(out: Path, state: dict) -> None:
+    """A plain state dict as ``.pt`` (tensors only: loads with ``weights_only=True``) or, for
+    a ``.safetensors`` name, in that format (tied tensors stored once per key)."""
+    from gnnpar.atomic import atomic_write
+
+    if out.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise SystemExit(
+                "error: writing .safetensors needs the safetensors package (pip install "
+                "safetensors); or give OUT a .pt name"
+            ) from None
+        plain = {k: v.contiguous().clone() for k, v in state.items()}
+        atomic_write(out, lambda tmp: save_file(plain, tmp))
+        return
+    import torch
+
+    atomic_write(out, lambda tmp: torch.save(state, tmp))
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from gnnpar.checkpoint import consolidate
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    state = consolidate(args.path)
+    _write_state(out, state)
+    numel = sum(t.numel() for k, t in state.items())
+    print(f"wrote {out}: {len(state)} tensors, {numel:,} numbers (plain state dict)")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from gnnpar.checkpoint import describe
+
+    print(describe(args.path))
+    return 0
+
+
+def add_ckpt_commands(subparsers: Any) -> None:
+    """Register ``gnnpar ckpt consolidate | info`` on an argparse sub-parsers object."""
+    ckpt = subparsers.add_parser(
+        "ckpt", help="checkpoints: one plain state dict, or a summary", description=__doc__
+    )
+    sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    where = (
+        "a run folder, its checkpoints/ directory (the newest complete checkpoint is used) or "
+        "one step folder"
+    )
+    p = sub.add_parser(
+        "consolidate",
+        help="write the plain model's full state dict from any checkpoint",
+        description=(
+            "Assemble the full state dict of the plain model (our GCN/SAGE/GPT, or a Hugging "
+            "Face model parallelized with gnnpar.tensor) from a checkpoint written on any grid, "
+            "with any sharding, by gnnpar train or the library. Needs no process group. OUT "
+            "ending in .pt is a torch.save file of tensors only (torch.load(..., "
+            "weights_only=True) reads it); .safetensors needs the safetensors package."
+        ),
+    )
+    p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help=where)
+    p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_consolidate)
+    p = sub.add_parser(
+        "info",
+        help="step, grid, run, tensors and sizes of a checkpoint",
+        description="Print what a checkpoint holds. Needs no process group.",
+    )
+    p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help=where)
+    p.set_defaults(func=_info)
