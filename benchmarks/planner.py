@@ -38,7 +38,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
-GPT = {"layers": 2, "hidden": 64, "heads": 8, "vocab": 512, "seq": 32, "batch": 16}
+GPT = {"n_layer": 2, "n_embd": 64, "n_head": 8, "vocab_size": 512, "block_size": 32,
+       "batch_size": 16}  # fmt: skip
 
 
 def _timed(step, grid, steps: int) -> float:
@@ -77,38 +78,31 @@ def _gcn_time(grid, shards: str, dims: list[int], steps: int) -> float:
     return _timed(step, grid, steps)
 
 
-class _Batches:
-    def __init__(self, grid):
-        shards = grid.size("data") * grid.size("z")
-        me = grid.rank("z") + grid.size("z") * grid.rank("data")
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, GPT["vocab"], (GPT["batch"], GPT["seq"] + 1), generator=gen)
-        per = GPT["batch"] // shards
-        self.ids = ids[me * per : (me + 1) * per]
+class _Tokens:
+    """Random tokens: the corpus of the timed GPT steps."""
 
-    def batch(self, step: int):
-        return self.ids[:, :-1], self.ids[:, 1:]
+    vocab_size = GPT["vocab_size"]
+
+    def split(self, val_fraction: float):
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, self.vocab_size, (20_000,), generator=gen)
+        return ids, ids[:1000]
 
 
 def _gpt_time(grid, steps: int) -> float:
-    from gnnpar.nn.gpt import GPT as Model
-    from gnnpar.tensor.parallelize import parallelize
-    from gnnpar.tensor.train import GPTTrainConfig, Session, train_step
+    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
 
-    cfg = GPTTrainConfig(
-        block_size=GPT["seq"],
-        n_layer=GPT["layers"],
-        n_head=GPT["heads"],
-        n_embd=GPT["hidden"],
-        batch_size=GPT["batch"],
-        warmup=1,
-        steps=100,
-    )
-    torch.manual_seed(0)
-    model = parallelize(Model(cfg.model_config(GPT["vocab"])), grid)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    session = Session(cfg, grid, None, _Batches(grid), None, model, opt, 0)
-    return _timed(lambda: train_step(session, 0), grid, steps)
+    sizes = {k: v for k, v in GPT.items() if k != "batch_size"}
+    cfg = GPTTaskConfig(
+        **sizes, batch_size=GPT["batch_size"], warmup=1, steps=100, zero_stage=0,
+        grid=",".join(f"{a}={v}" for a, v in grid.shape.items()), sample_tokens=0,
+    )  # fmt: skip
+    task = GPTTask(cfg, corpus=_Tokens())  # the gpt task's step: TP, then gnnpar.shard
+    seconds = _timed(lambda: task.train_step(0), task.grid, steps)
+    import gnnpar
+
+    gnnpar.release(task.grid)
+    return seconds
 
 
 def _worker(shards: str, dims: list[int], steps: int, rounds: int, sizes: list[int]) -> dict:
@@ -247,7 +241,7 @@ def paper_scale() -> dict:
                     }
                 )
     for machine in ("perlmutter", "frontier"):
-        problem = GPTProblem(**gpt_sizes()["20B"], seq=2048, batch=1024)
+        problem = GPTProblem.sized(**gpt_sizes()["20B"], seq=2048, batch=1024)
         cands = rank_gpt(problem, 1024, get_machine(machine))
         best = [c for c in cands if c.fits][:3]
         out["gpt"].append(
@@ -299,6 +293,7 @@ def main() -> None:
         return
 
     from gnnpar.data import rmat
+    from gnnpar.nn.gpt import GPTConfig
     from gnnpar.plan import GCNProblem, GPTProblem, local_machine, rank_gcn, rank_gpt
     from gnnpar.plan.compute import measure_local_rates
     from gnnpar.plan.machines import load_bandwidth_table
@@ -338,7 +333,8 @@ def main() -> None:
     machine = machine.with_table(load_bandwidth_table(bw_path))
 
     gcn_problem = GCNProblem.from_widths(graph.num_nodes, nnz, dims, element_size=4)
-    gpt_problem = GPTProblem(**GPT, element_size=4)
+    sizes = {k: v for k, v in GPT.items() if k != "batch_size"}
+    gpt_problem = GPTProblem(GPTConfig(**sizes), batch=GPT["batch_size"], element_size=4)
     gcn = _compare(
         "GCN epoch",
         rank_gcn(gcn_problem, 8, machine),

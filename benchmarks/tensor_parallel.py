@@ -54,6 +54,7 @@ import gnnpar  # noqa: E402
 from gnnpar import comm, tensor  # noqa: E402
 from gnnpar.comm import ring_bytes  # noqa: E402
 from gnnpar.nn.gpt import GPT, Block, GPTConfig  # noqa: E402
+from gnnpar.shard import shard  # noqa: E402
 from gnnpar.testing import run_distributed  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
@@ -162,8 +163,7 @@ def _tp_world(cfg: dict, batch: int, rounds: int, steps: int) -> dict[str, Any]:
     def step_ours() -> float:
         loss = F.mse_loss(ours(h), target)
         opt_ours.zero_grad(set_to_none=True)
-        loss.backward()
-        tensor.sync_gradients(ours, grid)
+        loss.backward()  # data = z = 1: no data-axis reduction to do
         opt_ours.step()
         return loss.detach().item()
 
@@ -198,14 +198,14 @@ def _tp_world(cfg: dict, batch: int, rounds: int, steps: int) -> dict[str, Any]:
     for name, prefetch in (("prefetch", True), ("no prefetch", False)):
         torch.manual_seed(0)
         m = tensor.parallelize(Blocks(gcfg), zgrid, tensor.Plan(prefetch=prefetch))
-        zmodels[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+        dp = shard(m, zgrid, 0)  # sums the gradients the layers replicate over z
+        zmodels[name] = (m, dp.attach(torch.optim.AdamW(dp.parameters(), lr=1e-4)))
 
     def step_z(name: str) -> None:
         m, opt = zmodels[name]
         loss = F.mse_loss(m(half[0]), half[1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        tensor.sync_gradients(m, zgrid)
         opt.step()
 
     ztimes: dict[str, list[float]] = {"prefetch": [], "no prefetch": []}

@@ -1,21 +1,26 @@
-"""Train a small GPT on Shakespeare (or any text) with 4D hybrid parallelism.
+"""Train a small GPT on Shakespeare (or any text) with the library API: 4D hybrid parallelism
+(data × x × y × z) and ZeRO, in one readable loop.
 
     python examples/train_gpt.py --nprocs 4 --grid data=2,x=2 --steps 300
+    python examples/train_gpt.py --nprocs 4 --grid data=2,z=2 --zero-stage 3 --out runs/ex
     torchrun --nproc-per-node 4 examples/train_gpt.py --grid x=2,y=2
     python examples/train_gpt.py --data my_notes.txt --n-layer 4 --n-embd 256 --steps 200
-    python examples/train_gpt.py --consolidate ckpt/step-000300 full.pt
+    python examples/train_gpt.py --consolidate runs/gpt-example full.pt
 
-The grid is data × x × y × z (x·y·z ranks share each layer, AxoNN's 3D tensor parallelism;
-the data axis holds replicas). The model is a plain GPT (gnnpar/nn/gpt.py), made parallel
-from the outside by ``tensor.parallelize``; the loop below is the whole training recipe.
-Checkpoints are sharded per rank; ``--consolidate`` turns one into a plain state dict.
+It is ``gnnpar train gpt`` spelled out (that command adds the planner's grid, metrics,
+progress, TensorBoard, resume on failure and mixed precision). The model is a plain GPT
+(gnnpar/nn/gpt.py): ``tensor.parallelize`` splits its layers over x, y and z, and
+``shard`` makes it data-parallel over the data axis (stage 0 all-reduce, 1-3 ZeRO). A
+checkpoint is written every ``--checkpoint-every`` steps and at the end into
+``OUT/checkpoints``; ``--resume`` continues from it on any grid; ``--consolidate`` turns one
+into a plain state dict.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -24,34 +29,46 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gnnpar import checkpoint, tensor
+import gnnpar
+from gnnpar import checkpoint, comm, tensor
+from gnnpar.data.text import TokenBlocks, load_corpus
+from gnnpar.grid import parse_grid_spec
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
-from gnnpar.tensor.train import GPTTrainConfig, evaluate, sample, setup, train_step
+from gnnpar.nn.gpt import GPT, Block, GPTConfig
+from gnnpar.shard import by_type, shard
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Every field of GPTTrainConfig as a flag (``--n-layer``, ``--grid`` ...), plus the
-    launcher and output flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nprocs", type=int, default=1, help="start this many local processes")
-    p.add_argument("--out", help="write the results as JSON here (rank 0)")
-    p.add_argument("--threads", type=int, help="intra-op threads per rank")
-    p.add_argument(
-        "--consolidate",
-        nargs=2,
-        metavar=("CKPT", "OUT"),
-        help="write the full state dict of a sharded checkpoint folder to OUT and exit",
-    )
-    for f in dataclasses.fields(GPTTrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.name == "top_k":
-            p.add_argument(flag, type=int, default=f.default)
-        else:
-            kind = {"int": int, "float": float}.get(f.type, str)
-            p.add_argument(flag, type=kind, default=f.default)
+    p.add_argument("--grid", default="data=1", help="e.g. data=2,x=2 (x·y·z share each layer)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--data", default="shakespeare", help="shakespeare, a text file or folder")
+    p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary")
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=384)
+    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step, global")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--sample-tokens", type=int, default=100)
+    p.add_argument("--out", default="runs/gpt-example", help="run folder (checkpoints, JSON)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--consolidate", nargs=2, metavar=("RUN_OR_CKPT", "OUT"),
+                   help="write the plain state dict of a checkpoint to OUT and exit")  # fmt: skip
     return p.parse_args(argv)
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up over 20 steps, then cosine decay to a tenth."""
+    if step < 20:
+        return args.lr * (step + 1) / 20
+    progress = (step - 20) / max(1, args.steps - 20)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,84 +77,86 @@ def main(argv: list[str] | None = None) -> int:
     if args.consolidate:
         src, dest = args.consolidate
         torch.save(checkpoint.consolidate(src), dest)
-        print(f"wrote the full state dict of {src} to {dest}")
+        print(f"wrote the plain state dict of {src} to {dest}")
         return 0
     if args.nprocs > 1 and not under_launcher():
-        # Relaunch this script on N processes (torchrun's launcher runs `python -m train_gpt`).
-        here = str(Path(__file__).resolve().parent)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [here, *filter(None, [os.environ.get("PYTHONPATH")])]
-        )
         return launch_local(args.nprocs, strip_nprocs(argv), script=__file__)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    names = {f.name for f in dataclasses.fields(GPTTrainConfig)}
-    cfg = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
-    # --- set up: grid, data (sharded over data × z), GPT made parallel, AdamW -------------
-    s = setup(cfg)
-    rank0 = s.grid.global_rank == 0
-    if rank0:
-        print(
-            f"{s.grid.describe()}; GPT of {s.num_params / 1e6:.2f}M parameters, "
-            f"{tensor.local_numel(s.model) / 1e6:.2f}M on this rank"
-        )
+    # --- the grid, the data (rank 0 trains the tokenizer first), the batches ---------------
+    grid = gnnpar.init(**parse_grid_spec(args.grid))
+    if grid.global_rank == 0:
+        corpus = load_corpus(args.data, args.vocab_size)
+    comm.barrier(grid)
+    corpus = load_corpus(args.data, args.vocab_size)
+    train_tokens, _ = corpus.split(0.05)
+    shards = grid.size("data") * grid.size("z")  # the batch is split over data and z
+    index = grid.rank("z") + grid.size("z") * grid.rank("data")
+    batches = TokenBlocks(train_tokens, args.block_size, args.batch_size, index, shards, args.seed)
+
+    # --- the model: plain GPT -> tensor parallel -> sharded over data -> AdamW -------------
+    torch.manual_seed(args.seed)  # the same initial values on every rank
+    cfg = GPTConfig(corpus.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
+    model = tensor.parallelize(GPT(cfg), grid)
+    dp = shard(model, grid, args.zero_stage, units=by_type(Block))
+    opt = dp.attach(torch.optim.AdamW(dp.parameters(), lr=args.lr, weight_decay=0.1))
+    ckpt_dir = Path(args.out) / "checkpoints"
     start = 0
-    if cfg.resume and cfg.ckpt_dir:
-        found = checkpoint.load(cfg.ckpt_dir, s.grid, s.model, s.optimizer)  # on any grid
-        if found is not None:
-            start = found.step
-            if rank0:
-                print(f"resumed from {found.folder}")
+    if args.resume:
+        found = checkpoint.load(ckpt_dir, grid, dp, opt)  # on any grid
+        start = found.step if found is not None else 0
 
-    # --- the loop ------------------------------------------------------------------------
-    # train_step(s, step) is: set the learning rate; logits = model(x);
-    # loss = tensor.cross_entropy(logits, y, model.lm_head); loss.backward();
-    # tensor.sync_gradients(model, grid); tensor.clip_grad_norm_(model, clip, grid);
-    # optimizer.step()  — see gnnpar/tensor/train.py.
-    tokens_per_step = cfg.batch_size * cfg.block_size
-    losses, t_first = [], None
-    bar = tqdm(
-        range(start, cfg.steps),
-        initial=start,
-        total=cfg.steps,
-        disable=not (rank0 and cfg.progress),
-    )
+    # --- the loop -----------------------------------------------------------------------------
+    rank0 = grid.global_rank == 0
+    losses = []
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps,
+               disable=not rank0 or args.quiet)  # fmt: skip
+    t0 = time.perf_counter()
     for step in bar:
-        loss, norm = train_step(s, step)
-        losses.append(loss)
-        t_first = t_first or time.perf_counter()  # rate from the end of the first step
-        timed = step - start
-        rate = tokens_per_step * timed / max(time.perf_counter() - t_first, 1e-9)
-        bar.set_postfix(loss=f"{loss:.3f}", grad=f"{norm:.2f}", tok_s=f"{rate:,.0f}")
-        if cfg.val_every and (step + 1) % cfg.val_every == 0:
-            val = evaluate(s)
-            if rank0:
-                tqdm.write(f"step {step + 1}: val loss {val:.3f}")
-        if cfg.ckpt_dir and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-            checkpoint.save(cfg.ckpt_dir, step + 1, s.grid, s.model, s.optimizer)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(args, step)
+        x, y = batches.batch(step)
+        loss = tensor.cross_entropy(model(x), y, model.lm_head)  # logits split over vocab
+        loss.backward()  # gradients reduced over data (and z) while backward runs
+        dp.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        comm.all_reduce(mean, grid, "z", op="avg")
+        comm.all_reduce(mean, grid, "data", op="avg")
+        losses.append(float(mean))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(ckpt_dir, step + 1, grid, dp, opt)
     bar.close()
+    seconds = time.perf_counter() - t0
+    checkpoint.save(ckpt_dir, args.steps, grid, dp, opt)
 
-    # --- the end: validation, a checkpoint, a sample ---------------------------------------
-    val = evaluate(s)
-    if cfg.ckpt_dir:
-        checkpoint.save(cfg.ckpt_dir, cfg.steps, s.grid, s.model, s.optimizer)
-    text = sample(s) if cfg.sample_tokens else ""
+    # --- a sample: every rank runs the model, one seeded generator draws the same tokens ----
+    text = ""
+    if args.sample_tokens:
+        head = model.lm_head
+
+        def full(logits):  # the head keeps the vocabulary split: gather it
+            sizes = head.out_sizes
+            return comm.all_gather(logits.contiguous(), grid, head.out_axis, dim=-1, sizes=sizes)
+
+        ids = torch.tensor([corpus.encode("ROMEO:\n")])
+        g = torch.Generator().manual_seed(args.seed)
+        split = grid.size(head.out_axis) > 1
+        with dp.gathered():
+            out = model.generate(ids, args.sample_tokens, temperature=0.8, top_k=50, generator=g,
+                                 full_logits=full if split else None)  # fmt: skip
+        text = corpus.decode(out[0])
     if rank0:
-        print(
-            f"final train loss {sum(losses[-10:]) / max(len(losses[-10:]), 1):.3f}, "
-            f"val loss {val:.3f}"
-        )
+        tail = losses[-10:]
+        mean = sum(tail) / max(len(tail), 1)
+        print(f"{grid.describe()}, ZeRO stage {args.zero_stage}: final train loss {mean:.3f} "
+              f"after {args.steps} steps, {seconds:.1f} s")  # fmt: skip
         print("--- sample ---\n" + text)
-        if args.out:
-            result = {
-                "config": dataclasses.asdict(cfg),
-                "losses": losses,
-                "val_loss": val,
-                "tokens_per_s": rate if losses else None,
-                "sample": text,
-            }
-            Path(args.out).write_text(json.dumps(result, indent=1))
+        result = {"losses": losses, "sample": text, "grid": grid.shape, "seconds": seconds}
+        os.makedirs(args.out, exist_ok=True)
+        (Path(args.out) / "result.json").write_text(json.dumps(result))
+    gnnpar.shutdown(grid)
     return 0
 
 

@@ -41,7 +41,7 @@ from gnnpar.sampling import (
     layerwise_inference,
     parse_fanouts,
 )
-from gnnpar.train.minibatch import allreduce_gradients
+from gnnpar.shard import shard
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -147,19 +147,22 @@ def main(argv: list[str] | None = None) -> int:
         loader, in_dim, classes, evaluate, fetcher = setup_parts(args, fanouts, grid)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = BlockGNN(in_dim, args.hidden, classes, len(fanouts), args.dropout, args.model)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    dp = shard(model, grid, stage=0)  # gradients averaged over the data axis during backward
+    opt = dp.attach(torch.optim.Adam(dp.parameters(), lr=args.lr, weight_decay=args.weight_decay))
 
     for epoch in range(args.epochs):
         model.train()
         start, seen = time.perf_counter(), 0
         bar = tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=not rank0)
         for batch in bar:  # batch i + 1 is sampled and gathered while batch i trains
-            logits = model(batch.blocks, batch.x)
+            logits = model(batch.blocks, batch.x, dropout_seed=epoch * 100_003 + batch.index)
             loss = F.cross_entropy(logits, batch.y, reduction="sum")
-            opt.zero_grad()
-            loss.backward()
-            seen += allreduce_gradients(model, grid, batch.num_seeds)  # mean over all ranks
+            # the gradients are averaged over the ranks: scale the summed loss so that the
+            # result is the gradient of the mean loss over the global batch
+            (loss * grid.world_size / batch.global_size).backward()
             opt.step()
+            opt.zero_grad()
+            seen += batch.num_seeds
             bar.set_postfix(loss=f"{loss.item() / max(batch.num_seeds, 1):.3f}")
         rate = seen / (time.perf_counter() - start)
         acc = evaluate(model)

@@ -230,3 +230,30 @@ def test_metrics_log_after_a_torn_line(tmp_path):
     MetricsLog(path).write({"event": "resume", "step": 1})
     records = read_metrics(path)
     assert [r.get("epoch", r.get("event")) for r in records] == [1, "resume"]
+
+
+def test_every_train_option_has_help_and_a_readme_row():
+    """Every flag of the three tasks says what it does, and README's option table has a row
+    for every config key (a new option cannot be added undocumented)."""
+    import argparse
+    import dataclasses
+
+    from gnnpar.cli import build_parser
+    from gnnpar.train.commands import _tasks
+
+    parser = build_parser()
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    tasks = next(
+        a
+        for a in train.choices["train"]._actions
+        if isinstance(a, argparse._SubParsersAction)
+    )
+    for name, sub in tasks.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and len(action.help) > 10, (name, action.option_strings)
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("**Trainer options.**") : text.index("A run folder holds")]
+    for cls, _, _ in _tasks().values():
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in table, f"README's option table lacks {f.name}"

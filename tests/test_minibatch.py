@@ -70,7 +70,7 @@ def test_parts_must_match_processes(tmp_path):
 
 
 def _params(task: MiniBatchTask) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in task.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in task.net.state_dict().items()}
 
 
 @pytest.mark.parametrize("model", ["sage", "gat"])

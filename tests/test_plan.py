@@ -68,7 +68,7 @@ def test_gcn_rejects_a_data_axis():
 
 
 # GPT with one block: hidden 8 (MLP 8 -> 32 -> 8), 12 tokens per rank, float32
-GPT = GPTProblem(layers=1, hidden=8, heads=2, seq=3, batch=4, vocab=10, element_size=4)
+GPT = GPTProblem.sized(layers=1, hidden=8, heads=2, seq=3, batch=4, vocab=10, element_size=4)
 
 
 def _mlp_bytes(shape):
@@ -181,7 +181,7 @@ def test_ranking_orders_by_time_and_drops_what_does_not_fit():
     small = rank_gcn(problem, 8, _toy_machine())  # 1 GB per device: nothing fits
     assert not any(c.fits for c in small) and "needs" in small[0].reason
     gpt = rank_gpt(
-        GPTProblem(layers=2, hidden=64, heads=8, seq=16, batch=8), 16, get_machine("a100x4")
+        GPTProblem.sized(layers=2, hidden=64, heads=8, seq=16, batch=8), 16, get_machine("a100x4")
     )
     bad = [c for c in gpt if not c.fits]
     assert any("heads" in c.reason for c in bad)  # 8 heads cannot split over 16
@@ -209,10 +209,12 @@ def test_problem_errors_are_clear():
     with pytest.raises(PlanError, match="nodes must be a positive integer"):
         GCNProblem.from_edges(0, 10, features=3, classes=2)
     with pytest.raises(PlanError, match="hidden 10 is not a multiple of heads 4"):
-        GPTProblem(layers=1, hidden=10, heads=4)
+        GPTProblem.sized(layers=1, hidden=10, heads=4)
     with pytest.raises(PlanError, match="unknown machine 'nope'; built-in machines: cpu"):
         get_machine("nope")
-    assert GPTProblem(layers=44, hidden=6144, heads=64).num_params == pytest.approx(20.2e9, 0.01)
+    assert GPTProblem.sized(layers=44, hidden=6144, heads=64).num_params == pytest.approx(
+        20.2e9, 0.01
+    )
 
 
 def test_cli_plan_tables_plot_and_json(tmp_path, capsys):
@@ -246,9 +248,33 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_train_gpt_without_a_grid_asks_the_planner():
-    from gnnpar.train.gpt import GPTRunConfig, planned_grid
+def _planned_world(text: str) -> dict:
+    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
 
-    cfg = GPTRunConfig(n_layer=1, n_embd=16, n_head=2, block_size=8, batch_size=4)
-    grid = planned_grid(cfg)  # one process here: the only shape
-    assert grid.world_size == 1 and grid.shape == {"x": 1, "y": 1, "z": 1, "data": 1}
+    cfg = GPTTaskConfig(
+        data=text, vocab_size=300, n_layer=2, n_embd=16, n_head=2, block_size=8, batch_size=8,
+        sample_tokens=0, steps=1,
+    )  # fmt: skip
+    task = GPTTask(cfg)  # no grid, no zero_stage: the planner's
+    return {"shape": task.grid.shape, "stage": task.stage, "vocab": task.corpus.vocab_size}
+
+
+def test_train_gpt_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, monkeypatch):
+    """The trainer's pick equals the top row of ``gnnpar plan gpt`` for the same model and
+    machine (shape and ZeRO stage)."""
+    from gnnpar.testing import run_distributed
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 200)
+    got = run_distributed(_planned_world, 4, str(text), timeout=300)[0]
+    out = tmp_path / "plan.json"
+    argv = (
+        f"plan gpt --layers 2 --hidden 16 --heads 2 --seq 8 --batch 8 --vocab {got['vocab']} "
+        f"--gpus 4 --machine cpu --element-size 4 --json {out}"
+    )
+    assert main(argv.split()) == 0
+    best = json.loads(out.read_text())["candidates"][0]
+    assert best["shape"] == {a: got["shape"][a] for a in best["shape"]}
+    assert best["stage"] == got["stage"]

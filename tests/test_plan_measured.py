@@ -1,9 +1,9 @@
 """The planner's predicted bytes equal what gnnpar's comm accounting measures, per rank, per
 axis and per collective kind, for every grid shape of 8 ranks: one full-graph training epoch
-(3-layer GCN and 2-layer GraphSAGE, 3D) on every x·y·z shape, and one GPT optimizer step
-(:func:`gnnpar.tensor.train.train_step`) on every data·x·y·z shape. One 8-rank world hosts
-all the grids. Sizes are small and odd (23 nodes, widths 7/5/5/3, vocabulary 37, 9
-positions) so chunks are uneven and padding shows."""
+(3-layer GCN and 2-layer GraphSAGE, 3D) on every x·y·z shape, and one optimizer step of
+the ``gpt`` task (tensor parallel, then ``gnnpar.shard`` at ZeRO stage 0 and stage 3) on every
+data·x·y·z shape. One 8-rank world hosts all the grids. Sizes are small and odd (23 nodes,
+widths 7/5/5/3, vocabulary 37, 9 positions) so chunks are uneven and padding shows."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from gnnpar.plan.comm_model import bytes_by_axis_kind
 from gnnpar.testing import run_distributed
 from tests.fullgraph_utils import make_source, normalise, serial_model, small_graph
 
-GPT_SIZES = {"vocab": 37, "seq": 9, "layers": 2, "hidden": 24, "heads": 8, "batch": 8}
+GPT_SIZES = {"vocab_size": 37, "block_size": 9, "n_layer": 2, "n_embd": 24, "n_head": 8}
+GPT_BATCH = 8
 
 
 def _compare(measured: dict, predicted: dict, what: str) -> None:
@@ -51,46 +52,31 @@ def _gcn_epoch(grid, kind: str, dims: list[int]) -> int:
     return 1
 
 
-class _Batches:
-    """Fixed token blocks of this rank's share of the batch (the role of TokenBlocks)."""
+class _Tokens:
+    """A corpus of random tokens (what the task needs of a tokenised text)."""
 
-    def __init__(self, grid, sizes: dict):
-        shards = grid.size("data") * grid.size("z")
-        me = grid.rank("z") + grid.size("z") * grid.rank("data")
-        gen = torch.Generator().manual_seed(5)
-        ids = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"] + 1), generator=gen)
-        per = sizes["batch"] // shards
-        self.ids = ids[me * per : (me + 1) * per]
+    vocab_size = GPT_SIZES["vocab_size"]
 
-    def batch(self, step: int):
-        return self.ids[:, :-1], self.ids[:, 1:]
+    def split(self, val_fraction: float):
+        ids = torch.randint(0, self.vocab_size, (4000,), generator=torch.Generator().manual_seed(5))
+        return ids, ids[:200]
 
 
-def _gpt_step(grid) -> int:
-    from gnnpar.nn.gpt import GPT
-    from gnnpar.tensor.parallelize import parallelize
-    from gnnpar.tensor.train import GPTTrainConfig, Session, train_step
+def _gpt_step(grid, stage: int) -> int:
+    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
 
-    s = GPT_SIZES
-    cfg = GPTTrainConfig(
-        block_size=s["seq"],
-        n_layer=s["layers"],
-        n_head=s["heads"],
-        n_embd=s["hidden"],
-        batch_size=s["batch"],
-        grid="",
-        warmup=1,
-        steps=2,
-    )
-    torch.manual_seed(0)
-    model = parallelize(GPT(cfg.model_config(s["vocab"])), grid)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    session = Session(cfg, grid, None, _Batches(grid, s), None, model, opt, 0)
-    with comm.record(grid) as traffic:
-        train_step(session, 0)
-    problem = GPTProblem(**s, element_size=4)
+    cfg = GPTTaskConfig(
+        **GPT_SIZES, batch_size=GPT_BATCH, grid=",".join(f"{a}={v}" for a, v in grid.shape.items()),
+        zero_stage=stage, warmup=1, steps=2, sample_tokens=0,
+    )  # fmt: skip
+    task = GPTTask(cfg, corpus=_Tokens())
+    with comm.record(task.grid) as traffic:
+        task.train_step(0)
+    problem = GPTProblem(GPTConfig(**GPT_SIZES), batch=GPT_BATCH, element_size=4, stage=stage)
     predicted = bytes_by_axis_kind(gpt_collectives(problem, grid.shape, grid.coords()))
-    _compare(traffic.as_dict(), predicted, f"GPT step {grid.describe()}")
+    _compare(traffic.as_dict(), predicted, f"GPT step stage {stage} {grid.describe()}")
+    gnnpar.release(task.grid)
     return 1
 
 
@@ -101,11 +87,11 @@ def _world() -> dict:
         if data == 1:
             done["gcn"] += _gcn_epoch(grid, "gcn", [7, 5, 5, 3])
             done["sage"] += _gcn_epoch(grid, "sage", [7, 4, 3])
-        done["gpt"] += _gpt_step(grid)
+        done["gpt"] += _gpt_step(grid, 0) + _gpt_step(grid, 3)
         gnnpar.release(grid)  # free the shape's gloo groups before the next one
     return done
 
 
 def test_predicted_bytes_equal_measured_on_every_8_rank_grid():
     results = run_distributed(_world, 8, timeout=600)
-    assert results == [{"gcn": 10, "sage": 10, "gpt": 20}] * 8
+    assert results == [{"gcn": 10, "sage": 10, "gpt": 40}] * 8

@@ -58,7 +58,7 @@ def _rank_checks(folder: str, seeds_new: list[torch.Tensor], state: dict) -> dic
     import gnnpar
     from gnnpar import comm
     from gnnpar.sampling import DistNeighborSampler, FeatureFetcher, distributed_inference
-    from gnnpar.train.minibatch import allreduce_gradients
+    from gnnpar.shard import shard
 
     grid = gnnpar.init()
     sample_grid = gnnpar.init()  # fresh groups, as a prefetching loader uses
@@ -85,13 +85,18 @@ def _rank_checks(folder: str, seeds_new: list[torch.Tensor], state: dict) -> dic
     model = BlockGNN(5, 8, 3, num_layers=2, dropout=0.0)
     model.load_state_dict(state)
     out["logits"] = distributed_inference(model, part, part.ndata["feat"], grid).numpy()
-    # one training step: summed loss, gradients all-reduced over the data axis
+    # one training step through gnnpar.shard (stage 0): the summed loss scaled by
+    # data size / global count, so that the averaged gradient is the global mean's
     model.train()
+    dp = shard(model, grid, 0)
     y = FeatureFetcher(part, sample_grid, key="label").fetch(plain.seeds)  # seeds anywhere
+    total = torch.tensor([plain.num_seeds])
+    comm.all_reduce(total, grid, "data")
     loss = F.cross_entropy(model(plain.blocks, out_x := fetcher.fetch(ids)), y, reduction="sum")
-    loss.backward()
-    out["total"] = allreduce_gradients(model, grid, plain.num_seeds)
+    (loss * grid.size("data") / int(total)).backward()
+    out["total"] = int(total)
     out["grads"] = {k: p.grad.numpy() for k, p in model.named_parameters()}
+    dp.remove()
     out["x_again"] = out_x.numpy()
     # communication-free vertex sampling: each rank builds the rows it owns
     vs = VertexSampler(

@@ -14,7 +14,10 @@ encoded token stream, next to the data (for a built-in corpus: under the data ro
     <stem>.bpe<V>.tokens.npy    the whole text encoded, uint16 (uint32 when V > 65536)
     <stem>.bpe<V>.meta.json     {"sha256": text hash, "vocab_size": V, "num_tokens": n}
 
-where ``<stem>`` is the file's path, or ``<folder>/corpus`` for a folder. The meta file is
+where ``<stem>`` is the file's path, or ``<folder>/corpus`` for a folder. With a given
+tokenizer (``tokenizer=FOLDER`` holding ``tokenizer.json``, or GPT-2's ``vocab.json`` and
+``merges.txt``: a pretrained model's), nothing is trained and the cache is
+``<stem>.tok<digest>.*``, named by the tokenizer files' hash. The meta file is
 written last, each file through a temporary name and a rename, so an interrupted run leaves
 no cache that looks valid; a changed text (another hash) is tokenized again. If the data's
 folder is read-only the cache goes to ``<data root>/text-cache/``.
@@ -168,13 +171,43 @@ class TextCorpus:
         return t[:cut], t[cut:]
 
 
+def load_tokenizer(folder: str | os.PathLike):
+    """A pretrained tokenizer from ``folder``: ``tokenizer.json``, or GPT-2's ``vocab.json``
+    and ``merges.txt`` (plain JSON and text: nothing is unpickled)."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        from tokenizers import ByteLevelBPETokenizer
+
+        return ByteLevelBPETokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    raise FileNotFoundError(
+        f"{folder} has no tokenizer (tokenizer.json, or vocab.json and merges.txt)"
+    )
+
+
+def _tokenizer_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        if (folder / name).is_file():
+            h.update(name.encode() + (folder / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def load_corpus(
-    source: str | os.PathLike = SHAKESPEARE, vocab_size: int = 2048, *, rebuild: bool = False
+    source: str | os.PathLike = SHAKESPEARE,
+    vocab_size: int = 2048,
+    *,
+    rebuild: bool = False,
+    tokenizer: str | os.PathLike | None = None,
 ) -> TextCorpus:
     """Read ``source``, and train (or load from the cache) a BPE tokenizer of ``vocab_size``
-    ids and the encoded stream. Several processes may call it at once: each file is replaced
-    atomically, and the results are identical."""
-    if not isinstance(vocab_size, int) or vocab_size < 257:
+    ids — or use the pretrained ``tokenizer`` folder's — and the encoded stream. Several
+    processes may call it at once: each file is replaced atomically, and the results are
+    identical."""
+    if tokenizer is None and (not isinstance(vocab_size, int) or vocab_size < 257):
         raise ValueError(
             "vocab_size must be an integer of at least 257 (256 bytes + merges), "
             f"got {vocab_size!r}"
@@ -185,25 +218,32 @@ def load_corpus(
     if not text.strip():
         raise ValueError(f"text source {str(source)!r} is empty")
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    given = None if tokenizer is None else load_tokenizer(tokenizer)
+    tag = f"bpe{vocab_size}" if given is None else f"tok{_tokenizer_digest(Path(tokenizer))}"
     for base in (stem, default_root() / "text-cache" / stem.name):
-        paths = {
-            k: Path(f"{base}.bpe{vocab_size}.{k}") for k in ("json", "tokens.npy", "meta.json")
-        }
+        paths = {k: Path(f"{base}.{tag}.{k}") for k in ("json", "tokens.npy", "meta.json")}
         meta = paths["meta.json"]
         if not rebuild and meta.is_file():
             info = json.loads(meta.read_text())
-            if info.get("sha256") == digest and info.get("vocab_size") == vocab_size:
-                tok = Tokenizer.from_file(str(paths["json"]))
+            saved = info.get("tag", f"bpe{info.get('vocab_size')}")
+            if info.get("sha256") == digest and saved == tag:
+                tok = given or Tokenizer.from_file(str(paths["json"]))
                 tokens = np.load(paths["tokens.npy"], mmap_mode="r")
                 return TextCorpus(str(source), tok, tokens, base)
         try:
-            tok = _train_bpe(text, vocab_size)
+            tok = given or _train_bpe(text, vocab_size)
             dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
             ids = [e.ids for e in tok.encode_batch(_pieces(text))]
             tokens = np.fromiter((i for piece in ids for i in piece), dtype=dtype)
-            atomic_write(paths["json"], lambda tmp, tok=tok: tok.save(tmp))
+            if given is None:
+                atomic_write(paths["json"], lambda tmp, tok=tok: tok.save(tmp))
             atomic_write(paths["tokens.npy"], lambda tmp, t=tokens: _save_npy(tmp, t))
-            info = {"sha256": digest, "vocab_size": vocab_size, "num_tokens": int(len(tokens))}
+            info = {
+                "sha256": digest,
+                "vocab_size": tok.get_vocab_size(),
+                "tag": tag,
+                "num_tokens": int(len(tokens)),
+            }
             atomic_write(meta, lambda tmp, i=info: Path(tmp).write_text(json.dumps(i) + "\n"))
             return TextCorpus(str(source), tok, tokens, base)
         except PermissionError:

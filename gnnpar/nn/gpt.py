@@ -18,21 +18,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig", "generate"]
+
+
+def _size(default, help: str):  # noqa: A002 - mirrors dataclasses.field
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclasses.dataclass
 class GPTConfig:
-    """Sizes of a :class:`GPT`."""
+    """Sizes of a :class:`GPT` (also the GPT task's and the planner's one description)."""
 
-    vocab_size: int = 4096
-    block_size: int = 256
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
+    vocab_size: int = _size(4096, "token ids (the tokenizer's vocabulary)")
+    block_size: int = _size(256, "tokens per sequence (context length)")
+    n_layer: int = _size(6, "transformer blocks")
+    n_head: int = _size(6, "attention heads")
+    n_embd: int = _size(384, "model width")
+    dropout: float = _size(0.0, "dropout probability")
+    bias: bool = _size(True, "biases in linear layers and layer norms")
+    tie_weights: bool = _size(True, "output head tied to the token embedding")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -162,17 +166,43 @@ class GPT(nn.Module):
         vocabulary (for a model whose head keeps them split); ``generator`` makes sampling
         reproducible (and identical on ranks that must agree).
         """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
-        for _ in range(max_new_tokens):
-            logits = self(ids[:, -self.config.block_size :])[:, -1, :]
-            if full_logits is not None:
-                logits = full_logits(logits)
-            logits = logits.float() / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(ids.device)
-            ids = torch.cat([ids, nxt], dim=1)
-        return ids
+        return generate(
+            self,
+            ids,
+            max_new_tokens,
+            self.config.block_size,
+            temperature,
+            top_k,
+            generator,
+            full_logits,
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Append ``max_new_tokens`` tokens sampled from any causal language model ``model``
+    (ids ``(B, T)`` → logits ``(B, T, V)``) to ``ids``, feeding it the last ``block_size``
+    tokens; see :meth:`GPT.generate`."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -block_size:])[:, -1, :]
+        if full_logits is not None:
+            logits = full_logits(logits)
+        logits = logits.float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = F.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(ids.device)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids

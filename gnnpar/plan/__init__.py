@@ -9,7 +9,8 @@ Public surface::
     best.shape, best.step_seconds, best.bytes, best.comm, best.memory
 
     choose_fullgraph_grid(world, num_nodes, dims)         # what `gnnpar train gcn` uses
-    choose_gpt_grid(GPTProblem(...), world, machine)      # what `gnnpar train gpt` uses
+    choose_gpt_plan(GPTProblem(GPTConfig(...)), world, machine)  # (shape, ZeRO stage):
+                                                          # what `gnnpar train gpt` runs
 
 Modules, one job each: :mod:`~gnnpar.plan.problems` (what is planned),
 :mod:`~gnnpar.plan.machines` (machine descriptions and the measured bandwidth table),
@@ -40,6 +41,7 @@ from gnnpar.plan.rank import (
     Candidate,
     choose_fullgraph_grid,
     choose_gpt_grid,
+    choose_gpt_plan,
     fullgraph_epoch_bytes,
     rank_gcn,
     rank_gpt,
@@ -57,6 +59,7 @@ __all__ = [
     "bytes_by_axis",
     "choose_fullgraph_grid",
     "choose_gpt_grid",
+    "choose_gpt_plan",
     "comm_seconds",
     "fullgraph_epoch_bytes",
     "gcn_collectives",

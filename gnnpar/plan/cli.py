@@ -28,7 +28,7 @@ from gnnpar.plan.problems import (
     gpt_sizes,
     parse_count,
 )
-from gnnpar.plan.rank import Candidate, rank_gcn, rank_gpt, shape_label
+from gnnpar.plan.rank import Candidate, rank_gcn, rank_gpt_stages, shape_label
 
 __all__ = ["add_plan_commands", "format_candidates", "plot_candidates"]
 
@@ -110,13 +110,13 @@ def _gpt_problem(args: argparse.Namespace) -> GPTProblem:
         raise PlanError("give --params SIZE (e.g. 20B), or --layers and --hidden")
     if "heads" not in sizes:
         sizes["heads"] = max(1, sizes["hidden"] // 128)
-    return GPTProblem(
+    return GPTProblem.sized(
         **sizes,
         seq=args.seq,
         batch=args.batch,
         vocab=args.vocab,
         element_size=args.element_size,
-        stage=args.stage,
+        stage=args.stage or 0,
         name=args.params or "gpt",
     )
 
@@ -133,6 +133,9 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
     """A plain-text table of the ``top`` best shapes (and how many do not fit)."""
     axes = [a for a in ("x", "y", "z", "data", "tensor") if any(c.bytes.get(a) for c in cands)]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]
+    stages = len({c.stage for c in cands}) > 1
+    if stages:
+        head.insert(2, "ZeRO")
     rows = []
     fitting = [c for c in cands if c.fits]
     for i, c in enumerate(fitting[:top], 1):
@@ -140,6 +143,7 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
             [
                 str(i),
                 shape_label(c.shape),
+                *([str(c.stage)] if stages else []),
                 f"{c.step_seconds * 1e3:,.2f}",
                 f"{c.compute_seconds * 1e3:,.2f}",
                 f"{c.comm_seconds * 1e3:,.2f}",
@@ -218,12 +222,13 @@ def _cmd_gcn(args: argparse.Namespace) -> int:
 def _cmd_gpt(args: argparse.Namespace) -> int:
     problem = _gpt_problem(args)
     machine = _machine(args)
-    cands = rank_gpt(problem, args.gpus, machine)
+    stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
+    cands = rank_gpt_stages(problem, args.gpus, machine, stages)
+    which = "ZeRO stage 0-3" if args.stage is None else f"ZeRO stage {args.stage}"
     title = (
         f"GPT {problem.num_params / 1e9:.2f}B ({problem.layers} layers, hidden {problem.hidden}, "
-        f"{problem.heads} heads), batch {problem.batch} x {problem.seq} tokens, stage "
-        f"{problem.stage}; {args.gpus} ranks on {machine.name} "
-        f"({machine.ranks_per_node(args.gpus)} per node)"
+        f"{problem.heads} heads), batch {problem.batch} x {problem.seq} tokens, {which}; "
+        f"{args.gpus} ranks on {machine.name} ({machine.ranks_per_node(args.gpus)} per node)"
     )
     return _report(cands, args, title)
 
@@ -287,7 +292,13 @@ def add_plan_commands(subparsers: Any) -> None:
     t.add_argument("--seq", type=int, default=2048, help="tokens per sequence (2048)")
     t.add_argument("--batch", type=int, default=1024, help="sequences per step, global (1024)")
     t.add_argument("--vocab", type=int, default=50304)
-    t.add_argument("--stage", type=int, default=0, help="data-axis sharding stage 0-3")
+    t.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        choices=(0, 1, 2, 3),
+        help="data-axis sharding (ZeRO) stage; default: rank every stage",
+    )
     _common(t, "a100x4", 2)
     t.set_defaults(func=_cmd_gpt)
 

@@ -258,19 +258,10 @@ class ShardedLayer:
 def meta_gpt(problem: GPTProblem) -> torch.nn.Module:
     """A one-block GPT of ``problem``'s widths on the meta device (no memory): what
     :func:`gpt_layout` lays out. Build it once when laying out many shapes."""
-    from gnnpar.nn.gpt import GPT, GPTConfig
+    from gnnpar.nn.gpt import GPT
 
-    cfg = GPTConfig(
-        vocab_size=problem.vocab,
-        block_size=problem.seq,
-        n_layer=1,
-        n_head=problem.heads,
-        n_embd=problem.hidden,
-        bias=problem.bias,
-        tie_weights=problem.tie,
-    )
     with torch.device("meta"):
-        return GPT(cfg)
+        return GPT(dataclasses.replace(problem.model, n_layer=1))
 
 
 def gpt_layout(
@@ -404,6 +395,8 @@ def gpt_collectives(
     out += _coll(head.layout.row_axis, "all_reduce", p, 2 * tokens * ce, "loss sums")
     out += _gradient_sync(problem, mods, g, coords)
     if problem.grad_clip:
+        if problem.stage > 0:  # each data rank holds part of every gradient
+            out += _coll("data", "all_reduce", g.data, 8, "grad norm over data (float64)")
         out += _coll("tensor", "all_reduce", g.size("tensor"), 8, "grad norm (float64)")
     out += _coll("z", "all_reduce", g.z, 8, "loss mean over z (float64)")
     out += _coll("data", "all_reduce", g.data, 8, "loss mean over data (float64)")
@@ -413,9 +406,9 @@ def gpt_collectives(
 def _gradient_sync(
     problem: GPTProblem, mods: list[ShardedLayer], g: GridShape, coords: Mapping[str, int]
 ) -> list[Collective]:
-    """:func:`gnnpar.tensor.sync_gradients` (stage 0): matrix gradients all-reduced over
-    data, the rest over z then data, one flat buffer per set of axes; stages 1–3 replace
-    the data-axis all-reduce with ZeRO's reduce-scatter and all-gathers."""
+    """:mod:`gnnpar.shard`'s gradient reduction (stage 0): every gradient all-reduced over
+    data, those the tensor layers replicate over z (not the matrices) first summed over z;
+    stages 1–3 replace the data-axis all-reduce with ZeRO's reduce-scatter and all-gathers."""
     e = problem.element_size
     matrix, other = local_params(problem, mods, coords)
     buckets: dict[tuple[str, ...], int] = {}

@@ -8,6 +8,8 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from gnnpar.nn.gpt import GPTConfig
+
 __all__ = [
     "GCNProblem",
     "GPTProblem",
@@ -107,37 +109,82 @@ class GCNProblem:
 
 @dataclasses.dataclass(frozen=True)
 class GPTProblem:
-    """A GPT training step (:mod:`gnnpar.tensor.train`): ``batch`` sequences of ``seq``
-    tokens per step over all ranks, pre-norm blocks with fused q/k/v, a 4× MLP, learned
-    positions and a head tied to the token embedding (``tie``).
+    """A GPT training step (the ``gpt`` task): ``batch`` sequences of the model's
+    ``block_size`` tokens per step over all ranks, pre-norm blocks with fused q/k/v, a 4×
+    MLP, learned positions and a head tied to the token embedding (``tie_weights``).
 
-    ``element_size`` is the bytes of parameters, gradients and activations (2: bf16 with
-    fp32 master weights and Adam state, as at scale; 4: float32 as gnnpar trains on CPU).
-    ``stage`` is the data-axis sharding (:mod:`gnnpar.shard`): 0 replicates everything, 1
-    shards optimizer state, 2 also gradients, 3 also parameters. ``grad_clip`` includes the
-    gradient-norm all-reduce of the trainer.
+    ``model`` is the one description of the GPT's sizes, the :class:`~gnnpar.nn.gpt.GPTConfig`
+    the model and the task use too; ``layers``, ``hidden``, ``heads``, ``seq``, ``vocab``,
+    ``bias`` and ``tie`` read it in the planner's words. ``element_size`` is the bytes of
+    parameters, gradients and activations (2: bf16 with fp32 master weights and Adam state, as
+    at scale; 4: float32). ``stage`` is the data-axis sharding (:mod:`gnnpar.shard`): 0
+    replicates everything, 1 shards optimizer state, 2 also gradients, 3 also parameters.
+    ``grad_clip`` includes the gradient-norm all-reduce of the trainer.
     """
 
-    layers: int
-    hidden: int
-    heads: int
-    seq: int = 2048
+    model: GPTConfig
     batch: int = 1024
-    vocab: int = 50304
-    bias: bool = True
-    tie: bool = True
     element_size: int = 2
     stage: int = 0
     grad_clip: bool = True
     name: str = ""
 
     def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "heads", "seq", "batch", "vocab", "element_size"):
+        for key in ("batch", "element_size"):
             _positive(key, getattr(self, key))
-        if self.hidden % self.heads:
-            raise PlanError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.stage not in (0, 1, 2, 3):
             raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+
+    @classmethod
+    def sized(
+        cls,
+        layers: int,
+        hidden: int,
+        heads: int,
+        seq: int = 2048,
+        vocab: int = 50304,
+        bias: bool = True,
+        tie: bool = True,
+        **kwargs,
+    ) -> GPTProblem:
+        """A problem from sizes in the planner's words (``layers``, ``hidden``, ...)."""
+        for key, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
+            _positive(key, value)
+        if hidden % heads:
+            raise PlanError(f"hidden {hidden} is not a multiple of heads {heads}")
+        model = GPTConfig(
+            vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden,
+            bias=bias, tie_weights=tie,
+        )  # fmt: skip
+        return cls(model, **kwargs)
+
+    @property
+    def layers(self) -> int:  # noqa: D102
+        return self.model.n_layer
+
+    @property
+    def hidden(self) -> int:  # noqa: D102
+        return self.model.n_embd
+
+    @property
+    def heads(self) -> int:  # noqa: D102
+        return self.model.n_head
+
+    @property
+    def seq(self) -> int:  # noqa: D102
+        return self.model.block_size
+
+    @property
+    def vocab(self) -> int:  # noqa: D102
+        return self.model.vocab_size
+
+    @property
+    def bias(self) -> bool:  # noqa: D102
+        return self.model.bias
+
+    @property
+    def tie(self) -> bool:  # noqa: D102
+        return self.model.tie_weights
 
     @property
     def num_params(self) -> int:

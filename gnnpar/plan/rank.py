@@ -32,9 +32,11 @@ __all__ = [
     "Candidate",
     "choose_fullgraph_grid",
     "choose_gpt_grid",
+    "choose_gpt_plan",
     "fullgraph_epoch_bytes",
     "rank_gcn",
     "rank_gpt",
+    "rank_gpt_stages",
     "shape_label",
 ]
 
@@ -57,6 +59,7 @@ class Candidate:
     memory: Mapping[str, float] = dataclasses.field(default_factory=dict)
     intra_node: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
+    stage: int | None = None  # the ZeRO stage (GPT candidates)
 
     @property
     def compute_seconds(self) -> float:
@@ -90,6 +93,7 @@ class Candidate:
             "bytes": dict(self.bytes),
             "memory_bytes": dict(self.memory),
             "intra_node": dict(self.intra_node),
+            "stage": self.stage,
         }
 
 
@@ -151,6 +155,7 @@ def _order(cands: Iterable[Candidate]) -> list[Candidate]:
             not c.fits,
             c.step_seconds,
             c.total_bytes,
+            c.stage or 0,
             -s["data"],
             -s["x"],
             -s["y"],
@@ -181,17 +186,16 @@ def rank_gpt(problem: GPTProblem, world: int, machine: Machine) -> list[Candidat
         try:
             layout = gpt_layout(problem, s, model)
         except Infeasible as err:
-            out.append(Candidate(s, False, str(err)))
+            out.append(Candidate(s, False, str(err), stage=problem.stage))
             continue
-        out.append(
-            _evaluate(
-                s,
-                machine,
-                lambda s=s, lay=layout: gpt_collectives(problem, s, layout=lay),
-                lambda s=s, lay=layout: gpt_compute_seconds(problem, s, machine, lay),
-                lambda s=s, lay=layout: gpt_memory(problem, s, lay),
-            )
+        c = _evaluate(
+            s,
+            machine,
+            lambda s=s, lay=layout: gpt_collectives(problem, s, layout=lay),
+            lambda s=s, lay=layout: gpt_compute_seconds(problem, s, machine, lay),
+            lambda s=s, lay=layout: gpt_memory(problem, s, lay),
         )
+        out.append(dataclasses.replace(c, stage=problem.stage))
     return _order(out)
 
 
@@ -266,3 +270,40 @@ def choose_fullgraph_grid(
 def choose_gpt_grid(problem: GPTProblem, world: int, machine: Machine) -> dict[str, int]:
     """The fastest predicted data·x·y·z shape for ``problem`` that fits on ``machine``."""
     return _best(rank_gpt(problem, world, machine), "model")
+
+
+def rank_gpt_stages(
+    problem: GPTProblem, world: int, machine: Machine, stages: Iterable[int] = (0, 1, 2, 3)
+) -> list[Candidate]:
+    """Every (shape, ZeRO stage) for a GPT step, best first: :func:`rank_gpt` for each stage,
+    merged (at equal predicted time the lower stage first)."""
+    cands = [
+        c
+        for stage in stages
+        for c in rank_gpt(dataclasses.replace(problem, stage=stage), world, machine)
+    ]
+    return _order(cands)
+
+
+def choose_gpt_plan(
+    problem: GPTProblem,
+    world: int,
+    machine: Machine,
+    shape: Mapping[str, int] | None = None,
+    stage: int | None = None,
+) -> tuple[dict[str, int], int]:
+    """The (shape, ZeRO stage) predicted fastest for ``problem`` among those that fit:
+    ``shape`` or ``stage`` fix one of them (what ``gnnpar train gpt`` runs when it is given
+    no grid or no stage, and ``gnnpar plan gpt`` recommends)."""
+    stages = (0, 1, 2, 3) if stage is None else (stage,)
+    want = None if shape is None else {a: shape.get(a, 1) for a in ("data", *AXES[:3])}
+    cands = [
+        c
+        for c in rank_gpt_stages(problem, world, machine, stages)
+        if want is None or {a: c.shape[a] for a in want} == want
+    ]
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        reasons = sorted({c.reason for c in cands})[:3]
+        raise PlanError(f"no grid shape and stage can run this model: {'; '.join(reasons)}")
+    return dict(fitting[0].shape), fitting[0].stage

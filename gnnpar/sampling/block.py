@@ -178,7 +178,8 @@ class MiniBatch:
         blocks: one :class:`Block` per layer, ``blocks[0]`` reading the input features.
         x: input features of :attr:`input_nodes` (set by a loader), or None.
         y: labels of the seeds (set by a loader), or None.
-        epoch, index: where the batch comes from (set by a loader).
+        epoch, index: where the batch comes from (set by a loader): the global batch.
+        micro: which micro-batch of the global batch it is (gradient accumulation).
         global_size: seeds of the global batch this one is part of, over all ranks (set by
             a loader; the mean loss of the global batch divides by it).
         stats: counters of the batch (sampling and fetch bytes, cache hits, timings).
@@ -190,6 +191,7 @@ class MiniBatch:
     y: torch.Tensor | None = None
     epoch: int = 0
     index: int = 0
+    micro: int = 0
     global_size: int | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
 

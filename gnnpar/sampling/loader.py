@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gnnpar.comm import chunk_sizes
 from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.neighbor import as_node_ids
 from gnnpar.sampling.rng import derive_key, random_bits
@@ -93,6 +94,9 @@ class NodeLoader:
         keys: the key of each seed (default: its id): the id that orders it, normally its
             original node id before a partition relabelled it.
         all_keys: the keys of every seed of every rank (default: ``keys``, one process).
+        micro_batches: cut every global batch into this many consecutive pieces, handed out
+            one by one (gradient accumulation): each is sampled with its batch's random key,
+            so a node gets the neighbours and dropout it would get in the whole batch.
 
     Raises:
         ValueError: ``batch_size < 1``, ``prefetch < 0``, bad seeds, repeated keys, or keys
@@ -116,11 +120,15 @@ class NodeLoader:
         num_nodes: int | None = None,
         keys: torch.Tensor | None = None,
         all_keys: torch.Tensor | None = None,
+        micro_batches: int = 1,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        self.micro_batches = micro_batches
         bound = num_nodes if num_nodes is not None else getattr(sampler, "num_nodes", None)
         if bound is None:
             raise ValueError("pass num_nodes: the sampler does not say how many nodes there are")
@@ -143,8 +151,8 @@ class NodeLoader:
 
     # ------------------------------------------------------------------ epochs and state
     def __len__(self) -> int:
-        """Batches per epoch (global: the same on every rank)."""
-        return len(self.global_sizes())
+        """Batches (micro-batches) per epoch, the same on every rank."""
+        return len(self.global_sizes()) * self.micro_batches
 
     def global_sizes(self) -> list[int]:
         """Seeds in each global batch of an epoch, over all ranks."""
@@ -190,7 +198,8 @@ class NodeLoader:
         return position
 
     def epoch_batches(self, epoch: int) -> list[torch.Tensor]:
-        """This loader's seed ids in every global batch of ``epoch`` (some may be empty)."""
+        """This loader's seed ids in every global batch (every micro-batch) of ``epoch``,
+        in order; some may be empty."""
         sizes = self.global_sizes()
         if not sizes:
             return []
@@ -199,20 +208,30 @@ class NodeLoader:
         pos, seeds = pos[kept], self.seeds[kept]
         by_pos = torch.argsort(pos)
         pos, seeds = pos[by_pos], seeds[by_pos]
-        counts = torch.bincount(pos // self.batch_size, minlength=len(sizes))
+        # cut points: every micro-batch of every global batch, by global position
+        bounds = [0]
+        for size in sizes:
+            start = bounds[-1]
+            for n in chunk_sizes(size, self.micro_batches):
+                bounds.append(start + n)
+                start += n
+        unit = torch.bucketize(pos, torch.tensor(bounds[1:]), right=True)
+        counts = torch.bincount(unit, minlength=len(bounds) - 1)
         return list(torch.split(seeds, counts.tolist()))
 
     # ------------------------------------------------------------------ making batches
     def make_batch(self, epoch: int, index: int, seeds: torch.Tensor) -> MiniBatch:
-        """Sample and gather batch ``index`` of ``epoch`` (what the prefetch thread runs)."""
+        """Sample and gather (micro-)batch ``index`` of ``epoch`` (what the prefetch thread
+        runs)."""
         t0 = time.perf_counter()
-        batch = self.sampler.sample(seeds, key=self.batch_key(epoch, index))
+        whole, micro = divmod(index, self.micro_batches)
+        batch = self.sampler.sample(seeds, key=self.batch_key(epoch, whole))
         t1 = time.perf_counter()
         batch.x = _gather(self.features, batch.input_nodes)
         batch.y = _gather(self.labels, batch.seeds)
         t2 = time.perf_counter()
-        batch.epoch, batch.index = epoch, index
-        batch.global_size = self.global_sizes()[index]
+        batch.epoch, batch.index, batch.micro = epoch, whole, micro
+        batch.global_size = self.global_sizes()[whole]
         batch.stats.setdefault("sample_s", t1 - t0)
         batch.stats.setdefault("gather_s", t2 - t1)
         if self.pin_memory:

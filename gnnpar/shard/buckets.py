@@ -23,7 +23,7 @@ After an optimizer step on the master pieces, stages 1–2 all-gather every buck
 into the model's parameters (:meth:`GradBuckets.gather_params`).
 
 Gradients are averaged over the data axis — and over z for the parameters that a
-tensor-parallel model replicates over z, as :func:`gnnpar.tensor.sync_gradients` does — so
+tensor-parallel model replicates over z (their gradients differ per z rank) — so
 each rank's loss should be the mean over its part of the batch.
 """
 

@@ -10,8 +10,8 @@ pieces writes straight into the chunk that the next all-gather sends. Pieces of 
 are not created, so a rank only gives its optimizer what it owns.
 
 Within a group, parameters whose gradient must also be summed over z (biases, norms and
-plain parameters of a tensor-parallel model; see :func:`gnnpar.tensor.sync_gradients`) are
-placed last, so that their gradients form one contiguous tail.
+plain parameters of a tensor-parallel model, which the tensor layers leave unreduced over z)
+are placed last, so that their gradients form one contiguous tail.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Per rank, for ``B`` rows of input (the batch this rank holds; the batch is split
               Y     = X_loc · W_blkᵀ, all-reduced over the in axis,  (+ bias chunk)
     backward  dX    = dY · W_blk, all-reduced over the out axis       (async, overlaps dW)
               dW    = dYᵀ · X_loc, reduce-scattered over z
-              then the data-axis reduction (:func:`gnnpar.tensor.sync_gradients`)
+              then the data-axis reduction (:func:`gnnpar.shard.shard`)
 
 ``X_loc`` holds this rank's chunk of input features; ``Y`` this rank's chunk of output
 features, replicated over the in axis. In *easy mode* (the default) the layer takes and gives

@@ -1,14 +1,13 @@
-"""Parameters of a tensor-parallel model: full ↔ sharded state dicts, the data-axis gradient
-reduction, and gradient-norm clipping that knows which parameters are split on which axes."""
+"""Parameters of a tensor-parallel model: full ↔ sharded state dicts and checkpoint layouts.
+(The data-axis gradient reduction and the gradient norm of a tensor-parallel model are
+:mod:`gnnpar.shard`'s: ``shard(model, grid, stage=0)`` and ``ShardedModel.clip_grad_norm_``.)"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
@@ -16,14 +15,11 @@ from gnnpar.tensor.layers import ShardedModule
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
-    "clip_grad_norm_",
     "full_state_dict",
     "gather_full",
-    "grad_norm",
     "load_full_state_dict",
     "local_numel",
     "sharded_parameters",
-    "sync_gradients",
 ]
 
 
@@ -36,10 +32,6 @@ def sharded_parameters(model: nn.Module) -> dict[str, tuple[ShardedModule, str, 
             for pname, layout in module.layouts().items():
                 out[f"{prefix}.{pname}" if prefix else pname] = (module, pname, layout)
     return out
-
-
-def _layout_by_param(model: nn.Module) -> dict[int, ShardLayout]:
-    return {id(getattr(m, pname)): lay for m, pname, lay in sharded_parameters(model).values()}
 
 
 def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -125,79 +117,6 @@ def load_full_state_dict(
     with torch.no_grad():
         for target, piece in plan:
             target.copy_(piece)
-
-
-def _reduce_axes(layout: ShardLayout | None) -> tuple[str, ...]:
-    # A matrix weight's gradient is already summed over z by the reduce-scatter of its gather.
-    if layout is not None and layout.kind == "matrix":
-        return ("data",)
-    return ("z", "data")
-
-
-def sync_gradients(model: nn.Module, grid: ProcessGrid, average: bool = True) -> None:
-    """The data-axis reduction of a 4D-parallel model: sum every gradient over the ranks that
-    saw other samples of the batch (the data and z axes; sharded weights are already summed
-    over z), then, with ``average``, divide by ``data·z`` so the gradient is that of the mean of
-    the per-rank losses. Gradients are flattened into one buffer per set of axes."""
-    layouts = _layout_by_param(model)
-    buckets: dict[tuple[str, ...], list[torch.Tensor]] = {}
-    for p in _unique_params(model):
-        if p.grad is None:
-            continue
-        axes = tuple(a for a in _reduce_axes(layouts.get(id(p))) if grid.size(a) > 1)
-        buckets.setdefault(axes, []).append(p.grad)
-    scale = grid.size("data") * grid.size("z")
-    for axes, grads in buckets.items():
-        if not axes and (not average or scale == 1):
-            continue
-        flat = _flatten_dense_tensors(grads)
-        for a in axes:
-            comm.all_reduce(flat, grid, a)
-        if average and scale > 1:
-            flat.div_(scale)
-        for g, new in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(new)
-
-
-def grad_norm(model: nn.Module, grid: ProcessGrid, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of the full model's gradient (every parameter counted once, however it is
-    split), the same on every rank. Call after :func:`sync_gradients`."""
-    layouts = _layout_by_param(model)
-    tensor_size = grid.size("tensor")
-    total = torch.zeros((), dtype=torch.float64, device=grid.device)
-    inf = math.isinf(norm_type)
-    for p in _unique_params(model):
-        if p.grad is None:
-            continue
-        g = p.grad.detach().to(torch.float64)
-        if inf:
-            total = torch.maximum(total, g.abs().max())
-            continue
-        layout = layouts.get(id(p))
-        split = layout.split_axes if layout is not None else ()
-        # Each piece is held by `repl` ranks of the tensor group; count it once in the sum.
-        repl = tensor_size
-        for a in set(split):
-            repl //= grid.size(a)
-        total = total + g.abs().pow(norm_type).sum() / repl
-    if inf:
-        comm.all_reduce(total, grid, "tensor", op="max")
-        return total
-    comm.all_reduce(total, grid, "tensor")
-    return total.pow(1.0 / norm_type)
-
-
-def clip_grad_norm_(
-    model: nn.Module, max_norm: float, grid: ProcessGrid, norm_type: float = 2.0
-) -> torch.Tensor:
-    """Scale every gradient so that the full model's gradient norm is at most ``max_norm``;
-    return the norm before clipping. Call after :func:`sync_gradients`."""
-    norm = grad_norm(model, grid, norm_type)
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in _unique_params(model):
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return norm
 
 
 def local_numel(model: nn.Module) -> int:

@@ -12,7 +12,7 @@ from gnnpar.train.config import add_flags, resolve, to_toml
 def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
     """TASK name → (config class, task factory, help)."""
     from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
-    from gnnpar.train.gpt import GPTRunConfig, GPTTask
+    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
     from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
     return {
@@ -22,7 +22,11 @@ def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
             MiniBatchTask,
             "mini-batch GraphSAGE / GCN / GAT with neighbour sampling (one part per rank)",
         ),
-        "gpt": (GPTRunConfig, GPTTask, "GPT with data x 3D tensor parallelism (4D)"),
+        "gpt": (
+            GPTTaskConfig,
+            GPTTask,
+            "GPT (ours or Hugging Face GPT-2) with data x 3D tensor parallelism and ZeRO",
+        ),
     }
 
 
@@ -41,17 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     from gnnpar.train.loop import Trainer
 
     task = factory(cfg)
-    trainer = Trainer(
-        task,
-        cfg.out,
-        eval_every=cfg.eval_every,
-        checkpoint_every=cfg.checkpoint_every,
-        resume=cfg.resume,
-        quiet=cfg.quiet,
-        overwrite=getattr(cfg, "overwrite", False),
-        tensorboard=getattr(cfg, "tensorboard", False),
-    )
-    result = trainer.run()
+    result = Trainer.from_config(task, cfg).run()
     sample = task.finish() if hasattr(task, "finish") else None
     if task.grid.global_rank == 0:
         if sample:
@@ -84,7 +78,9 @@ def _report(args: argparse.Namespace) -> int:
 
 def add_train_commands(subparsers: Any) -> None:
     """Register ``gnnpar train TASK`` on an argparse sub-parsers object."""
-    train = subparsers.add_parser("train", help="train a model (gcn)")
+    train = subparsers.add_parser(
+        "train", help="train a model: gcn (full graph), sage (mini-batch) or gpt"
+    )
     tasks = train.add_subparsers(dest="task", required=True)
     for name, (cls, _, help_text) in _tasks().items():
         p = tasks.add_parser(name, help=help_text)

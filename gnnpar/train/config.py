@@ -1,9 +1,13 @@
 """Typed run configuration: dataclasses filled from defaults, then a TOML file, then flags.
 
-Every task (``gcn``, ``sage``, ``gpt``) has one flat dataclass. :func:`add_flags` turns its
-fields into command-line flags (``--hidden 16``, ``--no-permute``); :func:`resolve` merges
-defaults ← ``--config FILE`` ← flags and checks every key and type, so a typo or a wrong type
-is one clear error naming the key.
+Every task (``gcn``, ``sage``, ``gpt``) has one flat dataclass made of shared parts:
+:class:`TrainerConfig` (what every task has: run folder, seed, precision, evaluation and
+checkpoint cadence, ...), :class:`DataParallelConfig` (what tasks with a data axis have: the
+ZeRO stage, FCDP, the gradient-reduction dtype, gradient accumulation) and the task's own
+fields. :func:`add_flags` turns the fields into command-line flags (``--hidden 16``,
+``--no-permute``), grouped by part; :func:`resolve` merges defaults ← ``--config FILE`` ←
+flags and checks every key and type, so a typo or a wrong type is one clear error naming the
+key.
 """
 
 from __future__ import annotations
@@ -24,6 +28,94 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 class ConfigError(ValueError):
     """A configuration that cannot be used (unknown key, wrong type, bad value)."""
+
+
+def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.field
+    """A config field with its ``--help`` text."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+MASTER_DTYPES = ("float32", "float64")
+PRECISIONS = ("none", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _at_least(cfg: Any, minimum: int, *keys: str) -> None:
+    for key in keys:
+        value = getattr(cfg, key)
+        if value < minimum:
+            raise ConfigError(f"config key '{key}' must be at least {minimum}, got {value}")
+
+
+def _one_of(cfg: Any, key: str, allowed: tuple[str, ...]) -> None:
+    if getattr(cfg, key) not in allowed:
+        raise ConfigError(
+            f"config key '{key}' must be one of {', '.join(allowed)}, got {getattr(cfg, key)!r}"
+        )
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Options every task has: the trainer's, the seed and the precision."""
+
+    out: str = option("runs/run", "run folder: metrics.jsonl, checkpoints/, plots/")
+    seed: int = option(0, "seed of the weights and of every random choice")
+    dtype: str = option("float32", "master precision of parameters and optimizer state")
+    mixed_precision: str = option(
+        "none", "compute precision: none, bf16 or fp16 (parameters and compute in it, masters "
+        "in dtype)"
+    )  # fmt: skip
+    eval_every: int = option(10, "evaluate every N epochs or steps (0: only at the end)")
+    checkpoint_every: int = option(
+        0, "also checkpoint every N epochs or steps (one is always written at the end)"
+    )
+    keep_checkpoints: int = option(2, "newest checkpoints kept in the run folder (0: all)")
+    resume: bool = option(False, "continue from the newest usable checkpoint, on any grid")
+    overwrite: bool = option(False, "start again in a run folder that holds a run")
+    quiet: bool = option(False, "log lines instead of a progress bar")
+    tensorboard: bool = option(False, "also write TensorBoard scalars to OUT/tensorboard")
+    ranks_per_node: int | None = option(None, "ranks per node (default: the launcher's)")
+
+    def check_trainer(self) -> None:
+        """Reject trainer values that cannot work, naming the key."""
+        _one_of(self, "dtype", MASTER_DTYPES)
+        _one_of(self, "mixed_precision", PRECISIONS)
+        _at_least(self, 0, "eval_every", "checkpoint_every", "keep_checkpoints")
+        if self.ranks_per_node is not None:
+            _at_least(self, 1, "ranks_per_node")
+
+
+@dataclasses.dataclass
+class DataParallelConfig:
+    """Options of the tasks with a data axis (``sage``, ``gpt``): :mod:`gnnpar.shard`."""
+
+    zero_stage: int | None = option(
+        None, "data-axis sharding: 0 all-reduce (DDP), 1 optimizer state, 2 + gradients, "
+        "3 + parameters (default: the planner's pick for gpt, 0 for sage)"
+    )  # fmt: skip
+    fcdp: bool = option(False, "FCDP on stage 3: keep gathered parameters for backward")
+    reduce_dtype: str | None = option(
+        None, "dtype of the gradient reduction: fp32, bf16 or fp16 (default: fp32 with "
+        "mixed precision, else the master dtype)"
+    )  # fmt: skip
+    grad_accum: int = option(
+        1, "micro-batches per step: the batch is split and gradients accumulated"
+    )
+
+    def check_data_parallel(self) -> None:
+        """Reject data-parallel values that cannot work, naming the key."""
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(
+                f"config key 'zero_stage' must be 0, 1, 2 or 3, got {self.zero_stage}"
+            )
+        if self.fcdp and self.zero_stage not in (None, 3):
+            raise ConfigError(
+                "config key 'fcdp' needs zero_stage = 3 (parameters sharded), not "
+                f"{self.zero_stage}"
+            )
+        if self.reduce_dtype is not None:
+            _one_of(self, "reduce_dtype", REDUCE_DTYPES)
+        _at_least(self, 1, "grad_accum")
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -99,29 +191,48 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _owner(cls: type, name: str) -> type:
+    """The most basic dataclass in ``cls``'s hierarchy that declares field ``name``."""
+    owner = cls
+    for klass in cls.__mro__:
+        if name in getattr(klass, "__annotations__", {}) and dataclasses.is_dataclass(klass):
+            owner = klass
+    return owner
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per field of ``cls`` (default ``None``: unset flags do not override)."""
-    for f in dataclasses.fields(cls):
+    """Add one flag per field of ``cls`` (default ``None``: unset flags do not override),
+    in one ``--help`` group per part of the config (the task's own fields first)."""
+    groups: dict[type, Any] = {}
+    fields = dataclasses.fields(cls)
+    owners = {f.name: _owner(cls, f.name) for f in fields}
+    for klass in [cls, *dict.fromkeys(o for o in owners.values() if o is not cls)]:
+        title = "options" if klass is cls else (klass.__doc__ or klass.__name__).split("\n")[0]
+        groups[klass] = parser.add_argument_group(title.rstrip("."))
+    for f in fields:
         base, _ = _base_type(_field_types(cls)[f.name])
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
+        if default is not None and "default" not in help_text:
+            help_text += f" (default: {default})"
+        group = groups[owners[f.name]]
         if base is bool:
-            parser.add_argument(
+            group.add_argument(
                 flag,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=None,
-                help=f"{help_text} (default: {default})",
+                help=help_text,
             )
         else:
-            parser.add_argument(
+            group.add_argument(
                 flag,
                 dest=f.name,
                 type=base,
                 default=None,
                 metavar=base.__name__.upper(),
-                help=f"{help_text} (default: {default})",
+                help=help_text,
             )
 
 

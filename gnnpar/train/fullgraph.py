@@ -22,61 +22,52 @@ from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid
 from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
 from gnnpar.sparse.shards import DiskSource, prepare_shards
-from gnnpar.train.config import ConfigError
+from gnnpar.train.config import ConfigError, TrainerConfig, option
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def _field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.field
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclasses.dataclass
-class FullGraphConfig:
+class FullGraphConfig(TrainerConfig):
     """Options of ``gnnpar train gcn`` (and ``--config FILE`` keys)."""
 
-    dataset: str = _field("sbm", "dataset name or path (see `gnnpar data list`)")
-    root: str | None = _field(None, "dataset root folder (default: datasets/)")
-    dataset_options: str | None = _field(
+    dataset: str = option("sbm", "dataset name or path (see `gnnpar data list`)")
+    root: str | None = option(None, "dataset root folder (default: datasets/)")
+    dataset_options: str | None = option(
         None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
     )
-    model: str = _field("gcn", "gcn or sage (GraphSAGE-mean)")
-    hidden: int = _field(16, "hidden width")
-    layers: int = _field(2, "number of layers")
-    dropout: float = _field(0.5, "dropout probability")
-    lr: float = _field(0.01, "Adam learning rate")
-    weight_decay: float = _field(5e-4, "Adam weight decay")
-    decay_all_layers: bool = _field(
+    model: str = option("gcn", "gcn or sage (GraphSAGE-mean)")
+    hidden: int = option(16, "hidden width")
+    layers: int = option(2, "number of layers")
+    dropout: float = option(0.5, "dropout probability")
+    lr: float = option(0.01, "Adam learning rate")
+    weight_decay: float = option(5e-4, "Adam weight decay")
+    decay_all_layers: bool = option(
         False, "weight decay on every layer (default: the first only, as Kipf & Welling)"
     )
-    epochs: int = _field(200, "training epochs")
-    algorithm: str = _field("3d", "3d (Plexus), 2d (SUMMA) or 1d")
-    grid: str | None = _field(None, "grid such as x=2,y=2,z=2 (default: planner)")
-    ranks_per_node: int | None = _field(None, "ranks per node (default: local world size)")
-    shards: str | None = _field(None, "shard folder (default: RUN/shards), made if missing")
-    blocks: int = _field(8, "file blocks per side when cutting shards")
-    permutation: str = _field("random", "node relabelling: random (Plexus), balanced, none")
-    seed: int = _field(0, "seed of weights, dropout and permutations")
-    dtype: str = _field("float32", "float32 or float64")
-    overlap_chunks: int = _field(1, "row chunks whose all-reduce overlaps the next SpMM")
-    eval_every: int = _field(10, "evaluate every N epochs")
-    out: str = _field("runs/gcn", "run folder: metrics, checkpoints, plots")
-    checkpoint_every: int = _field(0, "checkpoint every N epochs (0: only at the end)")
-    resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
-    overwrite: bool = _field(False, "start again in a run folder that holds a run")
-    quiet: bool = _field(False, "log lines instead of a progress bar")
-    tensorboard: bool = _field(False, "also write TensorBoard scalars to OUT/tensorboard")
+    epochs: int = option(200, "training epochs")
+    algorithm: str = option("3d", "3d (Plexus), 2d (SUMMA) or 1d")
+    grid: str | None = option(None, "grid such as x=2,y=2,z=2 (default: the planner's)")
+    shards: str | None = option(None, "shard folder (default: RUN/shards), made if missing")
+    blocks: int = option(8, "file blocks per side when cutting shards")
+    permutation: str = option("random", "node relabelling: random (Plexus), balanced, none")
+    overlap_chunks: int = option(1, "row chunks whose all-reduce overlaps the next SpMM")
+    out: str = option("runs/gcn", "run folder: metrics.jsonl, checkpoints/, plots/, shards/")
 
     def check(self) -> None:
         """Reject values that cannot work, naming the key."""
+        self.check_trainer()
         if self.model not in ("gcn", "sage"):
             raise ConfigError(f"config key 'model' must be gcn or sage, got {self.model!r}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
         if self.permutation not in ("random", "balanced", "none"):
             raise ConfigError("config key 'permutation' must be random, balanced or none")
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"config key 'dtype' must be one of {sorted(_DTYPES)}")
+        if self.mixed_precision != "none":
+            raise ConfigError(
+                "config key 'mixed_precision': full-graph training runs in its master dtype "
+                "(float32 or float64) only so far; use mixed_precision = none"
+            )
         for key in ("hidden", "layers", "epochs", "blocks", "overlap_chunks"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be positive")

@@ -1,76 +1,248 @@
-"""GPT training with 4D hybrid parallelism (the ``gpt`` task): data × 3D tensor parallelism.
+"""GPT training with data × 3D tensor parallelism and sharded data parallelism (the ``gpt``
+task): our GPT or Hugging Face's GPT-2, :func:`gnnpar.tensor.parallelize` over x × y × z,
+then :func:`gnnpar.shard.shard` over the data axis (ZeRO stage 0–3, FCDP, mixed precision).
 
-The model, data and step are :mod:`gnnpar.tensor.train`'s; this module adapts them to the
-trainer (progress, metrics, checkpoints, ``--resume``). The batch of step ``i`` is a pure
-function of ``i`` and the seed, so restoring the model and optimizer resumes exactly.
+The global batch of ``batch_size`` sequences of a step is split over the data and z axes
+(each (data, z) coordinate holds ``batch_size / (data·z)`` of them; the x and y ranks of a
+coordinate hold the same) and, with ``grad_accum = A``, each rank's share into A
+micro-batches whose gradients accumulate before one optimizer step. The batch of step ``i`` is
+a pure function of ``i`` and the seed, so the loss curve does not depend on the grid and
+restoring the model and optimizer resumes exactly. With no ``grid`` or no ``zero_stage`` the
+task runs what ``gnnpar plan gpt`` recommends for the same model on this machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import math
 import time
+from pathlib import Path
 from typing import Any
 
-from gnnpar.grid import parse_grid_spec
-from gnnpar.tensor import train as gpt_train
-from gnnpar.train.config import ConfigError
+import torch
+from torch import nn
+
+import gnnpar
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid, parse_grid_spec
+from gnnpar.nn.gpt import GPTConfig, generate
+from gnnpar.train.config import (
+    ConfigError,
+    DataParallelConfig,
+    TrainerConfig,
+    option,
+)
+from gnnpar.train.metrics import global_mean
+from gnnpar.train.precision import (
+    LossScaler,
+    compute_dtype,
+    full_precision,
+    master_dtype,
+    shard_policy,
+)
+
+__all__ = ["GPTTask", "GPTTaskConfig", "lr_at"]
+
+MODELS = ("gpt", "hf-gpt2")
 
 
 @dataclasses.dataclass
-class GPTRunConfig(gpt_train.GPTTrainConfig):
-    """Options of ``gnnpar train gpt``: the GPT run's plus the trainer's."""
+class GPTTaskConfig(DataParallelConfig, TrainerConfig, GPTConfig):
+    """Options of ``gnnpar train gpt`` (and ``--config FILE`` keys)."""
 
-    out: str = "runs/gpt"
-    eval_every: int = 100
-    checkpoint_every: int = 0
-    quiet: bool = False
-    overwrite: bool = False
-    tensorboard: bool = False
+    model: str = option("gpt", "gpt (ours) or hf-gpt2 (transformers' GPT2LMHeadModel)")
+    model_config: str | None = option(
+        None, "hf-gpt2: a GPT2Config as a JSON file or k=v,k=v (sizes it does not give come "
+        "from the size options)"
+    )  # fmt: skip
+    pretrained: str | None = option(
+        None, "hf-gpt2: start from a folder in Hugging Face layout (config.json, "
+        "model.safetensors or pytorch_model.bin, and tokenizer.json or vocab.json + "
+        "merges.txt); the text is encoded with its tokenizer"
+    )  # fmt: skip
+    data: str = option("shakespeare", "text: shakespeare (built in), a file or a folder of .txt")
+    vocab_size: int = option(2048, "BPE vocabulary trained on the data")
+    block_size: int = option(128, "tokens per sequence (context length)")
+    batch_size: int = option(16, "sequences per step over all data and z ranks")
+    steps: int = option(300, "optimizer steps")
+    lr: float = option(1e-3, "peak AdamW learning rate")
+    min_lr: float = option(1e-4, "learning rate at the last step (cosine decay)")
+    warmup: int = option(20, "linear warm-up steps")
+    weight_decay: float = option(0.1, "AdamW weight decay of the matrices")
+    beta2: float = option(0.99, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    grid: str | None = option(
+        None, "grid such as data=2,x=2 (default: the planner's pick with zero_stage)"
+    )
+    val_fraction: float = option(0.05, "held-out end of the token stream")
+    val_batches: int = option(4, "global batches per validation")
+    sample_tokens: int = option(100, "tokens sampled at the end (0: none)")
+    prompt: str = option("ROMEO:\n", "prompt of the sample")
+    temperature: float = option(0.8, "sampling temperature")
+    top_k: int | None = option(50, "sample from the k likeliest tokens")
+    out: str = option("runs/gpt", "run folder: metrics.jsonl, checkpoints/, plots/")
+    eval_every: int = option(100, "validate every N steps (0: only at the end)")
+    seed: int = option(1337, "seed of the weights, the batches and the sample")
+
+    def __post_init__(self) -> None:
+        pass  # the model's own checks run in check(), as config errors naming the key
 
     def check(self) -> None:
         """Reject values that cannot work, naming the key."""
+        self.check_trainer()
+        self.check_data_parallel()
+        if self.model not in MODELS:
+            raise ConfigError(f"config key 'model' must be one of {', '.join(MODELS)}")
+        if self.pretrained and self.model != "hf-gpt2":
+            raise ConfigError("config key 'pretrained' needs model = hf-gpt2")
         for key in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be positive")
         if self.n_embd % self.n_head:
             raise ConfigError(
-                f"config key 'n_embd' ({self.n_embd}) must be a multiple of n_head "
-                f"({self.n_head})"
+                f"config key 'n_embd' ({self.n_embd}) must be a multiple of n_head ({self.n_head})"
             )
-        parse_grid_spec(self.grid)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("config key 'dropout' must be in [0, 1)")
+        if self.grid is not None:
+            parse_grid_spec(self.grid)
 
-    def train_config(self) -> gpt_train.GPTTrainConfig:
-        """The run's fields, without the trainer's (which it handles itself)."""
-        names = {f.name for f in dataclasses.fields(gpt_train.GPTTrainConfig)}
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
-        values.update(progress=False, ckpt_dir=None, resume=False, val_every=0)
-        return gpt_train.GPTTrainConfig(**values)
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        """Our GPT's sizes, with the tokenizer's vocabulary."""
+        names = [f.name for f in dataclasses.fields(GPTConfig)]
+        return GPTConfig(**{**{n: getattr(self, n) for n in names}, "vocab_size": vocab_size})
 
 
-def planned_grid(cfg: gpt_train.GPTTrainConfig) -> Any:
-    """The grid :mod:`gnnpar.plan` predicts fastest for this model on this machine (used when
-    no ``grid`` is given)."""
-    import torch
+def lr_at(cfg: GPTTaskConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
-    import gnnpar
-    from gnnpar.plan import GPTProblem, choose_gpt_grid, local_machine
 
-    world = gnnpar.init()
+# --------------------------------------------------------------------------- the models
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def hf_config(cfg: GPTTaskConfig, vocab_size: int):
+    """The ``GPT2Config`` of the run: the pretrained folder's, or one with the size options,
+    then ``model_config`` (a JSON file, or ``k=v,k=v``) on top."""
+    from transformers import GPT2Config
+
+    if cfg.pretrained:
+        path = Path(cfg.pretrained) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"pretrained folder {cfg.pretrained} has no config.json")
+        hf = GPT2Config.from_json_file(str(path))
+    else:
+        hf = GPT2Config(
+            vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, tie_word_embeddings=cfg.tie_weights,
+        )  # fmt: skip
+    spec = cfg.model_config
+    if spec and Path(spec).is_file():
+        try:
+            updates = json.loads(Path(spec).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"model_config {spec}: not a JSON file ({err})") from None
+    elif spec:
+        updates = {}
+        for pair in filter(None, (p.strip() for p in spec.split(","))):
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise ConfigError(f"config key 'model_config': '{pair}' is not key=value")
+            updates[key.strip()] = _parse_value(value.strip())
+    else:
+        updates = {}
+    for key, value in updates.items():
+        if not hasattr(hf, key):
+            raise ConfigError(f"config key 'model_config': GPT2Config has no field '{key}'")
+        setattr(hf, key, value)
+    return hf
+
+
+def model_sizes(model: nn.Module) -> GPTConfig:
+    """The sizes of a plain GPT or GPT-2 as a :class:`GPTConfig` (what the planner reads)."""
+    if hasattr(model, "transformer"):  # GPT2LMHeadModel
+        c = model.config
+        return GPTConfig(
+            vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer,
+            n_head=c.n_head, n_embd=c.n_embd, tie_weights=c.tie_word_embeddings,
+        )  # fmt: skip
+    return model.config
+
+
+def _hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of a pretrained folder, read without unpickling anything but tensors."""
+    safe = folder / "model.safetensors"
+    if safe.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(safe))
+    binary = folder / "pytorch_model.bin"
+    if binary.is_file():
+        from gnnpar.verified import load_tensors
+
+        return load_tensors(binary)
+    raise ConfigError(f"pretrained folder {folder} has no model.safetensors or pytorch_model.bin")
+
+
+def build_model(cfg: GPTTaskConfig, vocab_size: int) -> tuple[nn.Module, type]:
+    """The plain model (the same values on every rank, from the seed or the pretrained
+    weights) and its block class (the unit of sharding)."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "gpt":
+        from gnnpar.nn.gpt import GPT, Block
+
+        return GPT(cfg.gpt_config(vocab_size)), Block
+    from transformers import GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    model = GPT2LMHeadModel(hf_config(cfg, vocab_size))
+    if cfg.pretrained:
+        state = _hf_state_dict(Path(cfg.pretrained))
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+        if not any(k.startswith("transformer.") for k in state):
+            state = {f"transformer.{k}": v for k, v in state.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        missing = [k for k in missing if k not in tied and not k.endswith(".attn.bias")]
+        unexpected = [k for k in unexpected if not k.endswith((".attn.bias", ".masked_bias"))]
+        if missing or unexpected:
+            raise ConfigError(
+                f"pretrained folder {cfg.pretrained} does not fit its config: missing "
+                f"{missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        model.tie_weights()
+    return model, GPT2Block
+
+
+# ------------------------------------------------------------------------------- the grid
+def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[dict, int]:
+    """The grid shape and ZeRO stage to run: the given ones, and what the planner predicts
+    fastest on this machine for the rest (``gnnpar plan gpt`` for the same model)."""
+    from gnnpar.plan import GPTProblem, choose_gpt_plan, local_machine
+
+    shape = parse_grid_spec(cfg.grid) if cfg.grid else None
+    if shape is not None and cfg.zero_stage is not None:
+        return shape, cfg.zero_stage
     problem = GPTProblem(
-        layers=cfg.n_layer,
-        hidden=cfg.n_embd,
-        heads=cfg.n_head,
-        seq=cfg.block_size,
+        sizes,
         batch=cfg.batch_size,
-        vocab=cfg.vocab_size,
-        bias=cfg.bias,
-        tie=cfg.tie_weights,
-        element_size=getattr(torch, cfg.dtype).itemsize,
+        element_size=compute_dtype(cfg).itemsize,
+        grad_clip=cfg.grad_clip > 0,
     )
-    machine = local_machine(world.backend)
-    shape = choose_gpt_grid(problem, world.world_size, machine)
-    gnnpar.release(world)
-    return gnnpar.init(**shape)
+    return choose_gpt_plan(problem, world.world_size, local_machine(world.backend), shape,
+                           cfg.zero_stage)  # fmt: skip
 
 
 class GPTTask:
@@ -78,48 +250,183 @@ class GPTTask:
 
     unit = "step"
 
-    def __init__(self, cfg: GPTRunConfig):
+    def __init__(self, cfg: GPTTaskConfig, corpus: Any = None):
+        """``corpus``: the tokenised text (default: ``cfg.data`` read and tokenised; tests
+        and benchmarks pass their own: anything with ``split``, ``encode``, ``decode`` and
+        ``vocab_size`` like :class:`~gnnpar.data.text.TextCorpus`)."""
+        from gnnpar.data.text import TokenBlocks
+        from gnnpar.shard import FCDP, by_type, shard
+        from gnnpar.tensor import parallelize
+
         self.cfg = cfg
-        grid = None if cfg.grid else planned_grid(cfg)
-        self.session = gpt_train.setup(cfg.train_config(), grid)
-        self.grid = self.session.grid
+        world = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        corpus = corpus if corpus is not None else _load_corpus(cfg, world)
+        plain, block = build_model(cfg, corpus.vocab_size)
+        shape, self.stage = planned(cfg, model_sizes(plain), world)
+        gnnpar.release(world)
+        grid = gnnpar.init(**shape, ranks_per_node=cfg.ranks_per_node)
+        self.grid = grid
+        self.corpus = corpus
+        shards = grid.size("data") * grid.size("z")
+        index = grid.rank("z") + grid.size("z") * grid.rank("data")
+        if cfg.batch_size % (shards * cfg.grad_accum):
+            raise ConfigError(
+                f"config key 'batch_size' ({cfg.batch_size}) must divide into data·z = {shards} "
+                f"shards of grad_accum = {cfg.grad_accum} micro-batches"
+            )
+        train_tokens, val_tokens = corpus.split(cfg.val_fraction)
+        blocks = (cfg.block_size, cfg.batch_size, index, shards)
+        self.train = TokenBlocks(train_tokens, *blocks, cfg.seed)
+        self.val = TokenBlocks(val_tokens, *blocks, cfg.seed + 1)
+        self.num_params = sum(p.numel() for p in plain.parameters())
+        self.sizes = model_sizes(plain)
+        model = parallelize(plain.to(master_dtype(cfg)), grid)
+        self.net = model
+        self.head = model.lm_head
+        self.dp = shard(
+            model,
+            grid,
+            self.stage,
+            units=by_type(block),
+            mixed_precision=shard_policy(cfg),
+            fcdp=FCDP() if cfg.fcdp else None,
+        )
+        self.model = self.dp  # what checkpoints save: masters and pieces, on any grid
+        self.optimizer = self.dp.attach(_adamw(self.dp, cfg))
+        self.scaler = LossScaler(cfg.mixed_precision == "fp16")
         self.num_steps = cfg.steps
         self.tokens_per_step = cfg.batch_size * cfg.block_size
-        self.model = self.session.model
-        self.optimizer = self.session.optimizer
+
+    # ------------------------------------------------------------------------ training
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.net(ids.to(self.grid.device))
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from gnnpar.tensor import cross_entropy
+
+        logits = full_precision(self._logits(x))
+        return cross_entropy(logits, y.to(self.grid.device), self.head)
 
     def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step; loss is the mean over the whole batch."""
+        """One optimizer step on the global batch of ``step``, in ``grad_accum``
+        micro-batches; the loss is the mean over the whole batch."""
+        cfg, dp = self.cfg, self.dp
         start = time.perf_counter()
-        loss, norm = gpt_train.train_step(self.session, step)
+        lr = lr_at(cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.net.train()
+        x, y = self.train.batch(step)
+        total = torch.zeros((), dtype=torch.float64)
+        micro = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True))
+        for i, (xm, ym) in enumerate(micro):
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else dp.no_sync():
+                loss = self._loss(xm, ym) / cfg.grad_accum
+                self.scaler.scale_loss(loss).backward()
+            total += loss.detach().to(torch.float64).cpu()
+        self.scaler.unscale(dp.parameters())
+        norm = dp.clip_grad_norm_(cfg.grad_clip) if cfg.grad_clip > 0 else dp.grad_norm()
+        if self.scaler.update(float(norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        return {"loss": loss, "grad_norm": norm, "tokens_per_s": self.tokens_per_step / seconds}
+        return {
+            "loss": global_mean(total, self.grid),
+            "grad_norm": float(norm),
+            "lr": lr,
+            "tokens_per_s": self.tokens_per_step / seconds,
+        }
 
+    @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """Validation loss."""
-        return {"val_loss": gpt_train.evaluate(self.session)}
+        """Mean validation loss over ``val_batches`` global batches."""
+        self.net.eval()
+        total = 0.0
+        for i in range(self.cfg.val_batches):
+            x, y = self.val.batch(i)
+            total += global_mean(self._loss(x, y), self.grid)
+        self.net.train()
+        return {"val_loss": total / max(self.cfg.val_batches, 1)}
 
+    @torch.no_grad()
     def finish(self) -> str:
-        """A short generated sample (the same on every rank)."""
-        return gpt_train.sample(self.session)
+        """A short generated sample (the same on every rank: one seeded generator)."""
+        cfg = self.cfg
+        if cfg.sample_tokens <= 0:
+            return ""
+        ids = torch.tensor([self.corpus.encode(cfg.prompt) or [0]], device=self.grid.device)
+        head, grid = self.head, self.grid
+        full = None
+        if getattr(head, "gather_output", True) is False and grid.size(head.out_axis) > 1:
+            full = lambda lg: comm.all_gather(  # noqa: E731
+                lg.contiguous(), grid, head.out_axis, dim=-1, sizes=head.out_sizes
+            )
+        self.net.eval()
+        out = generate(
+            self._logits,
+            ids,
+            cfg.sample_tokens,
+            self.sizes.block_size,
+            cfg.temperature,
+            cfg.top_k,
+            torch.Generator().manual_seed(cfg.seed),
+            full,
+        )
+        return self.corpus.decode(out[0])
 
+    # ------------------------------------------------------------------------ state
     def extra_state(self) -> dict[str, Any]:
-        """Nothing beyond the model and optimizer: the batch of a step is a pure function of
-        the step and the seed."""
-        return {}
+        """The loss scaler's state (the batches are a pure function of the step)."""
+        return {"loss_scale": self.scaler.state()}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        """Nothing to restore (see :meth:`extra_state`)."""
+        """Restore :meth:`extra_state`."""
+        self.scaler.load(state.get("loss_scale", {}))
 
     def describe(self) -> dict[str, Any]:
-        """The run's task and model sizes (recorded in its checkpoints)."""
-        c = self.cfg
+        """The run's task, model sizes and parallelism (recorded in its checkpoints)."""
+        s = self.sizes
         return {
             "task": "gpt",
-            "model": "gpt",
-            "n_layer": c.n_layer,
-            "n_head": c.n_head,
-            "n_embd": c.n_embd,
-            "block_size": c.block_size,
-            "vocab_size": self.session.corpus.vocab_size,
+            "model": self.cfg.model,
+            "n_layer": s.n_layer,
+            "n_head": s.n_head,
+            "n_embd": s.n_embd,
+            "block_size": s.block_size,
+            "vocab_size": s.vocab_size,
+            "zero_stage": self.stage,
+            "mixed_precision": self.cfg.mixed_precision,
         }
+
+
+def _adamw(dp, cfg: GPTTaskConfig) -> torch.optim.Optimizer:
+    """AdamW on this rank's pieces, weight decay on the matrices (full tensors of two
+    dimensions, however they are stored) and not on biases and norms."""
+    matrices = set()
+    for s in dp.slots:
+        full = s.layout.shape if s.layout is not None else s.shape
+        if len(full) >= 2:
+            matrices.add(s.name)
+    decay, rest = [], []
+    for name, p in dp.named_parameters():
+        (decay if name in matrices else rest).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2))
+
+
+def _load_corpus(cfg: GPTTaskConfig, grid: ProcessGrid):
+    """The tokenised text (rank 0 first, so the tokenizer is trained or read once)."""
+    from gnnpar.data.text import load_corpus
+
+    tokenizer = Path(cfg.pretrained) if cfg.pretrained else None
+    if grid.global_rank == 0:
+        corpus = load_corpus(cfg.data, cfg.vocab_size, tokenizer=tokenizer)
+    comm.barrier(grid)
+    if grid.global_rank != 0:
+        corpus = load_corpus(cfg.data, cfg.vocab_size, tokenizer=tokenizer)
+    return corpus

@@ -87,6 +87,22 @@ class Trainer:
             tensorboard_dir=self.out / "tensorboard" if tensorboard else None,
         )
 
+    @classmethod
+    def from_config(cls, task: Task, cfg: Any) -> Trainer:
+        """A trainer with the options of a task's config (a
+        :class:`~gnnpar.train.config.TrainerConfig`)."""
+        return cls(
+            task,
+            cfg.out,
+            eval_every=cfg.eval_every,
+            checkpoint_every=cfg.checkpoint_every,
+            resume=cfg.resume,
+            quiet=cfg.quiet,
+            overwrite=cfg.overwrite,
+            tensorboard=cfg.tensorboard,
+            keep_checkpoints=cfg.keep_checkpoints,
+        )
+
     def _check_run_folder(self, overwrite: bool) -> None:
         """A finished or interrupted run is never mixed with a new one silently. Rank 0
         decides for everyone: other ranks may look only after rank 0 has started writing."""

@@ -10,6 +10,19 @@ from pathlib import Path
 from typing import Any
 
 
+def global_mean(value: Any, grid: Any, axes: tuple[str, ...] = ("z", "data")) -> float:
+    """Mean of a per-rank scalar tensor over the grid ``axes`` (the batch axes: every rank
+    gets the mean over the global batch)."""
+    import torch
+
+    from gnnpar import comm
+
+    v = value.detach().to(torch.float64).reshape(1).to(grid.device)
+    for axis in axes:
+        comm.all_reduce(v, grid, axis, op="avg")
+    return float(v)
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

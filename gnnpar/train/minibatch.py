@@ -21,6 +21,7 @@ resumes exactly on another one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,7 +36,7 @@ from tqdm import tqdm
 import gnnpar
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
-from gnnpar.nn.minibatch import BlockGNN
+from gnnpar.nn.minibatch import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.sampling import (
     DistNeighborSampler,
     FeatureFetcher,
@@ -48,59 +49,56 @@ from gnnpar.sampling import (
     parse_fanouts,
 )
 from gnnpar.sampling.rng import derive_key
-from gnnpar.train.config import ConfigError
+from gnnpar.shard import FCDP, by_type, shard
+from gnnpar.train.config import ConfigError, DataParallelConfig, TrainerConfig, option
+from gnnpar.train.precision import (
+    LossScaler,
+    compute_dtype,
+    full_precision,
+    master_dtype,
+    shard_policy,
+)
 
 _MODELS = ("sage", "gcn", "gat")
 _MASKS = ("train", "val", "test")
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _LOW31 = (1 << 31) - 1
 
 
-def _field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.field
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclasses.dataclass
-class MiniBatchConfig:
+class MiniBatchConfig(DataParallelConfig, TrainerConfig):
     """Options of ``gnnpar train sage`` (and ``--config FILE`` keys)."""
 
-    dataset: str = _field("sbm", "dataset name or path (see `gnnpar data list`)")
-    root: str | None = _field(None, "dataset root folder (default: datasets/)")
-    dataset_options: str | None = _field(
+    dataset: str = option("sbm", "dataset name or path (see `gnnpar data list`)")
+    root: str | None = option(None, "dataset root folder (default: datasets/)")
+    dataset_options: str | None = option(
         None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
     )
-    model: str = _field("sage", "sage (GraphSAGE-mean), gcn or gat")
-    parts: int | None = _field(None, "parts of the partition, one per process (default: all)")
-    partition_method: str = _field("metis", "partitioning method (see gnnpar-partition)")
-    partitions: str | None = _field(
+    model: str = option("sage", "sage (GraphSAGE-mean), gcn or gat")
+    parts: int | None = option(None, "parts of the partition, one per process (default: all)")
+    partition_method: str = option("metis", "partitioning method (see gnnpar-partition)")
+    partitions: str | None = option(
         None, "partition folder (default: under RUN/parts/), written by rank 0 if missing"
     )
-    fanouts: str = _field("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
-    replace: bool = _field(False, "sample neighbours with replacement")
-    batch_size: int = _field(32, "seeds per batch (per rank)")
-    hidden: int = _field(64, "hidden width")
-    layers: int = _field(2, "number of layers (one fan-out each)")
-    heads: int = _field(4, "attention heads of hidden GAT layers")
-    dropout: float = _field(0.5, "dropout probability")
-    lr: float = _field(0.01, "Adam learning rate")
-    weight_decay: float = _field(5e-4, "Adam weight decay")
-    epochs: int = _field(50, "training epochs")
-    seed: int = _field(0, "seed of weights, shuffling, sampling and dropout")
-    dtype: str = _field("float32", "float32 or float64 (parameters and features)")
-    feature_cache: int = _field(0, "remote feature rows cached per rank (distributed)")
-    prefetch: int = _field(1, "batches sampled ahead in a background thread (0: none)")
-    eval_every: int = _field(1, "evaluate every N epochs")
-    out: str = _field("runs/sage", "run folder: metrics, checkpoints")
-    checkpoint_every: int = _field(0, "checkpoint every N epochs (0: only at the end)")
-    resume: bool = _field(False, "continue from the newest checkpoint in the run folder")
-    overwrite: bool = _field(False, "start again in a run folder that holds a run")
-    quiet: bool = _field(False, "log lines instead of a progress bar")
-    tensorboard: bool = _field(False, "also write TensorBoard scalars to OUT/tensorboard")
-    ranks_per_node: int | None = _field(None, "ranks per node (default: local world size)")
+    fanouts: str = option("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
+    replace: bool = option(False, "sample neighbours with replacement")
+    batch_size: int = option(32, "seeds per step over all ranks (the global batch)")
+    hidden: int = option(64, "hidden width")
+    layers: int = option(2, "number of layers (one fan-out each)")
+    heads: int = option(4, "attention heads of hidden GAT layers")
+    dropout: float = option(0.5, "dropout probability")
+    lr: float = option(0.01, "Adam learning rate")
+    weight_decay: float = option(5e-4, "Adam weight decay")
+    epochs: int = option(50, "training epochs")
+    feature_cache: int = option(0, "remote feature rows cached per rank (distributed)")
+    prefetch: int = option(1, "batches sampled ahead in a background thread (0: none)")
+    out: str = option("runs/sage", "run folder: metrics.jsonl, checkpoints/, parts/")
+    eval_every: int = option(1, "evaluate every N epochs (0: only at the end)")
 
     def check(self) -> None:
         """Reject values that cannot work, naming the key."""
+        self.check_trainer()
+        self.check_data_parallel()
         if self.model not in _MODELS:
             raise ConfigError(f"config key 'model' must be one of {_MODELS}, got {self.model!r}")
         try:
@@ -117,7 +115,7 @@ class MiniBatchConfig:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         if self.parts is not None and self.parts < 1:
             raise ConfigError(f"config key 'parts' must be >= 1, got {self.parts}")
-        for key in ("feature_cache", "prefetch", "eval_every", "checkpoint_every"):
+        for key in ("feature_cache", "prefetch"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
         if not 0.0 <= self.dropout < 1.0:
@@ -129,8 +127,6 @@ class MiniBatchConfig:
             )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"config key 'dtype' must be one of {sorted(_DTYPES)}")
 
 
 def _load_graph(cfg: MiniBatchConfig) -> Any:
@@ -176,32 +172,6 @@ def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int) -> Path:
     return folder
 
 
-def allreduce_gradients(
-    model: torch.nn.Module, grid: ProcessGrid, count: int, axis: str = "data"
-) -> int:
-    """Sum every gradient and ``count`` over ``axis`` in one all-reduce, then divide the
-    gradients by the summed count; returns it. With a loss summed over a rank's ``count``
-    seeds, this gives the gradient of the mean loss over the global batch."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.cat(
-        [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
-        + [torch.tensor([float(count)], dtype=params[0].dtype)]
-    )
-    comm.all_reduce(flat, grid, axis)
-    total = int(round(float(flat[-1])))
-    if total > 0:
-        flat.div_(total)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        if p.grad is None:
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-        else:
-            p.grad.copy_(flat[offset : offset + n].view_as(p))
-        offset += n
-    return total
-
-
 class MiniBatchTask:
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
@@ -226,12 +196,23 @@ class MiniBatchTask:
         else:
             self._setup_graph()
         torch.manual_seed(cfg.seed)
-        self.model = BlockGNN(
+        self.net = BlockGNN(
             self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model, cfg.heads
-        ).to(_DTYPES[cfg.dtype])
-        self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        ).to(master_dtype(cfg))
+        # the one data-parallel path: each layer a unit (its parameters gathered together at
+        # stage 3, its gradients in one bucket at stages 0-2)
+        self.model = shard(
+            self.net,
+            self.grid,
+            cfg.zero_stage or 0,
+            units=by_type(SAGEConv, GCNConv, GATConv),
+            mixed_precision=shard_policy(cfg),
+            fcdp=FCDP() if cfg.fcdp else None,
         )
+        self.optimizer = self.model.attach(
+            torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        )
+        self.scaler = LossScaler(cfg.mixed_precision == "fp16")
         self.num_steps = cfg.epochs
 
     # ------------------------------------------------------------------ setup
@@ -241,7 +222,7 @@ class MiniBatchTask:
         for key in ("feat", "label", "train_mask"):
             if key not in graph.ndata:
                 raise ConfigError(f"dataset {cfg.dataset!r} has no node data {key!r}")
-        graph.ndata["feat"] = graph.feat.to(_DTYPES[cfg.dtype])
+        graph.ndata["feat"] = graph.feat.to(compute_dtype(cfg))
         self.graph = graph
         sampler = NeighborSampler(graph, self.fanouts, replace=cfg.replace, seed=cfg.seed)
         self.loader = NodeLoader(
@@ -252,6 +233,7 @@ class MiniBatchTask:
             features=graph.feat,
             labels=graph.label,
             prefetch=cfg.prefetch,
+            micro_batches=cfg.grad_accum,
         )
         self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
         self.fetcher: FeatureFetcher | None = None
@@ -269,7 +251,7 @@ class MiniBatchTask:
         for key in ("feat", "label", "train_mask"):
             if key not in part.ndata:
                 raise ConfigError(f"partition folder {folder} has no node data {key!r}")
-        part.ndata["feat"] = part.ndata["feat"].to(_DTYPES[cfg.dtype])
+        part.ndata["feat"] = part.ndata["feat"].to(compute_dtype(cfg))
         self.part = part
         # The loader samples and fetches in a background thread: it gets process groups of
         # its own, so its all-to-alls never interleave with this thread's collectives.
@@ -300,6 +282,7 @@ class MiniBatchTask:
             prefetch=cfg.prefetch,
             keys=keys,
             all_keys=all_keys,
+            micro_batches=cfg.grad_accum,
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
         num_classes = torch.tensor([int(labels.max()) + 1 if labels.numel() else 0])
@@ -309,22 +292,29 @@ class MiniBatchTask:
     # ------------------------------------------------------------------ the protocol
     def train_step(self, step: int) -> dict[str, float]:
         """One epoch of mini-batches; returns its loss, throughput and traffic."""
-        cfg, model = self.cfg, self.model
+        cfg, net, dp = self.cfg, self.net, self.model
         self.loader.set_epoch(step)
-        model.train()
+        net.train()
         fetch_before = dict(self.fetcher.stats) if self.fetcher else {}
         sums = torch.zeros(4, dtype=torch.float64)  # loss, correct, seeds, sampling bytes
         show = self.grid.global_rank == 0 and not cfg.quiet and len(self.loader) > 1
         bar = tqdm(total=len(self.loader), desc=f"epoch {step + 1}", leave=False, disable=not show)
         t0 = time.perf_counter()
+        data = self.grid.size("data")
         for batch in self.loader:
+            last = batch.micro == cfg.grad_accum - 1
             dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
-            logits = model(batch.blocks, batch.x, dropout_seed=dropout_seed)
-            loss = F.cross_entropy(logits, batch.y, reduction="sum")
-            self.optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            if allreduce_gradients(model, self.grid, batch.num_seeds) > 0:
-                self.optimizer.step()
+            with contextlib.nullcontext() if last else dp.no_sync():
+                logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
+                loss = F.cross_entropy(logits, batch.y, reduction="sum")
+                # the data axis averages gradients: scale the summed loss so the result is
+                # the gradient of the mean loss over the global batch
+                self.scaler.scale_loss(loss * (data / batch.global_size)).backward()
+            if last:
+                self.scaler.unscale(dp.parameters())
+                if self.scaler.update(float(dp.grad_norm()) if self.scaler.enabled else 0.0):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
             sums[0] += float(loss.detach())
             sums[1] += float((logits.argmax(1) == batch.y).sum()) if batch.num_seeds else 0.0
             sums[2] += batch.num_seeds
@@ -359,11 +349,11 @@ class MiniBatchTask:
         """Accuracy on the train/val/test masks, with full neighbourhoods (layer-wise)."""
         if not self.distributed:
             g = self.graph
-            logits = layerwise_inference(self.model, g, blocks=self._eval_blocks)
+            logits = layerwise_inference(self.net, g, blocks=self._eval_blocks)
             pred, label, data = logits.argmax(1), g.label, g.ndata
         else:
             part = self.part
-            logits = distributed_inference(self.model, part, part.ndata["feat"], self.grid)
+            logits = distributed_inference(self.net, part, part.ndata["feat"], self.grid)
             pred, label, data = logits.argmax(1), part.ndata["label"], part.ndata
         counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64)
         for i, name in enumerate(_MASKS):
