@@ -67,7 +67,9 @@ def planned_grid(cfg: gpt_train.GPTTrainConfig) -> Any:
         tie=cfg.tie_weights,
         element_size=getattr(torch, cfg.dtype).itemsize,
     )
-    machine = local_machine(world.backend)
+    # A GPU node holds the launcher's ranks per node, one GPU each (the CPU box: every core).
+    gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
+    machine = local_machine(world.backend, gpus_per_node)
     shape = choose_gpt_grid(problem, world.world_size, machine)
     gnnpar.release(world)
     return gnnpar.init(**shape)
