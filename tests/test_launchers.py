@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -345,3 +346,60 @@ def test_pmi_launch_learns_ranks_per_node_from_host_names(tmp_path):
     _check_table(tmp_path / "bw.json", 2, {"x": True, "y": False})
     outputs = finish(start([*cmd, *_train_args(tmp_path, "x=2,y=2")], envs, str(ROOT)), 180)
     _check_training(outputs, tmp_path / "run", "x=2 y=2 z=1", 4)
+
+
+class _SignalledTask:
+    """Counts steps; sends this process SIGTERM during step ``signal_at``."""
+
+    unit = "step"
+
+    def __init__(self, grid, num_steps: int, signal_at: int | None):
+        import torch
+
+        self.grid, self.num_steps, self.signal_at, self.done = grid, num_steps, signal_at, 0
+        self.model = torch.nn.Linear(1, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        if step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.done += 1
+        return {"loss": float(step)}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return {"steps_done": float(self.done)}
+
+    def extra_state(self) -> dict:
+        return {"done": self.done}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.done = state["done"]
+
+    def describe(self) -> dict:
+        return {"task": "signalled"}
+
+
+def test_sigterm_checkpoints_and_restores_the_previous_handler(tmp_path):
+    import gnnpar
+    from gnnpar.train.loop import Trainer
+
+    grid = gnnpar.init()
+
+    def previous(signum, frame):
+        raise AssertionError("the trainer's handler should have taken SIGTERM")
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        trainer = Trainer(_SignalledTask(grid, 10, signal_at=3), tmp_path, eval_every=0, quiet=True)
+        trainer.run()
+        assert signal.getsignal(signal.SIGTERM) is previous
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert trainer.preempted_at == 4
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert (last["event"], last["step"]) == ("preempted", 4)
+    task = _SignalledTask(grid, 10, signal_at=None)
+    result = Trainer(task, tmp_path, eval_every=0, quiet=True, resume=True).run()
+    assert result == {"steps_done": 10.0}  # 4 before the signal (restored) + 6 after
+    resumes = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "resume"]
+    assert [r["step"] for r in resumes] == [4]
