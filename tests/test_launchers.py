@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -346,6 +347,87 @@ def test_pmi_launch_learns_ranks_per_node_from_host_names(tmp_path):
     _check_table(tmp_path / "bw.json", 2, {"x": True, "y": False})
     outputs = finish(start([*cmd, *_train_args(tmp_path, "x=2,y=2")], envs, str(ROOT)), 180)
     _check_training(outputs, tmp_path / "run", "x=2 y=2 z=1", 4)
+
+
+# ----------------------------------------------------------- sbatch examples, preemption
+def _batch_env(tmp_path: Path, nodes: int, per_node: int, **extra: str) -> dict[str, str]:
+    """A batch job's environment with srun and scontrol stand-ins first on PATH (scontrol
+    only records its arguments)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!/bin/sh\nexec {" ".join(map(str, SRUN))} "$@"\n')
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    for f in (srun, scontrol):
+        f.chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    return clean_env(
+        **slurm_job_env(nodes, per_node, _slurm_job_id()),
+        PATH=path,
+        SHARED=str(tmp_path / "shared"),
+        GNNPAR_TIMEOUT="60",
+        **extra,
+    )
+
+
+def _epochs(path: Path) -> int:
+    return sum("epoch" in r for r in read_metrics(path)) if path.is_file() else 0
+
+
+def test_sbatch_gcn_preempted_by_sigterm_is_requeued_and_resumes(tmp_path):
+    """SIGTERM reaches one task only (rank 1): the ranks agree, stop after the same epoch,
+    write a checkpoint and exit 0; the script requeues the job; the requeued job
+    (SLURM_RESTART_COUNT=1, no --resume) continues from that epoch."""
+    script = str(ROOT / "examples" / "slurm" / "gcn_products.sbatch")
+    pids = tmp_path / "pids"
+    env = _batch_env(tmp_path, 2, 1, SIMULATED_SRUN_PIDS=str(pids))
+    small = [*TINY_SBM, "--layers", "2", "--hidden", "8", "--grid", "x=2"]
+    small += ["--eval-every", "0", "--checkpoint-every", "0"]
+    metrics = tmp_path / "shared" / "gnnpar" / "runs" / "gcn-products" / "metrics.jsonl"
+    [proc] = start(["bash", script, *small, "--epochs", "100000"], [env], str(ROOT))
+    try:
+        deadline = time.monotonic() + 120
+        while _epochs(metrics) < 3:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no epochs recorded:\n{proc.communicate()[0][-3000:]}")
+            time.sleep(0.05)
+        os.kill(int(pids.read_text().split()[1]), signal.SIGTERM)
+    finally:
+        [(rc, out)] = finish([proc], 120)
+    assert rc == 0, out
+    last = read_metrics(metrics)[-1]
+    assert last["event"] == "preempted" and last["step"] >= 3, last
+    stopped = last["step"]
+    assert f"preempted by SIGTERM after epoch {stopped}" in out
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", env["SLURM_JOB_ID"]]
+
+    # The requeued job: same job id (so the same port), a restart count, two more epochs.
+    env["SLURM_RESTART_COUNT"] = "1"
+    [proc] = start(["bash", script, *small, "--epochs", str(stopped + 2)], [env], str(ROOT))
+    [(rc, out)] = finish([proc], 120)
+    assert rc == 0, out
+    records = read_metrics(metrics)
+    resumes = [r for r in records if r.get("event") == "resume"]
+    assert [(r["step"], r["attempt"]) for r in resumes] == [(stopped, 1)]
+    assert [r.get("epoch") for r in records[-3:-1]] == [stopped + 1, stopped + 2]
+    assert records[-1]["event"] == "end"
+    assert len((tmp_path / "scontrol.log").read_text().splitlines()) == 1  # not requeued again
+
+
+def test_sbatch_gpt_4d_runs(tmp_path):
+    words = "the of and to in is was he for it with as his on be at by this had not".split()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(words[(i * 7) % len(words)] for i in range(5000)))
+    env = _batch_env(tmp_path, 2, 1)
+    tiny = ["--data", str(corpus), "--vocab-size", "300", "--n-layer", "1", "--n-head", "2"]
+    tiny += ["--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2"]
+    tiny += ["--grid", "x=2", "--eval-every", "0", "--sample-tokens", "4"]
+    script = str(ROOT / "examples" / "slurm" / "gpt_4d.sbatch")
+    [(rc, out)] = finish(start(["bash", script, *tiny], [env], str(ROOT)), 240)
+    assert rc == 0, out
+    assert "done: grid data=1 x=2 y=1 z=1 (2 ranks, gloo, cpu, 1 ranks/node)" in out
+    assert not (tmp_path / "scontrol.log").exists()
 
 
 class _SignalledTask:
