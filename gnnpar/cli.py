@@ -47,12 +47,15 @@ def _info_check(args: argparse.Namespace) -> int:
     import gnnpar
     from gnnpar import info
     from gnnpar.grid import default_shape, parse_grid_spec
+    from gnnpar.launch import detect_launch
 
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    launch = detect_launch()
+    world = launch.world_size if launch is not None else 1
     shape = parse_grid_spec(args.grid) if args.grid else default_shape(world)
     grid = gnnpar.init(**shape, ranks_per_node=args.ranks_per_node)
     try:
         if grid.global_rank == 0:
+            print(f"launcher: {launch.describe() if launch else 'none (one process)'}")
             print(f"{grid.describe()}: probing collectives with {args.mbytes} MB buffers")
         entries = info.probe(grid, nbytes=int(args.mbytes * (1 << 20)), iters=args.iters)
         if grid.global_rank == 0:
@@ -76,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gnnpar",
         description="Distributed training for GNNs on huge graphs and for large transformers.",
+    )
+    parser.add_argument(
+        "--master-addr",
+        metavar="HOST[:PORT]",
+        default=None,
+        help="rank 0's host (and port) under Slurm or MPI, as MASTER_ADDR / MASTER_PORT",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -108,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # what a local launch hands to each rank
     try:
+        if args.master_addr:
+            from gnnpar.launch import apply_master_addr
+
+            apply_master_addr(args.master_addr)
         return int(args.func(args) or 0)
     except (CLIError, ConfigError, GridError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"gnnpar {args.command}: error: {e}", file=sys.stderr)

@@ -17,12 +17,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
+
+from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
 #: The four grid axes, fastest-varying first.
 AXES: tuple[str, ...] = ("x", "y", "z", "data")
@@ -254,6 +257,111 @@ def _restart_safe_store(timeout: timedelta) -> dict:
     }
 
 
+def _backend_and_device(
+    backend: str | None, device: torch.device | str | None, local_rank: int
+) -> tuple[str, torch.device]:
+    """Backend and device, each following the other (gloo ↔ CPU, NCCL ↔ CUDA); with neither
+    given, NCCL on ``cuda:local_rank`` when a GPU is present."""
+    if backend is None and device is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend is None:
+        backend = backend_for_device(device)
+    if device is None:
+        device = device_for_backend(backend, local_rank)
+    device = torch.device(device)
+    if backend_for_device(device) != backend:
+        raise GridError(f"backend {backend!r} cannot move tensors on device {device}")
+    return backend, device
+
+
+def _join_torchrun(
+    backend: str | None, device: torch.device | str | None, timeout: timedelta
+) -> tuple[str, torch.device, bool]:
+    """Join torchrun's env rendezvous (or stay a plain process): backend, device, and whether
+    this call started torch.distributed."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend, device = _backend_and_device(backend, device, local_rank)
+    owns = False
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) > 1 or "MASTER_ADDR" in os.environ:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                backend=backend, timeout=timeout, **_restart_safe_store(timeout)
+            )
+            owns = True
+    return backend, device, owns
+
+
+def _launch_store(launch: Launch, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store of a Slurm or MPI launch, served by rank 0."""
+    where = f"{launch.master_addr}:{launch.master_port}"
+    try:
+        return dist.TCPStore(
+            host_name=launch.master_addr,
+            port=launch.master_port,
+            world_size=launch.world_size,
+            is_master=launch.rank == 0,
+            timeout=timeout,
+        )
+    except (RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        doing = "serve the rendezvous on" if launch.rank == 0 else "reach rank 0 at"
+        raise LaunchError(
+            f"{LAUNCHER_NAMES[launch.launcher]} rank {launch.rank} of {launch.world_size} "
+            f"could not {doing} {where} ({first}); set MASTER_ADDR / MASTER_PORT"
+        ) from None
+
+
+def _hosts_via_store(store: dist.Store, rank: int, world: int) -> list[str]:
+    """Every rank's host name, exchanged through the rendezvous store (before any process
+    group exists, so before the device is known)."""
+    store.set(f"gnnpar/host/{rank}", socket.gethostname())
+    return [store.get(f"gnnpar/host/{r}").decode() for r in range(world)]
+
+
+def _join_launch(
+    launch: Launch, backend: str | None, device: torch.device | str | None, timeout: timedelta
+) -> tuple[str, torch.device, bool, int]:
+    """Join a Slurm step or MPI launch: backend, device, whether this call started
+    torch.distributed, and the ranks per node the launcher implies."""
+    local_rank, per_node = launch.local_rank, launch.ranks_per_node
+    owns = False
+    if launch.world_size > 1 and dist.is_available() and not dist.is_initialized():
+        store = _launch_store(launch, timeout)
+        if local_rank is None or per_node is None:
+            hosts = _hosts_via_store(store, launch.rank, launch.world_size)
+            local_rank, per_node = node_layout(hosts, launch.rank)
+        backend, device = _backend_and_device(backend, device, _gpu_index(local_rank))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+        )
+        owns = True
+    elif local_rank is None or per_node is None:
+        if dist.is_available() and dist.is_initialized():  # a later grid in the same world
+            hosts = [""] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            local_rank, per_node = node_layout(hosts, dist.get_rank())
+        else:
+            local_rank, per_node = 0, 1
+    if not owns:
+        backend, device = _backend_and_device(backend, device, _gpu_index(local_rank))
+    return backend, device, owns, per_node
+
+
+def _gpu_index(local_rank: int) -> int:
+    """The GPU of ``local_rank``: a task bound to fewer GPUs (``srun --gpus-per-task=1``) sees
+    its own as device 0."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return local_rank % count if count else local_rank
+
+
 def init(
     data: int | None = None,
     x: int = 1,
@@ -267,38 +375,26 @@ def init(
 ) -> ProcessGrid:
     """Build the process grid, initialising torch.distributed from the environment if needed.
 
-    Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) this joins the env rendezvous;
-    in a plain process with no such environment it returns a world of one. ``data`` defaults
-    to ``world // (x*y*z)``. Backend and device follow each other: gloo ↔ CPU, NCCL ↔ CUDA;
-    with neither given, CUDA and NCCL are used when a GPU is present. ``ranks_per_node``
-    (default: ``LOCAL_WORLD_SIZE`` or the world size) tells which groups are intra-node; tests
-    set it to simulate several nodes. ``timeout`` (seconds) bounds every collective, so a dead
-    peer gives an error instead of a hang.
+    The launcher is recognised from the environment (:func:`gnnpar.launch.detect_launch`):
+    torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``: its env rendezvous), a Slurm step
+    (``srun``) or an MPI launch (Open MPI, MPICH/PMI); in a plain process it returns a world
+    of one. ``data`` defaults to ``world // (x*y*z)``. Backend and device follow each other:
+    gloo ↔ CPU, NCCL ↔ CUDA; with neither given, CUDA and NCCL are used when a GPU is present,
+    the local rank's GPU. ``ranks_per_node`` (default: the launcher's, e.g.
+    ``LOCAL_WORLD_SIZE`` or Slurm's tasks per node, else the world size) tells which groups
+    are intra-node; tests set it to simulate several nodes. ``timeout`` (seconds) bounds every
+    collective, so a dead peer gives an error instead of a hang.
     """
     if timeout is None:
         timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend is None and device is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend is None:
-        backend = backend_for_device(device)
-    if device is None:
-        device = device_for_backend(backend, local_rank)
-    device = torch.device(device)
-    if backend_for_device(device) != backend:
-        raise GridError(f"backend {backend!r} cannot move tensors on device {device}")
-
-    owns = False
-    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        if int(os.environ["WORLD_SIZE"]) > 1 or "MASTER_ADDR" in os.environ:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            dist.init_process_group(
-                backend=backend, timeout=timeout, **_restart_safe_store(timeout)
-            )
-            owns = True
+    launch = detect_launch()
+    launched_per_node = None
+    if launch is None or launch.launcher == "torchrun":
+        backend, device, owns = _join_torchrun(backend, device, timeout)
+    else:
+        backend, device, owns, launched_per_node = _join_launch(launch, backend, device, timeout)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
         actual = dist.get_backend()
@@ -307,10 +403,18 @@ def init(
     else:
         world, rank = 1, 0
 
-    sizes = _resolve_sizes(world, data, x, y, z)
+    try:
+        sizes = _resolve_sizes(world, data, x, y, z)
+    except GridError as e:
+        if launch is None:
+            raise
+        raise GridError(f"{e} (launched by {LAUNCHER_NAMES[launch.launcher]})") from None
     shape = dict(zip(("data", "x", "y", "z"), sizes, strict=True))
     if ranks_per_node is None:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if launched_per_node is not None:
+            ranks_per_node = launched_per_node
+        else:
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if ranks_per_node < 1:
         raise GridError(f"ranks_per_node must be positive, got {ranks_per_node}")
 

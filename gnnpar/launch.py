@@ -1,20 +1,378 @@
-"""Start N local processes through PyTorch's own launcher (the code behind torchrun)."""
+"""How gnnpar processes are started: the launcher that started this one, and N local ones.
+
+:func:`detect_launch` recognises, in this order,
+
+- **torchrun** (``RANK``/``WORLD_SIZE``, or ``TORCHELASTIC_RUN_ID``): its env rendezvous;
+- a **Slurm step** started by ``srun`` (``SLURM_PROCID`` and ``SLURM_STEP_ID``; a batch
+  script or an ``salloc`` shell has no step id and is not a launch): rank ``SLURM_PROCID``
+  of ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``, local rank ``SLURM_LOCALID``, ranks per
+  node from ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_TASKS_PER_NODE``/``SLURM_NTASKS_PER_NODE``,
+  rank 0's host = the first host of ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST`` and the
+  port ``10000 + job id % 50000``;
+- an **MPI launch**: Open MPI (``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``) or
+  MPICH/Hydra/Intel MPI (``PMI_RANK``/``PMI_SIZE``, no local rank: it is learnt by
+  exchanging host names); rank 0's address from ``MASTER_ADDR`` (or ``gnnpar
+  --master-addr``; Open MPI on one node needs none), the port from ``MASTER_PORT`` (default
+  29500).
+
+``MASTER_ADDR``/``MASTER_PORT`` override the Slurm address and port too. An incomplete or
+inconsistent environment is a :class:`LaunchError` of one line. :func:`launch_local` starts
+N local processes under PyTorch's own launcher (the code behind torchrun).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+#: Port of the rendezvous under MPI when ``MASTER_PORT`` is not set (torch's default).
+DEFAULT_MPI_PORT = 29500
+#: How :meth:`Launch.describe` names each launcher.
+LAUNCHER_NAMES: Mapping[str, str] = MappingProxyType(
+    {"torchrun": "torchrun", "slurm": "Slurm (srun)", "openmpi": "Open MPI", "pmi": "MPICH/PMI"}
+)
+#: Hosts one compressed Slurm host list may expand to (Slurm's own hostlist limit is 64k).
+MAX_HOSTS = 1 << 16
 
 
-def under_launcher() -> bool:
-    """Whether this process already runs under torchrun (or another env:// launcher)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+class LaunchError(ValueError):
+    """The launcher's environment is incomplete or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Where this process sits in a launched world.
+
+    ``local_rank`` and ``ranks_per_node`` are ``None`` when the launcher does not give them
+    (MPICH/PMI): :func:`gnnpar.init` then learns them from every rank's host name.
+    ``ranks_per_node`` is the same on every rank (the first node's count), because the grid
+    and the planner take one value for all nodes.
+    """
+
+    launcher: str  # "torchrun", "slurm", "openmpi" or "pmi"
+    rank: int
+    world_size: int
+    local_rank: int | None
+    ranks_per_node: int | None
+    master_addr: str | None
+    master_port: int | None
+
+    def describe(self) -> str:
+        """One line naming the launcher, the rank and the rendezvous address."""
+        per_node = (
+            f"{self.ranks_per_node} per node"
+            if self.ranks_per_node is not None
+            else "ranks per node from host names"
+        )
+        where = f", rank 0 at {self.master_addr}:{self.master_port}" if self.master_addr else ""
+        name = LAUNCHER_NAMES[self.launcher]
+        return f"{name}: rank {self.rank} of {self.world_size}, {per_node}{where}"
+
+
+# ----------------------------------------------------------------------------- parsing
+def _int(env: Mapping[str, str], name: str, launcher: str) -> int:
+    value = env.get(name, "")
+    try:
+        out = int(value)
+    except ValueError:
+        raise LaunchError(f"{launcher}: {name}={value!r} is not an integer") from None
+    if out < 0:
+        raise LaunchError(f"{launcher}: {name}={value!r} is negative")
+    return out
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    """The first of ``names`` set (non-empty) in ``env``."""
+    return next((n for n in names if env.get(n)), None)
+
+
+def _split_outside_brackets(text: str, where: str) -> list[str]:
+    """``text`` cut at commas and white space that are not inside ``[...]``."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise LaunchError(f"{where}: unbalanced ']' in {text!r}")
+        if depth == 0 and (ch == "," or ch.isspace()):
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise LaunchError(f"{where}: unclosed '[' in {text!r}")
+    parts.append("".join(cur))
+    return [p for p in parts if p]
+
+
+def _expand_ranges(body: str, text: str) -> list[str]:
+    """``"001-003,7"`` → ``["001", "002", "003", "7"]``: every number keeps the width of the
+    range's first number (Slurm's zero padding)."""
+    out: list[str] = []
+    for part in body.split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise LaunchError(f"bad host range [{body}] in host list {text!r}")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise LaunchError(f"host range {part} in host list {text!r} runs backwards")
+        if last - first >= MAX_HOSTS:
+            raise LaunchError(f"host range {part} in host list {text!r} is too long")
+        out.extend(str(i).zfill(len(lo)) for i in range(first, last + 1))
+    return out
+
+
+def parse_hostlist(text: str) -> list[str]:
+    """Expand a Slurm host list: ``"nid[001-004,007]"``, ``"tux[0-5,12]"``,
+    ``"rack[1-2]-node[01-02]"`` (several bracket groups: the first varies slowest),
+    ``"a,b[1-2],c"`` (comma-separated hosts), ``"127.0.0.[1-2]"``."""
+    hosts: list[str] = []
+    for token in _split_outside_brackets(text.strip(), "Slurm host list"):
+        expanded, rest = [""], token
+        while rest:
+            literal, bracket, rest = rest.partition("[")
+            if not bracket:
+                expanded = [e + literal for e in expanded]
+                break
+            body, _, rest = rest.partition("]")
+            numbers = _expand_ranges(body, text)
+            expanded = [e + literal + n for e in expanded for n in numbers]
+            if len(hosts) + len(expanded) > MAX_HOSTS:
+                raise LaunchError(f"host list {text!r} names more than {MAX_HOSTS} hosts")
+        hosts.extend(expanded)
+    return hosts
+
+
+def parse_tasks_per_node(text: str) -> list[int]:
+    """Expand Slurm's tasks-per-node list: ``"2(x3),1"`` → ``[2, 2, 2, 1]``."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if m is None:
+            raise LaunchError(f"bad Slurm tasks per node {text!r} (expected e.g. '4(x2),3')")
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    if not out:
+        raise LaunchError(f"bad Slurm tasks per node {text!r} (expected e.g. '4(x2),3')")
+    return out
+
+
+def node_layout(hosts: Sequence[str], rank: int) -> tuple[int, int]:
+    """This rank's local rank and the grid's ranks per node, from every rank's host name.
+
+    The grid numbers nodes as blocks of ``ranks_per_node`` consecutive ranks. When the hosts
+    are such blocks (the last may be shorter) that is their size; otherwise (ranks dealt
+    round-robin over the nodes) no two consecutive ranks are trusted to share one: 1.
+    """
+    local_rank = sum(1 for h in hosts[:rank] if h == hosts[rank])
+    per_node = sum(1 for h in hosts if h == hosts[0])
+    blocks = [hosts[i : i + per_node] for i in range(0, len(hosts), per_node)]
+    firsts = [b[0] for b in blocks]
+    blocked = all(len(set(b)) == 1 for b in blocks) and len(set(firsts)) == len(firsts)
+    return local_rank, per_node if blocked else 1
+
+
+# ---------------------------------------------------------------------------- launchers
+def _is_torchrun(env: Mapping[str, str]) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+
+
+def _torchrun(env: Mapping[str, str]) -> Launch:
+    world = int(env.get("WORLD_SIZE", "1"))
+    return Launch(
+        launcher="torchrun",
+        rank=int(env.get("RANK", "0")),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        ranks_per_node=int(env.get("LOCAL_WORLD_SIZE", world)),
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
     )
 
 
+def _master_port(env: Mapping[str, str], launcher: str) -> int | None:
+    if not env.get("MASTER_PORT"):
+        return None
+    port = _int(env, "MASTER_PORT", launcher)
+    if not 0 < port < 65536:
+        raise LaunchError(f"{launcher}: MASTER_PORT={port} is not a TCP port")
+    return port
+
+
+def _check_rank(launcher: str, what: str, rank: int, size: int) -> None:
+    if size < 1:
+        raise LaunchError(f"{launcher}: {what} size {size} must be positive")
+    if rank >= size:
+        raise LaunchError(f"{launcher}: {what} rank {rank} is outside a size of {size}")
+
+
+def _slurm(env: Mapping[str, str]) -> Launch:
+    who = "Slurm step"
+    rank = _int(env, "SLURM_PROCID", who)
+    size_var = _first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    if size_var is None:
+        raise LaunchError(f"{who}: SLURM_PROCID is set but not SLURM_NTASKS")
+    world = _int(env, size_var, who)
+    _check_rank(who, "task", rank, world)
+    local_rank = _int(env, "SLURM_LOCALID", who) if env.get("SLURM_LOCALID") else None
+
+    per_node: int | None = None
+    counts_var = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    counts = parse_tasks_per_node(env[counts_var]) if counts_var else None
+    if counts is not None:
+        if sum(counts) != world:
+            raise LaunchError(
+                f"{who}: {counts_var}={env[counts_var]} names {sum(counts)} tasks but "
+                f"{size_var}={world}"
+            )
+        per_node = counts[0]
+    elif env.get("SLURM_NTASKS_PER_NODE"):
+        per_node = min(world, _int(env, "SLURM_NTASKS_PER_NODE", who))
+    if per_node is not None and local_rank is not None:
+        most = max(counts) if counts else per_node
+        if local_rank >= most:
+            raise LaunchError(
+                f"{who}: SLURM_LOCALID={local_rank} but at most {most} tasks per node"
+            )
+    if local_rank is None or per_node is None:
+        local_rank = per_node = None  # learnt from host names, as under PMI
+
+    nodes_var = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    addr = env.get("MASTER_ADDR")
+    if not addr and world > 1:
+        if nodes_var is None:
+            raise LaunchError(
+                f"{who} of {world} tasks without a node list (SLURM_JOB_NODELIST) to find "
+                "rank 0's host; set MASTER_ADDR"
+            )
+        hosts = parse_hostlist(env[nodes_var])
+        if not hosts:
+            raise LaunchError(f"{who}: {nodes_var} is empty")
+        if counts is not None and len(counts) != len(hosts):
+            raise LaunchError(
+                f"{who}: {nodes_var}={env[nodes_var]} names {len(hosts)} hosts but "
+                f"{counts_var}={env[counts_var]} names {len(counts)} nodes"
+            )
+        addr = hosts[0]
+    port = _master_port(env, who)
+    if port is None and world > 1:
+        if not env.get("SLURM_JOB_ID"):
+            raise LaunchError(f"{who}: no SLURM_JOB_ID to derive the port from; set MASTER_PORT")
+        port = 10000 + _int(env, "SLURM_JOB_ID", who) % 50000
+    return Launch("slurm", rank, world, local_rank, per_node, addr or None, port)
+
+
+def _openmpi(env: Mapping[str, str]) -> Launch:
+    who = "Open MPI launch"
+    for name in ("SIZE", "LOCAL_RANK", "LOCAL_SIZE"):
+        name = f"OMPI_COMM_WORLD_{name}"
+        if not env.get(name):
+            raise LaunchError(f"{who}: OMPI_COMM_WORLD_RANK is set but not {name}")
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", who)
+    world = _int(env, "OMPI_COMM_WORLD_SIZE", who)
+    _check_rank(who, "world", rank, world)
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", who)
+    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", who)
+    _check_rank(who, "local", local_rank, local_size)
+    # All ranks on this node: rank 0 is here too.
+    addr = env.get("MASTER_ADDR") or ("127.0.0.1" if local_size == world else None)
+    return _mpi_launch("openmpi", who, rank, world, local_rank, local_size, addr, env)
+
+
+def _pmi(env: Mapping[str, str]) -> Launch:
+    who = "MPICH/PMI launch"
+    if not env.get("PMI_SIZE"):
+        raise LaunchError(f"{who}: PMI_RANK is set but not PMI_SIZE")
+    rank, world = _int(env, "PMI_RANK", who), _int(env, "PMI_SIZE", who)
+    _check_rank(who, "world", rank, world)
+    local_rank, per_node = (0, 1) if world == 1 else (None, None)
+    return _mpi_launch("pmi", who, rank, world, local_rank, per_node, env.get("MASTER_ADDR"), env)
+
+
+def _mpi_launch(
+    launcher: str,
+    who: str,
+    rank: int,
+    world: int,
+    local_rank: int | None,
+    per_node: int | None,
+    addr: str | None,
+    env: Mapping[str, str],
+) -> Launch:
+    if world > 1 and not addr:
+        raise LaunchError(
+            f"{who} of {world} ranks needs rank 0's host: set MASTER_ADDR (e.g. "
+            "mpirun -x MASTER_ADDR=$(hostname)) or pass gnnpar --master-addr HOST"
+        )
+    port = _master_port(env, who) or (DEFAULT_MPI_PORT if world > 1 else None)
+    return Launch(launcher, rank, world, local_rank, per_node, addr, port)
+
+
+def detect_launch(environ: Mapping[str, str] | None = None) -> Launch | None:
+    """The launch this process belongs to, or ``None`` for a plain process; raises
+    :class:`LaunchError` when the launcher's variables are incomplete or inconsistent."""
+    env = os.environ if environ is None else environ
+    if _is_torchrun(env):
+        return _torchrun(env)
+    if env.get("SLURM_PROCID") and (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        slurm = _slurm(env)
+        # mpirun inside an allocation starts its daemons with srun: the ranks inherit the
+        # daemons' step (one task per node), and the MPI variables describe the real world.
+        # (srun --mpi=pmi2 sets PMI variables that agree with the step.)
+        mpi = _mpi_rank_size(env)
+        if mpi is None or mpi == (slurm.rank, slurm.world_size):
+            return slurm
+    if env.get("OMPI_COMM_WORLD_RANK"):
+        return _openmpi(env)
+    if env.get("PMI_RANK"):
+        return _pmi(env)
+    return None
+
+
+def _mpi_rank_size(env: Mapping[str, str]) -> tuple[int, int] | None:
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        if env.get(rank) and env.get(size):
+            return _int(env, rank, "MPI launch"), _int(env, size, "MPI launch")
+    return None
+
+
+def under_launcher() -> bool:
+    """Whether a launcher already started this process as part of a world (torchrun, or a
+    Slurm step / MPI launch of more than one process), so ``--nprocs`` must not start more."""
+    launch = detect_launch()
+    return launch is not None and (launch.launcher == "torchrun" or launch.world_size > 1)
+
+
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How often this run has been started again: torchrun's ``--max-restarts`` attempts
+    plus Slurm requeues (``SLURM_RESTART_COUNT``)."""
+    env = os.environ if environ is None else environ
+    return sum(int(env.get(v) or 0) for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def apply_master_addr(value: str, environ: dict[str, str] | None = None) -> None:
+    """``gnnpar --master-addr HOST[:PORT]``: set ``MASTER_ADDR`` (and ``MASTER_PORT``) for
+    Slurm and MPI launches. Under torchrun its own rendezvous address is kept."""
+    env = os.environ if environ is None else environ
+    if _is_torchrun(env):
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = value, ""
+    if not host:
+        raise LaunchError(f"--master-addr {value!r} names no host")
+    env["MASTER_ADDR"] = host
+    if port:
+        env["MASTER_PORT"] = port
+
+
+# ------------------------------------------------------------------------ local launch
 def launch_local(
     nprocs: int,
     module_argv: Sequence[str],

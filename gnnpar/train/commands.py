@@ -45,7 +45,18 @@ def _run(args: argparse.Namespace) -> int:
     from gnnpar.train.loop import Trainer
 
     task = factory(cfg)
-    result = Trainer.from_config(task, cfg).run()
+    trainer = Trainer.from_config(task, cfg)
+    result = trainer.run()
+    if trainer.preempted_at is not None:
+        # Exit 0: the checkpoint is written and every rank stopped cleanly; requeueing is
+        # the job script's choice (examples/slurm/), and a requeued job resumes by itself.
+        if task.grid.global_rank == 0:
+            print(
+                f"preempted by SIGTERM after {task.unit} {trainer.preempted_at}: checkpoint "
+                f"in {cfg.out}/checkpoints; run again with --resume to continue"
+            )
+        gnnpar.shutdown(task.grid)
+        return 0
     sample = task.finish() if hasattr(task, "finish") else None
     if task.grid.global_rank == 0:
         if sample:

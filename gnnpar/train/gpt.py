@@ -241,8 +241,10 @@ def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[d
         element_size=compute_dtype(cfg).itemsize,
         grad_clip=cfg.grad_clip > 0,
     )
-    return choose_gpt_plan(problem, world.world_size, local_machine(world.backend), shape,
-                           cfg.zero_stage)  # fmt: skip
+    # A GPU node holds the launcher's ranks per node, one GPU each (the CPU box: every core).
+    gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
+    machine = local_machine(world.backend, gpus_per_node)
+    return choose_gpt_plan(problem, world.world_size, machine, shape, cfg.zero_stage)
 
 
 class GPTTask:

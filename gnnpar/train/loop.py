@@ -6,8 +6,9 @@ small :class:`Task` protocol; the loop owns everything else, the same way for al
 
 from __future__ import annotations
 
-import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from gnnpar import checkpoint, comm
 from gnnpar.grid import ProcessGrid
+from gnnpar.launch import restart_count
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 
 
@@ -74,10 +76,13 @@ class Trainer:
         self.eval_every = eval_every
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
-        # Ranks brought back by torchrun --max-restarts continue their own run from its
-        # newest checkpoint (or from the start when none was written yet).
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # Ranks brought back by torchrun --max-restarts, or a Slurm job requeued after a
+        # preemption, continue their own run from its newest checkpoint (or from the start
+        # when none was written yet).
+        self.attempt = restart_count()
         self.resume = resume or self.attempt > 0
+        #: The step at which a SIGTERM stopped :meth:`run` (after a checkpoint), else None.
+        self.preempted_at: int | None = None
         self.quiet = quiet
         self.is_main = self.grid.global_rank == 0
         self._check_run_folder(overwrite)
@@ -162,7 +167,19 @@ class Trainer:
         return found.step
 
     def run(self) -> dict[str, float]:
-        """Train to the end; return the final evaluation."""
+        """Train to the end; return the final evaluation. A SIGTERM (Slurm's ``--signal``
+        before the time limit, a preemption) ends the run early but cleanly: every rank
+        finishes the step, a checkpoint is written, ``preempted_at`` is set, and the
+        ``preempted`` event is the last record."""
+        with _SigtermFlag() as self._sigterm:
+            return self._run()
+
+    def _preemption_agreed(self) -> bool:
+        """Whether any rank has received SIGTERM, so that all stop after the same step."""
+        flag = torch.tensor([float(self._sigterm.raised)], device=self.grid.device)
+        return bool(comm.all_reduce(flag, self.grid, "world", op="max").item())
+
+    def _run(self) -> dict[str, float]:
         start_step = self._resume() if self.resume else 0
         if start_step == 0:
             self.metrics.write({"event": "start", "grid": self.grid.shape, "attempt": self.attempt})
@@ -193,8 +210,17 @@ class Trainer:
             if self.quiet and self.is_main and (done % max(1, total // 10) == 0):
                 text = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
                 print(f"{self.task.unit} {done}/{total} {text}", flush=True)
-            if self.checkpoint_every and done % self.checkpoint_every == 0 and done < total:
+            saved = self.checkpoint_every and done % self.checkpoint_every == 0
+            if saved and done < total:
                 self._save(done)
+            if done < total and self._preemption_agreed():
+                if not saved:
+                    self._save(done)
+                bar.close()
+                self.preempted_at = done
+                self.metrics.write({"event": "preempted", "step": done})
+                self.metrics.close()
+                return last_eval
         bar.close()
         if start_step < total:
             self._save(total)  # every run ends with its trained model on disk
@@ -203,6 +229,32 @@ class Trainer:
         self.metrics.write({"event": "end", **last_eval})
         self.metrics.close()
         return last_eval
+
+
+class _SigtermFlag:
+    """While entered, SIGTERM only raises a flag that the loop reads between steps (in the
+    main thread only, where Python delivers signals); the previous handler comes back on
+    exit."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.raised = True
+
+    def __enter__(self) -> _SigtermFlag:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            # None: the previous handler was not set from Python; the default is the best guess.
+            previous = signal.SIG_DFL if self._previous is None else self._previous
+            signal.signal(signal.SIGTERM, previous)
 
 
 _SHOWN = (
