@@ -22,6 +22,7 @@ from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid
 from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
 from gnnpar.sparse.shards import DiskSource, prepare_shards
+from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train.config import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -55,7 +56,9 @@ class FullGraphConfig:
     ranks_per_node: int | None = _field(None, "ranks per node (default: local world size)")
     shards: str | None = _field(None, "shard folder (default: RUN/shards), made if missing")
     blocks: int = _field(8, "file blocks per side when cutting shards")
-    permutation: str = _field("random", "node relabelling: random (Plexus), balanced, none")
+    permutation: str = _field(
+        "random", "node relabelling: random (Plexus), balanced, balanced-local, none"
+    )
     seed: int = _field(0, "seed of weights, dropout and permutations")
     dtype: str = _field("float32", "float32 or float64")
     overlap_chunks: int = _field(1, "row chunks whose all-reduce overlaps the next SpMM")
@@ -73,8 +76,8 @@ class FullGraphConfig:
             raise ConfigError(f"config key 'model' must be gcn or sage, got {self.model!r}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
-        if self.permutation not in ("random", "balanced", "none"):
-            raise ConfigError("config key 'permutation' must be random, balanced or none")
+        if self.permutation not in PERMUTATIONS:
+            raise ConfigError(f"config key 'permutation' must be one of {', '.join(PERMUTATIONS)}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"config key 'dtype' must be one of {sorted(_DTYPES)}")
         for key in ("hidden", "layers", "epochs", "blocks", "overlap_chunks"):
