@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from gnnpar.graph import Graph
+from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits
 
@@ -39,6 +40,19 @@ __all__ = [
 ]
 
 _MAX_DEGREE = 2**31 - 1
+BACKENDS = ("auto", "torch", "numba")
+
+
+def _use_numba(backend: str, *tensors: torch.Tensor) -> bool:
+    """Whether to run the compiled kernels: ``auto`` uses them when numba is installed and
+    the tensors are on the CPU."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sampling backend {backend!r}; use one of {BACKENDS}")
+    if backend == "torch":
+        return False
+    if backend == "numba" and not compiled.available():
+        raise ImportError("the numba sampling backend needs numba: pip install 'gnnpar[fast]'")
+    return compiled.available() and all(t.device.type == "cpu" for t in tensors)
 
 
 def parse_fanouts(fanouts: Sequence[int] | str) -> list[int]:
@@ -155,6 +169,7 @@ def sample_rows(
     replace: bool = False,
     key: int | torch.Tensor = 0,
     row_keys: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``fanout`` entries of each CSR row ``rows[i]``.
 
@@ -166,6 +181,8 @@ def sample_rows(
         key: the random key of this draw (see :func:`~gnnpar.sampling.rng.derive_key`),
             or one key per row.
         row_keys: the id hashed for each row (default: ``rows``).
+        backend: ``"torch"`` (tensor operations), ``"numba"`` (compiled loops, the same
+            result bit for bit) or ``"auto"`` (numba when it is installed).
 
     Returns:
         ``(counts, positions)``: the number of entries taken in each row, and their
@@ -181,6 +198,10 @@ def sample_rows(
     k = fanout
     if int(deg.max()) > _MAX_DEGREE:
         raise ValueError(f"sampling supports degrees below 2**31, got {int(deg.max())}")
+    if _use_numba(backend, indptr, rows):
+        return compiled.sample_rows(
+            indptr, rows, k, replace, key, rows if row_keys is None else row_keys
+        )
     bits = random_bits(key, rows if row_keys is None else row_keys, k)  # (k, m)
     ramp = torch.arange(k, dtype=torch.int64, device=rows.device)
     if replace:
@@ -217,7 +238,9 @@ class Relabeler:
 
     _STAMPS = 1 << 30
 
-    def __init__(self, num_nodes: int):
+    def __init__(self, num_nodes: int, backend: str = "auto"):
+        _use_numba(backend)  # checks the name
+        self.backend = backend
         self.num_nodes = int(num_nodes)
         self._scratch: torch.Tensor | None = None
         self._stamp = 0
@@ -251,6 +274,13 @@ class Relabeler:
                 self._scratch.fill_(torch.iinfo(torch.int64).max)
                 self._stamp = 1
             tag = (self._STAMPS - self._stamp) << 32
+            if _use_numba(self.backend, ids):
+                src, local, dup = compiled.relabel(self._scratch, tag, ids, num_dst)
+                if check_unique and dup >= 0:
+                    raise ValueError(
+                        f"seed nodes must be distinct; node {dup} appears more than once"
+                    )
+                return src, local
             vals = torch.arange(tag, tag + n, dtype=torch.int64, device=ids.device)
             mark = self._scratch
             # first occurrence of every id (a min: the same whatever the thread count)
@@ -292,6 +322,8 @@ class NeighborSampler:
             :meth:`sample` gets no key).
         node_keys: the id hashed for each node (default: the node id); e.g. the original
             ids of a relabelled graph, so that its samples equal the original graph's.
+        backend: ``"auto"`` (compiled loops when numba is installed), ``"torch"`` or
+            ``"numba"``: the samples are the same bit for bit.
 
     Example::
 
@@ -308,6 +340,7 @@ class NeighborSampler:
         replace: bool = False,
         seed: int = 0,
         node_keys: torch.Tensor | None = None,
+        backend: str = "auto",
     ):
         if isinstance(graph, Graph):
             indptr, indices = graph.indptr, graph.indices
@@ -333,7 +366,8 @@ class NeighborSampler:
                     f"node_keys must have shape ({self.num_nodes},), got {tuple(node_keys.shape)}"
                 )
         self.node_keys = node_keys
-        self.relabel = Relabeler(self.num_nodes)
+        self.backend = backend
+        self.relabel = Relabeler(self.num_nodes, backend)
 
     @property
     def num_layers(self) -> int:
@@ -356,6 +390,7 @@ class NeighborSampler:
                 replace=self.replace,
                 key=derive_key(key, hop),
                 row_keys=row_keys,
+                backend=self.backend,
             )
             m = frontier.numel()
             ids = torch.empty(m + pos.numel(), dtype=torch.int64, device=self.indices.device)
