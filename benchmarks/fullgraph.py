@@ -167,11 +167,12 @@ def one_rank_vs_pyg(shards: dict[str, str], graph, dims: list[int], reps: int) -
         if k.startswith("ours")
         for peer in ("pyg edge_index", "pyg sparse CSR")
     }
-    ratios["balanced-local / none"] = (
-        times["ours balanced-local"]["median"] / times["ours none"]["median"]
-        if "ours none" in times and "ours balanced-local" in times
-        else float("nan")
-    )
+    if "ours none" in times:
+        for perm in ("random", "balanced", "balanced-local"):
+            if f"ours {perm}" in times:
+                ratios[f"{perm} / none"] = (
+                    times[f"ours {perm}"]["median"] / times["ours none"]["median"]
+                )
     return {
         "threads": 1,
         "reps": reps,
