@@ -10,8 +10,9 @@ variant         dtypes of ``H``             kernel
 ``csr32``       float32, float64            the same with int32 indices (blocks below 2**31)
 ``bag``         float32, float64, bfloat16  ``embedding_bag(mode="sum")`` with the values as
                                             per-sample weights: the CSR product row by row
-                                            (fbgemm's CPU kernel, several times faster than
-                                            the sparse CSR one for float32 and bfloat16)
+                                            (fbgemm's CPU kernel: several times faster than
+                                            the sparse CSR one in float32; no vectorised
+                                            float64 kernel)
 ``bag-tiled``   float32, bfloat16           ``bag`` on column tiles of 64 features (a smaller
                                             gathered working set for wide ``H``)
 ``bag-up``      bfloat16                    ``H`` and values widened to float32, ``bag``,
