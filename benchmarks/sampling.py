@@ -3,13 +3,15 @@
 Part 1, sampling throughput: a uniform random graph of 200,000 nodes and 4,000,000 edges,
 two-layer fan-outs 15 and 10, batches of 1,024 seeds over every node, shuffled. DGL runs
 ``dgl.dataloading.NeighborSampler`` + ``DataLoader`` (``num_workers=0``); we run
-``NeighborSampler`` + ``NodeLoader`` (``prefetch=0``). Both on one thread (``OMP_NUM_THREADS``
-and torch's intra-op threads set to 1 before anything is imported). DGL lists fan-outs input
-layer first and we list them in hop order, so DGL's ``[15, 10]`` is our ``[10, 15]`` (the
-seeds get 10 neighbours, those get 15); both orders are measured. Ours and DGL's runs
-alternate (5 of each by default) and the median is kept, with the spread (min-max) and the
-load average: the machine is shared. Throughput is given per second of wall time and per
-second of the thread's CPU time (which leaves out the time other jobs hold the core).
+``NeighborSampler`` + ``NodeLoader`` (``prefetch=0``; the compiled backend when numba is
+installed, as the ``bench`` extra does, else the tensor one: the printout says which).
+Both on one thread (``OMP_NUM_THREADS`` and torch's intra-op threads set to 1 before
+anything is imported). DGL lists fan-outs input layer first and we list them in hop order,
+so DGL's ``[15, 10]`` is our ``[10, 15]`` (the seeds get 10 neighbours, those get 15); both
+orders are measured. Ours and DGL's runs alternate (5 of each by default) and the median is
+kept, with the spread (min-max) and the load average: the machine is shared. Throughput is
+given per second of wall time and per second of the thread's CPU time (which leaves out the
+time other jobs hold the core).
 
 Part 2, one epoch of GraphSAGE training (2 layers, 128 -> 256 -> 16, mean aggregation,
 Adam) on the same graph with 128 random features, over 20,000 training seeds, same
@@ -55,7 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from gnnpar.graph import Graph  # noqa: E402
 from gnnpar.nn.minibatch import BlockGNN  # noqa: E402
-from gnnpar.sampling import NeighborSampler, NodeLoader  # noqa: E402
+from gnnpar.sampling import NeighborSampler, NodeLoader, compiled  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 NUM_NODES, NUM_EDGES, BATCH = 200_000, 4_000_000, 1024
@@ -367,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
     }
-    print(f"sampling throughput (median of {reps}, interleaved):", flush=True)
+    backend = "numba" if compiled.available() else "torch"
+    result["sampler_backend"] = backend
+    print(f"sampling throughput (median of {reps}, interleaved; our backend: {backend}):",
+          flush=True)  # fmt: skip
     result["sampling"] = bench_sampling(graph, dgl_graph, batches, reps)
     print("training epoch:", flush=True)
     result["training"] = bench_training(graph, dgl_graph, reps, 5_000 if args.quick else TRAIN)
