@@ -9,6 +9,8 @@ On R-MAT graphs (128 features; 3 layers of width 128), in one run:
     fed ``edge_index`` and one fed a sparse CSR ``adj_t`` (PyG's fastest CPU path without
     torch-sparse): same weights, same initial loss; each a median of 5 interleaved runs,
     with the spread (min-max) and the load average;
+(l) the float32 SpMM alone (forward and transposed) on each permutation's whole Â, CPU time
+    of one thread (medians of 5 interleaved): what the locality order buys;
 (k) the local SpMM variants on that graph's whole Â (forward and transposed, widths 16 and
     128, float32 / bfloat16 / float64): time of each and the autotune's pick;
 (2) the 2-rank epoch (one thread per rank) of every 2-rank shape beside the 1-rank epoch,
@@ -211,6 +213,35 @@ def kernel_table(folder: str, dtypes: list[torch.dtype], widths=(16, 128)) -> li
     return rows
 
 
+def spmm_by_permutation(shards: dict[str, str], reps: int, width: int = 128) -> dict:
+    """(l): the float32 SpMM alone (forward and transposed, the ``bag`` kernel) on the whole
+    Â of each permutation's shards, CPU time of one thread, interleaved: what locality buys
+    without the epoch's other work."""
+    from gnnpar.sparse.kernels import LocalSpMM
+    from gnnpar.sparse.shards import DiskSource
+
+    torch.set_num_threads(1)
+    ops = {}
+    for perm, folder in shards.items():
+        src = DiskSource(folder)
+        n = src.num_nodes
+        ops[perm] = LocalSpMM(src.adjacency(0, (0, n), (0, n)), variants=("bag",))
+    h = torch.randn(n, width)
+    times: dict[str, list[float]] = {perm: [] for perm in ops}
+    for op in ops.values():  # warm-up
+        op.mm(h)
+        op.T.mm(h)
+    for _ in range(reps):
+        for perm, op in ops.items():
+            start = time.thread_time()
+            op.mm(h)
+            op.T.mm(h)
+            times[perm].append(time.thread_time() - start)
+    out = {perm: _summary(t) for perm, t in times.items()}
+    base = out["none"]["median"] if "none" in out else float("nan")
+    return {"cpu_s": out, "ratio_to_none": {p: v["median"] / base for p, v in out.items()}}
+
+
 def _two_rank_worker(folder: str, dims: list[int], reps: int, shapes: list) -> dict:
     """Runs on both ranks (one thread each): epoch times of each 2-rank shape."""
     import gnnpar
@@ -298,6 +329,10 @@ def single_scale(scale: int, args, tmp: Path, graph=None) -> tuple[dict, dict, o
     for name, r in a["ratios"].items():
         print(f"    {name:<40} {r:.2f}x")
     print(f"    load average before/after: {a['load_average']}", flush=True)
+    loc = spmm_by_permutation(shards, args.reps)
+    print(f"(l) float32 SpMM, forward + transposed, width 128, CPU seconds (median of {args.reps})")
+    for perm, t in loc["cpu_s"].items():
+        print(f"    {perm:<15} {_spread(t)}   {loc['ratio_to_none'][perm]:.2f}x none's")
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float64] if scale <= 16 else [])
     k = kernel_table(shards["balanced-local"], dtypes)
     print("(k) local SpMM on the whole Â (balanced-local), ms per product; autotune's pick")
@@ -315,7 +350,7 @@ def single_scale(scale: int, args, tmp: Path, graph=None) -> tuple[dict, dict, o
         f"(spread {lo:.2f}-{hi:.2f}); load average {two['load_average']}",
         flush=True,
     )
-    return {"pyg": a, "kernels": k, "two_ranks": two}, shards, graph
+    return {"pyg": a, "spmm_by_permutation": loc, "kernels": k, "two_ranks": two}, shards, graph
 
 
 def _eight_rank_worker(shards: str, dims: list[int], epochs: int, shapes: list, algos: list):
