@@ -12,7 +12,8 @@ On R-MAT graphs (128 features; 3 layers of width 128), in one run:
 (l) the float32 SpMM alone (forward and transposed) on each permutation's whole Â, CPU time
     of one thread (medians of 5 interleaved): what the locality order buys;
 (k) the local SpMM variants on that graph's whole Â (forward and transposed, widths 16 and
-    128, float32 / bfloat16 / float64): time of each and the autotune's pick;
+    128, float32 / bfloat16 / float64): time of each, the fastest, and the layers' pick
+    (their autotune chooses among the dtype's bit-identical variants);
 (2) the 2-rank epoch (one thread per rank) of every 2-rank shape beside the 1-rank epoch,
     ``balanced-local`` shards (medians of 5, spread);
 (b) bytes per epoch of the 1D, 2D and 3D algorithms at 8 ranks (``--scale``, default 18),
@@ -188,7 +189,7 @@ def one_rank_vs_pyg(shards: dict[str, str], graph, dims: list[int], reps: int) -
 def kernel_table(folder: str, dtypes: list[torch.dtype], widths=(16, 128)) -> list[dict]:
     """(k): every local SpMM variant on the whole Â of a one-rank layout (order 0, as the
     first layer reads it), forward and transposed: the autotune's timings and pick."""
-    from gnnpar.sparse.kernels import LocalSpMM
+    from gnnpar.sparse.kernels import EXACT_GROUPS, VARIANTS, LocalSpMM
     from gnnpar.sparse.shards import DiskSource
 
     torch.set_num_threads(1)
@@ -196,7 +197,8 @@ def kernel_table(folder: str, dtypes: list[torch.dtype], widths=(16, 128)) -> li
     n = src.num_nodes
     rows = []
     for dtype in dtypes:
-        op = LocalSpMM(src.adjacency(0, (0, n), (0, n)).to(dtype=dtype))
+        block = src.adjacency(0, (0, n), (0, n)).to(dtype=dtype)
+        op = LocalSpMM(block, variants=tuple(VARIANTS))  # time them all
         for direction, target in (("A @ H", op), ("Aᵀ @ G", op.T)):
             for width in widths:
                 target.mm(torch.randn(n, width).to(dtype))
@@ -207,7 +209,9 @@ def kernel_table(folder: str, dtypes: list[torch.dtype], widths=(16, 128)) -> li
                         "product": direction,
                         "width": width,
                         "ms": {k: 1e3 * v for k, v in timing.items()},
-                        "pick": target.choices[(width, dtype)],
+                        "fastest": target.choices[(width, dtype)],
+                        # what the layers' autotune picks: the fastest bit-identical one
+                        "pick": min(EXACT_GROUPS[dtype], key=lambda v: timing.get(v, 1e9)),
                     }
                 )
     return rows
@@ -335,11 +339,12 @@ def single_scale(scale: int, args, tmp: Path, graph=None) -> tuple[dict, dict, o
         print(f"    {perm:<15} {_spread(t)}   {loc['ratio_to_none'][perm]:.2f}x none's")
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float64] if scale <= 16 else [])
     k = kernel_table(shards["balanced-local"], dtypes)
-    print("(k) local SpMM on the whole Â (balanced-local), ms per product; autotune's pick")
+    print("(k) local SpMM on the whole Â (balanced-local), ms per product; fastest of all, and "
+          "the layers' pick (the fastest of the dtype's bit-identical group)")  # fmt: skip
     for row in k:
         times = "  ".join(f"{n} {ms:.1f}" for n, ms in row["ms"].items())
         print(f"    {row['dtype']:<8} {row['product']:<7} width {row['width']:>3}: {times}"
-              f"   -> {row['pick']}")  # fmt: skip
+              f"   fastest {row['fastest']}, pick {row['pick']}")  # fmt: skip
     two = two_ranks(shards["balanced-local"], dims, args.reps, a["epoch_s"]["ours balanced-local"])
     print("(2) 2 ranks, one thread each, balanced-local: epoch median (min-max), / 1 rank")
     for name, t in two["shapes"].items():

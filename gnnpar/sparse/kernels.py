@@ -20,10 +20,16 @@ variant         dtypes of ``H``             kernel
 ==============  ==========================  ===================================================
 
 Which one is fastest depends on the block, the width and the dtype, so the first product at
-each ``(width, dtype)`` times every variant that supports it and remembers the winner for that
-block (``autotune``; :attr:`LocalSpMM.choices` and :attr:`LocalSpMM.timings` show what was
-measured). Without autotuning the default is ``bag`` for float32 and bfloat16 and ``csr32``
-(``csr64`` for blocks too large for int32) for float64, where ``bag`` has no vectorised kernel.
+each ``(width, dtype)`` times the candidates and remembers the winner for that block
+(``autotune``; :attr:`LocalSpMM.choices` and :attr:`LocalSpMM.timings` show what was
+measured). By default the candidates are the dtype's :data:`EXACT_GROUPS`: variants whose
+products are **bit for bit the same** (each output element sums its row's nonzeros in the
+same order), so the choice, made by timing, never changes a result and training stays
+reproducible run to run and across a resume; ``bag`` and ``bag-tiled`` for float32 and
+bfloat16 (several times faster than torch's CSR in float32), ``csr32``, ``csr64`` and
+``bag`` for float64 (where ``bag`` has no vectorised kernel and all three agree). Naming
+``variants=`` times exactly those instead (the benchmark compares all of them this way).
+Without autotuning the group's first variant is used.
 
 **bfloat16.** torch's CPU sparse CSR matmul has no bfloat16 kernel; every bfloat16 variant
 accumulates in float32 and rounds the result once, so, elementwise,
@@ -47,7 +53,7 @@ import torch.nn.functional as F
 
 from gnnpar.sparse.csr import CSRBlock, select, transpose
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "LocalSpMM", "SpMMFunction", "csr_spmm", "spmm"]
+__all__ = ["EXACT_GROUPS", "VARIANTS", "LocalSpMM", "SpMMFunction", "csr_spmm", "spmm"]
 
 _INT32_MAX = 2**31 - 1
 _TILE = 64  # feature columns per tile of ``bag-tiled``
@@ -121,10 +127,12 @@ VARIANTS: MappingProxyType[str, Variant] = MappingProxyType(
 )  # fmt: skip
 """Every variant by name (read-only)."""
 
-DEFAULT_VARIANT: MappingProxyType[torch.dtype, str] = MappingProxyType(
-    {_F32: "bag", _BF16: "bag", _F64: "csr32"}
+EXACT_GROUPS: MappingProxyType[torch.dtype, tuple[str, ...]] = MappingProxyType(
+    {_F32: ("bag", "bag-tiled"), _BF16: ("bag", "bag-tiled"), _F64: ("csr32", "csr64", "bag")}
 )
-"""The variant used without autotuning (``csr32`` falls back to ``csr64`` for huge blocks)."""
+"""Per dtype, the variants whose products are bit-identical: the default candidates of the
+autotune, the first one the default without it (``csr32`` gives way to ``csr64`` for blocks
+too large for int32)."""
 
 # Variants that share one prepared form (a block builds it once for all of them).
 _PREPARED_AS = MappingProxyType({"bag-tiled": "bag"})
@@ -135,9 +143,10 @@ class LocalSpMM:
 
     Args:
         block: the CSR block (its values' dtype is the dtype of the products).
-        autotune: time every applicable variant at the first product of each
-            ``(width, dtype)`` and keep the fastest; otherwise use :data:`DEFAULT_VARIANT`.
-        variants: restrict the candidates to these names (e.g. one variant, for tests).
+        autotune: time the candidates at the first product of each ``(width, dtype)`` and
+            keep the fastest; otherwise use the first candidate.
+        variants: the candidates, by name (default: the dtype's :data:`EXACT_GROUPS`, whose
+            results do not depend on the choice).
 
     Kernels are built lazily, on first use, and kept; the transpose (:attr:`T`) is built
     once, on first use, with the same settings.
@@ -152,7 +161,7 @@ class LocalSpMM:
         self.block = block
         self.shape = block.shape
         self.autotune = autotune
-        self.variants = tuple(variants) if variants else tuple(VARIANTS)
+        self.variants = tuple(variants) if variants else None
         self._prepared: dict[str, Any] = {}
         self._transposed: LocalSpMM | None = None
         self._choice: dict[tuple[int, torch.dtype], str] = {}
@@ -173,8 +182,9 @@ class LocalSpMM:
         return LocalSpMM(self.block.to(dtype=dtype), self.autotune, self.variants)
 
     def candidates(self, dtype: torch.dtype) -> list[str]:
-        """The allowed variants that can multiply this block by ``dtype`` matrices."""
-        return [n for n in self.variants if VARIANTS[n].supports(self.block, dtype)]
+        """The variants the autotune chooses from for ``dtype`` matrices."""
+        names = self.variants if self.variants else EXACT_GROUPS.get(dtype, ())
+        return [n for n in names if VARIANTS[n].supports(self.block, dtype)]
 
     def mm(self, dense: torch.Tensor, variant: str | None = None) -> torch.Tensor:
         """``A @ dense``, with the tuned variant or the named one."""
@@ -195,10 +205,11 @@ class LocalSpMM:
             if variant is None:
                 variant = self._pick(dense)
                 self._choice[key] = variant
-        elif variant not in self.candidates(dense.dtype):
+        elif variant not in VARIANTS or not VARIANTS[variant].supports(self.block, dense.dtype):
+            usable = [n for n, v in VARIANTS.items() if v.supports(self.block, dense.dtype)]
             raise ValueError(
                 f"SpMM variant {variant!r} cannot multiply this block by {dense.dtype}; "
-                f"use one of {self.candidates(dense.dtype)}"
+                f"use one of {usable}"
             )
         return VARIANTS[variant].run(self._kernel(variant), dense)
 
@@ -212,13 +223,11 @@ class LocalSpMM:
         names = self.candidates(dense.dtype)
         if not names:
             raise TypeError(
-                f"no SpMM variant among {list(self.variants)} multiplies by {dense.dtype}"
+                f"no SpMM variant among {list(self.variants or VARIANTS)} multiplies by "
+                f"{dense.dtype}"
             )
-        default = DEFAULT_VARIANT.get(dense.dtype)
-        if default == "csr32" and "csr32" not in names:
-            default = "csr64"
         if not self.autotune or len(names) == 1:
-            return default if default in names else names[0]
+            return names[0]
         times = {}
         for name in names:
             run, kernel = VARIANTS[name].run, self._kernel(name)
