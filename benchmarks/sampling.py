@@ -3,18 +3,20 @@
 Part 1, sampling throughput: a uniform random graph of 200,000 nodes and 4,000,000 edges,
 two-layer fan-outs 15 and 10, batches of 1,024 seeds over every node, shuffled. DGL runs
 ``dgl.dataloading.NeighborSampler`` + ``DataLoader`` (``num_workers=0``); we run
-``NeighborSampler`` + ``NodeLoader`` (``prefetch=0``). Both on one thread (``OMP_NUM_THREADS``
-and torch's intra-op threads set to 1 before anything is imported). DGL lists fan-outs input
-layer first and we list them in hop order, so DGL's ``[15, 10]`` is our ``[10, 15]`` (the
-seeds get 10 neighbours, those get 15); both orders are measured. Ours and DGL's runs
-alternate, each repeated, and the best of the repetitions is kept: the machine is shared.
-Throughput is given per second of wall time and per second of the thread's CPU time (which
-leaves out the time other jobs hold the core).
+``NeighborSampler`` + ``NodeLoader`` (``prefetch=0``; the compiled backend when numba is
+installed, as the ``bench`` extra does, else the tensor one: the printout says which).
+Both on one thread (``OMP_NUM_THREADS`` and torch's intra-op threads set to 1 before
+anything is imported). DGL lists fan-outs input layer first and we list them in hop order,
+so DGL's ``[15, 10]`` is our ``[10, 15]`` (the seeds get 10 neighbours, those get 15); both
+orders are measured. Ours and DGL's runs alternate (5 of each by default) and the median is
+kept, with the spread (min-max) and the load average: the machine is shared. Throughput is
+given per second of wall time and per second of the thread's CPU time (which leaves out the
+time other jobs hold the core).
 
 Part 2, one epoch of GraphSAGE training (2 layers, 128 -> 256 -> 16, mean aggregation,
 Adam) on the same graph with 128 random features, over 20,000 training seeds, same
 fan-outs: ours (``BlockGNN``, with and without the prefetch thread) beside DGL's
-``dgl.nn.SAGEConv`` fed by its ``DataLoader``. Same interleaving, best of the repetitions.
+``dgl.nn.SAGEConv`` fed by its ``DataLoader``. Same interleaving, medians and spread.
 
 Part 3, traffic of distributed training: 4 ranks (one METIS part each) train one epoch of
 GraphSAGE on an R-MAT graph (scale 15, 128 features) with remote-feature caches of
@@ -38,6 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and dgl are import
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -54,7 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from gnnpar.graph import Graph  # noqa: E402
 from gnnpar.nn.minibatch import BlockGNN  # noqa: E402
-from gnnpar.sampling import NeighborSampler, NodeLoader  # noqa: E402
+from gnnpar.sampling import NeighborSampler, NodeLoader, compiled  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 NUM_NODES, NUM_EDGES, BATCH = 200_000, 4_000_000, 1024
@@ -109,6 +112,10 @@ def _dgl_sampling(dgl_graph: Any, layers: list[int], batches: int, rep: int) -> 
     return _rates(loader, lambda b: b[1].numel(), batches)
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def bench_sampling(graph: Graph, dgl_graph: Any, batches: int, reps: int) -> list[dict]:
     rows = []
     for dgl_layers in ([15, 10], [10, 15]):
@@ -116,28 +123,35 @@ def bench_sampling(graph: Graph, dgl_graph: Any, batches: int, reps: int) -> lis
         _ours_sampling(graph, hops, 3, 99)  # warm-up (DGL builds its CSC here too)
         _dgl_sampling(dgl_graph, dgl_layers, 3, 99)
         ours, dgl = [], []
+        load = os.getloadavg()
         for rep in range(reps):
             ours.append(_ours_sampling(graph, hops, batches, rep))
             dgl.append(_dgl_sampling(dgl_graph, dgl_layers, batches, rep))
-        best_ours, best_dgl = (max(r[0] for r in x) for x in (ours, dgl))
-        cpu_ours, cpu_dgl = (max(r[1] for r in x) for x in (ours, dgl))
+        wall_o, wall_d = (_spread([r[0] for r in x]) for x in (ours, dgl))
+        cpu_o, cpu_d = (_spread([r[1] for r in x]) for x in (ours, dgl))
         row = {
             "dgl_fanouts_input_first": dgl_layers,
             "our_fanouts_hop_order": hops,
-            "ours_seeds_per_s": best_ours,
-            "dgl_seeds_per_s": best_dgl,
-            "ratio": best_ours / best_dgl,
-            "ours_seeds_per_cpu_s": cpu_ours,
-            "dgl_seeds_per_cpu_s": cpu_dgl,
-            "cpu_ratio": cpu_ours / cpu_dgl,
+            "ours_seeds_per_s": wall_o,
+            "dgl_seeds_per_s": wall_d,
+            "ratio": wall_o["median"] / wall_d["median"],
+            "ratio_range": [wall_o["min"] / wall_d["max"], wall_o["max"] / wall_d["min"]],
+            "ours_seeds_per_cpu_s": cpu_o,
+            "dgl_seeds_per_cpu_s": cpu_d,
+            "cpu_ratio": cpu_o["median"] / cpu_d["median"],
+            "cpu_ratio_range": [cpu_o["min"] / cpu_d["max"], cpu_o["max"] / cpu_d["min"]],
             "ours_all": ours,
             "dgl_all": dgl,
+            "load_average": [load, os.getloadavg()],
         }
         rows.append(row)
         print(
-            f"  DGL {dgl_layers} / ours {hops}: ours {best_ours:,.0f} seeds/s, DGL "
-            f"{best_dgl:,.0f} seeds/s, ratio {row['ratio']:.2f}x (per CPU second: "
-            f"{cpu_ours:,.0f} vs {cpu_dgl:,.0f}, {row['cpu_ratio']:.2f}x)",
+            f"  DGL {dgl_layers} / ours {hops}: ours {wall_o['median']:,.0f} seeds/s, DGL "
+            f"{wall_d['median']:,.0f} seeds/s, ratio {row['ratio']:.2f}x "
+            f"({row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}); per CPU second: "
+            f"{cpu_o['median']:,.0f} vs {cpu_d['median']:,.0f}, {row['cpu_ratio']:.2f}x "
+            f"({row['cpu_ratio_range'][0]:.2f}-{row['cpu_ratio_range'][1]:.2f}); "
+            f"load {row['load_average'][0][0]:.1f}",
             flush=True,
         )
     return rows
@@ -206,18 +220,19 @@ def bench_training(graph: Graph, dgl_graph: Any, reps: int, train_size: int) -> 
         times["ours"].append(_ours_epoch(graph, train, hops, prefetch=0))
         times["dgl"].append(_dgl_epoch(graph, dgl_graph, train, dgl_layers))
         times["ours_prefetch"].append(_ours_epoch(graph, train, hops, prefetch=1))
-    best = {k: min(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "train_seeds": train_size,
         "model": f"GraphSAGE-mean {FEAT}-{HIDDEN}-{CLASSES}, Adam",
-        "epoch_s": best,
+        "epoch_s": med,
+        "spread_s": {k: [min(v), max(v)] for k, v in times.items()},
         "all_s": times,
-        "ratio_ours_vs_dgl": best["dgl"] / best["ours"],
-        "ratio_prefetch_vs_dgl": best["dgl"] / best["ours_prefetch"],
+        "ratio_ours_vs_dgl": med["dgl"] / med["ours"],
+        "ratio_prefetch_vs_dgl": med["dgl"] / med["ours_prefetch"],
     }
     print(
-        f"  epoch of {train_size:,} seeds: ours {best['ours']:.2f} s, ours+prefetch "
-        f"{best['ours_prefetch']:.2f} s, DGL {best['dgl']:.2f} s "
+        f"  epoch of {train_size:,} seeds (medians): ours {med['ours']:.2f} s, ours+prefetch "
+        f"{med['ours_prefetch']:.2f} s, DGL {med['dgl']:.2f} s "
         f"(speed ratio {result['ratio_ours_vs_dgl']:.2f}x, "
         f"{result['ratio_prefetch_vs_dgl']:.2f}x with prefetch)",
         flush=True,
@@ -291,18 +306,24 @@ def bench_traffic(caches: list[int], scale: int) -> list[dict]:
 def markdown(result: dict) -> str:
     lines = [
         "| fan-outs: DGL (input layer first) / ours (hop order) | ours seeds/s | DGL seeds/s "
-        "| ratio | ours seeds/CPU-s | DGL seeds/CPU-s | CPU ratio |",
+        "| ratio (spread) | ours seeds/CPU-s | DGL seeds/CPU-s | CPU ratio (spread) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["sampling"]:
+        lo, hi = r["ratio_range"]
+        clo, chi = r["cpu_ratio_range"]
         lines.append(
             f"| {r['dgl_fanouts_input_first']} / {r['our_fanouts_hop_order']} | "
-            f"{r['ours_seeds_per_s']:,.0f} | {r['dgl_seeds_per_s']:,.0f} | {r['ratio']:.2f}x | "
-            f"{r['ours_seeds_per_cpu_s']:,.0f} | {r['dgl_seeds_per_cpu_s']:,.0f} | "
-            f"{r['cpu_ratio']:.2f}x |"
+            f"{r['ours_seeds_per_s']['median']:,.0f} | {r['dgl_seeds_per_s']['median']:,.0f} | "
+            f"{r['ratio']:.2f}x ({lo:.2f}-{hi:.2f}) | "
+            f"{r['ours_seeds_per_cpu_s']['median']:,.0f} | "
+            f"{r['dgl_seeds_per_cpu_s']['median']:,.0f} | "
+            f"{r['cpu_ratio']:.2f}x ({clo:.2f}-{chi:.2f}) |"
         )
+    lines.append(f"\nmedians of {result['reps']} interleaved runs; load average at the start: "
+                 f"{result['sampling'][0]['load_average'][0][0]:.1f}")  # fmt: skip
     t = result["training"]
-    lines += ["", "| one epoch of GraphSAGE | seconds | speed vs DGL |", "|---|---:|---:|"]
+    lines += ["", "| one epoch of GraphSAGE (median) | seconds | speed vs DGL |", "|---|---:|---:|"]
     lines.append(f"| DGL 1.1.3 | {t['epoch_s']['dgl']:.2f} | 1.00x |")
     lines.append(f"| ours | {t['epoch_s']['ours']:.2f} | {t['ratio_ours_vs_dgl']:.2f}x |")
     lines.append(
@@ -324,12 +345,12 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer batches and repetitions")
-    p.add_argument("--reps", type=int, default=None, help="repetitions (best is kept)")
+    p.add_argument("--reps", type=int, default=None, help="interleaved runs (median is kept)")
     p.add_argument("--no-traffic", action="store_true", help="skip the distributed part")
     p.add_argument("--out", default=str(OUT / "sampling.json"), help="JSON output path")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    reps = args.reps or (2 if args.quick else 5)
+    reps = args.reps or (3 if args.quick else 5)
     batches = 15 if args.quick else 40
     dgl = _dgl()
     print(f"building a random graph: {NUM_NODES:,} nodes, {NUM_EDGES:,} edges", flush=True)
@@ -348,12 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
     }
-    print(f"sampling throughput (best of {reps}, interleaved):", flush=True)
+    backend = "numba" if compiled.available() else "torch"
+    result["sampler_backend"] = backend
+    print(f"sampling throughput (median of {reps}, interleaved; our backend: {backend}):",
+          flush=True)  # fmt: skip
     result["sampling"] = bench_sampling(graph, dgl_graph, batches, reps)
     print("training epoch:", flush=True)
-    result["training"] = bench_training(
-        graph, dgl_graph, max(2, reps // 2), 5_000 if args.quick else TRAIN
-    )
+    result["training"] = bench_training(graph, dgl_graph, reps, 5_000 if args.quick else TRAIN)
     if not args.no_traffic:
         print("distributed training traffic, 4 ranks, one epoch:", flush=True)
         scale = 13 if args.quick else 15
@@ -363,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     result["target"] = {
         "need": 1.0,
         "aim": 1.5,
-        "wall_ratios": [r["ratio"] for r in result["sampling"]],
+        "wall_ratios": [r["ratio"] for r in result["sampling"]],  # of medians
         "cpu_ratios": [r["cpu_ratio"] for r in result["sampling"]],
     }
     out = Path(args.out)

@@ -34,7 +34,9 @@ grids have the same imbalance.
 :func:`balanced_permutation` returns a pair with the same contract whose blocks are
 balanced on purpose: heavy nodes are placed one by one by their per-block weight vectors,
 light ones dealt to the lightest blocks, alternately for ``P`` (rows of ``Â1``, columns of
-``Â2``) and ``P2``. When one pair must serve several grid shapes (Plexus rotates its 3D
+``Â2``) and ``P2``; inside each block the nodes are shuffled or, with
+``within="locality"``, kept in a locality order (reverse Cuthill-McKee) so the local SpMM
+gathers stay cache-friendly. When one pair must serve several grid shapes (Plexus rotates its 3D
 grid axes every layer), balance on a grid that refines them all, e.g. ``R = C =
 lcm(X, Y, Z)``: merging adjacent blocks of a balanced grid keeps it balanced.
 
@@ -59,6 +61,7 @@ __all__ = [
     "block_ranges",
     "double_permutation",
     "invert_permutation",
+    "locality_order",
     "nnz_imbalance",
     "permute_csr",
 ]
@@ -334,10 +337,30 @@ def _greedy_blocks(
     return blk
 
 
-def _perm_from_blocks(blk: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A permutation listing block 0's nodes first, then block 1's, ..., each block shuffled."""
+def _perm_from_blocks(
+    blk: np.ndarray, rng: np.random.Generator, rank: np.ndarray | None = None
+) -> np.ndarray:
+    """A permutation listing block 0's nodes first, then block 1's, ...; inside each block
+    the nodes are shuffled, or sorted by ``rank`` when it is given."""
+    if rank is not None:
+        return np.lexsort((rank, blk))
     shuffled = rng.permutation(blk.shape[0])
     return shuffled[np.argsort(blk[shuffled], kind="stable")]
+
+
+def locality_order(indptr: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Rank of every node in a reverse Cuthill-McKee order of the symmetrised pattern of the
+    square CSR (neighbours get nearby ranks: a breadth-first order from a low-degree node,
+    each level sorted by degree; every connected component in turn)."""
+    import scipy.sparse as sp
+    from scipy.sparse.csgraph import reverse_cuthill_mckee
+
+    indptr = np.asarray(indptr, dtype=np.int64)
+    n = indptr.shape[0] - 1
+    pattern = np.ones(np.asarray(indices).shape[0], dtype=np.int8)
+    mat = sp.csr_matrix((pattern, np.asarray(indices), indptr), shape=(n, n))
+    order = reverse_cuthill_mckee((mat + mat.T).tocsr(), symmetric_mode=True)
+    return invert_permutation(order.astype(np.int64))
 
 
 def balanced_permutation(
@@ -348,6 +371,7 @@ def balanced_permutation(
     seed: int = 0,
     rounds: int = 2,
     heavy: int | None = None,
+    within: str = "shuffle",
 ) -> tuple[np.ndarray, np.ndarray]:
     """A degree-aware pair ``(P, P2)`` balancing ``Â1 = Â[P][:, P2]`` on an ``R x C`` grid
     and ``Â2 = Â[P2][:, P]`` on the ``C x R`` grid.
@@ -366,6 +390,7 @@ def balanced_permutation(
         R, C: grid of ``Â1`` (``Â2`` uses ``C x R``).
         rounds: alternating sweeps (each places rows, then columns).
         heavy: how many nodes get the exact vector greedy (default ``min(n, 512 * (R + C))``).
+        within: order inside each block, ``"shuffle"`` or ``"locality"``.
     """
     indptr = np.asarray(indptr, dtype=np.int64)
     indices = np.asarray(indices, dtype=np.int64)
@@ -374,6 +399,8 @@ def balanced_permutation(
         raise ValueError(f"grid shape must be at least 1 x 1, got {R} x {C}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if within not in ("shuffle", "locality"):
+        raise ValueError(f"within must be 'shuffle' or 'locality', got {within!r}")
     rng = np.random.default_rng(seed)
     if heavy is None:
         heavy = min(n, 512 * (R + C))
@@ -398,7 +425,8 @@ def balanced_permutation(
             rng,
             heavy,
         )
-    return _perm_from_blocks(row_blk, rng), _perm_from_blocks(col_blk, rng)
+    rank = locality_order(indptr, indices) if within == "locality" else None
+    return _perm_from_blocks(row_blk, rng, rank), _perm_from_blocks(col_blk, rng, rank)
 
 
 def _side_weights(

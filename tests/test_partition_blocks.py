@@ -12,6 +12,7 @@ from partitioners.blocks import (
     block_ranges,
     double_permutation,
     invert_permutation,
+    locality_order,
     nnz_imbalance,
     permute_csr,
 )
@@ -171,3 +172,61 @@ def test_more_blocks_than_nodes():
     p, p2 = balanced_permutation(a.indptr, a.indices, 4, 5, seed=0)
     _check_plexus_composition(a, p, p2)
     assert block2d(a.indptr, a.indices, 4, 5, p, p2).nnz.sum() == a.nnz
+
+
+# ------------------------------------------------------------------ balanced + locality order
+
+
+def _gather_spread(a: sp.csr_matrix, p: np.ndarray, p2: np.ndarray, blocks: int) -> float:
+    """Mean over (row, column block) of the spread of column positions a row gathers there
+    in ``Â[p][:, p2]``: what a locality order makes small."""
+    n = a.shape[0]
+    ptr, idx, _ = permute_csr(a.indptr, a.indices, p, p2)
+    key = np.repeat(np.arange(n), np.diff(ptr)) * blocks
+    key += np.searchsorted(block_ranges(n, blocks)[1:], idx, side="right")
+    hi, lo = np.full(n * blocks, -1), np.full(n * blocks, n)
+    np.maximum.at(hi, key, idx)
+    np.minimum.at(lo, key, idx)
+    used = hi >= 0
+    return float((hi[used] - lo[used]).mean())
+
+
+@pytest.mark.parametrize(("blocks", "heavy", "bound"), [(4, 512, 1.02), (8, 1024, 1.04)])
+def test_locality_order_keeps_the_balanced_blocks(power_law, blocks, heavy, bound):
+    # heavy < n: both the vector greedy and the dealing of light nodes run; the graph has
+    # isolated nodes, so the locality order walks several components
+    a = power_law
+    ip, ix = a.indptr, a.indices
+    assert heavy < a.shape[0] and (np.diff(ip) == 0).any()
+    shuffled = balanced_permutation(ip, ix, blocks, blocks, seed=0, heavy=heavy)
+    local = balanced_permutation(ip, ix, blocks, blocks, seed=0, heavy=heavy, within="locality")
+    # the same blocks: identical nonzero counts for Â1 and Â2, hence the same bounds
+    for pair in ((0, 1), (1, 0)):
+        want = block2d(ip, ix, blocks, blocks, shuffled[pair[0]], shuffled[pair[1]]).nnz
+        got = block2d(ip, ix, blocks, blocks, local[pair[0]], local[pair[1]]).nnz
+        np.testing.assert_array_equal(got, want)
+    assert block2d(ip, ix, blocks, blocks, *local).imbalance <= bound
+    _check_plexus_composition(a, *local)
+    # inside each block, nodes follow the locality order; the gathers become narrower
+    rank = locality_order(ip, ix)
+    bounds = block_ranges(a.shape[0], blocks)
+    for perm in local:
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            assert bool((np.diff(rank[perm[lo:hi]]) > 0).all())
+    assert _gather_spread(a, *local, blocks) < 0.7 * _gather_spread(a, *shuffled, blocks)
+
+
+def test_locality_order_puts_path_neighbours_next_to_each_other():
+    # a directed path 0 -> 1 -> ... under scrambled ids: symmetrised, RCM walks it in order
+    n = 40
+    ids = np.random.default_rng(2).permutation(n)
+    a = sp.csr_matrix((np.ones(n - 1), (ids[1:], ids[:-1])), shape=(n, n))
+    rank = locality_order(a.indptr, a.indices)
+    np.testing.assert_array_equal(np.sort(rank), np.arange(n))
+    assert (np.abs(np.diff(rank[ids])) == 1).all()
+
+
+def test_within_must_be_known():
+    a = _random_csr()
+    with pytest.raises(ValueError, match="within must be 'shuffle' or 'locality'"):
+        balanced_permutation(a.indptr, a.indices, 2, 2, within="sorted")

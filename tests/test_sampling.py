@@ -504,3 +504,39 @@ def test_uniform_subset_is_uniform():
             assert s.unique().numel() == size and int(s.max()) < n
             counts[s] += 1
         assert chisquare(counts.numpy()).pvalue > P_MIN
+
+
+# ------------------------------------------------------------------ compiled (numba) backend
+@pytest.mark.parametrize(
+    ("fanouts", "replace"), [([5, 3], False), ([70, 2], False), ([6, 3], True)]
+)
+def test_numba_backend_equals_the_torch_backend_bit_for_bit(fanouts, replace):
+    pytest.importorskip("numba")
+    from gnnpar.sampling import Relabeler, sample_rows
+
+    g = mixed_graph()  # isolated nodes, short rows, rows up to 64 and hubs above
+    keys = torch.randperm(g.num_nodes, generator=torch.Generator().manual_seed(3))
+    for node_keys in (None, keys):
+        a, b = (
+            NeighborSampler(g, fanouts, replace=replace, node_keys=node_keys, backend=name)
+            for name in ("torch", "numba")
+        )
+        for key, seeds in enumerate([torch.arange(40), torch.tensor([7, 3, 250, 0, 8])]):
+            x, y = a.sample(seeds, key=key), b.sample(seeds, key=key)
+            for bx, by in zip(x.blocks, y.blocks, strict=True):
+                for field in ("src_nodes", "indptr", "indices", "edge_ids"):
+                    assert torch.equal(getattr(bx, field), getattr(by, field)), field
+    # one key per row (the distributed sampler's owners) and the duplicate-seed error
+    rows = torch.tensor([8, 5, 0, 40, 8, 150])
+    per_row = torch.tensor([-5, 2**62, 7, 0, 1, -(2**63)])
+    want = sample_rows(g.indptr, rows, 4, replace=replace, key=per_row, backend="torch")
+    got = sample_rows(g.indptr, rows, 4, replace=replace, key=per_row, backend="numba")
+    assert all(torch.equal(u, v) for u, v in zip(want, got, strict=True))
+    for name in ("torch", "numba"):
+        with pytest.raises(ValueError, match="node 5 appears more than once"):
+            Relabeler(g.num_nodes, name).relabel(torch.tensor([4, 5, 5, 9]), 3, True)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown sampling backend 'cuda'"):
+        NeighborSampler(mixed_graph(), [2], backend="cuda")

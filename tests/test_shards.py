@@ -39,7 +39,10 @@ def _memory(graph: Graph, norm: str, seed: int, method: str) -> MemorySource:
     )
 
 
-@pytest.mark.parametrize("norm,method", [("gcn", "random"), ("mean", "balanced"), ("gcn", "none")])
+@pytest.mark.parametrize(
+    "norm,method",
+    [("gcn", "random"), ("mean", "balanced"), ("gcn", "balanced-local"), ("gcn", "none")],
+)
 def test_disk_blocks_equal_memory_blocks(tmp_path, norm, method):
     graph = _graph()
     path = prepare_shards(

@@ -10,10 +10,11 @@ source nodes, and returns those of its destinations (the first ``num_dst`` sourc
   block, which a sample does not have);
 - :class:`GATConv`: graph attention with multi-head concatenation and a self loop.
 
-Aggregation is a CSR sparse-dense product (through ``embedding_bag``, whose CPU kernel is the
-fastest CSR product torch has); its backward uses the transposed CSR, built only when a
-gradient is needed. :class:`BlockGNN` stacks layers (dropout, layer, ReLU) and runs
-either on a list of blocks (training) or one layer at a time (layer-wise inference).
+Aggregation is a CSR sparse-dense product through the project's one local SpMM
+(:func:`gnnpar.sparse.kernels.csr_spmm`, the same kernels as the full-graph layers); its
+backward uses the transposed CSR, built only when a gradient is needed. :class:`BlockGNN`
+stacks layers (dropout, layer, ReLU) and runs either on a list of blocks (training) or one
+layer at a time (layer-wise inference).
 Nothing here imports torch.distributed.
 """
 
@@ -26,62 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnnpar.nn.dropout import index_dropout
+from gnnpar.sparse.kernels import csr_spmm
 
 __all__ = ["BlockGNN", "GATConv", "GCNConv", "SAGEConv", "block_mean", "block_sum"]
 
 _KINDS = ("sage", "gcn", "gat")
-
-
-def _transpose(
-    indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, num_cols: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR of the transpose (rows = old columns), stable within rows."""
-    rows = torch.repeat_interleave(
-        torch.arange(indptr.numel() - 1, device=indptr.device),
-        indptr[1:] - indptr[:-1],
-        output_size=indices.numel(),
-    )
-    order = torch.sort(indices, stable=True).indices
-    counts = torch.bincount(indices, minlength=num_cols)
-    t_ptr = torch.zeros(num_cols + 1, dtype=torch.int64, device=indptr.device)
-    torch.cumsum(counts, 0, out=t_ptr[1:])
-    return t_ptr, rows[order], values[order]
-
-
-def _csr_mm(
-    indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, dense: torch.Tensor
-) -> torch.Tensor:
-    """``A @ dense`` for the CSR ``A`` given by its arrays. ``embedding_bag`` (sum with
-    per-entry weights) is exactly a CSR product, and its CPU kernel is several times faster
-    than torch's sparse CSR one at GNN widths."""
-    num_rows = indptr.numel() - 1
-    if indices.numel() == 0 or dense.shape[1] == 0 or num_rows == 0:
-        return dense.new_zeros((num_rows, dense.shape[1]))
-    return F.embedding_bag(
-        indices,
-        dense.contiguous(),
-        indptr[:-1],
-        mode="sum",
-        per_sample_weights=values.to(dense.dtype),
-    )
-
-
-class _SpMM(torch.autograd.Function):
-    """``A @ H`` for a fixed CSR ``A`` (num_dst × num_src); gradient for ``H`` only."""
-
-    @staticmethod
-    def forward(ctx, h, indptr, indices, values, num_src):  # noqa: D102
-        ctx.save_for_backward(indptr, indices, values)
-        ctx.num_src = num_src
-        return _csr_mm(indptr, indices, values, h)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        indptr, indices, values = ctx.saved_tensors
-        t_ptr, t_idx, t_val = _transpose(indptr, indices, values, ctx.num_src)
-        return _csr_mm(t_ptr, t_idx, t_val, grad), None, None, None, None
 
 
 def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,7 +42,7 @@ def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = Non
         )
     if weight is None:
         weight = torch.ones(block.num_edges, dtype=h_src.dtype, device=h_src.device)
-    return _SpMM.apply(h_src, block.indptr, block.indices, weight, block.num_src)
+    return csr_spmm(block.indptr, block.indices, weight, h_src, block.num_src)
 
 
 def block_mean(block: Any, h_src: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from gnnpar.graph import Graph
+from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits
 
@@ -39,6 +40,19 @@ __all__ = [
 ]
 
 _MAX_DEGREE = 2**31 - 1
+BACKENDS = ("auto", "torch", "numba")
+
+
+def _use_numba(backend: str, *tensors: torch.Tensor) -> bool:
+    """Whether to run the compiled kernels: ``auto`` uses them when numba is installed and
+    the tensors are on the CPU."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sampling backend {backend!r}; use one of {BACKENDS}")
+    if backend == "torch":
+        return False
+    if backend == "numba" and not compiled.available():
+        raise ImportError("the numba sampling backend needs numba: pip install 'gnnpar[fast]'")
+    return compiled.available() and all(t.device.type == "cpu" for t in tensors)
 
 
 def parse_fanouts(fanouts: Sequence[int] | str) -> list[int]:
@@ -106,40 +120,45 @@ def _floyd(bits: torch.Tensor, deg: torch.Tensor, k: int) -> torch.Tensor:
 
     Round ``i`` draws ``t`` uniform in ``[0, j]`` with ``j = deg - k + i`` and keeps ``t``, or
     ``j`` if ``t`` was already taken; the ``k`` picks are a uniform ``k``-subset of
-    ``[0, deg)``. Membership is a 64-bit mask per row for rows of degree at most 64 (a
-    handful of operations on ``m`` numbers per round) and a comparison with the earlier
-    picks for the others.
+    ``[0, deg)``. Membership is a 64-bit mask per row for rows of degree at most 64 and a
+    comparison with the earlier picks for the others.
+
+    The mask rounds are the hot loop, four integer operations on ``m`` numbers each: with
+    ``hit = mask & (1 << t)`` (``1 << t`` if ``t`` is taken, else 0), the round adds
+    ``1 << t`` and ``hit << (j - t)``, which is ``1 << j`` exactly when ``t`` was taken.
     """
     m = deg.numel()
-    j = torch.arange(k, dtype=torch.int64, device=deg.device)[:, None] + (deg - k)
-    j += 1
-    t = bits.mul_(j).bitwise_right_shift_(32)  # uniform in [0, j]
-    j -= 1
-    taken = torch.zeros((k, m), dtype=torch.bool, device=deg.device)
+    ramp = torch.arange(k, dtype=torch.int64, device=deg.device)[:, None]
+    gap = torch.add(ramp, deg - (k - 1))  # j + 1
+    t = bits.mul_(gap).bitwise_right_shift_(32)  # uniform in [0, j]
+    gap -= t
+    gap -= 1  # j - t: a taken t moves up by this much
     wide = deg > 64
     num_wide = int(wide.sum())
     if num_wide < m:
         # shifts by 64 or more give 0: harmless for wide rows, redone below
         one = torch.ones((), dtype=torch.int64, device=deg.device)
-        mask = torch.bitwise_left_shift(one, t[0])
-        bit_t = torch.empty_like(mask)
-        bit_j = torch.empty_like(mask)
+        bit_t = torch.bitwise_left_shift(one, t)
+        hits = torch.zeros_like(t)
+        mask = bit_t[0].clone()
         for i in range(1, k):
-            torch.bitwise_left_shift(one, t[i], out=bit_t)
-            torch.ne(torch.bitwise_and(mask, bit_t, out=bit_j), 0, out=taken[i])
-            torch.bitwise_left_shift(one, j[i], out=bit_j)
-            mask |= torch.where(taken[i], bit_j, bit_t, out=bit_t)
+            hit = torch.bitwise_and(mask, bit_t[i], out=hits[i])
+            mask |= bit_t[i]
+            mask |= torch.bitwise_left_shift(hit, gap[i])
+        taken = hits.bitwise_right_shift_(t)  # 1 where t was taken, else 0
+    else:
+        taken = torch.zeros_like(t)
     if num_wide:
         rows = torch.nonzero(wide, as_tuple=True)[0]
-        tw, jw = t[:, rows], j[:, rows]
+        tw, jw = t[:, rows], t[:, rows] + gap[:, rows]
         picks = torch.empty_like(tw)
-        taken_w = torch.zeros(tw.shape, dtype=torch.bool, device=deg.device)
+        taken_w = torch.zeros(tw.shape, dtype=torch.int64, device=deg.device)
         picks[0] = tw[0]
         for i in range(1, k):
             taken_w[i] = (picks[:i] == tw[i]).any(0)
-            picks[i] = torch.where(taken_w[i], jw[i], tw[i])
+            picks[i] = torch.where(taken_w[i].bool(), jw[i], tw[i])
         taken[:, rows] = taken_w
-    return torch.where(taken, j, t, out=t)
+    return t.addcmul_(taken, gap)  # t, or j where t was taken
 
 
 def sample_rows(
@@ -150,6 +169,7 @@ def sample_rows(
     replace: bool = False,
     key: int | torch.Tensor = 0,
     row_keys: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``fanout`` entries of each CSR row ``rows[i]``.
 
@@ -161,6 +181,8 @@ def sample_rows(
         key: the random key of this draw (see :func:`~gnnpar.sampling.rng.derive_key`),
             or one key per row.
         row_keys: the id hashed for each row (default: ``rows``).
+        backend: ``"torch"`` (tensor operations), ``"numba"`` (compiled loops, the same
+            result bit for bit) or ``"auto"`` (numba when it is installed).
 
     Returns:
         ``(counts, positions)``: the number of entries taken in each row, and their
@@ -176,8 +198,12 @@ def sample_rows(
     k = fanout
     if int(deg.max()) > _MAX_DEGREE:
         raise ValueError(f"sampling supports degrees below 2**31, got {int(deg.max())}")
+    if _use_numba(backend, indptr, rows):
+        return compiled.sample_rows(
+            indptr, rows, k, replace, key, rows if row_keys is None else row_keys
+        )
     bits = random_bits(key, rows if row_keys is None else row_keys, k)  # (k, m)
-    ramp = torch.arange(k, dtype=torch.int64, device=rows.device)[:, None]
+    ramp = torch.arange(k, dtype=torch.int64, device=rows.device)
     if replace:
         picks = bits.mul_(deg).bitwise_right_shift_(32)
         counts = torch.where(deg > 0, k, 0)
@@ -192,18 +218,13 @@ def sample_rows(
             # short rows take offsets 0..deg-1: with deg raised to k their j is the round
             # index; their garbage picks are replaced by that index
             picks = _floyd(bits, deg.clamp(min=k), k)
-            torch.where(short, ramp, picks, out=picks)
-    picks += start
-    if full:  # every row has k entries: row-major order is the CSR order
-        return counts, picks.t().reshape(-1)
-    # Scatter entry (i, row) to its CSR slot; entries past a row's count go to a spare slot.
-    offsets = torch.cumsum(counts, 0) - counts
-    total = int(counts.sum())
-    dest = ramp + offsets
-    dest.masked_fill_(ramp >= counts, total)
-    out = torch.empty(total + 1, dtype=torch.int64, device=rows.device)
-    out.scatter_(0, dest.view(-1), picks.view(-1))
-    return counts, out[:total]
+            torch.where(short, ramp[:, None], picks, out=picks)
+    # row-major (m, k) CSR positions: the transpose and the row starts in one operation
+    out = torch.empty((m, k), dtype=torch.int64, device=rows.device)
+    torch.add(picks.t(), start[:, None], out=out)
+    if full:  # every row has k entries
+        return counts, out.view(-1)
+    return counts, out.masked_select(ramp < counts[:, None])
 
 
 class Relabeler:
@@ -217,7 +238,9 @@ class Relabeler:
 
     _STAMPS = 1 << 30
 
-    def __init__(self, num_nodes: int):
+    def __init__(self, num_nodes: int, backend: str = "auto"):
+        _use_numba(backend)  # checks the name
+        self.backend = backend
         self.num_nodes = int(num_nodes)
         self._scratch: torch.Tensor | None = None
         self._stamp = 0
@@ -251,12 +274,20 @@ class Relabeler:
                 self._scratch.fill_(torch.iinfo(torch.int64).max)
                 self._stamp = 1
             tag = (self._STAMPS - self._stamp) << 32
+            if _use_numba(self.backend, ids):
+                src, local, dup = compiled.relabel(self._scratch, tag, ids, num_dst)
+                if check_unique and dup >= 0:
+                    raise ValueError(
+                        f"seed nodes must be distinct; node {dup} appears more than once"
+                    )
+                return src, local
             vals = torch.arange(tag, tag + n, dtype=torch.int64, device=ids.device)
             mark = self._scratch
             # first occurrence of every id (a min: the same whatever the thread count)
             mark.scatter_reduce_(0, ids, vals, "amin", include_self=True)
             first = mark.index_select(0, ids)
-        rank = torch.cumsum(first == vals, 0)
+        is_first = first == vals
+        rank = torch.cumsum(is_first, 0)
         first -= tag
         local = rank.index_select(0, first)
         local -= 1
@@ -264,9 +295,8 @@ class Relabeler:
         if check_unique and m and int(rank[m - 1]) != m:
             dup = int(ids[:m][local[:m] != torch.arange(m, device=ids.device)][0])
             raise ValueError(f"seed nodes must be distinct; node {dup} appears more than once")
-        num_src = int(rank[-1]) if n else 0
         # every occurrence writes its own id into its local slot: duplicates write the same
-        src_nodes = torch.empty(num_src, dtype=torch.int64, device=ids.device)
+        src_nodes = torch.empty(int(rank[-1]) if n else 0, dtype=torch.int64, device=ids.device)
         src_nodes.scatter_(0, local, ids)
         return src_nodes, local[m:]
 
@@ -292,6 +322,8 @@ class NeighborSampler:
             :meth:`sample` gets no key).
         node_keys: the id hashed for each node (default: the node id); e.g. the original
             ids of a relabelled graph, so that its samples equal the original graph's.
+        backend: ``"auto"`` (compiled loops when numba is installed), ``"torch"`` or
+            ``"numba"``: the samples are the same bit for bit.
 
     Example::
 
@@ -308,6 +340,7 @@ class NeighborSampler:
         replace: bool = False,
         seed: int = 0,
         node_keys: torch.Tensor | None = None,
+        backend: str = "auto",
     ):
         if isinstance(graph, Graph):
             indptr, indices = graph.indptr, graph.indices
@@ -333,7 +366,8 @@ class NeighborSampler:
                     f"node_keys must have shape ({self.num_nodes},), got {tuple(node_keys.shape)}"
                 )
         self.node_keys = node_keys
-        self.relabel = Relabeler(self.num_nodes)
+        self.backend = backend
+        self.relabel = Relabeler(self.num_nodes, backend)
 
     @property
     def num_layers(self) -> int:
@@ -356,6 +390,7 @@ class NeighborSampler:
                 replace=self.replace,
                 key=derive_key(key, hop),
                 row_keys=row_keys,
+                backend=self.backend,
             )
             m = frontier.numel()
             ids = torch.empty(m + pos.numel(), dtype=torch.int64, device=self.indices.device)

@@ -71,7 +71,9 @@ def from_coo(
 def coo_rows(block: CSRBlock) -> torch.Tensor:
     """Row index of every stored entry."""
     return torch.repeat_interleave(
-        torch.arange(block.shape[0], dtype=torch.int64), block.indptr[1:] - block.indptr[:-1]
+        torch.arange(block.shape[0], dtype=torch.int64, device=block.indptr.device),
+        block.indptr[1:] - block.indptr[:-1],
+        output_size=block.nnz,
     )
 
 
@@ -101,10 +103,24 @@ def select(
 
 
 def transpose(block: CSRBlock) -> CSRBlock:
-    """The transposed block (CSR of Bᵀ), offsets swapped."""
-    rows = coo_rows(block)
-    t = from_coo(block.indices, rows, block.values, (block.shape[1], block.shape[0]))
-    return dataclasses.replace(t, row_offset=block.col_offset, col_offset=block.row_offset)
+    """The transposed block (CSR of Bᵀ, columns sorted within rows), offsets swapped.
+
+    One stable sort of the column ids: entries are stored row by row, so each new row keeps
+    its old rows in increasing order."""
+    n_rows, n_cols = block.shape
+    device = block.indices.device
+    order = torch.sort(block.indices, stable=True).indices
+    indptr = torch.zeros(n_cols + 1, dtype=torch.int64, device=device)
+    if block.nnz:
+        torch.cumsum(torch.bincount(block.indices, minlength=n_cols), 0, out=indptr[1:])
+    return CSRBlock(
+        indptr,
+        coo_rows(block)[order],
+        block.values[order],
+        (n_cols, n_rows),
+        block.col_offset,
+        block.row_offset,
+    )
 
 
 def permute(

@@ -1,20 +1,63 @@
-"""The local SpMM: a sparse block times a dense matrix, with its transpose for backward.
+"""The one local SpMM: a sparse CSR block times a dense matrix, and its transpose for backward.
 
-Two variants of torch's CSR kernel are kept, one with int64 and one with int32 indices; which
-is faster depends on the feature width, so the first product at each width times both and
-remembers the winner (per block, not globally).
+Full-graph layers (1D, 2D, 3D) and mini-batch layers all multiply through :class:`LocalSpMM`.
+It keeps several kernels (*variants*) for the same product ``A @ H``:
+
+==============  ==========================  ===================================================
+variant         dtypes of ``H``             kernel
+==============  ==========================  ===================================================
+``csr64``       float32, float64            torch's sparse CSR matmul, int64 indices (MKL)
+``csr32``       float32, float64            the same with int32 indices (blocks below 2**31)
+``bag``         float32, float64, bfloat16  ``embedding_bag(mode="sum")`` with the values as
+                                            per-sample weights: the CSR product row by row
+                                            (fbgemm's CPU kernel: several times faster than
+                                            the sparse CSR one in float32; no vectorised
+                                            float64 kernel)
+``bag-tiled``   float32, bfloat16           ``bag`` on column tiles of 64 features (a smaller
+                                            gathered working set for wide ``H``)
+``bag-up``      bfloat16                    ``H`` and values widened to float32, ``bag``,
+                                            the result rounded to bfloat16 once
+==============  ==========================  ===================================================
+
+Which one is fastest depends on the block, the width and the dtype, so the first product at
+each ``(width, dtype)`` times the candidates and remembers the winner for that block
+(``autotune``; :attr:`LocalSpMM.choices` and :attr:`LocalSpMM.timings` show what was
+measured). By default the candidates are the dtype's :data:`EXACT_GROUPS`: variants whose
+products are **bit for bit the same** (each output element sums its row's nonzeros in the
+same order), so the choice, made by timing, never changes a result and training stays
+reproducible run to run and across a resume; ``bag`` and ``bag-tiled`` for float32 and
+bfloat16 (several times faster than torch's CSR in float32), ``csr32``, ``csr64`` and
+``bag`` for float64 (where ``bag`` has no vectorised kernel and all three agree). Naming
+``variants=`` times exactly those instead (the benchmark compares all of them this way).
+Without autotuning the group's first variant is used.
+
+**bfloat16.** torch's CPU sparse CSR matmul has no bfloat16 kernel; every bfloat16 variant
+accumulates in float32 and rounds the result once, so, elementwise,
+``|out - A·H| <= 2**-8 · |A·H| + 2**-16 · (|A|·|H|)``, where ``A·H`` is the exact product of
+the bfloat16 operands (round-to-nearest gives 2**-9 of the first term; float32 accumulation
+over ``deg`` terms adds at most ``deg · 2**-24`` of the second, well inside 2**-16 for
+degrees up to 256). Accumulating in bfloat16 would instead stall a sum of 1,000 ones at 256.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from gnnpar.sparse.csr import CSRBlock, transpose
+from gnnpar.sparse.csr import CSRBlock, select, transpose
+
+__all__ = ["EXACT_GROUPS", "VARIANTS", "LocalSpMM", "SpMMFunction", "csr_spmm", "spmm"]
 
 _INT32_MAX = 2**31 - 1
+_TILE = 64  # feature columns per tile of ``bag-tiled``
+_F32, _F64, _BF16 = torch.float32, torch.float64, torch.bfloat16
 
 
 def _csr_tensor(block: CSRBlock, index_dtype: torch.dtype) -> torch.Tensor:
@@ -30,73 +73,193 @@ def _csr_tensor(block: CSRBlock, index_dtype: torch.dtype) -> torch.Tensor:
         )
 
 
-class LocalSpMM:
-    """A sparse block ready to multiply dense matrices: ``A @ H`` and ``Aᵀ @ G``."""
+def _bag_arrays(block: CSRBlock, dtype: torch.dtype | None = None) -> tuple:
+    values = block.values if dtype is None else block.values.to(dtype)
+    return block.indices, block.indptr[:-1], values
 
-    def __init__(self, block: CSRBlock, autotune: bool = True):
+
+def _bag(prepared: tuple, dense: torch.Tensor) -> torch.Tensor:
+    indices, offsets, values = prepared
+    return F.embedding_bag(indices, dense, offsets, mode="sum", per_sample_weights=values)
+
+
+def _bag_tiled(prepared: tuple, dense: torch.Tensor) -> torch.Tensor:
+    width = dense.shape[1]
+    if width <= _TILE:
+        return _bag(prepared, dense)
+    tiles = [_bag(prepared, dense[:, s : s + _TILE].contiguous()) for s in range(0, width, _TILE)]
+    return torch.cat(tiles, dim=1)
+
+
+def _bag_up(prepared: tuple, dense: torch.Tensor) -> torch.Tensor:
+    return _bag(prepared, dense.float()).to(dense.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel for ``A @ H``: what it supports, what it builds once per block, how it runs."""
+
+    name: str
+    dtypes: frozenset[torch.dtype]
+    prepare: Callable[[CSRBlock], Any]
+    run: Callable[[Any, torch.Tensor], torch.Tensor]
+    int32_only: bool = False  # needs every index and the nonzero count below 2**31
+
+    def supports(self, block: CSRBlock, dtype: torch.dtype) -> bool:
+        """Whether this variant can multiply ``block`` by a dense matrix of ``dtype``."""
+        fits = max(block.shape) <= _INT32_MAX and block.nnz <= _INT32_MAX
+        return dtype in self.dtypes and (fits or not self.int32_only)
+
+
+VARIANTS: MappingProxyType[str, Variant] = MappingProxyType(
+    {
+        v.name: v
+        for v in (
+            Variant("csr64", frozenset({_F32, _F64}), lambda b: _csr_tensor(b, torch.int64),
+                    lambda a, h: a @ h),
+            Variant("csr32", frozenset({_F32, _F64}), lambda b: _csr_tensor(b, torch.int32),
+                    lambda a, h: a @ h, int32_only=True),
+            Variant("bag", frozenset({_F32, _F64, _BF16}), _bag_arrays, _bag),
+            Variant("bag-tiled", frozenset({_F32, _BF16}), _bag_arrays, _bag_tiled),
+            Variant("bag-up", frozenset({_BF16}), lambda b: _bag_arrays(b, _F32), _bag_up),
+        )
+    }
+)  # fmt: skip
+"""Every variant by name (read-only)."""
+
+EXACT_GROUPS: MappingProxyType[torch.dtype, tuple[str, ...]] = MappingProxyType(
+    {_F32: ("bag", "bag-tiled"), _BF16: ("bag", "bag-tiled"), _F64: ("csr32", "csr64", "bag")}
+)
+"""Per dtype, the variants whose products are bit-identical: the default candidates of the
+autotune, the first one the default without it (``csr32`` gives way to ``csr64`` for blocks
+too large for int32)."""
+
+# Variants that share one prepared form (a block builds it once for all of them).
+_PREPARED_AS = MappingProxyType({"bag-tiled": "bag"})
+
+
+class LocalSpMM:
+    """A sparse block ready to multiply dense matrices: ``A @ H`` and ``Aᵀ @ G``.
+
+    Args:
+        block: the CSR block (its values' dtype is the dtype of the products).
+        autotune: time the candidates at the first product of each ``(width, dtype)`` and
+            keep the fastest; otherwise use the first candidate.
+        variants: the candidates, by name (default: the dtype's :data:`EXACT_GROUPS`, whose
+            results do not depend on the choice).
+
+    Kernels are built lazily, on first use, and kept; the transpose (:attr:`T`) is built
+    once, on first use, with the same settings.
+    """
+
+    def __init__(
+        self, block: CSRBlock, autotune: bool = True, variants: tuple[str, ...] | None = None
+    ):
+        unknown = [v for v in variants or () if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown SpMM variant {unknown[0]!r}; use one of {list(VARIANTS)}")
         self.block = block
         self.shape = block.shape
         self.autotune = autotune
-        fits32 = max(block.shape) <= _INT32_MAX and block.nnz <= _INT32_MAX
-        self._variants = {"int64": _csr_tensor(block, torch.int64)}
-        if fits32:
-            self._variants["int32"] = _csr_tensor(block, torch.int32)
+        self.variants = tuple(variants) if variants else None
+        self._prepared: dict[str, Any] = {}
         self._transposed: LocalSpMM | None = None
         self._choice: dict[tuple[int, torch.dtype], str] = {}
+        self.timings: dict[tuple[int, torch.dtype], dict[str, float]] = {}
 
     @property
     def nnz(self) -> int:
         """Stored nonzeros."""
         return self.block.nnz
 
+    @property
+    def choices(self) -> dict[tuple[int, torch.dtype], str]:
+        """The variant used for each ``(width, dtype)`` multiplied so far."""
+        return dict(self._choice)
+
     def to(self, dtype: torch.dtype) -> LocalSpMM:
         """The same block with values of ``dtype``."""
-        return LocalSpMM(self.block.to(dtype=dtype), self.autotune)
+        return LocalSpMM(self.block.to(dtype=dtype), self.autotune, self.variants)
 
-    def mm(self, dense: torch.Tensor) -> torch.Tensor:
-        """``A @ dense``."""
-        if dense.shape[0] != self.shape[1]:
+    def candidates(self, dtype: torch.dtype) -> list[str]:
+        """The variants the autotune chooses from for ``dtype`` matrices."""
+        names = self.variants if self.variants else EXACT_GROUPS.get(dtype, ())
+        return [n for n in names if VARIANTS[n].supports(self.block, dtype)]
+
+    def mm(self, dense: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+        """``A @ dense``, with the tuned variant or the named one."""
+        if dense.dim() != 2 or dense.shape[0] != self.shape[1]:
             raise ValueError(
                 f"SpMM shape mismatch: sparse block {self.shape} times dense {tuple(dense.shape)}"
             )
-        if self.nnz == 0 or dense.shape[1] == 0:
-            return dense.new_zeros((self.shape[0], dense.shape[1]))
         if dense.dtype != self.block.values.dtype:
             raise TypeError(
                 f"SpMM dtype mismatch: sparse {self.block.values.dtype}, dense {dense.dtype}"
             )
+        if self.nnz == 0 or dense.shape[1] == 0 or self.shape[0] == 0:
+            return dense.new_zeros((self.shape[0], dense.shape[1]))
         dense = dense.contiguous()
-        key = (dense.shape[1], dense.dtype)
-        name = self._choice.get(key)
-        if name is None:
-            name = self._tune(dense) if self.autotune and len(self._variants) > 1 else "int64"
-            self._choice[key] = name
-        return self._variants[name] @ dense
+        if variant is None:
+            key = (dense.shape[1], dense.dtype)
+            variant = self._choice.get(key)
+            if variant is None:
+                variant = self._pick(dense)
+                self._choice[key] = variant
+        elif variant not in VARIANTS or not VARIANTS[variant].supports(self.block, dense.dtype):
+            usable = [n for n, v in VARIANTS.items() if v.supports(self.block, dense.dtype)]
+            raise ValueError(
+                f"SpMM variant {variant!r} cannot multiply this block by {dense.dtype}; "
+                f"use one of {usable}"
+            )
+        return VARIANTS[variant].run(self._kernel(variant), dense)
 
-    def _tune(self, dense: torch.Tensor) -> str:
-        best, best_t = "int64", float("inf")
-        for name, mat in self._variants.items():
-            mat @ dense  # warm-up
-            start = time.perf_counter()
-            mat @ dense
-            t = time.perf_counter() - start
-            if t < best_t:
-                best, best_t = name, t
-        return best
+    def _kernel(self, name: str) -> Any:
+        base = _PREPARED_AS.get(name, name)
+        if base not in self._prepared:
+            self._prepared[base] = VARIANTS[base].prepare(self.block)
+        return self._prepared[base]
+
+    def _pick(self, dense: torch.Tensor) -> str:
+        names = self.candidates(dense.dtype)
+        if not names:
+            raise TypeError(
+                f"no SpMM variant among {list(self.variants or VARIANTS)} multiplies by "
+                f"{dense.dtype}"
+            )
+        if not self.autotune or len(names) == 1:
+            return names[0]
+        times = {}
+        for name in names:
+            run, kernel = VARIANTS[name].run, self._kernel(name)
+            run(kernel, dense)  # warm-up: first-touch allocations, MKL's analysis
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                run(kernel, dense)
+                best = min(best, time.perf_counter() - start)
+            times[name] = best
+        self.timings[(dense.shape[1], dense.dtype)] = times
+        # keep only the kernels that some width uses
+        winner = min(times, key=times.__getitem__)
+        keep = {_PREPARED_AS.get(n, n) for n in (winner, *self._choice.values())}
+        self._prepared = {k: v for k, v in self._prepared.items() if k in keep}
+        return winner
 
     @property
     def T(self) -> LocalSpMM:  # noqa: N802 - mirrors torch's .T
         """The transposed block (built once, on first use)."""
         if self._transposed is None:
-            self._transposed = LocalSpMM(transpose(self.block), self.autotune)
+            self._transposed = LocalSpMM(transpose(self.block), self.autotune, self.variants)
             self._transposed._transposed = self
         return self._transposed
 
     def row_chunks(self, parts: int) -> list[tuple[int, int, LocalSpMM]]:
-        """Split into ``parts`` row ranges ``(start, stop, block)`` for overlapped pipelines."""
+        """Split into ``parts`` row ranges ``(start, stop, block)`` for overlapped pipelines
+        (one part is this block itself)."""
         from gnnpar.comm import chunk_offsets, chunk_sizes
-        from gnnpar.sparse.csr import select
 
+        if parts == 1:
+            return [(0, self.shape[0], self)] if self.shape[0] else []
         sizes = chunk_sizes(self.shape[0], parts)
         out = []
         for start, size in zip(chunk_offsets(sizes), sizes, strict=True):
@@ -109,7 +272,7 @@ class LocalSpMM:
                 (start, start + size),
                 (0, self.shape[1]),
             )
-            out.append((start, start + size, LocalSpMM(b, self.autotune)))
+            out.append((start, start + size, LocalSpMM(b, self.autotune, self.variants)))
         return out
 
 
@@ -123,9 +286,26 @@ class SpMMFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        return ctx.op.T.mm(grad), None
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        return ctx.op.T.mm(grad.contiguous()), None
 
 
 def spmm(op: LocalSpMM, dense: torch.Tensor) -> torch.Tensor:
     """Differentiable local SpMM ``op @ dense``."""
     return SpMMFunction.apply(dense, op)
+
+
+def csr_spmm(
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    dense: torch.Tensor,
+    num_cols: int | None = None,
+) -> torch.Tensor:
+    """Differentiable ``A @ dense`` for a one-off CSR ``A`` given by its arrays (a sampled
+    block: no autotuning, the default variant; the transpose is built only if a gradient
+    is needed). ``num_cols`` defaults to ``dense``'s rows."""
+    cols = dense.shape[0] if num_cols is None else int(num_cols)
+    block = CSRBlock(indptr, indices, values.to(dense.dtype), (indptr.numel() - 1, cols))
+    return spmm(LocalSpMM(block, autotune=False), dense)

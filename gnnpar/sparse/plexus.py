@@ -80,10 +80,9 @@ class Plexus3DFunction(torch.autograd.Function):
             g_h = None
             for k, op_chunks in enumerate(ops):
                 g = g_agg[:, k * width : (k + 1) * width]
-                part = sum(
-                    chunk_op.T.mm(g[start:stop].contiguous()) for start, stop, chunk_op in op_chunks
-                )
-                g_h = part if g_h is None else g_h + part
+                for start, stop, chunk_op in op_chunks:
+                    part = chunk_op.T.mm(g[start:stop].contiguous())
+                    g_h = part if g_h is None else g_h.add_(part)
             if ctx.input_split:
                 g_h = comm.reduce_scatter(g_h, grid, c, sizes=lay.h_sub_sizes)
             else:

@@ -20,7 +20,8 @@ Layout (every array is a ``.npy`` file, memory-mappable)::
 - ``schema`` (int, 1): format version; loading another version is an error.
 - ``name`` (str), ``norm`` (``"gcn"`` or ``"mean"``): the graph and its normalisation.
 - ``num_nodes``, ``num_edges`` (int), ``feat_dim``, ``num_classes`` (int).
-- ``permutation`` (``"random"``, ``"balanced"`` or ``"none"``) and its ``seed`` (int).
+- ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"`` or ``"none"``) and its
+  ``seed`` (int).
 - ``row_bounds``, ``col_bounds`` (lists of R+1 / C+1 ints): file-block boundaries.
 - ``node_data`` (list of str): names under ``node/``.
 - ``files`` ({relative path: {"bytes": int, "crc32": int}}): every file, checked on open
@@ -83,7 +84,8 @@ def prepare_shards(
 ) -> Path:
     """Normalise ``graph`` (``norm``: ``"gcn"`` for Â = D^-1/2 (A+I) D^-1/2, ``"mean"`` for
     row-normalised A), permute it (``permutation``: ``"random"`` as Plexus, ``"balanced"``
-    degree-aware over the file blocks, or ``"none"``) and write the shard folder ``out``
+    degree-aware over the file blocks, ``"balanced-local"`` the same blocks with a locality
+    order inside each, or ``"none"``) and write the shard folder ``out``
     atomically (a temporary sibling renamed at the end). Returns ``out``."""
     out = Path(out)
     if out.exists() and not overwrite:

@@ -22,6 +22,7 @@ from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid
 from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
 from gnnpar.sparse.shards import DiskSource, prepare_shards
+from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train.config import ConfigError, TrainerConfig, option
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -50,7 +51,9 @@ class FullGraphConfig(TrainerConfig):
     grid: str | None = option(None, "grid such as x=2,y=2,z=2 (default: the planner's)")
     shards: str | None = option(None, "shard folder (default: RUN/shards), made if missing")
     blocks: int = option(8, "file blocks per side when cutting shards")
-    permutation: str = option("random", "node relabelling: random (Plexus), balanced, none")
+    permutation: str = option(
+        "random", "node relabelling: random (Plexus), balanced, balanced-local, none"
+    )
     overlap_chunks: int = option(1, "row chunks whose all-reduce overlaps the next SpMM")
     out: str = option("runs/gcn", "run folder: metrics.jsonl, checkpoints/, plots/, shards/")
 
@@ -61,8 +64,8 @@ class FullGraphConfig(TrainerConfig):
             raise ConfigError(f"config key 'model' must be gcn or sage, got {self.model!r}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
-        if self.permutation not in ("random", "balanced", "none"):
-            raise ConfigError("config key 'permutation' must be random, balanced or none")
+        if self.permutation not in PERMUTATIONS:
+            raise ConfigError(f"config key 'permutation' must be one of {', '.join(PERMUTATIONS)}")
         if self.mixed_precision != "none":
             raise ConfigError(
                 "config key 'mixed_precision': full-graph training runs in its master dtype "
