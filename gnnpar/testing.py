@@ -6,6 +6,10 @@ torch.distributed environment set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``P
 into one ``fn``: starting a world costs seconds. If any rank raises, the test fails with that
 rank's traceback; if the world outlives ``timeout`` seconds, every process is killed and the
 failure says which ranks were still running.
+
+:func:`grid_shapes` lists the grid shapes a distributed test runs on: every factorisation
+of the worlds 1, 2, 4 and 8 over the axes a layer uses, and one shape each of the worlds 3,
+5, 6 and 7 (sizes that no power of two divides).
 """
 
 from __future__ import annotations
@@ -16,8 +20,39 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from gnnpar.grid import factorizations
+
+#: The world sizes a distributed test covers: every shape of the first group, one of the rest.
+EVERY_SHAPE_WORLDS = (1, 2, 4, 8)
+ONE_SHAPE_WORLDS = (3, 5, 6, 7)
+
+
+def grid_shapes(world: int, axes: Sequence[str] = ("x", "y", "z")) -> list[dict[str, int]]:
+    """The grid shapes of ``world`` ranks over ``axes`` (each shape a dict ``axis -> size``
+    whose product is ``world``; axes not listed are left to the grid, i.e. 1 or data).
+
+    Worlds 1, 2, 4 and 8: every ordered factorisation over ``axes``. Any other world: one
+    shape, its largest prime factor on the last axis and the rest on the first (6 over
+    (x, y, z) is x=2, z=3), so uneven chunks show on both ends of the rank order.
+    """
+    if world < 1:
+        raise ValueError(f"world must be at least 1, got {world}")
+    if not axes:
+        raise ValueError("grid_shapes needs at least one axis")
+    if world in EVERY_SHAPE_WORLDS:
+        return [dict(zip(axes, f, strict=True)) for f in factorizations(world, len(axes))]
+    prime = max(p for p in range(2, world + 1) if world % p == 0 and _is_prime(p))
+    shape = dict.fromkeys(axes, 1)
+    shape[axes[-1]] = prime
+    shape[axes[0]] *= world // prime
+    return [shape]
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
 
 
 class DistributedTestError(AssertionError):
