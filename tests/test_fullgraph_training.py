@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from gnnpar.sparse.shards import prepare_shards
 from gnnpar.testing import run_distributed
 from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+from tests.conftest import CITESEER, PLANETOID, needs_dataset
 
-PLANETOID = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "planetoid"
-needs_citeseer = pytest.mark.skipif(
-    not (PLANETOID / "ind.citeseer.graph").is_file(), reason="CiteSeer files not present"
-)
+needs_citeseer = needs_dataset(CITESEER)
 
 
 @pytest.fixture(scope="module")
