@@ -8,8 +8,8 @@ rank's traceback; if the world outlives ``timeout`` seconds, every process is ki
 failure says which ranks were still running.
 
 :func:`grid_shapes` lists the grid shapes a distributed test runs on: every factorisation
-of the worlds 1, 2, 4 and 8 over the axes a layer uses, and one shape each of the worlds 3,
-5, 6 and 7 (sizes that no power of two divides).
+of the worlds 1, 2, 4 and 8 over the axes a layer uses, and for the worlds 3, 5, 6 and 7 one
+shape per axis with an odd size on that axis.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def grid_shapes(world: int, axes: Sequence[str] = ("x", "y", "z")) -> list[dict[
     whose product is ``world``; axes not listed are left to the grid, i.e. 1 or data).
 
     Worlds 1, 2, 4 and 8: every ordered factorisation over ``axes``. Any other world: one
-    shape, its largest prime factor on the last axis and the rest on the first (6 over
-    (x, y, z) is x=2, z=3), so uneven chunks show on both ends of the rank order.
+    shape per axis, with the world's largest prime factor on that axis and the rest of the
+    world on the next axis (cyclically), so that an odd split shows on every axis: 6 over
+    (x, y, z) gives x=3·y=2, y=3·z=2 and z=3·x=2.
     """
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")
@@ -45,10 +46,14 @@ def grid_shapes(world: int, axes: Sequence[str] = ("x", "y", "z")) -> list[dict[
     if world in EVERY_SHAPE_WORLDS:
         return [dict(zip(axes, f, strict=True)) for f in factorizations(world, len(axes))]
     prime = max(p for p in range(2, world + 1) if world % p == 0 and _is_prime(p))
-    shape = dict.fromkeys(axes, 1)
-    shape[axes[-1]] = prime
-    shape[axes[0]] *= world // prime
-    return [shape]
+    shapes = []
+    for i, axis in enumerate(axes):
+        shape = dict.fromkeys(axes, 1)
+        shape[axis] = prime
+        shape[axes[(i + 1) % len(axes)]] *= world // prime
+        if shape not in shapes:
+            shapes.append(shape)
+    return shapes
 
 
 def _is_prime(n: int) -> bool:

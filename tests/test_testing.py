@@ -96,9 +96,15 @@ def test_grid_shapes_cover_every_factorisation_of_powers_of_two_and_one_of_the_r
             assert len({tuple(s.values()) for s in shapes}) == len(shapes)
             assert all(list(s) == list(axes) and math.prod(s.values()) == world for s in shapes)
     assert grid_shapes(8)[0] == {"x": 1, "y": 1, "z": 8}
-    assert grid_shapes(3) == [{"x": 1, "y": 1, "z": 3}]
-    assert grid_shapes(6) == [{"x": 2, "y": 1, "z": 3}]
-    assert grid_shapes(7, ("x", "y")) == [{"x": 1, "y": 7}]
+    x3, y3, z3 = ({"x": 3, "y": 1, "z": 1}, {"x": 1, "y": 3, "z": 1}, {"x": 1, "y": 1, "z": 3})
+    assert grid_shapes(3) == [x3, y3, z3]
+    x3y2, y3z2, z3x2 = (
+        {"x": 3, "y": 2, "z": 1},
+        {"x": 1, "y": 3, "z": 2},
+        {"x": 2, "y": 1, "z": 3},
+    )
+    assert grid_shapes(6) == [x3y2, y3z2, z3x2]
+    assert grid_shapes(7, ("x", "y")) == [{"x": 7, "y": 1}, {"x": 1, "y": 7}]
     assert grid_shapes(5, ("data",)) == [{"data": 5}]
     with pytest.raises(ValueError, match="world must be at least 1"):
         grid_shapes(0)
