@@ -57,7 +57,7 @@ def test_loss_curves_agree_across_8_rank_grids(citeseer_shards, monkeypatch):
         )
         for losses in (r["losses"] for r in per_rank):
             diff = max(abs(a - b) for a, b in zip(losses, serial, strict=True))
-            assert diff < 1e-4, (grid, diff)
+            assert diff < 1e-12, (grid, diff)  # float64; measured 4.4e-16
 
 
 def test_overlapped_chunks_equal_plain(tmp_path, monkeypatch):
