@@ -213,6 +213,10 @@ def _check_embedding_and_loss(grid, transpose):
     hl = head.weight_layout
     r, c, d = hl.coords(grid)
     _close(head.weight.grad, hl.shard(ref_head.weight.grad, r, c, d), f"head dW {tag}")
+    with torch.no_grad():  # the mean counts only the targets that are not ignored
+        mean = tensor.cross_entropy(head(H[s]), tgt[s], head)
+        ref_mean = F.cross_entropy(ref_head(H[s]).reshape(-1, VOCAB), tgt[s].reshape(-1))
+    _close(mean, ref_mean, f"cross-entropy mean {tag}")
     p = grid.size(o_ax)
     want = {o_ax: {"all_reduce": _ar(p, b * E) + _ar(p, 2 * b * E)}} if p > 1 else {}
     if ce.as_dict() != want:
