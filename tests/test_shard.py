@@ -597,6 +597,43 @@ def test_composes_with_tensor_parallel_layers(tmp_path):
     assert _max_diff(full, ref) < 1e-10
 
 
+def _tp_clip_world() -> dict:
+    """Gradient clipping of a tensor-parallel model sharded over data: the norm counts every
+    element once, although biases and norms are replicated over z."""
+    grid = gnnpar.init(data=2, z=2, ranks_per_node=2)
+    s, _ = _shares(grid)
+    ids = torch.randint(0, VOCAB, (2, 8, 9), generator=torch.Generator().manual_seed(6))
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=2, n_embd=6)
+    out = {}
+    for stage in (0, 2, 3):
+        torch.manual_seed(0)
+        serial = GPT(cfg).to(F64)
+        torch.manual_seed(0)
+        par = tensor.parallelize(GPT(cfg).to(F64), grid)
+        dp = shard(par, grid, stage, units=by_type(Block))
+        opt_s = torch.optim.AdamW(serial.parameters(), lr=0.01)
+        opt_p = dp.attach(torch.optim.AdamW(dp.parameters(), lr=0.01))
+        worst = 0.0
+        for step in range(2):
+            x, y = ids[step, :, :-1], ids[step, :, 1:]
+            F.cross_entropy(serial(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            norm_s = nn.utils.clip_grad_norm_(serial.parameters(), 0.05)
+            tensor.cross_entropy(
+                par(x[2 * s : 2 * s + 2]), y[2 * s : 2 * s + 2], par.lm_head
+            ).backward()
+            worst = max(worst, _err(dp.clip_grad_norm_(0.05), norm_s))
+            for o in (opt_s, opt_p):
+                o.step()
+                o.zero_grad()
+        out[stage] = max(worst, _state_err(dp.full_state_dict(), serial.state_dict()))
+    return out
+
+
+def test_gradient_clipping_of_a_tensor_parallel_model():
+    for res in run_distributed(_tp_clip_world, 4, timeout=180):
+        assert all(err <= TOL for err in res.values()), res
+
+
 # ---------------------------------------------------------------------------- bad input
 def test_bad_input_names_the_problem():
     grid = gnnpar.init()
