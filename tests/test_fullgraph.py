@@ -141,8 +141,8 @@ def _check_world(world: int, algorithm: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("algorithm", ["3d", "2d", "1d"])
+@pytest.mark.parametrize("world", WORLDS)  # small worlds of every algorithm first
 def test_matches_serial_every_grid(world, algorithm):
     counts = run_distributed(_check_world, world, world, algorithm, timeout=600)
     assert counts == [4 * len(_shapes(world, algorithm))] * world
