@@ -29,11 +29,13 @@ of entries also lets other modules (e.g. the checkpoint code) add their mutants 
     python tests/mutants/run.py comm-broadcast-full zero3-rs-fp32   # some
     python tests/mutants/run.py --list           # the list, no runs
     python tests/mutants/run.py --markdown out.md   # also write the table
+    python tests/mutants/run.py comm-allreduce-half --tests tests/test_fullgraph.py
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -193,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per test run")
     parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument(
+        "--tests", nargs="+", help="run these test files instead of each mutant's own"
+    )
     args = parser.parse_args(argv)
     mutants = load()
     if args.ids:
@@ -200,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown mutant ids {unknown}")
         mutants = [m for m in mutants if m.id in args.ids]
+    if args.tests:
+        mutants = [dataclasses.replace(m, tests=args.tests) for m in mutants]
     if args.list:
         for m in mutants:
             print(f"{m.id:32s} {m.file:36s} {m.bug}")
