@@ -25,9 +25,10 @@ from typing import Any
 
 from gnnpar.grid import factorizations
 
-#: The world sizes a distributed test covers: every shape of the first group, one of the rest.
+#: Seconds a world whose ranks all returned gets to exit before its processes are killed.
+EXIT_GRACE = 10.0
+#: The worlds whose every factorisation is tested (others get one shape per axis).
 EVERY_SHAPE_WORLDS = (1, 2, 4, 8)
-ONE_SHAPE_WORLDS = (3, 5, 6, 7)
 
 
 def grid_shapes(world: int, axes: Sequence[str] = ("x", "y", "z")) -> list[dict[str, int]]:
@@ -175,7 +176,12 @@ def run_distributed(
                             + _first_error(outcomes)
                         ) from None
     finally:
+        # Ranks that all returned are left to exit on their own (tearing down their groups,
+        # and writing coverage data when measured); after a failure or a timeout the rest may
+        # be stuck in a collective, so they are killed at once.
+        grace = time.monotonic() + (EXIT_GRACE if len(outcomes) == world_size else 0.0)
         for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
             if p.is_alive():
                 p.kill()
         for p in procs:

@@ -1,10 +1,10 @@
 """Collectives and their autograd pairs against serial references, with byte accounting.
 
-Every collective and pair runs over every axis of size > 1 of every data·x·y·z shape of 1, 2,
-4 and 8 ranks and of one shape of 3, 5, 6 and 7 (``gnnpar.testing.grid_shapes``); its bytes are
-held against the ring formulas of ``tests/byte_formulas.py``, and a few cases on 3 ranks against
-numbers worked out by hand. gnnpar.comm has no point-to-point send/receive: every transfer is
-one of the collectives below.
+Every collective and pair runs over every axis of size > 1 of every data·x·y·z shape of 2, 4
+and 8 ranks and of the shapes of 3, 5, 6 and 7 ranks that put an odd size on each axis
+(``gnnpar.testing.grid_shapes``); its bytes are held against the ring formulas of
+``tests/byte_formulas.py``, and a few cases on 3 ranks against numbers worked out by hand.
+gnnpar.comm has no point-to-point send/receive: every transfer is one of the collectives below.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Full-graph 1D, 2D and 3D models against serial PyTorch, forward and backward, on every grid
-shape of 1, 2, 4 and 8 ranks and one of 3, 5, 6 and 7 (``gnnpar.testing.grid_shapes``), with
-the bytes of each pass per axis and collective kind held against the formulas of
-``tests/byte_formulas.py`` (written out there, not taken from the layers), and (3D) shard sizes.
+shape of 1, 2, 4 and 8 ranks and of 3, 5, 6 and 7 with an odd size on each axis in turn
+(``gnnpar.testing.grid_shapes``), with the bytes of each pass per axis and collective kind held
+against the formulas of ``tests/byte_formulas.py`` (written out there, not taken from the
+layers), and (3D) shard sizes.
 
 Float64 throughout: logits, loss, weight, bias and input gradients agree with the serial model
 to 1e-12 (relative and absolute; the largest error measured, |a−b|/(1+|b|), is 6.8e-16).
