@@ -6,7 +6,7 @@ comma := ,
 PY := $(VENV)/bin/python
 
 
-.PHONY: demo test bench bench-quick lint clean
+.PHONY: demo test mutants coverage bench bench-quick lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,18 @@ demo: $(VENV)/.stamp-dev-llm
 	$(VENV)/bin/gnnpar train gcn --dataset sbm --nprocs 4 --epochs 100 --out runs/demo --overwrite
 	$(VENV)/bin/gnnpar report runs/demo
 
-test: $(VENV)/.stamp-dev-llm
+# The dgl extra makes the DGL cross-checks run instead of skipping.
+test: $(VENV)/.stamp-dev-llm-dgl
 	$(PY) -m pytest --timeout=1200
+
+# Not part of `make test`: apply each curated one-line bug in tests/mutants/mutants.toml to a
+# copy of the tree and run the test files of the module it touches (docs/testing.md).
+mutants: $(VENV)/.stamp-dev-llm-dgl
+	$(PY) tests/mutants/run.py
+
+# Line coverage of the whole suite (ranks included) and the public functions never executed.
+coverage: $(VENV)/.stamp-dev-llm-dgl
+	$(PY) tests/coverage_report/run.py
 
 bench: $(VENV)/.stamp-dev-llm-bench
 	$(PY) benchmarks/run_all.py

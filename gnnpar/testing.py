@@ -6,6 +6,10 @@ torch.distributed environment set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``P
 into one ``fn``: starting a world costs seconds. If any rank raises, the test fails with that
 rank's traceback; if the world outlives ``timeout`` seconds, every process is killed and the
 failure says which ranks were still running.
+
+:func:`grid_shapes` lists the grid shapes a distributed test runs on: every factorisation
+of the worlds 1, 2, 4 and 8 over the axes a layer uses, and for the worlds 3, 5, 6 and 7 one
+shape per axis with an odd size on that axis.
 """
 
 from __future__ import annotations
@@ -16,8 +20,45 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from gnnpar.grid import factorizations
+
+#: Seconds a world whose ranks all returned gets to exit before its processes are killed.
+EXIT_GRACE = 10.0
+#: The worlds whose every factorisation is tested (others get one shape per axis).
+EVERY_SHAPE_WORLDS = (1, 2, 4, 8)
+
+
+def grid_shapes(world: int, axes: Sequence[str] = ("x", "y", "z")) -> list[dict[str, int]]:
+    """The grid shapes of ``world`` ranks over ``axes`` (each shape a dict ``axis -> size``
+    whose product is ``world``; axes not listed are left to the grid, i.e. 1 or data).
+
+    Worlds 1, 2, 4 and 8: every ordered factorisation over ``axes``. Any other world: one
+    shape per axis, with the world's largest prime factor on that axis and the rest of the
+    world on the next axis (cyclically), so that an odd split shows on every axis: 6 over
+    (x, y, z) gives x=3·y=2, y=3·z=2 and z=3·x=2.
+    """
+    if world < 1:
+        raise ValueError(f"world must be at least 1, got {world}")
+    if not axes:
+        raise ValueError("grid_shapes needs at least one axis")
+    if world in EVERY_SHAPE_WORLDS:
+        return [dict(zip(axes, f, strict=True)) for f in factorizations(world, len(axes))]
+    prime = max(p for p in range(2, world + 1) if world % p == 0 and _is_prime(p))
+    shapes = []
+    for i, axis in enumerate(axes):
+        shape = dict.fromkeys(axes, 1)
+        shape[axis] = prime
+        shape[axes[(i + 1) % len(axes)]] *= world // prime
+        if shape not in shapes:
+            shapes.append(shape)
+    return shapes
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
 
 
 class DistributedTestError(AssertionError):
@@ -135,7 +176,12 @@ def run_distributed(
                             + _first_error(outcomes)
                         ) from None
     finally:
+        # Ranks that all returned are left to exit on their own (tearing down their groups,
+        # and writing coverage data when measured); after a failure or a timeout the rest may
+        # be stuck in a collective, so they are killed at once.
+        grace = time.monotonic() + (EXIT_GRACE if len(outcomes) == world_size else 0.0)
         for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
             if p.is_alive():
                 p.kill()
         for p in procs:

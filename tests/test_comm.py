@@ -1,4 +1,11 @@
-"""Collectives and their autograd pairs against serial references, with byte accounting."""
+"""Collectives and their autograd pairs against serial references, with byte accounting.
+
+Every collective and pair runs over every axis of size > 1 of every data·x·y·z shape of 2, 4
+and 8 ranks and of the shapes of 3, 5, 6 and 7 ranks that put an odd size on each axis
+(``gnnpar.testing.grid_shapes``); its bytes are held against the ring formulas of
+``tests/byte_formulas.py``, and a few cases on 3 ranks against numbers worked out by hand.
+gnnpar.comm has no point-to-point send/receive: every transfer is one of the collectives below.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,14 @@ import torch.distributed as dist
 import gnnpar
 from gnnpar import comm
 from gnnpar.comm import CommError, chunk_offsets, chunk_sizes, ring_bytes
-from gnnpar.testing import run_distributed
+from gnnpar.testing import grid_shapes, run_distributed
+from tests.byte_formulas import (
+    all_reduce_bytes,
+    biggest,
+    broadcast_bytes,
+    chunk_range,
+    gather_bytes,
+)
 
 F64 = torch.float64
 
@@ -43,7 +57,7 @@ def _check_collectives(grid, axis):
     with comm.record(grid) as t:
         out = comm.all_reduce(x.clone(), grid, axis)
     _close(out, ref, f"all_reduce {tag}")
-    _expect_bytes(t, axis, "all_reduce", ring_bytes("all_reduce", 5 * 3 * es, p), tag)
+    _expect_bytes(t, axis, "all_reduce", all_reduce_bytes(p, 5 * 3 * es), tag)
     h = comm.all_reduce(x.clone(), grid, axis, op="avg", async_op=True)
     _close(h.wait(), ref / p, f"all_reduce avg {tag}")
     _close(
@@ -56,7 +70,7 @@ def _check_collectives(grid, axis):
     with comm.record(grid) as t:
         out = comm.all_gather(x, grid, axis)
     _close(out, torch.cat([_data(r, 5) for r in members]), f"all_gather {tag}")
-    _expect_bytes(t, axis, "all_gather", ring_bytes("all_gather", p * 5 * 3 * es, p), tag)
+    _expect_bytes(t, axis, "all_gather", gather_bytes(p, p * 5 * 3 * es), tag)
     sizes = [i + 1 for i in range(p)]
     mine = _data(grid.global_rank, sizes[me], salt=1)
     with comm.record(grid) as t:
@@ -64,37 +78,36 @@ def _check_collectives(grid, axis):
         out = out.wait()
     ref = torch.cat([_data(r, sizes[i], salt=1) for i, r in enumerate(members)]).T
     _close(out, ref, f"all_gather uneven dim 1 {tag}")
-    _expect_bytes(t, axis, "all_gather", ring_bytes("all_gather", p * p * 3 * es, p), tag)
+    _expect_bytes(t, axis, "all_gather", gather_bytes(p, p * p * 3 * es), tag)  # padded to p
 
     # reduce-scatter: 7 rows (odd; uneven unless p divides 7), along dim 0 and dim 1
     y = _data(grid.global_rank, 7, salt=2)
     total = sum(_data(r, 7, salt=2) for r in members)
-    cs = chunk_sizes(7, p)
-    off = chunk_offsets(cs)[me]
+    lo, hi = chunk_range(7, p, me)
     with comm.record(grid) as t:
         out = comm.reduce_scatter(y, grid, axis)
-    _close(out, total[off : off + cs[me]], f"reduce_scatter {tag}")
-    _expect_bytes(
-        t, axis, "reduce_scatter", ring_bytes("reduce_scatter", p * max(cs) * 3 * es, p), tag
-    )
+    _close(out, total[lo:hi], f"reduce_scatter {tag}")
+    _expect_bytes(t, axis, "reduce_scatter", gather_bytes(p, p * biggest(7, p) * 3 * es), tag)
     out = comm.reduce_scatter(y.T.contiguous(), grid, axis, dim=1, async_op=True).wait()
-    _close(out, total[off : off + cs[me]].T, f"reduce_scatter dim 1 {tag}")
+    _close(out, total[lo:hi].T, f"reduce_scatter dim 1 {tag}")
 
     # broadcast from the last index of the group
     z = _data(grid.global_rank, 4, salt=3)
     with comm.record(grid) as t:
         comm.broadcast(z, grid, axis, src=p - 1)
     _close(z, _data(members[-1], 4, salt=3), f"broadcast {tag}")
-    _expect_bytes(t, axis, "broadcast", ring_bytes("broadcast", 4 * 3 * es, p), tag)
+    _expect_bytes(t, axis, "broadcast", broadcast_bytes(p, 4 * 3 * es), tag)
 
     # all-to-all: equal splits, then uneven splits with exchanged counts
     a = _data(grid.global_rank, 2 * p, salt=4)
     out = comm.all_to_all(a, grid, axis)
     ref = torch.cat([_data(r, 2 * p, salt=4)[2 * me : 2 * me + 2] for r in members])
     _close(out, ref, f"all_to_all {tag}")
+
     # rank index i sends (i + j) % 3 rows to peer j
     def splits(i):
         return [(i + j) % 3 for j in range(p)]
+
     b = _data(grid.global_rank, sum(splits(me)), salt=5)
     with comm.record(grid) as t:
         out = comm.all_to_all(b, grid, axis, input_splits=splits(me), async_op=True).wait()
@@ -133,8 +146,8 @@ def _check_autograd_pairs(grid, axis):
         (out * w).sum().backward()
         return out.detach(), x.grad
 
-    cs = chunk_sizes(rows, p)
-    off = chunk_offsets(cs)
+    cs = [chunk_range(rows, p, i)[1] - chunk_range(rows, p, i)[0] for i in range(p)]
+    off = [chunk_range(rows, p, i)[0] for i in range(p)]
 
     # copy_to: replicated x; each rank's own downstream weight
     w_small = [_data(r, rows, salt=13) for r in members]
@@ -150,9 +163,7 @@ def _check_autograd_pairs(grid, axis):
     _close(g, ref_g[me], f"reduce_from bwd {tag}")
 
     # gather_from: all-gather forward, reduce-scatter backward (dim 1, odd sizes)
-    out, g = run(
-        lambda x: comm.gather_from(x.T, grid, axis, dim=1).T, per_rank[me], weights[me]
-    )
+    out, g = run(lambda x: comm.gather_from(x.T, grid, axis, dim=1).T, per_rank[me], weights[me])
     ref_out, ref_g = _serial_grad(lambda ls: [torch.cat(ls)] * p, per_rank, weights)
     _close(out, ref_out[me].detach(), f"gather_from fwd {tag}")
     _close(g, ref_g[me], f"gather_from bwd {tag}")
@@ -185,29 +196,77 @@ def _check_autograd_pairs(grid, axis):
     del gr
 
 
-SHAPES = {
-    2: [dict(x=2), dict(data=2)],
-    4: [dict(x=2, y=2), dict(z=4), dict(data=2, z=2)],
-    8: [dict(x=2, y=2, z=2), dict(data=2, x=4), dict(y=2, z=2, data=2)],
-}
+AXES = ("x", "y", "z", "data", "tensor", "xz")
+
+
+def _axes_checked(shape: dict[str, int]) -> int:
+    sizes = {**shape, "tensor": shape["x"] * shape["y"] * shape["z"], "xz": shape["x"] * shape["z"]}
+    return sum(sizes[a] > 1 for a in AXES)
 
 
 def _check_world(world: int) -> int:
     checked = 0
-    for shape in SHAPES[world]:
+    for shape in grid_shapes(world, ("data", "x", "y", "z")):
         grid = gnnpar.init(**shape)
-        for axis in ("x", "y", "z", "data", "tensor"):
+        for axis in AXES:
             if grid.size(axis) > 1:
                 _check_collectives(grid, axis)
                 _check_autograd_pairs(grid, axis)
                 checked += 1
+        gnnpar.release(grid)
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 7, 8])
 def test_collectives_and_pairs_match_serial(world):
     out = run_distributed(_check_world, world, world, timeout=400)
-    assert out[0] > 0 and len(set(out)) == 1
+    want = sum(_axes_checked(s) for s in grid_shapes(world, ("data", "x", "y", "z")))
+    assert out == [want] * world
+
+
+def _by_hand() -> dict:
+    """Every collective over 3 ranks with uneven pieces; the bytes worked out by hand."""
+    grid = gnnpar.init(x=3)
+    me = grid.rank("x")
+    f64 = torch.ones(5, 3, dtype=F64)
+    out = {}
+    with comm.record(grid) as t:
+        comm.all_reduce(f64, grid, "x")
+    out["all_reduce"] = t.as_dict()
+    with comm.record(grid) as t:  # rows 3, 2, 2 padded to 3 each: 9 × 3 × 8 = 216 bytes
+        comm.all_gather(torch.ones([3, 2, 2][me], 3, dtype=F64), grid, "x", sizes=[3, 2, 2])
+    out["all_gather"] = t.as_dict()
+    with comm.record(grid) as t:  # 7 rows → chunks 3, 2, 2, sent padded as 9 rows
+        comm.reduce_scatter(torch.ones(7, 3, dtype=F64), grid, "x")
+    out["reduce_scatter"] = t.as_dict()
+    with comm.record(grid) as t:
+        comm.broadcast(torch.ones(4, 3, dtype=F64), grid, "x", src=2)
+    out["broadcast"] = t.as_dict()
+    with comm.record(grid) as t:  # float32, 2 × 2 from every rank: 3 × 16 = 48 bytes gathered
+        comm.all_gather(torch.ones(2, 2), grid, "x")
+    out["all_gather f32"] = t.as_dict()
+    splits = [[0, 1, 2], [1, 2, 0], [2, 0, 1]][me]  # rows this rank sends to each peer
+    with comm.record(grid) as t:
+        comm.all_to_all(torch.ones(3, 3, dtype=F64), grid, "x", input_splits=splits)
+    out["all_to_all"] = t.as_dict()
+    return out
+
+
+def test_bytes_worked_out_by_hand_on_3_ranks():
+    res = run_distributed(_by_hand, 3)
+    for rank, r in enumerate(res):
+        # all-reduce of 5 × 3 float64 = 120 bytes: 2 · 2/3 · 120
+        assert r["all_reduce"] == {"x": {"all_reduce": 160}}
+        # all-gather of 216 padded bytes: 2/3 · 216
+        assert r["all_gather"] == {"x": {"all_gather": 144}}
+        assert r["reduce_scatter"] == {"x": {"reduce_scatter": 144}}
+        # broadcast of 4 × 3 float64 = 96 bytes: each rank receives 2/3 of it on average
+        assert r["broadcast"] == {"x": {"broadcast": 64}}
+        assert r["all_gather f32"] == {"x": {"all_gather": 32}}
+        # all-to-all: the rows sent to the two others (3 float64 each = 24 bytes a row), plus
+        # the exchange of counts (one int64 to each of the two others = 16 bytes)
+        sent_rows = [1 + 2, 1 + 0, 2 + 0][rank]
+        assert r["all_to_all"] == {"x": {"all_to_all": sent_rows * 24 + 16}}, (rank, r)
 
 
 def test_size_one_axis_moves_nothing(monkeypatch):
@@ -229,6 +288,7 @@ def test_chunking_and_formulas():
     assert ring_bytes("all_reduce", 800, 4) == 1200
     assert ring_bytes("all_gather", 800, 4) == 600
     assert ring_bytes("reduce_scatter", 800, 1) == 0
+    assert ring_bytes("broadcast", 800, 4) == 600  # what a rank receives on average
     with pytest.raises(ValueError, match="no ring formula"):
         ring_bytes("gossip", 1, 2)
     with pytest.raises(ValueError, match="cannot split into 0 parts"):

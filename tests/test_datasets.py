@@ -29,12 +29,9 @@ from gnnpar.data import (
 )
 from gnnpar.data.commands import add_data_commands, parse_options
 from gnnpar.graph import Graph
+from tests.conftest import CITESEER, PLANETOID, needs_dataset
 
-PLANETOID = Path(__file__).parents[1].parent / "shared/datasets/planetoid"
-needs_citeseer = pytest.mark.skipif(
-    not (PLANETOID / "ind.citeseer.graph").is_file(),
-    reason="CiteSeer files not present (../shared/datasets/planetoid)",
-)
+needs_citeseer = needs_dataset(CITESEER)
 
 
 def assert_same(a: Graph, b: Graph) -> None:

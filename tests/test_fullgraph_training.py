@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from gnnpar.sparse.shards import prepare_shards
 from gnnpar.testing import run_distributed
 from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+from tests.conftest import CITESEER, PLANETOID, needs_dataset
 
-PLANETOID = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "planetoid"
-needs_citeseer = pytest.mark.skipif(
-    not (PLANETOID / "ind.citeseer.graph").is_file(), reason="CiteSeer files not present"
-)
+needs_citeseer = needs_dataset(CITESEER)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,7 @@ def test_loss_curves_agree_across_8_rank_grids(citeseer_shards, monkeypatch):
         )
         for losses in (r["losses"] for r in per_rank):
             diff = max(abs(a - b) for a, b in zip(losses, serial, strict=True))
-            assert diff < 1e-4, (grid, diff)
+            assert diff < 1e-12, (grid, diff)  # float64; measured 4.4e-16
 
 
 def test_overlapped_chunks_equal_plain(tmp_path, monkeypatch):

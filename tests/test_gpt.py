@@ -81,7 +81,7 @@ def _full_grads(model, grid):
     return out
 
 
-def _compare_training(make, grid, steps=3, tol=1e-8):
+def _compare_training(make, grid, steps=3, tol=1e-12):  # float64; measured 1.1e-14
     """Train the serial and the parallel copy of ``make()`` for ``steps`` AdamW steps with
     clipping; return the largest loss and gradient differences."""
     from gnnpar.shard import shard

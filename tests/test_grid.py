@@ -10,62 +10,69 @@ import torch.distributed as dist
 
 import gnnpar
 from gnnpar.grid import GridError, axes_of, factorizations
-from gnnpar.testing import run_distributed
+from gnnpar.testing import grid_shapes, run_distributed
+
+AXES4 = ("data", "x", "y", "z")
 
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _check_grid(world: int, data: int, x: int, y: int, z: int) -> None:
+    """Build one grid, check its coordinates and every group, then release it."""
+    grid = gnnpar.init(data=data, x=x, y=y, z=z)
+    me = dist.get_rank()
+    if grid.world_size != world or grid.global_rank != me:
+        raise AssertionError(f"bad world/rank for {grid.describe()}")
+    c = grid.coords()
+    if me != c["x"] + x * (c["y"] + y * (c["z"] + z * c["data"])):
+        raise AssertionError(f"rank order is not x-fastest: {c} on rank {me}")
+    if grid.rank_of(**c) != me:
+        raise AssertionError("rank_of does not invert coords")
+    for axis in ("x", "y", "z", "data", "tensor", "world", "xy", "xz", "yz"):
+        members = grid.ranks(axis)
+        if me not in members or len(members) != grid.size(axis):
+            raise AssertionError(f"{axis}: {members} for rank {me}")
+        if members[grid.rank(axis)] != me:
+            raise AssertionError(f"{axis}: rank index {grid.rank(axis)} not at {me}")
+        fixed = {"x", "y", "z", "data"} - set(axes_of(axis))
+        for m in members:
+            cm = grid.coords(m)
+            if any(cm[a] != c[a] for a in fixed):
+                raise AssertionError(f"{axis}: member {m} differs on a fixed axis")
+        group = grid.group(axis)
+        if grid.size(axis) == 1:
+            if group is not None:
+                raise AssertionError(f"{axis}: size-1 axis has a group")
+            continue
+        if dist.get_process_group_ranks(group) != sorted(members):
+            raise AssertionError(f"{axis}: group ranks differ from grid.ranks")
+        t = torch.tensor([float(me)])
+        gnnpar.comm.all_reduce(t, grid, axis)
+        if t.item() != float(sum(members)):
+            raise AssertionError(f"{axis}: all_reduce gave {t.item()}, not {sum(members)}")
+    gnnpar.release(grid)
+
+
 def _check_every_factorization(world: int) -> int:
     checked = 0
     threads = None
-    for data, x, y, z in factorizations(world):
+    for shape in grid_shapes(world, AXES4):
         if checked == 1:  # the world group and its threads exist from here on
             threads = _threads()
-        grid = gnnpar.init(data=data, x=x, y=y, z=z)
-        me = dist.get_rank()
-        if grid.world_size != world or grid.global_rank != me:
-            raise AssertionError(f"bad world/rank for {grid.describe()}")
-        c = grid.coords()
-        if me != c["x"] + x * (c["y"] + y * (c["z"] + z * c["data"])):
-            raise AssertionError(f"rank order is not x-fastest: {c} on rank {me}")
-        if grid.rank_of(**c) != me:
-            raise AssertionError("rank_of does not invert coords")
-        for axis in ("x", "y", "z", "data", "tensor", "world", "xy", "xz", "yz"):
-            members = grid.ranks(axis)
-            if me not in members or len(members) != grid.size(axis):
-                raise AssertionError(f"{axis}: {members} for rank {me}")
-            if members[grid.rank(axis)] != me:
-                raise AssertionError(f"{axis}: rank index {grid.rank(axis)} not at {me}")
-            fixed = {"x", "y", "z", "data"} - set(axes_of(axis))
-            for m in members:
-                cm = grid.coords(m)
-                if any(cm[a] != c[a] for a in fixed):
-                    raise AssertionError(f"{axis}: member {m} differs on a fixed axis")
-            group = grid.group(axis)
-            if grid.size(axis) == 1:
-                if group is not None:
-                    raise AssertionError(f"{axis}: size-1 axis has a group")
-                continue
-            if dist.get_process_group_ranks(group) != sorted(members):
-                raise AssertionError(f"{axis}: group ranks differ from grid.ranks")
-            t = torch.tensor([float(me)])
-            gnnpar.comm.all_reduce(t, grid, axis)
-            if t.item() != float(sum(members)):
-                raise AssertionError(f"{axis}: all_reduce gave {t.item()}, not {sum(members)}")
-        gnnpar.release(grid)
+        _check_grid(world, *(shape[a] for a in AXES4))
         checked += 1
-    # Released grids leave no threads behind (each gloo group holds several).
+    # Released grids leave no threads behind once dropped (each gloo group holds several).
     if threads is not None and _threads() > threads + 2:
         raise AssertionError(f"{_threads() - threads} threads left after releasing every grid")
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 7, 8])
 def test_every_factorization_builds(world):
     counts = run_distributed(_check_every_factorization, world, world, timeout=300)
-    assert counts == [len(factorizations(world))] * world
+    assert counts == [len(grid_shapes(world, AXES4))] * world
 
 
 def test_world_of_one_without_torch_distributed(monkeypatch):

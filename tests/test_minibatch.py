@@ -14,11 +14,10 @@ from gnnpar.train.config import ConfigError, from_mapping
 from gnnpar.train.loop import Trainer
 from gnnpar.train.metrics import read_metrics
 from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+from tests.conftest import CITESEER, DATASETS, needs_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT / ".." / "shared" / "datasets"
 EXAMPLE = ROOT / "examples" / "train_sage_minibatch.py"
-HAS_CITESEER = (SHARED / "planetoid" / "ind.citeseer.graph").is_file()
 SMALL = "num_nodes=300,feat_dim=8,seed=3"
 
 
@@ -136,7 +135,7 @@ def _citeseer(out: str, batch_size: int) -> dict[str, float]:
         MiniBatchConfig,
         {
             "dataset": "citeseer",
-            "root": str(SHARED),
+            "root": str(DATASETS),
             "dataset_options": "normalize_features=true",
             "fanouts": "10,10",
             "batch_size": batch_size,
@@ -154,13 +153,13 @@ def _citeseer(out: str, batch_size: int) -> dict[str, float]:
     return result
 
 
-@pytest.mark.skipif(not HAS_CITESEER, reason="CiteSeer files are not in ../shared/datasets")
+@needs_dataset(CITESEER)
 def test_citeseer_one_process(tmp_path):
     result = _citeseer(str(tmp_path / "run"), batch_size=32)
     assert result["test_acc"] >= 0.67, result
 
 
-@pytest.mark.skipif(not HAS_CITESEER, reason="CiteSeer files are not in ../shared/datasets")
+@needs_dataset(CITESEER)
 def test_citeseer_four_ranks(tmp_path):
     """Four ranks, one METIS part each, 8 seeds per rank and step (a global batch of 32)."""
     results = run_distributed(_citeseer, 4, str(tmp_path / "run"), 8, timeout=600)

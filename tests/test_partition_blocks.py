@@ -167,6 +167,43 @@ def test_balanced_permutation_directed_and_rectangular_grid():
         balanced_permutation(a.indptr, a.indices, 0, 2)
 
 
+@pytest.fixture(scope="module")
+def directed_hubs():
+    """5,000 nodes, 40,000 directed edges whose targets follow a power law: a few nodes have
+    huge in-degree and ordinary out-degree, so Â₁ and Â₂ are lumpy in different ways."""
+    n, m = 5000, 40000
+    rng = np.random.default_rng(1)
+    dst = np.minimum(rng.zipf(1.6, m) - 1, n - 1)
+    src = rng.integers(0, n, m)
+    a = sp.csr_matrix((np.ones(m), (dst, src)), shape=(n, n))
+    a.sum_duplicates()
+    return a
+
+
+def test_balanced_permutation_places_light_nodes_on_a_directed_graph(directed_hubs):
+    """Past the first 512·(R + C) nodes the rest are dealt to the lightest blocks: both grids
+    stay balanced (measured Â₁ 1.013, Â₂ 1.015; random 1.47 and 1.17). Weighing each node by
+    its row only, as if Â were symmetric, leaves Â₂ at 1.50."""
+    a = directed_hubs
+    assert a.shape[0] > 512 * (2 + 2)  # the default heavy count leaves light nodes
+    p, p2 = balanced_permutation(a.indptr, a.indices, 2, 2, seed=1)
+    a1 = block2d(a.indptr, a.indices, 2, 2, p, p2).imbalance
+    a2 = block2d(a.indptr, a.indices, 2, 2, p2, p).imbalance
+    assert a1 <= 1.05 and a2 <= 1.05, (a1, a2)
+    _check_plexus_composition(a, p, p2)
+
+
+def test_dealing_alone_balances_in_snake_order(directed_hubs):
+    """With no node placed by the vector greedy (heavy=0) every node is dealt, lightest block
+    first, reversing the order every pass: measured 1.040 / 1.041. Dealing in the same order
+    every pass gives the same block the heavier node of each pass (1.12 / 1.13)."""
+    a = directed_hubs
+    p, p2 = balanced_permutation(a.indptr, a.indices, 2, 2, seed=0, heavy=0)
+    a1 = block2d(a.indptr, a.indices, 2, 2, p, p2).imbalance
+    a2 = block2d(a.indptr, a.indices, 2, 2, p2, p).imbalance
+    assert a1 <= 1.07 and a2 <= 1.07, (a1, a2)
+
+
 def test_more_blocks_than_nodes():
     a = sp.csr_matrix(np.array([[0, 1, 1], [1, 0, 0], [1, 0, 0]], dtype=np.float64))
     p, p2 = balanced_permutation(a.indptr, a.indices, 4, 5, seed=0)

@@ -23,6 +23,10 @@ def test_metrics_on_a_hand_checked_graph():
     assert edge_cut(INDPTR, INDICES, owner) == (3, 3 / 9)
     # Halo of part 0: {3}; of part 1: {2, 0}.
     np.testing.assert_array_equal(halo_counts(INDPTR, INDICES, owner, 2), [1, 2])
+    # Parts {0, 3, 4, 5} and {1, 2}: node 2 feeds both 0 and 3, yet is one halo node.
+    other = np.array([0, 1, 1, 0, 0, 0])
+    assert edge_cut(INDPTR, INDICES, other) == (5, 5 / 9)
+    np.testing.assert_array_equal(halo_counts(INDPTR, INDICES, other, 2), [2, 2])
     assert balance(np.array([3, 1])) == 1.5 and balance(np.zeros(2)) == 1.0
     part = Partition(owner, 2, method="custom")
     q = quality((INDPTR, INDICES), part, feature_bytes=16)

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from gnnpar.cli import main
+from gnnpar.grid import factorizations
 from gnnpar.plan import (
     GCNProblem,
     GPTProblem,
@@ -27,6 +28,7 @@ from gnnpar.plan import (
     rank_gcn,
     rank_gpt,
 )
+from tests.byte_formulas import plexus_bytes
 
 # 12 nodes, widths 6 -> 4 -> 2, float32, biases: small enough to follow by hand
 GCN = GCNProblem.from_widths(12, 40, [6, 4, 2], element_size=4)
@@ -188,21 +190,39 @@ def test_ranking_orders_by_time_and_drops_what_does_not_fit():
     assert any("does not divide over data*z" in c.reason for c in bad)
 
 
-def test_choose_fullgraph_grid_by_bytes_or_time():
-    assert choose_fullgraph_grid(8, 1000, [64, 64, 8]) in (
-        {"x": 2, "y": 2, "z": 2},
-        {"x": 2, "y": 4, "z": 1},
-        {"x": 4, "y": 2, "z": 1},
-        {"x": 1, "y": 2, "z": 4},
-        {"x": 2, "y": 1, "z": 4},
-        {"x": 4, "y": 1, "z": 2},
-        {"x": 1, "y": 4, "z": 2},
-        {"x": 8, "y": 1, "z": 1},
-        {"x": 1, "y": 8, "z": 1},
-        {"x": 1, "y": 1, "z": 8},
-    )
-    shape = choose_fullgraph_grid(8, 1000, [64, 64, 8], nnz=20_000, machine=_toy_machine())
-    assert shape["x"] * shape["y"] * shape["z"] == 8
+@pytest.mark.parametrize(
+    "world, nodes, dims, ops, want",
+    [
+        (8, 1000, [64, 64, 8], 1, {"x": 2, "y": 2, "z": 2}),
+        (8, 50, [256, 256, 256], 1, {"x": 4, "y": 2, "z": 1}),
+        (8, 1000, [64, 64, 8], 2, {"x": 2, "y": 4, "z": 1}),
+        (4, 999, [7, 5, 3], 2, {"x": 1, "y": 4, "z": 1}),
+        (6, 10000, [16, 16, 4], 1, {"x": 2, "y": 3, "z": 1}),
+    ],
+)
+def test_choose_fullgraph_grid_takes_the_fewest_bytes(world, nodes, dims, ops, want):
+    """Without a machine: the fewest bytes per epoch on rank 0 (the 3D formulas of
+    tests/byte_formulas.py, float32, raw features needing no gradient), ties to the shape whose
+    busiest axis moves least, then to x before y."""
+
+    def key(s):
+        f, b = plexus_bytes(s, {"x": 0, "y": 0, "z": 0}, nodes, dims, ops, 4, False, True)
+        axis = [sum(f.bytes[a].values()) + sum(b.bytes[a].values()) for a in "xyz"]
+        return (sum(axis), max(axis), -s["x"], -s["y"])
+
+    shapes = [dict(zip("xyz", f, strict=True)) for f in factorizations(world, 3)]
+    assert min(shapes, key=key) == want  # the formulas' choice, worked out here
+    assert choose_fullgraph_grid(world, nodes, dims, ops) == want
+
+
+def test_choose_fullgraph_grid_with_a_machine_takes_the_fastest_that_fits():
+    problem = GCNProblem.from_widths(1000, 20_000, [64, 64, 8], model="gcn", element_size=4)
+    machine = _toy_machine()
+    fastest = next(c for c in rank_gcn(problem, 8, machine) if c.fits)
+    shape = choose_fullgraph_grid(8, 1000, [64, 64, 8], nnz=20_000, machine=machine)
+    assert shape == {a: fastest.shape[a] for a in ("x", "y", "z")}
+    with pytest.raises(PlanError, match="no grid shape can run this graph"):
+        choose_fullgraph_grid(8, 10**9, [4096, 4096, 8], nnz=10**10, machine=machine)
 
 
 def test_problem_errors_are_clear():

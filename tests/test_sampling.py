@@ -8,6 +8,7 @@ Floyd's algorithm) and hubs above 64 (the comparison path).
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 
 import pytest
@@ -255,6 +256,23 @@ def test_bad_input_is_refused():
 
 
 # ------------------------------------------------------------------------------ blocks
+def test_block_validate_names_each_problem():
+    def block(src, num_dst, indptr, indices):
+        return Block(torch.tensor(src), num_dst, torch.tensor(indptr), torch.tensor(indices))
+
+    block([7, 8, 9], 2, [0, 1, 3], [2, 0, 2]).validate()  # a valid block: no error
+    cases = [
+        (block([7, 8, 9], 2, [0, 1], [2]), "block indptr has 2 entries, expected num_dst + 1 = 3"),
+        (block([7, 8], 3, [0, 0, 0, 0], []), "block has 3 destinations but 2 sources"),
+        (block([7, 8, 9], 2, [1, 1, 3], [2, 0]), "block indptr must start at 0 and end at"),
+        (block([7, 8, 9], 2, [0, 1, 2], [2, 3]), "block indices must lie in [0, 3)"),
+        (block([7, 8, 9], 2, [0, 2, 1], [2]), "block indptr is not non-decreasing"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bad.validate()
+
+
 def test_block_formats_pyg_and_dgl():
     g = mixed_graph()
     block = NeighborSampler(g, [6]).sample(torch.tensor([5, 20, 31])).blocks[0]

@@ -137,21 +137,3 @@ def permute(
     return from_coo(
         row_perm[rows], col_perm[indices.long()], values, (n_rows, int(col_perm.numel()))
     )
-
-
-def concat_rows(blocks: list[CSRBlock], n_cols: int) -> CSRBlock:
-    """Stack blocks with the same columns vertically (used to merge file blocks)."""
-    ptrs, idx, vals, offset, n_rows = [torch.zeros(1, dtype=torch.int64)], [], [], 0, 0
-    for b in blocks:
-        ptrs.append(b.indptr[1:] + offset)
-        offset += b.nnz
-        n_rows += b.shape[0]
-        idx.append(b.indices)
-        vals.append(b.values)
-    dtype = blocks[0].values.dtype if blocks else torch.float32
-    return CSRBlock(
-        torch.cat(ptrs),
-        torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64),
-        torch.cat(vals) if vals else torch.zeros(0, dtype=dtype),
-        (n_rows, n_cols),
-    )

@@ -1,0 +1,221 @@
+"""Bytes each rank should move, written out from the algorithms' descriptions.
+
+Nothing here calls gnnpar's own byte formulas (``comm.ring_bytes``, ``layer_bytes``,
+``expected_bytes``, the planner): the tests hold gnnpar's measured traffic against these, so a
+wrong factor in the implementation's formulas cannot hide behind the same factor here.
+
+Ring costs (DESIGN, per rank, a group of p ranks, a full buffer of V bytes): all-gather and
+reduce-scatter (p−1)/p·V, all-reduce 2(p−1)/p·V, broadcast (p−1)/p·V (what a rank receives
+on average), all-to-all the bytes a rank sends to the others. Uneven pieces are padded to
+the largest before they move, so V counts the padding. Chunks are balanced, the first ranks
+one larger (``n = 7`` over 3 ranks: 3, 2, 2).
+
+Results are ``{axis: {kind: bytes}}``, the shape of ``Traffic.as_dict()``; zero entries are
+left out, as a collective over one rank moves nothing and is not recorded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+INT64, INT32 = 8, 4
+#: The (outer, inner, depth) axis roles of a 3D layer, rotating with the layer index.
+ROLES = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
+
+
+def gather_bytes(p: int, full: float) -> float:
+    """All-gather or reduce-scatter of a full (padded) buffer of ``full`` bytes."""
+    return (p - 1) / p * full
+
+
+def all_reduce_bytes(p: int, full: float) -> float:
+    """All-reduce of ``full`` bytes: a reduce-scatter then an all-gather."""
+    return 2 * (p - 1) / p * full
+
+
+def broadcast_bytes(p: int, full: float) -> float:
+    """Broadcast of ``full`` bytes: each rank receives (p−1)/p of it on average."""
+    return (p - 1) / p * full
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Size of chunk ``index`` when ``n`` items are split into ``parts`` balanced chunks."""
+    return n // parts + (1 if index < n % parts else 0)
+
+
+def chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` (the chunks before it come first)."""
+    start = sum(chunk(n, parts, i) for i in range(index))
+    return start, start + chunk(n, parts, index)
+
+
+def biggest(n: int, parts: int) -> int:
+    """The largest chunk: what every piece is padded to."""
+    return -(-n // parts)
+
+
+class Bytes:
+    """Accumulates formula bytes by axis and kind, and the number of collectives (each
+    recorded collective rounds its fractional ring bytes once)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def add(self, axis: str, kind: str, p: int, full_bytes: float) -> None:
+        """One collective of ``kind`` over ``axis`` (``p`` ranks) on ``full_bytes``."""
+        if p <= 1:
+            return
+        formula = {
+            "all_gather": gather_bytes,
+            "reduce_scatter": gather_bytes,
+            "all_reduce": all_reduce_bytes,
+            "broadcast": broadcast_bytes,
+        }[kind]
+        self.bytes[axis][kind] += formula(p, full_bytes)
+        self.calls[axis][kind] += 1
+
+    def check(self, measured: dict[str, dict[str, int]], what: str) -> None:
+        """Measured ``Traffic.as_dict()`` equals the formula per axis and kind, up to one
+        byte of rounding per collective."""
+        want = {a: {k: v for k, v in kinds.items() if round(v)} for a, kinds in self.bytes.items()}
+        want = {a: kinds for a, kinds in want.items() if kinds}
+        got = {a: {k: v for k, v in kinds.items() if v} for a, kinds in measured.items()}
+        got = {a: kinds for a, kinds in got.items() if kinds}
+        bad = set(got) != set(want) or any(set(got[a]) != set(want[a]) for a in want)
+        if not bad:
+            bad = any(
+                abs(got[a][k] - want[a][k]) > max(1, self.calls[a][k])
+                for a in want
+                for k in want[a]
+            )
+        if bad:
+            rounded = {a: {k: round(v, 1) for k, v in kinds.items()} for a, kinds in want.items()}
+            raise AssertionError(f"{what}: measured {got}, formula {rounded}")
+
+
+def plexus_bytes(
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    num_ops: int,
+    es: int,
+    input_grad: bool,
+    bias: bool,
+    chunks: int = 1,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 3D (Plexus) model on the rank at ``coords``.
+
+    Layer ℓ with roles (a, b, c) holds Â rows chunk c × columns chunk a, H rows chunk a ×
+    features chunk b, W features chunk b × outputs chunk a (flattened, split over c):
+
+    forward:  [ℓ = 0] all-gather H over c; all-reduce ÂH over a (``chunks`` row pieces);
+              all-gather W over c; all-reduce (ÂH)W over b
+    backward: all-gather W over c; all-reduce the gradient of ÂH over a; reduce-scatter
+              the gradient of W over c; the gradient of H: reduce-scatter over c (ℓ = 0,
+              only with ``input_grad``) or all-reduce over c (ℓ > 0); bias: all-reduce over c
+    """
+    fwd, bwd = Bytes(), Bytes()
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        a, b, c = ROLES[layer % 3]
+        pa, pb, pc = shape[a], shape[b], shape[c]
+        rows = chunk(n, pc, coords[c])
+        cols = chunk(n, pa, coords[a])
+        fin = chunk(d_in, pb, coords[b])
+        fout = chunk(d_out, pa, coords[a])
+        h_padded = pc * biggest(cols, pc) * fin * es
+        w_padded = pc * biggest(num_ops * fin * fout, pc) * es
+        if layer == 0:
+            fwd.add(c, "all_gather", pc, h_padded)
+        for k in range(chunks):
+            piece = chunk(rows, chunks, k)
+            if piece:
+                fwd.add(a, "all_reduce", pa, piece * num_ops * fin * es)
+        fwd.add(c, "all_gather", pc, w_padded)
+        fwd.add(b, "all_reduce", pb, rows * fout * es)
+        bwd.add(c, "all_gather", pc, w_padded)
+        bwd.add(a, "all_reduce", pa, rows * num_ops * fin * es)
+        bwd.add(c, "reduce_scatter", pc, w_padded)
+        if layer > 0:
+            bwd.add(c, "all_reduce", pc, cols * fin * es)
+        elif input_grad:
+            bwd.add(c, "reduce_scatter", pc, h_padded)
+        if bias:
+            bwd.add(c, "all_reduce", pc, fout * es)
+    return fwd, bwd
+
+
+def summa_bytes(
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    num_ops: int,
+    es: int,
+    input_grad: bool,
+    bias: bool,
+    stage_nnz: list[list[list[int]]],
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of CAGNET's 2D (SUMMA) model on the rank at ``coords``.
+
+    R × C = x × y; rank (i, j) holds Â rows chunk i × columns chunk j and H rows chunk i ×
+    features chunk j; W is replicated. ``stage_nnz[ℓ][op][j′]`` is the nonzero count of block
+    (i, j′) of operator ``op`` in layer ℓ, broadcast over y from column j′ as (indptr int64,
+    column ids int32, values):
+
+    forward:  all-gather H's column block over x; the row of Â streamed over y; all-gather
+              each operator's aggregate over y (features)
+    backward: W's columns: all-gather over y, then all-reduce over x; bias likewise; with a
+              gradient for H: reduce-scatter over y, the row of Â streamed again,
+              reduce-scatter over x
+    """
+    r, c = shape["x"], shape["y"]
+    rows = chunk(n, r, coords["x"])
+    fwd, bwd = Bytes(), Bytes()
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        fin = chunk(d_in, c, coords["y"])
+        h_col = r * biggest(n, r) * fin * es
+        agg = c * biggest(d_in, c) * rows * es
+        streams = []
+        for per_op in stage_nnz[layer]:
+            for nnz in per_op:
+                streams += [(rows + 1) * INT64, nnz * INT32, nnz * es]
+        fwd.add("x", "all_gather", r, h_col)
+        for v in streams:
+            fwd.add("y", "broadcast", c, v)
+        for _ in range(num_ops):
+            fwd.add("y", "all_gather", c, agg)
+        bwd.add("y", "all_gather", c, c * biggest(d_out, c) * num_ops * d_in * es)
+        bwd.add("x", "all_reduce", r, num_ops * d_in * d_out * es)
+        if bias:
+            bwd.add("y", "all_gather", c, c * biggest(d_out, c) * es)
+            bwd.add("x", "all_reduce", r, d_out * es)
+        if layer > 0 or input_grad:
+            for _ in range(num_ops):
+                bwd.add("y", "reduce_scatter", c, agg)
+            for v in streams:
+                bwd.add("y", "broadcast", c, v)
+            bwd.add("x", "reduce_scatter", r, h_col)
+    return fwd, bwd
+
+
+def rows1d_bytes(
+    p: int, n: int, dims: list[int], num_ops: int, es: int, input_grad: bool, bias: bool
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of CAGNET's 1D model over the ``tensor`` axis (p ranks).
+
+    forward:  all-gather H (rows) per layer
+    backward: reduce-scatter H's gradient (not for raw input features without ``input_grad``);
+              all-reduce of the replicated weight's (and bias's) gradient
+    """
+    fwd, bwd = Bytes(), Bytes()
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        h = p * biggest(n, p) * d_in * es
+        fwd.add("tensor", "all_gather", p, h)
+        if layer > 0 or input_grad:
+            bwd.add("tensor", "reduce_scatter", p, h)
+        bwd.add("tensor", "all_reduce", p, num_ops * d_in * d_out * es)
+        if bias:
+            bwd.add("tensor", "all_reduce", p, d_out * es)
+    return fwd, bwd

@@ -1,0 +1,52 @@
+"""What every test shares: where the real datasets are, and what a missing one means.
+
+A test that reads real data files is marked ``@needs_dataset("planetoid/ind.citeseer.graph")``
+(paths relative to :data:`DATASETS`). When a file is missing the test is skipped, so a fresh
+clone anywhere passes; with ``GNNPAR_REQUIRE_DATASETS=1`` (``.ci/run`` sets it) the test
+fails instead, so a run that should have the data cannot pass without using it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+#: The shared datasets folder next to the checkout (``GNNPAR_TEST_DATASETS`` overrides it,
+#: for a copy of the tree that lives elsewhere, such as the mutation check's).
+DATASETS = Path(
+    os.environ.get("GNNPAR_TEST_DATASETS")
+    or Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+)
+PLANETOID = DATASETS / "planetoid"
+CITESEER = "planetoid/ind.citeseer.graph"
+REQUIRE = "GNNPAR_REQUIRE_DATASETS"
+
+
+def needs_dataset(*files: str) -> pytest.MarkDecorator:
+    """Mark a test (or, as ``pytestmark``, a module) that reads ``files`` under DATASETS."""
+    return pytest.mark.dataset(*files)
+
+
+def missing_datasets(files: tuple[str, ...]) -> list[str]:
+    """Which of ``files`` are not under :data:`DATASETS`."""
+    return [f for f in files if not (DATASETS / f).is_file()]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "dataset(*files): the test reads these files under the shared datasets"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("dataset"):
+        missing = missing_datasets(mark.args)
+        if not missing:
+            continue
+        msg = f"dataset files missing under {DATASETS}: {', '.join(missing)}"
+        if os.environ.get(REQUIRE) == "1":
+            pytest.fail(f"{msg} ({REQUIRE}=1 makes this a failure)", pytrace=False)
+        pytest.skip(msg)
