@@ -249,6 +249,7 @@ def _by_hand() -> dict:
     with comm.record(grid) as t:
         comm.all_to_all(torch.ones(3, 3, dtype=F64), grid, "x", input_splits=splits)
     out["all_to_all"] = t.as_dict()
+    out["by_axis"] = t.by_axis()
     return out
 
 
@@ -267,6 +268,7 @@ def test_bytes_worked_out_by_hand_on_3_ranks():
         # the exchange of counts (one int64 to each of the two others = 16 bytes)
         sent_rows = [1 + 2, 1 + 0, 2 + 0][rank]
         assert r["all_to_all"] == {"x": {"all_to_all": sent_rows * 24 + 16}}, (rank, r)
+        assert r["by_axis"] == {"x": sent_rows * 24 + 16}
 
 
 def test_size_one_axis_moves_nothing(monkeypatch):

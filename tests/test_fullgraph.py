@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.nn.gcn import GCN, FullGraphGNN, GraphSAGE
 from gnnpar.sparse import parallelize_fullgraph
 from gnnpar.testing import grid_shapes, run_distributed
 from tests.byte_formulas import chunk_range, plexus_bytes, rows1d_bytes, summa_bytes
@@ -106,8 +107,17 @@ def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm:
     want_f, want_b = _formula(par, grid, a_hat, source, kind, algorithm, input_grad, chunks)
     want_f.check(fwd.as_dict(), f"forward bytes {tag}")
     want_b.check(bwd.as_dict(), f"backward bytes {tag}")
+    # ... and the layer's own schedule agrees, axis by axis (each collective rounds once)
+    schedule = par.expected_bytes(input_grad=input_grad)
+    for rec, part in ((fwd, "forward"), (bwd, "backward")):
+        got = rec.by_axis()
+        for axis in set(got) | set(schedule[part]):
+            want = schedule[part].get(axis, 0.0)
+            if abs(got.get(axis, 0) - want) > max(1, rec.calls(axis=axis)):
+                raise AssertionError(f"{part} bytes on {axis}: {got} vs schedule {want} ({tag})")
 
     if algorithm == "3d":
+        assert par.output_layout is par.layouts[-1]
         # real sharding: this rank's features are its block, and each weight element lives
         # on exactly one rank
         lay0 = par.layouts[0]
@@ -140,6 +150,13 @@ def _check_world(world: int, algorithm: str) -> int:
                 _check_shape(shape, kind, permute, seed, algorithm, chunks)
                 n += 1
     return n
+
+
+def test_gcn_and_graphsage_are_the_plain_model_of_each_kind():
+    for make, kind in ((GCN, "gcn"), (GraphSAGE, "sage")):
+        model = make(7, 5, 3, num_layers=3, dropout=0.1)
+        assert isinstance(model, FullGraphGNN) and model.kind == kind
+        assert model.dims == [7, 5, 5, 3] and model.dropout == 0.1
 
 
 @pytest.mark.parametrize("algorithm", ["3d", "2d", "1d"])

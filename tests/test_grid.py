@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import gnnpar
-from gnnpar.grid import GridError, axes_of, factorizations
+from gnnpar.grid import GridError, axes_of, default_shape, factorizations
 from gnnpar.testing import grid_shapes, run_distributed
 
 AXES4 = ("data", "x", "y", "z")
@@ -128,6 +128,13 @@ def test_intra_node_groups():
     out = run_distributed(_placement, 4)
     assert [o["node"] for o in out] == [0, 0, 1, 1]
     assert all(o["x"] and not o["data"] and not o["world"] for o in out)
+
+
+def test_default_shape_gives_factors_of_two_to_x_y_z_in_turn():
+    assert default_shape(1) == {"x": 1, "y": 1, "z": 1, "data": 1}
+    assert default_shape(4) == {"x": 2, "y": 2, "z": 1, "data": 1}
+    assert default_shape(16) == {"x": 2, "y": 2, "z": 2, "data": 2}
+    assert default_shape(6) == {"x": 2, "y": 1, "z": 1, "data": 3}
 
 
 def test_factorizations_count():

@@ -84,6 +84,7 @@ def test_block2d_counts_and_pieces_match_a_dense_reference():
                 ref = permuted[ro[r] : ro[r + 1], co[c] : co[c + 1]]
                 assert grid.nnz[r, c] == np.count_nonzero(ref)
                 b = grid.blocks[r][c]
+                assert b.nnz == grid.nnz[r, c]
                 assert (b.row_start, b.col_start) == (ro[r], co[c]) and b.shape == ref.shape
                 piece = sp.csr_matrix((b.values, b.indices, b.indptr), shape=b.shape).toarray()
                 np.testing.assert_array_equal(piece, ref)

@@ -28,6 +28,7 @@ from gnnpar.plan import (
     rank_gcn,
     rank_gpt,
 )
+from gnnpar.plan.compute import measure_local_rates
 from tests.byte_formulas import plexus_bytes
 
 # 12 nodes, widths 6 -> 4 -> 2, float32, biases: small enough to follow by hand
@@ -223,6 +224,12 @@ def test_choose_fullgraph_grid_with_a_machine_takes_the_fastest_that_fits():
     assert shape == {a: fastest.shape[a] for a in ("x", "y", "z")}
     with pytest.raises(PlanError, match="no grid shape can run this graph"):
         choose_fullgraph_grid(8, 10**9, [4096, 4096, 8], nnz=10**10, machine=machine)
+
+
+def test_local_rates_are_measured():
+    rates = measure_local_rates(seconds=0.01, size=32)
+    assert set(rates) == {"gemm_tflops", "spmm_gflops", "mem_gbps"}
+    assert all(v > 0 for v in rates.values()), rates
 
 
 def test_problem_errors_are_clear():

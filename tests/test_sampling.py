@@ -133,6 +133,7 @@ def test_fanout_minus_one_takes_every_in_edge():
 def test_deterministic_and_per_node():
     g = mixed_graph()
     sampler = NeighborSampler(g, [4, 4])
+    assert sampler.num_layers == 2
     a = sampler.sample(torch.arange(20), key=7)
     b = sampler.sample(torch.arange(20), key=7)
     for x, y in zip(a.blocks, b.blocks, strict=True):

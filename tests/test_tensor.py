@@ -256,7 +256,9 @@ def test_single_process_grid_matches_torch(monkeypatch):
     assert torch.equal(ours.bias, ref.bias)
     x = torch.randn(4, IN)
     assert torch.allclose(ours(x), ref(x))
+    assert f"in_features={IN}, out_features={OUT}, bias=True" in repr(ours)
     emb = tensor.Embedding(VOCAB, DIM, grid)
+    assert f"{VOCAB}, {DIM}, transpose=False" in repr(emb)
     ids = torch.tensor([[0, 12, 3]])
     assert torch.equal(emb(ids), emb.weight.view(VOCAB, DIM)[ids])
     logits = torch.randn(2, 3, VOCAB)
@@ -302,6 +304,7 @@ def test_layout_round_trip_and_sizes():
         v = torch.arange(rows, dtype=F64)
         assert torch.equal(vec.assemble({(r, 0, 0): vec.shard(v, r) for r in range(rp)}), v)
         assert ShardLayout.from_dict(lay.to_dict()) == lay
+        assert lay.numel() == rows * cols
 
 
 def test_layout_errors_are_clear():
