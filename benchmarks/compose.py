@@ -160,7 +160,9 @@ def _peer(cfg: dict[str, Any], kind: str):
         _clip(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        mean = loss.detach().clone()  # the global batch's mean, as ours reports it
+        dist.all_reduce(mean, group=dp_mesh.get_group())
+        return float(mean) / dp
 
     return step
 
