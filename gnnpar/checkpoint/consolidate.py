@@ -12,8 +12,8 @@ import torch
 from gnnpar.checkpoint.chunks import concat, copy_overlap
 from gnnpar.checkpoint.protocol import SCHEMA, VERSION, CheckpointError, candidates
 from gnnpar.checkpoint.state import MODEL
-from gnnpar.checkpoint.store import _plan, _sources
-from gnnpar.verified import FormatError, Manifest, load_tensors, read_manifest
+from gnnpar.checkpoint.store import plan_reads
+from gnnpar.verified import Manifest, load_tensors, read_manifest
 
 __all__ = ["consolidate", "describe", "open_checkpoint"]
 
@@ -49,13 +49,7 @@ def consolidate(path: str | os.PathLike, verify: str = "checksum") -> dict[str, 
         t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
         full[key] = t
         targets.append(Piece(key, t, concat([(MODEL + key, (0,) * t.dim(), tuple(t.shape))])))
-    pairs, short = _plan(targets, _sources(manifest))
-    if short:
-        _, chunk, covered = short[0]
-        raise FormatError(
-            f"{manifest.folder}: tensor '{chunk.key[len(MODEL):]}' is not fully stored "
-            f"({covered} of {chunk.numel} elements)"
-        )
+    pairs = plan_reads(targets, manifest)
     blobs: dict[str, dict[str, torch.Tensor]] = {}
     for _, _, src, _ in pairs:
         if src.file not in blobs:

@@ -212,6 +212,10 @@ class _Source:
     chunks: list[Chunk]
 
 
+#: one copy of a load: (target piece, its chunk, the stored entry, its chunk)
+Read = tuple[Piece, Chunk, _Source, Chunk]
+
+
 def _sources(manifest: Manifest) -> dict[str, list[_Source]]:
     """Every stored chunk by full-tensor name."""
     out: dict[str, list[_Source]] = {}
@@ -306,11 +310,11 @@ def _restore_hyper(optimizer: torch.optim.Optimizer, manifest: Manifest) -> None
                 group[k] = tuple(v) if isinstance(group[k], tuple) and isinstance(v, list) else v
 
 
-def _plan(
-    targets: list[Piece], sources: dict[str, list[_Source]]
-) -> tuple[list[tuple[Piece, Chunk, _Source, Chunk]], list[tuple[Piece, Chunk, int]]]:
-    """Every (target chunk, stored chunk) overlap, and target chunks not fully covered."""
-    pairs, short = [], []
+def plan_reads(targets: list[Piece], manifest: Manifest) -> list[Read]:
+    """Every (target chunk, stored chunk) overlap: what to copy where. CheckpointError naming
+    the tensor when the checkpoint does not cover all of a target chunk."""
+    sources = _sources(manifest)
+    pairs = []
     for piece in targets:
         for t in piece.chunks:
             covered = 0
@@ -321,8 +325,11 @@ def _plan(
                         pairs.append((piece, t, src, s))
                         covered += n
             if covered < t.numel:
-                short.append((piece, t, covered))
-    return pairs, short
+                raise CheckpointError(
+                    f"checkpoint {manifest.folder} does not hold all of tensor '{t.key}' "
+                    f"({covered} of {t.numel} elements of this part)"
+                )
+    return pairs
 
 
 def _warn(grid: ProcessGrid, text: str) -> None:
@@ -369,13 +376,7 @@ def load(
         if optimizer is not None:
             extra_targets, opt_where = _optimizer_targets(optimizer, layout, manifest)
             targets += extra_targets
-        pairs, short = _plan(targets, _sources(manifest))
-        if short:
-            piece, chunk, covered = short[0]
-            raise CheckpointError(
-                f"checkpoint {folder} does not hold all of tensor '{chunk.key}' ({covered} of "
-                f"{chunk.numel} elements of this rank's part)"
-            )
+        pairs = plan_reads(targets, manifest)
         files = sorted({src.file for _, _, src, _ in pairs})
         same_grid = manifest.meta.get("grid") == grid.shape
         own = f"{_rank_stem(grid.global_rank)}.pt"
