@@ -17,7 +17,9 @@ Megatron's (q/k/v and fc column-wise, the projections row-wise, the fused q/k/v 
 so each rank holds whole heads, as ours); their embeddings and head stay replicated, ours are
 split too (vocabulary-parallel loss).
 
-Per run: **step time** — the median of the timed steps, of the slowest rank; **memory** —
+Per run: **step time** — the median of the timed steps, of the slowest rank; **CPU time**
+per step and rank (all threads; far less sensitive than wall time to other jobs on a shared
+machine, though blind to waiting); **memory** —
 peak RSS during the timed steps (the high-water mark reset after the warm-up steps) minus
 the idle baseline (the process's RSS after torch.distributed is up, before the model exists),
 the largest over ranks; both numbers are kept. Figures are medians over the runs, with their
@@ -211,15 +213,16 @@ def _rank(side: str, cfg: dict[str, Any]) -> dict[str, Any]:
         step(i)
     gc.collect()
     reset = _reset_peak_rss()
-    times = []
+    times, cpu = [], []
     for i in range(cfg["warmup"], cfg["warmup"] + cfg["steps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = step(i)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     peak = _rss_kb("VmHWM") / 1024
     gnnpar.shutdown(grid)
-    return {"step_s": statistics.median(times), "peak_mb": peak, "baseline_mb": baseline,
-            "reset": reset, "loss": loss}  # fmt: skip
+    return {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+            "peak_mb": peak, "baseline_mb": baseline, "reset": reset, "loss": loss}  # fmt: skip
 
 
 def run_side(side: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +231,7 @@ def run_side(side: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     ranks = run_distributed(_rank, world, side, cfg, timeout=cfg["timeout"], env=env)
     return {
         "step_s": max(r["step_s"] for r in ranks),
+        "cpu_s": sum(r["cpu_s"] for r in ranks) / len(ranks),
         "memory_mb": max(r["peak_mb"] - r["baseline_mb"] for r in ranks),
         "peak_mb": max(r["peak_mb"] for r in ranks),
         "baseline_mb": max(r["baseline_mb"] for r in ranks),
@@ -269,10 +273,10 @@ def pairs(cfg: dict[str, Any], repeats: int) -> dict[str, Any]:
             ok = [x for x in runs[who] if isinstance(x, dict)]
             if ok:
                 row[who] = {k: _spread([x[k] for x in ok]) for k in
-                            ("step_s", "memory_mb", "peak_mb", "baseline_mb")}  # fmt: skip
+                            ("step_s", "cpu_s", "memory_mb", "peak_mb", "baseline_mb")}  # fmt: skip
                 row[who]["loss"] = ok[0]["loss"]
         if "ours" in row and "peer" in row:
-            for k, key in (("time", "step_s"), ("memory", "memory_mb")):
+            for k, key in (("time", "step_s"), ("cpu", "cpu_s"), ("memory", "memory_mb")):
                 row[f"{k}_ratio"] = row["ours"][key]["median"] / row["peer"][key]["median"]
         results[name] = row
     return results
@@ -284,13 +288,13 @@ def pairs_table(results: dict[str, Any], cfg: dict[str, Any]) -> str:
         f"{cfg['sizes']['block_size']} tokens, 4 ranks; medians of {cfg['repeats']} runs "
         "(min-max); memory = peak RSS of the steps minus the idle baseline",
         "",
-        "| gnnpar train gpt | peer | step (s): ours / peer | × peer | memory (MB): ours / peer "
-        "| × peer | baseline (MB) ours / peer |",
-        "|---|---|---|---|---|---|---|",
+        "| gnnpar train gpt | peer | step (s): ours / peer | × peer | CPU s/step/rank | × peer "
+        "| memory (MB): ours / peer | × peer | baseline (MB) ours / peer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
         if "ours" not in row or "peer" not in row:
-            lines.append(f"| {name} | {row['peer_name']} | failed: see JSON | | | | |")
+            lines.append(f"| {name} | {row['peer_name']} | failed: see JSON | | | | | | |")
             continue
         o, p = row["ours"], row["peer"]
 
@@ -301,7 +305,9 @@ def pairs_table(results: dict[str, Any], cfg: dict[str, Any]) -> str:
             f"| {row['parallel']['grid']}, ZeRO-{row['parallel']['zero_stage']} "
             f"| {row['peer_name']} "
             f"| {cell(o['step_s'], '.2f')} / {cell(p['step_s'], '.2f')} | "
-            f"**{row['time_ratio']:.2f}×** | {cell(o['memory_mb'], '.0f')} / "
+            f"**{row['time_ratio']:.2f}×** | {o['cpu_s']['median']:.2f} / "
+            f"{p['cpu_s']['median']:.2f} | {row['cpu_ratio']:.2f}× | "
+            f"{cell(o['memory_mb'], '.0f')} / "
             f"{cell(p['memory_mb'], '.0f')} | **{row['memory_ratio']:.2f}×** | "
             f"{o['baseline_mb']['median']:.0f} / {p['baseline_mb']['median']:.0f} |"
         )
