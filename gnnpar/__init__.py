@@ -2,7 +2,7 @@
 too big for one device, on torch.distributed."""
 
 from gnnpar import comm
-from gnnpar.grid import ProcessGrid, init, release, shutdown
+from gnnpar.grid import ProcessGrid, init, release, reshape, shutdown
 
-__all__ = ["ProcessGrid", "comm", "init", "release", "shutdown"]
+__all__ = ["ProcessGrid", "comm", "init", "release", "reshape", "shutdown"]
 __version__ = "0.1.0"

@@ -468,6 +468,37 @@ def release(grid: ProcessGrid) -> None:
         dist.destroy_process_group(group)
 
 
+def reshape(
+    grid: ProcessGrid,
+    *,
+    data: int | None = None,
+    x: int = 1,
+    y: int = 1,
+    z: int = 1,
+    ranks_per_node: int | None = None,
+) -> ProcessGrid:
+    """Release ``grid``'s sub-groups and build a grid of another shape over the same world.
+
+    The new grid inherits ``grid``'s ownership of torch.distributed, so :func:`shutdown` of
+    the new grid tears the world down when ``init`` started it (a world left standing at
+    interpreter exit can abort a rank: gloo's threads outlive Python there).
+    """
+    release(grid)
+    new = init(
+        data=data,
+        x=x,
+        y=y,
+        z=z,
+        backend=grid.backend,
+        device=grid.device,
+        ranks_per_node=ranks_per_node,
+        timeout=grid.timeout,
+    )
+    return dataclasses.replace(
+        new, owns_process_group=new.owns_process_group or grid.owns_process_group
+    )
+
+
 def shutdown(grid: ProcessGrid) -> None:
     """Destroy the grid's sub-groups, and tear down torch.distributed if ``init`` started it."""
     release(grid)

@@ -304,7 +304,7 @@ def test_layout_round_trip_and_sizes():
         v = torch.arange(rows, dtype=F64)
         assert torch.equal(vec.assemble({(r, 0, 0): vec.shard(v, r) for r in range(rp)}), v)
         assert ShardLayout.from_dict(lay.to_dict()) == lay
-        assert lay.numel() == rows * cols
+        assert lay.numel == rows * cols
 
 
 def test_layout_errors_are_clear():

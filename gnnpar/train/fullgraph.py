@@ -148,7 +148,7 @@ class FullGraphTask:
             shape = _square_ish(world.world_size)
         else:
             shape = {"x": world.world_size}
-        self.grid = gnnpar.init(**shape, ranks_per_node=cfg.ranks_per_node)
+        self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
         self.source = DiskSource(folder)
         dtype = _DTYPES[cfg.dtype]
         torch.manual_seed(cfg.seed)

@@ -265,8 +265,7 @@ class GPTTask:
         corpus = corpus if corpus is not None else _load_corpus(cfg, world)
         plain, block = build_model(cfg, corpus.vocab_size)
         shape, self.stage = planned(cfg, model_sizes(plain), world)
-        gnnpar.release(world)
-        grid = gnnpar.init(**shape, ranks_per_node=cfg.ranks_per_node)
+        grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
         self.grid = grid
         self.corpus = corpus
         shards = grid.size("data") * grid.size("z")
