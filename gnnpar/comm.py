@@ -219,6 +219,16 @@ def chunk_offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+def _check_device(tensor: torch.Tensor, grid: ProcessGrid, kind: str, axis: str) -> None:
+    """Every collective moves tensors of ``grid.device``, in every world (a world of one
+    sends nothing, so this is what catches a host tensor there before NCCL would)."""
+    if tensor.device != grid.device:
+        raise CommError(
+            f"{_what(kind, grid, axis)}: tensor of shape {tuple(tensor.shape)} is on "
+            f"{tensor.device}, the grid's device is {grid.device}"
+        )
+
+
 # ---------------------------------------------------------------------------- collectives
 def all_reduce(
     tensor: torch.Tensor,
@@ -229,6 +239,7 @@ def all_reduce(
 ) -> torch.Tensor | Handle:
     """Reduce ``tensor`` in place over the ``axis`` group (``op``: sum, avg, max, min,
     product) and return it. ``avg`` is a sum then a division, which every backend supports."""
+    _check_device(tensor, grid, "all_reduce", axis)
     group = grid.group(axis)
     if op not in _REDUCE_OPS and op != "avg":
         raise ValueError(f"unknown reduce op {op!r}; use sum, avg, max, min or product")
@@ -258,6 +269,7 @@ def broadcast(
 ) -> torch.Tensor | Handle:
     """Broadcast ``tensor`` in place from the rank with index ``src`` within the ``axis``
     group."""
+    _check_device(tensor, grid, "broadcast", axis)
     group = grid.group(axis)
     if group is None:
         return _done(tensor, async_op)
@@ -301,6 +313,7 @@ def all_gather(
     With ``sizes`` (each rank's extent along ``dim``) the pieces may differ in size; they are
     padded to the largest for the transfer. Without it every piece must have the same shape.
     """
+    _check_device(tensor, grid, "all_gather", axis)
     group = grid.group(axis)
     if group is None:
         return _done(tensor, async_op)
@@ -354,6 +367,7 @@ def reduce_scatter(
     ``sizes`` gives each rank's chunk; the default is :func:`chunk_sizes` (balanced, the first
     ranks one larger when the extent does not divide).
     """
+    _check_device(tensor, grid, "reduce_scatter", axis)
     group = grid.group(axis)
     if group is None:
         return _done(tensor, async_op)
@@ -405,6 +419,7 @@ def all_to_all(
     Without splits the rows divide evenly. With ``input_splits`` only, the output splits are
     first exchanged (a small all-to-all of counts).
     """
+    _check_device(tensor, grid, "all_to_all", axis)
     group = grid.group(axis)
     if group is None:
         return _done(tensor, async_op)

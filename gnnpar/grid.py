@@ -61,10 +61,33 @@ def backend_for_device(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def backend_for_choice(choice: str) -> str | None:
+    """The backend of a user's device choice (the trainer's ``device`` key): ``"auto"`` →
+    None (:func:`init` picks NCCL when a GPU is present, else gloo), ``"cuda"`` → NCCL,
+    ``"cpu"`` → gloo."""
+    if choice == "auto":
+        return None
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise GridError("device 'cuda' was asked for, but torch sees no GPU here")
+        return "nccl"
+    if choice == "cpu":
+        return "gloo"
+    raise GridError(f"unknown device {choice!r}; use auto, cuda or cpu")
+
+
 def device_for_backend(backend: str, local_rank: int = 0) -> torch.device:
-    """The device whose tensors ``backend`` moves: ``cuda:local_rank`` for NCCL, else CPU."""
+    """The device whose tensors ``backend`` moves: ``cuda:local_rank`` for NCCL, else CPU
+    (or, inside :func:`gnnpar.virtual_device.simulated_device`, the simulated accelerator).
+
+    This is the one place that decides a run's device; nothing else names "cpu" or "cuda".
+    """
+    from gnnpar import virtual_device
+
     if backend == "nccl":
         return torch.device("cuda", local_rank)
+    if virtual_device.active():
+        return virtual_device.VIRTUAL
     return torch.device("cpu")
 
 
@@ -261,7 +284,11 @@ def _backend_and_device(
     backend: str | None, device: torch.device | str | None, local_rank: int
 ) -> tuple[str, torch.device]:
     """Backend and device, each following the other (gloo ↔ CPU, NCCL ↔ CUDA); with neither
-    given, NCCL on ``cuda:local_rank`` when a GPU is present."""
+    given, the ``GNNPAR_DEVICE`` environment variable's choice (``auto``, ``cuda``, ``cpu``;
+    see :func:`backend_for_choice`), and for ``auto`` NCCL on ``cuda:local_rank`` when a GPU
+    is present."""
+    if backend is None and device is None:
+        backend = backend_for_choice(os.environ.get("GNNPAR_DEVICE", "auto"))
     if backend is None and device is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend is None:
@@ -395,10 +422,14 @@ def init(
         backend, device, owns = _join_torchrun(backend, device, timeout)
     else:
         backend, device, owns, launched_per_node = _join_launch(launch, backend, device, timeout)
+    # A grid of another backend than the world's (the mini-batch sampler's gloo groups on an
+    # NCCL world) gets a world group of its own; every other axis is a new group anyway.
+    own_world = False
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-        actual = dist.get_backend()
-        if actual != backend and backend not in str(actual):
+        actual = str(dist.get_backend())
+        own_world = backend not in actual
+        if own_world and backend != "gloo":
             raise GridError(f"torch.distributed runs backend {actual!r}, not {backend!r}")
     else:
         world, rank = 1, 0
@@ -422,7 +453,7 @@ def init(
     if world > 1:
         for axis in (*AXES, *COMBINED_AXES):
             axes = axes_of(axis)
-            if axis == "world":
+            if axis == "world" and not own_world:
                 groups[axis] = dist.group.WORLD
                 continue
             size = 1

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+# The suite's worlds are gloo worlds on the CPU, also on a machine with GPUs (where gnnpar
+# would pick NCCL by itself); tests/test_cuda.py asks for the GPU explicitly.
+os.environ.setdefault("GNNPAR_DEVICE", "cpu")
+
 #: The shared datasets folder next to the checkout (``GNNPAR_TEST_DATASETS`` overrides it,
 #: for a copy of the tree that lives elsewhere, such as the mutation check's).
 DATASETS = Path(

@@ -414,22 +414,27 @@ def distributed_inference(
     features: torch.Tensor,
     grid: ProcessGrid,
     axis: str = "data",
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Layer-wise full-neighbour inference over the parts: the outputs of this rank's owned
     nodes. Before each layer the halo rows of the previous layer's outputs are fetched from
-    their owners (collective)."""
+    their owners (collective over ``grid``, whose device holds the exchanged rows: the
+    host for the sampler's gloo grid). The model runs on ``device`` (default: the grid's);
+    each layer's rows cross between the two once."""
     _check_group(part, grid, axis)
-    block = part.local_block()
+    device = grid.device if device is None else torch.device(device)
+    block = part.local_block().to(device)
     halo = part.halo_nodes
     owner = part.owner(halo)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
     try:
-        h = features
+        h = features.to(grid.device)
         for i in range(model.num_layers):
             h_halo = request_rows(halo, owner, h, part.start, grid, axis)
-            h = model.forward_layer(i, block, torch.cat([h, h_halo]))
+            out = model.forward_layer(i, block, torch.cat([h, h_halo]).to(device))
+            h = out if i == model.num_layers - 1 else out.to(grid.device)
         return h
     finally:
         if was_training:

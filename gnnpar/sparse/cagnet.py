@@ -58,14 +58,14 @@ class _ReplicatedParams(nn.Module):
             out.append(entry)
         return out
 
-    def __init__(self, model: FullGraphGNN, dtype: torch.dtype):
+    def __init__(self, model: FullGraphGNN, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weights = nn.ParameterList(
-            nn.Parameter(layer.stacked_weight().detach().to(dtype).clone())
+            nn.Parameter(layer.stacked_weight().detach().to(device, dtype, copy=True))
             for layer in model.layers
         )
         self.biases = nn.ParameterList(
-            nn.Parameter(layer.bias.detach().to(dtype).clone())
+            nn.Parameter(layer.bias.detach().to(device, dtype, copy=True))
             for layer in model.layers
             if layer.bias is not None
         )
@@ -89,14 +89,16 @@ class Parallel1DGNN(ShardedGNN):
         self.rows = chunk(n, p, grid.rank(axis))
         self.ops = [
             [
-                LocalSpMM(b.to(dtype=self.dtype))
+                LocalSpMM(b.to(dtype=self.dtype, device=self.device))
                 for b in _blocks(source, self.kind, i % 2, self.rows, (0, n))
             ]
             for i in range(self.num_layers)
         ]
-        self.params = _ReplicatedParams(model, self.dtype)
+        self.params = _ReplicatedParams(model, self.dtype, self.device)
         self.has_bias = len(self.params.biases) == self.num_layers
-        self._row_ids = [source.node_ids(i % 2, self.rows) for i in range(self.num_layers)]
+        self._row_ids = [
+            source.node_ids(i % 2, self.rows).to(self.device) for i in range(self.num_layers)
+        ]
         self.input_block = (self.rows, (0, self.dims[0]))
         self.logits_rows, self.logits_cols = self.rows, (0, self.dims[-1])
         self.row_axis, self.class_axis = axis, None
@@ -183,7 +185,7 @@ class Parallel2DGNN(ShardedGNN):
         self.col_ranges = [chunk(n, c, k) for k in range(c)]
         self.own_blocks = [
             [
-                b.to(dtype=self.dtype)
+                b.to(dtype=self.dtype, device=self.device)
                 for b in _blocks(source, self.kind, layer % 2, self.rows, self.col_ranges[j])
             ]
             for layer in range(self.num_layers)
@@ -195,9 +197,12 @@ class Parallel2DGNN(ShardedGNN):
         self.index_dtype = torch.int32 if n < 2**31 else torch.int64
         self.fin = [chunk(d, c, j) for d in self.dims]
         self.fin_sizes = [chunk_sizes(d, c) for d in self.dims]
-        self.params = _ReplicatedParams(model, self.dtype)
+        self.params = _ReplicatedParams(model, self.dtype, self.device)
         self.has_bias = len(self.params.biases) == self.num_layers
-        self._row_ids = [source.node_ids(layer % 2, self.rows) for layer in range(self.num_layers)]
+        self._row_ids = [
+            source.node_ids(layer % 2, self.rows).to(self.device)
+            for layer in range(self.num_layers)
+        ]
         self.input_block = (self.rows, self.fin[0])
         self.logits_rows, self.logits_cols = self.rows, self.fin[-1]
         self.row_axis, self.class_axis = "x", "y"
@@ -213,9 +218,9 @@ class Parallel2DGNN(ShardedGNN):
             if mine:
                 indptr, idx, vals = own.indptr, own.indices.to(self.index_dtype), own.values
             else:
-                indptr = torch.empty(rows + 1, dtype=torch.int64)
-                idx = torch.empty(nnz, dtype=self.index_dtype)
-                vals = torch.empty(nnz, dtype=self.dtype)
+                indptr = torch.empty(rows + 1, dtype=torch.int64, device=self.device)
+                idx = torch.empty(nnz, dtype=self.index_dtype, device=self.device)
+                vals = torch.empty(nnz, dtype=self.dtype, device=self.device)
             for t in (indptr, idx, vals):
                 comm.broadcast(t, self.grid, "y", src=stage)
             block = CSRBlock(indptr, idx.long(), vals, (rows, cols[1] - cols[0]))

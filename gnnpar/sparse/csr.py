@@ -42,10 +42,8 @@ class CSRBlock:
 
     def to_dense(self) -> torch.Tensor:
         """Dense copy (tests and small blocks only)."""
-        out = torch.zeros(self.shape, dtype=self.values.dtype)
-        rows = torch.repeat_interleave(
-            torch.arange(self.shape[0]), self.indptr[1:] - self.indptr[:-1]
-        )
+        out = torch.zeros(self.shape, dtype=self.values.dtype, device=self.values.device)
+        rows = coo_rows(self)
         out.index_put_((rows, self.indices), self.values, accumulate=True)
         return out
 
@@ -62,7 +60,7 @@ def from_coo(
     rows, cols = rows.long(), cols.long()
     order = torch.argsort(rows * max(shape[1], 1) + cols, stable=True)
     rows, cols, values = rows[order], cols[order], values[order]
-    indptr = torch.zeros(shape[0] + 1, dtype=torch.int64)
+    indptr = torch.zeros(shape[0] + 1, dtype=torch.int64, device=rows.device)
     if rows.numel():
         indptr[1:] = torch.bincount(rows, minlength=shape[0]).cumsum(0)
     return CSRBlock(indptr, cols, values, (int(shape[0]), int(shape[1])), row_offset, col_offset)
@@ -94,9 +92,12 @@ def select(
     keep = (cols >= c0) & (cols < c1)
     if bool(keep.all()):
         return CSRBlock(sub_ptr.clone(), cols - c0, vals.clone(), (r1 - r0, c1 - c0), r0, c0)
-    rows = torch.repeat_interleave(torch.arange(r1 - r0), sub_ptr[1:] - sub_ptr[:-1])
+    device = indptr.device
+    rows = torch.repeat_interleave(
+        torch.arange(r1 - r0, device=device), sub_ptr[1:] - sub_ptr[:-1], output_size=hi - lo
+    )
     rows, cols, vals = rows[keep], cols[keep] - c0, vals[keep]
-    ptr = torch.zeros(r1 - r0 + 1, dtype=torch.int64)
+    ptr = torch.zeros(r1 - r0 + 1, dtype=torch.int64, device=device)
     if rows.numel():
         ptr[1:] = torch.bincount(rows, minlength=r1 - r0).cumsum(0)
     return CSRBlock(ptr, cols, vals.clone(), (r1 - r0, c1 - c0), r0, c0)
@@ -133,7 +134,9 @@ def permute(
     """``R · A · Cᵀ`` for permutations given as new-id arrays: entry (i, j) moves to
     (row_perm[i], col_perm[j])."""
     n_rows = indptr.numel() - 1
-    rows = torch.repeat_interleave(torch.arange(n_rows), indptr[1:] - indptr[:-1])
+    rows = torch.repeat_interleave(
+        torch.arange(n_rows, device=indptr.device), indptr[1:] - indptr[:-1]
+    )
     return from_coo(
         row_perm[rows], col_perm[indices.long()], values, (n_rows, int(col_perm.numel()))
     )

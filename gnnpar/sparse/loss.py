@@ -103,6 +103,7 @@ def sharded_accuracy(
     counts = torch.tensor(
         [float((pred[maskb] == labels[maskb].to(pred.dtype)).sum()), float(maskb.sum())],
         dtype=torch.float64,
+        device=logits.device,
     )
     counts = comm.all_reduce(counts, grid, row_axis)
     return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0

@@ -72,11 +72,13 @@ class ShardedGNN(nn.Module):
         self.dims = dims
         self.source = source
         self.dtype = dtype or next(model.parameters()).dtype
+        # Shards are read on the host (memory-mapped files) and live on the grid's device.
+        self.device = grid.device
 
     def input_features(self) -> torch.Tensor:
-        """This rank's block of the input features (order 0)."""
+        """This rank's block of the input features (order 0), on the grid's device."""
         rows, cols = self.input_block
-        return self.source.features(rows, cols).to(self.dtype)
+        return self.source.features(rows, cols).to(device=self.device, dtype=self.dtype)
 
     def full_weights(self, grads: bool = False) -> list[dict[str, torch.Tensor]]:
         """Every layer's full stacked weight and bias (or gradients); collective."""
@@ -88,8 +90,8 @@ class ShardedGNN(nn.Module):
         return self.num_layers % 2
 
     def node_data(self, name: str) -> torch.Tensor:
-        """Labels or a mask for the logits rows of this rank."""
-        return self.source.node_data(name, self.output_order, self.logits_rows)
+        """Labels or a mask for the logits rows of this rank, on the grid's device."""
+        return self.source.node_data(name, self.output_order, self.logits_rows).to(self.device)
 
     def loss(self, logits: torch.Tensor, mask_name: str = "train_mask") -> torch.Tensor:
         """Masked cross-entropy over the sharded logits (the same scalar on every rank)."""
@@ -193,15 +195,19 @@ class Parallel3DGNN(ShardedGNN):
             blocks = [source.adjacency(parity, lay.rows, lay.cols)]
             if num_ops == 2:
                 blocks.append(source.root(parity, lay.rows, lay.cols))
-            ops = [LocalSpMM(b.to(dtype=dtype)).row_chunks(overlap_chunks) for b in blocks]
+            ops = [
+                LocalSpMM(b.to(dtype=dtype, device=self.device)).row_chunks(overlap_chunks)
+                for b in blocks
+            ]
             with torch.no_grad():
                 stacked = layer.stacked_weight().detach().to(dtype)
-                self.weights.append(nn.Parameter(_weight_piece(stacked, lay, num_ops)))
+                piece = _weight_piece(stacked, lay, num_ops).to(self.device)
+                self.weights.append(nn.Parameter(piece))
                 if layer.bias is not None:
-                    b = layer.bias.detach().to(dtype)[lay.fout[0] : lay.fout[1]].clone()
-                    self.biases.append(nn.Parameter(b))
+                    b = layer.bias.detach().to(dtype)[lay.fout[0] : lay.fout[1]]
+                    self.biases.append(nn.Parameter(b.to(self.device, copy=True)))
             in_rows = lay.h_sub if i == 0 else lay.cols
-            self._row_ids.append(source.node_ids(parity, in_rows))
+            self._row_ids.append(source.node_ids(parity, in_rows).to(self.device))
             self.layouts.append(lay)
             self.ops.append(ops)
         self.has_bias = len(self.biases) == len(self.layouts)
@@ -295,7 +301,7 @@ class Parallel3DGNN(ShardedGNN):
             flat = comm.all_gather(piece, self.grid, "tensor", sizes=sizes)
             num_ops = len(self.ops[i])
             d_in, d_out = self.dims[i], self.dims[i + 1]
-            full = torch.zeros(num_ops * d_in, d_out, dtype=self.dtype)
+            full = torch.zeros(num_ops * d_in, d_out, dtype=self.dtype, device=self.device)
             blocks: dict[tuple, torch.Tensor] = {}
             offset = 0
             for r, size in zip(members, sizes, strict=True):
@@ -303,7 +309,9 @@ class Parallel3DGNN(ShardedGNN):
                     self.grid, i, self.num_nodes, d_in, d_out, num_ops, self.grid.coords(r)
                 )
                 key = (lr.fin, lr.fout)
-                buf = blocks.setdefault(key, torch.zeros(sum(lr.w_sizes), dtype=self.dtype))
+                buf = blocks.setdefault(
+                    key, torch.zeros(sum(lr.w_sizes), dtype=self.dtype, device=self.device)
+                )
                 buf[lr.w_part[0] : lr.w_part[1]] = flat[offset : offset + size]
                 offset += size
             for (fin, fout), buf in blocks.items():

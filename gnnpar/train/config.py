@@ -37,6 +37,7 @@ def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.
 
 MASTER_DTYPES = ("float32", "float64")
 PRECISIONS = ("none", "bf16", "fp16")
+DEVICES = ("auto", "cuda", "cpu")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -75,9 +76,14 @@ class TrainerConfig:
     quiet: bool = option(False, "log lines instead of a progress bar")
     tensorboard: bool = option(False, "also write TensorBoard scalars to OUT/tensorboard")
     ranks_per_node: int | None = option(None, "ranks per node (default: the launcher's)")
+    device: str = option(
+        "auto", "where tensors live: auto (the local rank's GPU with NCCL when there is one, "
+        "else the CPU with gloo), cuda or cpu"
+    )  # fmt: skip
 
     def check_trainer(self) -> None:
         """Reject trainer values that cannot work, naming the key."""
+        _one_of(self, "device", DEVICES)
         _one_of(self, "dtype", MASTER_DTYPES)
         _one_of(self, "mixed_precision", PRECISIONS)
         _at_least(self, 0, "eval_every", "checkpoint_every", "keep_checkpoints")

@@ -17,7 +17,7 @@ import torch
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.grid import parse_grid_spec
+from gnnpar.grid import backend_for_choice, parse_grid_spec
 from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid
 from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
@@ -94,7 +94,7 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
 def _prepare(cfg: FullGraphConfig, world: gnnpar.ProcessGrid) -> Path:
     """Rank 0 cuts the shards if they are missing; the others wait."""
     folder = _shard_folder(cfg)
-    error = torch.zeros(1)
+    error = torch.zeros(1, device=world.device)
     if world.global_rank == 0 and not (folder / "meta.json").is_file():
         from gnnpar.data import load
 
@@ -129,7 +129,9 @@ class FullGraphTask:
 
     def __init__(self, cfg: FullGraphConfig):
         self.cfg = cfg
-        world = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        world = gnnpar.init(
+            backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
+        )
         folder = _prepare(cfg, world)
         meta = json.loads((folder / "meta.json").read_text())
         expected_norm = "gcn" if cfg.model == "gcn" else "mean"

@@ -26,7 +26,7 @@ from torch import nn
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.grid import ProcessGrid, parse_grid_spec
+from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
 from gnnpar.nn.gpt import GPTConfig, generate
 from gnnpar.train.config import (
     ConfigError,
@@ -261,7 +261,9 @@ class GPTTask:
         from gnnpar.tensor import parallelize
 
         self.cfg = cfg
-        world = gnnpar.init(ranks_per_node=cfg.ranks_per_node)
+        world = gnnpar.init(
+            backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
+        )
         corpus = corpus if corpus is not None else _load_corpus(cfg, world)
         plain, block = build_model(cfg, corpus.vocab_size)
         shape, self.stage = planned(cfg, model_sizes(plain), world)

@@ -112,7 +112,9 @@ class Trainer:
         """A finished or interrupted run is never mixed with a new one silently. Rank 0
         decides for everyone: other ranks may look only after rank 0 has started writing."""
         old = [self.out / n for n in ("metrics.jsonl", "checkpoints", "plots", "tensorboard")]
-        found = torch.tensor([float(self.is_main and any(p.exists() for p in old))])
+        found = torch.tensor(
+            [float(self.is_main and any(p.exists() for p in old))], device=self.grid.device
+        )
         found = comm.all_reduce(found, self.grid, "world", op="max")
         if self.resume or not found.item():
             return

@@ -7,8 +7,9 @@ only its own part): it samples across parts and fetches remote features with all
 one all-reduce per step through :mod:`gnnpar.comm` (a stand-in until gnnpar's
 data-parallel layer, :mod:`gnnpar.shard`, is used here).
 
-Everything runs on the CPU with gloo (the loader itself can pin batches and copy them to a
-GPU; the task does not use one yet).
+Sampling, the parts' features and the all-to-alls that serve them stay on the host, over gloo
+groups of their own; the model, its gradients and their reduction live on ``grid.device``
+(a GPU under NCCL): the loader pins each batch and copies it there without blocking.
 
 ``train_step`` is **one epoch**: the Trainer's progress bar, evaluation (``eval_every``) and
 checkpoints (``checkpoint_every``) count epochs. ``batch_size`` is the **global** batch: the
@@ -35,7 +36,7 @@ from tqdm import tqdm
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.grid import ProcessGrid
+from gnnpar.grid import ProcessGrid, backend_for_choice
 from gnnpar.nn.minibatch import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.sampling import (
     DistNeighborSampler,
@@ -179,8 +180,11 @@ class MiniBatchTask:
 
     def __init__(self, cfg: MiniBatchConfig):
         self.cfg = cfg
-        # Sampling, features and the model all live on the CPU: gloo, even where CUDA exists.
-        self.grid = gnnpar.init(backend="gloo", ranks_per_node=cfg.ranks_per_node)
+        # The model lives on the grid's device; sampling stays on the host (sample_grid).
+        self.grid = gnnpar.init(
+            backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
+        )
+        self.device = self.grid.device
         world = self.grid.world_size
         parts = cfg.parts or world
         if parts != world:
@@ -198,7 +202,7 @@ class MiniBatchTask:
         torch.manual_seed(cfg.seed)
         self.net = BlockGNN(
             self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model, cfg.heads
-        ).to(master_dtype(cfg))
+        ).to(self.device, master_dtype(cfg))
         # the one data-parallel path: each layer a unit (its parameters gathered together at
         # stage 3, its gradients in one bucket at stages 0-2)
         self.model = shard(
@@ -234,10 +238,11 @@ class MiniBatchTask:
             labels=graph.label,
             prefetch=cfg.prefetch,
             micro_batches=cfg.grad_accum,
+            device=self.device,
         )
         self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
         self.fetcher: FeatureFetcher | None = None
-        self._eval_blocks = full_blocks(graph)
+        self._eval_blocks = [b.to(self.device) for b in full_blocks(graph)]
 
     def _setup_parts(self, parts: int) -> None:
         cfg = self.cfg
@@ -266,8 +271,9 @@ class MiniBatchTask:
         # Every rank knows every training node's original id: the global batches (and so
         # the run) are then the same on any number of ranks.
         keys = part.orig_ids.index_select(0, owned)
-        sizes = comm.gather_sizes(keys.numel(), self.grid, "data")
-        all_keys = comm.all_gather(keys, self.grid, "data", sizes=sizes)
+        host = self.sample_grid
+        sizes = comm.gather_sizes(keys.numel(), host, "data")
+        all_keys = comm.all_gather(keys, host, "data", sizes=sizes)
         if all_keys.numel() == 0:
             raise ConfigError(f"dataset {cfg.dataset!r} has no training nodes")
         labels = part.ndata["label"]
@@ -283,10 +289,11 @@ class MiniBatchTask:
             keys=keys,
             all_keys=all_keys,
             micro_batches=cfg.grad_accum,
+            device=self.device,
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
         num_classes = torch.tensor([int(labels.max()) + 1 if labels.numel() else 0])
-        comm.all_reduce(num_classes, self.grid, "data", op="max")
+        comm.all_reduce(num_classes, host, "data", op="max")
         self.num_classes = int(num_classes)
 
     # ------------------------------------------------------------------ the protocol
@@ -296,7 +303,8 @@ class MiniBatchTask:
         self.loader.set_epoch(step)
         net.train()
         fetch_before = dict(self.fetcher.stats) if self.fetcher else {}
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, correct, seeds, sampling bytes
+        # loss, correct, seeds, sampling bytes
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         show = self.grid.global_rank == 0 and not cfg.quiet and len(self.loader) > 1
         bar = tqdm(total=len(self.loader), desc=f"epoch {step + 1}", leave=False, disable=not show)
         t0 = time.perf_counter()
@@ -328,6 +336,7 @@ class MiniBatchTask:
         extra = torch.tensor(
             [fetched.get("bytes", 0), fetched.get("remote", 0), fetched.get("hits", 0)],
             dtype=torch.float64,
+            device=self.device,
         )
         both = torch.cat([sums, extra])
         comm.all_reduce(both, self.grid, "data")
@@ -347,21 +356,24 @@ class MiniBatchTask:
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """Accuracy on the train/val/test masks, with full neighbourhoods (layer-wise)."""
+        dev = self.device
         if not self.distributed:
             g = self.graph
-            logits = layerwise_inference(self.net, g, blocks=self._eval_blocks)
-            pred, label, data = logits.argmax(1), g.label, g.ndata
+            feat = g.feat.to(dev)
+            logits = layerwise_inference(self.net, g, features=feat, blocks=self._eval_blocks)
+            pred, label, data = logits.argmax(1), g.label.to(dev), g.ndata
         else:
             part = self.part
-            logits = distributed_inference(self.net, part, part.ndata["feat"], self.grid)
-            pred, label, data = logits.argmax(1), part.ndata["label"], part.ndata
-        counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64)
+            feat = part.ndata["feat"]
+            logits = distributed_inference(self.net, part, feat, self.sample_grid, device=dev)
+            pred, label, data = logits.argmax(1), part.ndata["label"].to(dev), part.ndata
+        counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64, device=dev)
         for i, name in enumerate(_MASKS):
             mask = data.get(f"{name}_mask")
             if mask is not None:
-                mask = mask.to(torch.bool)
-                counts[2 * i] = float((pred[mask] == label[mask]).sum())
-                counts[2 * i + 1] = float(mask.sum())
+                mask = mask.to(dev, torch.bool)
+                counts[2 * i] = (pred[mask] == label[mask]).sum()
+                counts[2 * i + 1] = mask.sum()
         comm.all_reduce(counts, self.grid, "data")
         return {
             f"{name}_acc": float(counts[2 * i] / counts[2 * i + 1])

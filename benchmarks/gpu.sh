@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One command for a GPU machine without network: the CUDA tests and the GPU benchmarks on a
+# world of one, within about ten minutes. Installs nothing: it uses the Python and torch it
+# finds (.venv if there is one) and skips peers that are absent.
+#     bash benchmarks/gpu.sh            # from the repository root
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+echo "== versions"
+"$PY" - <<'PYEOF'
+import sys, torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)
+for i in range(torch.cuda.device_count()):
+    print(f"gpu {i}:", torch.cuda.get_device_name(i))
+for peer in ("torch_geometric", "dgl", "transformers", "numba"):
+    try:
+        mod = __import__(peer)
+        print(peer, getattr(mod, "__version__", "?"))
+    except Exception as e:  # a missing or broken peer is skipped, not fatal
+        print(peer, "absent:", type(e).__name__)
+PYEOF
+status=0
+echo "== tests: CUDA against CPU, and the device-neutrality check"
+"$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_device.py -rs || status=1
+echo "== benchmarks"
+"$PY" benchmarks/gpu.py "$@" || status=1
+exit $status
