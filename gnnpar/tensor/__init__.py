@@ -18,6 +18,7 @@ Layers (:class:`Linear`, :class:`Embedding`) can also be used directly, in easy 
 mode; :class:`ShardLayout` says where every piece of a parameter lives.
 """
 
+from gnnpar.tensor.deferred import InitProgram, record_init
 from gnnpar.tensor.layers import (
     Embedding,
     Linear,
@@ -39,6 +40,7 @@ from gnnpar.tensor.state import (
 __all__ = [
     "Chain",
     "Embedding",
+    "InitProgram",
     "LayerStyle",
     "Linear",
     "Plan",
@@ -52,6 +54,7 @@ __all__ = [
     "local_numel",
     "parallelize",
     "plan_styles",
+    "record_init",
     "sharded_parameters",
     "vocab_parallel_cross_entropy",
 ]
