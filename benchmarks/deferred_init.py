@@ -4,8 +4,9 @@ eager path (every rank builds the full model, then slices it) at a size where th
 
 Per rank, on 8 CPU ranks over gloo (build only: no optimizer, no step):
 
-- **baseline**: resident set after torch.distributed is up and the code is imported, before
-  the model exists (the idle process);
+- **baseline**: resident set after torch.distributed is up and the code is imported and
+  warmed (fake tensors load ~90 MB of code on first use, whatever the model; recorded as
+  ``fake_tensor_warmup_mb``), before the model exists (the idle process);
 - **peak**: the resident-set high-water mark while the model is built and parallelized (reset
   with ``/proc/self/clear_refs`` at the baseline), minus the baseline;
 - **bound**: ``1.2 × model bytes / ranks + largest parameter bytes`` (the issue's target);
@@ -15,8 +16,10 @@ Models (GPT-3 paper sizes, our GPT, float32, tied head, context 2048, vocabulary
 ``xl`` 24 layers × 2048 wide, 16 heads: 1.316 B parameters; ``small`` 12 × 768, 12 heads:
 125 M (the eager contrast runs at this size; at ``xl`` it would need 8 × 5.3 GB).
 
-Every run sets ``MALLOC_MMAP_THRESHOLD_=131072`` (as ``benchmarks/sharding.py``) so freed
-tensors go back to the system and RSS follows the live tensors, not glibc's retained heap.
+The script restarts itself with ``MALLOC_MMAP_THRESHOLD_=131072`` (as ``benchmarks/sharding.py``;
+glibc reads it at process start and the forked ranks inherit it) so freed tensors go back to
+the system and RSS follows the live tensors, not glibc's retained heap; ``--default-malloc``
+measures without it.
 
 Run::
 
@@ -66,6 +69,10 @@ def _rank(size: str, path: str, grid_shape: dict[str, int]) -> dict[str, Any]:
 
     grid = gnnpar.init(**grid_shape)
     cfg = GPTConfig(**SIZES[size], **COMMON)
+    # Fake tensors load code lazily on first use (tens of MB, whatever the model): part of
+    # the idle process, recorded apart.
+    before = _rss_kb("VmRSS")
+    tensor.record_init(lambda: torch.nn.Linear(2, 2))
     gc.collect()
     baseline = _rss_kb("VmRSS")
     reset = _reset_peak_rss()
@@ -90,6 +97,7 @@ def _rank(size: str, path: str, grid_shape: dict[str, int]) -> dict[str, Any]:
     return {
         "rank": grid.global_rank,
         "baseline_mb": baseline / 1024,
+        "fake_tensor_warmup_mb": (baseline - before) / 1024,
         "peak_mb": (peak - baseline) / 1024,
         "peak_reset": reset,
         "pieces_mb": pieces / 2**20,
@@ -102,9 +110,7 @@ def _rank(size: str, path: str, grid_shape: dict[str, int]) -> dict[str, Any]:
 
 def run_case(size: str, path: str, world: int, grid_shape: dict[str, int]) -> dict[str, Any]:
     """Every rank's figures and the summary of one (size, path)."""
-    ranks = run_distributed(
-        _rank, world, size, path, grid_shape, timeout=1800, env=dict(MALLOC_ENV)
-    )
+    ranks = run_distributed(_rank, world, size, path, grid_shape, timeout=1800)
     model_mb, largest_mb = ranks[0]["model_mb"], ranks[0]["largest_param_mb"]
     bound = SLACK * model_mb / world + largest_mb
     worst = max(r["peak_mb"] for r in ranks)
@@ -121,6 +127,7 @@ def run_case(size: str, path: str, world: int, grid_shape: dict[str, int]) -> di
         "peak_mb_mean": sum(r["peak_mb"] for r in ranks) / world,
         "pieces_mb_max": max(r["pieces_mb"] for r in ranks),
         "baseline_mb_max": max(r["baseline_mb"] for r in ranks),
+        "fake_tensor_warmup_mb_max": max(r["fake_tensor_warmup_mb"] for r in ranks),
         "seconds_max": max(r["seconds"] for r in ranks),
         "peak_over_bound": worst / bound,
         "within_bound": worst <= bound,
@@ -150,7 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--grid", default="x=2,y=2,z=2", help="tensor grid of the world")
     ap.add_argument("--quick", action="store_true", help="the small model only")
+    ap.add_argument(
+        "--default-malloc", action="store_true", help="leave glibc's dynamic mmap threshold on"
+    )
     args = ap.parse_args(argv)
+    if not args.default_malloc and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        # glibc reads these at process start and forked ranks inherit its state: restart.
+        script = [sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
+        os.execve(sys.executable, script, {**os.environ, **MALLOC_ENV})
     from gnnpar.grid import parse_grid_spec
 
     grid_shape = parse_grid_spec(args.grid)
@@ -162,13 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{size} {path} on {args.world} ranks ({args.grid}) ...", flush=True)
         rows.append(run_case(size, path, args.world, grid_shape))
     OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / "deferred_init.json"
+    out = OUT / (
+        "deferred_init-default-malloc.json" if args.default_malloc else "deferred_init.json"
+    )
     doc = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "torch": torch.__version__,
         "slack": SLACK,
         "sizes": {k: {**v, **COMMON} for k, v in SIZES.items()},
-        "malloc_env": MALLOC_ENV,
+        "malloc_env": {} if args.default_malloc else MALLOC_ENV,
         "cases": rows,
     }
     out.write_text(json.dumps(doc, indent=1))

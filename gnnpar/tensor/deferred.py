@@ -185,35 +185,41 @@ class InitProgram:
         """Execute the record on real CPU tensors, drawing from the global generator, and call
         ``deliver(names, value)`` once per parameter or buffer (tied names together) with its
         final value, which is freed when ``deliver`` returns."""
-        fake = _fake_type()
         fresh, ends = self._schedule()
         store: dict[int, torch.Tensor] = {}
-
-        def real(a: Any) -> Any:
-            if not isinstance(a, fake):
-                return a
-            base = store[_key(a)]
-            if base.dtype != a.dtype:
-                raise ValueError(
-                    f"cannot replay an initialisation that views {base.dtype} memory as {a.dtype}"
-                )
-            return torch.as_strided(base, a.shape, a.stride(), a.storage_offset())
-
         for i, op in enumerate(self._ops):
             for k, numel, dtype in fresh.get(i, ()):
                 store[k] = torch.empty(numel, dtype=dtype)
-            args, kwargs = tree_map(real, (op.args, op.kwargs))
-            out = op.func(*args, **kwargs)
-            for f, r in zip(tree_leaves(op.out), tree_leaves(out), strict=True):
-                if isinstance(f, fake) and _key(f) not in store:
-                    store[_key(f)] = r
-            del args, kwargs, out
+            _execute(op, store)
             for k, final in ends.get(i, ()):
                 value = store.pop(k)
                 if final:
                     for n in self._named.get(k, ()):
                         deliver(n.names, torch.as_strided(value, n.shape, n.stride, n.offset))
                 del value
+
+
+def _execute(op: _Op, store: dict[int, torch.Tensor]) -> None:
+    """Run one recorded operation on the real tensors in ``store`` (by storage), adding the
+    storages it creates. A function of its own so that no local outlives the operation: a
+    reference left in a loop variable would keep a freed value's memory alive."""
+    fake = _fake_type()
+
+    def real(a: Any) -> Any:
+        if not isinstance(a, fake):
+            return a
+        base = store[_key(a)]
+        if base.dtype != a.dtype:
+            raise ValueError(
+                f"cannot replay an initialisation that views {base.dtype} memory as {a.dtype}"
+            )
+        return torch.as_strided(base, a.shape, a.stride(), a.storage_offset())
+
+    args, kwargs = tree_map(real, (op.args, op.kwargs))
+    out = op.func(*args, **kwargs)
+    for f, r in zip(tree_leaves(op.out), tree_leaves(out), strict=True):
+        if isinstance(f, fake) and _key(f) not in store:
+            store[_key(f)] = r
 
 
 def record_init(build: Callable[[], nn.Module]) -> InitProgram:
