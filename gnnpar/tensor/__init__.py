@@ -12,6 +12,11 @@ Public surface::
     dp.clip_grad_norm_(1.0)
     full = tensor.full_state_dict(model, grid)         # loads into the plain model
 
+    with torch.device("meta"):                          # deferred: no full model anywhere
+        model = GPT(cfg)
+    torch.manual_seed(seed)
+    tensor.parallelize(model, grid)    # only this rank's pieces, = GPT(cfg) sliced, bit for bit
+
 A whole GPT run is ``gnnpar train gpt`` (:mod:`gnnpar.train.gpt`).
 
 Layers (:class:`Linear`, :class:`Embedding`) can also be used directly, in easy or expert

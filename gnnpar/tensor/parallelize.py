@@ -19,6 +19,9 @@ gives Megatron's column-then-row layout (one all-reduce over x forward, one back
 (``Plan.loss_parallel``); compute the loss with :func:`gnnpar.tensor.cross_entropy` and the
 head. A head tied to the token embedding stays tied: both layers share one sharded parameter.
 
+**Deferred initialisation.** A model built on the meta device gets only this rank's pieces,
+equal to those of the eager seeded build (:mod:`gnnpar.tensor.deferred`).
+
 **Everything else** (a Linear or Embedding outside any chain) runs in easy mode with
 ``transpose`` alternating in module order. ``Plan.skip`` leaves modules alone; a chain whose
 partner is skipped falls back to easy mode.
