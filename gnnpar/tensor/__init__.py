@@ -12,12 +12,18 @@ Public surface::
     dp.clip_grad_norm_(1.0)
     full = tensor.full_state_dict(model, grid)         # loads into the plain model
 
+    with torch.device("meta"):                          # deferred: no full model anywhere
+        model = GPT(cfg)
+    torch.manual_seed(seed)
+    tensor.parallelize(model, grid)    # only this rank's pieces, = GPT(cfg) sliced, bit for bit
+
 A whole GPT run is ``gnnpar train gpt`` (:mod:`gnnpar.train.gpt`).
 
 Layers (:class:`Linear`, :class:`Embedding`) can also be used directly, in easy or expert
 mode; :class:`ShardLayout` says where every piece of a parameter lives.
 """
 
+from gnnpar.tensor.deferred import InitProgram, record_init
 from gnnpar.tensor.layers import (
     Embedding,
     Linear,
@@ -39,6 +45,7 @@ from gnnpar.tensor.state import (
 __all__ = [
     "Chain",
     "Embedding",
+    "InitProgram",
     "LayerStyle",
     "Linear",
     "Plan",
@@ -52,6 +59,7 @@ __all__ = [
     "local_numel",
     "parallelize",
     "plan_styles",
+    "record_init",
     "sharded_parameters",
     "vocab_parallel_cross_entropy",
 ]

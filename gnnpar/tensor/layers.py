@@ -165,6 +165,11 @@ class ShardedModule(nn.Module):
         """Inverse of :meth:`to_full_format`."""
         return full
 
+    def stored_transposed(self, name: str) -> bool:
+        """Whether the original module's state dict holds parameter ``name`` as the transpose
+        of its layout (what :meth:`to_full_format` undoes)."""
+        return False
+
     # ------------------------------------------------------------------- z gather/prefetch
     def prefetch(self) -> None:
         """Start the z all-gather of this layer's weight now (no-op when z has one rank or a
@@ -294,10 +299,17 @@ class Linear(ShardedModule):
 
     @classmethod
     def from_linear(
-        cls, module: nn.Module, grid: ProcessGrid, weight_format: str = "out_in", **kwargs
+        cls,
+        module: nn.Module,
+        grid: ProcessGrid,
+        weight_format: str = "out_in",
+        *,
+        load: bool = True,
+        **kwargs,
     ) -> Linear:
         """A parallel copy of ``module`` (an ``nn.Linear``, or with ``weight_format="in_out"``
-        a GPT-2 ``Conv1D``): same sizes, dtype, device kind and values."""
+        a GPT-2 ``Conv1D``): same sizes, dtype, device kind and values (``load=False``: the
+        pieces are left uninitialised, for a module on the meta device)."""
         w = module.weight
         if weight_format == "in_out":
             in_f, out_f = w.shape
@@ -313,7 +325,8 @@ class Linear(ShardedModule):
             init_weights=False,
             **kwargs,
         )
-        layer.load_full(w.detach(), None if module.bias is None else module.bias.detach())
+        if load:
+            layer.load_full(w.detach(), None if module.bias is None else module.bias.detach())
         return layer
 
     def reset_parameters(self) -> None:
@@ -353,6 +366,9 @@ class Linear(ShardedModule):
         if name == "weight" and self.weight_format == "in_out":
             return full.t()
         return full
+
+    def stored_transposed(self, name: str) -> bool:  # noqa: D102
+        return name == "weight" and self.weight_format == "in_out"
 
     @property
     def local_in_features(self) -> int:
@@ -449,8 +465,11 @@ class Embedding(ShardedModule):
             self.reset_parameters()
 
     @classmethod
-    def from_embedding(cls, module: nn.Embedding, grid: ProcessGrid, **kwargs) -> Embedding:
-        """A parallel copy of ``module`` with the same values."""
+    def from_embedding(
+        cls, module: nn.Embedding, grid: ProcessGrid, *, load: bool = True, **kwargs
+    ) -> Embedding:
+        """A parallel copy of ``module`` with the same values (``load=False``: uninitialised,
+        for a module on the meta device)."""
         for attr, ok in (
             ("padding_idx", None),
             ("max_norm", None),
@@ -464,7 +483,8 @@ class Embedding(ShardedModule):
                 )
         n, d = module.weight.shape
         layer = cls(n, d, grid, dtype=module.weight.dtype, init_weights=False, **kwargs)
-        layer.load_full(module.weight.detach())
+        if load:
+            layer.load_full(module.weight.detach())
         return layer
 
     def reset_parameters(self) -> None:

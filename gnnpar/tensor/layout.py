@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -215,14 +215,40 @@ class ShardLayout:
 
     def shard(self, full: torch.Tensor, r: int, c: int = 0, d: int = 0) -> torch.Tensor:
         """What the rank at (``r``, ``c``, ``d``) stores of ``full`` (a new contiguous tensor)."""
-        blk = self.block(full, r, c)
-        if self.kind == "vector":
-            return blk.contiguous().clone()
-        n = self.shard_numel(r, c)
-        flat = blk.reshape(-1)
-        out = torch.zeros(n, dtype=full.dtype, device=full.device)
-        piece = flat[d * n : (d + 1) * n]
-        out[: piece.numel()] = piece
+        if tuple(full.shape) != self.shape:
+            raise ValueError(
+                f"expected a full tensor of shape {self.shape}, got {tuple(full.shape)}"
+            )
+        full = full.detach()
+        out = torch.empty(self.shard_numel(r, c), dtype=full.dtype, device=full.device)
+        return self.read_piece(full.__getitem__, out, r, c, d)
+
+    def read_piece(
+        self,
+        read: Callable[[tuple[slice, ...]], torch.Tensor],
+        out: torch.Tensor,
+        r: int,
+        c: int = 0,
+        d: int = 0,
+        transposed: bool = False,
+    ) -> torch.Tensor:
+        """Fill ``out`` (flat, :meth:`shard_numel` entries) with what the rank at (``r``,
+        ``c``, ``d``) stores, reading the full tensor box by box: ``read(slices)`` returns
+        ``full[slices]`` (a tensor, a memory map, a safetensors slice, ...), so only this
+        piece's boxes are ever read. With ``transposed`` the full tensor is stored transposed
+        (GPT-2's ``Conv1D``). Padding is zeroed; returns ``out``. The boxes are
+        :meth:`chunks`', the one description of where a piece lies."""
+        if out.dim() != 1 or out.numel() != self.shard_numel(r, c):
+            raise ValueError(
+                f"a piece of this layout has {self.shard_numel(r, c)} entries, got a tensor "
+                f"of shape {tuple(out.shape)}"
+            )
+        covered = 0
+        for ch in self.chunks("", r, c, d, transposed):
+            box = read(tuple(slice(o, o + n) for o, n in zip(ch.offsets, ch.sizes, strict=True)))
+            ch.view(out).copy_(box)
+            covered = max(covered, ch.at + ch.numel)
+        out[covered:].zero_()  # padding (chunks cover the front of a piece contiguously)
         return out
 
     def chunks(self, key: str, r: int, c: int = 0, d: int = 0, transposed: bool = False):

@@ -19,6 +19,9 @@ gives Megatron's column-then-row layout (one all-reduce over x forward, one back
 (``Plan.loss_parallel``); compute the loss with :func:`gnnpar.tensor.cross_entropy` and the
 head. A head tied to the token embedding stays tied: both layers share one sharded parameter.
 
+**Deferred initialisation.** A model built on the meta device gets only this rank's pieces,
+equal to those of the eager seeded build (:mod:`gnnpar.tensor.deferred`).
+
 **Everything else** (a Linear or Embedding outside any chain) runs in easy mode with
 ``transpose`` alternating in module order. ``Plan.skip`` leaves modules alone; a chain whose
 partner is skipped falls back to easy mode.
@@ -28,13 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from torch import nn
 
 from gnnpar.comm import ring_bytes
 from gnnpar.grid import ProcessGrid
+from gnnpar.tensor.deferred import InitProgram, materialize, named_tensors, record_init
 from gnnpar.tensor.layers import Embedding, Linear, PrefetchChain, ShardedModule
 
 __all__ = ["Chain", "LayerStyle", "Plan", "parallelize", "plan_styles"]
@@ -272,18 +276,61 @@ def _all_weighted(model: nn.Module):
                 yield name, m
 
 
+def _init_program(
+    model: nn.Module, init: Callable[[], nn.Module] | InitProgram | None
+) -> InitProgram | None:
+    """The recorded initialisation of a model on the meta device (None for a built one)."""
+    tensors = [t for _, t in named_tensors(model)]
+    on_meta = [t.is_meta for t in tensors]
+    if not any(on_meta):
+        if init is not None:
+            raise ValueError("init= is for a model on the meta device; this one is built")
+        return None
+    if not all(on_meta):
+        raise ValueError(
+            "the model is partly on the meta device: build it all there (deferred) or not at all"
+        )
+    if init is None:
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError(
+                f"{type(model).__name__} is on the meta device and has no .config to rebuild it "
+                "from; pass init= a function that builds it eagerly, e.g. lambda: Model(...)"
+            )
+        init = lambda: type(model)(config)  # noqa: E731
+    program = init if isinstance(init, InitProgram) else record_init(init)
+    program.check_fits(model)
+    return program
+
+
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, attr, module)
 
 
-def parallelize(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    grid: ProcessGrid,
+    plan: Plan | None = None,
+    *,
+    init: Callable[[], nn.Module] | InitProgram | None = None,
+) -> nn.Module:
     """Make ``model`` tensor-parallel on ``grid``, in place, and return it (moved to the
     grid's device). Every rank must call it on a model with the same values (build it with
     the same seed): each rank keeps its pieces. See the module docstring for what is chosen;
-    :func:`plan_styles` shows it without changing the model."""
+    :func:`plan_styles` shows it without changing the model.
+
+    **Deferred initialisation.** A model built on the meta device (``with
+    torch.device("meta"): GPT(cfg)``) gets only this rank's pieces, with the values that
+    ``GPT(cfg)`` built eagerly from the global generator's current state would have, bit for
+    bit (seed just before, as for an eager build; see :mod:`gnnpar.tensor.deferred`).
+    ``init`` builds the model eagerly, to record its initialisation on fake tensors (default
+    ``type(model)(model.config)``, which fits our GPT and Hugging Face models), or is an
+    :class:`~gnnpar.tensor.deferred.InitProgram` already recorded.
+    """
     plan = plan or Plan()
+    program = _init_program(model, init)
     decided = plan_styles(model, grid, plan)
     styles: dict[str, LayerStyle] = decided["styles"]
     cands = _candidates(model, plan.skip)
@@ -294,7 +341,11 @@ def parallelize(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
         old, style = cands[name], styles[name]
         if isinstance(old, nn.Embedding):
             new: ShardedModule = Embedding.from_embedding(
-                old, grid, transpose=style.transpose, gather_output=style.gather_output
+                old,
+                grid,
+                transpose=style.transpose,
+                gather_output=style.gather_output,
+                load=program is None,
             )
         else:
             new = Linear.from_linear(
@@ -305,6 +356,7 @@ def parallelize(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
                 scatter_input=style.scatter_input,
                 gather_output=style.gather_output,
                 fused=style.fused,
+                load=program is None,
             )
         key = id(old.weight)
         if key in shared:
@@ -322,6 +374,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
             setattr(
                 model.get_submodule(block), rule.split_attr, first.local_out_features // rule.fused
             )
+    if program is not None:
+        materialize(model, program, grid)
     model.to(grid.device)
     if plan.prefetch and grid.size("z") > 1 and made:
         PrefetchChain([made[n] for n in names_in_order])

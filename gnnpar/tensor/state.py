@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,12 +77,29 @@ def full_state_dict(model: nn.Module, grid: ProcessGrid) -> dict[str, torch.Tens
     return out
 
 
+def _full_shape(src: Any) -> tuple[int, ...]:
+    """Shape of a full tensor or of a lazy one (a safetensors slice has ``get_shape``)."""
+    shape = src.shape if hasattr(src, "shape") else src.get_shape()
+    return tuple(int(n) for n in shape)
+
+
+def _read_all(src: Any) -> torch.Tensor:
+    if isinstance(src, torch.Tensor):
+        return src
+    return src[tuple(slice(0, n) for n in _full_shape(src))]
+
+
 def load_full_state_dict(
-    model: nn.Module, state_dict: Mapping[str, torch.Tensor], grid: ProcessGrid, strict: bool = True
+    model: nn.Module, state_dict: Mapping[str, Any], grid: ProcessGrid, strict: bool = True
 ) -> None:
     """Load a full (plain-model) state dict into a parallel ``model``: each rank keeps its
-    pieces. No communication. With ``strict``, missing or unexpected keys raise ValueError
-    (before anything is written)."""
+    pieces. No communication.
+
+    A value may be a tensor or anything that reads a box of the full tensor by indexing with
+    slices (a memory-mapped tensor from ``torch.load(..., mmap=True)``, a safetensors
+    ``get_slice``): sharded parameters read only this rank's boxes, straight into the pieces,
+    so a pretrained model loads slice by slice. Keys and shapes are checked before anything is
+    written (with ``strict``, missing or unexpected keys raise ValueError)."""
     mine = model.state_dict(keep_vars=True)
     if strict:
         missing = sorted(set(mine) - set(state_dict))
@@ -97,26 +115,25 @@ def load_full_state_dict(
         if key not in state_dict:
             continue
         src = state_dict[key]
+        got = _full_shape(src)
         if key in sharded:
             module, pname, layout = sharded[key]
-            src = module.from_full_format(pname, src)
-            if tuple(src.shape) != layout.shape:
-                raise ValueError(
-                    f"{key}: full tensor has shape {tuple(src.shape)}, the layer expects "
-                    f"{layout.shape}"
-                )
-            r, c, d = layout.coords(grid)
-            piece = layout.shard(src, r, c, d)
-        else:
-            piece = src
-        if tuple(piece.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{key}: got shape {tuple(piece.shape)}, the model holds {tuple(target.shape)}"
-            )
-        plan.append((target, piece))
+            transposed = module.stored_transposed(pname)
+            want = tuple(reversed(layout.shape)) if transposed else layout.shape
+            if got != want:
+                raise ValueError(f"{key}: full tensor has shape {got}, the layer expects {want}")
+            plan.append((target, src, layout, transposed))
+            continue
+        if got != tuple(target.shape):
+            raise ValueError(f"{key}: got shape {got}, the model holds {tuple(target.shape)}")
+        plan.append((target, src, None, False))
     with torch.no_grad():
-        for target, piece in plan:
-            target.copy_(piece)
+        for target, src, layout, transposed in plan:
+            if layout is None:
+                target.copy_(_read_all(src))
+                continue
+            r, c, d = layout.coords(grid)
+            layout.read_piece(src.__getitem__, target.data, r, c, d, transposed)
 
 
 def local_numel(model: nn.Module) -> int:
@@ -149,7 +166,7 @@ def checkpoint_layout(model: nn.Module, grid: ProcessGrid):
         canonical[id(value)] = key
         if key in sharded:
             module, pname, layout = sharded[key]
-            transposed = pname == "weight" and getattr(module, "weight_format", "") == "in_out"
+            transposed = module.stored_transposed(pname)
             shape = tuple(reversed(layout.shape)) if transposed else layout.shape
             r, c, d = layout.coords(grid)
             chunks = layout.chunks(MODEL + key, r, c, d, transposed)

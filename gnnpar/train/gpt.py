@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from gnnpar.train.precision import (
     shard_policy,
 )
 
-__all__ = ["GPTTask", "GPTTaskConfig", "lr_at"]
+__all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "lr_at", "parallel_model"]
 
 MODELS = ("gpt", "hf-gpt2")
 
@@ -181,49 +182,80 @@ def model_sizes(model: nn.Module) -> GPTConfig:
     return model.config
 
 
-def _hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """The weights of a pretrained folder, read without unpickling anything but tensors."""
+@contextlib.contextmanager
+def _hf_weights(folder: Path) -> Iterator[dict[str, Any]]:
+    """The weights of a pretrained folder, lazily: safetensors slices (read box by box) or a
+    memory-mapped ``pytorch_model.bin`` (never unpickling anything but tensors)."""
     safe = folder / "model.safetensors"
-    if safe.is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(safe))
     binary = folder / "pytorch_model.bin"
-    if binary.is_file():
+    if safe.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(safe), framework="pt") as f:
+            yield {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+    elif binary.is_file():
         from gnnpar.verified import load_tensors
 
-        return load_tensors(binary)
-    raise ConfigError(f"pretrained folder {folder} has no model.safetensors or pytorch_model.bin")
+        yield load_tensors(binary)
+    else:
+        raise ConfigError(
+            f"pretrained folder {folder} has no model.safetensors or pytorch_model.bin"
+        )
 
 
 def build_model(cfg: GPTTaskConfig, vocab_size: int) -> tuple[nn.Module, type]:
-    """The plain model (the same values on every rank, from the seed or the pretrained
-    weights) and its block class (the unit of sharding)."""
-    torch.manual_seed(cfg.seed)
+    """The plain model on the meta device (its structure and sizes, no memory:
+    :func:`parallel_model` gives each rank its pieces) and its block class (the unit of
+    sharding)."""
     if cfg.model == "gpt":
         from gnnpar.nn.gpt import GPT, Block
 
-        return GPT(cfg.gpt_config(vocab_size)), Block
+        with torch.device("meta"):
+            return GPT(cfg.gpt_config(vocab_size)), Block
     from transformers import GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    model = GPT2LMHeadModel(hf_config(cfg, vocab_size))
+    hf = hf_config(cfg, vocab_size)
+    with torch.device("meta"):  # imports stay outside: a module-level tensor must be real
+        return GPT2LMHeadModel(hf), GPT2Block
+
+
+def parallel_model(plain: nn.Module, cfg: GPTTaskConfig, grid: ProcessGrid) -> nn.Module:
+    """``plain`` (from :func:`build_model`, on the meta device) made tensor-parallel on
+    ``grid`` with only this rank's pieces materialised: the values of the model built eagerly
+    after ``torch.manual_seed(cfg.seed)`` (the initialisation is replayed, draw for draw, so
+    the generator is left as that build leaves it), then the pretrained weights, read slice by
+    slice."""
+    from gnnpar.tensor import parallelize
+
+    torch.manual_seed(cfg.seed)
+    model = parallelize(plain.to(master_dtype(cfg)), grid)
     if cfg.pretrained:
-        state = _hf_state_dict(Path(cfg.pretrained))
+        load_pretrained(model, Path(cfg.pretrained), grid)
+    return model
+
+
+def load_pretrained(model: nn.Module, folder: Path, grid: ProcessGrid) -> None:
+    """Read a Hugging Face GPT-2 folder's weights into the parallel ``model``: each rank reads
+    only its pieces' boxes of each tensor."""
+    from gnnpar.tensor import load_full_state_dict
+
+    with _hf_weights(folder) as state:
         state = {k.removeprefix("module."): v for k, v in state.items()}
         if not any(k.startswith("transformer.") for k in state):
             state = {f"transformer.{k}": v for k, v in state.items()}
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        mine = set(model.state_dict(keep_vars=True))
         tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-        missing = [k for k in missing if k not in tied and not k.endswith(".attn.bias")]
-        unexpected = [k for k in unexpected if not k.endswith((".attn.bias", ".masked_bias"))]
+        missing = [k for k in mine - set(state) - tied if not k.endswith(".attn.bias")]
+        unexpected = [
+            k for k in set(state) - mine if not k.endswith((".attn.bias", ".masked_bias"))
+        ]
         if missing or unexpected:
             raise ConfigError(
-                f"pretrained folder {cfg.pretrained} does not fit its config: missing "
-                f"{missing[:3]}, unexpected {unexpected[:3]}"
+                f"pretrained folder {folder} does not fit its config: missing "
+                f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
             )
-        model.tie_weights()
-    return model, GPT2Block
+        load_full_state_dict(model, {k: v for k, v in state.items() if k in mine}, grid, False)
 
 
 # ------------------------------------------------------------------------------- the grid
@@ -258,7 +290,6 @@ class GPTTask:
         ``vocab_size`` like :class:`~gnnpar.data.text.TextCorpus`)."""
         from gnnpar.data.text import TokenBlocks
         from gnnpar.shard import FCDP, by_type, shard
-        from gnnpar.tensor import parallelize
 
         self.cfg = cfg
         world = gnnpar.init(
@@ -283,7 +314,7 @@ class GPTTask:
         self.val = TokenBlocks(val_tokens, *blocks, cfg.seed + 1)
         self.num_params = sum(p.numel() for p in plain.parameters())
         self.sizes = model_sizes(plain)
-        model = parallelize(plain.to(master_dtype(cfg)), grid)
+        model = parallel_model(plain, cfg, grid)
         self.net = model
         self.head = model.lm_head
         self.dp = shard(
