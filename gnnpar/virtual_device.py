@@ -5,7 +5,7 @@ host only where it means to. On a CPU-only machine a missing ``.to(device)`` is 
 every tensor is already on the one device there is. :func:`simulated_device` makes it
 visible. Inside it, ``grid.device`` is the *virtual device*: tensors created there (factory
 functions and ``.to(device)``) are wrappers around real CPU tensors whose ``device`` reads
-``meta``, so they compute real values (losses, accuracies and checkpoints are the CPU run's,
+``lazy``, so they compute real values (losses, accuracies and checkpoints are the CPU run's,
 bit for bit), but
 
 - an operation that mixes a virtual-device tensor with a host tensor raises
@@ -16,9 +16,11 @@ bit for bit), but
   synchronisation on a GPU).
 
 Why not the plain ``meta`` device: it holds no values (a run stops at its first ``.item()``)
-and many meta kernels accept host operands silently. Why not a fake CUDA device: autograd and
-the optimizers ask the CUDA runtime for device guards. The wrapper carries ``meta`` as its
-device type, which autograd handles without any runtime.
+and many meta kernels accept host operands silently; gnnpar also uses real meta tensors for
+deferred initialisation, which must stay distinct. Why not a fake CUDA device: autograd and
+the optimizers ask the CUDA runtime for device guards. The wrapper carries ``lazy`` (torch's
+lazy-tensor device type, whose device guard every CPU build registers) as its device type;
+no lazy-tensor backend ever runs, since every operation is answered here.
 
 It is a test instrument, not a backend: collectives cannot move wrapper tensors (gloo reads
 host memory), so a simulated run is a world of one process; :mod:`gnnpar.comm` checks that
@@ -46,7 +48,7 @@ __all__ = [
     "simulated_device",
 ]
 
-VIRTUAL = torch.device("meta")
+VIRTUAL = torch.device("lazy")
 """The device a simulated run's ``grid.device`` is."""
 
 
@@ -194,7 +196,7 @@ class _Mode(TorchDispatchMode):
 
 
 # Tensors built from Python data: torch builds them on the target device below the
-# dispatcher (a real, value-less meta tensor), so they are caught before it.
+# dispatcher (a real tensor of the target device type), so they are caught before it.
 _FROM_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor})
 
 

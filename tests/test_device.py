@@ -140,7 +140,7 @@ def test_collectives_refuse_tensors_off_the_grid_device():
         device_grid = gnnpar.init()
         assert device_grid.device == VIRTUAL
         comm.all_reduce(torch.ones(2, device=VIRTUAL), device_grid, "world")
-        with pytest.raises(comm.CommError, match="is on cpu, the grid's device is meta"):
+        with pytest.raises(comm.CommError, match="is on cpu, the grid's device is lazy"):
             comm.all_reduce(torch.ones(2), device_grid, "world")
     with pytest.raises(comm.CommError, match="is on meta, the grid's device is cpu"):
         comm.all_gather(torch.ones(2, device="meta"), grid, "x")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from gnnpar.grid import ProcessGrid
@@ -228,7 +228,9 @@ def record_init(build: Callable[[], nn.Module]) -> InitProgram:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     recorder = _Recorder()
-    with FakeTensorMode(allow_non_fake_inputs=True), recorder:
+    # The build is recorded as it would run alone: a dispatch mode already active (a
+    # simulated device, a profiler) must neither see nor reinterpret its fake operations.
+    with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True), recorder:
         model = build()
     fake = _fake_type()
     named = dict(named_tensors(model))
