@@ -81,15 +81,16 @@ class Parallel1DGNN(ShardedGNN):
         source: ShardSource,
         axis: str = "tensor",
         dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
-        super().__init__(model, grid, source, dtype)
+        super().__init__(model, grid, source, dtype, compute_dtype)
         n, p = self.num_nodes, grid.size(axis)
         self.axis = axis
         self.row_sizes = chunk_sizes(n, p)
         self.rows = chunk(n, p, grid.rank(axis))
         self.ops = [
             [
-                LocalSpMM(b.to(dtype=self.dtype, device=self.device))
+                LocalSpMM(b.to(dtype=self.compute_dtype, device=self.device))
                 for b in _blocks(source, self.kind, i % 2, self.rows, (0, n))
             ]
             for i in range(self.num_layers)
@@ -111,16 +112,19 @@ class Parallel1DGNN(ShardedGNN):
             h = index_dropout(h, self.dropout, seed, self._row_ids[i], 0, self.training)
             full = comm.gather_from(h, self.grid, self.axis, sizes=self.row_sizes)
             agg = torch.cat([spmm(op, full) for op in ops], dim=1)
-            h = agg @ comm.copy_to(self.params.weights[i], self.grid, self.axis)
+            w = self.in_compute_dtype(self.params.weights[i])
+            h = agg @ comm.copy_to(w, self.grid, self.axis)
             if self.has_bias:
-                h = h + comm.copy_to(self.params.biases[i], self.grid, self.axis)
+                b = self.in_compute_dtype(self.params.biases[i])
+                h = h + comm.copy_to(b, self.grid, self.axis)
             if i < self.num_layers - 1:
                 h = torch.relu(h)
         return h
 
     def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
-        """Per-rank bytes of one forward and backward pass, from the ring formulas."""
-        es = torch.tensor([], dtype=self.dtype).element_size()
+        """Per-rank bytes of one forward and backward pass, from the ring formulas (elements
+        of the compute dtype)."""
+        es = self.compute_dtype.itemsize
         p = self.grid.size(self.axis)
         padded_rows = p * max(self.row_sizes)
         rb = comm.ring_bytes
@@ -172,8 +176,9 @@ class Parallel2DGNN(ShardedGNN):
         grid: ProcessGrid,
         source: ShardSource,
         dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
-        super().__init__(model, grid, source, dtype)
+        super().__init__(model, grid, source, dtype, compute_dtype)
         if grid.z != 1:
             raise ValueError(f"the 2D algorithm runs on x × y grids; this grid has z={grid.z}")
         n = self.num_nodes
@@ -185,7 +190,7 @@ class Parallel2DGNN(ShardedGNN):
         self.col_ranges = [chunk(n, c, k) for k in range(c)]
         self.own_blocks = [
             [
-                b.to(dtype=self.dtype, device=self.device)
+                b.to(dtype=self.compute_dtype, device=self.device)
                 for b in _blocks(source, self.kind, layer % 2, self.rows, self.col_ranges[j])
             ]
             for layer in range(self.num_layers)
@@ -220,7 +225,7 @@ class Parallel2DGNN(ShardedGNN):
             else:
                 indptr = torch.empty(rows + 1, dtype=torch.int64, device=self.device)
                 idx = torch.empty(nnz, dtype=self.index_dtype, device=self.device)
-                vals = torch.empty(nnz, dtype=self.dtype, device=self.device)
+                vals = torch.empty(nnz, dtype=self.compute_dtype, device=self.device)
             for t in (indptr, idx, vals):
                 comm.broadcast(t, self.grid, "y", src=stage)
             block = CSRBlock(indptr, idx.long(), vals, (rows, cols[1] - cols[0]))
@@ -244,18 +249,21 @@ class Parallel2DGNN(ShardedGNN):
                 [comm.gather_from(p, grid, "y", dim=1, sizes=self.fin_sizes[i]) for p in parts],
                 dim=1,
             )
-            w = comm.split_to(comm.copy_to(self.params.weights[i], grid, "x"), grid, "y", dim=1)
+            w = self.in_compute_dtype(self.params.weights[i])
+            w = comm.split_to(comm.copy_to(w, grid, "x"), grid, "y", dim=1)
             h = full @ w
             if self.has_bias:
-                b = comm.split_to(comm.copy_to(self.params.biases[i], grid, "x"), grid, "y")
+                b = self.in_compute_dtype(self.params.biases[i])
+                b = comm.split_to(comm.copy_to(b, grid, "x"), grid, "y")
                 h = h + b
             if i < self.num_layers - 1:
                 h = torch.relu(h)
         return h
 
     def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
-        """Per-rank bytes of one forward and backward pass, from the ring formulas."""
-        es = torch.tensor([], dtype=self.dtype).element_size()
+        """Per-rank bytes of one forward and backward pass, from the ring formulas (elements
+        of the compute dtype)."""
+        es = self.compute_dtype.itemsize
         ies = torch.tensor([], dtype=self.index_dtype).element_size()
         r, c = self.grid.size("x"), self.grid.size("y")
         rows = self.rows[1] - self.rows[0]

@@ -4,6 +4,10 @@ The logits block on a rank covers rows ``[r0, r1)`` (split over ``row_axis``) an
 ``[c0, c1)`` (split over ``class_axis``); ranks of any other axis hold replicas. Only
 per-row statistics cross the class axis (max, sum of exponentials, target logit), and only a
 scalar crosses the row axis, so no rank ever sees the whole logit matrix.
+
+Both compute in at least float32: bfloat16 or float16 logits (mixed precision) are widened
+first, so the loss, its softmax gradient and the arg-max (class ids above 256 are not
+bfloat16 numbers) are float32; the gradient returns to the logits' dtype through the cast.
 """
 
 from __future__ import annotations
@@ -12,6 +16,13 @@ import torch
 
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """Low-precision logits in float32 (differentiable); others unchanged."""
+    return logits.float() if logits.dtype in _LOW else logits
 
 
 def _reduce(t: torch.Tensor, grid: ProcessGrid, axis: str | None, op: str = "sum"):
@@ -67,12 +78,12 @@ def sharded_cross_entropy(
 ) -> torch.Tensor:
     """Mean cross-entropy over the masked rows of the whole (sharded) logit matrix; the same
     scalar on every rank. ``total`` is the global count of masked rows (computed with one
-    all-reduce when not given)."""
+    all-reduce when not given); float32 for low-precision logits."""
     if total is None:
         total = int(comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item())
     total = max(int(total), 1)
     return _ShardedCrossEntropy.apply(
-        logits, labels.long(), mask, grid, class_axis, row_axis, col_start, total
+        _widened(logits), labels.long(), mask, grid, class_axis, row_axis, col_start, total
     )
 
 
@@ -88,6 +99,7 @@ def sharded_accuracy(
 ) -> float:
     """Fraction of masked rows whose arg-max class (over all shards; ties to the lowest
     class id) equals the label."""
+    logits = _widened(logits)
     n_rows = logits.shape[0]
     if logits.shape[1]:
         best, arg = logits.max(dim=1)

@@ -7,6 +7,16 @@
 
 Each rank holds only its blocks of Â, of the features, of the activations and of the
 weights; the plain model's parameters are read once to cut the weight shards.
+
+**Mixed precision** (``compute_dtype=torch.bfloat16``, the ``mixed_precision = "bf16"`` of
+the ``gcn`` task): the parameters (masters) stay in ``dtype`` (float32) and are what the
+optimizer steps; each forward casts them to the compute dtype, so Â, the features, the
+activations, both products and every collective's payload (H and W all-gathers, the
+all-reduces of Â·H and of the output, the weight-gradient reduce-scatter or all-reduce and
+the input-gradient reductions) are bfloat16, and the cast's backward lands the gradients in
+the masters' dtype. The loss and accuracy are computed in float32 from the bfloat16 logits
+(:mod:`gnnpar.sparse.loss`). float16 is refused: the local SpMM has no float16 kernel and
+the full-graph task no loss scaling.
 """
 
 from __future__ import annotations
@@ -41,10 +51,17 @@ def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_ops: int) -> torch.T
     return flat[lay.w_part[0] : lay.w_part[1]].clone()
 
 
+COMPUTE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
 class ShardedGNN(nn.Module):
     """What every parallel full-graph model shares: data access, loss and accuracy over
-    its logits block. Subclasses set ``logits_rows``, ``logits_cols``, ``row_axis`` and
-    ``class_axis`` (None where classes are not split)."""
+    its logits block, and the two precisions. Subclasses set ``logits_rows``,
+    ``logits_cols``, ``row_axis`` and ``class_axis`` (None where classes are not split).
+
+    ``dtype`` (default: the model's) is the dtype of the parameters (the masters the
+    optimizer updates) and of checkpoints; ``compute_dtype`` (default: ``dtype``) that of
+    Â, the features, activations, products and collectives (see the module docstring)."""
 
     input_block: tuple[tuple[int, int], tuple[int, int]]
     logits_rows: tuple[int, int]
@@ -52,8 +69,20 @@ class ShardedGNN(nn.Module):
     row_axis: str
     class_axis: str | None
 
-    def __init__(self, model: FullGraphGNN, grid: ProcessGrid, source: ShardSource, dtype) -> None:
+    def __init__(
+        self,
+        model: FullGraphGNN,
+        grid: ProcessGrid,
+        source: ShardSource,
+        dtype: torch.dtype | None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
+        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype {compute_dtype} is not supported for full-graph training "
+                "(the local SpMM has kernels for float32, float64 and bfloat16)"
+            )
         if grid.data != 1:
             raise ValueError(
                 f"full-graph training has no batch to split over data={grid.data}; "
@@ -72,13 +101,20 @@ class ShardedGNN(nn.Module):
         self.dims = dims
         self.source = source
         self.dtype = dtype or next(model.parameters()).dtype
+        self.compute_dtype = compute_dtype or self.dtype
         # Shards are read on the host (memory-mapped files) and live on the grid's device.
         self.device = grid.device
 
+    def in_compute_dtype(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` (a master) cast to the compute dtype for this pass (itself when they
+        agree); differentiable, so its gradient lands on the master in the master's dtype."""
+        return param if param.dtype == self.compute_dtype else param.to(self.compute_dtype)
+
     def input_features(self) -> torch.Tensor:
-        """This rank's block of the input features (order 0), on the grid's device."""
+        """This rank's block of the input features (order 0), on the grid's device, in the
+        compute dtype."""
         rows, cols = self.input_block
-        return self.source.features(rows, cols).to(device=self.device, dtype=self.dtype)
+        return self.source.features(rows, cols).to(device=self.device, dtype=self.compute_dtype)
 
     def full_weights(self, grads: bool = False) -> list[dict[str, torch.Tensor]]:
         """Every layer's full stacked weight and bias (or gradients); collective."""
@@ -176,8 +212,9 @@ class Parallel3DGNN(ShardedGNN):
         source: ShardSource,
         overlap_chunks: int = 1,
         dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
-        super().__init__(model, grid, source, dtype)
+        super().__init__(model, grid, source, dtype, compute_dtype)
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be at least 1, got {overlap_chunks}")
         dtype = self.dtype
@@ -196,7 +233,9 @@ class Parallel3DGNN(ShardedGNN):
             if num_ops == 2:
                 blocks.append(source.root(parity, lay.rows, lay.cols))
             ops = [
-                LocalSpMM(b.to(dtype=dtype, device=self.device)).row_chunks(overlap_chunks)
+                LocalSpMM(b.to(dtype=self.compute_dtype, device=self.device)).row_chunks(
+                    overlap_chunks
+                )
                 for b in blocks
             ]
             with torch.no_grad():
@@ -230,9 +269,10 @@ class Parallel3DGNN(ShardedGNN):
         for i, lay in enumerate(self.layouts):
             seed = None if dropout_seed is None else dropout_seed * 1009 + i
             h = index_dropout(h, self.dropout, seed, self._row_ids[i], lay.fin[0], self.training)
-            h = plexus_layer(h, self.weights[i], self.ops[i], self.grid, lay, input_split=i == 0)
+            w = self.in_compute_dtype(self.weights[i])
+            h = plexus_layer(h, w, self.ops[i], self.grid, lay, input_split=i == 0)
             if self.has_bias:
-                h = h + comm.copy_to(self.biases[i], self.grid, lay.depth)
+                h = h + comm.copy_to(self.in_compute_dtype(self.biases[i]), self.grid, lay.depth)
             if i < last:
                 h = torch.relu(h)
         return h
@@ -263,8 +303,8 @@ class Parallel3DGNN(ShardedGNN):
     # ------------------------------------------------------------------------ accounting
     def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
         """Per-rank bytes by axis of one forward and one backward pass, from the formulas
-        (bias gradients included)."""
-        es = torch.tensor([], dtype=self.dtype).element_size()
+        (bias gradients included; elements of the compute dtype)."""
+        es = self.compute_dtype.itemsize
         fwd: dict[str, float] = {}
         bwd: dict[str, float] = {}
         for i, lay in enumerate(self.layouts):
@@ -340,16 +380,18 @@ def parallelize_fullgraph(
     algorithm: str = "3d",
     overlap_chunks: int = 1,
     dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> ShardedGNN:
     """Shard ``model`` over ``grid`` reading graph blocks from ``source``: ``"3d"`` (Plexus,
     the default), or CAGNET's ``"2d"`` (SUMMA over x × y) and ``"1d"`` (rows over all ranks)
-    baselines."""
+    baselines. Parameters are kept in ``dtype`` (default: the model's), forward and backward
+    run in ``compute_dtype`` (default: ``dtype``; ``torch.bfloat16`` for mixed precision)."""
     if algorithm == "3d":
-        return Parallel3DGNN(model, grid, source, overlap_chunks, dtype)
+        return Parallel3DGNN(model, grid, source, overlap_chunks, dtype, compute_dtype)
     from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN
 
     if algorithm == "2d":
-        return Parallel2DGNN(model, grid, source, dtype)
+        return Parallel2DGNN(model, grid, source, dtype, compute_dtype)
     if algorithm == "1d":
-        return Parallel1DGNN(model, grid, source, dtype=dtype)
+        return Parallel1DGNN(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
     raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")

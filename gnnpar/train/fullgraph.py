@@ -3,6 +3,12 @@
 Rank 0 cuts the dataset into a shard folder once (next to the run, or where ``shards``
 points); every rank then reads only its own blocks. The grid comes from ``grid`` or, when
 not given, from the communication model in :mod:`gnnpar.plan`.
+
+``mixed_precision = "bf16"``: master weights and Adam's state in ``dtype`` (float32), Â,
+features, activations, products and every collective in bfloat16, the loss in float32 from
+the bfloat16 logits (:func:`gnnpar.sparse.parallelize_fullgraph`'s ``compute_dtype``).
+``"fp16"`` is refused: it would need loss scaling and float16 SpMM kernels, which this task
+does not have.
 """
 
 from __future__ import annotations
@@ -24,8 +30,7 @@ from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
 from gnnpar.sparse.shards import DiskSource, prepare_shards
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train.config import ConfigError, TrainerConfig, option
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+from gnnpar.train.precision import compute_dtype, master_dtype
 
 
 @dataclasses.dataclass
@@ -66,10 +71,10 @@ class FullGraphConfig(TrainerConfig):
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
         if self.permutation not in PERMUTATIONS:
             raise ConfigError(f"config key 'permutation' must be one of {', '.join(PERMUTATIONS)}")
-        if self.mixed_precision != "none":
+        if self.mixed_precision == "fp16":
             raise ConfigError(
-                "config key 'mixed_precision': full-graph training runs in its master dtype "
-                "(float32 or float64) only so far; use mixed_precision = none"
+                "config key 'mixed_precision': full-graph training supports none or bf16 "
+                "(fp16 would need loss scaling and float16 SpMM kernels); use bf16"
             )
         for key in ("hidden", "layers", "epochs", "blocks", "overlap_chunks"):
             if getattr(self, key) < 1:
@@ -145,20 +150,32 @@ class FullGraphTask:
             shape = parse_grid_spec(cfg.grid)
         elif cfg.algorithm == "3d":
             num_ops = 2 if cfg.model == "sage" else 1
-            shape = choose_fullgraph_grid(world.world_size, meta["num_nodes"], dims, num_ops)
+            shape = choose_fullgraph_grid(
+                world.world_size,
+                meta["num_nodes"],
+                dims,
+                num_ops,
+                element_size=compute_dtype(cfg).itemsize,
+            )
         elif cfg.algorithm == "2d":
             shape = _square_ish(world.world_size)
         else:
             shape = {"x": world.world_size}
         self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
         self.source = DiskSource(folder)
-        dtype = _DTYPES[cfg.dtype]
+        dtype = master_dtype(cfg)
         torch.manual_seed(cfg.seed)
         model = FullGraphGNN(
             dims[0], cfg.hidden, dims[-1], cfg.layers, cfg.dropout, kind=cfg.model
         ).to(dtype)
         self.model = parallelize_fullgraph(
-            model, self.grid, self.source, cfg.algorithm, cfg.overlap_chunks, dtype
+            model,
+            self.grid,
+            self.source,
+            cfg.algorithm,
+            cfg.overlap_chunks,
+            dtype,
+            compute_dtype=compute_dtype(cfg),
         )
         self.features = self.model.input_features()
         self.optimizer = torch.optim.Adam(self._param_groups(cfg), lr=cfg.lr)
@@ -204,7 +221,13 @@ class FullGraphTask:
     def describe(self) -> dict[str, Any]:
         """The run's task, model and sizes (recorded in its checkpoints)."""
         cfg = self.cfg
-        return {"task": "gcn", "model": cfg.model, "dims": self.model.dims, "dataset": cfg.dataset}
+        return {
+            "task": "gcn",
+            "model": cfg.model,
+            "dims": self.model.dims,
+            "dataset": cfg.dataset,
+            "mixed_precision": cfg.mixed_precision,
+        }
 
 
 def _layer_of(param_name: str) -> int:
