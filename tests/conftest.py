@@ -54,3 +54,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if os.environ.get(REQUIRE) == "1":
             pytest.fail(f"{msg} ({REQUIRE}=1 makes this a failure)", pytrace=False)
         pytest.skip(msg)
+
+
+@pytest.fixture
+def one_process(monkeypatch, tmp_path) -> Path:
+    """A plain process (no launcher variables), gnnpar's cache in ``tmp_path``, and a small
+    text file for the gpt task (returned)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GNNPAR_DATA", str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 400, encoding="utf-8")
+    return text

@@ -63,3 +63,14 @@ def serial_model(kind: str, dims: list[int], dropout: float = 0.0, seed: int = 0
 def serial_adj(a_hat: torch.Tensor) -> LocalSpMM:
     """The whole normalised adjacency as a local SpMM."""
     return LocalSpMM(dense_to_block(a_hat))
+
+
+def check_schedule(fwd, bwd, schedule: dict, tag: str) -> None:
+    """Measured bytes per axis (``comm.record`` traffic of one forward and one backward) equal
+    the layer's own schedule (``expected_bytes()``), each collective rounding once."""
+    for rec, part in ((fwd, "forward"), (bwd, "backward")):
+        got = rec.by_axis()
+        for axis in set(got) | set(schedule[part]):
+            want = schedule[part].get(axis, 0.0)
+            if abs(got.get(axis, 0) - want) > max(1, rec.calls(axis=axis)):
+                raise AssertionError(f"{part} bytes on {axis}: {got} vs schedule {want} ({tag})")

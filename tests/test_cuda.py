@@ -36,16 +36,6 @@ TASKS = {
 _SKIP = ("seconds", "_per_s", "rss", "time", "bytes")
 
 
-@pytest.fixture
-def text(tmp_path, monkeypatch) -> Path:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GNNPAR_DATA", str(tmp_path / "cache"))
-    path = tmp_path / "text.txt"
-    path.write_text("To be, or not to be, that is the question.\n" * 400, encoding="utf-8")
-    return path
-
-
 def _run(task: str, device: str, out: Path, text: Path, *extra: str) -> list[dict]:
     argv = ["train", *TASKS[task], "--device", device, "--out", str(out), "--quiet", *extra]
     if TASKS[task][0] == "gpt":
@@ -67,9 +57,9 @@ def _close(cpu: list[dict], gpu: list[dict], rel: float = 1e-9) -> None:
 
 
 @pytest.mark.parametrize("task", list(TASKS))
-def test_task_on_the_gpu_equals_the_cpu_run(task, text, tmp_path):
-    cpu = _run(task, "cpu", tmp_path / "cpu", text)
-    gpu = _run(task, "cuda", tmp_path / "gpu", text)
+def test_task_on_the_gpu_equals_the_cpu_run(task, one_process, tmp_path):
+    cpu = _run(task, "cpu", tmp_path / "cpu", one_process)
+    gpu = _run(task, "cuda", tmp_path / "gpu", one_process)
     _close(cpu, gpu)
     done = [r for r in gpu if r.get("event") == "start"]
     assert not done or "cuda" in str(done[0].get("device", "cuda"))
@@ -77,13 +67,13 @@ def test_task_on_the_gpu_equals_the_cpu_run(task, text, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs or more")
 @pytest.mark.parametrize("task", ["gcn", "gpt"])
-def test_nccl_world_moves_the_bytes_of_a_gloo_world(task, text, tmp_path):
+def test_nccl_world_moves_the_bytes_of_a_gloo_world(task, one_process, tmp_path):
     world = min(torch.cuda.device_count(), 8)
     world -= world % 2
     grid = {"gcn": f"x=1,y=2,z={world // 2}", "gpt": f"data=2,x={world // 2}"}[task]
     extra = ("--nprocs", str(world), "--grid", grid)
-    cpu = _run(task, "cpu", tmp_path / "cpu", text, *extra)
-    gpu = _run(task, "cuda", tmp_path / "gpu", text, *extra)
+    cpu = _run(task, "cpu", tmp_path / "cpu", one_process, *extra)
+    gpu = _run(task, "cuda", tmp_path / "gpu", one_process, *extra)
     _close(cpu, gpu)
     for c, g in zip(cpu, gpu, strict=True):
         assert c.get("bytes") == g.get("bytes")

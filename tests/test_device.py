@@ -39,6 +39,7 @@ TASKS = {
     "gcn-3d": ["gcn", *_SBM, "--epochs", "3", "--eval-every", "3"],
     "gcn-2d-sage": ["gcn", *_SBM, "--epochs", "2", "--algorithm", "2d", "--model", "sage"],
     "gcn-1d": ["gcn", *_SBM, "--epochs", "2", "--algorithm", "1d"],
+    "gcn-3d-bf16": ["gcn", *_SBM, "--epochs", "2", "--mixed-precision", "bf16"],
     "sage": ["sage", *_SBM, "--epochs", "1", "--prefetch", "0", "--grad-accum", "2"],
     "sage-gat-zero3": ["sage", *_SBM, "--epochs", "1", "--prefetch", "0", "--model", "gat",
                        "--zero-stage", "3"],
@@ -51,14 +52,6 @@ TASKS = {
 _TIMING = ("seconds", "_per_s", "rss", "time")
 
 
-@pytest.fixture
-def one_process(monkeypatch, tmp_path):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GNNPAR_DATA", str(tmp_path / "cache"))
-    text = tmp_path / "text.txt"
-    text.write_text("To be, or not to be, that is the question.\n" * 400, encoding="utf-8")
-    return text
 
 
 def _metrics(run: Path) -> list[dict]:

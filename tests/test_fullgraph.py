@@ -20,7 +20,14 @@ from gnnpar.nn.gcn import GCN, FullGraphGNN, GraphSAGE
 from gnnpar.sparse import parallelize_fullgraph
 from gnnpar.testing import grid_shapes, run_distributed
 from tests.byte_formulas import chunk_range, plexus_bytes, rows1d_bytes, summa_bytes
-from tests.fullgraph_utils import make_source, normalise, serial_adj, serial_model, small_graph
+from tests.fullgraph_utils import (
+    check_schedule,
+    make_source,
+    normalise,
+    serial_adj,
+    serial_model,
+    small_graph,
+)
 
 DIMS = {"gcn": [7, 5, 3], "sage": [7, 4, 3]}  # odd widths: nothing divides the grid
 N = 23
@@ -109,12 +116,7 @@ def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm:
     want_b.check(bwd.as_dict(), f"backward bytes {tag}")
     # ... and the layer's own schedule agrees, axis by axis (each collective rounds once)
     schedule = par.expected_bytes(input_grad=input_grad)
-    for rec, part in ((fwd, "forward"), (bwd, "backward")):
-        got = rec.by_axis()
-        for axis in set(got) | set(schedule[part]):
-            want = schedule[part].get(axis, 0.0)
-            if abs(got.get(axis, 0) - want) > max(1, rec.calls(axis=axis)):
-                raise AssertionError(f"{part} bytes on {axis}: {got} vs schedule {want} ({tag})")
+    check_schedule(fwd, bwd, schedule, tag)
 
     if algorithm == "3d":
         assert par.output_layout is par.layouts[-1]

@@ -46,7 +46,14 @@ from gnnpar.cli import main
 from gnnpar.sparse import parallelize_fullgraph
 from gnnpar.testing import grid_shapes, run_distributed
 from tests.byte_formulas import chunk_range, plexus_bytes, rows1d_bytes, summa_bytes
-from tests.fullgraph_utils import make_source, normalise, serial_adj, serial_model, small_graph
+from tests.fullgraph_utils import (
+    check_schedule,
+    make_source,
+    normalise,
+    serial_adj,
+    serial_model,
+    small_graph,
+)
 
 BF16 = torch.bfloat16
 GRAPHS = {  # name: (nodes, widths per model)
@@ -184,12 +191,7 @@ def _check(shape, algorithm, kind, graph, step_masters):
     want_f.check(fwd.as_dict(), f"bf16 forward bytes {tag}")
     want_b.check(bwd.as_dict(), f"bf16 backward bytes {tag}")
     schedule = par.expected_bytes()
-    for rec, part in ((fwd, "forward"), (bwd, "backward")):
-        got = rec.by_axis()
-        for axis in set(got) | set(schedule[part]):
-            want = schedule[part].get(axis, 0.0)
-            if abs(got.get(axis, 0) - want) > max(1, rec.calls(axis=axis)):
-                raise AssertionError(f"{part} bytes on {axis}: {got} vs schedule {want} ({tag})")
+    check_schedule(fwd, bwd, schedule, tag)
 
     if step_masters:  # one Adam step moves each master by about LR: less than half a
         # bfloat16 ulp of most of them, so bfloat16 masters would keep those unchanged
