@@ -1,5 +1,5 @@
 """Deferred initialisation: per-rank peak memory of building a tensor-parallel GPT on the meta
-device (only this rank's pieces materialised) against the bound of issue 16, and against the
+device (only this rank's pieces materialised) against the memory bound below, and against the
 eager path (every rank builds the full model, then slices it) at a size where that fits.
 
 Per rank, on 8 CPU ranks over gloo (build only: no optimizer, no step):
@@ -9,7 +9,7 @@ Per rank, on 8 CPU ranks over gloo (build only: no optimizer, no step):
   ``fake_tensor_warmup_mb``), before the model exists (the idle process);
 - **peak**: the resident-set high-water mark while the model is built and parallelized (reset
   with ``/proc/self/clear_refs`` at the baseline), minus the baseline;
-- **bound**: ``1.2 × model bytes / ranks + largest parameter bytes`` (the issue's target);
+- **bound**: ``1.2 × model bytes / ranks + largest parameter bytes`` (the target);
 - the bytes of this rank's pieces, and the build time.
 
 Models (GPT-3 paper sizes, our GPT, float32, tied head, context 2048, vocabulary 50257):
