@@ -40,7 +40,6 @@ from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
 from gnnpar.plan.rank import (
     Candidate,
     choose_fullgraph_grid,
-    choose_gpt_grid,
     choose_gpt_plan,
     fullgraph_epoch_bytes,
     rank_gcn,
@@ -58,7 +57,6 @@ __all__ = [
     "builtin_machines",
     "bytes_by_axis",
     "choose_fullgraph_grid",
-    "choose_gpt_grid",
     "choose_gpt_plan",
     "comm_seconds",
     "fullgraph_epoch_bytes",

@@ -31,7 +31,6 @@ from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
 __all__ = [
     "Candidate",
     "choose_fullgraph_grid",
-    "choose_gpt_grid",
     "choose_gpt_plan",
     "fullgraph_epoch_bytes",
     "rank_gcn",
@@ -265,11 +264,6 @@ def choose_fullgraph_grid(
         if chosen is None or key < chosen[0]:
             chosen = (key, shape)
     return chosen[1]
-
-
-def choose_gpt_grid(problem: GPTProblem, world: int, machine: Machine) -> dict[str, int]:
-    """The fastest predicted data·x·y·z shape for ``problem`` that fits on ``machine``."""
-    return _best(rank_gpt(problem, world, machine), "model")
 
 
 def rank_gpt_stages(
