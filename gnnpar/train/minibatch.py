@@ -3,9 +3,8 @@
 One process trains on the whole graph. With N processes, each data-parallel rank owns one
 part of a partition folder (rank 0 writes it once if it is missing; every rank then reads
 only its own part): it samples across parts and fetches remote features with all-to-alls
-(:mod:`gnnpar.sampling.distributed`), and the gradients are summed over the data axis with
-one all-reduce per step through :mod:`gnnpar.comm` (a stand-in until gnnpar's
-data-parallel layer, :mod:`gnnpar.shard`, is used here).
+(:mod:`gnnpar.sampling.distributed`), and the gradients are reduced over the data axis by
+:mod:`gnnpar.shard` (stages 0-3, FCDP, mixed precision), overlapped with backward.
 
 Sampling, the parts' features and the all-to-alls that serve them stay on the host, over gloo
 groups of their own; the model, its gradients and their reduction live on ``grid.device``
