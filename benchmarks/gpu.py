@@ -43,23 +43,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _interleaved(steps: dict, reps: int, device: torch.device) -> dict[str, dict]:
-    """Each step once as a warm-up, then ``reps`` rounds of every step in turn."""
-    for step in steps.values():
+def _synced(step, device: torch.device):
+    """``step`` followed by a wait for the device, so that a timer around it sees its work."""
+
+    def run() -> None:
         step()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(reps):
-        for name, step in steps.items():
-            _sync(device)
-            t = time.perf_counter()
-            step()
-            _sync(device)
-            times[name].append(time.perf_counter() - t)
-    return {k: _summary(v) for k, v in times.items()}
+        _sync(device)
+
+    return run
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def _interleaved(steps: dict, reps: int, device: torch.device) -> dict[str, dict]:
+    """The full-graph benchmark's interleaved timing, each step synchronised."""
+    from benchmarks.fullgraph import _interleaved as interleaved
+
+    _sync(device)
+    return interleaved({k: _synced(s, device) for k, s in steps.items()}, reps)
 
 
 def gcn_epoch(device: torch.device, scale: int, reps: int, tmp: Path) -> dict:
@@ -163,6 +162,7 @@ def gpt_step(device: torch.device, quick: bool, tmp: Path) -> dict:
 
 def sampler_to_device(device: torch.device, quick: bool, reps: int) -> dict:
     """(c) seeds/s of the neighbour sampler with batches delivered on ``device``."""
+    from benchmarks.fullgraph import _summary
     from gnnpar.graph import Graph
     from gnnpar.sampling import NeighborSampler, NodeLoader
 
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     gcn, gpt, smp = result["gcn"], result["gpt"], result["sampler"]
     rows = [(f"(a) GCN epoch, R-MAT {scale} ({gcn['nodes']} nodes)", "")]
     for name, t in gcn["epoch_s"].items():
-        ms = {k: v * 1e3 for k, v in t.items()}
+        ms = {k: t[k] * 1e3 for k in ("median", "min", "max")}
         rows.append((f"    {name}", f"{ms['median']:.1f} ms ({ms['min']:.1f}-{ms['max']:.1f})"))
     if "ours / pyg" in gcn:
         rows.append(("    ours / PyG", f"{gcn['ours / pyg']:.2f}x"))

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "VIRTUAL",
@@ -120,6 +120,10 @@ def _wrap(x: Any) -> Any:
     return x
 
 
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
 def _target(device: Any) -> bool:
     """Whether ``device`` names the virtual device."""
     if device is None:
@@ -141,8 +145,7 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
         # A factory function or a copy onto the device: compute on the host, wrap.
         kwargs = {**kwargs, "device": torch.device("cpu")}
         return tree_map(_wrap, func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
-    tensors: list[torch.Tensor] = []
-    tree_map(lambda x: tensors.append(x) if isinstance(x, torch.Tensor) else None, (args, kwargs))
+    tensors = _tensors((args, kwargs))
     if not any(isinstance(t, VirtualTensor) for t in tensors):
         return func(*args, **kwargs)
     if func is _ATEN._to_copy.default and torch.device(kwargs.get("device", VIRTUAL)).type == "cpu":
@@ -187,8 +190,7 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if name in _COMPUTE:
-            tensors: list[torch.Tensor] = []
-            tree_map(lambda x: tensors.append(x) if isinstance(x, torch.Tensor) else None, args)
+            tensors = _tensors(args)
             if tensors and not any(isinstance(t, VirtualTensor) for t in tensors):
                 shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
                 self.host_compute.append(f"aten.{name}({shapes})")

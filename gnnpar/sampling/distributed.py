@@ -420,7 +420,7 @@ def distributed_inference(
     nodes. Before each layer the halo rows of the previous layer's outputs are fetched from
     their owners (collective over ``grid``, whose device holds the exchanged rows: the
     host for the sampler's gloo grid). The model runs on ``device`` (default: the grid's);
-    each layer's rows cross between the two once."""
+    each layer's input crosses to the model's device once, its output back once."""
     _check_group(part, grid, axis)
     device = grid.device if device is None else torch.device(device)
     block = part.local_block().to(device)
