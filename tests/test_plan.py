@@ -97,6 +97,33 @@ def test_mlp_bytes_data2_is_silent_until_the_gradient_sync():
     assert [c.axis for c in sync] == ["data"]
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gpt_memory_by_hand_on_data2_z2(stage):
+    """Per-rank bytes of a 2-layer GPT (h 16, vocabulary 32, 8 positions, tied head) on
+    data=2, z=2, float32, written out: matrices M = V·h + T·h + L·(3h² + h² + 4h² + 4h²)
+    = 512 + 128 + 6144 = 6784, each rank stores M/z = 3392 of them; biases 9h per layer
+    (288) and the norms' 2h·(2L + 1) = 160 stay whole over z: n = 3840 elements."""
+    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.plan.memory import gpt_memory
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    got = gpt_memory(GPTProblem(cfg, batch=4, element_size=4, stage=stage),
+                     {"data": 2, "x": 1, "y": 1, "z": 2})  # fmt: skip
+    n, matrix, d, e = 3840, 3392, 2, 4
+    want = {
+        0: {"parameters": n * e, "gradients": n * e, "optimizer": 8 * n},
+        # stage 1: full gradient buffers + the reduced float32 chunk; the float32 master
+        # chunk beside the moments
+        1: {"parameters": n * e, "gradients": n * e + 4 * n / d, "optimizer": (8 + 4) * n / d},
+        2: {"parameters": n * e, "gradients": 4 * n / d, "optimizer": (8 + 4) * n / d},
+        # stage 3: the parameter chunk plus one gathered block ((n - 448) / L matrices)
+        3: {"parameters": n * e / d + (n - 448) / 2 * e, "gradients": n * e / d,
+            "optimizer": 8 * n / d},
+    }[stage]  # fmt: skip
+    want["gathered"] = matrix * 2 * e  # every z-gathered block, held forward to backward
+    assert {k: got[k] for k in want} == want
+
+
 def test_intra_and_inter_node_placement_by_hand():
     # 2x2x2 on nodes of 4 ranks: x (stride 1) and y (stride 2) groups stay inside a node;
     # z (stride 4, size 2) crosses nodes

@@ -14,7 +14,11 @@ GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
 - ``parameters`` (e each), ``gradients`` (e each), ``optimizer`` (Adam's two moments in
   float32, plus float32 master weights when e < 4); the data-axis ``stage`` divides the
   optimizer state (≥ 1), the gradients (≥ 2) and the parameters (3, plus one gathered block
-  in flight) by the data size, as :mod:`gnnpar.shard` does;
+  in flight) by the data size, as :mod:`gnnpar.shard` does. Stages 1–2 also hold this
+  rank's float32 master chunk (a copy even when e = 4) and its reduced float32 gradient
+  chunk, and stage 1 keeps the full gradient buffers;
+- ``gathered``: with z > 1, every matrix's z-gathered block (``z`` times the local piece),
+  which autograd keeps from the layer's forward to its backward;
 - ``activations``: Megatron's per-layer count (Korthikanti et al., 2022) for tensor
   parallelism without sequence parallelism and without the attention-score term (our
   attention goes through ``scaled_dot_product_attention``, whose fused kernels keep no
@@ -80,15 +84,24 @@ def gpt_memory(
         "parameters": float(n * e),
         "gradients": float(n * e),
         "optimizer": float(n * opt_per),
+        "gathered": 0.0,
         "activations": 0.0,
     }
     if problem.stage >= 1:
         out["optimizer"] /= d
-    if problem.stage >= 2:
-        out["gradients"] /= d
+    if problem.stage in (1, 2):
+        # the master chunk the optimizer steps (a separate float32 copy even when the
+        # parameters are float32) and the reduced float32 gradient chunk it reads
+        if e >= 4:
+            out["optimizer"] += n * 4 / d
+        out["gradients"] = (n * e if problem.stage == 1 else 0.0) + n * 4 / d
     if problem.stage >= 3:
         per_block = (n - other) / max(1, problem.layers)
         out["parameters"] = n * e / d + per_block * e
+        out["gradients"] = n * e / d
+    if g.z > 1:
+        # every matrix's z-gathered block, saved by autograd from its forward to its backward
+        out["gathered"] = matrix * g.z * e
     tokens = batch_per_rank(problem, g) * problem.seq
     qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
     head = next(m for m in mods if m.name == "lm_head")

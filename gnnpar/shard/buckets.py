@@ -203,8 +203,17 @@ class GradBuckets:
     @torch.no_grad()
     def gather_params(self) -> None:
         """Bring the model's parameters up to date with the master chunks: all-gather each
-        bucket's chunks (stages 1–2) or copy the masters (stage 0 with mixed precision)."""
-        pending = []
+        bucket's chunks (stages 1–2) or copy the masters (stage 0 with mixed precision).
+
+        At most ``MAX_INFLIGHT_BUCKETS + 1`` gathers are in flight: each returns a full
+        bucket, so launching all at once would hold a second copy of every parameter."""
+        pending: list[tuple[Bucket, comm.Handle]] = []
+
+        def land(b: Bucket, handle: comm.Handle) -> None:
+            full = handle.wait()
+            for s, view in zip(b.group.slots, b.group.views(full), strict=False):
+                s.param.copy_(view)
+
         for b in self.buckets:
             g = b.group
             if not g.pieces and self.stage == 0:
@@ -215,10 +224,10 @@ class GradBuckets:
                 pending.append((b, comm.Handle(None, lambda s=send: s, "local")))
             else:
                 pending.append((b, comm.all_gather(send, self.grid, "data", async_op=True)))
+            if len(pending) > MAX_INFLIGHT_BUCKETS:
+                land(*pending.pop(0))
         for b, handle in pending:
-            full = handle.wait()
-            for s, view in zip(b.group.slots, b.group.views(full), strict=False):
-                s.param.copy_(view)
+            land(b, handle)
         self._gathered_versions = [b.group.version for b in self.buckets]
 
     def remove_hooks(self) -> None:
