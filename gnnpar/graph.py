@@ -275,6 +275,26 @@ class Graph:
             return int(y.shape[1])
         return max(int(y.max()) + 1, 0)
 
+    def fingerprint(self) -> str:
+        """Digest of the graph's content (structure, weights and every node-data array with
+        its key, dtype and shape; not its name): what a derived artefact — a partition, a
+        shard folder — records to name the graph it was made from. XXH3-64, 16 hex digits;
+        it reads every byte once (about 15 GB/s)."""
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        arrays = [("indptr", self.indptr), ("indices", self.indices)]
+        if self.edge_weight is not None:
+            arrays.append(("edge_weight", self.edge_weight))
+        arrays += [(f"ndata/{k}", self.ndata[k]) for k in sorted(self.ndata)]
+        h.update(f"nodes {self.num_nodes};".encode())
+        for name, t in arrays:
+            t = t.detach().cpu().contiguous()
+            h.update(f"{name} {str(t.dtype).removeprefix('torch.')} {list(t.shape)};".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
+
     def in_degrees(self) -> torch.Tensor:
         """Number of in-edges of every node (the CSR row lengths)."""
         return self.indptr[1:] - self.indptr[:-1]
