@@ -317,9 +317,9 @@ def pairs_table(results: dict[str, Any], cfg: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ planner vs measured
-def planner_memory(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def planner_memory(cfg: dict[str, Any], stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[dict]:
     """Predicted vs measured per-rank memory of the gpt task's step, every 8-rank shape with
-    data ≥ 2, every ZeRO stage."""
+    data ≥ 2, for each ZeRO stage of ``stages``."""
     from gnnpar.grid import factorizations
     from gnnpar.nn.gpt import GPTConfig
     from gnnpar.plan import GPTProblem, rank_gpt
@@ -327,7 +327,7 @@ def planner_memory(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     machine = local_machine("gloo", devices=8)
     rows = []
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         problem = GPTProblem(GPTConfig(**cfg["sizes"]), batch=cfg["batch"], element_size=4,
                              stage=stage)  # fmt: skip
         predicted = {
@@ -377,6 +377,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="a small model, 2 runs each")
     p.add_argument("--planner-memory", action="store_true", help="planner vs measured memory")
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages for --planner-memory")
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--side-out", help=argparse.SUPPRESS)
@@ -398,8 +399,10 @@ def main() -> int:
     tag = "-quick" if args.quick else ""
     if args.planner_memory:
         cfg["steps"] = 2  # a peak, not a time: two measured steps reach it
-        rows = planner_memory(cfg)
-        (OUT / f"compose-planner-memory{tag}.json").write_text(json.dumps(rows, indent=1))
+        stages = tuple(int(s) for s in args.stages.split(","))
+        rows = planner_memory(cfg, stages)
+        part = "" if stages == (0, 1, 2, 3) else "-stages" + "".join(map(str, stages))
+        (OUT / f"compose-planner-memory{tag}{part}.json").write_text(json.dumps(rows, indent=1))
         print(planner_table(rows))
         return 0
     results = pairs(cfg, cfg["repeats"])

@@ -177,10 +177,11 @@ class GradBuckets:
         while self._next < len(self.buckets) and self.buckets[self._next].full:
             self.buckets[self._next].launch(self.grid, self.scale)
             self._next += 1
-        # Bound the reductions in flight at stage 2, where each holds its bucket's full
-        # gradient until it finishes; at stages 0-1 the buffers persist anyway, and waiting
-        # here would stall backward behind the network.
-        while self.stage == 2 and self._next - self._done > MAX_INFLIGHT_BUCKETS:
+        # Bound the reductions in flight at stages 1-2, where each holds a bucket-sized
+        # transient until it finishes (measured: unbounded, stage 1's backward peak on 4 ranks
+        # grows by 164 MB for 71M parameters); stage 0 all-reduces its persistent buffers in
+        # place, and waiting here would only stall backward behind the network.
+        while self.stage > 0 and self._next - self._done > MAX_INFLIGHT_BUCKETS:
             self.buckets[self._done].finish()
             self._done += 1
 
