@@ -52,30 +52,39 @@ def _world_size(args: argparse.Namespace, launching: bool) -> int:
 
 def _preflight(args: argparse.Namespace, factory: Any, cfg: Any, launching: bool) -> None:
     """The checks before launch (:func:`gnnpar.train.loop.preflight`), skipped in ranks whose
-    launching process ran them; an error is marked as the same on every rank."""
+    launching process ran them."""
     from gnnpar.launch import PREFLIGHT_DONE_ENV
     from gnnpar.train.loop import preflight
 
     if not launching and os.environ.get(PREFLIGHT_DONE_ENV) == "1":
         return
+    preflight(factory, cfg, _world_size(args, launching))
+
+
+def _checked_config(args: argparse.Namespace, launching: bool) -> Any:
+    """The run's config, after every check that needs no process group. An error is marked
+    as the same on every rank (each rank of a plain torchrun checks the same: rank 0 says)."""
+    cls, factory, _ = _tasks()[args.task]
     try:
-        preflight(factory, cfg, _world_size(args, launching))
+        cfg = resolve(cls, args, args.config)
+        if not args.print_config:
+            _check_launch_flags(args)
+            _preflight(args, factory, cfg, launching)
     except (ValueError, OSError) as err:
-        err.same_on_every_rank = True  # every rank checks the same: rank 0 reports
+        err.same_on_every_rank = True
         raise
+    return cfg
 
 
 def _run(args: argparse.Namespace) -> int:
     from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local, strip_nprocs, under_launcher
 
-    cls, factory, _ = _tasks()[args.task]
-    cfg = resolve(cls, args, args.config)
+    _, factory, _ = _tasks()[args.task]
+    launching = args.nprocs > 1 and not under_launcher()
+    cfg = _checked_config(args, launching)
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    _check_launch_flags(args)
-    launching = args.nprocs > 1 and not under_launcher()
-    _preflight(args, factory, cfg, launching)
     if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
         return launch_local(

@@ -307,7 +307,13 @@ def resolve(cls: type, args: argparse.Namespace, config_file: str | None) -> Any
     if config_file:
         values.update(load_toml(config_file))
         # validate the file on its own first, so its errors name the file
-        from_mapping(cls, dict(values), where=f"config file {config_file}")
+        where = f"config file {config_file}"
+        try:
+            from_mapping(cls, dict(values), where=where)
+        except ConfigError as err:
+            if where in str(err):
+                raise
+            raise ConfigError(f"{where}: {err}") from None
     for f in dataclasses.fields(cls):
         v = getattr(args, f.name, None)
         if v is not None:

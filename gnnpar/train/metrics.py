@@ -66,12 +66,15 @@ class MetricsLog:
             return
         record = {"time": time.time(), **record}
         try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            self._append(json.dumps(record) + "\n")
         except OSError as err:  # a full disk, a folder made read-only during the run
             raise naming(err, self.path) from None
         if self._tb is not None:
             self._write_scalars(record)
+
+    def _append(self, line: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(line)
 
     def _write_scalars(self, record: dict[str, Any]) -> None:
         step = next((record[k] for k in ("step", "epoch") if k in record), None)
