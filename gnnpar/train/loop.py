@@ -338,17 +338,16 @@ class Trainer:
         """Undo the step that gave a non-finite loss (counted), or raise
         :class:`NonFiniteLossError` when no more may be skipped."""
         if snapshot is None:
-            total = self.task.num_steps
-            allowed = f"{self.skip_nonfinite} allowed by --skip-nonfinite"
-            hint = (
-                f"more than {allowed} (skipped {self.skipped_steps})"
-                if self.skip_nonfinite
-                else "pass --skip-nonfinite N to skip up to N such steps"
-            )
-            raise NonFiniteLossError(
-                f"loss is {loss} at {self.task.unit} {done} of {total}: lower the learning "
-                f"rate or check the data, or {hint}"
-            )
+            where = f"loss is {loss} at {self.task.unit} {done} of {self.task.num_steps}"
+            if self.skip_nonfinite:
+                where += (
+                    f", after {self.skipped_steps} skipped steps (--skip-nonfinite "
+                    f"{self.skip_nonfinite})"
+                )
+                hint = ""
+            else:
+                hint = ", or pass --skip-nonfinite N to skip up to N such steps"
+            raise NonFiniteLossError(f"{where}: lower the learning rate or check the data{hint}")
         snapshot.restore()
         self.skipped_steps += 1
 
