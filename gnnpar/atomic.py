@@ -8,6 +8,7 @@ sees the old file or the new one, never a torn one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -15,13 +16,60 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: What an OS error means for the path it names, by errno (else its own strerror).
+_REASONS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "not writable (read-only file system)",
+    errno.EACCES: "not writable (permission denied)",
+    errno.EPERM: "not writable (operation not permitted)",
+}
+
+
+def os_error_message(err: OSError, path: str | os.PathLike | None = None) -> str:
+    """One line for an OS error: the path (``path``, else the error's own) and what is wrong
+    with it ("disk full", "not writable (read-only file system)", its strerror)."""
+    if err.errno is None:
+        return str(err)
+    reason = _REASONS.get(err.errno, (err.strerror or str(err)).lower())
+    where = path if path is not None else err.filename
+    return f"{where}: {reason}" if where is not None else reason
+
+
+def naming(err: OSError, path: str | os.PathLike) -> OSError:
+    """``err`` again, naming ``path`` (a write's error names no file, or a temporary one)."""
+    if err.errno is None:
+        return err
+    out = type(err)(err.errno, err.strerror, str(path))
+    out.__cause__ = err
+    return out
+
+
+def check_writable(folder: str | os.PathLike) -> None:
+    """Raise an :class:`OSError` naming ``folder`` (or the first of its parents that exists,
+    where it would be made) unless a file can be created there; nothing is left behind."""
+    path = Path(folder)
+    probe = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not probe.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(probe))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".gnnpar-write-check.")
+    except OSError as err:
+        raise naming(err, probe) from None
+    os.close(fd)
+    os.unlink(tmp)
+
 
 def atomic_write(dest: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)`` and rename the result to ``dest``; on any error the temporary
-    file is removed and the error raised, ``dest`` untouched."""
+    file is removed and the error raised (an :class:`OSError` naming ``dest``), ``dest``
+    untouched."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    except OSError as err:
+        raise naming(err, dest) from None
     os.close(fd)
     try:
         write(tmp)
@@ -30,6 +78,9 @@ def atomic_write(dest: str | os.PathLike, write: Callable[[str], None]) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, dest)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise naming(err, dest) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

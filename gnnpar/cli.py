@@ -8,9 +8,12 @@ expected errors into one clear line.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
+from gnnpar.atomic import os_error_message
 from gnnpar.grid import GridError
 from gnnpar.train.config import ConfigError
 
@@ -19,9 +22,14 @@ class CLIError(Exception):
     """An error the user can fix; printed as one line, exit code 2."""
 
 
+#: Errors the user can fix (bad values, files): one line, exit code 2.
+USER_ERRORS = (CLIError, ConfigError, GridError, ValueError, OSError)
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from gnnpar import info
 
+    check_nprocs(args.nprocs)
     if args.check and args.nprocs > 1 and not _launched():
         from gnnpar.launch import launch_local, strip_nprocs
 
@@ -33,6 +41,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
                 print(f"  {k:<16} {v}")
         return 0
     return _info_check(args)
+
+
+def check_nprocs(nprocs: int) -> None:
+    """``--nprocs`` must name at least one process."""
+    if nprocs < 1:
+        raise CLIError(f"--nprocs must be at least 1, got {nprocs}")
 
 
 def _launched() -> bool:
@@ -110,8 +124,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_message(err: BaseException) -> str:
+    """An error as one line: an OS error names its path and says what is wrong with it."""
+    text = os_error_message(err) if isinstance(err, OSError) else str(err)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or repr(err)
+
+
+def _release_distributed() -> None:
+    """Tear down torch.distributed after an error, so that no communication thread is left
+    running when the process exits (which aborts it: "terminate called without an active
+    exception")."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError):
+        pass  # a broken world: exiting is all that is left, and it exits cleanly now
+
+
+def _report(args: argparse.Namespace, err: BaseException, code: int, detail: str = "") -> bool:
+    """Report a failure once: to the launch agent when gnnpar launched this rank, else on
+    stderr from the rank that should speak (rank 0 for an error every rank raises alike,
+    none for a peer's lost connection). Returns whether it was reported at all."""
+    from gnnpar.launch import ERROR_DIR_ENV, is_secondary, rank_and_world, record_failure
+
+    message = error_message(err)
+    if detail:
+        message = f"{type(err).__name__}: {message}"
+    rank, world = rank_and_world()
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if world > 1 and directory:
+        record_failure(directory, rank, message, code, detail)
+        return True
+    if world > 1:
+        alike = getattr(err, "same_on_every_rank", False)
+        if (alike and rank != 0) or is_secondary(message):
+            return False
+        if not alike:
+            message = f"rank {rank} of {world}: {message}"
+    if detail:
+        return False  # a crash outside a gnnpar launch: Python's own traceback follows
+    print(f"gnnpar {args.command}: error: {message}", file=sys.stderr, flush=True)
+    return True
+
+
+def _fail(args: argparse.Namespace, err: BaseException, code: int) -> int:
+    _report(args, err, code)
+    _release_distributed()
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gnnpar`` console script."""
+    from gnnpar.train.loop import NonFiniteLossError
+
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -122,12 +189,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             apply_master_addr(args.master_addr)
         return int(args.func(args) or 0)
-    except (CLIError, ConfigError, GridError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"gnnpar {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return _fail(args, e, 2)
+    except NonFiniteLossError as e:
+        return _fail(args, e, 1)
     except KeyboardInterrupt:
+        _release_distributed()
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        # A bug or a broken peer: under a gnnpar launch the agent prints the root cause's
+        # traceback once; elsewhere Python's own traceback (a peer's lost connection: none).
+        reported = _report(args, e, 1, detail=traceback.format_exc())
+        _release_distributed()
+        if reported or is_rank_echo(e):
+            return 1
+        raise
+
+
+def is_rank_echo(err: BaseException) -> bool:
+    """Whether ``err``, in one rank of several, only echoes a peer's failure (so this rank
+    stays silent: the failing rank reports)."""
+    from gnnpar.launch import is_secondary, rank_and_world
+
+    return rank_and_world()[1] > 1 and is_secondary(str(err))
 
 
 if __name__ == "__main__":

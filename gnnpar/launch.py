@@ -18,17 +18,34 @@
 ``MASTER_ADDR``/``MASTER_PORT`` override the Slurm address and port too. An incomplete or
 inconsistent environment is a :class:`LaunchError` of one line. :func:`launch_local` starts
 N local processes under PyTorch's own launcher (the code behind torchrun).
+
+**Failures of a local launch.** :func:`launch_local` runs the launcher in a small agent
+process (:func:`agent`) that gives every rank a folder
+(``GNNPAR_ERROR_DIR``) for one failure record (:func:`record_failure`) instead of a
+printout. When the launcher reports a failed rank, the agent prints one line naming the rank
+and the root cause (the first failure that is not a peer's lost connection; a crash's
+traceback follows) and exits with that rank's status (2 for a user error) instead of
+torchrun's ``ChildFailedError`` report. Under plain torchrun, srun or mpirun, the failing rank
+prints (an error every rank raises alike: rank 0 only) and the launcher's own report follows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 #: Port of the rendezvous under MPI when ``MASTER_PORT`` is not set (torch's default).
 DEFAULT_MPI_PORT = 29500
@@ -38,6 +55,23 @@ LAUNCHER_NAMES: Mapping[str, str] = MappingProxyType(
 )
 #: Hosts one compressed Slurm host list may expand to (Slurm's own hostlist limit is 64k).
 MAX_HOSTS = 1 << 16
+#: How :func:`launch_local` starts its agent (``python -c``, arguments after it).
+_AGENT = "import sys; from gnnpar.launch import agent; sys.exit(agent(sys.argv[1:]))"
+#: Where the ranks of a local launch record their failure (set by the launch agent).
+ERROR_DIR_ENV = "GNNPAR_ERROR_DIR"
+#: Set for the ranks of a local launch: the launching process ran the checks before launch.
+PREFLIGHT_DONE_ENV = "GNNPAR_PREFLIGHT_DONE"
+#: Words of an error that only says a peer went away (the consequence, not the cause).
+SECONDARY_MARKERS = (
+    "connection reset",
+    "connection closed",
+    "connection refused",
+    "broken pipe",
+    "connectfullmesh",
+    "timed out",
+    "see its error",
+    "peer",
+)
 
 
 class LaunchError(ValueError):
@@ -379,24 +413,27 @@ def launch_local(
     max_restarts: int = 0,
     module: str = "gnnpar.cli",
     script: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> int:
     """Run ``python -m module *module_argv`` (or ``python script *module_argv``) on
-    ``nprocs`` local processes under ``torch.distributed.run --standalone``; return the
-    launcher's exit code."""
+    ``nprocs`` local processes under ``torch.distributed.run --standalone`` (in gnnpar's
+    launch agent, which condenses a failure to one line: see the module docstring); return
+    the exit code (a failed rank's own, e.g. 2 for a user error). ``env``: more variables for
+    the ranks."""
     if nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1, got {nprocs}")
     target = [script] if script is not None else ["-m", module]
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        "-c",
+        _AGENT,
         "--standalone",
         f"--nproc-per-node={nprocs}",
         f"--max-restarts={max_restarts}",
         *target,
         *module_argv,
     ]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     # Ranks share the cores: one intra-op thread each unless the user chose otherwise.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -420,3 +457,116 @@ def strip_nprocs(argv: Sequence[str]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+# ------------------------------------------------------------------ failures of a launch
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size under a launcher, ``(0, 1)`` without one (or with
+    an inconsistent launcher environment, which :func:`gnnpar.init` reports)."""
+    try:
+        launch = detect_launch()
+    except LaunchError:
+        return 0, 1
+    return (0, 1) if launch is None else (launch.rank, launch.world_size)
+
+
+def is_secondary(message: str) -> bool:
+    """Whether an error only says that a peer went away (a lost connection, a timeout, "see
+    its error"): the consequence of another rank's failure, not its cause."""
+    text = message.lower()
+    return any(marker in text for marker in SECONDARY_MARKERS)
+
+
+def record_failure(
+    directory: str | os.PathLike, rank: int, message: str, code: int, detail: str = ""
+) -> None:
+    """Write this rank's failure (one line, the exit code it will have, and e.g. a traceback
+    as ``detail``) for the launch agent; the newest attempt's records are the ones read."""
+    record = {
+        "rank": rank,
+        "attempt": restart_count(),
+        "time": time.time(),
+        "message": message,
+        "code": code,
+        "detail": detail,
+        "secondary": is_secondary(message),
+    }
+    path = Path(directory) / f"rank-{rank}-{os.getpid()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def read_failures(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """The failure records of the newest attempt in ``directory``, root cause first: the
+    failures that are not peers' lost connections before those that are, each in the order
+    they happened."""
+    records = []
+    for path in sorted(Path(directory).glob("rank-*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # a rank killed while writing: the others still tell the story
+    if not records:
+        return []
+    newest = max(r["attempt"] for r in records)
+    records = [r for r in records if r["attempt"] == newest]
+    return sorted(records, key=lambda r: (r["secondary"], r["time"]))
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return f" ({signal.Signals(-exitcode).name})" if exitcode < 0 else ""
+    except ValueError:
+        return ""
+
+
+def summarise_failure(error: Any, records: list[dict[str, Any]], nprocs: int) -> tuple[str, int]:
+    """The agent's report of a failed launch (its first line names the rank and the root
+    cause) and the exit code, from the ranks' records or, without any, from the launcher's
+    ``ChildFailedError``."""
+    if records:
+        root = records[0]
+        line = f"rank {root['rank']} of {nprocs}: {root['message']}"
+        if root["detail"]:
+            line += f" (its traceback follows)\n{root['detail'].rstrip()}"
+        return line, int(root["code"]) or 1
+    rank, failure = error.get_first_failure()
+    code = failure.exitcode
+    return (
+        f"rank {rank} of {nprocs} exited with status {code}{_signal_name(code)} without "
+        "reporting an error (see its output above)",
+        code if code > 0 else 1,
+    )
+
+
+def agent(argv: Sequence[str]) -> int:
+    """The launch agent of :func:`launch_local`: ``torch.distributed.run`` with arguments
+    ``argv``, reporting a failed launch as one line (and exiting with the failed rank's code)
+    instead of its ``ChildFailedError`` report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # The agent's own log lines ("failed (exitcode: 2)", "Sending process ... SIGTERM")
+    # repeat what the summary says.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = parse_args(list(argv))
+    directory = tempfile.mkdtemp(prefix="gnnpar-errors-")
+    os.environ[ERROR_DIR_ENV] = directory
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as error:
+        line, code = summarise_failure(error, read_failures(directory), args.nproc_per_node)
+        command = _command_name(args.training_script_args)
+        print(f"{command}: error: {line}", file=sys.stderr, flush=True)
+        return code
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _command_name(argv: Sequence[str]) -> str:
+    """``gnnpar train`` for the ranks' ``train gcn ...`` (the prefix of their errors)."""
+    words = [a for a in argv if not a.startswith("-")][:1]
+    return " ".join(["gnnpar", *words])
+

@@ -54,6 +54,10 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _is_launcher(cmdline: list[str]) -> bool:
+    return "torch.distributed.run" in cmdline or cmdline[1:2] == ["-c"]
+
+
 def test_killed_rank_restarts_from_checkpoint(tmp_path):
     out, epochs = tmp_path / "run", 300
     cmd = [
@@ -94,11 +98,12 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"no checkpoint appeared; output:\n{proc.communicate()[0][-3000:]}")
             time.sleep(0.05)
-        # The workers run ``-m gnnpar.cli`` below the launcher (``-m torch.distributed.run``).
+        # The workers run ``-m gnnpar.cli`` below the launcher (gnnpar's launch agent,
+        # ``python -c ...``, which runs torch.distributed.run in its process).
         workers = [
             p
             for p in _descendants(proc.pid)
-            if "gnnpar.cli" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+            if "gnnpar.cli" in _cmdline(p) and not _is_launcher(_cmdline(p))
         ]
         assert len(workers) == 2, [_cmdline(p) for p in workers]
         killed_after = max(r.get("epoch", 0) for r in read_metrics(out / "metrics.jsonl"))

@@ -16,7 +16,7 @@ from gnnpar.data.catalogue import build, catalogue, default_root, get_entry, loa
 from gnnpar.data.storage import save_graph
 from gnnpar.graph import Graph
 
-__all__ = ["add_data_commands", "parse_options", "describe"]
+__all__ = ["add_data_commands", "parse_options", "describe", "check_dataset", "root_and_options"]
 
 _TRUE = frozenset({"true", "yes", "on", "1"})
 _FALSE = frozenset({"false", "no", "off", "0"})
@@ -81,6 +81,38 @@ def _defaults_for(name: str) -> Mapping[str, Any] | None:
     return None if entry is None else entry.defaults
 
 
+def root_and_options(
+    name: str, pairs: Sequence[str], root: str | None
+) -> tuple[str | None, dict[str, Any]]:
+    """The data root and the dataset's options from ``KEY=VALUE`` pairs, where ``root=DIR``
+    may stand for ``--root DIR`` (the form error messages suggest); both at once must agree."""
+    options = parse_options(pairs, _defaults_for(name))
+    if "root" not in options:
+        return root, options
+    given = str(options.pop("root"))
+    if root is not None and Path(root) != Path(given):
+        raise ValueError(f"--root {root} and root={given} name different data roots")
+    return given, options
+
+
+def check_dataset(name: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """Parse a dataset's ``KEY=VALUE`` options as its builder takes them (a catalogue name:
+    known keys, the defaults' types) and check that a name outside the catalogue is a folder;
+    a :class:`ValueError` of one line otherwise. Returns the options."""
+    options = parse_options(pairs, _defaults_for(name))
+    if "root" in options:
+        raise ValueError("give the data root as the root option (--root DIR), not as root=")
+    entry = get_entry(name)
+    if entry is not None:
+        entry.resolve_kwargs(options)
+    elif not Path(name).exists():
+        names = ", ".join(e.name for e in catalogue())
+        raise ValueError(
+            f"unknown dataset {name!r}: not a catalogue name ({names}) and no such folder"
+        )
+    return options
+
+
 def describe(graph: Graph) -> list[tuple[str, str]]:
     """``(field, value)`` rows summarising a graph, as printed by ``gnnpar data info``."""
     deg = graph.in_degrees()
@@ -143,9 +175,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    options = parse_options(args.options, _defaults_for(args.name))
+    root, options = root_and_options(args.name, args.options, args.root)
     start = time.perf_counter()
-    graph = build(args.name, args.root, **options)
+    graph = build(args.name, root, **options)
     out = save_graph(
         graph, args.out, overwrite=args.overwrite, source=source_record(args.name, options)
     )
@@ -157,8 +189,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    options = parse_options(args.options, _defaults_for(args.target))
-    graph = load(args.target, args.root, **options)
+    root, options = root_and_options(args.target, args.options, args.root)
+    graph = load(args.target, root, **options)
     for field, value in describe(graph):
         print(f"{field:<11} {value}")
     return 0

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
-from gnnpar.train.config import add_flags, resolve, to_toml
+from gnnpar.train.config import ConfigError, add_flags, resolve, to_toml
 
 
 def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
@@ -30,17 +31,65 @@ def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
     }
 
 
-def _run(args: argparse.Namespace) -> int:
-    from gnnpar.launch import launch_local, strip_nprocs, under_launcher
+def _check_launch_flags(args: argparse.Namespace) -> None:
+    """``--nprocs`` and ``--max-restarts`` must make sense before anything starts."""
+    if args.nprocs < 1:
+        raise ConfigError(f"--nprocs must be at least 1, got {args.nprocs}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be at least 0, got {args.max_restarts}")
 
+
+def _world_size(args: argparse.Namespace, launching: bool) -> int:
+    """The number of ranks the run will have: ``--nprocs`` when this process launches them,
+    else the launcher's world (1 without one)."""
+    from gnnpar.launch import detect_launch
+
+    if launching:
+        return args.nprocs
+    launch = detect_launch()
+    return 1 if launch is None else launch.world_size
+
+
+def _preflight(args: argparse.Namespace, factory: Any, cfg: Any, launching: bool) -> None:
+    """The checks before launch (:func:`gnnpar.train.loop.preflight`), skipped in ranks whose
+    launching process ran them."""
+    from gnnpar.launch import PREFLIGHT_DONE_ENV
+    from gnnpar.train.loop import preflight
+
+    if not launching and os.environ.get(PREFLIGHT_DONE_ENV) == "1":
+        return
+    preflight(factory, cfg, _world_size(args, launching))
+
+
+def _checked_config(args: argparse.Namespace, launching: bool) -> Any:
+    """The run's config, after every check that needs no process group. An error is marked
+    as the same on every rank (each rank of a plain torchrun checks the same: rank 0 says)."""
     cls, factory, _ = _tasks()[args.task]
-    cfg = resolve(cls, args, args.config)
+    try:
+        cfg = resolve(cls, args, args.config)
+        if not args.print_config:
+            _check_launch_flags(args)
+            _preflight(args, factory, cfg, launching)
+    except (ValueError, OSError) as err:
+        err.same_on_every_rank = True
+        raise
+    return cfg
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local, strip_nprocs, under_launcher
+
+    _, factory, _ = _tasks()[args.task]
+    launching = args.nprocs > 1 and not under_launcher()
+    cfg = _checked_config(args, launching)
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    if args.nprocs > 1 and not under_launcher():
+    if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
-        return launch_local(args.nprocs, argv, max_restarts=args.max_restarts)
+        return launch_local(
+            args.nprocs, argv, max_restarts=args.max_restarts, env={PREFLIGHT_DONE_ENV: "1"}
+        )
     import gnnpar
     from gnnpar.train.loop import Trainer
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -48,6 +49,46 @@ def _at_least(cfg: Any, minimum: int, *keys: str) -> None:
             raise ConfigError(f"config key '{key}' must be at least {minimum}, got {value}")
 
 
+#: Ranges of numeric options that some tasks have, by key: (lowest, highest, whether the
+#: lowest is allowed, whether the highest is allowed). Every float option must also be finite.
+RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "lr": (0.0, math.inf, True, False),
+    "min_lr": (0.0, math.inf, True, False),
+    "weight_decay": (0.0, math.inf, True, False),
+    "beta2": (0.0, 1.0, True, False),
+    "grad_clip": (0.0, math.inf, True, False),
+    "temperature": (0.0, math.inf, False, False),
+    "val_fraction": (0.0, 1.0, True, False),
+    "dropout": (0.0, 1.0, True, False),
+}
+
+
+def _interval(low: float, high: float, low_in: bool, high_in: bool) -> str:
+    """``[0, 1)``, ``>= 0``, ``> 0``: how an error message shows a range."""
+    if math.isinf(high):
+        return f"{'>=' if low_in else '>'} {low:g}"
+    return f"in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+
+def check_numbers(cfg: Any) -> None:
+    """Reject a non-finite float option (``nan``, ``inf``) and a value outside the range
+    :data:`RANGES` gives its key, naming the key."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not isinstance(value, float):
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"config key '{f.name}' must be a finite number, got {value}")
+        if f.name in RANGES:
+            low, high, low_in, high_in = RANGES[f.name]
+            above = value > low or (low_in and value == low)
+            below = value < high or (high_in and value == high)
+            if not (above and below):
+                raise ConfigError(
+                    f"config key '{f.name}' must be {_interval(*RANGES[f.name])}, got {value:g}"
+                )
+
+
 def _one_of(cfg: Any, key: str, allowed: tuple[str, ...]) -> None:
     if getattr(cfg, key) not in allowed:
         raise ConfigError(
@@ -80,13 +121,17 @@ class TrainerConfig:
         "auto", "where tensors live: auto (the local rank's GPU with NCCL when there is one, "
         "else the CPU with gloo), cuda or cpu"
     )  # fmt: skip
+    skip_nonfinite: int = option(
+        0, "steps whose loss is NaN or infinite that are skipped (undone, counted as "
+        "skipped_steps in the metrics) before the run stops with an error"
+    )  # fmt: skip
 
     def check_trainer(self) -> None:
         """Reject trainer values that cannot work, naming the key."""
         _one_of(self, "device", DEVICES)
         _one_of(self, "dtype", MASTER_DTYPES)
         _one_of(self, "mixed_precision", PRECISIONS)
-        _at_least(self, 0, "eval_every", "checkpoint_every", "keep_checkpoints")
+        _at_least(self, 0, "eval_every", "checkpoint_every", "keep_checkpoints", "skip_nonfinite")
         if self.ranks_per_node is not None:
             _at_least(self, 1, "ranks_per_node")
 
@@ -154,7 +199,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value
     elif base is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _to_float(key, value)
     elif base is str:
         if isinstance(value, str):
             return value
@@ -163,6 +208,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(
         f"config key '{key}' must be a {base.__name__}, got {type(value).__name__} {value!r}"
     )
+
+
+def _to_float(key: str, value: float) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(f"config key '{key}' is too large for a float: {value}") from None
 
 
 def from_mapping(cls: type, values: dict[str, Any], where: str = "config") -> Any:
@@ -175,6 +227,7 @@ def from_mapping(cls: type, values: dict[str, Any], where: str = "config") -> An
         )
     out = {k: _coerce(k, v, types_[k]) for k, v in values.items()}
     obj = cls(**out)
+    check_numbers(obj)
     check = getattr(obj, "check", None)
     if check is not None:
         check()
@@ -188,7 +241,13 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     tables = [k for k, v in data.items() if isinstance(v, dict)]
@@ -248,7 +307,13 @@ def resolve(cls: type, args: argparse.Namespace, config_file: str | None) -> Any
     if config_file:
         values.update(load_toml(config_file))
         # validate the file on its own first, so its errors name the file
-        from_mapping(cls, dict(values), where=f"config file {config_file}")
+        where = f"config file {config_file}"
+        try:
+            from_mapping(cls, dict(values), where=where)
+        except ConfigError as err:
+            if where in str(err):
+                raise
+            raise ConfigError(f"{where}: {err}") from None
     for f in dataclasses.fields(cls):
         v = getattr(args, f.name, None)
         if v is not None:

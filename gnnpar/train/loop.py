@@ -6,6 +6,7 @@ small :class:`Task` protocol; the loop owns everything else, the same way for al
 
 from __future__ import annotations
 
+import math
 import shutil
 import signal
 import threading
@@ -17,8 +18,10 @@ import torch
 from tqdm import tqdm
 
 from gnnpar import checkpoint, comm
-from gnnpar.grid import ProcessGrid
+from gnnpar.atomic import check_writable
+from gnnpar.grid import GridError, ProcessGrid, parse_grid_spec
 from gnnpar.launch import restart_count
+from gnnpar.train.config import ConfigError
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 
 
@@ -51,6 +54,143 @@ class Task(Protocol):
     def describe(self) -> dict[str, Any]:
         """What the run trains (task, model kind and sizes), recorded in checkpoints."""
 
+    # Optional, on the task's class: ``preflight(cfg, world_size) -> None`` (a staticmethod
+    # or classmethod), called by :func:`preflight` in the launching process before any rank
+    # starts; it raises a one-line error (ValueError, OSError, ConfigError) for anything it
+    # can check without a process group. See :func:`preflight`.
+
+
+class NonFiniteLossError(RuntimeError):
+    """A training step's loss was NaN or infinite (more often than ``skip_nonfinite``
+    allows). Every rank raises it at the same step, so only one needs to report it."""
+
+    same_on_every_rank = True
+
+
+#: The markers of a run in a run folder: one of them present means the folder holds a run.
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "plots", "tensorboard")
+
+
+def run_folder_error(out: str | Path) -> FileExistsError:
+    """The error for a run folder that already holds a run (neither resume nor overwrite)."""
+    return FileExistsError(
+        f"run folder {out} already holds a run; pass --resume to continue it "
+        "or --overwrite to start again"
+    )
+
+
+# ------------------------------------------------------------------ checks before launch
+def preflight(task_cls: type, cfg: Any, world_size: int) -> None:
+    """Check, in the process that launches the ranks and before any starts, everything that
+    needs no process group; each failure is one line (ConfigError, GridError, ValueError,
+    OSError): the run folder (:func:`check_run_folder`), the grid or partition against the
+    process count (:func:`check_world`), the dataset's name and options
+    (:func:`check_dataset_options`), then the task's own hook: ``task_cls.preflight(cfg,
+    world_size)`` when the task class has one (e.g. the dataset can be loaded, a given
+    partition or shard folder was made from it)."""
+    check_run_folder(cfg)
+    check_world(cfg, world_size)
+    check_dataset_options(cfg)
+    hook = getattr(task_cls, "preflight", None)
+    if callable(hook):
+        hook(cfg, world_size)
+
+
+def check_run_folder(cfg: Any) -> None:
+    """The run folder ``cfg.out`` may be used: it does not hold a run unless ``resume`` or
+    ``overwrite`` says what to do with it (a restart attempt resumes), and a file can be
+    written in it (or where it will be made)."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"run folder {out} is a file, not a folder")
+    resume = getattr(cfg, "resume", False) or restart_count() > 0
+    holds_run = any((out / name).exists() for name in RUN_MARKERS)
+    if holds_run and not resume and not getattr(cfg, "overwrite", False):
+        raise run_folder_error(out)
+    check_writable(out)
+
+
+def check_world(cfg: Any, world_size: int) -> None:
+    """A ``grid`` option must fit ``world_size`` processes, and so must ``parts`` (one part
+    per process)."""
+    spec = getattr(cfg, "grid", None)
+    if spec:
+        shape = parse_grid_spec(spec)
+        x, y, z = (shape.get(a, 1) for a in ("x", "y", "z"))
+        tensor = x * y * z
+        data = shape.get("data")
+        if data is None and world_size % tensor:
+            raise GridError(
+                f"x*y*z = {x}*{y}*{z} = {tensor} does not divide the world size {world_size}"
+            )
+        if data is not None and data * tensor != world_size:
+            raise GridError(
+                f"grid data*x*y*z = {data}*{x}*{y}*{z} = {data * tensor} does not match "
+                f"the world size {world_size}"
+            )
+    parts = getattr(cfg, "parts", None)
+    if parts is not None and parts != world_size:
+        raise ConfigError(
+            f"config key 'parts' is {parts} but {world_size} processes run: each data-parallel "
+            "rank owns one part (use --nprocs equal to --parts)"
+        )
+
+
+def check_dataset_options(cfg: Any) -> None:
+    """``dataset`` names a catalogue entry or a folder and ``dataset_options`` parses as that
+    dataset's options (known keys, values of the defaults' types)."""
+    if not hasattr(cfg, "dataset"):
+        return
+    from gnnpar.data.commands import check_dataset
+
+    pairs = [p for p in (getattr(cfg, "dataset_options", None) or "").split(",") if p.strip()]
+    try:
+        check_dataset(cfg.dataset, pairs)
+    except ValueError as err:
+        key = "dataset_options" if pairs else "dataset"
+        raise ConfigError(f"config key '{key}': {err}") from None
+
+
+class _Snapshot:
+    """Copies of a task's parameters, buffers and optimizer state, to undo one step."""
+
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.tensors = _state_tensors(model, optimizer)
+        self.copies = [t.detach().clone() for t in self.tensors]
+        self.state = {
+            p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            for p, st in optimizer.state.items()
+        }
+
+    def restore(self) -> None:
+        """Put every copied tensor back (in place) and the optimizer state as it was; a
+        sharded model then gathers its parameters from the restored masters."""
+        with torch.no_grad():
+            for t, c in zip(self.tensors, self.copies, strict=True):
+                t.copy_(c)
+        self.optimizer.state.clear()
+        for p, st in self.state.items():
+            self.optimizer.state[p] = {
+                k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()
+            }
+        sync = getattr(self.model, "sync_params", None)
+        if callable(sync):
+            sync(force=True)
+
+
+def _state_tensors(model: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The model's parameters and buffers and the optimizer's parameters, each once."""
+    found: dict[int, torch.Tensor] = {}
+    for name in ("parameters", "buffers"):
+        getter = getattr(model, name, None)
+        if callable(getter):
+            found.update((id(t), t) for t in getter())
+    for group in optimizer.param_groups:
+        found.update((id(p), p) for p in group["params"])
+    return list(found.values())
+
 
 class Trainer:
     """Runs a :class:`Task`: progress bar on rank 0, JSONL metrics with bytes per axis and
@@ -69,6 +209,7 @@ class Trainer:
         overwrite: bool = False,
         tensorboard: bool = False,
         keep_checkpoints: int = 2,
+        skip_nonfinite: int = 0,
     ):
         self.task = task
         self.grid = task.grid
@@ -76,6 +217,10 @@ class Trainer:
         self.eval_every = eval_every
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
+        #: Steps with a non-finite loss that may be undone before the run stops with an error.
+        self.skip_nonfinite = skip_nonfinite
+        #: Steps undone so far because their loss was not finite.
+        self.skipped_steps = 0
         # Ranks brought back by torchrun --max-restarts, or a Slurm job requeued after a
         # preemption, continue their own run from its newest checkpoint (or from the start
         # when none was written yet).
@@ -106,12 +251,13 @@ class Trainer:
             overwrite=cfg.overwrite,
             tensorboard=cfg.tensorboard,
             keep_checkpoints=cfg.keep_checkpoints,
+            skip_nonfinite=getattr(cfg, "skip_nonfinite", 0),
         )
 
     def _check_run_folder(self, overwrite: bool) -> None:
         """A finished or interrupted run is never mixed with a new one silently. Rank 0
         decides for everyone: other ranks may look only after rank 0 has started writing."""
-        old = [self.out / n for n in ("metrics.jsonl", "checkpoints", "plots", "tensorboard")]
+        old = [self.out / n for n in RUN_MARKERS]
         found = torch.tensor(
             [float(self.is_main and any(p.exists() for p in old))], device=self.grid.device
         )
@@ -119,10 +265,7 @@ class Trainer:
         if self.resume or not found.item():
             return
         if not overwrite:
-            raise FileExistsError(
-                f"run folder {self.out} already holds a run; pass --resume to continue it "
-                "or --overwrite to start again"
-            )
+            raise run_folder_error(self.out)
         if self.is_main:
             for p in old:
                 if p.is_dir():
@@ -176,10 +319,37 @@ class Trainer:
         with _SigtermFlag() as self._sigterm:
             return self._run()
 
-    def _preemption_agreed(self) -> bool:
-        """Whether any rank has received SIGTERM, so that all stop after the same step."""
-        flag = torch.tensor([float(self._sigterm.raised)], device=self.grid.device)
-        return bool(comm.all_reduce(flag, self.grid, "world", op="max").item())
+    def _agree(self, bad_loss: bool) -> tuple[bool, bool]:
+        """Whether any rank saw a non-finite loss and whether any has received SIGTERM, so
+        that every rank takes the same decision after the same step (one collective)."""
+        flags = torch.tensor(
+            [float(bad_loss), float(self._sigterm.raised)], device=self.grid.device
+        )
+        flags = comm.all_reduce(flags, self.grid, "world", op="max")
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def _take_snapshot(self) -> _Snapshot | None:
+        """A copy of the state to undo the next step, when bad steps may be skipped."""
+        if self.skipped_steps >= self.skip_nonfinite:
+            return None
+        return _Snapshot(self.task.model, self.task.optimizer)
+
+    def _skip_or_stop(self, snapshot: _Snapshot | None, loss: Any, done: int) -> None:
+        """Undo the step that gave a non-finite loss (counted), or raise
+        :class:`NonFiniteLossError` when no more may be skipped."""
+        if snapshot is None:
+            where = f"loss is {loss} at {self.task.unit} {done} of {self.task.num_steps}"
+            if self.skip_nonfinite:
+                where += (
+                    f", after {self.skipped_steps} skipped steps (--skip-nonfinite "
+                    f"{self.skip_nonfinite})"
+                )
+                hint = ""
+            else:
+                hint = ", or pass --skip-nonfinite N to skip up to N such steps"
+            raise NonFiniteLossError(f"{where}: lower the learning rate or check the data{hint}")
+        snapshot.restore()
+        self.skipped_steps += 1
 
     def _run(self) -> dict[str, float]:
         start_step = self._resume() if self.resume else 0
@@ -196,11 +366,19 @@ class Trainer:
         last_eval: dict[str, float] = {}
         for step in range(start_step, total):
             t0 = time.perf_counter()
+            snapshot = self._take_snapshot()
             with comm.record(self.grid) as traffic:
                 record = self.task.train_step(step)
             record["seconds"] = time.perf_counter() - t0
             record["bytes"] = traffic.as_dict()
             done = step + 1
+            loss = record.get("loss", 0.0)
+            bad, preempted = self._agree(not _finite(loss))
+            if bad:
+                self._skip_or_stop(snapshot, loss, done)
+                record["skipped"] = True  # undone: the weights are those before the step
+            if self.skip_nonfinite:
+                record["skipped_steps"] = self.skipped_steps
             if self.eval_every and (done % self.eval_every == 0 or done == total):
                 last_eval = self.task.evaluate(step)
                 record.update(last_eval)
@@ -215,7 +393,7 @@ class Trainer:
             saved = self.checkpoint_every and done % self.checkpoint_every == 0
             if saved and done < total:
                 self._save(done)
-            if done < total and self._preemption_agreed():
+            if done < total and preempted:
                 if not saved:
                     self._save(done)
                 bar.close()
@@ -228,9 +406,18 @@ class Trainer:
             self._save(total)  # every run ends with its trained model on disk
         if not last_eval:
             last_eval = self.task.evaluate(total - 1)
-        self.metrics.write({"event": "end", **last_eval})
+        end = {"skipped_steps": self.skipped_steps} if self.skip_nonfinite else {}
+        self.metrics.write({"event": "end", **last_eval, **end})
         self.metrics.close()
         return last_eval
+
+
+def _finite(value: Any) -> bool:
+    """Whether a reported loss is a finite number (anything else counts as finite)."""
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return True
 
 
 class _SigtermFlag:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gnnpar.atomic import naming
+
 
 def global_mean(value: Any, grid: Any, axes: tuple[str, ...] = ("z", "data")) -> float:
     """Mean of a per-rank scalar tensor over the grid ``axes`` (the batch axes: every rank
@@ -41,8 +43,11 @@ class MetricsLog:
         self.enabled = enabled
         self._tb = None
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._end_torn_line()
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._end_torn_line()
+            except OSError as err:
+                raise naming(err, self.path) from None
             if tensorboard_dir is not None:
                 self._tb = _summary_writer(Path(tensorboard_dir))
 
@@ -60,10 +65,16 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"time": time.time(), **record}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            self._append(json.dumps(record) + "\n")
+        except OSError as err:  # a full disk, a folder made read-only during the run
+            raise naming(err, self.path) from None
         if self._tb is not None:
             self._write_scalars(record)
+
+    def _append(self, line: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(line)
 
     def _write_scalars(self, record: dict[str, Any]) -> None:
         step = next((record[k] for k in ("step", "epoch") if k in record), None)

@@ -1,0 +1,151 @@
+"""Config parsing under random input: TOML files, flag values and dataset options. Every case
+is a correctly parsed config or one clean line (exit 2, or argparse's SystemExit 2), never a
+traceback of another kind."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gnnpar.cli import main
+from gnnpar.train.commands import _tasks
+from gnnpar.train.config import ConfigError
+
+FAST = settings(max_examples=15, deadline=None)
+TASKS = sorted(_tasks())
+#: Every config key of every task, and a few that are none.
+KEYS = sorted({f.name for cls, _, _ in _tasks().values() for f in dataclasses.fields(cls)})
+KEY = st.one_of(st.sampled_from(KEYS), st.sampled_from(["hiden", "lr ", "", "x.y"]))
+SCALAR = st.one_of(
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.text(max_size=12),
+)
+VALUE = st.one_of(SCALAR, st.lists(st.integers(-5, 5), max_size=3))
+
+
+@pytest.fixture(autouse=True)
+def _plain_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str]:
+    """``main(argv)``: its exit code (argparse's SystemExit included) and stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, err.getvalue()
+
+
+def _assert_clean(code: int, err: str, argparse_ok: bool = False) -> None:
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err
+    if code == 0:
+        return
+    assert code == 2, err
+    if argparse_ok and lines and lines[0].startswith("usage:"):
+        assert lines[-1].startswith("gnnpar") and ": error: " in lines[-1], err
+        return
+    assert len(lines) == 1 and lines[0].startswith("gnnpar train: error: "), err
+
+
+@FAST
+@given(task=st.sampled_from(TASKS), table=st.dictionaries(KEY, VALUE, max_size=4))
+def test_random_toml_files(task, table):
+    text = "".join(f"{json.dumps(k)} = {_toml_value(v)}\n" for k, v in table.items())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c.toml"
+        path.write_text(text, encoding="utf-8")
+        code, err = _run_cli(["train", task, "--config", str(path), "--print-config"])
+    _assert_clean(code, err)
+
+
+@FAST
+@given(task=st.sampled_from(TASKS), data=st.binary(max_size=60))
+def test_random_bytes_as_a_toml_file(task, data):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c.toml"
+        path.write_bytes(data)
+        code, err = _run_cli(["train", task, "--config", str(path), "--print-config"])
+    _assert_clean(code, err)
+
+
+@FAST
+@given(
+    task=st.sampled_from(TASKS),
+    key=st.sampled_from(KEYS),
+    text=st.one_of(st.text(max_size=10), st.sampled_from(["nan", "inf", "-1", "1e999", "0"])),
+)
+def test_random_flag_values(task, key, text):
+    code, err = _run_cli(["train", task, f"--{key.replace('_', '-')}={text}", "--print-config"])
+    _assert_clean(code, err, argparse_ok=True)
+
+
+_PAIR = st.tuples(
+    st.one_of(st.sampled_from(["num_nodes", "seed", "num_classes", "feat_dim", "root"]),
+              st.text(max_size=6)),
+    st.one_of(st.text(max_size=8), st.integers(-3, 10**6).map(str)),
+)  # fmt: skip
+
+
+@FAST
+@given(
+    dataset=st.sampled_from(["sbm", "rmat", "karate", "citeseer", "no-such-dataset"]),
+    pairs=st.lists(_PAIR, max_size=3),
+)
+def test_random_dataset_options(dataset, pairs):
+    from gnnpar.train.loop import check_dataset_options
+
+    options = ",".join(f"{k}={v}" for k, v in pairs)
+    cfg = SimpleNamespace(dataset=dataset, dataset_options=options)
+    try:
+        check_dataset_options(cfg)
+    except ConfigError as err:
+        assert "\n" not in str(err) and str(err).startswith("config key 'dataset")
+
+
+@FAST
+@given(
+    dataset=st.sampled_from(["sbm", "karate", "citeseer"]),
+    pairs=st.lists(_PAIR, max_size=3),
+    root=st.sampled_from([None, "datasets"]),
+)
+def test_random_data_command_options(dataset, pairs, root):
+    from gnnpar.data.commands import root_and_options
+
+    try:
+        got_root, options = root_and_options(dataset, [f"{k}={v}" for k, v in pairs], root)
+    except ValueError as err:
+        assert "\n" not in str(err)
+        return
+    assert "root" not in options
+    assert got_root == root or any(k.strip().replace("-", "_") == "root" for k, _ in pairs)

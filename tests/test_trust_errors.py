@@ -1,0 +1,308 @@
+"""One clean error per failure: bad values, the checks before launch, non-finite losses,
+failed ranks and OS errors, each through the real ``gnnpar`` command."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from gnnpar.cli import main
+from tests.conftest import CITESEER, DATASETS, needs_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+#: What must never reach the user of a failed run.
+NOISE = ("Traceback", "ChildFailedError", "terminate called")
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def _no_launch(monkeypatch) -> None:
+    """Any attempt to start ranks fails the test: the error must come before."""
+
+    def launch(*a, **k):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr("gnnpar.launch.launch_local", launch)
+
+
+# --------------------------------------------------------------------------- bad values
+def test_bad_values_are_one_line_before_anything_runs(one_process, tmp_path, capsys):
+    run = tmp_path / "run"
+    cases = [
+        (["train", "gcn", "--lr", "inf"], "config key 'lr' must be a finite number, got inf"),
+        (["train", "sage", "--weight-decay", "nan"], "config key 'weight_decay' must be a finite"),
+        (["train", "gpt", "--beta2", "1.5"], "config key 'beta2' must be in [0, 1), got 1.5"),
+        (["train", "gcn", "--weight-decay", "-1"], "config key 'weight_decay' must be >= 0"),
+        (["train", "gcn", "--nprocs", "0"], "--nprocs must be at least 1, got 0"),
+        (["train", "sage", "--nprocs", "-1"], "--nprocs must be at least 1, got -1"),
+        (["info", "--check", "--nprocs", "0"], "--nprocs must be at least 1, got 0"),
+        (
+            ["train", "gcn", "--dataset-options", "num_nodes=abc"],
+            "config key 'dataset_options': option num_nodes: expected int, got 'abc'",
+        ),
+    ]
+    for argv, message in cases:
+        assert main([*argv, "--out", str(run)] if argv[0] == "train" else argv) == 2, argv
+        assert message in _one_line(capsys), argv
+    toml = tmp_path / "c.toml"
+    toml.write_text("lr = inf\n")
+    assert main(["train", "gpt", "--config", str(toml), "--out", str(run)]) == 2
+    line = _one_line(capsys)
+    assert f"config file {toml}" in line and "'lr' must be a finite number" in line
+    assert not run.exists()  # nothing ran
+
+
+@needs_dataset(CITESEER)
+def test_data_info_takes_root_as_an_option(one_process, capsys):
+    assert main(["data", "info", "citeseer", f"root={DATASETS}"]) == 0
+    assert "nodes       3,327" in capsys.readouterr().out
+    assert main(["data", "info", "citeseer", f"root={DATASETS}", "--root", "/elsewhere"]) == 2
+    assert "name different data roots" in _one_line(capsys)
+
+
+# ------------------------------------------------------------------- checks before launch
+def test_checks_before_launch_start_no_rank(one_process, tmp_path, monkeypatch, capsys):
+    _no_launch(monkeypatch)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    two = ["--nprocs", "2", "--out", str(run)]
+    assert main(["train", "gcn", *two]) == 2
+    assert f"run folder {run} already holds a run" in _one_line(capsys)
+    fresh = ["--nprocs", "2", "--out", str(tmp_path / "fresh")]
+    assert main(["train", "gcn", *fresh, "--grid", "x=4"]) == 2
+    assert "= 4 does not divide the world size 2" in _one_line(capsys)
+    assert main(["train", "sage", *fresh, "--parts", "3"]) == 2
+    assert "'parts' is 3 but 2 processes run" in _one_line(capsys)
+    assert main(["train", "sage", *fresh, "--dataset", str(tmp_path / "nothing")]) == 2
+    assert "config key 'dataset': unknown dataset" in _one_line(capsys)
+    assert main(["train", "gcn", *fresh, "--dataset-options", "num_nodse=5"]) == 2
+    assert "num_nodse" in _one_line(capsys)
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_tasks_preflight_hook_runs_before_launch(one_process, tmp_path, monkeypatch, capsys):
+    from gnnpar.train.fullgraph import FullGraphTask
+
+    _no_launch(monkeypatch)
+    seen = []
+
+    def preflight(cfg, world_size):
+        seen.append((cfg.dataset, world_size))
+        raise ValueError(f"dataset {cfg.dataset} does not match partition P")
+
+    monkeypatch.setattr(FullGraphTask, "preflight", staticmethod(preflight), raising=False)
+    assert main(["train", "gcn", "--nprocs", "3", "--out", str(tmp_path / "r")]) == 2
+    assert seen == [("sbm", 3)]
+    assert "dataset sbm does not match partition P" in _one_line(capsys)
+
+
+def test_under_plain_torchrun_an_error_every_rank_raises_is_printed_by_rank_0(
+    one_process, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["train", "gcn", "--lr", "nan", "--out", str(tmp_path / "r")]
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 2
+    assert "config key 'lr' must be a finite number" in _one_line(capsys)
+
+
+# --------------------------------------------------------------------- non-finite loss
+def test_a_non_finite_loss_stops_the_run_naming_the_step(one_process, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "gcn", "--dataset", "karate", "--epochs", "4", "--lr", "1e30"]
+    assert main([*argv, "--quiet", "--eval-every", "0", "--out", str(run)]) == 1
+    line = _one_line(capsys)
+    assert "gnnpar train: error: loss is nan at epoch 2 of 4" in line
+    assert "--skip-nonfinite" in line
+
+
+class _FlakyTask:
+    """One weight; the loss of step ``bad`` is NaN once (and its update garbage)."""
+
+    unit = "step"
+
+    def __init__(self, grid, num_steps: int, bad: set[int]):
+        self.grid, self.num_steps, self.bad = grid, num_steps, set(bad)
+        self.model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.ones_(self.model.weight)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.1)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        loss = self.model(torch.ones(1, 1)).sum()
+        if step in self.bad:
+            self.bad.discard(step)
+            loss = loss * float("nan")
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return {"loss": float(loss.detach())}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return {"weight": float(self.model.weight.detach())}
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"task": "flaky"}
+
+
+def test_skip_nonfinite_undoes_bad_steps_and_counts_them(tmp_path):
+    import gnnpar
+    from gnnpar.train.loop import NonFiniteLossError, Trainer
+    from gnnpar.train.metrics import read_metrics
+
+    grid = gnnpar.init()
+    clean = Trainer(_FlakyTask(grid, 5, set()), tmp_path / "a", eval_every=0, quiet=True).run()
+    task = _FlakyTask(grid, 5, {0, 3})
+    trainer = Trainer(task, tmp_path / "b", eval_every=0, quiet=True, skip_nonfinite=2)
+    skipped = trainer.run()
+    # two steps undone, each retried on nothing: 3 good updates instead of 5
+    three = Trainer(_FlakyTask(grid, 3, set()), tmp_path / "c", eval_every=0, quiet=True).run()
+    assert skipped == three != clean
+    records = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r["step"] for r in records if r.get("skipped")] == [1, 4]
+    assert records[-1]["skipped_steps"] == 2
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"loss is nan at step 4 of 5, after 1 skipped steps \(--skip-nonfinite 1\)",
+    ):
+        Trainer(
+            _FlakyTask(grid, 5, {0, 3}), tmp_path / "d", eval_every=0, quiet=True, skip_nonfinite=1
+        ).run()
+
+
+# ----------------------------------------------------------------------- failed ranks
+def test_a_user_error_in_one_of_two_ranks_is_one_line_exit_2(tmp_path):
+    """Rank 0 cannot read the dataset while it cuts the shards; rank 1 only hears that it
+    failed. The user sees one line naming rank 0 and the missing files."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = ["train", "gcn", "--nprocs", "2", "--dataset", "citeseer", "--root", str(empty)]
+    argv += ["--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]
+    env = {**os.environ, "GNNPAR_DEVICE": "cpu", "GNNPAR_DATA": str(tmp_path / "cache")}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gnnpar.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("gnnpar train: error: rank 0 of 2: no ind.citeseer.* files")
+    assert not any(word in proc.stderr + proc.stdout for word in NOISE)
+
+
+def test_the_root_cause_comes_before_peers_lost_connections(tmp_path, monkeypatch):
+    from gnnpar.launch import read_failures, record_failure, summarise_failure
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    record_failure(tmp_path, 0, "RuntimeError: Connection reset by peer", 1, "tb0")
+    record_failure(tmp_path, 1, "no ind.citeseer.* files under /x", 2)
+    record_failure(tmp_path, 2, "RuntimeError: rank 0 failed (see its error)", 1, "tb2")
+    records = read_failures(tmp_path)
+    assert [r["rank"] for r in records] == [1, 0, 2]
+    assert summarise_failure(None, records, 3) == (
+        "rank 1 of 3: no ind.citeseer.* files under /x",
+        2,
+    )
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a newer attempt wins
+    record_failure(tmp_path, 2, "ZeroDivisionError: division by zero", 1, "Traceback ...")
+    line, code = summarise_failure(None, read_failures(tmp_path), 3)
+    assert code == 1
+    assert line.splitlines()[0] == (
+        "rank 2 of 3: ZeroDivisionError: division by zero (its traceback follows)"
+    )
+
+
+# --------------------------------------------------------------------------- OS errors
+class _FullDisk:
+    """A file opened for appending on a full disk: every write fails."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_is_one_line_naming_the_file(one_process, tmp_path, monkeypatch, capsys):
+    from gnnpar.train import metrics
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        return _FullDisk(f) if "a" in mode else f
+
+    monkeypatch.setattr(metrics, "open", full_open, raising=False)
+    run = tmp_path / "run"
+    argv = ["train", "gcn", "--dataset", "karate", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--out", str(run)]) == 2
+    assert _one_line(capsys) == f"gnnpar train: error: {run / 'metrics.jsonl'}: disk full"
+
+
+def test_atomic_write_names_the_destination_of_a_full_disk(tmp_path, monkeypatch):
+    from gnnpar.atomic import atomic_write, os_error_message
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("gnnpar.atomic.os.replace", full)
+    with pytest.raises(OSError) as info:
+        atomic_write(tmp_path / "meta.json", lambda tmp: Path(tmp).write_text("{}"))
+    assert os_error_message(info.value) == f"{tmp_path / 'meta.json'}: disk full"
+    assert list(tmp_path.iterdir()) == []  # no temporary file left
+
+
+def test_a_read_only_run_folder_is_one_line_before_launch(
+    one_process, tmp_path, monkeypatch, capsys
+):
+    _no_launch(monkeypatch)
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere: the file system says no instead
+
+        def refuse(*a, dir=None, **k):  # noqa: A002 - tempfile's keyword
+            if Path(dir or ".").resolve() == parent.resolve():
+                raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+            return real(*a, dir=dir, **k)
+
+        real = tempfile.mkstemp
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    else:
+        parent.chmod(0o555)
+    try:
+        for nprocs in ("1", "2"):
+            argv = ["train", "gcn", "--nprocs", nprocs, "--out", str(parent / "run")]
+            assert main(argv) == 2
+            line = _one_line(capsys)
+            assert line == f"gnnpar train: error: {parent}: not writable (permission denied)"
+    finally:
+        parent.chmod(0o755)
