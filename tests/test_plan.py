@@ -116,9 +116,10 @@ def test_gpt_memory_by_hand_on_data2_z2(stage):
         # chunk beside the moments
         1: {"parameters": n * e, "gradients": n * e + 4 * n / d, "optimizer": (8 + 4) * n / d},
         2: {"parameters": n * e, "gradients": 4 * n / d, "optimizer": (8 + 4) * n / d},
-        # stage 3: the parameter chunk plus one gathered block ((n - 448) / L matrices)
-        3: {"parameters": n * e / d + (n - 448) / 2 * e, "gradients": n * e / d,
-            "optimizer": 8 * n / d},
+        # stage 3: the parameter chunk plus two gathered blocks ((n - 448) / L matrices
+        # each: running and prefetched), one block's full gradient before its reduce-scatter
+        3: {"parameters": n * e / d + 2 * (n - 448) / 2 * e,
+            "gradients": n * e / d + (n - 448) / 2 * e, "optimizer": 8 * n / d},
     }[stage]  # fmt: skip
     want["gathered"] = matrix * 2 * e  # every z-gathered block, held forward to backward
     assert {k: got[k] for k in want} == want

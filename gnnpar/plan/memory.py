@@ -13,8 +13,9 @@ GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
 
 - ``parameters`` (e each), ``gradients`` (e each), ``optimizer`` (Adam's two moments in
   float32, plus float32 master weights when e < 4); the data-axis ``stage`` divides the
-  optimizer state (≥ 1), the gradients (≥ 2) and the parameters (3, plus one gathered block
-  in flight) by the data size, as :mod:`gnnpar.shard` does. Stages 1–2 also hold this
+  optimizer state (≥ 1), the gradients (≥ 2) and the parameters (3, plus two gathered blocks
+  — the running one and the prefetched next — and one block's full gradient before its
+  reduce-scatter) by the data size, as :mod:`gnnpar.shard` does. Stages 1–2 also hold this
   rank's float32 master chunk (a copy even when e = 4) and its reduced float32 gradient
   chunk, and stage 1 keeps the full gradient buffers;
 - ``gathered``: with z > 1, every matrix's z-gathered block (``z`` times the local piece),
@@ -96,9 +97,11 @@ def gpt_memory(
             out["optimizer"] += n * 4 / d
         out["gradients"] = (n * e if problem.stage == 1 else 0.0) + n * 4 / d
     if problem.stage >= 3:
+        # the chunk plus two gathered blocks (the one running and the next, prefetched); in
+        # backward a block's full gradient lives until its reduce-scatter
         per_block = (n - other) / max(1, problem.layers)
-        out["parameters"] = n * e / d + per_block * e
-        out["gradients"] = n * e / d
+        out["parameters"] = n * e / d + 2 * per_block * e
+        out["gradients"] = n * e / d + per_block * e
     if g.z > 1:
         # every matrix's z-gathered block, saved by autograd from its forward to its backward
         out["gathered"] = matrix * g.z * e
