@@ -166,6 +166,8 @@ def check_partitions(cfg: MiniBatchConfig, folder: str | Path | None = None) -> 
     A launcher may call it in the launching process."""
     import partitioners.format as pformat
 
+    if not (folder or cfg.partitions):
+        raise ConfigError("check_partitions needs a partition folder (config key 'partitions')")
     folder = Path(folder or cfg.partitions or "")
     record = _dataset_record(cfg)
     return pformat.check_source(folder, record, label=f"--dataset {cfg.dataset}")
