@@ -85,7 +85,7 @@ def setup_parts(args: argparse.Namespace, fanouts: list[int], grid: gnnpar.Proce
     import partitioners
 
     folder = Path(args.parts_dir) / f"{args.dataset}-{grid.world_size}"
-    if grid.global_rank == 0 and not (folder / "meta.json").is_file():
+    if grid.global_rank == 0 and not (folder / "manifest.json").is_file():
         graph = load_graph(args)
         owner = partitioners.partition(graph, grid.world_size, "metis", balance=["nodes", "train"])
         partitioners.write(graph, owner, folder, halo=1)

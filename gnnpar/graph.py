@@ -26,6 +26,16 @@ __all__ = ["Graph", "invert_permutation"]
 # Well-known node-data keys and their PyG attribute names.
 _PYG_NAMES = MappingProxyType({"feat": "x", "label": "y"})
 _REDUCTIONS = ("sum", "max", "mean")
+_SPLIT_MASKS = ("train_mask", "val_mask", "test_mask")
+
+
+def _as_num_classes(value: Any) -> int | None:
+    """``None`` or a non-negative int, else ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"num_classes must be a non-negative int or None, got {value!r}")
+    return int(value)
 
 
 def _as_index(x: Any, what: str) -> torch.Tensor:
@@ -197,6 +207,9 @@ class Graph:
         name: a label used in messages and on-disk metadata.
         validate: run the full O(E) checks of :meth:`validate` (cheap shape and dtype checks
             always run).
+        num_classes: the number of classes of ``label`` when known (every dataset loader
+            sets it): labels must then lie in ``[0, num_classes)`` or be negative
+            (unlabelled). ``None`` infers it from the labels (:attr:`num_classes`).
 
     Raises:
         ValueError: with the problem and the numbers involved, for any malformed input.
@@ -217,7 +230,9 @@ class Graph:
         ndata: Mapping[str, torch.Tensor] | None = None,
         name: str = "graph",
         validate: bool = True,
+        num_classes: int | None = None,
     ) -> None:
+        self._num_classes = _as_num_classes(num_classes)
         self.indptr = _as_index(indptr, "indptr")
         self.indices = _as_index(indices, "indices")
         if num_nodes is None:
@@ -266,14 +281,49 @@ class Graph:
 
     @property
     def num_classes(self) -> int:
-        """Classes in ``label``: ``max + 1`` for class ids (negative ids mean unlabelled),
-        the number of columns for a multi-label (N x C) label; 0 without labels."""
+        """Classes in ``label``: the stored value when set (by a dataset loader, a graph
+        folder or assignment), else inferred: ``max + 1`` for class ids (negative ids mean
+        unlabelled), the number of columns for a multi-label (N x C) label; 0 without
+        labels."""
+        if self._num_classes is not None:
+            return self._num_classes
         y = self.label
         if y is None or y.numel() == 0:
             return 0
         if y.dim() == 2 and y.shape[1] > 1:
             return int(y.shape[1])
         return max(int(y.max()) + 1, 0)
+
+    @num_classes.setter
+    def num_classes(self, value: int | None) -> None:
+        """Store the number of classes (``None`` infers it again); the labels are checked
+        against it, ValueError naming the first node outside ``[0, value)``."""
+        previous, self._num_classes = self._num_classes, _as_num_classes(value)
+        try:
+            self._check_labels()
+        except ValueError:
+            self._num_classes = previous
+            raise
+
+    def check_trainable(self) -> None:
+        """What a node-classification trainer needs, one ValueError naming what is missing:
+        ``feat``, ``label`` and ``train_mask``, at least one training node, and a class id
+        (not "unlabelled") for every training node."""
+        for key in ("feat", "label", "train_mask"):
+            if key not in self.ndata:
+                raise ValueError(f"graph {self.name!r} has no node data {key!r}")
+        train = self.ndata["train_mask"].to(torch.bool)
+        if not bool(train.any()):
+            raise ValueError(
+                f"graph {self.name!r} has no training nodes (train_mask is all False): "
+                "nothing to train on"
+            )
+        y = self.ndata["label"]
+        if y.dim() == 1 and bool((y[train] < 0).any()):
+            node = int(torch.nonzero(train & (y < 0))[0, 0])
+            raise ValueError(
+                f"graph {self.name!r}: training node {node} is unlabelled (label {int(y[node])})"
+            )
 
     def fingerprint(self) -> str:
         """Digest of the graph's content (structure, weights and every node-data array with
@@ -392,7 +442,8 @@ class Graph:
         return graph
 
     def _validate_data(self) -> None:
-        """Finite weights and float node data (the checks that do not concern topology)."""
+        """Finite weights and float node data, class-id labels within ``num_classes`` and
+        disjoint split masks (the checks that do not concern topology)."""
         if self.edge_weight is not None and not bool(torch.isfinite(self.edge_weight).all()):
             bad = int((~torch.isfinite(self.edge_weight)).sum())
             raise ValueError(f"edge_weight contains {bad} non-finite values (NaN or inf)")
@@ -400,6 +451,64 @@ class Graph:
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 bad = int((~torch.isfinite(value)).sum())
                 raise ValueError(f"ndata[{key!r}] contains {bad} non-finite values (NaN or inf)")
+        self._check_labels()
+        self._check_masks()
+
+    def _check_labels(self) -> None:
+        """Class ids are integers, below ``num_classes`` when it is stored; a multi-label
+        (N x C) label has ``num_classes`` columns."""
+        y = self.label
+        if y is None:
+            return
+        k = self._num_classes
+        if y.dim() == 2 and y.shape[1] > 1:
+            if k is not None and k != y.shape[1]:
+                raise ValueError(
+                    f"ndata['label'] has {y.shape[1]} columns (multi-label) but num_classes is {k}"
+                )
+            return
+        ids = y.reshape(-1)
+        if ids.is_floating_point() or ids.is_complex():
+            if ids.is_floating_point() and not bool((ids == torch.round(ids)).all()):
+                node = int(torch.nonzero(ids != torch.round(ids))[0, 0])
+                raise ValueError(
+                    f"ndata['label'] holds fractional class ids (node {node}: "
+                    f"{ids[node].item()!r}): class ids must be integers"
+                )
+            raise ValueError(
+                f"ndata['label'] is {ids.dtype}: class ids must have an integer dtype "
+                "(cast them, e.g. label.long())"
+            )
+        if k is not None and ids.numel() and bool((ids >= k).any()):
+            node = int(torch.nonzero(ids >= k)[0, 0])
+            raise ValueError(
+                f"ndata['label'][{node}] = {int(ids[node])} is not a class of this {k}-class "
+                f"graph: labels must lie in [0, {k}) (negative = unlabelled)"
+            )
+
+    def _check_masks(self) -> None:
+        """``train_mask``, ``val_mask``, ``test_mask``: 1-D, boolean (or 0/1), disjoint."""
+        masks = {}
+        for key in _SPLIT_MASKS:
+            m = self.ndata.get(key)
+            if m is None:
+                continue
+            if m.dim() != 1:
+                raise ValueError(f"ndata[{key!r}] must be 1-D, got shape {tuple(m.shape)}")
+            if m.dtype != torch.bool:
+                if m.is_floating_point() or m.is_complex() or bool(((m != 0) & (m != 1)).any()):
+                    raise ValueError(f"ndata[{key!r}] must be boolean (or 0/1), got {m.dtype}")
+            masks[key] = m.to(torch.bool)
+        names = list(masks)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                both = masks[a] & masks[b]
+                if bool(both.any()):
+                    node = int(torch.nonzero(both)[0, 0])
+                    raise ValueError(
+                        f"node {node} is in both {a} and {b} ({int(both.sum())} nodes are): "
+                        "the split masks must be disjoint"
+                    )
 
     def _derive(
         self,
@@ -418,6 +527,7 @@ class Graph:
             self.ndata if ndata is None else ndata,
             self.name,
             validate=False,
+            num_classes=self._num_classes,
         )
 
     # ------------------------------------------------------------------ topology transforms
@@ -598,6 +708,7 @@ class Graph:
             {k: v.to(device) for k, v in self.ndata.items()},
             self.name,
             validate=False,
+            num_classes=self._num_classes,
         )
 
     def to_torch_sparse(self, layout: torch.layout = torch.sparse_csr) -> torch.Tensor:

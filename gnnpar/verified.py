@@ -23,28 +23,42 @@ reader touches are read.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
 from gnnpar.atomic import atomic_write, write_json
 
 __all__ = [
+    "LEVELS",
     "MANIFEST",
     "FormatError",
     "Manifest",
+    "check_level",
     "file_entry",
+    "load_npy",
     "load_tensors",
+    "meta_digest",
     "read_manifest",
+    "save_npy",
+    "write_folder",
     "write_manifest",
 ]
 
 MANIFEST = "manifest.json"
 CHECKSUM = "xxh3_64"
+META_CHECKSUM = "meta_xxh3_64"
+#: What :meth:`Manifest.verify` can check: everything, sizes only, or nothing.
+LEVELS = ("checksum", "size", "none")
 _BLOCK = 8 << 20
 
 
@@ -60,6 +74,23 @@ def checksum(path: str | os.PathLike) -> str:
         while block := f.read(_BLOCK):
             h.update(block)
     return h.hexdigest()
+
+
+def check_level(level: Any) -> str:
+    """``level`` if it is one of :data:`LEVELS`; ``True``/``False`` (the older boolean
+    ``verify`` arguments) mean ``"checksum"``/``"size"``. ValueError otherwise."""
+    if level is True or level is False:
+        return "checksum" if level else "size"
+    if level not in LEVELS:
+        raise ValueError(f"verify must be one of {', '.join(LEVELS)}, got {level!r}")
+    return str(level)
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """XXH3-64 of a meta table as it reads back from JSON (keys sorted): what the manifest
+    records so that a hand-edited meta value is detected like a changed file."""
+    canonical = json.dumps(json.loads(json.dumps(meta)), sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_64_hexdigest(canonical.encode())
 
 
 def file_entry(path: str | os.PathLike) -> dict[str, Any]:
@@ -87,7 +118,7 @@ class Manifest:
         """Check a listed file against its entry (``level``: ``"checksum"``, ``"size"`` or
         ``"none"``); return its path, or raise FormatError naming what is wrong."""
         path = self.path(name)
-        if level == "none":
+        if check_level(level) == "none":
             return path
         entry = self.files[name]
         if not path.is_file():
@@ -111,21 +142,36 @@ def write_manifest(
 ) -> None:
     """Write ``folder/manifest.json`` atomically (call it after every listed file is
     complete: the manifest marks the folder complete)."""
-    doc = {"schema": schema, "version": version, "files": files, "meta": meta}
+    doc = {
+        "schema": schema,
+        "version": version,
+        "files": files,
+        "meta": meta,
+        META_CHECKSUM: meta_digest(meta),
+    }
     write_json(Path(folder) / MANIFEST, doc)
 
 
-def read_manifest(folder: str | os.PathLike, schema: str, versions: tuple[int, ...]) -> Manifest:
+def read_manifest(
+    folder: str | os.PathLike,
+    schema: str,
+    versions: tuple[int, ...],
+    remedy: str = "this version cannot read it",
+) -> Manifest:
     """Read and check a folder's manifest: FormatError (one line, naming the folder) if it is
-    missing, unreadable, of another schema or of an unknown version."""
+    missing, unreadable, of another schema or of an unknown version, if a file entry is
+    malformed, or if the meta table was edited after it was written. ``remedy`` ends the
+    message for a folder of an older gnnpar (``meta.json`` and no manifest), e.g.
+    ``"prepare it again"``."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
         if folder.is_dir() and (folder / "meta.json").is_file():
             raise FormatError(
-                f"{folder}: written by an older gnnpar (meta.json, no {MANIFEST}); this "
-                "version cannot read it"
+                f"{folder}: written by an older gnnpar (meta.json, no {MANIFEST}): {remedy}"
             )
+        if not folder.is_dir():
+            raise FormatError(f"{folder}: no such folder (expected a {schema} folder)")
         raise FormatError(f"{folder}: no {MANIFEST} (not a complete {schema} folder)")
     try:
         doc = json.loads(path.read_text())
@@ -142,7 +188,123 @@ def read_manifest(folder: str | os.PathLike, schema: str, versions: tuple[int, .
     files, meta = doc.get("files"), doc.get("meta")
     if not isinstance(files, dict) or not isinstance(meta, dict):
         raise FormatError(f"{path}: manifest lacks its 'files' or 'meta' table")
+    for name, entry in files.items():
+        _check_entry(path, name, entry)
+    sealed = doc.get(META_CHECKSUM)
+    if sealed is not None and sealed != meta_digest(meta):
+        raise FormatError(
+            f"{path}: the 'meta' table differs from its checksum (edited after it was written)"
+        )
     return Manifest(folder, schema, int(doc["version"]), files, meta)
+
+
+def _check_entry(path: Path, name: str, entry: Any) -> None:
+    """A file entry is ``{"size": int >= 0, "xxh3_64": str}`` naming a file inside the folder."""
+    ok = (
+        isinstance(entry, dict)
+        and type(entry.get("size")) is int
+        and entry["size"] >= 0
+        and isinstance(entry.get(CHECKSUM), str)
+    )
+    if not ok:
+        raise FormatError(f"{path}: malformed entry for {name!r} (expected size and {CHECKSUM})")
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or ".." in parts:
+        raise FormatError(f"{path}: file name {name!r} points outside the folder")
+
+
+def save_npy(path: str | os.PathLike, array: np.ndarray) -> dict[str, Any]:
+    """Write ``array`` as a ``.npy`` file (no pickled objects) and return its manifest entry;
+    the checksum is computed from memory while writing, so the file is never read back."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.hasobject:
+        raise ValueError(f"cannot store {Path(path).name}: object arrays are not supported")
+    header = io.BytesIO()
+    info = np.lib.format.header_data_from_array_1_0(array)
+    try:
+        np.lib.format.write_array_header_1_0(header, info)
+    except ValueError:  # header longer than 64 KiB: format 2.0
+        header = io.BytesIO()
+        np.lib.format.write_array_header_2_0(header, info)
+    data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
+    digest = xxhash.xxh3_64(header.getbuffer())
+    digest.update(data)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(header.getbuffer())
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(header.getbuffer()) + data.nbytes, CHECKSUM: digest.hexdigest()}
+
+
+def load_npy(
+    manifest: Manifest,
+    name: str,
+    level: str = "checksum",
+    mmap: bool = True,
+    dtype: str | None = None,
+    shape: tuple[int, ...] | list[int] | None = None,
+) -> np.ndarray:
+    """A listed ``.npy`` file, verified to ``level`` (see :meth:`Manifest.verify`), memory-
+    mapped copy-on-write (``mmap=True``: pages load when touched and the array stays writable
+    for torch) or read; with ``dtype``/``shape``, FormatError unless the array has them."""
+    path = manifest.verify(name, level)
+    try:
+        array = np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FormatError(f"{path}: not a readable .npy file ({first[:200]})") from None
+    if not isinstance(array, np.ndarray):
+        raise FormatError(f"{path}: not a single .npy array")
+    if dtype is not None and array.dtype != np.dtype(dtype):
+        raise FormatError(f"{path}: holds {array.dtype}, the manifest says {dtype}")
+    if shape is not None and list(array.shape) != list(shape):
+        raise FormatError(f"{path}: has shape {list(array.shape)}, the manifest says {list(shape)}")
+    return array
+
+
+def write_folder(
+    dest: str | os.PathLike, fill: Callable[[Path], None], overwrite: bool = False
+) -> Path:
+    """Build a folder atomically: ``fill(tmp)`` writes everything (its manifest last) into a
+    hidden sibling of ``dest`` that is renamed to ``dest`` only when complete, so a failure
+    leaves nothing behind. An existing ``dest`` is FileExistsError unless ``overwrite``; then
+    it is moved aside and removed only once the new folder is in place."""
+    dest = Path(dest)
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{dest} already exists (remove it or choose another)")
+    if dest.exists() and not dest.is_dir():
+        raise FileExistsError(f"{dest} exists and is not a folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # mkdir, not mkdtemp: the folder gets the usual permissions, not 0700
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        _replace(tmp, dest, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _replace(tmp: Path, dest: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``dest``; an existing ``dest`` is moved aside first and removed
+    only after the new folder is in place (and restored if the rename fails)."""
+    if not dest.exists():
+        os.rename(tmp, dest)  # fails if someone created dest meanwhile: never merge folders
+        return
+    if not overwrite:
+        raise FileExistsError(f"{dest} appeared while it was being written; not replacing it")
+    old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        os.rename(old, dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ Quick start::
 
     part = partitioners.partition(graph, 4, method="metis", seed=0, balance=["nodes", "train"])
     partitioners.write(graph, part, "out/citeseer-4", halo=1)
-    p0 = partitioners.load_part("out/citeseer-4", 0)   # reads meta.json and part-0/ only
+    p0 = partitioners.load_part("out/citeseer-4", 0)   # reads manifest.json and part-0/ only
 
 Modules: :mod:`~partitioners.assignment` (``partition``, ``Partition``),
 :mod:`~partitioners.simple` (random, range, hash), :mod:`~partitioners.metis`,
@@ -21,6 +21,8 @@ from partitioners.csr import CSR, as_csr
 from partitioners.format import (
     PartData,
     PartitionFormatError,
+    PartitionSourceError,
+    check_source,
     load_meta,
     load_node_map,
     load_part,
@@ -33,8 +35,10 @@ __all__ = [
     "PartData",
     "Partition",
     "PartitionFormatError",
+    "PartitionSourceError",
     "as_csr",
     "blocks",
+    "check_source",
     "load_meta",
     "load_node_map",
     "load_part",

@@ -4,7 +4,7 @@
 
     gnnpar-partition DATASET --parts K --out DIR [--method metis] [--halo 1]
                      [--balance-train] [--balance-edges] [--seed S] [--root ROOT] [-o KEY=VALUE]
-    gnnpar-partition inspect DIR [--no-verify]
+    gnnpar-partition inspect DIR [--verify checksum|size]
     gnnpar-partition compare DATASET --parts K [--methods random,metis,...] [--plot FILE.png]
                      [--json FILE]
 
@@ -19,12 +19,13 @@ import argparse
 import ast
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from partitioners.assignment import METHODS, Partition, partition, supported_balance
-from partitioners.format import load_meta, load_part
+from partitioners.format import PartitionBalanceWarning, load_manifest, load_meta, load_part
 from partitioners.metrics import Quality, format_table, human_bytes, measure, quality
 from partitioners.writer import write
 
@@ -144,7 +145,9 @@ def _cmd_partition(argv: Sequence[str]) -> int:
         q = quality(graph, part, time_s=m.time_s, peak_bytes=m.peak_bytes)
         stages.update()
         stages.set_description(f"write {out}")
-        write(graph, part, out, halo=args.halo, progress=show)
+        with warnings.catch_warnings():  # printed below as one line
+            warnings.simplefilter("ignore", PartitionBalanceWarning)
+            write(graph, part, out, halo=args.halo, progress=show)
         stages.update()
     print(
         f"{graph.name}: {q.num_nodes} nodes, {q.num_edges} edges -> {part.num_parts} parts "
@@ -152,7 +155,9 @@ def _cmd_partition(argv: Sequence[str]) -> int:
     )
     print(format_table(_summary_rows(q)))
     print()
-    print(format_table(_part_rows(load_meta(out))))
+    meta = load_meta(out)
+    print(format_table(_part_rows(meta)))
+    _warn(meta, out)
     return 0
 
 
@@ -166,6 +171,7 @@ def _part_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
                 "owned": info["num_owned"],
                 "halo": info["num_halo"],
                 "local edges": info["num_local_edges"],
+                "train": "-" if info.get("num_train") is None else info["num_train"],
             }
         )
     return rows
@@ -176,15 +182,25 @@ def _cmd_inspect(argv: Sequence[str]) -> int:
         prog=f"{PROG} inspect", description="Show and check a partition folder."
     )
     p.add_argument("dir")
-    p.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    p.add_argument(
+        "--verify",
+        default="checksum",
+        choices=("checksum", "size"),
+        help="check every file's checksum (default) or only its size",
+    )
+    p.add_argument("--no-verify", action="store_true", help="same as --verify size")
     p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    meta = load_meta(args.dir)
+    level = "size" if args.no_verify else args.verify
+    manifest = load_manifest(args.dir)
+    meta = manifest.meta
+    source = meta.get("source") or {}
     print(
         f"{args.dir}: {meta['graph_name']!r}, {meta['num_nodes']} nodes, {meta['num_edges']} "
         f"edges, {meta['num_parts']} parts by {meta['method']} (seed {meta['seed']}, balance "
-        f"{', '.join(meta.get('balance', [])) or '-'}), halo {meta['halo_hops']}, schema "
-        f"v{meta['schema_version']}"
+        f"{', '.join(meta.get('balance', [])) or '-'}), halo {meta['halo_hops']}, "
+        f"{manifest.schema} v{manifest.version}, cut from graph "
+        f"{source.get('fingerprint') or 'unknown'}"
     )
     if meta.get("ndata"):
         print(
@@ -193,11 +209,21 @@ def _cmd_inspect(argv: Sequence[str]) -> int:
         )
     print(format_table(_part_rows(meta)))
     for k in range(meta["num_parts"]):
-        load_part(args.dir, k, verify=not args.no_verify)
-    files = len(meta.get("files", {}))
-    check = "sizes" if args.no_verify else "sizes and sha256 checksums"
-    print(f"all {meta['num_parts']} parts load; {files} files match their {check}")
+        load_part(args.dir, k, verify=level)
+    manifest.verify("node_map.npy", level)
+    check = "sizes" if level == "size" else "sizes and xxh3_64 checksums"
+    print(f"all {meta['num_parts']} parts load; {len(manifest.files)} files match their {check}")
+    _warn(meta, args.dir)
     return 0
+
+
+def _warn(meta: dict[str, Any], folder: str | Path) -> None:
+    """Print the partition's balance warning, if any, as one line."""
+    from partitioners.format import idle_parts_message
+
+    message = idle_parts_message(meta, folder)
+    if message:
+        print(f"{PROG}: warning: {message}", file=sys.stderr)
 
 
 def _cmd_compare(argv: Sequence[str]) -> int:

@@ -1,12 +1,13 @@
-"""The partition folder: layout, metadata, checksums, and loading one part.
+"""The partition folder: layout, metadata, checksums, provenance, and loading one part.
 
-A partitioned graph is a folder. Nodes are **relabelled** so that part ``k`` owns the
+A partitioned graph is a verified folder (:mod:`gnnpar.verified`: schema
+``"gnnpar.partition"``, version 2). Nodes are **relabelled** so that part ``k`` owns the
 contiguous range of new ids ``node_ranges[k] = [start, stop)``: part 0's nodes first (in
 their original id order), then part 1's, and so on. Every array is a ``.npy`` file (load it
 with ``numpy.load(path, mmap_mode="r")`` to map it instead of reading it)::
 
     out/
-      meta.json             what is below, plus a checksum and a size per file
+      manifest.json         written last: every file's size and XXH3 checksum, the meta below
       node_map.npy          int64 (num_nodes,)   node_map[original id] = new id
       part-0/
         indptr.npy          int64 (num_local + 1,)  local CSR row offsets
@@ -32,78 +33,104 @@ in increasing global id. The CSR follows the project's convention (row ``i`` lis
 empty. With ``halo_hops = 0`` there are no halo nodes and only edges between owned nodes
 are kept.
 
-**meta.json** fields:
+**The manifest's meta** fields:
 
-- ``format``: ``"gnnpar-partition"``; ``schema_version``: ``1``.
+- ``source``: the graph it was cut from, ``{"fingerprint", "name", "num_nodes",
+  "num_edges", "num_classes"}`` (``fingerprint`` is :meth:`gnnpar.graph.Graph.fingerprint`;
+  ``null`` when the input was not a gnnpar ``Graph``). :func:`check_source` compares it with
+  a dataset.
 - ``graph_name``, ``method``, ``seed``, ``balance`` (list of names): how it was made;
   ``partition_info``: what the method reported (e.g. METIS's ``edge_cut``).
 - ``num_parts``, ``num_nodes``, ``num_edges`` (stored edges of the whole graph),
   ``halo_hops`` (0 or 1), ``weighted`` (whether ``edge_weight.npy`` files exist).
 - ``node_ranges``: ``[[start, stop], ...]``, one per part.
-- ``parts``: per part ``{"num_owned", "num_halo", "num_local_edges"}``.
+- ``parts``: per part ``{"num_owned", "num_halo", "num_local_edges", "num_train"}``
+  (``num_train``: training seeds, ``null`` without a ``train_mask``).
 - ``ndata``: per key ``{"dtype", "shape"}``, the *global* shape (``shape[0] == num_nodes``;
   part ``k`` stores ``num_owned`` rows). ``bfloat16`` data is stored as its ``uint16`` bit
   pattern (``"stored_as": "uint16"``).
-- ``files``: per file (path relative to the folder) ``{"sha256", "bytes"}``.
 
 Example: ``gnnpar-partition citeseer --parts 2 --out citeseer-2`` writes this
-``meta.json`` (abridged: 23 files are listed)::
+``manifest.json`` (abridged: 23 files are listed)::
 
-    {"format": "gnnpar-partition", "schema_version": 1, "graph_name": "citeseer",
-     "method": "metis", "seed": 0, "balance": ["nodes"], "num_parts": 2,
-     "num_nodes": 3327, "num_edges": 9104, "halo_hops": 1, "weighted": false,
-     "node_ranges": [[0, 1668], [1668, 3327]],
-     "parts": [{"num_owned": 1668, "num_halo": 27, "num_local_edges": 5220},
-               {"num_owned": 1659, "num_halo": 30, "num_local_edges": 3884}],
-     "ndata": {"feat": {"dtype": "float32", "shape": [3327, 3703]},
-               "label": {"dtype": "int64", "shape": [3327]},
-               "train_mask": {"dtype": "bool", "shape": [3327]}, ...},
-     "files": {"node_map.npy": {"sha256": "734f8d42...", "bytes": 26744},
-               "part-0/indptr.npy": {"sha256": "6d04b10c...", "bytes": 13696}, ...},
-     "partition_info": {"constraints": ["nodes"], "undirected_edges": 4552,
-                        "edge_cut": 32, "time_s": 0.067}}
+    {"schema": "gnnpar.partition", "version": 2,
+     "files": {"node_map.npy": {"size": 26744, "xxh3_64": "734f8d42..."},
+               "part-0/indptr.npy": {"size": 13696, "xxh3_64": "6d04b10c..."}, ...},
+     "meta": {"source": {"fingerprint": "9b1e...", "name": "citeseer", "num_nodes": 3327,
+                         "num_edges": 9104, "num_classes": 6},
+              "graph_name": "citeseer", "method": "metis", "seed": 0, "balance": ["nodes"],
+              "num_parts": 2, "num_nodes": 3327, "num_edges": 9104, "halo_hops": 1,
+              "weighted": false, "node_ranges": [[0, 1668], [1668, 3327]],
+              "parts": [{"num_owned": 1668, "num_halo": 27, "num_local_edges": 5220,
+                         "num_train": 60}, ...],
+              "ndata": {"feat": {"dtype": "float32", "shape": [3327, 3703]}, ...},
+              "partition_info": {"constraints": ["nodes"], "edge_cut": 32, ...}},
+     "meta_xxh3_64": "..."}
 
 **Guarantees.** :func:`~partitioners.writer.write` builds the folder under a temporary name
 next to the target and renames it at the end, so a folder with the final name is always
-complete; it refuses to overwrite. :func:`load_part` reads ``meta.json`` and part ``k``'s
-files only, and checks the format and schema version, the part count and each file's size
-and checksum before returning.
+complete; it refuses to overwrite. :func:`load_part` reads the manifest and part ``k``'s
+files only, and checks the schema and version, the meta (its checksum and consistency), the
+part count, and each of *its* files' size and checksum (``verify="size"`` for very large
+folders) before returning. A folder of an older gnnpar (``meta.json``) is refused with one
+line: partition it again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import re
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gnnpar.verified import (
+    FormatError,
+    Manifest,
+    check_level,
+    load_npy,
+    read_manifest,
+    save_npy,
+)
+
 __all__ = [
     "FORMAT",
     "SCHEMA_VERSION",
     "PartData",
+    "PartitionBalanceWarning",
     "PartitionFormatError",
-    "file_digest",
+    "PartitionSourceError",
+    "check_source",
+    "idle_parts_message",
+    "load_manifest",
     "load_meta",
     "load_node_map",
     "load_part",
     "save_npy",
+    "source_of",
 ]
 
-FORMAT = "gnnpar-partition"
-SCHEMA_VERSION = 1
-META = "meta.json"
+FORMAT = "gnnpar.partition"
+SCHEMA_VERSION = 2
 NODE_MAP = "node_map.npy"
+_REMEDY = "partition it again (gnnpar-partition)"
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_CHUNK = 1 << 22
 
 
-class PartitionFormatError(ValueError):
-    """A partition folder is missing, incomplete, corrupted or of another version."""
+class PartitionFormatError(FormatError):
+    """A partition folder is missing, incomplete, corrupted or of another version (a
+    :class:`~gnnpar.verified.FormatError`, so a ValueError)."""
+
+
+class PartitionSourceError(ValueError):
+    """A partition folder was cut from another graph than the one it is used with."""
+
+
+class PartitionBalanceWarning(UserWarning):
+    """A part holds no training seeds: its rank would idle through every epoch."""
 
 
 def part_dir(k: int) -> str:
@@ -119,44 +146,6 @@ def check_key(key: str) -> str:
     return key
 
 
-def save_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
-    """Write ``array`` as a ``.npy`` file; returns its ``{"sha256", "bytes"}`` entry.
-
-    The checksum is computed from memory while writing, so the file is never read back.
-    """
-    array = np.ascontiguousarray(array)
-    if array.dtype.hasobject:
-        raise ValueError(f"cannot store {path.name}: object arrays are not supported")
-    header = io.BytesIO()
-    info = np.lib.format.header_data_from_array_1_0(array)
-    try:
-        np.lib.format.write_array_header_1_0(header, info)
-    except ValueError:  # header longer than 64 KiB: format 2.0
-        header = io.BytesIO()
-        np.lib.format.write_array_header_2_0(header, info)
-    digest = hashlib.sha256(header.getbuffer())
-    data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
-    digest.update(data)
-    with open(path, "wb") as f:
-        f.write(header.getbuffer())
-        f.write(data)
-    return {"sha256": digest.hexdigest(), "bytes": len(header.getbuffer()) + data.nbytes}
-
-
-def file_digest(path: Path) -> str:
-    """SHA-256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            got = f.readinto(buf)
-            if not got:
-                break
-            h.update(view[:got])
-    return h.hexdigest()
-
-
 @dataclass
 class PartData:
     """One loaded part (arrays are memory maps when loaded with ``mmap=True``).
@@ -170,7 +159,7 @@ class PartData:
         edge_weight: per local edge, or None.
         local_to_global: new id of every local node; ``orig_ids``: original id.
         ndata: node data of the owned nodes (``feat``, ``label``, masks, ...).
-        meta: the folder's ``meta.json``.
+        meta: the meta table of the folder's manifest.
     """
 
     part_id: int
@@ -216,73 +205,169 @@ class PartData:
         return out
 
 
-def load_meta(path: str | Path) -> dict[str, Any]:
-    """Read and check ``meta.json`` (format, schema version, consistent part count)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise PartitionFormatError(f"{folder} is not a partition folder (no such directory)")
-    meta_path = folder / META
-    if not meta_path.is_file():
-        raise PartitionFormatError(f"{meta_path} is missing: not a partition folder")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PartitionFormatError(f"{meta_path} is not valid JSON: {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise PartitionFormatError(f"{meta_path} does not describe a {FORMAT} folder")
-    version = meta.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise PartitionFormatError(
-            f"{meta_path} has schema version {version!r}; this reader supports version "
-            f"{SCHEMA_VERSION}"
-        )
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_meta(manifest: Manifest) -> None:
+    """The meta fields a reader relies on exist, have their types and agree with each
+    other (part count, contiguous node ranges covering num_nodes, owned counts)."""
+    meta, where = manifest.meta, manifest.folder / "manifest.json"
     for key in ("num_parts", "num_nodes", "num_edges", "halo_hops", "node_ranges", "parts"):
         if key not in meta:
-            raise PartitionFormatError(f"{meta_path} lacks the field {key!r}")
-    k = meta["num_parts"]
-    if len(meta["node_ranges"]) != k or len(meta["parts"]) != k:
+            raise PartitionFormatError(f"{where}: meta lacks the field {key!r}")
+    k, n = meta["num_parts"], meta["num_nodes"]
+    if not (_is_int(k) and k >= 1 and _is_int(n) and n >= 0 and _is_int(meta["num_edges"])):
+        raise PartitionFormatError(f"{where}: num_parts, num_nodes or num_edges is not a count")
+    if meta["halo_hops"] not in (0, 1) or isinstance(meta["halo_hops"], bool):
+        raise PartitionFormatError(f"{where}: halo_hops is {meta['halo_hops']!r}, not 0 or 1")
+    ranges, parts = meta["node_ranges"], meta["parts"]
+    if not isinstance(ranges, list) or not isinstance(parts, list):
+        raise PartitionFormatError(f"{where}: node_ranges and parts must be lists")
+    if len(ranges) != k or len(parts) != k:
         raise PartitionFormatError(
-            f"{meta_path} says num_parts = {k} but lists {len(meta['node_ranges'])} node "
-            f"ranges and {len(meta['parts'])} parts"
+            f"{where}: num_parts = {k} but it lists {len(ranges)} node ranges and "
+            f"{len(parts)} parts"
+        )
+    stop = 0
+    for i, (rng, info) in enumerate(zip(ranges, parts, strict=True)):
+        ok = isinstance(rng, list) and len(rng) == 2 and all(map(_is_int, rng))
+        if not ok or rng[0] != stop or rng[1] < rng[0]:
+            raise PartitionFormatError(f"{where}: node range {i} is {rng!r}, expected [{stop}, …]")
+        stop = rng[1]
+        counts = ("num_owned", "num_halo", "num_local_edges")
+        if not isinstance(info, dict) or not all(_is_int(info.get(c)) for c in counts):
+            raise PartitionFormatError(f"{where}: part {i}'s record is malformed")
+        if info["num_owned"] != rng[1] - rng[0]:
+            raise PartitionFormatError(
+                f"{where}: part {i} owns {info['num_owned']} nodes but its range holds "
+                f"{rng[1] - rng[0]}"
+            )
+    if stop != n:
+        raise PartitionFormatError(f"{where}: the node ranges cover {stop} nodes, num_nodes is {n}")
+    ndata = meta.get("ndata", {})
+    if not isinstance(ndata, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("shape"), list) for v in ndata.values()
+    ):
+        raise PartitionFormatError(f"{where}: the ndata table is malformed")
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """The checked manifest of a partition folder (schema, version, meta)."""
+    try:
+        manifest = read_manifest(path, FORMAT, (SCHEMA_VERSION,), remedy=_REMEDY)
+    except PartitionFormatError:
+        raise
+    except FormatError as err:
+        raise PartitionFormatError(str(err)) from None
+    _check_meta(manifest)
+    return manifest
+
+
+def load_meta(path: str | Path) -> dict[str, Any]:
+    """The manifest's meta of a partition folder, checked (see :func:`load_manifest`)."""
+    return load_manifest(path).meta
+
+
+def source_of(graph: Any) -> dict[str, Any] | None:
+    """What a partition records about the graph it was cut from: ``fingerprint``, ``name``,
+    ``num_nodes``, ``num_edges``, ``num_classes`` of a ``gnnpar.Graph``; None for other
+    inputs (scipy matrices, CSR tuples), which carry no fingerprint."""
+    if not hasattr(graph, "fingerprint"):
+        return None
+    return {
+        "fingerprint": graph.fingerprint(),
+        "name": graph.name,
+        "num_nodes": graph.num_nodes,
+        "num_edges": graph.num_edges,
+        "num_classes": graph.num_classes if graph.label is not None else None,
+    }
+
+
+def _describe(record: Mapping[str, Any]) -> str:
+    return (
+        f"{record.get('fingerprint')} ({record.get('name')}, {record.get('num_nodes')} nodes, "
+        f"{record.get('num_edges')} edges)"
+    )
+
+
+def check_source(folder: str | Path, graph: Any, label: str = "the dataset") -> dict[str, Any]:
+    """Check that the partition folder was cut from ``graph``; return its meta.
+
+    ``graph`` is a ``gnnpar.Graph`` or a record as :func:`source_of` (or
+    :func:`gnnpar.data.catalogue.graph_record`, which reads a graph folder's manifest
+    without rehashing) returns. ``label`` names the graph in the message (e.g.
+    ``"--dataset A"``). Meant to run before ranks start.
+
+    Raises:
+        PartitionFormatError: the folder is not a readable partition folder.
+        PartitionSourceError: it records another graph (or none): one line naming both.
+    """
+    meta = load_meta(folder)
+    given = dict(graph) if isinstance(graph, Mapping) else source_of(graph)
+    if given is None:
+        raise TypeError(f"check_source needs a gnnpar Graph or its record, got {type(graph)}")
+    recorded = meta.get("source")
+    if not isinstance(recorded, dict) or not recorded.get("fingerprint"):
+        raise PartitionSourceError(
+            f"partition {folder} records no source graph (not cut from a gnnpar Graph); "
+            f"{label} is {_describe(given)}: partition it again"
+        )
+    if recorded["fingerprint"] != given.get("fingerprint"):
+        raise PartitionSourceError(
+            f"partition {folder} was cut from graph {_describe(recorded)}; {label} is "
+            f"{_describe(given)}: partition it again"
         )
     return meta
 
 
-def _check_file(folder: Path, rel: str, meta: dict[str, Any], verify: bool) -> Path:
-    entry = meta.get("files", {}).get(rel)
-    path = folder / rel
-    if entry is None:
-        raise PartitionFormatError(f"{folder / META} has no checksum for {rel}")
-    if not path.is_file():
-        raise PartitionFormatError(f"{path} is missing")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise PartitionFormatError(
-            f"{path} has {size} bytes, expected {entry['bytes']} (truncated or replaced)"
-        )
-    if verify:
-        digest = file_digest(path)
-        if digest != entry["sha256"]:
-            raise PartitionFormatError(
-                f"{path} does not match its checksum (sha256 {digest[:12]}..., expected "
-                f"{entry['sha256'][:12]}...): the file was changed after it was written"
-            )
-    return path
+def idle_parts_message(meta: Mapping[str, Any], folder: str | Path = "") -> str | None:
+    """One line if some parts hold no training seeds while others do (their ranks would
+    idle), else None. Uses the per-part ``num_train`` the writer records."""
+    counts = [info.get("num_train") for info in meta.get("parts", [])]
+    if not counts or any(c is None for c in counts) or sum(counts) == 0:
+        return None
+    idle = [k for k, c in enumerate(counts) if c == 0]
+    if not idle:
+        return None
+    where = f"partition {folder}" if str(folder) else "the partition"
+    return (
+        f"{where}: {len(idle)} of {len(counts)} parts hold no training seeds (parts "
+        f"{', '.join(map(str, idle[:8]))}{', …' if len(idle) > 8 else ''}; training seeds per "
+        f"part {counts[:16]}): their ranks idle; balance the training nodes "
+        "(--balance-train with metis)"
+    )
 
 
-def _load(folder: Path, rel: str, meta: dict[str, Any], mmap: bool, verify: bool) -> np.ndarray:
-    path = _check_file(folder, rel, meta, verify)
+def warn_idle_parts(meta: Mapping[str, Any], folder: str | Path = "") -> str | None:
+    """:func:`idle_parts_message` as a :class:`PartitionBalanceWarning`; returns it."""
+    message = idle_parts_message(meta, folder)
+    if message:
+        warnings.warn(message, PartitionBalanceWarning, stacklevel=3)
+    return message
+
+
+def _load(
+    manifest: Manifest,
+    rel: str,
+    mmap: bool,
+    level: str,
+    dtype: str | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
     try:
-        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
-        raise PartitionFormatError(f"{path} is not a readable .npy file: {err}") from err
+        return load_npy(manifest, rel, level, mmap, dtype, shape)
+    except PartitionFormatError:
+        raise
+    except FormatError as err:
+        raise PartitionFormatError(str(err)) from None
 
 
 def load_part(
     path: str | Path,
     k: int,
     mmap: bool = True,
-    verify: bool = True,
+    verify: str | bool = "checksum",
     expect_parts: int | None = None,
 ) -> PartData:
     """Load part ``k`` of a partition folder, reading nothing of the other parts.
@@ -290,16 +375,20 @@ def load_part(
     Args:
         path: the folder written by :func:`~partitioners.writer.write`.
         k: the part, in ``[0, num_parts)``.
-        mmap: memory-map the arrays instead of reading them.
-        verify: check every file's SHA-256 (sizes are always checked).
+        mmap: memory-map the arrays (copy-on-write) instead of reading them.
+        verify: how each of part ``k``'s files is checked against the manifest:
+            ``"checksum"`` (default; ``True``), ``"size"`` (``False``; for very large
+            folders) or ``"none"``.
         expect_parts: if given, the folder must have exactly this many parts (e.g. the
             world size).
 
     Raises:
         PartitionFormatError: (a ValueError) naming the file and the problem.
     """
+    level = check_level(verify)
     folder = Path(path)
-    meta = load_meta(folder)
+    manifest = load_manifest(folder)
+    meta = manifest.meta
     num_parts = int(meta["num_parts"])
     if expect_parts is not None and expect_parts != num_parts:
         raise PartitionFormatError(
@@ -313,51 +402,46 @@ def load_part(
     present = sorted(p.name for p in folder.glob("part-*") if p.is_dir())
     if len(present) != num_parts:
         raise PartitionFormatError(
-            f"{folder} has {len(present)} part folders but meta.json says {num_parts}"
+            f"{folder} has {len(present)} part folders but its manifest says {num_parts}"
         )
     sub = part_dir(k)
-
-    def arr(name: str) -> np.ndarray:
-        return _load(folder, f"{sub}/{name}", meta, mmap, verify)
-
     info = meta["parts"][k]
     start, stop = (int(x) for x in meta["node_ranges"][k])
-    num_owned = int(_load(folder, f"{sub}/num_owned.npy", meta, False, verify).reshape(-1)[0])
-    indptr = arr("indptr.npy")
-    local_to_global = arr("local_to_global.npy")
-    expected = {
-        "num_owned": (num_owned, stop - start),
-        "num_local": (local_to_global.shape[0], info["num_owned"] + info["num_halo"]),
-        "indptr length": (indptr.shape[0], local_to_global.shape[0] + 1),
-    }
-    for what, (got, want) in expected.items():
-        if got != want:
-            raise PartitionFormatError(f"{folder / sub}: {what} is {got}, expected {want}")
+    num_owned, num_local = stop - start, info["num_owned"] + info["num_halo"]
+    edges = (info["num_local_edges"],)
+
+    def arr(name: str, shape: tuple[int, ...] | None = None, dtype: str | None = "int64"):
+        return _load(manifest, f"{sub}/{name}", mmap, level, dtype, shape)
+
+    stored_owned = arr("num_owned.npy").reshape(-1)
+    if stored_owned.shape != (1,) or int(stored_owned[0]) != num_owned:
+        raise PartitionFormatError(
+            f"{folder / sub}/num_owned.npy holds {stored_owned.tolist()}, expected {num_owned}"
+        )
     ndata = {}
     for key, spec in meta.get("ndata", {}).items():
-        ndata[key] = arr(f"ndata/{check_key(key)}.npy")
-        if ndata[key].shape[:1] != (num_owned,) or list(ndata[key].shape[1:]) != spec["shape"][1:]:
-            raise PartitionFormatError(
-                f"{folder / sub}/ndata/{key}.npy has shape {ndata[key].shape}, expected "
-                f"({num_owned}, {', '.join(map(str, spec['shape'][1:]))})"
-            )
+        shape = (num_owned, *spec["shape"][1:])
+        ndata[key] = arr(f"ndata/{check_key(key)}.npy", shape, None)
     return PartData(
         part_id=k,
         num_parts=num_parts,
         node_range=(start, stop),
         num_owned=num_owned,
-        indptr=indptr,
-        indices=arr("indices.npy"),
-        edge_ids=arr("edge_ids.npy"),
-        edge_weight=arr("edge_weight.npy") if meta.get("weighted") else None,
-        local_to_global=local_to_global,
-        orig_ids=arr("orig_ids.npy"),
+        indptr=arr("indptr.npy", (num_local + 1,)),
+        indices=arr("indices.npy", edges),
+        edge_ids=arr("edge_ids.npy", edges),
+        edge_weight=arr("edge_weight.npy", edges, None) if meta.get("weighted") else None,
+        local_to_global=arr("local_to_global.npy", (num_local,)),
+        orig_ids=arr("orig_ids.npy", (num_local,)),
         ndata=ndata,
         meta=meta,
     )
 
 
-def load_node_map(path: str | Path, mmap: bool = True, verify: bool = True) -> np.ndarray:
+def load_node_map(
+    path: str | Path, mmap: bool = True, verify: str | bool = "checksum"
+) -> np.ndarray:
     """``node_map[original id] = new id`` for the whole graph."""
-    folder = Path(path)
-    return _load(folder, NODE_MAP, load_meta(folder), mmap, verify)
+    manifest = load_manifest(path)
+    n = int(manifest.meta["num_nodes"])
+    return _load(manifest, NODE_MAP, mmap, check_level(verify), "int64", (n,))

@@ -12,6 +12,7 @@ __all__ = ["hash_owner", "random_owner", "range_owner", "splitmix64"]
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
+_RANDOM_SALT = 0x52414E44  # "RAND": random_owner's stream, apart from the splits' streams
 
 
 def splitmix64(x: np.ndarray, seed: int = 0) -> np.ndarray:
@@ -28,8 +29,12 @@ def random_owner(num_nodes: int, num_parts: int, seed: int = 0) -> np.ndarray:
 
     A random permutation dealt into equal contiguous chunks, so no part is empty when
     ``num_nodes >= num_parts`` (DGL's ``random`` draws each owner independently instead).
+
+    The permutation comes from a stream of its own (``seed`` salted): the dataset splits
+    draw ``default_rng(seed).permutation(num_nodes)`` too, and sharing that stream put
+    every training node of a split made with the same seed into the first parts.
     """
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_RANDOM_SALT,)))
     owner = np.empty(num_nodes, dtype=np.int64)
     owner[rng.permutation(num_nodes)] = (
         np.arange(num_nodes, dtype=np.int64) * num_parts // max(num_nodes, 1)

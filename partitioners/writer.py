@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gnnpar.verified import write_folder, write_manifest
 from partitioners.assignment import Partition
 from partitioners.csr import CSR, as_csr, to_numpy
 from partitioners.format import (
     FORMAT,
-    META,
     NODE_MAP,
     SCHEMA_VERSION,
     check_key,
     part_dir,
     save_npy,
+    source_of,
+    warn_idle_parts,
 )
 from partitioners.relabel import local_part, relabel
 
@@ -65,9 +63,14 @@ def write(
         part: a :class:`Partition`, or a plain owner array (method ``"custom"``).
         out_dir: the folder to create; it must not exist yet.
         halo: 0 (owned nodes only) or 1 (every in-neighbour of an owned node).
-        name: graph name stored in ``meta.json`` (default: the graph's own name).
+        name: graph name stored in the meta (default: the graph's own name).
         ndata: node-data keys to store (default: all of them).
         progress: show a progress bar over the parts.
+
+    The meta records the graph's fingerprint (``source``, see
+    :func:`~partitioners.format.check_source`) and every part's training seeds; a part
+    without any (while others have some) is a
+    :class:`~partitioners.format.PartitionBalanceWarning`.
 
     Returns:
         The path of the finished folder.
@@ -99,17 +102,14 @@ def write(
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"output folder {out} already exists; remove it or choose another")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        _write_into(tmp, csr, part, halo, name or csr.name, keys, progress)
-        if out.exists():  # appeared while we were writing
-            raise FileExistsError(f"output folder {out} appeared while writing; not replacing it")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    source = source_of(graph)
+    meta: dict[str, Any] = {}
+
+    def fill(tmp: Path) -> None:
+        meta.update(_write_into(tmp, csr, part, halo, name or csr.name, keys, progress, source))
+
+    write_folder(out, fill)
+    warn_idle_parts(meta, out)
     return out
 
 
@@ -121,7 +121,9 @@ def _write_into(
     name: str,
     keys: list[str],
     progress: bool,
-) -> None:
+    source: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Write every file of the folder, the manifest last; returns the meta."""
     files: dict[str, dict[str, Any]] = {}
 
     def save(rel: str, array: np.ndarray) -> None:
@@ -131,6 +133,8 @@ def _write_into(
     save(NODE_MAP, rl.node_map)
     data = {key: to_numpy(csr.ndata[key]) for key in keys}
     weight = None if csr.edge_weight is None else to_numpy(csr.edge_weight)
+    train = csr.ndata.get("train_mask")
+    train = None if train is None else to_numpy(train).astype(bool)
     parts_meta = []
     steps: Iterable[int] = range(part.num_parts)
     if progress:
@@ -157,11 +161,11 @@ def _write_into(
                 "num_owned": local.num_owned,
                 "num_halo": local.num_halo,
                 "num_local_edges": int(local.indices.shape[0]),
+                "num_train": None if train is None else int(train[owned].sum()),
             }
         )
     meta = {
-        "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
+        "source": source,
         "graph_name": name,
         "method": part.method,
         "seed": part.seed,
@@ -174,7 +178,7 @@ def _write_into(
         "node_ranges": np.stack([rl.offsets[:-1], rl.offsets[1:]], axis=1).tolist(),
         "parts": parts_meta,
         "ndata": {key: _dtype_spec(csr.ndata[key]) for key in keys},
-        "files": files,
         "partition_info": _jsonable(part.info),
     }
-    (folder / META).write_text(json.dumps(meta, indent=1) + "\n")
+    write_manifest(folder, FORMAT, SCHEMA_VERSION, files, meta)
+    return meta

@@ -29,6 +29,7 @@ from gnnpar.data import (
 )
 from gnnpar.data.commands import add_data_commands, parse_options
 from gnnpar.graph import Graph
+from gnnpar.verified import FormatError, file_entry
 from tests.conftest import CITESEER, PLANETOID, needs_dataset
 
 needs_citeseer = needs_dataset(CITESEER)
@@ -228,14 +229,18 @@ def test_save_load_exact(tmp_path: Path, mmap: bool) -> None:
     g.ndata["extra.score"] = torch.arange(300, dtype=torch.int32)
     out = save_graph(g, tmp_path / "g", source={"dataset": "custom"})
     assert out == tmp_path / "g"
-    meta = json.loads((out / "meta.json").read_text())
-    assert meta["schema_version"] == 1 and meta["num_nodes"] == 300
-    assert meta["source"] == {"dataset": "custom"}
-    names = [a["name"] for a in meta["arrays"]]
+    doc = json.loads((out / "manifest.json").read_text())
+    meta = doc["meta"]
+    assert doc["schema"] == "gnnpar.graph" and doc["version"] == 2
+    assert meta["num_nodes"] == 300 and meta["num_classes"] == 4
+    assert meta["source"] == {"dataset": "custom"} and meta["fingerprint"] == g.fingerprint()
+    names = list(meta["arrays"])
     assert names[:3] == ["indptr", "indices", "edge_weight"] and "ndata/feat" in names
-    assert all(len(a["sha256"]) == 64 for a in meta["arrays"])
-    back = load_graph(out, mmap=mmap, verify_checksums=True)
+    assert all(len(e["xxh3_64"]) == 16 for e in doc["files"].values())
+    assert not (out / "meta.json").exists()
+    back = load_graph(out, mmap=mmap, verify="checksum")
     assert_same(back, g)
+    assert back.num_classes == 4 and back.fingerprint() == g.fingerprint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g"]  # no temporary leftovers
 
 
@@ -256,24 +261,24 @@ def test_existing_destination_is_an_error(tmp_path: Path) -> None:
 
 
 def test_failed_save_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = storage._write_array
+    real = storage.save_npy
     calls = []
 
     def failing(*args, **kwargs):
-        calls.append(args[1])
+        calls.append(args[0])
         if len(calls) == 3:
             raise OSError("disk full (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(storage, "_write_array", failing)
+    monkeypatch.setattr(storage, "save_npy", failing)
     with pytest.raises(OSError, match="simulated"):
         save_graph(karate(), tmp_path / "k")
     assert list(tmp_path.iterdir()) == []
     # With overwrite, a failure keeps the previous folder intact.
-    monkeypatch.setattr(storage, "_write_array", real)
+    monkeypatch.setattr(storage, "save_npy", real)
     old = sbm(num_nodes=100)
     save_graph(old, tmp_path / "k")
-    monkeypatch.setattr(storage, "_write_array", failing)
+    monkeypatch.setattr(storage, "save_npy", failing)
     calls.clear()
     with pytest.raises(OSError, match="simulated"):
         save_graph(karate(), tmp_path / "k", overwrite=True)
@@ -293,45 +298,43 @@ def test_save_rejects_bad_input(tmp_path: Path) -> None:
 
 def test_load_graph_errors(tmp_path: Path) -> None:
     folder = save_graph(karate(), tmp_path / "k")
-    with pytest.raises(FileNotFoundError, match=r"no graph folder"):
+    with pytest.raises(FormatError, match=r"missing: no such folder"):
         load_graph(tmp_path / "missing")
     feat = folder / "ndata/feat.npy"
     data = feat.read_bytes()
     feat.write_bytes(data[:-8])
-    with pytest.raises(ValueError, match=r"feat\.npy is truncated or altered: \d+ bytes on disk"):
+    with pytest.raises(FormatError, match=r"feat\.npy: \d+ bytes, the manifest says \d+"):
         load_graph(folder)
     flipped = bytearray(data)
     flipped[-1] ^= 0xFF
     feat.write_bytes(bytes(flipped))
-    load_graph(folder)  # sizes match; only the checksum notices
-    with pytest.raises(ValueError, match=r"sha256"):
-        load_graph(folder, verify_checksums=True)
+    load_graph(folder, verify="size")  # sizes match; only the checksum notices
+    with pytest.raises(FormatError, match=r"feat\.npy: checksum differs"):
+        load_graph(folder)  # checksums are verified by default
     feat.unlink()
-    with pytest.raises(FileNotFoundError, match=r"feat\.npy is missing"):
+    with pytest.raises(FormatError, match=r"feat\.npy: missing"):
         load_graph(folder)
-    meta_file = folder / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    meta["schema_version"] = 99
-    meta_file.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"schema version 99; this gnnpar reads version 1"):
+    manifest = folder / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["version"] = 99
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"gnnpar.graph version 99; this gnnpar reads 2"):
         load_graph(folder)
-    meta_file.write_text("{not json")
-    with pytest.raises(ValueError, match=r"not valid JSON"):
+    manifest.write_text("{not json")
+    with pytest.raises(FormatError, match=r"unreadable manifest"):
         load_graph(folder)
-    meta_file.unlink()
-    with pytest.raises(FileNotFoundError, match=r"no meta\.json"):
+    manifest.unlink()
+    with pytest.raises(FormatError, match=r"no manifest\.json"):
         load_graph(folder)
 
 
 def test_load_graph_checks_shapes(tmp_path: Path) -> None:
     folder = save_graph(karate(), tmp_path / "k")
     np.save(folder / "ndata/label.npy", np.zeros(34, dtype=np.int32))  # same size, new dtype
-    meta = json.loads((folder / "meta.json").read_text())
-    for record in meta["arrays"]:
-        if record["name"] == "ndata/label":
-            record["bytes"] = (folder / "ndata/label.npy").stat().st_size
-    (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"label\.npy holds int32\[34\], meta\.json says int64"):
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["files"]["ndata/label.npy"] = file_entry(folder / "ndata/label.npy")
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"label\.npy: holds int32, the manifest says int64"):
         load_graph(folder)
 
 

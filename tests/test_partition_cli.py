@@ -79,7 +79,7 @@ def test_partition_inspect_and_compare(tmp_path, capsys):
 
     code, text, err = _run(capsys, "inspect", str(out))
     assert code == 0, err
-    assert "2 parts by metis" in text and "sha256" in text
+    assert "2 parts by metis" in text and "xxh3_64" in text and "gnnpar.partition v2" in text
 
     code, text, err = _run(
         capsys, "sbm", "-o", "num_nodes=300", "--parts", "3", "--method", "fennel",
@@ -119,7 +119,7 @@ def test_compare_plot(tmp_path, capsys):
         (["karate", "--parts", "35", "--out", "{tmp}/x"], "cannot split 34 nodes into 35"),
         (["no-such-dataset", "--parts", "2", "--out", "{tmp}/x"], "unknown dataset"),
         (["karate", "--parts", "2", "--out", "{tmp}"], "already exists"),
-        (["inspect", "{tmp}/missing"], "not a partition folder"),
+        (["inspect", "{tmp}/missing"], "no such folder"),
         (["compare", "karate", "--parts", "2", "--methods", "metis,magic"], "unknown method"),
         (["sbm", "-o", "colour=1", "--parts", "2", "--out", "{tmp}/x"], "unknown option"),
     ],

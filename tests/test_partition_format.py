@@ -12,7 +12,7 @@ import torch
 
 import partitioners
 from partitioners import PartitionFormatError, load_meta, load_node_map, load_part, partition
-from partitioners.format import SCHEMA_VERSION
+from partitioners.format import SCHEMA_VERSION, load_manifest
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +23,12 @@ def graph():
     rng = np.random.default_rng(0)
     n, m = 300, 2400
     src, dst = rng.integers(0, n, m), rng.integers(0, n, m)
+    train = rng.random(n) < 0.3
     ndata = {
         "feat": torch.from_numpy(rng.standard_normal((n, 5)).astype(np.float32)),
         "label": torch.from_numpy(rng.integers(0, 3, n)),
-        "train_mask": torch.from_numpy(rng.random(n) < 0.3),
-        "val_mask": torch.from_numpy(rng.random(n) < 0.2),
+        "train_mask": torch.from_numpy(train),
+        "val_mask": torch.from_numpy((rng.random(n) < 0.2) & ~train),  # the split is disjoint
         "emb": torch.from_numpy(rng.standard_normal((n, 2, 3))).to(torch.bfloat16),
     }
     weight = torch.from_numpy(rng.random(m).astype(np.float32) + 0.5)
@@ -50,7 +51,8 @@ def _in_edges(graph, v):
 def test_round_trip_is_exact(graph, written):
     out, part = written
     meta = load_meta(out)
-    assert meta["schema_version"] == SCHEMA_VERSION and meta["num_parts"] == 4
+    assert load_manifest(out).version == SCHEMA_VERSION and meta["num_parts"] == 4
+    assert meta["source"]["fingerprint"] == graph.fingerprint()
     assert meta["num_nodes"] == graph.num_nodes and meta["num_edges"] == graph.num_edges
     assert meta["method"] == "metis" and meta["seed"] == 1 and meta["halo_hops"] == 1
     assert meta["graph_name"] == "toy" and meta["weighted"] is True
@@ -153,7 +155,7 @@ def test_missing_truncated_and_changed_files(written, tmp_path):
     out, _ = written
     bad = _copy(out, tmp_path)
     (bad / "part-1" / "indices.npy").unlink()
-    with pytest.raises(PartitionFormatError, match=r"part-1/indices.npy is missing"):
+    with pytest.raises(PartitionFormatError, match=r"part-1/indices.npy: missing"):
         load_part(bad, 1)
 
     f = bad / "part-2" / "ndata" / "feat.npy"
@@ -170,23 +172,23 @@ def test_missing_truncated_and_changed_files(written, tmp_path):
         load_part(bad, 3)
     load_part(bad, 3, verify=False)  # sizes still match: loads without the checksum
 
-    (bad / "meta.json").unlink()
-    with pytest.raises(PartitionFormatError, match="meta.json is missing"):
+    (bad / "manifest.json").unlink()
+    with pytest.raises(PartitionFormatError, match="no manifest.json"):
         load_part(bad, 0)
-    with pytest.raises(PartitionFormatError, match="no such directory"):
+    with pytest.raises(PartitionFormatError, match="no such folder"):
         load_part(tmp_path / "nowhere", 0)
 
 
 def test_schema_version_and_part_count_are_checked(written, tmp_path):
     out, _ = written
     bad = _copy(out, tmp_path)
-    meta = json.loads((bad / "meta.json").read_text())
-    meta["schema_version"] = SCHEMA_VERSION + 1
-    (bad / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(PartitionFormatError, match="schema version 2"):
+    doc = json.loads((bad / "manifest.json").read_text())
+    doc["version"] = SCHEMA_VERSION + 1
+    (bad / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(PartitionFormatError, match="gnnpar.partition version 3"):
         load_part(bad, 0)
-    (bad / "meta.json").write_text("{not json")
-    with pytest.raises(PartitionFormatError, match="not valid JSON"):
+    (bad / "manifest.json").write_text("{not json")
+    with pytest.raises(PartitionFormatError, match="unreadable manifest"):
         load_meta(bad)
     with pytest.raises(PartitionFormatError, match="parts 0..3"):
         load_part(out, 4)
@@ -197,7 +199,7 @@ def test_schema_version_and_part_count_are_checked(written, tmp_path):
 
     shutil.copytree(out, fewer)
     shutil.rmtree(fewer / "part-3")
-    with pytest.raises(PartitionFormatError, match="3 part folders but meta.json says 4"):
+    with pytest.raises(PartitionFormatError, match="3 part folders but its manifest says 4"):
         load_part(fewer, 0)
 
 

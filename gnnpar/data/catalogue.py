@@ -16,7 +16,7 @@ from gnnpar.data.ogb import is_ogb_folder, ogb
 from gnnpar.data.planetoid import planetoid, planetoid_names
 from gnnpar.data.rmat import rmat
 from gnnpar.data.sbm import sbm
-from gnnpar.data.storage import load_graph, read_meta
+from gnnpar.data.storage import is_graph_folder, load_graph, read_meta, read_source
 from gnnpar.graph import Graph
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "build",
     "load",
     "load_path",
+    "graph_record",
     "source_record",
 ]
 
@@ -149,7 +150,7 @@ def default_root() -> Path:
 
 
 def source_record(name_or_path: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """What :func:`build` made, in the form stored in ``meta.json``'s ``source`` field."""
+    """What :func:`build` made, in the form stored in a graph folder's ``source`` field."""
     entry = get_entry(name_or_path)
     if entry is not None:
         record = {"dataset": entry.name, "kwargs": entry.resolve_kwargs(kwargs)}
@@ -159,12 +160,13 @@ def source_record(name_or_path: str, kwargs: Mapping[str, Any]) -> dict[str, Any
 
 
 def load_path(path: str | Path, **kwargs: Any) -> Graph:
-    """Load a folder: gnnpar format (``meta.json``), Planetoid (``ind.<name>.*``; pass
-    ``name=`` if it holds several datasets) or OGB layout (``raw/edge.csv.gz``)."""
+    """Load a folder: gnnpar format (``manifest.json``), Planetoid (``ind.<name>.*``; pass
+    ``name=`` if it holds several datasets) or OGB layout (``raw/edge.csv.gz``). A graph
+    folder of an older gnnpar (``meta.json``) is refused with one line: prepare it again."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"no dataset folder at {folder}")
-    if (folder / "meta.json").is_file():
+    if is_graph_folder(folder):
         return load_graph(folder, **kwargs)
     names = planetoid_names(folder)
     if names:
@@ -176,7 +178,7 @@ def load_path(path: str | Path, **kwargs: Any) -> Graph:
     if is_ogb_folder(folder):
         return ogb(folder, **kwargs)
     raise ValueError(
-        f"{folder} is not a gnnpar graph folder (meta.json), a Planetoid folder "
+        f"{folder} is not a gnnpar graph folder (manifest.json), a Planetoid folder "
         "(ind.<name>.* files) or an OGB folder (raw/edge.csv.gz)"
     )
 
@@ -217,9 +219,41 @@ def load(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Gr
     entry = get_entry(name_or_path)
     if entry is not None:
         root_path = default_root() if root is None else Path(root)
-        prepared = root_path / entry.name
-        if (prepared / "meta.json").is_file():
-            meta = read_meta(prepared)
-            if meta.get("source") == source_record(entry.name, kwargs):
-                return load_graph(prepared)
+        prepared = _prepared_copy(root_path / entry.name, entry.name, kwargs)
+        if prepared is not None:
+            return load_graph(prepared)
     return build(name_or_path, root, **kwargs)
+
+
+def _prepared_copy(folder: Path, name: str, kwargs: Mapping[str, Any]) -> Path | None:
+    """``folder`` if it is a prepared copy of ``name`` made with ``kwargs`` (defaults
+    included), else None; a folder of an older gnnpar is FormatError (prepare it again)."""
+    if not is_graph_folder(folder):
+        return None
+    if read_meta(folder).get("source") != source_record(name, kwargs):
+        return None
+    return folder
+
+
+def graph_record(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> dict:
+    """What a derived artefact records about a dataset (``fingerprint``, ``name``,
+    ``num_nodes``, ``num_edges``, ``num_classes``), read from the graph folder's manifest
+    when there is one (a folder, or a matching prepared copy) and otherwise computed from
+    the loaded graph. FileNotFoundError/ValueError as :func:`load` for a missing dataset."""
+    folder: Path | None = None
+    entry = get_entry(name_or_path)
+    if entry is not None:
+        root_path = default_root() if root is None else Path(root)
+        folder = _prepared_copy(root_path / entry.name, entry.name, kwargs)
+    elif is_graph_folder(name_or_path):
+        folder = Path(name_or_path)
+    if folder is not None:
+        return read_source(folder)
+    graph = load(name_or_path, root, **kwargs)
+    return {
+        "fingerprint": graph.fingerprint(),
+        "name": graph.name,
+        "num_nodes": graph.num_nodes,
+        "num_edges": graph.num_edges,
+        "num_classes": graph.num_classes if graph.label is not None else None,
+    }

@@ -33,4 +33,6 @@ def karate(features: str = "identity", feat_dim: int = 16, seed: int = 0) -> Gra
     else:
         raise ValueError(f"features must be 'identity' or 'random', got {features!r}")
     ndata = {"feat": feat, "label": labels, **per_class_split(labels, 2, seed=seed)}
-    return Graph.from_networkx(g, weight_key=None, ndata=ndata, name="karate").coalesce()
+    graph = Graph.from_networkx(g, weight_key=None, ndata=ndata, name="karate").coalesce()
+    graph.num_classes = 2
+    return graph

@@ -102,6 +102,8 @@ def ogb(
     ndata.update(_split_masks(root / "split", split, num_nodes))
     src, dst = torch.from_numpy(edges[:, 0].copy()), torch.from_numpy(edges[:, 1].copy())
     graph = Graph.from_edges(src, dst, num_nodes, ndata=ndata, name=name or root.name)
+    if "label" in ndata:  # OGB ships no class count: record what the labels span
+        graph.num_classes = graph.num_classes
     return graph.to_undirected() if undirected else graph
 
 

@@ -107,4 +107,5 @@ def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool
     graph = Graph.from_edges(
         torch.from_numpy(src), torch.from_numpy(dst), n, ndata=ndata, name=name
     )
+    graph.num_classes = int(onehot.shape[1])  # the one-hot width, not the largest label
     return graph.remove_self_loops().to_undirected()

@@ -75,4 +75,8 @@ def rmat(
     }
     both_src = torch.from_numpy(np.concatenate([src, dst]))
     both_dst = torch.from_numpy(np.concatenate([dst, src]))
-    return Graph.from_edges(both_src, both_dst, n, ndata=ndata, name=f"rmat{scale}", coalesce=True)
+    graph = Graph.from_edges(
+        both_src, both_dst, n, ndata=ndata, name=f"rmat{scale}", coalesce=True
+    )
+    graph.num_classes = num_classes
+    return graph

@@ -79,4 +79,6 @@ def sbm(
     src, dst = src[keep], dst[keep]
     both_src = torch.from_numpy(np.concatenate([src, dst]))
     both_dst = torch.from_numpy(np.concatenate([dst, src]))
-    return Graph.from_edges(both_src, both_dst, num_nodes, ndata=ndata, name="sbm", coalesce=True)
+    graph = Graph.from_edges(both_src, both_dst, num_nodes, ndata=ndata, name="sbm", coalesce=True)
+    graph.num_classes = num_classes
+    return graph

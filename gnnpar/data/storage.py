@@ -1,34 +1,36 @@
-"""gnnpar's on-disk graph format: a folder of memory-mappable ``.npy`` files plus
-``meta.json``, written atomically.
+"""gnnpar's on-disk graph format: a verified folder (:mod:`gnnpar.verified`, schema
+``"gnnpar.graph"``, version 2) of memory-mappable ``.npy`` files, written atomically.
 
 Layout::
 
-    <folder>/meta.json
+    <folder>/manifest.json       written last: every file's size and XXH3 checksum, the meta
     <folder>/indptr.npy          int64 (num_nodes + 1,)
     <folder>/indices.npy         int64 (num_edges,)
     <folder>/edge_weight.npy     float (num_edges,), only for weighted graphs
     <folder>/ndata/<key>.npy     one per node-data tensor, first dimension num_nodes
 
-``meta.json`` example::
+``manifest.json`` example::
 
-    {"format": "gnnpar.graph", "schema_version": 1, "name": "sbm",
-     "num_nodes": 2000, "num_edges": 19874, "weighted": false,
-     "source": {"dataset": "sbm", "kwargs": {"seed": 0, ...}},
-     "arrays": [{"name": "indptr", "file": "indptr.npy", "dtype": "int64",
-                 "shape": [2001], "bytes": 16136, "sha256": "..."}, ...]}
+    {"schema": "gnnpar.graph", "version": 2,
+     "files": {"indptr.npy": {"size": 16136, "xxh3_64": "..."}, ...},
+     "meta": {"name": "sbm", "num_nodes": 2000, "num_edges": 19874, "weighted": false,
+              "num_classes": 4, "fingerprint": "3f0c...",
+              "source": {"dataset": "sbm", "kwargs": {"seed": 0, ...}},
+              "arrays": {"indptr": {"file": "indptr.npy", "dtype": "int64",
+                                    "shape": [2001]}, ...}},
+     "meta_xxh3_64": "..."}
 
 Array names are ``indptr``, ``indices``, ``edge_weight`` and ``ndata/<key>``. ``source``
-records how the graph was made (or is ``null``). See ``datasets/README.md``.
+records how the graph was made (or is ``null``); ``fingerprint`` is
+:meth:`Graph.fingerprint` of the stored graph, so a consumer can name the graph without
+rehashing it (:func:`read_source`); ``num_classes`` is the number of classes of ``label``
+(labels must lie in ``[0, num_classes)``, negative = unlabelled). A folder of an older
+gnnpar (``meta.json``, no manifest) is refused: prepare it again. See ``datasets/README.md``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,38 +38,40 @@ import numpy as np
 import torch
 
 from gnnpar.graph import Graph
+from gnnpar.verified import (
+    FormatError,
+    Manifest,
+    check_level,
+    load_npy,
+    read_manifest,
+    save_npy,
+    write_folder,
+    write_manifest,
+)
 
-__all__ = ["save_graph", "load_graph", "read_meta", "FORMAT", "SCHEMA_VERSION"]
+__all__ = [
+    "FORMAT",
+    "SCHEMA_VERSION",
+    "is_graph_folder",
+    "load_graph",
+    "read_manifest_of",
+    "read_meta",
+    "read_source",
+    "save_graph",
+]
 
 FORMAT = "gnnpar.graph"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_REMEDY = "prepare it again (gnnpar data prepare)"
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_array(folder: Path, name: str, file: str, array: np.ndarray) -> dict[str, Any]:
-    """Write one ``.npy`` file (flushed to disk) and return its ``meta.json`` record."""
-    path = folder / file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    return {
-        "name": name,
-        "file": file,
-        "dtype": array.dtype.name,
-        "shape": list(array.shape),
-        "bytes": path.stat().st_size,
-        "sha256": _sha256(path),
-    }
+_META_FIELDS = {
+    "name": str,
+    "num_nodes": int,
+    "num_edges": int,
+    "weighted": bool,
+    "fingerprint": str,
+    "arrays": dict,
+}
 
 
 def _to_numpy(tensor: torch.Tensor, name: str) -> np.ndarray:
@@ -75,6 +79,15 @@ def _to_numpy(tensor: torch.Tensor, name: str) -> np.ndarray:
         return tensor.detach().cpu().contiguous().numpy()
     except TypeError as err:  # e.g. bfloat16 has no numpy dtype
         raise ValueError(f"cannot store {name} with dtype {tensor.dtype}: {err}") from None
+
+
+def _arrays_of(graph: Graph) -> list[tuple[str, str, torch.Tensor]]:
+    """``(name, file, tensor)`` of every array the folder stores."""
+    arrays = [("indptr", "indptr.npy", graph.indptr), ("indices", "indices.npy", graph.indices)]
+    if graph.edge_weight is not None:
+        arrays.append(("edge_weight", "edge_weight.npy", graph.edge_weight))
+    arrays += [(f"ndata/{k}", f"ndata/{k}.npy", v) for k, v in graph.ndata.items()]
+    return arrays
 
 
 def save_graph(
@@ -86,158 +99,141 @@ def save_graph(
     """Write ``graph`` to the folder ``path`` atomically.
 
     Everything is written into a temporary sibling folder that is renamed to ``path`` only
-    when complete, so a failure leaves no (partial) folder behind. An existing ``path`` is an
-    error unless ``overwrite=True``. ``source`` (JSON-serialisable) is stored in
-    ``meta.json`` to record how the graph was made. Returns the folder path.
+    when complete (:func:`gnnpar.verified.write_folder`), so a failure leaves no (partial)
+    folder behind. An existing ``path`` is an error unless ``overwrite=True``. ``source``
+    (JSON-serialisable) is stored in the manifest's meta to record how the graph was made,
+    with the graph's fingerprint and number of classes. Returns the folder path.
     """
-    dest = Path(path)
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest} already exists (use overwrite=True to replace it)")
-    if dest.exists() and not dest.is_dir():
-        raise FileExistsError(f"{dest} exists and is not a folder")
     for key in graph.ndata:
         if not _KEY.match(key):
             raise ValueError(f"ndata key {key!r} cannot be a file name (use letters, digits, _.-)")
     graph.validate()
+    arrays = [(name, file, _to_numpy(t, name)) for name, file, t in _arrays_of(graph)]
     meta: dict[str, Any] = {
-        "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
         "name": graph.name,
         "num_nodes": graph.num_nodes,
         "num_edges": graph.num_edges,
         "weighted": graph.edge_weight is not None,
+        "num_classes": graph.num_classes if graph.label is not None else None,
+        "fingerprint": graph.fingerprint(),
         "source": source,
+        "arrays": {
+            name: {"file": file, "dtype": a.dtype.name, "shape": list(a.shape)}
+            for name, file, a in arrays
+        },
     }
-    json.dumps(meta)  # fail early, before writing anything, if source is not serialisable
-    arrays = [("indptr", "indptr.npy", graph.indptr), ("indices", "indices.npy", graph.indices)]
-    if graph.edge_weight is not None:
-        arrays.append(("edge_weight", "edge_weight.npy", graph.edge_weight))
-    arrays += [(f"ndata/{k}", f"ndata/{k}.npy", v) for k, v in graph.ndata.items()]
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # A hidden sibling on the same file system, so the final rename is atomic. (mkdir, not
-    # mkdtemp: the folder should get the usual permissions, not 0700.)
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
-        meta["arrays"] = [
-            _write_array(tmp, name, file, _to_numpy(t, name)) for name, file, t in arrays
-        ]
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _replace(tmp, dest, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    def fill(tmp: Path) -> None:
+        files = {file: save_npy(tmp / file, a) for _, file, a in arrays}
+        write_manifest(tmp, FORMAT, SCHEMA_VERSION, files, meta)
+
+    return write_folder(path, fill, overwrite=overwrite)
 
 
-def _replace(tmp: Path, dest: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``dest``; an existing ``dest`` is moved aside first and removed
-    only after the new folder is in place (and restored if the rename fails)."""
-    if not dest.exists():
-        os.rename(tmp, dest)  # fails if someone created dest meanwhile: never merge folders
-        return
-    if not overwrite:
-        raise FileExistsError(f"{dest} already exists (use overwrite=True to replace it)")
-    old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-    os.rename(dest, old)
-    try:
-        os.rename(tmp, dest)
-    except BaseException:
-        os.rename(old, dest)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+def is_graph_folder(path: str | Path) -> bool:
+    """True if ``path`` looks like a gnnpar graph folder (a manifest, or the ``meta.json``
+    of an older gnnpar, which the readers then refuse with a clear message)."""
+    folder = Path(path)
+    return (folder / "manifest.json").is_file() or (folder / "meta.json").is_file()
+
+
+def read_manifest_of(path: str | Path) -> Manifest:
+    """The checked manifest of a graph folder: FormatError (a ValueError) naming the file if
+    it is missing, of another schema or version, or its meta lacks a field or is edited."""
+    manifest = read_manifest(path, FORMAT, (SCHEMA_VERSION,), remedy=_REMEDY)
+    _check_meta(manifest)
+    return manifest
+
+
+def _check_meta(manifest: Manifest) -> None:
+    meta, where = manifest.meta, manifest.folder / "manifest.json"
+    for key, kind in _META_FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise FormatError(f"{where}: meta field {key!r} is {value!r}, expected {kind.__name__}")
+    classes = meta.get("num_classes")
+    if classes is not None and (type(classes) is not int or classes < 0):
+        raise FormatError(f"{where}: meta field 'num_classes' is {classes!r}")
+    for name, record in meta["arrays"].items():
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("file"), str)
+            and isinstance(record.get("dtype"), str)
+            and isinstance(record.get("shape"), list)
+        ):
+            raise FormatError(f"{where}: malformed record of array {name!r}")
+    for required in ("indptr", "indices"):
+        if required not in meta["arrays"]:
+            raise FormatError(f"{where}: lists no {required!r} array")
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """Read and check ``meta.json`` of a graph folder (format and schema version)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no graph folder at {folder}")
-    meta_file = folder / "meta.json"
-    if not meta_file.is_file():
-        raise FileNotFoundError(f"{folder} has no meta.json: not a gnnpar graph folder")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{meta_file} is not valid JSON: {err}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_file} does not describe a {FORMAT!r} folder")
-    version = meta.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ValueError(
-            f"{meta_file} has schema version {version}; this gnnpar reads version {SCHEMA_VERSION}"
-        )
-    for field in ("name", "num_nodes", "num_edges", "arrays"):
-        if field not in meta:
-            raise ValueError(f"{meta_file} lacks the field {field!r}")
-    return meta
+    """The meta table of a graph folder (name, sizes, num_classes, fingerprint, source,
+    arrays), checked as :func:`read_manifest_of` does; reads no array."""
+    return read_manifest_of(path).meta
 
 
-def _load_array(folder: Path, record: dict[str, Any], mmap: bool, verify: bool) -> np.ndarray:
-    path = folder / record["file"]
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing (listed in meta.json as {record['name']!r})")
-    size = path.stat().st_size
-    if size != record["bytes"]:
-        raise ValueError(
-            f"{path} is truncated or altered: {size} bytes on disk, meta.json says "
-            f"{record['bytes']}"
-        )
-    if verify and _sha256(path) != record["sha256"]:
-        raise ValueError(f"{path} does not match its sha256 checksum in meta.json")
+def read_source(path: str | Path) -> dict[str, Any]:
+    """What a derived artefact records about the graph stored at ``path``, from the
+    manifest alone (no rehashing): ``fingerprint``, ``name``, ``num_nodes``, ``num_edges``,
+    ``num_classes``."""
+    meta = read_meta(path)
+    keys = ("fingerprint", "name", "num_nodes", "num_edges", "num_classes")
+    return {k: meta.get(k) for k in keys}
+
+
+def _load_array(manifest: Manifest, name: str, level: str, mmap: bool) -> np.ndarray:
+    record = manifest.meta["arrays"][name]
     try:
-        # "c" (copy-on-write): pages load lazily and the array stays writable for torch.
-        array = np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
-        raise ValueError(f"{path} is not a readable .npy file: {err}") from None
-    if list(array.shape) != list(record["shape"]) or array.dtype != np.dtype(record["dtype"]):
-        raise ValueError(
-            f"{path} holds {array.dtype}{list(array.shape)}, meta.json says "
-            f"{record['dtype']}{record['shape']}"
-        )
-    return array
+        dtype = np.dtype(record["dtype"])
+    except TypeError:
+        raise FormatError(
+            f"{manifest.folder / 'manifest.json'}: array {name!r} has unknown dtype "
+            f"{record['dtype']!r}"
+        ) from None
+    return load_npy(manifest, record["file"], level, mmap, dtype.name, record["shape"])
 
 
 def load_graph(
-    path: str | Path, mmap: bool = True, validate: bool = True, verify_checksums: bool = False
+    path: str | Path, mmap: bool = True, validate: bool = True, verify: str = "checksum"
 ) -> Graph:
     """Load a graph folder written by :func:`save_graph`.
 
-    With ``mmap=True`` the arrays are memory-mapped (copy-on-write): nothing is read until
-    used. File sizes, dtypes and shapes are checked against ``meta.json``; sha256 checksums
-    only with ``verify_checksums=True`` (it reads every byte). ``validate`` runs
-    :meth:`Graph.validate`.
+    With ``mmap=True`` the arrays are memory-mapped (copy-on-write): nothing but what is
+    checked is read until used. ``verify`` (``"checksum"``, the default, reads every byte
+    once at ~15 GB/s; ``"size"`` for very large folders; ``"none"``) says how each file is
+    checked against the manifest; dtypes and shapes are always checked. ``validate`` runs
+    :meth:`Graph.validate` (labels within the stored ``num_classes`` included).
+
+    Raises:
+        FormatError: (a ValueError) naming the file, for a missing, truncated, changed or
+            older-format folder; ValueError for a graph that fails validation.
     """
-    folder = Path(path)
-    meta = read_meta(folder)
-    arrays: dict[str, torch.Tensor] = {}
-    for record in meta["arrays"]:
-        array = _load_array(folder, record, mmap, verify_checksums)
-        arrays[record["name"]] = torch.from_numpy(array)
-    for required in ("indptr", "indices"):
-        if required not in arrays:
-            raise ValueError(f"{folder}/meta.json lists no {required!r} array")
-    if int(meta["num_nodes"]) + 1 != arrays["indptr"].numel():
-        raise ValueError(
-            f"{folder}: meta.json says {meta['num_nodes']} nodes but indptr has "
-            f"{arrays['indptr'].numel()} entries"
-        )
-    if int(meta["num_edges"]) != arrays["indices"].numel():
-        raise ValueError(
-            f"{folder}: meta.json says {meta['num_edges']} edges but indices has "
-            f"{arrays['indices'].numel()} entries"
-        )
+    level = check_level(verify)
+    manifest = read_manifest_of(path)
+    meta = manifest.meta
+    arrays = {
+        name: torch.from_numpy(_load_array(manifest, name, level, mmap)) for name in meta["arrays"]
+    }
+    for what, count, want in (
+        ("nodes", arrays["indptr"].numel() - 1, meta["num_nodes"]),
+        ("edges", arrays["indices"].numel(), meta["num_edges"]),
+    ):
+        if count != want:
+            raise FormatError(
+                f"{manifest.folder}: the manifest says {want} {what}, the arrays hold {count}"
+            )
     ndata = {name[len("ndata/") :]: t for name, t in arrays.items() if name.startswith("ndata/")}
-    return Graph(
-        arrays["indptr"],
-        arrays["indices"],
-        int(meta["num_nodes"]),
-        arrays.get("edge_weight"),
-        ndata,
-        meta["name"],
-        validate=validate,
-    )
+    try:
+        return Graph(
+            arrays["indptr"],
+            arrays["indices"],
+            meta["num_nodes"],
+            arrays.get("edge_weight"),
+            ndata,
+            meta["name"],
+            validate=validate,
+            num_classes=meta.get("num_classes"),
+        )
+    except ValueError as err:
+        raise ValueError(f"{manifest.folder}: {err}") from None

@@ -85,10 +85,16 @@ class LocalPart:
     orig_ids: torch.Tensor
     ndata: dict[str, torch.Tensor]
     halo_hops: int = 1
+    #: the partition folder's meta (its ``source`` names the graph it was cut from)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def load(cls, folder: str | Path, part_id: int, verify: bool = True) -> LocalPart:
-        """Read part ``part_id`` of a partition folder (see :func:`partitioners.load_part`)."""
+    def load(
+        cls, folder: str | Path, part_id: int, verify: str | bool = "checksum"
+    ) -> LocalPart:
+        """Read part ``part_id`` of a partition folder, verifying only its own files against
+        the manifest (``verify``: ``"checksum"`` or ``"size"``; see
+        :func:`partitioners.load_part`)."""
         import partitioners
 
         p = partitioners.load_part(folder, part_id, mmap=False, verify=verify)
@@ -107,6 +113,7 @@ class LocalPart:
             orig_ids=_tensor(p.orig_ids).to(torch.int64),
             ndata={k: _tensor(v) for k, v in p.ndata.items()},
             halo_hops=int(p.meta["halo_hops"]),
+            meta=p.meta,
         )
 
     @property

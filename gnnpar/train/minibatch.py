@@ -25,7 +25,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -148,27 +150,72 @@ def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
     return Path(cfg.out) / "parts" / f"{name}-{parts}-{digest}"
 
 
-def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int) -> Path:
-    """Rank 0 partitions the dataset into ``parts`` if the folder is missing; others wait."""
+def _dataset_record(cfg: MiniBatchConfig) -> dict[str, Any]:
+    """The dataset's fingerprint record (from its graph folder's manifest when it has one)."""
+    from gnnpar.data.catalogue import graph_record
+    from gnnpar.data.commands import parse_options
+
+    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
+    return graph_record(cfg.dataset, root=cfg.root, **parse_options(pairs))
+
+
+def check_partitions(cfg: MiniBatchConfig, folder: str | Path | None = None) -> dict[str, Any]:
+    """Check, before any rank starts, that the partition folder (``folder`` or
+    ``cfg.partitions``) was cut from ``cfg.dataset``: one ValueError naming both otherwise
+    (or naming the missing dataset or the unreadable folder). Returns the folder's meta.
+    A launcher may call it in the launching process."""
+    import partitioners.format as pformat
+
+    if not (folder or cfg.partitions):
+        raise ConfigError("check_partitions needs a partition folder (config key 'partitions')")
+    folder = Path(folder or cfg.partitions or "")
+    record = _dataset_record(cfg)
+    return pformat.check_source(folder, record, label=f"--dataset {cfg.dataset}")
+
+
+def _warn_idle(meta: dict[str, Any], folder: Path) -> None:
+    """One stderr line if some parts hold no training seeds."""
+    import partitioners.format as pformat
+
+    message = pformat.idle_parts_message(meta, folder)
+    if message:
+        print(f"gnnpar train sage: warning: {message}", file=sys.stderr)
+
+
+def _write_parts(cfg: MiniBatchConfig, folder: Path, parts: int) -> dict[str, Any]:
+    """Partition the dataset into ``parts`` and write ``folder``; returns its meta."""
     import partitioners
 
+    graph = _load_graph(cfg)
+    graph.check_trainable()
+    balance = ["nodes", "train"] if cfg.partition_method == "metis" else None
+    part = partitioners.partition(
+        graph, parts, method=cfg.partition_method, seed=cfg.seed, balance=balance
+    )
+    with warnings.catch_warnings():  # reported once, as one line, by _warn_idle
+        warnings.simplefilter("ignore", partitioners.format.PartitionBalanceWarning)
+        partitioners.write(graph, part, folder, halo=1)
+    return partitioners.load_meta(folder)
+
+
+def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int) -> Path:
+    """Rank 0 partitions the dataset into ``parts`` if the folder is missing, or checks that
+    an existing one was cut from the dataset; others wait."""
     folder = _partition_folder(cfg, parts)
     error = torch.zeros(1)
-    if grid.global_rank == 0 and not (folder / "meta.json").is_file():
+    if grid.global_rank == 0:
         try:
-            graph = _load_graph(cfg)
-            balance = ["nodes", "train"] if cfg.partition_method == "metis" else None
-            part = partitioners.partition(
-                graph, parts, method=cfg.partition_method, seed=cfg.seed, balance=balance
-            )
-            partitioners.write(graph, part, folder, halo=1)
+            meta = check_partitions(cfg, folder) if folder.exists() else None
+            if meta is None:
+                meta = _write_parts(cfg, folder, parts)
+            _warn_idle(meta, folder)
         except Exception:
             error += 1
             comm.all_reduce(error, grid, "world")
             raise
     comm.all_reduce(error, grid, "world")
     if error.item():
-        raise RuntimeError("rank 0 could not write the partition folder (see its error)")
+        raise RuntimeError("rank 0 refused or could not write the partition folder (see its error)")
     return folder
 
 
@@ -222,9 +269,14 @@ class MiniBatchTask:
     def _setup_graph(self) -> None:
         cfg = self.cfg
         graph = _load_graph(cfg)
-        for key in ("feat", "label", "train_mask"):
-            if key not in graph.ndata:
-                raise ConfigError(f"dataset {cfg.dataset!r} has no node data {key!r}")
+        try:
+            graph.check_trainable()
+        except ValueError as err:
+            raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
+        if cfg.partitions:  # one process trains on the whole graph: only check provenance
+            import partitioners.format as pformat
+
+            pformat.check_source(cfg.partitions, graph, label=f"--dataset {cfg.dataset}")
         graph.ndata["feat"] = graph.feat.to(compute_dtype(cfg))
         self.graph = graph
         sampler = NeighborSampler(graph, self.fanouts, replace=cfg.replace, seed=cfg.seed)
@@ -246,7 +298,8 @@ class MiniBatchTask:
     def _setup_parts(self, parts: int) -> None:
         cfg = self.cfg
         folder = _prepare_parts(cfg, self.grid, parts)
-        part = LocalPart.load(folder, self.rank)
+        # each rank verifies the checksums of the files it maps: its own part's
+        part = LocalPart.load(folder, self.rank, verify="checksum")
         if part.num_parts != parts:
             raise ConfigError(
                 f"partition folder {folder} holds {part.num_parts} parts, but {parts} processes "
@@ -291,6 +344,10 @@ class MiniBatchTask:
             device=self.device,
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
+        recorded = (part.meta.get("source") or {}).get("num_classes")
+        if recorded is not None:  # stored by the dataset, not inferred from the labels
+            self.num_classes = int(recorded)
+            return
         num_classes = torch.tensor([int(labels.max()) + 1 if labels.numel() else 0])
         comm.all_reduce(num_classes, host, "data", op="max")
         self.num_classes = int(num_classes)
