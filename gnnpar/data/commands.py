@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from gnnpar.data.catalogue import build, catalogue, default_root, get_entry, load, source_record
-from gnnpar.data.storage import save_graph
+from gnnpar.data.storage import is_graph_folder, save_graph
 from gnnpar.graph import Graph
 
 __all__ = ["add_data_commands", "parse_options", "describe", "check_dataset", "root_and_options"]
@@ -166,8 +166,8 @@ def _yes(flag: bool) -> str:
 def _cmd_list(args: argparse.Namespace) -> int:
     root = default_root() if args.root is None else Path(args.root)
     for entry in catalogue():
-        prepared = root / entry.name / "meta.json"
-        mark = f"  [prepared: {prepared.parent}]" if prepared.is_file() else ""
+        prepared = root / entry.name
+        mark = f"  [prepared: {prepared}]" if is_graph_folder(prepared) else ""
         print(f"{entry.name:<10} {entry.description}{mark}")
         options = " ".join(f"{k}={v}" for k, v in entry.defaults.items())
         print(f"{'':<10} options: {options or 'none'}")
