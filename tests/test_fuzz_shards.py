@@ -20,7 +20,7 @@ from tests.fullgraph_utils import small_graph
 
 N = 23
 FUZZ = settings(
-    max_examples=40,
+    max_examples=30,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -104,7 +104,19 @@ _JSON = st.recursive(
 )
 
 
-@FUZZ
+def _near(value):
+    """Plausible edits of ``value``: an integer moved a little, one element of a list of
+    integers moved, anything of the same kind."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return st.integers(value - 3, value + 3)
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return st.tuples(st.integers(0, len(value) - 1), st.integers(-2, 2)).map(
+            lambda t: [v + (t[1] if k == t[0] else 0) for k, v in enumerate(value)]
+        )
+    return _JSON
+
+
+@settings(FUZZ, max_examples=50)
 @given(data=st.data())
 def test_edited_manifest_value(pristine, data):
     doc = json.loads((pristine[0] / "manifest.json").read_text())
@@ -116,7 +128,7 @@ def test_edited_manifest_value(pristine, data):
         key = data.draw(st.sampled_from(sorted(doc[table])))
         target = doc[table]
     keep_value = data.draw(st.booleans())
-    target[key] = target[key] if keep_value else data.draw(_JSON)
+    target[key] = target[key] if keep_value else data.draw(_near(target[key]) | _JSON)
 
     def edit(copy: Path) -> None:
         (copy / "manifest.json").write_text(json.dumps(doc))
