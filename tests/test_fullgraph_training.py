@@ -30,7 +30,12 @@ CITESEER_CFG = {
 
 
 def _losses(
-    shards: str, grid: str | None, epochs: int, dtype: str, chunks: int = 1, data: dict | None = None
+    shards: str,
+    grid: str | None,
+    epochs: int,
+    dtype: str,
+    chunks: int = 1,
+    data: dict | None = None,
 ) -> dict:
     cfg = FullGraphConfig(
         **(data or CITESEER_CFG),
