@@ -70,7 +70,7 @@ def one_rank_epoch(folder: Path, dims: list[int]) -> tuple[list[str], float, flo
         par.loss(par(x), "train_mask").backward()
         opt.step()
         epochs.append(time.perf_counter() - t)
-    return sorted(source._arrays), setup, epochs[0], epochs[1]
+    return source.mapped_files(), setup, epochs[0], epochs[1]
 
 
 def rank_files(folder: Path, dims: list[int], shape: dict[str, int], rank: int) -> list[str]:
@@ -90,7 +90,7 @@ def rank_files(folder: Path, dims: list[int], shape: dict[str, int], rank: int) 
     source.features(lays[0].h_sub, lays[0].fin)
     for name in ("label", "train_mask"):
         source.node_data(name, layers % 2, lays[-1].rows)
-    return sorted(source._arrays)
+    return source.mapped_files()
 
 
 def verify_times(folder: Path, files: list[str], reps: int) -> dict[str, float]:

@@ -370,17 +370,9 @@ class DiskSource:
         except FormatError as err:
             raise ShardFormatError(str(err)) from None
 
-    def adjacency_files(
-        self, parity: int, rows: tuple[int, int], cols: tuple[int, int]
-    ) -> list[str]:
-        """The files :meth:`adjacency` maps for this block."""
-        rb, cb = self.meta["row_bounds"], self.meta["col_bounds"]
-        return [
-            f"adj{parity}/r{i}_c{j}.{part}.npy"
-            for i in _overlap(rb, *rows)
-            for j in _overlap(cb, *cols)
-            for part in ("indptr", "indices", "values")
-        ]
+    def mapped_files(self) -> list[str]:
+        """The files mapped (and checked) so far, sorted."""
+        return sorted(self._arrays)
 
     def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
         """Block of Â₁ (parity 0) or Â₂ (parity 1), merged from the overlapping file blocks."""
