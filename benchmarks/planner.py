@@ -297,7 +297,7 @@ def main() -> None:
     from gnnpar.plan import GCNProblem, GPTProblem, local_machine, rank_gcn, rank_gpt
     from gnnpar.plan.compute import measure_local_rates
     from gnnpar.plan.machines import load_bandwidth_table
-    from gnnpar.sparse.shards import prepare_shards
+    from gnnpar.sparse.shards import prepare_shards, read_shard_manifest
     from gnnpar.testing import run_distributed
 
     t0 = time.perf_counter()
@@ -307,7 +307,7 @@ def main() -> None:
     dims = [64, 64, 64, 8]
     tmp = Path(tempfile.mkdtemp(prefix="gnnpar-planner-"))
     shards = prepare_shards(graph, tmp / "g", blocks=(8, 8), permutation="random")
-    nnz = json.loads((Path(shards) / "meta.json").read_text())["num_edges"]
+    nnz = read_shard_manifest(shards).meta["num_edges"]
     torch.set_num_threads(1)  # as each rank of the world runs
     rates = measure_local_rates()
     print(

@@ -30,6 +30,7 @@ from gnnpar.nn.gcn import GCN
 from gnnpar.plan import choose_fullgraph_grid
 from gnnpar.sparse import parallelize_fullgraph
 from gnnpar.sparse.shards import DiskSource, prepare_shards
+from gnnpar.verified import MANIFEST
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,7 +56,7 @@ def main() -> None:
 
     world = gnnpar.init()
     shards = Path(args.shards) / args.dataset.replace("/", "_")
-    if world.global_rank == 0 and not (shards / "meta.json").exists():
+    if world.global_rank == 0 and not (shards / MANIFEST).exists():
         from gnnpar.data import load
         from gnnpar.data.commands import parse_options
 

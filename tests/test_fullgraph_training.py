@@ -22,9 +22,23 @@ def citeseer_shards(tmp_path_factory) -> str:
     return str(prepare_shards(graph, out, norm="gcn", blocks=(8, 8), seed=0))
 
 
-def _losses(shards: str, grid: str | None, epochs: int, dtype: str, chunks: int = 1) -> dict:
+CITESEER_CFG = {
+    "dataset": "citeseer",
+    "root": str(PLANETOID.parent),
+    "dataset_options": "normalize_features=true",
+}
+
+
+def _losses(
+    shards: str,
+    grid: str | None,
+    epochs: int,
+    dtype: str,
+    chunks: int = 1,
+    data: dict | None = None,
+) -> dict:
     cfg = FullGraphConfig(
-        dataset="citeseer",
+        **(data or CITESEER_CFG),
         shards=shards,
         grid=grid,
         epochs=epochs,
@@ -66,7 +80,8 @@ def test_overlapped_chunks_equal_plain(tmp_path, monkeypatch):
 
     graph = load("sbm", root=str(tmp_path), num_nodes=301, feat_dim=11)
     shards = str(prepare_shards(graph, tmp_path / "s", blocks=(3, 3), seed=2))
-    plain = run_distributed(_losses, 4, shards, "x=2,z=2", 3, "float64", 1)
-    chunked = run_distributed(_losses, 4, shards, "x=2,z=2", 3, "float64", 4)
+    data = {"dataset": "sbm", "root": str(tmp_path), "dataset_options": "num_nodes=301,feat_dim=11"}
+    plain = run_distributed(_losses, 4, shards, "x=2,z=2", 3, "float64", 1, data)
+    chunked = run_distributed(_losses, 4, shards, "x=2,z=2", 3, "float64", 4, data)
     for a, b in zip(plain, chunked, strict=True):
         assert max(abs(u - v) for u, v in zip(a["losses"], b["losses"], strict=True)) < 1e-12

@@ -96,30 +96,37 @@ def test_bad_shard_folders(tmp_path):
     path = prepare_shards(graph, tmp_path / "s", blocks=(2, 2), seed=1)
     with pytest.raises(FileExistsError, match="already exists"):
         prepare_shards(graph, path)
-    with pytest.raises(ShardFormatError, match="no meta.json"):
+    with pytest.raises(ShardFormatError, match="no manifest.json"):
         DiskSource(tmp_path)
-    meta = json.loads((path / "meta.json").read_text())
-    # truncated file
+    manifest = json.loads((path / "manifest.json").read_text())
+    # truncated file: caught when the file is first mapped, at every level but "none"
     f = path / "adj0" / "r0_c0.values.npy"
     data = f.read_bytes()
     f.write_bytes(data[:-4])
-    with pytest.raises(ShardFormatError, match="r0_c0.values.npy has .* bytes, expected"):
-        DiskSource(path)
-    # same size, changed content: caught by the checksum
+    with pytest.raises(ShardFormatError, match=r"r0_c0.values.npy: \d+ bytes, the manifest"):
+        DiskSource(path, verify="size").adjacency(0, (0, 29), (0, 29))
+    # same size, changed content: caught by the checksum (the default level)
     f.write_bytes(data[:-4] + b"\x00\x00\x80\x7f")
-    src = DiskSource(path, verify=True)
-    with pytest.raises(ShardFormatError, match="fails its checksum"):
-        src.adjacency(0, (0, 29), (0, 29))
+    DiskSource(path, verify="size").adjacency(0, (0, 29), (0, 29))
+    with pytest.raises(ShardFormatError, match="r0_c0.values.npy: checksum differs"):
+        DiskSource(path).adjacency(0, (0, 29), (0, 29))
     f.write_bytes(data)
     # missing file
     (path / "feat.npy").rename(path / "feat.bak")
-    with pytest.raises(ShardFormatError, match="feat.npy is missing"):
-        DiskSource(path)
+    with pytest.raises(ShardFormatError, match="feat.npy: missing"):
+        DiskSource(path).features((0, 29), (0, 7))
     (path / "feat.bak").rename(path / "feat.npy")
-    # schema
-    meta["schema"] = 99
-    (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ShardFormatError, match="schema 99"):
+    # version, edited meta
+    for key, value, message in (
+        ("version", 99, "version 99"),
+        ("schema", "gnnpar.graph", "schema 'gnnpar.graph'"),
+    ):
+        (path / "manifest.json").write_text(json.dumps({**manifest, key: value}))
+        with pytest.raises(ShardFormatError, match=message):
+            DiskSource(path)
+    edited = {**manifest, "meta": {**manifest["meta"], "num_nodes": 30}}
+    (path / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(ShardFormatError, match="meta was edited"):
         DiskSource(path)
     # a failed write leaves nothing behind
     bad = Graph.from_edges([0, 1], [1, 0], num_nodes=2)

@@ -12,14 +12,21 @@ encoded token stream, next to the data (for a built-in corpus: under the data ro
 
     <stem>.bpe<V>.json          the tokenizer (tokenizers' own JSON format)
     <stem>.bpe<V>.tokens.npy    the whole text encoded, uint16 (uint32 when V > 65536)
-    <stem>.bpe<V>.meta.json     {"sha256": text hash, "vocab_size": V, "num_tokens": n}
+    <stem>.bpe<V>.meta.json     written last: {"version": 2, "source": fingerprint,
+                                "tokenizer": options, "files": {name: size + XXH3},
+                                "vocab_size": V, "num_tokens": n}
 
 where ``<stem>`` is the file's path, or ``<folder>/corpus`` for a folder. With a given
 tokenizer (``tokenizer=FOLDER`` holding ``tokenizer.json``, or GPT-2's ``vocab.json`` and
 ``merges.txt``: a pretrained model's), nothing is trained and the cache is
-``<stem>.tok<digest>.*``, named by the tokenizer files' hash. The meta file is
-written last, each file through a temporary name and a rename, so an interrupted run leaves
-no cache that looks valid; a changed text (another hash) is tokenized again. If the data's
+``<stem>.tok<digest>.*``, named by the tokenizer files' hash. ``source`` is the text's
+fingerprint (size and XXH3-64 of its bytes; :func:`read_source`), ``tokenizer`` the options
+that shape the tokens (BPE: vocabulary size and minimum pair frequency; given: the files'
+digest). A cache is used only if both match and its files match their recorded size and
+checksum; otherwise it is rebuilt, with one line on stderr (a cache of the format before
+version 2 is rebuilt the same way). Each file goes through a temporary name and a rename,
+the meta last, so an interrupted run leaves no cache that looks valid. A file that is not
+UTF-8 is a :class:`~gnnpar.verified.FormatError` naming it and the byte offset. If the data's
 folder is read-only the cache goes to ``<data root>/text-cache/``.
 
 :class:`TokenBlocks` serves fixed-length blocks: every step a global batch of blocks, drawn
@@ -34,25 +41,33 @@ import hashlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from gnnpar.atomic import atomic_write
 from gnnpar.data.catalogue import default_root
+from gnnpar.verified import FormatError, file_entry
 
 __all__ = [
     "SHAKESPEARE",
     "TextCorpus",
     "TokenBlocks",
     "load_corpus",
+    "read_source",
     "read_text",
     "shakespeare_text",
 ]
 
 SHAKESPEARE = "shakespeare"
 TEXT_SUFFIXES = (".txt", ".md")
+CACHE_VERSION = 2
+"""Version of the cache's ``meta.json`` (1: a sha256 of the text and no file checksums)."""
+MIN_FREQUENCY = 2
 
 
 # ------------------------------------------------------------------------------ reading
@@ -85,24 +100,64 @@ def shakespeare_text() -> str:
     return "\n\n".join(_demarkdown(p.read_text(encoding="utf-8")) for p in plays)
 
 
-def read_text(source: str | os.PathLike) -> tuple[str, Path]:
-    """The text of ``source`` and the cache stem next to it (see the module docstring)."""
+def _decode(path: Path, data: bytes) -> str:
+    """``data`` (the bytes of ``path``) as text, newlines made ``\\n`` as ``open()`` does:
+    FormatError naming the file and the byte offset if it is not UTF-8."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise FormatError(
+            f"{path}: not UTF-8 text (byte offset {err.start}: {err.reason})"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _text_files(folder: Path) -> list[Path]:
+    files = sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+    )
+    if not files:
+        raise FileNotFoundError(f"no *.txt or *.md files under {folder}")
+    return files
+
+
+def read_source(source: str | os.PathLike) -> tuple[str, Path, dict[str, Any]]:
+    """The text of ``source``, the cache stem next to it (see the module docstring) and the
+    source's fingerprint: ``{"bytes": size, "xxh3_64": digest}`` of its bytes (of every
+    file's relative name and bytes for a folder, of the text for the built-in corpus)."""
+    h = xxhash.xxh3_64()
     if str(source) == SHAKESPEARE:
-        root = default_root() / SHAKESPEARE
-        return shakespeare_text(), root / SHAKESPEARE
+        text = shakespeare_text()
+        data = text.encode("utf-8")
+        h.update(data)
+        return text, default_root() / SHAKESPEARE / SHAKESPEARE, _fingerprint(h, len(data))
     path = Path(source)
     if path.is_file():
-        return path.read_text(encoding="utf-8"), path
+        data = path.read_bytes()
+        h.update(data)
+        return _decode(path, data), path, _fingerprint(h, len(data))
     if path.is_dir():
-        files = sorted(
-            p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
-        )
-        if not files:
-            raise FileNotFoundError(f"no *.txt or *.md files under {path}")
-        return "\n\n".join(p.read_text(encoding="utf-8") for p in files), path / "corpus"
+        texts, size = [], 0
+        for file in _text_files(path):
+            data = file.read_bytes()
+            h.update(f"{file.relative_to(path).as_posix()} {len(data)};".encode())
+            h.update(data)
+            size += len(data)
+            texts.append(_decode(file, data))
+        return "\n\n".join(texts), path / "corpus", _fingerprint(h, size)
     raise FileNotFoundError(
         f"text source {str(source)!r} is neither {SHAKESPEARE!r}, a file nor a folder"
     )
+
+
+def _fingerprint(h: Any, size: int) -> dict[str, Any]:
+    return {"bytes": size, "xxh3_64": h.hexdigest()}
+
+
+def read_text(source: str | os.PathLike) -> tuple[str, Path]:
+    """The text of ``source`` and the cache stem next to it (see the module docstring)."""
+    text, stem, _ = read_source(source)
+    return text, stem
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -114,7 +169,7 @@ def _train_bpe(text: str, vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
+        min_frequency=MIN_FREQUENCY,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -196,6 +251,61 @@ def _tokenizer_digest(folder: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def _tokenizer_options(vocab_size: int, tokenizer: str | os.PathLike | None) -> dict[str, Any]:
+    """What shapes the tokens besides the text (recorded in the cache's meta)."""
+    if tokenizer is None:
+        return {"kind": "byte-level-bpe", "vocab_size": vocab_size, "min_frequency": MIN_FREQUENCY}
+    return {"kind": "given", "digest": _tokenizer_digest(Path(tokenizer))}
+
+
+def _cache_problem(paths: dict[str, Path], expected: dict[str, Any]) -> str | None:
+    """Why the cache at ``paths`` cannot be used for ``expected`` (its meta's ``source``,
+    ``tokenizer`` and ``version``), or None if it can: "missing" when there is none."""
+    if not paths["meta.json"].is_file():
+        return "missing"
+    try:
+        info = json.loads(paths["meta.json"].read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "its meta is unreadable"
+    if not isinstance(info, dict) or info.get("version") != CACHE_VERSION:
+        return "written by an older gnnpar"
+    if info.get("source") != expected["source"]:
+        return "made from another version of the text"
+    if info.get("tokenizer") != expected["tokenizer"]:
+        return "made with other tokenizer options"
+    files = info.get("files") if isinstance(info.get("files"), dict) else {}
+    for name in expected["files"]:
+        path = paths[name]
+        if not path.is_file() or files.get(name) != file_entry(path):
+            return f"{path.name} differs from its record (changed or damaged)"
+    return None
+
+
+def _build_cache(
+    text: str, paths: dict[str, Path], expected: dict[str, Any], given, vocab_size: int
+):
+    """Train (unless ``given``) and encode, write the cache files and its meta last;
+    returns (tokenizer, tokens)."""
+    tok = given or _train_bpe(text, vocab_size)
+    dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
+    ids = [e.ids for e in tok.encode_batch(_pieces(text))]
+    tokens = np.fromiter((i for piece in ids for i in piece), dtype=dtype)
+    if given is None:
+        atomic_write(paths["json"], lambda tmp: tok.save(tmp))
+    atomic_write(paths["tokens.npy"], lambda tmp: _save_npy(tmp, tokens))
+    info = {
+        "version": CACHE_VERSION,
+        "source": expected["source"],
+        "tokenizer": expected["tokenizer"],
+        "vocab_size": tok.get_vocab_size(),
+        "num_tokens": int(len(tokens)),
+        "files": {name: file_entry(paths[name]) for name in expected["files"]},
+    }
+    meta = paths["meta.json"]
+    atomic_write(meta, lambda tmp: Path(tmp).write_text(json.dumps(info) + "\n"))
+    return tok, tokens
+
+
 def load_corpus(
     source: str | os.PathLike = SHAKESPEARE,
     vocab_size: int = 2048,
@@ -204,7 +314,9 @@ def load_corpus(
     tokenizer: str | os.PathLike | None = None,
 ) -> TextCorpus:
     """Read ``source``, and train (or load from the cache) a BPE tokenizer of ``vocab_size``
-    ids — or use the pretrained ``tokenizer`` folder's — and the encoded stream. Several
+    ids — or use the pretrained ``tokenizer`` folder's — and the encoded stream. The cache
+    is used only if it records this text's fingerprint and these tokenizer options and its
+    files match their checksums; otherwise it is rebuilt (one line on stderr). Several
     processes may call it at once: each file is replaced atomically, and the results are
     identical."""
     if tokenizer is None and (not isinstance(vocab_size, int) or vocab_size < 257):
@@ -214,37 +326,31 @@ def load_corpus(
         )
     from tokenizers import Tokenizer
 
-    text, stem = read_text(source)
+    text, stem, fingerprint = read_source(source)
     if not text.strip():
         raise ValueError(f"text source {str(source)!r} is empty")
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     given = None if tokenizer is None else load_tokenizer(tokenizer)
     tag = f"bpe{vocab_size}" if given is None else f"tok{_tokenizer_digest(Path(tokenizer))}"
+    expected = {
+        "source": fingerprint,
+        "tokenizer": _tokenizer_options(vocab_size, tokenizer),
+        "files": ("tokens.npy",) if given is not None else ("json", "tokens.npy"),
+    }
     for base in (stem, default_root() / "text-cache" / stem.name):
         paths = {k: Path(f"{base}.{tag}.{k}") for k in ("json", "tokens.npy", "meta.json")}
-        meta = paths["meta.json"]
-        if not rebuild and meta.is_file():
-            info = json.loads(meta.read_text())
-            saved = info.get("tag", f"bpe{info.get('vocab_size')}")
-            if info.get("sha256") == digest and saved == tag:
-                tok = given or Tokenizer.from_file(str(paths["json"]))
-                tokens = np.load(paths["tokens.npy"], mmap_mode="r")
-                return TextCorpus(str(source), tok, tokens, base)
+        problem = "missing" if rebuild else _cache_problem(paths, expected)
+        if problem is None:
+            tok = given or Tokenizer.from_file(str(paths["json"]))
+            tokens = np.load(paths["tokens.npy"], mmap_mode="r", allow_pickle=False)
+            return TextCorpus(str(source), tok, tokens, base)
+        if problem != "missing":
+            print(
+                f"gnnpar: text cache {paths['meta.json']}: {problem}; rebuilding it",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
-            tok = given or _train_bpe(text, vocab_size)
-            dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-            ids = [e.ids for e in tok.encode_batch(_pieces(text))]
-            tokens = np.fromiter((i for piece in ids for i in piece), dtype=dtype)
-            if given is None:
-                atomic_write(paths["json"], lambda tmp, tok=tok: tok.save(tmp))
-            atomic_write(paths["tokens.npy"], lambda tmp, t=tokens: _save_npy(tmp, t))
-            info = {
-                "sha256": digest,
-                "vocab_size": tok.get_vocab_size(),
-                "tag": tag,
-                "num_tokens": int(len(tokens)),
-            }
-            atomic_write(meta, lambda tmp, i=info: Path(tmp).write_text(json.dumps(i) + "\n"))
+            tok, tokens = _build_cache(text, paths, expected, given, vocab_size)
             return TextCorpus(str(source), tok, tokens, base)
         except PermissionError:
             continue

@@ -6,26 +6,34 @@ reads only the file blocks that overlap its own block of Â (and only the rows i
 the features, labels and masks); blocks of a different grid are merged, as Plexus does, so
 the runtime grid need not match the grid the files were cut for.
 
-Layout (every array is a ``.npy`` file, memory-mappable)::
+The folder is a verified folder (:mod:`gnnpar.verified`, schema ``"gnnpar.shards"``,
+version 2); every array is a ``.npy`` file, memory-mappable::
 
-    meta.json
+    manifest.json                                written last: schema, version, files, meta
     adj0/r{i}_c{j}.{indptr,indices,values}.npy   Â₁ = P·Â·P₂ᵀ, file block (i, j)
     adj1/r{i}_c{j}.{indptr,indices,values}.npy   Â₂ = P₂·Â·Pᵀ
     feat.npy                                     input features, order 0 (N × F, float32)
     node/{name}.{0,1}.npy                        label, train_mask, ... in order 0 and 1
     perm.{0,1}.npy, inv.{0,1}.npy                order o: position of node v / node at position
 
-``meta.json`` fields:
+``files`` lists every array with its size and XXH3-64 checksum. ``meta`` fields:
 
-- ``schema`` (int, 1): format version; loading another version is an error.
 - ``name`` (str), ``norm`` (``"gcn"`` or ``"mean"``): the graph and its normalisation.
 - ``num_nodes``, ``num_edges`` (int), ``feat_dim``, ``num_classes`` (int).
 - ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"`` or ``"none"``) and its
   ``seed`` (int).
 - ``row_bounds``, ``col_bounds`` (lists of R+1 / C+1 ints): file-block boundaries.
 - ``node_data`` (list of str): names under ``node/``.
-- ``files`` ({relative path: {"bytes": int, "crc32": int}}): every file, checked on open
-  (sizes always, checksums of the files a rank reads with ``verify=True``).
+- ``source`` (provenance, :func:`shard_provenance`): ``graph`` (the source graph's
+  :meth:`~gnnpar.graph.Graph.fingerprint`), ``norm``, ``blocks``, ``permutation``, ``seed``.
+- ``digest``: XXH3-64 of the other fields (canonical JSON), so an edited value is an error.
+
+Reading (:class:`DiskSource`) checks the manifest when it opens the folder and, the first
+time it maps a file, that file against its entry (``verify``: ``"checksum"``, the default;
+``"size"`` for very large folders; ``"none"``), so each rank checks only the files it reads
+and a changed file is one :class:`ShardFormatError` naming it. A folder of the format before
+the manifest (``meta.json`` with crc32s) is refused: "written by an older gnnpar: prepare it
+again". Writing goes to a temporary sibling renamed at the end: never a half-written folder.
 
 Example::
 
@@ -40,37 +48,115 @@ import json
 import os
 import shutil
 import tempfile
-import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.layout import chunk
 from gnnpar.sparse.source import inverse, make_permutations, root_block
+from gnnpar.verified import (
+    CHECKSUM,
+    MANIFEST,
+    FormatError,
+    Manifest,
+    file_entry,
+    read_manifest,
+    write_manifest,
+)
 
-SCHEMA = 1
+__all__ = [
+    "SCHEMA",
+    "VERIFY_LEVELS",
+    "VERSION",
+    "DiskSource",
+    "OldShardFolderError",
+    "ShardFormatError",
+    "prepare_shards",
+    "read_shard_manifest",
+    "shard_provenance",
+]
+
+SCHEMA = "gnnpar.shards"
+VERSION = 2
+VERIFY_LEVELS = ("checksum", "size", "none")
+"""``verify`` levels of :class:`DiskSource` (those of :meth:`Manifest.verify`)."""
 
 
-class ShardFormatError(ValueError):
+class ShardFormatError(FormatError):
     """A shard folder that is missing, truncated, changed or of another schema."""
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk_ := f.read(1 << 22):
-            crc = zlib.crc32(chunk_, crc)
-    return crc
+class OldShardFolderError(ShardFormatError):
+    """A shard folder written before the manifest (``meta.json``, crc32 checksums)."""
 
 
+# ------------------------------------------------------------------- sealed metadata
+# Generic helpers (a digest over a manifest's meta): candidates for gnnpar.verified.
+def _meta_digest(meta: dict[str, Any]) -> str:
+    """XXH3-64 of ``meta`` without its ``digest`` key, as canonical JSON."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _seal(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with its ``digest``."""
+    return {**meta, "digest": _meta_digest(meta)}
+
+
+def _check_seal(meta: dict[str, Any], where: Path) -> None:
+    """FormatError unless ``meta`` carries the digest of its other fields."""
+    if meta.get("digest") != _meta_digest(meta):
+        raise ShardFormatError(f"{where}: its meta was edited (digest differs)")
+
+
+def _check_files_table(manifest: Manifest) -> None:
+    """FormatError unless every ``files`` entry has an integer size and a checksum string."""
+    for name, entry in manifest.files.items():
+        ok = isinstance(entry, dict) and isinstance(entry.get(CHECKSUM), str)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ShardFormatError(f"{manifest.folder / MANIFEST}: bad entry for {name!r}")
+
+
+# ------------------------------------------------------------------------ provenance
+def shard_provenance(
+    graph_fingerprint: str,
+    norm: str,
+    blocks: tuple[int, int],
+    seed: int,
+    permutation: str,
+) -> dict[str, Any]:
+    """What a shard folder is made from: the source graph's
+    :meth:`~gnnpar.graph.Graph.fingerprint` and the options that shaped the shards (the
+    ``source`` field of the folder's meta)."""
+    return {
+        "graph": graph_fingerprint,
+        "norm": norm,
+        "blocks": [int(blocks[0]), int(blocks[1])],
+        "seed": int(seed),
+        "permutation": permutation,
+    }
+
+
+# --------------------------------------------------------------------------- writing
 def _save(root: Path, rel: str, array: np.ndarray, files: dict) -> None:
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     np.save(path, np.ascontiguousarray(array))
-    files[rel] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+    files[rel] = file_entry(path)
+
+
+def _normalised(graph, norm: str):
+    if norm == "gcn":
+        return graph.gcn_norm()
+    if norm == "mean":
+        return graph.row_normalize()
+    raise ValueError(f"unknown normalisation {norm!r}; use 'gcn' or 'mean'")
 
 
 def prepare_shards(
@@ -81,34 +167,33 @@ def prepare_shards(
     seed: int = 0,
     permutation: str = "random",
     overwrite: bool = False,
+    fingerprint: str | None = None,
 ) -> Path:
     """Normalise ``graph`` (``norm``: ``"gcn"`` for Â = D^-1/2 (A+I) D^-1/2, ``"mean"`` for
     row-normalised A), permute it (``permutation``: ``"random"`` as Plexus, ``"balanced"``
     degree-aware over the file blocks, ``"balanced-local"`` the same blocks with a locality
     order inside each, or ``"none"``) and write the shard folder ``out``
-    atomically (a temporary sibling renamed at the end). Returns ``out``."""
+    atomically (a temporary sibling renamed at the end). The folder records
+    :func:`shard_provenance` of ``graph`` (``fingerprint``: its
+    :meth:`~gnnpar.graph.Graph.fingerprint` when the caller already has it). Returns ``out``."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"shard folder {out} already exists (pass overwrite=True)")
     if graph.feat is None:
         raise ValueError(f"graph {graph.name!r} has no node features ('feat')")
-    if norm == "gcn":
-        g = graph.gcn_norm()
-    elif norm == "mean":
-        g = graph.row_normalize()
-    else:
-        raise ValueError(f"unknown normalisation {norm!r}; use 'gcn' or 'mean'")
+    g = _normalised(graph, norm)
     n = graph.num_nodes
     r_parts, c_parts = blocks
     if r_parts < 1 or c_parts < 1:
         raise ValueError(f"file blocks must be positive, got {blocks}")
+    source = shard_provenance(fingerprint or graph.fingerprint(), norm, blocks, seed, permutation)
     values = g.edge_weight.to(torch.float32)
     p, p2 = make_permutations(permutation, g.indptr, g.indices, seed, max(r_parts, c_parts))
     inv = (p2, p)  # order o: node at each position (order 0 uses P₂)
     perms = (inverse(p2), inverse(p))  # order o: position of each node
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    files: dict[str, dict[str, int]] = {}
+    files: dict[str, dict[str, Any]] = {}
     try:
         row_bounds = [chunk(n, r_parts, i)[0] for i in range(r_parts)] + [n]
         col_bounds = [chunk(n, c_parts, j)[0] for j in range(c_parts)] + [n]
@@ -139,7 +224,6 @@ def prepare_shards(
             _save(tmp, f"perm.{o}.npy", perms[o].numpy(), files)
             _save(tmp, f"inv.{o}.npy", inv[o].numpy(), files)
         meta = {
-            "schema": SCHEMA,
             "name": graph.name,
             "norm": norm,
             "num_nodes": n,
@@ -151,9 +235,9 @@ def prepare_shards(
             "row_bounds": row_bounds,
             "col_bounds": col_bounds,
             "node_data": names,
-            "files": files,
+            "source": source,
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(tmp, SCHEMA, VERSION, files, _seal(meta))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -163,50 +247,132 @@ def prepare_shards(
     return out
 
 
+# --------------------------------------------------------------------------- reading
+_INT_FIELDS = ("num_nodes", "num_edges", "feat_dim", "num_classes", "seed")
+_STR_FIELDS = ("name", "norm", "permutation")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_bounds(bounds: Any, n: int) -> bool:
+    """Block boundaries: ints from 0 to ``n``, non-decreasing, at least one block."""
+    return (
+        isinstance(bounds, list)
+        and len(bounds) >= 2
+        and all(_is_int(b) for b in bounds)
+        and bounds[0] == 0
+        and bounds[-1] == n
+        and all(bounds[k] <= bounds[k + 1] for k in range(len(bounds) - 1))
+    )
+
+
+def _check_meta(meta: dict[str, Any], where: Path) -> None:
+    """FormatError naming the first field of ``meta`` that is missing or of a wrong type."""
+    for key in _INT_FIELDS:
+        if not _is_int(meta.get(key)) or meta[key] < 0:
+            raise ShardFormatError(f"{where}: meta field {key!r} must be a non-negative integer")
+    for key in _STR_FIELDS:
+        if not isinstance(meta.get(key), str):
+            raise ShardFormatError(f"{where}: meta field {key!r} must be a string")
+    for key in ("row_bounds", "col_bounds"):
+        if not _check_bounds(meta.get(key), meta["num_nodes"]):
+            raise ShardFormatError(f"{where}: meta field {key!r} is not a list of block bounds")
+    names = meta.get("node_data")
+    if not isinstance(names, list) or not all(isinstance(s, str) for s in names):
+        raise ShardFormatError(f"{where}: meta field 'node_data' must be a list of names")
+    if not isinstance(meta.get("source"), dict):
+        raise ShardFormatError(f"{where}: meta field 'source' (provenance) is missing")
+
+
+def read_shard_manifest(path: str | Path) -> Manifest:
+    """The manifest of the shard folder ``path``, checked (schema and version, files table,
+    meta digest and fields): :class:`ShardFormatError` naming what is wrong,
+    :class:`OldShardFolderError` for a folder of the format before the manifest."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file() and (path / "meta.json").is_file():
+        raise OldShardFolderError(f"{path}: written by an older gnnpar: prepare it again")
+    try:
+        manifest = read_manifest(path, SCHEMA, (VERSION,))
+    except ShardFormatError:
+        raise
+    except FormatError as err:
+        raise ShardFormatError(str(err)) from None
+    where = path / MANIFEST
+    _check_files_table(manifest)
+    _check_seal(manifest.meta, where)
+    _check_meta(manifest.meta, where)
+    return manifest
+
+
 def _overlap(bounds: list[int], lo: int, hi: int) -> list[int]:
     return [k for k in range(len(bounds) - 1) if bounds[k] < hi and bounds[k + 1] > lo]
 
 
+def _verify_level(verify: bool | str) -> str:
+    """``verify`` as a level name (``True``/``False``: ``"checksum"``/``"size"``)."""
+    if isinstance(verify, bool):
+        return "checksum" if verify else "size"
+    if verify not in VERIFY_LEVELS:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
+    return verify
+
+
 class DiskSource:
     """A :class:`~gnnpar.sparse.source.ShardSource` over a shard folder, reading only what
-    the caller asks for (memory-mapped)."""
+    the caller asks for (memory-mapped). Opening checks the manifest; each file is checked
+    against it (``verify``: ``"checksum"``, ``"size"`` or ``"none"``) the first time it is
+    mapped, so a rank verifies only the files it reads."""
 
-    def __init__(self, path: str | Path, verify: bool = False):
+    def __init__(self, path: str | Path, verify: bool | str = "checksum"):
         self.path = Path(path)
-        meta_path = self.path / "meta.json"
-        if not meta_path.is_file():
-            raise ShardFormatError(f"{self.path} is not a shard folder (no meta.json)")
-        try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ShardFormatError(f"{meta_path} is not valid JSON: {e}") from None
-        if meta.get("schema") != SCHEMA:
-            raise ShardFormatError(
-                f"{self.path} has shard schema {meta.get('schema')!r}; this gnnpar reads {SCHEMA}"
-            )
+        self.verify = _verify_level(verify)
+        self.manifest = read_shard_manifest(self.path)
+        meta = self.manifest.meta
         self.meta = meta
-        self.verify = verify
         self.num_nodes = int(meta["num_nodes"])
         self.feat_dim = int(meta["feat_dim"])
         self.num_classes = int(meta["num_classes"])
         self.name = meta["name"]
-        for rel, info in meta["files"].items():
-            f = self.path / rel
-            if not f.is_file():
-                raise ShardFormatError(f"shard file {rel} is missing from {self.path}")
-            if f.stat().st_size != info["bytes"]:
-                raise ShardFormatError(
-                    f"shard file {rel} has {f.stat().st_size} bytes, expected {info['bytes']}"
-                    " (truncated or changed)"
-                )
+        self.provenance: dict[str, Any] = meta["source"]
+        self._arrays: dict[str, np.ndarray] = {}
 
-    def _array(self, rel: str) -> np.ndarray:
-        info = self.meta["files"].get(rel)
-        if info is None:
-            raise KeyError(f"{self.path} has no array {rel}")
-        if self.verify and _crc32(self.path / rel) != info["crc32"]:
-            raise ShardFormatError(f"shard file {rel} fails its checksum (changed on disk)")
-        return np.load(self.path / rel, mmap_mode="r")
+    def _array(self, rel: str, length: int | None = None) -> np.ndarray:
+        """The memory-mapped array ``rel``, checked the first time (``length``: its expected
+        first dimension)."""
+        if rel in self._arrays:
+            return self._arrays[rel]
+        path = self._verify(rel)
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
+            raise ShardFormatError(f"{path}: not a readable .npy array ({err})") from None
+        if length is not None and (arr.ndim < 1 or arr.shape[0] != length):
+            raise ShardFormatError(f"{path}: shape {arr.shape}, expected {length} rows")
+        self._arrays[rel] = arr
+        return arr
+
+    def verify_files(self, names: list[str] | None = None) -> list[str]:
+        """Check ``names`` (default: every listed file) at this source's level now; returns
+        the names checked. :meth:`adjacency` and the others do this lazily."""
+        names = sorted(self.manifest.files) if names is None else names
+        for rel in names:
+            self._verify(rel)
+        return names
+
+    def _verify(self, rel: str) -> Path:
+        """``rel`` checked against the manifest at this source's level."""
+        try:
+            return self.manifest.verify(rel, self.verify)
+        except ShardFormatError:
+            raise
+        except FormatError as err:
+            raise ShardFormatError(str(err)) from None
+
+    def mapped_files(self) -> list[str]:
+        """The files mapped (and checked) so far, sorted."""
+        return sorted(self._arrays)
 
     def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
         """Block of Â₁ (parity 0) or Â₂ (parity 1), merged from the overlapping file blocks."""
@@ -215,7 +381,7 @@ class DiskSource:
         for i in _overlap(rb, *rows):
             for j in _overlap(cb, *cols):
                 stem = f"adj{parity}/r{i}_c{j}"
-                indptr = self._array(f"{stem}.indptr.npy")
+                indptr = self._array(f"{stem}.indptr.npy", rb[i + 1] - rb[i] + 1)
                 lo = max(rows[0], rb[i]) - rb[i]
                 hi = min(rows[1], rb[i + 1]) - rb[i]
                 start, stop = int(indptr[lo]), int(indptr[hi])
@@ -240,9 +406,10 @@ class DiskSource:
 
     def root(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
         """Block of the permutation from order ``parity`` to order ``1 - parity``."""
+        n = self.num_nodes
         return root_block(
-            torch.from_numpy(np.array(self._array(f"inv.{1 - parity}.npy")[rows[0] : rows[1]])),
-            _LazyTake(self._array(f"perm.{parity}.npy")),
+            torch.from_numpy(np.array(self._array(f"inv.{1 - parity}.npy", n)[rows[0] : rows[1]])),
+            _LazyTake(self._array(f"perm.{parity}.npy", n)),
             (0, rows[1] - rows[0]),
             cols,
             torch.float32,
@@ -251,19 +418,20 @@ class DiskSource:
 
     def features(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         """Input features (order 0) of positions ``rows``, columns ``cols``."""
-        arr = self._array("feat.npy")
+        arr = self._array("feat.npy", self.num_nodes)
         return torch.from_numpy(np.array(arr[rows[0] : rows[1], cols[0] : cols[1]]))
 
     def node_ids(self, order: int, rows: tuple[int, int]) -> torch.Tensor:
         """Original node ids at positions ``rows`` of ``order``."""
-        return torch.from_numpy(np.array(self._array(f"inv.{order}.npy")[rows[0] : rows[1]]))
+        arr = self._array(f"inv.{order}.npy", self.num_nodes)
+        return torch.from_numpy(np.array(arr[rows[0] : rows[1]]))
 
     def node_data(self, name: str, order: int, rows: tuple[int, int]) -> torch.Tensor:
         """Labels or masks at positions ``rows`` of ``order``."""
-        rel = f"node/{name}.{order}.npy"
-        if rel not in self.meta["files"]:
+        if name not in self.meta["node_data"]:
             raise KeyError(f"shard folder {self.path} has no node data {name!r}")
-        return torch.from_numpy(np.array(self._array(rel)[rows[0] : rows[1]]))
+        arr = self._array(f"node/{name}.{order}.npy", self.num_nodes)
+        return torch.from_numpy(np.array(arr[rows[0] : rows[1]]))
 
 
 class _LazyTake:

@@ -1,7 +1,11 @@
 """Full-graph GCN / GraphSAGE training on an x × y × z grid (the ``gcn`` task).
 
-Rank 0 cuts the dataset into a shard folder once (next to the run, or where ``shards``
-points); every rank then reads only its own blocks. The grid comes from ``grid`` or, when
+Rank 0 cuts the dataset into a shard folder (next to the run, or where ``shards`` points)
+and records the dataset's fingerprint in it; a later run compares that with the dataset it
+is given and rebuilds a folder it owns that was made from other data or options (one line
+on stderr), or refuses a given ``shards`` folder made from another graph. Every rank then
+reads only its own blocks, each file checked against the manifest when first mapped
+(``verify``: checksum, or size for very large folders). The grid comes from ``grid`` or, when
 not given, from the communication model in :mod:`gnnpar.plan`.
 
 ``mixed_precision = "bf16"``: master weights and Adam's state in ``dtype`` (float32), Â,
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +32,14 @@ from gnnpar.grid import backend_for_choice, parse_grid_spec
 from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid
 from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
-from gnnpar.sparse.shards import DiskSource, prepare_shards
+from gnnpar.sparse.shards import (
+    DiskSource,
+    OldShardFolderError,
+    ShardFormatError,
+    prepare_shards,
+    read_shard_manifest,
+    shard_provenance,
+)
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train.config import ConfigError, TrainerConfig, option
 from gnnpar.train.precision import compute_dtype, master_dtype
@@ -60,6 +72,10 @@ class FullGraphConfig(TrainerConfig):
         "random", "node relabelling: random (Plexus), balanced, balanced-local, none"
     )
     overlap_chunks: int = option(1, "row chunks whose all-reduce overlaps the next SpMM")
+    verify: str = option(
+        "checksum",
+        "shard files each rank maps are checked at open: checksum, or size (very large folders)",
+    )
     out: str = option("runs/gcn", "run folder: metrics.jsonl, checkpoints/, plots/, shards/")
 
     def check(self) -> None:
@@ -71,6 +87,8 @@ class FullGraphConfig(TrainerConfig):
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
         if self.permutation not in PERMUTATIONS:
             raise ConfigError(f"config key 'permutation' must be one of {', '.join(PERMUTATIONS)}")
+        if self.verify not in ("checksum", "size"):
+            raise ConfigError(f"config key 'verify' must be checksum or size, got {self.verify!r}")
         if self.mixed_precision == "fp16":
             raise ConfigError(
                 "config key 'mixed_precision': full-graph training supports none or bf16 "
@@ -86,8 +104,8 @@ class FullGraphConfig(TrainerConfig):
 
 
 def _shard_folder(cfg: FullGraphConfig) -> Path:
-    """The given folder, or one under the run folder named by everything that shapes the
-    shards, so that changing the dataset or its options never reuses stale shards."""
+    """The given folder, or one under the run folder named by the options that shape the
+    shards (its content is checked against the dataset's fingerprint by :func:`_prepare`)."""
     if cfg.shards:
         return Path(cfg.shards)
     keys = (cfg.dataset, cfg.root, cfg.dataset_options, cfg.model, cfg.blocks, cfg.permutation)
@@ -96,27 +114,81 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
     return Path(cfg.out) / "shards" / f"{name}-{digest}"
 
 
+def _norm(cfg: FullGraphConfig) -> str:
+    return "gcn" if cfg.model == "gcn" else "mean"
+
+
+def _load_dataset(cfg: FullGraphConfig):
+    from gnnpar.data import load
+    from gnnpar.data.commands import parse_options
+
+    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
+    return load(cfg.dataset, root=cfg.root, **parse_options(pairs))
+
+
+def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
+    """Why ``folder`` does not hold the shards ``expected`` describes (None if it does).
+    A folder the run owns must match every option; a given one only the graph."""
+    try:
+        recorded = read_shard_manifest(folder).meta["source"]
+    except OldShardFolderError:
+        if not owned:
+            raise
+        return f"shard folder {folder} was written by an older gnnpar"
+    except ShardFormatError as err:
+        if not owned:
+            raise
+        return str(err)
+    keys = expected if owned else ("graph",)
+    if all(recorded.get(k) == expected[k] for k in keys):
+        return None
+    return (
+        f"shard folder {folder} was made from graph {recorded.get('graph')} "
+        f"({_options_text(recorded)}), not from this dataset's {expected['graph']} "
+        f"({_options_text(expected)})"
+    )
+
+
+def _options_text(source: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={source.get(k)}" for k in ("norm", "blocks", "permutation", "seed"))
+
+
+def _build_or_check(cfg: FullGraphConfig, folder: Path) -> None:
+    """Rank 0: make the shards if missing; rebuild a folder the run owns if it was made
+    from other data or options (one line on stderr); refuse a given folder that was."""
+    graph = _load_dataset(cfg)
+    fingerprint = graph.fingerprint()
+    norm = _norm(cfg)
+    blocks = (cfg.blocks, cfg.blocks)
+    expected = shard_provenance(fingerprint, norm, blocks, cfg.seed, cfg.permutation)
+    owned = not cfg.shards
+    if folder.exists():
+        reason = _stale(folder, expected, owned)
+        if reason is None:
+            return
+        if not owned:
+            raise ConfigError(f"{reason}: prepare it again or point 'shards' elsewhere")
+        print(f"gnnpar: {reason}; rebuilding the shards", file=sys.stderr, flush=True)
+    prepare_shards(
+        graph,
+        folder,
+        norm=norm,
+        blocks=blocks,
+        seed=cfg.seed,
+        permutation=cfg.permutation,
+        overwrite=True,
+        fingerprint=fingerprint,
+    )
+
+
 def _prepare(cfg: FullGraphConfig, world: gnnpar.ProcessGrid) -> Path:
-    """Rank 0 cuts the shards if they are missing; the others wait."""
+    """Rank 0 makes, checks or rebuilds the shards (:func:`_build_or_check`); the others
+    wait."""
     folder = _shard_folder(cfg)
     error = torch.zeros(1, device=world.device)
-    if world.global_rank == 0 and not (folder / "meta.json").is_file():
-        from gnnpar.data import load
-
+    if world.global_rank == 0:
         try:
-            from gnnpar.data.commands import parse_options
-
-            pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
-            graph = load(cfg.dataset, root=cfg.root, **parse_options(pairs))
-            norm = "gcn" if cfg.model == "gcn" else "mean"
-            prepare_shards(
-                graph,
-                folder,
-                norm=norm,
-                blocks=(cfg.blocks, cfg.blocks),
-                seed=cfg.seed,
-                permutation=cfg.permutation,
-            )
+            _build_or_check(cfg, folder)
         except Exception:
             error += 1
             comm.all_reduce(error, world, "world")
@@ -138,8 +210,9 @@ class FullGraphTask:
             backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
         )
         folder = _prepare(cfg, world)
-        meta = json.loads((folder / "meta.json").read_text())
-        expected_norm = "gcn" if cfg.model == "gcn" else "mean"
+        self.source = DiskSource(folder, verify=cfg.verify)
+        meta = self.source.meta
+        expected_norm = _norm(cfg)
         if meta["norm"] != expected_norm:
             raise ConfigError(
                 f"shard folder {folder} holds a '{meta['norm']}'-normalised graph; model "
@@ -162,7 +235,6 @@ class FullGraphTask:
         else:
             shape = {"x": world.world_size}
         self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
-        self.source = DiskSource(folder)
         dtype = master_dtype(cfg)
         torch.manual_seed(cfg.seed)
         model = FullGraphGNN(
