@@ -157,12 +157,14 @@ def read_manifest(
     schema: str,
     versions: tuple[int, ...],
     remedy: str = "this version cannot read it",
+    sealed: bool = True,
 ) -> Manifest:
     """Read and check a folder's manifest: FormatError (one line, naming the folder) if it is
     missing, unreadable, of another schema or of an unknown version, if a file entry is
     malformed, or if the meta table was edited after it was written. ``remedy`` ends the
     message for a folder of an older gnnpar (``meta.json`` and no manifest), e.g.
-    ``"prepare it again"``."""
+    ``"prepare it again"``. ``sealed=False`` accepts a manifest without the meta checksum
+    (checkpoints written before it existed); every manifest written now carries one."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
@@ -190,8 +192,10 @@ def read_manifest(
         raise FormatError(f"{path}: manifest lacks its 'files' or 'meta' table")
     for name, entry in files.items():
         _check_entry(path, name, entry)
-    sealed = doc.get(META_CHECKSUM)
-    if sealed is not None and sealed != meta_digest(meta):
+    seal = doc.get(META_CHECKSUM)
+    if seal is None and sealed:
+        raise FormatError(f"{path}: no {META_CHECKSUM} (the meta table cannot be checked)")
+    if seal is not None and seal != meta_digest(meta):
         raise FormatError(
             f"{path}: the 'meta' table differs from its checksum (edited after it was written)"
         )

@@ -126,7 +126,7 @@ def test_bad_shard_folders(tmp_path):
             DiskSource(path)
     edited = {**manifest, "meta": {**manifest["meta"], "num_nodes": 30}}
     (path / "manifest.json").write_text(json.dumps(edited))
-    with pytest.raises(ShardFormatError, match="meta was edited"):
+    with pytest.raises(ShardFormatError, match="edited after it was written"):
         DiskSource(path)
     # a failed write leaves nothing behind
     bad = Graph.from_edges([0, 1], [1, 0], num_nodes=2)

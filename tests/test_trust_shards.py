@@ -89,7 +89,7 @@ def _to_old_format(folder: Path) -> None:
         rel: {"bytes": e["size"], "crc32": zlib.crc32((folder / rel).read_bytes())}
         for rel, e in manifest["files"].items()
     }
-    meta = {k: v for k, v in manifest["meta"].items() if k not in ("source", "digest")}
+    meta = {k: v for k, v in manifest["meta"].items() if k != "source"}
     (folder / "meta.json").write_text(json.dumps({"schema": 1, **meta, "files": files}))
     (folder / "manifest.json").unlink()
 
@@ -98,13 +98,13 @@ def test_old_format_shard_folder_refused_or_rebuilt(tmp_path, capsys):
     graph = _sbm(tmp_path, num_nodes=120)
     given = prepare_shards(graph, tmp_path / "given", blocks=(2, 2))
     _to_old_format(given)
-    with pytest.raises(ShardFormatError, match="written by an older gnnpar: prepare it again"):
+    with pytest.raises(ShardFormatError, match=r"written by an older gnnpar .*: prepare it again"):
         DiskSource(given)
     data, run = tmp_path / "g", tmp_path / "run"
     save_graph(graph, data)
     capsys.readouterr()
     assert _train(data, tmp_path / "run2", "--shards", str(given)) == 2
-    assert "written by an older gnnpar: prepare it again" in capsys.readouterr().err
+    assert "prepare it again" in capsys.readouterr().err
     # a folder the run owns is rebuilt, with one line saying so
     assert _train(data, run) == 0
     _to_old_format(_shard_folder(run))

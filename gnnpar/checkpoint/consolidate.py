@@ -29,7 +29,7 @@ def open_checkpoint(path: str | os.PathLike) -> Manifest:
         folders = candidates(path / "checkpoints")
     if not folders:
         raise CheckpointError(f"{path} holds no checkpoint")
-    return read_manifest(folders[0], SCHEMA, (VERSION,))
+    return read_manifest(folders[0], SCHEMA, (VERSION,), sealed=False)
 
 
 def consolidate(path: str | os.PathLike, verify: str = "checksum") -> dict[str, torch.Tensor]:

@@ -363,7 +363,7 @@ def load(
     problems = []
     for folder in folders:
         try:
-            manifest = read_manifest(folder, SCHEMA, (VERSION,))
+            manifest = read_manifest(folder, SCHEMA, (VERSION,), sealed=False)
         except FormatError as err:
             if "older gnnpar" in str(err):
                 raise

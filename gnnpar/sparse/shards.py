@@ -26,7 +26,9 @@ version 2); every array is a ``.npy`` file, memory-mappable::
 - ``node_data`` (list of str): names under ``node/``.
 - ``source`` (provenance, :func:`shard_provenance`): ``graph`` (the source graph's
   :meth:`~gnnpar.graph.Graph.fingerprint`), ``norm``, ``blocks``, ``permutation``, ``seed``.
-- ``digest``: XXH3-64 of the other fields (canonical JSON), so an edited value is an error.
+
+The manifest's ``meta_xxh3_64`` seals the meta table (:func:`gnnpar.verified.meta_digest`), so
+an edited value is an error like a changed file.
 
 Reading (:class:`DiskSource`) checks the manifest when it opens the folder and, the first
 time it maps a file, that file against its entry (``verify``: ``"checksum"``, the default;
@@ -44,28 +46,23 @@ Example::
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.layout import chunk
 from gnnpar.sparse.source import inverse, make_permutations, root_block
 from gnnpar.verified import (
-    CHECKSUM,
     MANIFEST,
     FormatError,
     Manifest,
-    file_entry,
     read_manifest,
+    save_npy,
+    write_folder,
     write_manifest,
 )
 
@@ -95,34 +92,6 @@ class OldShardFolderError(ShardFormatError):
     """A shard folder written before the manifest (``meta.json``, crc32 checksums)."""
 
 
-# ------------------------------------------------------------------- sealed metadata
-# Generic helpers (a digest over a manifest's meta): candidates for gnnpar.verified.
-def _meta_digest(meta: dict[str, Any]) -> str:
-    """XXH3-64 of ``meta`` without its ``digest`` key, as canonical JSON."""
-    body = {k: v for k, v in meta.items() if k != "digest"}
-    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _seal(meta: dict[str, Any]) -> dict[str, Any]:
-    """``meta`` with its ``digest``."""
-    return {**meta, "digest": _meta_digest(meta)}
-
-
-def _check_seal(meta: dict[str, Any], where: Path) -> None:
-    """FormatError unless ``meta`` carries the digest of its other fields."""
-    if meta.get("digest") != _meta_digest(meta):
-        raise ShardFormatError(f"{where}: its meta was edited (digest differs)")
-
-
-def _check_files_table(manifest: Manifest) -> None:
-    """FormatError unless every ``files`` entry has an integer size and a checksum string."""
-    for name, entry in manifest.files.items():
-        ok = isinstance(entry, dict) and isinstance(entry.get(CHECKSUM), str)
-        size = entry.get("size") if isinstance(entry, dict) else None
-        if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ShardFormatError(f"{manifest.folder / MANIFEST}: bad entry for {name!r}")
-
-
 # ------------------------------------------------------------------------ provenance
 def shard_provenance(
     graph_fingerprint: str,
@@ -145,10 +114,7 @@ def shard_provenance(
 
 # --------------------------------------------------------------------------- writing
 def _save(root: Path, rel: str, array: np.ndarray, files: dict) -> None:
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, np.ascontiguousarray(array))
-    files[rel] = file_entry(path)
+    files[rel] = save_npy(root / rel, array)
 
 
 def _normalised(graph, norm: str):
@@ -191,12 +157,11 @@ def prepare_shards(
     p, p2 = make_permutations(permutation, g.indptr, g.indices, seed, max(r_parts, c_parts))
     inv = (p2, p)  # order o: node at each position (order 0 uses P₂)
     perms = (inverse(p2), inverse(p))  # order o: position of each node
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    files: dict[str, dict[str, Any]] = {}
-    try:
-        row_bounds = [chunk(n, r_parts, i)[0] for i in range(r_parts)] + [n]
-        col_bounds = [chunk(n, c_parts, j)[0] for j in range(c_parts)] + [n]
+    row_bounds = [chunk(n, r_parts, i)[0] for i in range(r_parts)] + [n]
+    col_bounds = [chunk(n, c_parts, j)[0] for j in range(c_parts)] + [n]
+
+    def fill(tmp: Path) -> None:
+        files: dict[str, dict[str, Any]] = {}
         for parity, (rp, cp) in enumerate(((perms[1], perms[0]), (perms[0], perms[1]))):
             a = csr.permute(g.indptr, g.indices, values, rp, cp)
             for i in range(r_parts):
@@ -237,13 +202,9 @@ def prepare_shards(
             "node_data": names,
             "source": source,
         }
-        write_manifest(tmp, SCHEMA, VERSION, files, _seal(meta))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_manifest(tmp, SCHEMA, VERSION, files, meta)
+
+    write_folder(out, fill, overwrite)
     return out
 
 
@@ -288,21 +249,20 @@ def _check_meta(meta: dict[str, Any], where: Path) -> None:
 
 def read_shard_manifest(path: str | Path) -> Manifest:
     """The manifest of the shard folder ``path``, checked (schema and version, files table,
-    meta digest and fields): :class:`ShardFormatError` naming what is wrong,
+    meta checksum and fields): :class:`ShardFormatError` naming what is wrong,
     :class:`OldShardFolderError` for a folder of the format before the manifest."""
     path = Path(path)
     if not (path / MANIFEST).is_file() and (path / "meta.json").is_file():
-        raise OldShardFolderError(f"{path}: written by an older gnnpar: prepare it again")
+        raise OldShardFolderError(
+            f"{path}: written by an older gnnpar (meta.json, no {MANIFEST}): prepare it again"
+        )
     try:
         manifest = read_manifest(path, SCHEMA, (VERSION,))
     except ShardFormatError:
         raise
     except FormatError as err:
         raise ShardFormatError(str(err)) from None
-    where = path / MANIFEST
-    _check_files_table(manifest)
-    _check_seal(manifest.meta, where)
-    _check_meta(manifest.meta, where)
+    _check_meta(manifest.meta, path / MANIFEST)
     return manifest
 
 
