@@ -191,13 +191,20 @@ def test_skip_nonfinite_undoes_bad_steps_and_counts_them(tmp_path):
 
 # ----------------------------------------------------------------------- failed ranks
 def test_a_user_error_in_one_of_two_ranks_is_one_line_exit_2(tmp_path):
-    """Rank 0 cannot read the dataset while it cuts the shards; rank 1 only hears that it
-    failed. The user sees one line naming rank 0 and the missing files."""
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    argv = ["train", "gcn", "--nprocs", "2", "--dataset", "citeseer", "--root", str(empty)]
-    argv += ["--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]
-    env = {**os.environ, "GNNPAR_DEVICE": "cpu", "GNNPAR_DATA": str(tmp_path / "cache")}
+    """A given shard folder of the right graph passes the checks before launch, but one of
+    its block files was changed (same size); the rank that maps it finds out, its peer only
+    hears that it failed. The user sees one line naming that rank and the file."""
+    first = tmp_path / "first"
+    base = ["train", "gcn", "--dataset", "karate", "--epochs", "1", "--quiet", "--blocks", "1"]
+    assert main([*base, "--out", str(first)]) == 0
+    (shards,) = [p for p in (first / "shards").iterdir() if not p.name.startswith(".")]
+    block = shards / "adj0" / "r0_c0.values.npy"
+    data = bytearray(block.read_bytes())
+    data[-4:] = b"\x00\x00\x80\x7f"  # the last weight becomes +inf, same size
+    block.write_bytes(bytes(data))
+    argv = [*base, "--nprocs", "2", "--grid", "x=2", "--shards", str(shards)]
+    argv += ["--out", str(tmp_path / "run")]
+    env = {**os.environ, "GNNPAR_DEVICE": "cpu"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     proc = subprocess.run(
@@ -211,7 +218,8 @@ def test_a_user_error_in_one_of_two_ranks_is_one_line_exit_2(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("gnnpar train: error: rank 0 of 2: no ind.citeseer.* files")
+    assert lines[0].startswith("gnnpar train: error: rank "), lines[0]
+    assert "r0_c0.values.npy: checksum differs from the manifest" in lines[0]
     assert not any(word in proc.stderr + proc.stdout for word in NOISE)
 
 

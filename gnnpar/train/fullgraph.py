@@ -42,6 +42,7 @@ from gnnpar.sparse.shards import (
 )
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train.config import ConfigError, TrainerConfig, option
+from gnnpar.train.loop import load_dataset
 from gnnpar.train.precision import compute_dtype, master_dtype
 
 
@@ -118,14 +119,6 @@ def _norm(cfg: FullGraphConfig) -> str:
     return "gcn" if cfg.model == "gcn" else "mean"
 
 
-def _load_dataset(cfg: FullGraphConfig):
-    from gnnpar.data import load
-    from gnnpar.data.commands import parse_options
-
-    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
-    return load(cfg.dataset, root=cfg.root, **parse_options(pairs))
-
-
 def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
     """Why ``folder`` does not hold the shards ``expected`` describes (None if it does).
     A folder the run owns must match every option; a given one only the graph."""
@@ -153,27 +146,36 @@ def _options_text(source: dict[str, Any]) -> str:
     return ", ".join(f"{k}={source.get(k)}" for k in ("norm", "blocks", "permutation", "seed"))
 
 
+def _expected_source(cfg: FullGraphConfig, fingerprint: str) -> dict[str, Any]:
+    """The provenance shards made from the graph ``fingerprint`` with ``cfg`` would record."""
+    blocks = (cfg.blocks, cfg.blocks)
+    return shard_provenance(fingerprint, _norm(cfg), blocks, cfg.seed, cfg.permutation)
+
+
+def _refused(reason: str) -> ConfigError:
+    return ConfigError(f"{reason}: prepare it again or point 'shards' elsewhere")
+
+
 def _build_or_check(cfg: FullGraphConfig, folder: Path) -> None:
     """Rank 0: make the shards if missing; rebuild a folder the run owns if it was made
     from other data or options (one line on stderr); refuse a given folder that was."""
-    graph = _load_dataset(cfg)
+    graph = load_dataset(cfg)
+    graph.check_trainable()
     fingerprint = graph.fingerprint()
-    norm = _norm(cfg)
-    blocks = (cfg.blocks, cfg.blocks)
-    expected = shard_provenance(fingerprint, norm, blocks, cfg.seed, cfg.permutation)
+    expected = _expected_source(cfg, fingerprint)
     owned = not cfg.shards
     if folder.exists():
         reason = _stale(folder, expected, owned)
         if reason is None:
             return
         if not owned:
-            raise ConfigError(f"{reason}: prepare it again or point 'shards' elsewhere")
+            raise _refused(reason)
         print(f"gnnpar: {reason}; rebuilding the shards", file=sys.stderr, flush=True)
     prepare_shards(
         graph,
         folder,
-        norm=norm,
-        blocks=blocks,
+        norm=_norm(cfg),
+        blocks=(cfg.blocks, cfg.blocks),
         seed=cfg.seed,
         permutation=cfg.permutation,
         overwrite=True,
@@ -203,6 +205,17 @@ class FullGraphTask:
     """The ``gcn`` task: full-graph training of a GCN or GraphSAGE on sharded data."""
 
     unit = "epoch"
+
+    @staticmethod
+    def preflight(cfg: FullGraphConfig, world_size: int) -> None:
+        """Before launch: the dataset loads and can be trained on, and a given ``shards``
+        folder was made from it (a folder the run owns is rebuilt by rank 0 instead)."""
+        graph = load_dataset(cfg)
+        graph.check_trainable()
+        if cfg.shards and Path(cfg.shards).exists():
+            reason = _stale(Path(cfg.shards), _expected_source(cfg, graph.fingerprint()), False)
+            if reason is not None:
+                raise _refused(reason)
 
     def __init__(self, cfg: FullGraphConfig):
         self.cfg = cfg

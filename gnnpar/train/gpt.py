@@ -284,6 +284,14 @@ class GPTTask:
 
     unit = "step"
 
+    @staticmethod
+    def preflight(cfg: GPTTaskConfig, world_size: int) -> None:
+        """Before launch: the ``data`` text exists and decodes as UTF-8 (one line naming the
+        file and the byte offset otherwise)."""
+        from gnnpar.data.text import read_source
+
+        read_source(cfg.data)
+
     def __init__(self, cfg: GPTTaskConfig, corpus: Any = None):
         """``corpus``: the tokenised text (default: ``cfg.data`` read and tokenised; tests
         and benchmarks pass their own: anything with ``split``, ``encode``, ``decode`` and

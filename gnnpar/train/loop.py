@@ -151,6 +151,16 @@ def check_dataset_options(cfg: Any) -> None:
         raise ConfigError(f"config key '{key}': {err}") from None
 
 
+def load_dataset(cfg: Any) -> Any:
+    """The graph a task's ``dataset``, ``root`` and ``dataset_options`` name (a catalogue
+    entry prepared under ``root``, or a graph folder)."""
+    from gnnpar.data import load
+    from gnnpar.data.commands import parse_options
+
+    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
+    return load(cfg.dataset, root=cfg.root, **parse_options(pairs))
+
+
 class _Snapshot:
     """Copies of a task's parameters, buffers and optimizer state, to undo one step."""
 

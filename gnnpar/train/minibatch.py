@@ -53,6 +53,7 @@ from gnnpar.sampling import (
 from gnnpar.sampling.rng import derive_key
 from gnnpar.shard import FCDP, by_type, shard
 from gnnpar.train.config import ConfigError, DataParallelConfig, TrainerConfig, option
+from gnnpar.train.loop import load_dataset
 from gnnpar.train.precision import (
     LossScaler,
     compute_dtype,
@@ -131,14 +132,6 @@ class MiniBatchConfig(DataParallelConfig, TrainerConfig):
             raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
 
 
-def _load_graph(cfg: MiniBatchConfig) -> Any:
-    from gnnpar.data import load
-    from gnnpar.data.commands import parse_options
-
-    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
-    return load(cfg.dataset, root=cfg.root, **parse_options(pairs))
-
-
 def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
     """The given folder, or one under the run folder named by everything that shapes the
     partition, so that a change of dataset, options or method never reuses a stale one."""
@@ -186,7 +179,7 @@ def _write_parts(cfg: MiniBatchConfig, folder: Path, parts: int) -> dict[str, An
     """Partition the dataset into ``parts`` and write ``folder``; returns its meta."""
     import partitioners
 
-    graph = _load_graph(cfg)
+    graph = load_dataset(cfg)
     graph.check_trainable()
     balance = ["nodes", "train"] if cfg.partition_method == "metis" else None
     part = partitioners.partition(
@@ -223,6 +216,14 @@ class MiniBatchTask:
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
     unit = "epoch"
+
+    @staticmethod
+    def preflight(cfg: MiniBatchConfig, world_size: int) -> None:
+        """Before launch: the dataset loads and has training nodes, and a given
+        ``partitions`` folder that exists was cut from it (:func:`check_partitions`)."""
+        load_dataset(cfg).check_trainable()
+        if cfg.partitions and Path(cfg.partitions).exists():
+            check_partitions(cfg)
 
     def __init__(self, cfg: MiniBatchConfig):
         self.cfg = cfg
@@ -268,7 +269,7 @@ class MiniBatchTask:
     # ------------------------------------------------------------------ setup
     def _setup_graph(self) -> None:
         cfg = self.cfg
-        graph = _load_graph(cfg)
+        graph = load_dataset(cfg)
         try:
             graph.check_trainable()
         except ValueError as err:
