@@ -107,6 +107,41 @@ def test_a_tasks_preflight_hook_runs_before_launch(one_process, tmp_path, monkey
     assert "dataset sbm does not match partition P" in _one_line(capsys)
 
 
+def test_foreign_artefacts_and_bad_text_are_refused_before_launch(
+    one_process, tmp_path, monkeypatch, capsys
+):
+    """The tasks' own hooks: a partition or shard folder made from another graph, a graph
+    with no training nodes and non-UTF-8 text stop the run before any rank starts."""
+    import partitioners
+    from gnnpar.data import load
+    from gnnpar.data.storage import save_graph
+    from gnnpar.sparse.shards import prepare_shards
+
+    _no_launch(monkeypatch)
+    small = load("sbm", root=str(tmp_path / "gen"), num_nodes=120, feat_dim=8, num_val=20,
+                 num_test=20)  # fmt: skip
+    parts = tmp_path / "parts"
+    partitioners.write(small, partitioners.partition(small, 2, method="random"), parts, halo=1)
+    shards = prepare_shards(small, tmp_path / "shards", blocks=(1, 1))
+    two = ["--nprocs", "2", "--dataset-options", "num_nodes=150"]
+    assert main(["train", "sage", *two, "--partitions", str(parts), "--out", str(tmp_path)]) == 2
+    assert "partition it again" in _one_line(capsys)
+    assert main(["train", "gcn", *two, "--shards", str(shards), "--out", str(tmp_path)]) == 2
+    assert f"shard folder {shards} was made from graph" in _one_line(capsys)
+    untrained = tmp_path / "untrained"
+    small.ndata["train_mask"] = torch.zeros(small.num_nodes, dtype=torch.bool)
+    save_graph(small, untrained)
+    for task in ("gcn", "sage"):
+        out = ["--out", str(tmp_path / f"c-{task}")]
+        assert main(["train", task, "--nprocs", "2", "--dataset", str(untrained), *out]) == 2
+        assert "no training nodes" in _one_line(capsys)
+    text = tmp_path / "bad.txt"
+    text.write_bytes(b"plain words, then \xff\xfe")
+    argv = ["train", "gpt", "--nprocs", "2", "--data", str(text), "--out", str(tmp_path / "d")]
+    assert main(argv) == 2
+    assert f"{text}: not UTF-8 text (byte offset 18" in _one_line(capsys)
+
+
 def test_under_plain_torchrun_an_error_every_rank_raises_is_printed_by_rank_0(
     one_process, tmp_path, monkeypatch, capsys
 ):
