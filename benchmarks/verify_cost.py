@@ -111,7 +111,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/out/verify_cost.json")
+    parser.add_argument("--quick", action="store_true", help="R-MAT scale 12, 2 repetitions")
     args = parser.parse_args()
+    if args.quick:
+        args.scale, args.reps = 12, 2
+        args.out = args.out.replace(".json", "-quick.json")
     os.environ.pop("WORLD_SIZE", None)
     torch.set_num_threads(args.threads)
 
