@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from gnnpar.checkpoint.chunks import concat, copy_overlap
-from gnnpar.checkpoint.protocol import SCHEMA, VERSION, CheckpointError, candidates
+from gnnpar.checkpoint.protocol import CheckpointError, candidates
 from gnnpar.checkpoint.state import MODEL
 from gnnpar.checkpoint.store import plan_reads
-from gnnpar.verified import Manifest, load_tensors, read_manifest
+from gnnpar.checkpoint.validate import check_stored, read_checkpoint
+from gnnpar.verified import Manifest, load_tensors
 
 __all__ = ["consolidate", "describe", "open_checkpoint"]
 
@@ -29,7 +30,7 @@ def open_checkpoint(path: str | os.PathLike) -> Manifest:
         folders = candidates(path / "checkpoints")
     if not folders:
         raise CheckpointError(f"{path} holds no checkpoint")
-    return read_manifest(folders[0], SCHEMA, (VERSION,), sealed=False)
+    return read_checkpoint(folders[0])
 
 
 def consolidate(path: str | os.PathLike, verify: str = "checksum") -> dict[str, torch.Tensor]:
@@ -54,6 +55,7 @@ def consolidate(path: str | os.PathLike, verify: str = "checksum") -> dict[str, 
     for _, _, src, _ in pairs:
         if src.file not in blobs:
             blobs[src.file] = load_tensors(manifest.verify(src.file, verify))
+            check_stored(manifest, src.file, blobs[src.file])
     with torch.no_grad():
         for piece, t, src, s in pairs:
             copy_overlap(piece.tensor.view(-1), t, blobs[src.file][src.entry], s)

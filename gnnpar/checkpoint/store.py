@@ -41,13 +41,13 @@ from gnnpar.checkpoint.state import (
     model_layout,
     optimizer_pieces,
 )
+from gnnpar.checkpoint.validate import check_stored, read_checkpoint
 from gnnpar.grid import ProcessGrid
 from gnnpar.verified import (
     FormatError,
     Manifest,
     file_entry,
     load_tensors,
-    read_manifest,
     save_tensors,
     write_manifest,
 )
@@ -363,7 +363,7 @@ def load(
     problems = []
     for folder in folders:
         try:
-            manifest = read_manifest(folder, SCHEMA, (VERSION,), sealed=False)
+            manifest = read_checkpoint(folder)
         except FormatError as err:
             if "older gnnpar" in str(err):
                 raise
@@ -388,6 +388,7 @@ def load(
         for name in files:
             try:
                 blobs[name] = load_tensors(manifest.verify(name, verify))
+                check_stored(manifest, name, blobs[name])
             except FormatError as err:
                 index = ordered.index(name)
                 if "not a readable tensor file" in str(err) and "objects other than" in str(err):
@@ -433,7 +434,7 @@ def load(
 def _reason(manifest: Manifest, name: str, verify: str) -> str:
     """Why a file failed (re-checked on the reporting rank)."""
     try:
-        load_tensors(manifest.verify(name, verify))
+        check_stored(manifest, name, load_tensors(manifest.verify(name, verify)))
     except FormatError as err:
         text = str(err)
         return text.split(": ", 1)[1] if text.startswith(str(manifest.folder)) else text

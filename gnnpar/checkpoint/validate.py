@@ -1,0 +1,144 @@
+"""A checkpoint's layout, checked against itself before anything is read into a model.
+
+The manifest's checksum catches a changed file and its meta checksum an edited value; this
+module catches a layout that is consistent with its checksums but not with itself (an editor
+who recomputed them, or a writer bug): every tensor has a known dtype and a shape of
+non-negative sizes, every stored chunk names a listed file and a known tensor and lies inside
+it, the distinct chunks of a tensor cover it without overlapping, and each stored entry holds
+the elements its chunks address. Each failure is one
+:class:`~gnnpar.verified.FormatError` naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gnnpar.checkpoint.chunks import Chunk, overlap_volume
+from gnnpar.checkpoint.protocol import SCHEMA, VERSION
+from gnnpar.verified import MANIFEST, FormatError, Manifest, read_manifest
+
+__all__ = ["check_layout", "check_stored", "read_checkpoint"]
+
+
+def read_checkpoint(folder: str | os.PathLike) -> Manifest:
+    """The manifest of the step folder ``folder``, read (:func:`gnnpar.verified.read_manifest`)
+    and its layout checked (:func:`check_layout`)."""
+    manifest = read_manifest(folder, SCHEMA, (VERSION,), sealed=False)
+    check_layout(manifest)
+    return manifest
+
+
+def _is_size(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _dtype(name: Any) -> torch.dtype | None:
+    value = getattr(torch, name, None) if isinstance(name, str) and name else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _chunk(doc: Any, where: Path) -> Chunk:
+    """A stored chunk ``[key, offsets, sizes, at, transposed]`` with the right types."""
+    ok = isinstance(doc, list) and len(doc) == 5
+    if ok:
+        key, offsets, sizes, at, transposed = doc
+        ok = (
+            isinstance(key, str)
+            and isinstance(offsets, list)
+            and isinstance(sizes, list)
+            and len(offsets) == len(sizes)
+            and all(_is_size(v) for v in (*offsets, *sizes, at))
+            and transposed in (0, 1)
+        )
+    if not ok:
+        raise FormatError(f"{where}: malformed stored chunk {str(doc)[:80]}")
+    return Chunk.from_json(doc)
+
+
+def check_layout(manifest: Manifest) -> None:
+    """FormatError unless the manifest's ``tensors`` and ``pieces`` describe every tensor
+    exactly (see the module docstring)."""
+    where = manifest.folder / MANIFEST
+    tensors, pieces = manifest.meta.get("tensors"), manifest.meta.get("pieces")
+    if not isinstance(tensors, dict) or not isinstance(pieces, dict):
+        raise FormatError(f"{where}: the meta lacks its 'tensors' or 'pieces' table")
+    shapes: dict[str, list[int]] = {}
+    for key, spec in tensors.items():
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        if not isinstance(shape, list) or not all(_is_size(s) for s in shape):
+            raise FormatError(f"{where}: tensor {key!r} has no valid shape ({shape!r})")
+        if _dtype(spec.get("dtype")) is None:
+            raise FormatError(f"{where}: tensor {key!r} has an unknown dtype {spec.get('dtype')!r}")
+        shapes[key] = shape
+    chunks: dict[str, list[Chunk]] = {key: [] for key in tensors}
+    for file, entries in pieces.items():
+        if file not in manifest.files or not isinstance(entries, dict):
+            raise FormatError(f"{where}: pieces of {file!r}, a file the manifest does not list")
+        for entry, docs in entries.items():
+            if not isinstance(docs, list):
+                raise FormatError(f"{where}: entry {entry!r} of {file!r} lists no chunks")
+            for doc in docs:
+                c = _chunk(doc, where)
+                shape = shapes.get(c.key)
+                inside = shape is not None and len(c.offsets) == len(shape) and all(
+                    o + s <= n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)
+                )
+                if not inside or (c.transposed and len(c.sizes) != 2):
+                    raise FormatError(
+                        f"{where}: a chunk of {file!r} lies outside tensor {c.key!r} "
+                        f"(shape {shape})"
+                    )
+                chunks[c.key].append(c)
+    for key, shape in shapes.items():
+        _check_cover(key, shape, chunks[key], where)
+    _check_keys(manifest.meta, shapes, where)
+
+
+def _check_keys(meta: dict[str, Any], shapes: dict[str, list[int]], where: Path) -> None:
+    """``keys`` (the model's state-dict keys) are names whose tensors are stored, or tied
+    names in ``aliases`` that point at such a key."""
+    from gnnpar.checkpoint.state import MODEL
+
+    keys, aliases = meta.get("keys"), meta.get("aliases")
+    if not isinstance(keys, list) or not isinstance(aliases, dict):
+        raise FormatError(f"{where}: the meta lacks its 'keys' or 'aliases'")
+    for key in keys:
+        target = aliases.get(key, key) if isinstance(key, str) else None
+        if not isinstance(target, str) or target in aliases or MODEL + target not in shapes:
+            raise FormatError(f"{where}: model key {key!r} names no stored tensor")
+
+
+def _check_cover(key: str, shape: list[int], chunks: list[Chunk], where: Path) -> None:
+    """The chunks of one tensor cover it: its distinct boxes (a replicated tensor, such as an
+    optimizer's step count, is stored by several ranks as the same box) add up to its size
+    and no two overlap."""
+    chunks = list({(c.offsets, c.sizes): c for c in chunks}.values())
+    total = sum(c.numel for c in chunks)
+    if total != math.prod(shape):
+        raise FormatError(
+            f"{where}: the stored chunks of {key!r} hold {total} of its {math.prod(shape)} "
+            "elements"
+        )
+    for i, a in enumerate(chunks):
+        for b in chunks[i + 1 :]:
+            if overlap_volume(a, b):
+                raise FormatError(f"{where}: two stored chunks of {key!r} overlap")
+
+
+def check_stored(manifest: Manifest, name: str, blob: dict[str, torch.Tensor]) -> None:
+    """FormatError unless the loaded file ``name`` holds every entry its pieces name, each
+    a flat tensor long enough for the chunks stored in it."""
+    for entry, docs in manifest.meta["pieces"].get(name, {}).items():
+        t = blob.get(entry)
+        need = max((c[3] + math.prod(c[2]) for c in docs), default=0)
+        if t is None or t.dim() != 1 or t.numel() < need:
+            got = "nothing" if t is None else f"shape {list(t.shape)}"
+            raise FormatError(
+                f"{manifest.folder / name}: entry {entry!r} holds {got}, its chunks need "
+                f"{need} elements"
+            )
