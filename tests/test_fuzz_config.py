@@ -67,7 +67,8 @@ def _run_cli(argv: list[str]) -> tuple[int, str]:
 
 
 def _assert_clean(code: int, err: str, argparse_ok: bool = False) -> None:
-    lines = err.strip().splitlines()
+    # lines end at "\n" only: a value the user typed may hold "\r" or other breaks
+    lines = err.strip("\n").split("\n")
     assert "Traceback" not in err
     if code == 0:
         return
