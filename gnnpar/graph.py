@@ -345,6 +345,17 @@ class Graph:
                 h.update(t.reshape(-1).view(torch.uint8).numpy())
         return h.hexdigest()
 
+    def record(self) -> dict[str, Any]:
+        """What a derived artefact records about the graph it was made from: its
+        :meth:`fingerprint`, name, sizes and number of classes (None without labels)."""
+        return {
+            "fingerprint": self.fingerprint(),
+            "name": self.name,
+            "num_nodes": self.num_nodes,
+            "num_edges": self.num_edges,
+            "num_classes": self.num_classes if self.label is not None else None,
+        }
+
     def in_degrees(self) -> torch.Tensor:
         """Number of in-edges of every node (the CSR row lengths)."""
         return self.indptr[1:] - self.indptr[:-1]

@@ -273,15 +273,7 @@ def source_of(graph: Any) -> dict[str, Any] | None:
     """What a partition records about the graph it was cut from: ``fingerprint``, ``name``,
     ``num_nodes``, ``num_edges``, ``num_classes`` of a ``gnnpar.Graph``; None for other
     inputs (scipy matrices, CSR tuples), which carry no fingerprint."""
-    if not hasattr(graph, "fingerprint"):
-        return None
-    return {
-        "fingerprint": graph.fingerprint(),
-        "name": graph.name,
-        "num_nodes": graph.num_nodes,
-        "num_edges": graph.num_edges,
-        "num_classes": graph.num_classes if graph.label is not None else None,
-    }
+    return graph.record() if hasattr(graph, "record") else None
 
 
 def _describe(record: Mapping[str, Any]) -> str:

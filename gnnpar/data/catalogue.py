@@ -249,11 +249,4 @@ def graph_record(name_or_path: str, root: str | Path | None = None, **kwargs: An
         folder = Path(name_or_path)
     if folder is not None:
         return read_source(folder)
-    graph = load(name_or_path, root, **kwargs)
-    return {
-        "fingerprint": graph.fingerprint(),
-        "name": graph.name,
-        "num_nodes": graph.num_nodes,
-        "num_edges": graph.num_edges,
-        "num_classes": graph.num_classes if graph.label is not None else None,
-    }
+    return load(name_or_path, root, **kwargs).record()
