@@ -526,7 +526,10 @@ def summarise_failure(error: Any, records: list[dict[str, Any]], nprocs: int) ->
     cause) and the exit code, from the ranks' records or, without any, from the launcher's
     ``ChildFailedError``."""
     if records:
-        root = records[0]
+        # an error several ranks raised alike (a NaN loss every rank sees) is named by the
+        # lowest of them, not by whichever wrote first
+        alike = [r for r in records if r["message"] == records[0]["message"]]
+        root = min(alike, key=lambda r: r["rank"])
         line = f"rank {root['rank']} of {nprocs}: {root['message']}"
         if root["detail"]:
             line += f" (its traceback follows)\n{root['detail'].rstrip()}"

@@ -278,6 +278,11 @@ def test_the_root_cause_comes_before_peers_lost_connections(tmp_path, monkeypatc
     assert line.splitlines()[0] == (
         "rank 2 of 3: ZeroDivisionError: division by zero (its traceback follows)"
     )
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # every rank fails alike
+    for rank in (2, 0, 1):
+        record_failure(tmp_path, rank, "loss is nan at epoch 2 of 3", 1)
+    line, _ = summarise_failure(None, read_failures(tmp_path), 3)
+    assert line == "rank 0 of 3: loss is nan at epoch 2 of 3"
 
 
 # --------------------------------------------------------------------------- OS errors
