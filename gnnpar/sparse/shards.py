@@ -57,9 +57,11 @@ from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.layout import chunk
 from gnnpar.sparse.source import inverse, make_permutations, root_block
 from gnnpar.verified import (
+    LEVELS,
     MANIFEST,
     FormatError,
     Manifest,
+    check_level,
     read_manifest,
     save_npy,
     write_folder,
@@ -80,7 +82,7 @@ __all__ = [
 
 SCHEMA = "gnnpar.shards"
 VERSION = 2
-VERIFY_LEVELS = ("checksum", "size", "none")
+VERIFY_LEVELS = LEVELS
 """``verify`` levels of :class:`DiskSource` (those of :meth:`Manifest.verify`)."""
 
 
@@ -270,15 +272,6 @@ def _overlap(bounds: list[int], lo: int, hi: int) -> list[int]:
     return [k for k in range(len(bounds) - 1) if bounds[k] < hi and bounds[k + 1] > lo]
 
 
-def _verify_level(verify: bool | str) -> str:
-    """``verify`` as a level name (``True``/``False``: ``"checksum"``/``"size"``)."""
-    if isinstance(verify, bool):
-        return "checksum" if verify else "size"
-    if verify not in VERIFY_LEVELS:
-        raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
-    return verify
-
-
 class DiskSource:
     """A :class:`~gnnpar.sparse.source.ShardSource` over a shard folder, reading only what
     the caller asks for (memory-mapped). Opening checks the manifest; each file is checked
@@ -287,7 +280,7 @@ class DiskSource:
 
     def __init__(self, path: str | Path, verify: bool | str = "checksum"):
         self.path = Path(path)
-        self.verify = _verify_level(verify)
+        self.verify = check_level(verify)
         self.manifest = read_shard_manifest(self.path)
         meta = self.manifest.meta
         self.meta = meta

@@ -143,12 +143,17 @@ def check_dataset_options(cfg: Any) -> None:
         return
     from gnnpar.data.commands import check_dataset
 
-    pairs = [p for p in (getattr(cfg, "dataset_options", None) or "").split(",") if p.strip()]
+    pairs = dataset_option_pairs(cfg)
     try:
         check_dataset(cfg.dataset, pairs)
     except ValueError as err:
         key = "dataset_options" if pairs else "dataset"
         raise ConfigError(f"config key '{key}': {err}") from None
+
+
+def dataset_option_pairs(cfg: Any) -> list[str]:
+    """A task's ``dataset_options`` (``"k=v,k=v"``) as its ``k=v`` items."""
+    return [p for p in (getattr(cfg, "dataset_options", None) or "").split(",") if p.strip()]
 
 
 def load_dataset(cfg: Any) -> Any:
@@ -157,8 +162,7 @@ def load_dataset(cfg: Any) -> Any:
     from gnnpar.data import load
     from gnnpar.data.commands import parse_options
 
-    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
-    return load(cfg.dataset, root=cfg.root, **parse_options(pairs))
+    return load(cfg.dataset, root=cfg.root, **parse_options(dataset_option_pairs(cfg)))
 
 
 class _Snapshot:

@@ -53,7 +53,7 @@ from gnnpar.sampling import (
 from gnnpar.sampling.rng import derive_key
 from gnnpar.shard import FCDP, by_type, shard
 from gnnpar.train.config import ConfigError, DataParallelConfig, TrainerConfig, option
-from gnnpar.train.loop import load_dataset
+from gnnpar.train.loop import dataset_option_pairs, load_dataset
 from gnnpar.train.precision import (
     LossScaler,
     compute_dtype,
@@ -148,8 +148,7 @@ def _dataset_record(cfg: MiniBatchConfig) -> dict[str, Any]:
     from gnnpar.data.catalogue import graph_record
     from gnnpar.data.commands import parse_options
 
-    pairs = [p for p in (cfg.dataset_options or "").split(",") if p.strip()]
-    return graph_record(cfg.dataset, root=cfg.root, **parse_options(pairs))
+    return graph_record(cfg.dataset, root=cfg.root, **parse_options(dataset_option_pairs(cfg)))
 
 
 def check_partitions(cfg: MiniBatchConfig, folder: str | Path | None = None) -> dict[str, Any]:
