@@ -6,8 +6,6 @@ equal to what was written; never another exception, never silently changed value
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from hypothesis import strategies as st
 import gnnpar
 from gnnpar import checkpoint
 from gnnpar.verified import meta_digest
+from tests.fuzz_folders import check_outcome, flip_bit, truncate
 
 FUZZ = settings(
     max_examples=25,
@@ -60,44 +59,19 @@ def pristine(tmp_path_factory):
 
 def _outcome(pristine, mutate) -> None:
     grid, folder, want, _ = pristine
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(shutil.copytree(folder, Path(tmp) / folder.name))
-        mutate(copy)
-        try:
-            got = _read(copy, grid)
-        except ValueError as err:  # FormatError and CheckpointError are ValueErrors
-            message = str(err)
-            assert "\n" not in message and str(copy) in message, message
-            return
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    check_outcome(folder, lambda copy: _read(copy, grid), want, mutate)
 
 
 @FUZZ
 @given(data=st.data())
 def test_truncated_file(pristine, data):
-    name = data.draw(st.sampled_from(pristine[3]))
-
-    def truncate(copy: Path) -> None:
-        raw = (copy / name).read_bytes()
-        (copy / name).write_bytes(raw[: data.draw(st.integers(0, max(len(raw) - 1, 0)))])
-
-    _outcome(pristine, truncate)
+    _outcome(pristine, truncate(data, data.draw(st.sampled_from(pristine[3]))))
 
 
 @FUZZ
 @given(data=st.data())
 def test_flipped_bit(pristine, data):
-    name = data.draw(st.sampled_from(pristine[3]))
-
-    def flip(copy: Path) -> None:
-        raw = bytearray((copy / name).read_bytes())
-        i = data.draw(st.integers(0, len(raw) - 1))
-        raw[i] ^= 1 << data.draw(st.integers(0, 7))
-        (copy / name).write_bytes(bytes(raw))
-
-    _outcome(pristine, flip)
+    _outcome(pristine, flip_bit(data, data.draw(st.sampled_from(pristine[3]))))
 
 
 def _paths(value, prefix=()):

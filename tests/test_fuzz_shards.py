@@ -5,8 +5,6 @@ to what was written; never another exception, never a silently changed result.""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from hypothesis import strategies as st
 from gnnpar.graph import Graph
 from gnnpar.sparse.shards import DiskSource, prepare_shards
 from tests.fullgraph_utils import small_graph
+from tests.fuzz_folders import check_outcome, flip_bit, truncate
 
 N = 23
 FUZZ = settings(
@@ -56,45 +55,19 @@ def pristine(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], list[str]
 def _outcome(pristine, mutate) -> None:
     """Copy the folder, ``mutate(copy)``, read it: a clear error or the written data."""
     folder, want, _ = pristine
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(shutil.copytree(folder, Path(tmp) / "s"))
-        mutate(copy)
-        try:
-            got = _read_all(copy)
-        except ValueError as err:  # FormatError is a ValueError
-            message = str(err)
-            assert "\n" not in message and str(copy) in message, message
-            return
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    check_outcome(folder, _read_all, want, mutate)
 
 
 @FUZZ
 @given(data=st.data())
 def test_truncated_file(pristine, data):
-    name = data.draw(st.sampled_from(pristine[2]))
-
-    def truncate(copy: Path) -> None:
-        raw = (copy / name).read_bytes()
-        keep = data.draw(st.integers(0, len(raw) - 1))
-        (copy / name).write_bytes(raw[:keep])
-
-    _outcome(pristine, truncate)
+    _outcome(pristine, truncate(data, data.draw(st.sampled_from(pristine[2]))))
 
 
 @FUZZ
 @given(data=st.data())
 def test_flipped_bit(pristine, data):
-    name = data.draw(st.sampled_from(pristine[2]))
-
-    def flip(copy: Path) -> None:
-        raw = bytearray((copy / name).read_bytes())
-        at = data.draw(st.integers(0, len(raw) - 1))
-        raw[at] ^= 1 << data.draw(st.integers(0, 7))
-        (copy / name).write_bytes(bytes(raw))
-
-    _outcome(pristine, flip)
+    _outcome(pristine, flip_bit(data, data.draw(st.sampled_from(pristine[2]))))
 
 
 _JSON = st.recursive(
