@@ -66,3 +66,16 @@ def one_process(monkeypatch, tmp_path) -> Path:
     text = tmp_path / "text.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 400, encoding="utf-8")
     return text
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (tests share two cores with other jobs: more would
+    oversubscribe them); modules that want it for every test set
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

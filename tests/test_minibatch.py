@@ -21,12 +21,7 @@ EXAMPLE = ROOT / "examples" / "train_sage_minibatch.py"
 SMALL = "num_nodes=300,feat_dim=8,seed=3"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(out: Path, **kw) -> MiniBatchConfig:

@@ -34,13 +34,7 @@ from gnnpar.sampling import (
 P_MIN = 1e-3  # keys are fixed, so the statistical tests are deterministic
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tests share two cores with other jobs: one intra-op thread avoids oversubscription."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mixed_graph(n: int = 300, seed: int = 0) -> Graph:

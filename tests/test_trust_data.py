@@ -24,12 +24,7 @@ SMALL = "feat_dim=8,seed=3"
 TRAIN = ["--epochs", "1", "--fanouts", "3,3", "--batch-size", "16", "--hidden", "8", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _partition(tmp_path: Path, num_nodes: int, parts: int = 2, method: str = "metis") -> Path:
