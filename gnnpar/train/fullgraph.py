@@ -152,8 +152,12 @@ def _expected_source(cfg: FullGraphConfig, fingerprint: str) -> dict[str, Any]:
     return shard_provenance(fingerprint, _norm(cfg), blocks, cfg.seed, cfg.permutation)
 
 
-def _refused(reason: str) -> ConfigError:
-    return ConfigError(f"{reason}: prepare it again or point 'shards' elsewhere")
+def _check_given_shards(cfg: FullGraphConfig, fingerprint: str) -> None:
+    """The ``shards`` folder the user gave was made from the graph ``fingerprint``:
+    ConfigError naming both otherwise (or the folder's FormatError)."""
+    reason = _stale(Path(cfg.shards), _expected_source(cfg, fingerprint), owned=False)
+    if reason is not None:
+        raise ConfigError(f"{reason}: prepare it again or point 'shards' elsewhere")
 
 
 def _build_or_check(cfg: FullGraphConfig, folder: Path) -> None:
@@ -162,14 +166,13 @@ def _build_or_check(cfg: FullGraphConfig, folder: Path) -> None:
     graph = load_dataset(cfg)
     graph.check_trainable()
     fingerprint = graph.fingerprint()
-    expected = _expected_source(cfg, fingerprint)
-    owned = not cfg.shards
+    if folder.exists() and cfg.shards:
+        _check_given_shards(cfg, fingerprint)
+        return
     if folder.exists():
-        reason = _stale(folder, expected, owned)
+        reason = _stale(folder, _expected_source(cfg, fingerprint), owned=True)
         if reason is None:
             return
-        if not owned:
-            raise _refused(reason)
         print(f"gnnpar: {reason}; rebuilding the shards", file=sys.stderr, flush=True)
     prepare_shards(
         graph,
@@ -213,9 +216,7 @@ class FullGraphTask:
         graph = load_dataset(cfg)
         graph.check_trainable()
         if cfg.shards and Path(cfg.shards).exists():
-            reason = _stale(Path(cfg.shards), _expected_source(cfg, graph.fingerprint()), False)
-            if reason is not None:
-                raise _refused(reason)
+            _check_given_shards(cfg, graph.fingerprint())
 
     def __init__(self, cfg: FullGraphConfig):
         self.cfg = cfg
