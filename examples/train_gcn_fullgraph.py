@@ -5,7 +5,7 @@ checkpoints and metrics files:
 
     python examples/train_gcn_fullgraph.py --nprocs 8 --grid x=2,y=2,z=2
     python examples/train_gcn_fullgraph.py --dataset citeseer --root ../shared/datasets \\
-        --options normalize_features=true --nprocs 4
+        --dataset-options normalize_features=true --nprocs 4
     torchrun --nproc-per-node 4 examples/train_gcn_fullgraph.py --algorithm 2d
 
 1. rank 0 cuts the graph into shards on disk (once); every rank reads only its blocks;
@@ -24,6 +24,7 @@ import torch
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.data.commands import add_dataset_options, check_dataset, split_options
 from gnnpar.grid import parse_grid_spec
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
 from gnnpar.nn.gcn import GCN
@@ -37,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", default="sbm")
     p.add_argument("--root", default=None, help="dataset root (default: datasets/)")
-    p.add_argument("--options", default="", help="dataset options k=v,k=v")
+    add_dataset_options(p)
     p.add_argument("--grid", default=None, help="x=2,y=2,z=2 (default: planner)")
     p.add_argument("--algorithm", default="3d", choices=["3d", "2d", "1d"])
     p.add_argument("--hidden", type=int, default=16)
@@ -58,17 +59,18 @@ def main() -> None:
     shards = Path(args.shards) / args.dataset.replace("/", "_")
     if world.global_rank == 0 and not (shards / MANIFEST).exists():
         from gnnpar.data import load
-        from gnnpar.data.commands import parse_options
 
-        options = parse_options([o for o in args.options.split(",") if o])
+        options = check_dataset(args.dataset, split_options(args.dataset_options))
         prepare_shards(load(args.dataset, root=args.root, **options), shards, norm="gcn")
     comm.barrier(world)
     source = DiskSource(shards)
 
     dims = [source.feat_dim, args.hidden, source.num_classes]
     shape = parse_grid_spec(args.grid) if args.grid else None
-    if shape is None:
-        shape = choose_fullgraph_grid(world.world_size, source.num_nodes, dims)
+    if shape is None:  # a grid for the chosen algorithm (2D: x*y, 1D: x)
+        shape = choose_fullgraph_grid(
+            world.world_size, source.num_nodes, dims, algorithm=args.algorithm
+        )
     grid = gnnpar.init(**shape)
 
     torch.manual_seed(0)  # the same initial weights on every rank

@@ -1,8 +1,9 @@
 """Train GraphSAGE with sampled mini-batches, in one process or on N data-parallel ranks.
 
-    python examples/train_sage_minibatch.py --dataset citeseer --root ../shared/datasets
     python examples/train_sage_minibatch.py --dataset citeseer --root ../shared/datasets \\
-        --nprocs 4 --batch-size 32 --feature-cache 64
+        --dataset-options normalize_features=true
+    python examples/train_sage_minibatch.py --dataset citeseer --root ../shared/datasets \\
+        --dataset-options normalize_features=true --nprocs 4 --batch-size 32 --feature-cache 64
     python examples/train_sage_minibatch.py --dataset sbm --fanouts 15,10 --model gat
 
 One process samples the whole graph. With ``--nprocs N`` rank 0 cuts the graph into N METIS
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.data.commands import add_dataset_options, check_dataset, split_options
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
 from gnnpar.nn.minibatch import BlockGNN
 from gnnpar.sampling import (
@@ -48,6 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", default="sbm", help="catalogue name or folder")
     p.add_argument("--root", default=None, help="dataset root (CiteSeer: ../shared/datasets)")
+    add_dataset_options(p)
     p.add_argument("--nprocs", type=int, default=1, help="data-parallel processes (one part each)")
     p.add_argument("--parts-dir", default="runs/sage-example/parts", help="partition folder")
     p.add_argument("--fanouts", default="10,10", help="neighbours per hop, seeds' hop first")
@@ -66,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def load_graph(args: argparse.Namespace):
     from gnnpar.data import load
 
-    options = {"normalize_features": True} if args.dataset in ("cora", "citeseer", "pubmed") else {}
+    options = check_dataset(args.dataset, split_options(args.dataset_options))
     return load(args.dataset, root=args.root, **options)
 
 

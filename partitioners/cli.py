@@ -2,21 +2,21 @@
 
 ::
 
-    gnnpar-partition DATASET --parts K --out DIR [--method metis] [--halo 1]
-                     [--balance-train] [--balance-edges] [--seed S] [--root ROOT] [-o KEY=VALUE]
+    gnnpar-partition DATASET --parts K --out DIR [--overwrite] [--method metis] [--halo 1]
+                     [--balance-train] [--balance-edges] [--seed S] [--root ROOT]
+                     [--dataset-options K=V,K=V]
     gnnpar-partition inspect DIR [--verify checksum|size]
     gnnpar-partition compare DATASET --parts K [--methods random,metis,...] [--plot FILE.png]
                      [--json FILE]
 
 ``DATASET`` is anything ``gnnpar.data.load`` accepts: a catalogue name (``sbm``, ``rmat``,
-``citeseer``, ...) or a dataset folder; ``-o KEY=VALUE`` passes options to it (e.g.
-``-o scale=16``). Errors print one line and exit with status 2.
+``citeseer``, ...) or a dataset folder; ``--dataset-options scale=16,seed=1`` passes options
+to it, spelled as for ``gnnpar train``. Errors print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 import warnings
@@ -38,25 +38,15 @@ class CliError(Exception):
     """An error to report as one line (exit status 2)."""
 
 
-def _data_options(pairs: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise CliError(f"dataset option {pair!r} is not KEY=VALUE")
-        try:
-            out[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            out[key] = raw
-    return out
-
-
-def _load_dataset(name: str, root: str | None, options: dict[str, Any]) -> Any:
+def _load_dataset(args: argparse.Namespace) -> Any:
+    """The graph ``args.dataset`` names, with ``--root`` and ``--dataset-options``."""
     try:
         from gnnpar.data import load
+        from gnnpar.data.commands import check_dataset, split_options
     except ImportError as err:  # the dataset layer lives in gnnpar
         raise CliError(f"loading datasets needs the gnnpar package: {err}") from err
-    return load(name, root=root, **options)
+    options = check_dataset(args.dataset, split_options(args.dataset_options))
+    return load(args.dataset, root=args.root, **options)
 
 
 def _partition_parser() -> argparse.ArgumentParser:
@@ -68,7 +58,8 @@ def _partition_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", help="catalogue name (sbm, rmat, citeseer, ...) or folder")
     p.add_argument("--parts", "-k", type=int, required=True, help="number of parts K")
     p.add_argument("--method", "-m", default="metis", choices=METHODS)
-    p.add_argument("--out", required=True, help="output folder (must not exist)")
+    p.add_argument("--out", required=True, help="output folder (refused if it exists)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument("--halo", type=int, default=1, choices=(0, 1), help="halo hops (0 or 1)")
     p.add_argument("--balance-train", action="store_true", help="balance training nodes")
     p.add_argument("--balance-edges", action="store_true", help="balance in-edges")
@@ -78,15 +69,10 @@ def _partition_parser() -> argparse.ArgumentParser:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from gnnpar.data.commands import add_dataset_options
+
     p.add_argument("--root", default=None, help="dataset root (default: $GNNPAR_DATA, ./datasets)")
-    p.add_argument(
-        "-o",
-        "--data-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="option for the dataset builder, e.g. -o scale=16 (repeatable)",
-    )
+    add_dataset_options(p)
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -120,15 +106,15 @@ def _summary_rows(q: Quality) -> list[dict[str, Any]]:
 def _cmd_partition(argv: Sequence[str]) -> int:
     args = _partition_parser().parse_args(argv)
     out = Path(args.out)
-    if out.exists():
-        raise CliError(f"output folder {out} already exists; remove it or choose another")
+    if out.exists() and not args.overwrite:
+        raise CliError(f"output folder {out} already exists: add --overwrite, or another --out")
     show = not args.no_progress
     from tqdm.auto import tqdm
 
     with tqdm(
         total=4, desc="load", disable=not show, bar_format="{desc:<28} {n}/{total} [{elapsed}]"
     ) as stages:
-        graph = _load_dataset(args.dataset, args.root, _data_options(args.data_option))
+        graph = _load_dataset(args)
         stages.update()
         stages.set_description(f"partition ({args.method}, K={args.parts})")
         with measure() as m:
@@ -147,7 +133,7 @@ def _cmd_partition(argv: Sequence[str]) -> int:
         stages.set_description(f"write {out}")
         with warnings.catch_warnings():  # printed below as one line
             warnings.simplefilter("ignore", PartitionBalanceWarning)
-            write(graph, part, out, halo=args.halo, progress=show)
+            write(graph, part, out, halo=args.halo, progress=show, overwrite=args.overwrite)
         stages.update()
     print(
         f"{graph.name}: {q.num_nodes} nodes, {q.num_edges} edges -> {part.num_parts} parts "
@@ -246,7 +232,7 @@ def _cmd_compare(argv: Sequence[str]) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise CliError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    graph = _load_dataset(args.dataset, args.root, _data_options(args.data_option))
+    graph = _load_dataset(args)
     rows = []
     from tqdm.auto import tqdm
 

@@ -55,17 +55,19 @@ def write(
     name: str | None = None,
     ndata: Iterable[str] | None = None,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``graph`` split by ``part`` as a partition folder at ``out_dir``.
 
     Args:
         graph: the graph that was partitioned (``gnnpar.Graph``, scipy matrix, ``CSR``...).
         part: a :class:`Partition`, or a plain owner array (method ``"custom"``).
-        out_dir: the folder to create; it must not exist yet.
+        out_dir: the folder to create; it must not exist yet unless ``overwrite``.
         halo: 0 (owned nodes only) or 1 (every in-neighbour of an owned node).
         name: graph name stored in the meta (default: the graph's own name).
         ndata: node-data keys to store (default: all of them).
         progress: show a progress bar over the parts.
+        overwrite: replace an existing ``out_dir`` (only once the new folder is complete).
 
     The meta records the graph's fingerprint (``source``, see
     :func:`~partitioners.format.check_source`) and every part's training seeds; a part
@@ -76,7 +78,7 @@ def write(
         The path of the finished folder.
 
     Raises:
-        FileExistsError: ``out_dir`` exists.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
         ValueError: ``halo`` not 0 or 1; the partition does not fit the graph.
 
     The folder is built under a temporary name beside ``out_dir`` and renamed when complete;
@@ -100,7 +102,7 @@ def write(
         if key not in csr.ndata:
             raise ValueError(f"the graph has no node data {key!r} (it has {sorted(csr.ndata)})")
     out = Path(out_dir)
-    if out.exists():
+    if out.exists() and not overwrite:
         raise FileExistsError(f"output folder {out} already exists; remove it or choose another")
     source = source_of(graph)
     meta: dict[str, Any] = {}
@@ -108,7 +110,7 @@ def write(
     def fill(tmp: Path) -> None:
         meta.update(_write_into(tmp, csr, part, halo, name or csr.name, keys, progress, source))
 
-    write_folder(out, fill)
+    write_folder(out, fill, overwrite=overwrite)
     warn_idle_parts(meta, out)
     return out
 

@@ -473,7 +473,8 @@ def _run_cli(argv: list[str]) -> int:
 
 def test_cli_prepare_info_list(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "sbm"
-    rc = _run_cli(["data", "prepare", "sbm", "--out", str(out), "num_nodes=300", "seed=3"])
+    options = ["--dataset-options", "num_nodes=300,seed=3"]
+    rc = _run_cli(["data", "prepare", "sbm", "--out", str(out), *options])
     assert rc == 0 and "wrote" in capsys.readouterr().out
     assert_same(load_graph(out), sbm(num_nodes=300, seed=3))
     assert load("sbm", root=tmp_path, num_nodes=300, seed=3).num_nodes == 300
@@ -490,13 +491,16 @@ def test_cli_prepare_info_list(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     assert "sbm" in listing and "rmat" in listing and "[prepared:" in listing
 
 
+_PREPARE_X = ["data", "prepare", "sbm", "--out", "{tmp}/x", "--dataset-options"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["data", "info", "nope"], "unknown dataset 'nope'"),
-        (["data", "prepare", "sbm", "--out", "{tmp}/x", "num_nodes=abc"], "expected int"),
-        (["data", "prepare", "sbm", "--out", "{tmp}/x", "bogus=1"], "unknown option(s) bogus"),
-        (["data", "prepare", "sbm", "--out", "{tmp}/x", "seed"], "expected KEY=VALUE"),
+        ([*_PREPARE_X, "num_nodes=abc"], "expected int"),
+        ([*_PREPARE_X, "bogus=1"], "unknown option(s) bogus"),
+        ([*_PREPARE_X, "seed"], "expected KEY=VALUE"),
         (["data", "prepare", "sbm", "--out", "{tmp}"], "already exists"),
         (["data", "info", "{tmp}"], "is not a gnnpar graph folder"),
     ],

@@ -137,16 +137,15 @@ def test_random_dataset_options(dataset, pairs):
 @FAST
 @given(
     dataset=st.sampled_from(["sbm", "karate", "citeseer"]),
-    pairs=st.lists(_PAIR, max_size=3),
-    root=st.sampled_from([None, "datasets"]),
+    text=st.text(alphabet="ab_-=, 19.", max_size=24),
 )
-def test_random_data_command_options(dataset, pairs, root):
-    from gnnpar.data.commands import root_and_options
+def test_random_dataset_options_text(dataset, text):
+    """``--dataset-options TEXT`` as every command reads it: options or one line."""
+    from gnnpar.data.commands import check_dataset, split_options
 
     try:
-        got_root, options = root_and_options(dataset, [f"{k}={v}" for k, v in pairs], root)
+        options = check_dataset(dataset, split_options(text))
     except ValueError as err:
         assert "\n" not in str(err)
         return
-    assert "root" not in options
-    assert got_root == root or any(k.strip().replace("-", "_") == "root" for k, _ in pairs)
+    assert "root" not in options and all("," not in k for k in options)

@@ -82,7 +82,7 @@ def test_partition_inspect_and_compare(tmp_path, capsys):
     assert "2 parts by metis" in text and "xxh3_64" in text and "gnnpar.partition v2" in text
 
     code, text, err = _run(
-        capsys, "sbm", "-o", "num_nodes=300", "--parts", "3", "--method", "fennel",
+        capsys, "sbm", "--dataset-options", "num_nodes=300", "--parts", "3", "--method", "fennel",
         "--out", str(tmp_path / "sbm"), "--halo", "0", "--seed", "4", "--no-progress",
     )  # fmt: skip
     assert code == 0, err
@@ -90,7 +90,7 @@ def test_partition_inspect_and_compare(tmp_path, capsys):
 
     rows_file = tmp_path / "rows.json"
     code, text, err = _run(
-        capsys, "compare", "sbm", "-o", "num_nodes=300", "--parts", "4",
+        capsys, "compare", "sbm", "--dataset-options", "num_nodes=300", "--parts", "4",
         "--methods", "random,metis,fennel", "--json", str(rows_file), "--no-progress",
     )  # fmt: skip
     assert code == 0, err
@@ -112,6 +112,18 @@ def test_compare_plot(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_overwrite_replaces_a_partition_folder(tmp_path, capsys):
+    out = tmp_path / "parts"
+    argv = ["karate", "--out", str(out), "--no-progress"]
+    assert _run(capsys, *argv, "--parts", "2")[0] == 0
+    code, _, err = _run(capsys, *argv, "--parts", "3")
+    assert code == 2 and "already exists: add --overwrite, or another --out" in err
+    assert load_meta(out)["num_parts"] == 2  # the refused run left the folder alone
+    code, _, err = _run(capsys, *argv, "--parts", "3", "--overwrite")
+    assert code == 0, err
+    assert load_meta(out)["num_parts"] == 3
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -121,7 +133,10 @@ def test_compare_plot(tmp_path, capsys):
         (["karate", "--parts", "2", "--out", "{tmp}"], "already exists"),
         (["inspect", "{tmp}/missing"], "no such folder"),
         (["compare", "karate", "--parts", "2", "--methods", "metis,magic"], "unknown method"),
-        (["sbm", "-o", "colour=1", "--parts", "2", "--out", "{tmp}/x"], "unknown option"),
+        (
+            ["sbm", "--dataset-options", "colour=1", "--parts", "2", "--out", "{tmp}/x"],
+            "unknown option",
+        ),
     ],
 )
 def test_errors_are_one_line_with_status_2(tmp_path, capsys, argv, message):

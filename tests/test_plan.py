@@ -281,7 +281,8 @@ def test_cli_plan_tables_plot_and_json(tmp_path, capsys):
     assert "ogbn-products" in text and "\n1 " in text and "\n3 " in text and "\n4 " not in text
     doc = json.loads(out_json.read_text())
     assert doc["candidates"][0]["fits"] and doc["candidates"][0]["shape"]["data"] == 1
-    argv = "plan gpt --layers 2 --hidden 64 --heads 8 --seq 16 --batch 8 --gpus 8 --machine h100x8"
+    argv = "plan gpt --n-layer 2 --n-embd 64 --n-head 8 --block-size 16 --batch-size 8 --gpus 8"
+    argv += " --machine h100x8"
     rc = main(argv.split())
     assert rc == 0 and "GPT" in capsys.readouterr().out
     assert main(["plan", "machines"]) == 0 and "frontier" in capsys.readouterr().out
@@ -290,7 +291,9 @@ def test_cli_plan_tables_plot_and_json(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ("plan gcn --gpus 8", "give --dataset NAME, or --nodes"),
+        ("plan gcn --nodes 10 --gpus 8", "give --dataset NAME, or --edges, --features"),
+        ("plan gcn --dataset sbm --nodes 10 --gpus 8", "either --dataset or --nodes"),
+        ("plan gcn --hidden 0 --gpus 8", "config key 'hidden' must be positive"),
         ("plan gpt --params 21q --gpus 8", "cannot read '21q' as a count"),
         ("plan gpt --params 5B --gpus 8", "no GPT shape of about 5B"),
         ("plan gpt --params 20B --gpus 0", "must be positive"),
@@ -326,10 +329,36 @@ def test_train_gpt_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, mo
     got = run_distributed(_planned_world, 4, str(text), timeout=300)[0]
     out = tmp_path / "plan.json"
     argv = (
-        f"plan gpt --layers 2 --hidden 16 --heads 2 --seq 8 --batch 8 --vocab {got['vocab']} "
-        f"--gpus 4 --machine cpu --element-size 4 --json {out}"
+        f"plan gpt --n-layer 2 --n-embd 16 --n-head 2 --block-size 8 --batch-size 8 "
+        f"--vocab-size {got['vocab']} --gpus 4 --machine cpu --json {out}"
     )
     assert main(argv.split()) == 0
     best = json.loads(out.read_text())["candidates"][0]
     assert best["shape"] == {a: got["shape"][a] for a in best["shape"]}
     assert best["stage"] == got["stage"]
+
+
+def _planned_fullgraph(folder: str, algorithm: str) -> dict:
+    from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+
+    cfg = FullGraphConfig(
+        dataset_options="num_nodes=300", out=folder, algorithm=algorithm, epochs=1
+    )  # no grid: the planner's, with every other option at the trainer's default
+    return dict(FullGraphTask(cfg).grid.shape)
+
+
+def test_train_gcn_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, monkeypatch):
+    """``gnnpar plan gcn`` with the trainer's defaults (the same flags, nothing else) ranks
+    first the shape ``gnnpar train gcn`` runs on this machine; 2D and 1D get their own."""
+    from gnnpar.testing import run_distributed
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    got = run_distributed(_planned_fullgraph, 4, str(tmp_path / "run"), "3d", timeout=300)[0]
+    out = tmp_path / "plan.json"
+    argv = f"plan gcn --dataset-options num_nodes=300 --gpus 4 --machine cpu --json {out}"
+    assert main(argv.split()) == 0
+    best = json.loads(out.read_text())["candidates"][0]["shape"]
+    assert {a: best[a] for a in ("x", "y", "z")} == {a: got.get(a, 1) for a in ("x", "y", "z")}
+    assert choose_fullgraph_grid(6, 300, [8, 4], algorithm="2d") == {"x": 2, "y": 3}
+    assert choose_fullgraph_grid(6, 300, [8, 4], algorithm="1d") == {"x": 6}

@@ -28,9 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _partition(tmp_path: Path, num_nodes: int, parts: int = 2, method: str = "metis") -> Path:
-    """``gnnpar-partition sbm -o num_nodes=N`` into ``tmp_path/parts-N``."""
+    """``gnnpar-partition sbm --dataset-options num_nodes=N`` into ``tmp_path/parts-N``."""
     out = tmp_path / f"parts-{num_nodes}"
-    argv = ["sbm", "-o", f"num_nodes={num_nodes}", "-o", "feat_dim=8", "-o", "seed=3"]
+    argv = ["sbm", "--dataset-options", f"num_nodes={num_nodes},feat_dim=8,seed=3"]
     argv += ["--parts", str(parts), "--method", method, "--out", str(out), "--no-progress"]
     assert partition_main(argv) == 0
     return out

@@ -16,7 +16,16 @@ from gnnpar.data.catalogue import build, catalogue, default_root, get_entry, loa
 from gnnpar.data.storage import is_graph_folder, save_graph
 from gnnpar.graph import Graph
 
-__all__ = ["add_data_commands", "parse_options", "describe", "check_dataset", "root_and_options"]
+__all__ = [
+    "add_data_commands",
+    "add_dataset_options",
+    "split_options",
+    "parse_options",
+    "describe",
+    "check_dataset",
+]
+
+DATASET_OPTIONS_HELP = "dataset options as k=v,k=v (e.g. normalize_features=true)"
 
 _TRUE = frozenset({"true", "yes", "on", "1"})
 _FALSE = frozenset({"false", "no", "off", "0"})
@@ -40,6 +49,20 @@ def _guess(text: str) -> Any:
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     return text
+
+
+def split_options(text: str | None) -> list[str]:
+    """``"k=v,k=v"`` (the one spelling of dataset options, ``--dataset-options``) as its
+    ``k=v`` items; ``None`` or blank is none."""
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
+def add_dataset_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--dataset-options k=v,k=v``: how every command and example takes a dataset's
+    options (the trainer's ``dataset_options``); read it back with :func:`split_options`."""
+    parser.add_argument(
+        "--dataset-options", default=None, metavar="K=V,K=V", help=DATASET_OPTIONS_HELP
+    )
 
 
 def parse_options(pairs: Sequence[str], defaults: Mapping[str, Any] | None = None) -> dict:
@@ -79,20 +102,6 @@ def parse_options(pairs: Sequence[str], defaults: Mapping[str, Any] | None = Non
 def _defaults_for(name: str) -> Mapping[str, Any] | None:
     entry = get_entry(name)
     return None if entry is None else entry.defaults
-
-
-def root_and_options(
-    name: str, pairs: Sequence[str], root: str | None
-) -> tuple[str | None, dict[str, Any]]:
-    """The data root and the dataset's options from ``KEY=VALUE`` pairs, where ``root=DIR``
-    may stand for ``--root DIR`` (the form error messages suggest); both at once must agree."""
-    options = parse_options(pairs, _defaults_for(name))
-    if "root" not in options:
-        return root, options
-    given = str(options.pop("root"))
-    if root is not None and Path(root) != Path(given):
-        raise ValueError(f"--root {root} and root={given} name different data roots")
-    return given, options
 
 
 def check_dataset(name: str, pairs: Sequence[str]) -> dict[str, Any]:
@@ -175,9 +184,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    root, options = root_and_options(args.name, args.options, args.root)
+    options = check_dataset(args.name, split_options(args.dataset_options))
     start = time.perf_counter()
-    graph = build(args.name, root, **options)
+    graph = build(args.name, args.root, **options)
     out = save_graph(
         graph, args.out, overwrite=args.overwrite, source=source_record(args.name, options)
     )
@@ -189,8 +198,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    root, options = root_and_options(args.target, args.options, args.root)
-    graph = load(args.target, root, **options)
+    options = check_dataset(args.target, split_options(args.dataset_options))
+    graph = load(args.target, args.root, **options)
     for field, value in describe(graph):
         print(f"{field:<11} {value}")
     return 0
@@ -209,20 +218,6 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
-class _IntermixedParser(argparse.ArgumentParser):
-    """Lets ``KEY=VALUE`` positionals follow options (``prepare sbm --out d seed=1``), which
-    plain ``parse_args`` rejects once the first positional has been matched."""
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        if getattr(self, "_intermixing", False):
-            return super().parse_known_args(args, namespace)
-        self._intermixing = True
-        try:
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._intermixing = False
-
-
 def add_data_commands(subparsers: Any) -> None:
     """Register ``data`` (with ``list``, ``prepare``, ``info``) on an argparse sub-parsers
     object. Each command sets ``func``: ``func(args) -> exit code``."""
@@ -239,9 +234,7 @@ def add_data_commands(subparsers: Any) -> None:
         return 2
 
     data.set_defaults(func=usage, data_command=None)
-    sub = data.add_subparsers(
-        dest="data_command", metavar="{list,prepare,info}", parser_class=_IntermixedParser
-    )
+    sub = data.add_subparsers(dest="data_command", metavar="{list,prepare,info}")
 
     p = sub.add_parser("list", help="the dataset catalogue and its options")
     p.add_argument("--root", default=None, help="data root (default: $GNNPAR_DATA or datasets)")
@@ -251,13 +244,13 @@ def add_data_commands(subparsers: Any) -> None:
         "prepare",
         help="build a dataset and save it in gnnpar's format",
         description="Build NAME (a catalogue name or a Planetoid/OGB/gnnpar folder) with the "
-        "given KEY=VALUE options and save it atomically to --out.",
+        "given --dataset-options and save it atomically to --out.",
     )
     p.add_argument("name", help="catalogue name (see 'gnnpar data list') or a folder")
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--root", default=None, help="where file-based datasets are looked up")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    p.add_argument("options", nargs="*", metavar="KEY=VALUE", help="dataset options")
+    add_dataset_options(p)
     p.set_defaults(func=_guarded(_cmd_prepare))
 
     p = sub.add_parser(
@@ -266,5 +259,5 @@ def add_data_commands(subparsers: Any) -> None:
     )
     p.add_argument("target", metavar="PATH_OR_NAME", help="a folder or a catalogue name")
     p.add_argument("--root", default=None, help="data root (default: $GNNPAR_DATA or datasets)")
-    p.add_argument("options", nargs="*", metavar="KEY=VALUE", help="dataset options")
+    add_dataset_options(p)
     p.set_defaults(func=_guarded(_cmd_info))

@@ -2,12 +2,17 @@
 
 ::
 
-    gnnpar plan gcn --dataset ogbn-products --gpus 64 --machine perlmutter --top 5
+    gnnpar plan gcn --gpus 4 --machine cpu     # what `gnnpar train gcn --nprocs 4` runs
+    gnnpar plan gcn --dataset ogbn-products --hidden 128 --layers 3 --gpus 64 \\
+        --machine perlmutter --top 5
     gnnpar plan gcn --nodes 100000 --edges 2000000 --features 128 --classes 10 --gpus 8
-    gnnpar plan gpt --params 20B --gpus 1024 --machine perlmutter --plot plan.png
-    gnnpar plan gpt --layers 2 --hidden 64 --heads 8 --seq 32 --batch 16 --gpus 8 \\
-        --machine cpu --bandwidth bw.json
+    gnnpar plan gpt --params 20B --block-size 2048 --batch-size 1024 --mixed-precision bf16 \\
+        --gpus 1024 --machine perlmutter --plot plan.png
+    gnnpar plan gpt --n-layer 2 --n-embd 64 --n-head 8 --gpus 8 --machine cpu \\
+        --bandwidth bw.json
     gnnpar plan machines
+
+The model and run options are the trainer's (``gnnpar train gcn|gpt``), with its defaults.
 
 Bad input is one line on stderr and exit code 2 (:class:`~gnnpar.plan.PlanError`).
 """
@@ -15,6 +20,7 @@ Bad input is one line on stderr and exit code 2 (:class:`~gnnpar.plan.PlanError`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -37,35 +43,58 @@ def _machine(args: argparse.Namespace) -> Machine:
     return get_machine(args.machine, args.bandwidth or None)
 
 
+# The trainer's options that ``gnnpar plan`` takes, spelled and defaulted as the trainer's:
+# the same flags describe the same run, so both pick the same grid.
+GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "layers", "dtype",
+               "mixed_precision")  # fmt: skip
+GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
+               "batch_size", "dtype", "mixed_precision", "grad_clip")  # fmt: skip
+
+
+def _task_config(cls: type, args: argparse.Namespace) -> Any:
+    """The trainer's config of the run the flags describe (defaults, then the flags)."""
+    from gnnpar.train.config import ConfigError, resolve
+
+    try:
+        return resolve(cls, args, None)
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
+
+
 def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
+    from gnnpar.train.fullgraph import FullGraphConfig
+    from gnnpar.train.precision import compute_dtype
+
+    sizes_given = args.nodes is not None or args.edges is not None
+    if sizes_given and args.dataset is not None:
+        raise PlanError("give either --dataset or --nodes/--edges, not both")
+    cfg = _task_config(FullGraphConfig, args)
     common = {
-        "hidden": args.hidden,
-        "layers": args.layers,
-        "model": args.model,
-        "element_size": args.element_size,
+        "hidden": cfg.hidden,
+        "layers": cfg.layers,
+        "model": cfg.model,
+        "element_size": compute_dtype(cfg).itemsize,
     }
-    if args.dataset:
-        if args.nodes is not None or args.edges is not None:
-            raise PlanError("give either --dataset or --nodes/--edges, not both")
+    if not sizes_given:
         presets = gcn_datasets()
-        if args.dataset in presets:
-            d = presets[args.dataset]
+        if cfg.dataset in presets and not cfg.dataset_options:
+            d = presets[cfg.dataset]
             return GCNProblem.from_edges(
                 d["nodes"],
                 d["edges"],
                 features=d["features"],
                 classes=d["classes"],
-                name=args.dataset,
+                name=cfg.dataset,
                 **common,
             )
-        from gnnpar.data import load
+        from gnnpar.train.loop import load_dataset
 
         try:
-            graph = load(args.dataset, root=args.root)
-        except (KeyError, FileNotFoundError) as err:
+            graph = load_dataset(cfg)
+        except (KeyError, FileNotFoundError, ValueError) as err:
             known = ", ".join(presets)
             raise PlanError(
-                f"unknown dataset {args.dataset!r} ({err}); sizes are built in for {known}, "
+                f"cannot load dataset {cfg.dataset!r} ({err}); sizes are built in for {known}, "
                 "or give --nodes, --edges, --features and --classes"
             ) from None
         return GCNProblem(
@@ -73,7 +102,7 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
             nnz=graph.num_edges + graph.num_nodes,
             features=graph.feat.shape[1],
             classes=graph.num_classes,
-            name=args.dataset,
+            name=cfg.dataset,
             **common,
         )
     missing = [
@@ -92,7 +121,8 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
 
 
 def _gpt_problem(args: argparse.Namespace) -> GPTProblem:
-    sizes: dict[str, int] = {}
+    from gnnpar.train.gpt import GPTTaskConfig, plan_problem
+
     if args.params:
         wanted = parse_count(args.params)
         presets = gpt_sizes()
@@ -100,25 +130,15 @@ def _gpt_problem(args: argparse.Namespace) -> GPTProblem:
         if not match:
             raise PlanError(
                 f"no GPT shape of about {args.params} parameters is built in "
-                f"({', '.join(presets)}); give --layers, --hidden and --heads"
+                f"({', '.join(presets)}); give --n-layer, --n-embd and --n-head"
             )
-        sizes = dict(presets[match[0]])
-    for key in ("layers", "hidden", "heads"):
-        if getattr(args, key) is not None:
-            sizes[key] = getattr(args, key)
-    if "layers" not in sizes or "hidden" not in sizes:
-        raise PlanError("give --params SIZE (e.g. 20B), or --layers and --hidden")
-    if "heads" not in sizes:
-        sizes["heads"] = max(1, sizes["hidden"] // 128)
-    return GPTProblem.sized(
-        **sizes,
-        seq=args.seq,
-        batch=args.batch,
-        vocab=args.vocab,
-        element_size=args.element_size,
-        stage=args.stage or 0,
-        name=args.params or "gpt",
-    )
+        preset = presets[match[0]]
+        for key, name in (("layers", "n_layer"), ("hidden", "n_embd"), ("heads", "n_head")):
+            if getattr(args, name) is None:  # a flag given beside --params wins
+                setattr(args, name, preset[key])
+    cfg = _task_config(GPTTaskConfig, args)
+    problem = plan_problem(cfg)
+    return dataclasses.replace(problem, stage=args.stage or 0, name=args.params or "gpt")
 
 
 def _cell(c: Candidate, axis: str) -> str:
@@ -244,7 +264,7 @@ def _cmd_machines(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser, default_machine: str, element_size: int) -> None:
+def _common(p: argparse.ArgumentParser, default_machine: str) -> None:
     p.add_argument("--gpus", type=int, required=True, help="ranks (GPUs) to plan for")
     p.add_argument(
         "--machine",
@@ -258,7 +278,6 @@ def _common(p: argparse.ArgumentParser, default_machine: str, element_size: int)
         default=[],
         help="measured bandwidth table (gnnpar info --check --out); repeatable",
     )
-    p.add_argument("--element-size", type=int, default=element_size, help="bytes per element")
     p.add_argument("--top", type=int, default=5, help="shapes to print")
     p.add_argument("--plot", default=None, help="PNG of predicted step time over shapes")
     p.add_argument("--json", default=None, help="write every shape's predictions as JSON")
@@ -269,29 +288,37 @@ def add_plan_commands(subparsers: Any) -> None:
     plan = subparsers.add_parser("plan", help="rank grid shapes with the planner's models")
     kinds = plan.add_subparsers(dest="workload", required=True)
 
-    g = kinds.add_parser("gcn", help="full-graph GCN / GraphSAGE on an x*y*z grid")
-    g.add_argument(
-        "--dataset", default=None, help=f"{', '.join(gcn_datasets())} or a catalogue dataset"
+    from gnnpar.train.config import add_flags
+    from gnnpar.train.fullgraph import FullGraphConfig
+    from gnnpar.train.gpt import GPTTaskConfig
+
+    g = kinds.add_parser(
+        "gcn",
+        help="full-graph GCN / GraphSAGE on an x*y*z grid",
+        description="Rank x*y*z shapes for `gnnpar train gcn` with the same options (and the "
+        "same defaults), or for a graph of given sizes.",
     )
-    g.add_argument("--root", default=None, help="dataset root for catalogue datasets")
-    g.add_argument("--nodes", default=None, help="nodes (e.g. 2.4M)")
-    g.add_argument("--edges", default=None, help="undirected edges (nnz = 2E + N)")
-    g.add_argument("--features", type=int, default=None, help="input features")
-    g.add_argument("--classes", type=int, default=None, help="output classes")
-    g.add_argument("--hidden", type=int, default=128, help="hidden width (default 128)")
-    g.add_argument("--layers", type=int, default=3, help="layers (default 3)")
-    g.add_argument("--model", default="gcn", choices=("gcn", "sage"))
-    _common(g, "a100x4", 4)
+    add_flags(g, FullGraphConfig, GCN_OPTIONS)
+    sizes = g.add_argument_group("a graph by its sizes (instead of --dataset)")
+    sizes.add_argument("--nodes", default=None, help="nodes (e.g. 2.4M)")
+    sizes.add_argument("--edges", default=None, help="undirected edges (nnz = 2E + N)")
+    sizes.add_argument("--features", type=int, default=None, help="input features")
+    sizes.add_argument("--classes", type=int, default=None, help="output classes")
+    _common(g, "a100x4")
     g.set_defaults(func=_cmd_gcn)
 
-    t = kinds.add_parser("gpt", help="GPT with data x 3D tensor parallelism")
-    t.add_argument("--params", default=None, help=f"model size: {', '.join(gpt_sizes())}")
-    t.add_argument("--layers", type=int, default=None)
-    t.add_argument("--hidden", type=int, default=None)
-    t.add_argument("--heads", type=int, default=None, help="default hidden/128")
-    t.add_argument("--seq", type=int, default=2048, help="tokens per sequence (2048)")
-    t.add_argument("--batch", type=int, default=1024, help="sequences per step, global (1024)")
-    t.add_argument("--vocab", type=int, default=50304)
+    t = kinds.add_parser(
+        "gpt",
+        help="GPT with data x 3D tensor parallelism",
+        description="Rank (data, x, y, z) shapes and ZeRO stages for `gnnpar train gpt` with "
+        "the same options (and the same defaults), or for a built-in size (--params).",
+    )
+    t.add_argument(
+        "--params",
+        default=None,
+        help=f"a built-in size: {', '.join(gpt_sizes())} (sets n_layer, n_embd, n_head)",
+    )
+    add_flags(t, GPTTaskConfig, GPT_OPTIONS)
     t.add_argument(
         "--stage",
         type=int,
@@ -299,7 +326,7 @@ def add_plan_commands(subparsers: Any) -> None:
         choices=(0, 1, 2, 3),
         help="data-axis sharding (ZeRO) stage; default: rank every stage",
     )
-    _common(t, "a100x4", 2)
+    _common(t, "a100x4")
     t.set_defaults(func=_cmd_gpt)
 
     m = kinds.add_parser("machines", help="list the built-in machines and their assumptions")

@@ -239,13 +239,24 @@ def choose_fullgraph_grid(
     nnz: int | None = None,
     machine: Machine | None = None,
     element_size: int = 4,
+    algorithm: str = "3d",
 ) -> dict[str, int]:
-    """The x·y·z shape for a full-graph run on ``world`` ranks.
+    """The grid shape for a full-graph run of ``algorithm`` on ``world`` ranks.
 
-    With a ``machine`` (and the adjacency's ``nnz``): the fastest predicted shape that fits
-    (:func:`rank_gcn`). Without: the shape with the fewest bytes per epoch; ties go to the
-    shape whose busiest axis moves least, then to x before y before z.
+    3D, with a ``machine`` (and the adjacency's ``nnz``): the fastest predicted x·y·z shape
+    that fits (:func:`rank_gcn`; what ``gnnpar plan gcn`` ranks first). Without: the shape
+    with the fewest bytes per epoch; ties go to the shape whose busiest axis moves least, then
+    to x before y before z. 2D (SUMMA): the squarest x·y; 1D: x = ``world``.
     """
+    if algorithm == "2d":
+        x = int(world**0.5)
+        while world % x:
+            x -= 1
+        return {"x": x, "y": world // x}
+    if algorithm == "1d":
+        return {"x": world}
+    if algorithm != "3d":
+        raise PlanError(f"unknown full-graph algorithm {algorithm!r}: 3d, 2d or 1d")
     if machine is not None:
         problem = GCNProblem.from_widths(
             num_nodes,

@@ -18,6 +18,7 @@ import math
 import sys
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -265,11 +266,15 @@ def _owner(cls: type, name: str) -> type:
     return owner
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser, cls: type, only: Iterable[str] | None = None
+) -> None:
     """Add one flag per field of ``cls`` (default ``None``: unset flags do not override),
-    in one ``--help`` group per part of the config (the task's own fields first)."""
+    in one ``--help`` group per part of the config (the task's own fields first); ``only``
+    names the fields to add (``gnnpar plan`` takes a few of a task's, spelled alike)."""
     groups: dict[type, Any] = {}
-    fields = dataclasses.fields(cls)
+    wanted = None if only is None else set(only)
+    fields = [f for f in dataclasses.fields(cls) if wanted is None or f.name in wanted]
     owners = {f.name: _owner(cls, f.name) for f in fields}
     for klass in [cls, *dict.fromkeys(o for o in owners.values() if o is not cls)]:
         title = "options" if klass is cls else (klass.__doc__ or klass.__name__).split("\n")[0]

@@ -30,7 +30,7 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.grid import backend_for_choice, parse_grid_spec
 from gnnpar.nn.gcn import FullGraphGNN
-from gnnpar.plan import choose_fullgraph_grid
+from gnnpar.plan import choose_fullgraph_grid, local_machine
 from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
 from gnnpar.sparse.shards import (
     DiskSource,
@@ -235,19 +235,18 @@ class FullGraphTask:
         dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
         if cfg.grid:
             shape = parse_grid_spec(cfg.grid)
-        elif cfg.algorithm == "3d":
-            num_ops = 2 if cfg.model == "sage" else 1
+        else:  # what `gnnpar plan gcn --machine cpu` (or a GPU node) ranks first
+            gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
             shape = choose_fullgraph_grid(
                 world.world_size,
                 meta["num_nodes"],
                 dims,
-                num_ops,
+                2 if cfg.model == "sage" else 1,
+                nnz=meta["num_edges"] + meta["num_nodes"],
+                machine=local_machine(world.backend, gpus_per_node),
                 element_size=compute_dtype(cfg).itemsize,
+                algorithm=cfg.algorithm,
             )
-        elif cfg.algorithm == "2d":
-            shape = _square_ish(world.world_size)
-        else:
-            shape = {"x": world.world_size}
         self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
         dtype = master_dtype(cfg)
         torch.manual_seed(cfg.seed)
@@ -319,10 +318,3 @@ class FullGraphTask:
 def _layer_of(param_name: str) -> int:
     """Layer index of a parameter named like ``weights.0`` or ``params.biases.1``."""
     return int(param_name.rsplit(".", 1)[1])
-
-
-def _square_ish(world: int) -> dict[str, int]:
-    x = int(world**0.5)
-    while world % x:
-        x -= 1
-    return {"x": x, "y": world // x}

@@ -259,20 +259,31 @@ def load_pretrained(model: nn.Module, folder: Path, grid: ProcessGrid) -> None:
 
 
 # ------------------------------------------------------------------------------- the grid
-def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[dict, int]:
-    """The grid shape and ZeRO stage to run: the given ones, and what the planner predicts
-    fastest on this machine for the rest (``gnnpar plan gpt`` for the same model)."""
-    from gnnpar.plan import GPTProblem, choose_gpt_plan, local_machine
+def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
+    """The planner's :class:`~gnnpar.plan.GPTProblem` for a run of ``cfg`` (the model's
+    ``sizes``, default: the config's own), what the trainer and ``gnnpar plan gpt`` rank."""
+    from gnnpar.plan import GPTProblem
 
-    shape = parse_grid_spec(cfg.grid) if cfg.grid else None
-    if shape is not None and cfg.zero_stage is not None:
-        return shape, cfg.zero_stage
-    problem = GPTProblem(
+    if sizes is None:
+        names = [f.name for f in dataclasses.fields(GPTConfig)]
+        sizes = GPTConfig(**{name: getattr(cfg, name) for name in names})
+    return GPTProblem(
         sizes,
         batch=cfg.batch_size,
         element_size=compute_dtype(cfg).itemsize,
         grad_clip=cfg.grad_clip > 0,
     )
+
+
+def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[dict, int]:
+    """The grid shape and ZeRO stage to run: the given ones, and what the planner predicts
+    fastest on this machine for the rest (``gnnpar plan gpt`` for the same model)."""
+    from gnnpar.plan import choose_gpt_plan, local_machine
+
+    shape = parse_grid_spec(cfg.grid) if cfg.grid else None
+    if shape is not None and cfg.zero_stage is not None:
+        return shape, cfg.zero_stage
+    problem = plan_problem(cfg, sizes)
     # A GPU node holds the launcher's ranks per node, one GPU each (the CPU box: every core).
     gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
     machine = local_machine(world.backend, gpus_per_node)

@@ -153,7 +153,9 @@ def check_dataset_options(cfg: Any) -> None:
 
 def dataset_option_pairs(cfg: Any) -> list[str]:
     """A task's ``dataset_options`` (``"k=v,k=v"``) as its ``k=v`` items."""
-    return [p for p in (getattr(cfg, "dataset_options", None) or "").split(",") if p.strip()]
+    from gnnpar.data.commands import split_options
+
+    return split_options(getattr(cfg, "dataset_options", None))
 
 
 def load_dataset(cfg: Any) -> Any:
