@@ -419,7 +419,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="interleaved runs (median kept)")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per 8-rank shape")
     parser.add_argument("--no-eight-ranks", action="store_true", help="skip (b), (c) and (d)")
-    parser.add_argument("--out", default=str(OUT / "fullgraph.json"))
+    parser.add_argument("--json", default=str(OUT / "fullgraph.json"), help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="R-MAT scale 12, 3 runs each")
     args = parser.parse_args()
     if args.quick:
@@ -442,7 +442,7 @@ def main() -> None:
         if scale != args.scale:
             graph = None
     if args.no_eight_ranks:
-        _write(doc, args.out)
+        _write(doc, args.json)
         return
 
     if graph is None:
@@ -485,7 +485,7 @@ def main() -> None:
     doc["dims"] = dims
     doc["eight_ranks"] = res
     doc["imbalance_3d_2x2x2"] = imb
-    _write(doc, args.out)
+    _write(doc, args.json)
 
 
 def _write(doc: dict, out: str) -> None:

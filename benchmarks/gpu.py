@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=int, default=18, help="R-MAT scale of part (a)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="small sizes (checks the script)")
-    p.add_argument("--out", default=str(OUT / "gpu.json"), help="JSON file to write")
+    p.add_argument("--json", default=str(OUT / "gpu.json"), help="JSON file to write")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu.py: torch sees no GPU here (use --device cpu to check the script)")
@@ -245,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"    {name}", f"{r['median']:.3g} seeds/s ({r['min']:.3g}-{r['max']:.3g})"))
     width = max(len(a) for a, _ in rows)
     print("\n".join(f"{a:<{width}}  {b}" for a, b in rows))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     from gnnpar.atomic import write_json
 
-    write_json(args.out, result, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.json, result, indent=2)
+    print(f"wrote {args.json}")
     return 0
 
 

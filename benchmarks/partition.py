@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small inputs, one repetition")
     p.add_argument("--skip-partition", action="store_true")
     p.add_argument("--skip-blocks", action="store_true")
-    p.add_argument("--out", default=str(OUT / "partition.json"))
+    p.add_argument("--json", default=str(OUT / "partition.json"), help="JSON file to write")
     args = p.parse_args(argv)
     if args.quick:
         args.rmat_scale, args.block_scale, args.repeat = 12, 14, 1
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": checks,
         "total_s": time.perf_counter() - started,
     }
-    out = Path(args.out)
+    out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=float) + "\n")
     print(f"\nwritten {out}")

@@ -4,7 +4,7 @@ On this machine, in one 8-rank gloo world:
 
 1. a bandwidth table: :func:`gnnpar.info.probe` on grids whose axes have 2, 4 and 8 ranks,
    at two buffer sizes (so a latency and a bandwidth are fitted), written to
-   ``benchmarks/out/planner_bandwidth.json`` in the ``gnnpar info --check --out`` format;
+   ``benchmarks/out/planner_bandwidth.json`` in the ``gnnpar info --check --json`` format;
 2. GEMM / SpMM / streaming rates of one thread (:func:`gnnpar.plan.compute.measure_local_rates`);
 3. the epoch time of a 3-layer full-graph GCN (R-MAT graph) on every x·y·z shape, and the
    step time of a small GPT (:func:`gnnpar.tensor.train.train_step`) on every data·x·y·z

@@ -34,7 +34,7 @@ def main() -> int:
         help="pass --quick to every script: small inputs, minutes in all (checks the machinery)",
     )
     parser.add_argument(
-        "--out",
+        "--summary",
         default=None,
         help="the Markdown summary (RESULTS.md; RESULTS-quick.md with --quick)",
     )
@@ -82,7 +82,7 @@ def main() -> int:
             else ""
         )
     )
-    target = Path(args.out or HERE / ("RESULTS-quick.md" if args.quick else "RESULTS.md"))
+    target = Path(args.summary or HERE / ("RESULTS-quick.md" if args.quick else "RESULTS.md"))
     tmp = target.with_suffix(".md.tmp")
     tmp.write_text(header + "\n".join(sections))
     tmp.replace(target)

@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer batches and repetitions")
     p.add_argument("--reps", type=int, default=None, help="interleaved runs (median is kept)")
     p.add_argument("--no-traffic", action="store_true", help="skip the distributed part")
-    p.add_argument("--out", default=str(OUT / "sampling.json"), help="JSON output path")
+    p.add_argument("--json", default=str(OUT / "sampling.json"), help="JSON file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     reps = args.reps or (3 if args.quick else 5)
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_ratios": [r["ratio"] for r in result["sampling"]],  # of medians
         "cpu_ratios": [r["cpu_ratio"] for r in result["sampling"]],
     }
-    out = Path(args.out)
+    out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=float) + "\n")
     print()

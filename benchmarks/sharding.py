@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--out", default=str(OUT / "sharding.json"))
+    ap.add_argument("--json", default=str(OUT / "sharding.json"), help="JSON file to write")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--case-out", default=None, help=argparse.SUPPRESS)
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     results["summary"] = summary
     results["verdicts"] = verdicts(summary)
-    out = Path(args.out)
+    out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     numel = next((r["numel"] for v in runs.values() for r in v if isinstance(r, dict)), 0)

@@ -110,12 +110,12 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/out/verify_cost.json")
+    parser.add_argument("--json", default="benchmarks/out/verify_cost.json", help="JSON to write")
     parser.add_argument("--quick", action="store_true", help="R-MAT scale 12, 2 repetitions")
     args = parser.parse_args()
     if args.quick:
         args.scale, args.reps = 12, 2
-        args.out = args.out.replace(".json", "-quick.json")
+        args.json = args.json.replace(".json", "-quick.json")
     os.environ.pop("WORLD_SIZE", None)
     torch.set_num_threads(args.threads)
 
@@ -162,9 +162,9 @@ def main() -> None:
         "load_average": os.getloadavg(),
     }
     _print(doc)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.json}")
 
 
 def _listed(folder: Path) -> list[str]:

@@ -77,9 +77,9 @@ def _info_check(args: argparse.Namespace) -> int:
                 print(info.format_table(entries))
             else:
                 print("one rank: no collectives to probe (use --nprocs N)")
-            if args.out:
-                info.write_table(args.out, grid, entries)
-                print(f"wrote {args.out}")
+            if args.json:
+                info.write_table(args.json, grid, entries)
+                print(f"wrote {args.json}")
             print("all collectives returned correct results")
     finally:
         if dist.is_initialized():
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mbytes", type=float, default=4.0, help="buffer size per collective")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per collective")
     p.add_argument("--ranks-per-node", type=int, default=None, help="simulate several nodes")
-    p.add_argument("--out", default=None, help="write the bandwidth table as JSON")
+    p.add_argument("--json", default=None, help="write the bandwidth table to this JSON file")
     p.set_defaults(func=_cmd_info)
 
     from gnnpar.checkpoint.cli import add_ckpt_commands

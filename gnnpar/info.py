@@ -1,7 +1,7 @@
 """`gnnpar info`: versions, backends and devices; with ``--check``, a bandwidth probe that runs
 every collective on every grid axis and reports measured bus bandwidth per axis.
 
-The probe's JSON (``--out FILE``) is a measured bandwidth table::
+The probe's JSON (``--json FILE``) is a measured bandwidth table::
 
     {"schema": 1, "world_size": 4, "ranks_per_node": 4, "backend": "gloo",
      "grid": {"data": 1, "x": 2, "y": 2, "z": 1},

@@ -48,7 +48,7 @@ def test_info_check_runs_every_collective(tmp_path):
             "0.25",
             "--iters",
             "1",
-            "--out",
+            "--json",
             str(out),
         ],
         capture_output=True,

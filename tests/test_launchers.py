@@ -295,7 +295,7 @@ def _check_training(outputs: list[tuple[int, str]], run: Path, shape: str, ranks
 
 
 def _info_args(tmp_path: Path, grid: str) -> list[str]:
-    out = ["--mbytes", "0.01", "--iters", "1", "--out", str(tmp_path / "bw.json")]
+    out = ["--mbytes", "0.01", "--iters", "1", "--json", str(tmp_path / "bw.json")]
     return ["info", "--check", "--grid", grid, *out]
 
 

@@ -276,7 +276,7 @@ def _common(p: argparse.ArgumentParser, default_machine: str) -> None:
         "--bandwidth",
         action="append",
         default=[],
-        help="measured bandwidth table (gnnpar info --check --out); repeatable",
+        help="measured bandwidth table (gnnpar info --check --json); repeatable",
     )
     p.add_argument("--top", type=int, default=5, help="shapes to print")
     p.add_argument("--plot", default=None, help="PNG of predicted step time over shapes")

@@ -12,7 +12,7 @@ attached):
 ==============  =========================================================================
 ``cpu``         this machine: ``os.cpu_count()`` cores as devices, gloo over loopback, all
                 ranks on one node (more ranks than cores share them); defaults are rough
-                until a table from ``gnnpar info --check --out FILE`` is attached
+                until a table from ``gnnpar info --check --json FILE`` is attached
 ``a100x4``      a 4×A100-40GB node: 200 GB/s NVLink bus bandwidth inside the node, 25 GB/s
                 per GPU between nodes, 312 TFLOP/s bf16 peak
 ``a100x4-80``   the same with 80 GB A100s
@@ -24,7 +24,7 @@ attached):
                 GCDs, four 25 GB/s NICs per node (12.5 GB/s per GCD), ~191 TFLOP/s bf16 per GCD
 ==============  =========================================================================
 
-**Measured bandwidth table** — the JSON that ``gnnpar info --check --out FILE`` writes
+**Measured bandwidth table** — the JSON that ``gnnpar info --check --json FILE`` writes
 (:func:`gnnpar.info.write_table`), field by field::
 
     {"schema": 1,                      # format version (1)
@@ -212,7 +212,7 @@ def load_bandwidth_table(paths: str | Path | Iterable[str | Path]) -> tuple[Band
             raise PlanError(f"bandwidth table {path} is not JSON: {e}") from None
         if not isinstance(doc, dict) or doc.get("schema") != 1:
             raise PlanError(
-                f"bandwidth table {path} is not a schema-1 table from `gnnpar info --check --out`"
+                f"bandwidth table {path} is not a schema-1 table from `gnnpar info --check --json`"
             )
         entries = doc.get("entries")
         if not isinstance(entries, list):
@@ -263,7 +263,7 @@ def local_machine(backend: str = "gloo", devices: int | None = None) -> Machine:
         assumptions=(
             "defaults are rough guesses (1 GB/s and 100 us per ring step for gloo, "
             "20 GFLOP/s GEMM and 0.5 GFLOP/s SpMM per core); attach a table from "
-            "`gnnpar info --check --out FILE` (and calibrate the rates) for real numbers"
+            "`gnnpar info --check --json FILE` (and calibrate the rates) for real numbers"
         ),
     )
 
@@ -358,7 +358,7 @@ def get_machine(name: str, bandwidth: str | Path | Iterable[str | Path] | None =
     else:
         raise PlanError(
             f"unknown machine {name!r}; built-in machines: {', '.join(machines)} "
-            "(or a bandwidth table from `gnnpar info --check --out FILE`)"
+            "(or a bandwidth table from `gnnpar info --check --json FILE`)"
         )
     if bandwidth is not None:
         machine = machine.with_table(load_bandwidth_table(bandwidth))
