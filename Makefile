@@ -4,6 +4,7 @@ TORCH ?= 2.13.0
 VENV := .venv
 comma := ,
 PY := $(VENV)/bin/python
+DEMO_EPOCHS ?= 100
 
 
 .PHONY: demo test mutants coverage bench bench-quick lint clean
@@ -18,7 +19,7 @@ $(VENV)/.stamp-%: pyproject.toml | $(VENV)/bin/python
 	touch $@
 
 demo: $(VENV)/.stamp-dev-llm
-	$(VENV)/bin/gnnpar train gcn --dataset sbm --nprocs 4 --epochs 100 --out runs/demo --overwrite
+	$(VENV)/bin/gnnpar train gcn --dataset sbm --nprocs 4 --epochs $(DEMO_EPOCHS) --out runs/demo --overwrite
 	$(VENV)/bin/gnnpar report runs/demo
 
 # The dgl extra makes the DGL cross-checks run instead of skipping.

@@ -130,7 +130,7 @@ def partition(
     """Assign every node of ``graph`` to one of ``num_parts`` parts.
 
     Args:
-        graph: a ``gnnpar.Graph``, scipy sparse matrix, ``(indptr, indices)`` tuple or
+        graph: a ``gnnpar.graph.Graph``, scipy sparse matrix, ``(indptr, indices)`` tuple or
             :class:`~partitioners.csr.CSR` (rows are destinations).
         num_parts: K, between 1 and the number of nodes.
         method: ``"random"`` (balanced random), ``"range"`` (contiguous id blocks),

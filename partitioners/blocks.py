@@ -5,7 +5,7 @@ slowest block sets the pace, so what matters is the **nnz imbalance**: the large
 nonzero count over the mean (1.0 is perfect). Real graphs number their hubs close together,
 so the grid of the raw matrix is badly lumpy; relabelling the nodes fixes that.
 
-**Permutation convention** (the same as ``gnnpar.Graph.permute`` and tensor indexing): a
+**Permutation convention** (the same as ``gnnpar.graph.Graph.permute`` and tensor indexing): a
 permutation is an int64 vector ``perm`` where *new position ``i`` holds old item
 ``perm[i]``*. Its matrix ``P`` has ``P[i, perm[i]] = 1``, so ``P @ x == x[perm]`` and
 ``P @ Â @ Q.T == Â[perm][:, q]``. :func:`invert_permutation` gives the other direction

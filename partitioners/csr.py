@@ -1,6 +1,6 @@
 """Plain CSR arrays: the one input type every partitioner works on.
 
-Partitioners take many graph types (a ``gnnpar.Graph``, a scipy sparse matrix, a pair of
+Partitioners take many graph types (a ``gnnpar.graph.Graph``, a scipy sparse matrix, a pair of
 ``indptr``/``indices`` arrays) and turn them into :class:`CSR`: numpy views of the topology,
 zero-copy where the input allows it, plus node data. The convention is the project's: row
 ``i`` lists the *in*-neighbours of node ``i`` (``A[i, j] != 0`` iff there is an edge
@@ -112,7 +112,7 @@ def as_csr(graph: Any, check: bool = False) -> CSR:
     """Turn ``graph`` into :class:`CSR` without copying the topology where possible.
 
     Accepted: :class:`CSR`; any object with ``indptr``, ``indices`` and ``num_nodes``
-    attributes (``gnnpar.Graph``; ``edge_weight``, ``ndata`` and ``name`` are used when
+    attributes (``gnnpar.graph.Graph``; ``edge_weight``, ``ndata`` and ``name`` are used when
     present); a square scipy sparse matrix (``A[i, j]`` = edge ``j -> i``); a tuple
     ``(indptr, indices)`` or ``(indptr, indices, num_nodes)``.
     """

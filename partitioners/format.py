@@ -271,7 +271,7 @@ def load_meta(path: str | Path) -> dict[str, Any]:
 
 def source_of(graph: Any) -> dict[str, Any] | None:
     """What a partition records about the graph it was cut from: ``fingerprint``, ``name``,
-    ``num_nodes``, ``num_edges``, ``num_classes`` of a ``gnnpar.Graph``; None for other
+    ``num_nodes``, ``num_edges``, ``num_classes`` of a ``gnnpar.graph.Graph``; None for other
     inputs (scipy matrices, CSR tuples), which carry no fingerprint."""
     return graph.record() if hasattr(graph, "record") else None
 
@@ -286,7 +286,7 @@ def _describe(record: Mapping[str, Any]) -> str:
 def check_source(folder: str | Path, graph: Any, label: str = "the dataset") -> dict[str, Any]:
     """Check that the partition folder was cut from ``graph``; return its meta.
 
-    ``graph`` is a ``gnnpar.Graph`` or a record as :func:`source_of` (or
+    ``graph`` is a ``gnnpar.graph.Graph`` or a record as :func:`source_of` (or
     :func:`gnnpar.data.catalogue.graph_record`, which reads a graph folder's manifest
     without rehashing) returns. ``label`` names the graph in the message (e.g.
     ``"--dataset A"``). Meant to run before ranks start.

@@ -60,7 +60,7 @@ def write(
     """Write ``graph`` split by ``part`` as a partition folder at ``out_dir``.
 
     Args:
-        graph: the graph that was partitioned (``gnnpar.Graph``, scipy matrix, ``CSR``...).
+        graph: the graph that was partitioned (``gnnpar.graph.Graph``, scipy matrix, ``CSR``...).
         part: a :class:`Partition`, or a plain owner array (method ``"custom"``).
         out_dir: the folder to create; it must not exist yet unless ``overwrite``.
         halo: 0 (owned nodes only) or 1 (every in-neighbour of an owned node).

@@ -1,0 +1,334 @@
+"""The documentation runs: every shell command and Python snippet of README.md, docs/*.md,
+datasets/README.md and the examples' docstrings, top to bottom, page by page.
+
+Each page runs in a folder of its own laid out like the checkout (``examples/``,
+``benchmarks/``, ``.venv/``, ``../shared/datasets``), with one ``datasets/`` data root that
+all pages share, so a page's commands see what its earlier commands made and nothing of
+another page's. Python blocks of a page share one interpreter, as when pasted into one
+session. Blocks marked ``# no-run: REASON`` are compiled (Python) or parsed by ``bash -n``,
+and every ``gnnpar``, ``gnnpar-partition``, example and benchmark command in them must name
+flags that exist. What a block may say about its test: ``tests/doc_blocks.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATASETS, REQUIRE
+from tests.doc_blocks import (
+    LINE_NO_RUN,
+    PYTHON,
+    ROOT,
+    SHELL,
+    Block,
+    blocks,
+    commands,
+    logical_lines,
+    pages,
+)
+
+PAGES = pages()
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b|: error: ")
+LINKED = ("examples", "benchmarks", "tests", "gnnpar", "partitioners", "Makefile",
+          "pyproject.toml")  # fmt: skip
+
+
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+@pytest.fixture(scope="module")
+def docs_base(tmp_path_factory) -> Path:
+    """``base/shared/datasets`` (the real datasets) and ``base/data`` (the pages' data root)."""
+    base = tmp_path_factory.mktemp("docs")
+    (base / "shared").mkdir()
+    if DATASETS.is_dir():
+        (base / "shared" / "datasets").symlink_to(DATASETS)
+    (base / "data").mkdir()
+    return base
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("GNNPAR_DATA", "PYTEST_CURRENT_TEST")}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    bin_dir = str(Path(sys.executable).parent)
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        MPLBACKEND="Agg",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _page_folder(base: Path, page: Path) -> Path:
+    folder = base / _page_id(page).replace("/", "_").replace(".", "_")
+    folder.mkdir()
+    for name in LINKED:
+        (folder / name).symlink_to(ROOT / name)
+    (folder / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    (folder / "datasets").symlink_to(base / "data")
+    return folder
+
+
+def _needs_datasets(page: Path) -> None:
+    if "../shared/datasets" in page.read_text() and not (DATASETS / "planetoid").is_dir():
+        if os.environ.get(REQUIRE) == "1":
+            pytest.fail(f"{_page_id(page)} reads ../shared/datasets: missing {DATASETS}")
+        pytest.skip(f"{_page_id(page)} reads ../shared/datasets, which is missing here")
+
+
+class _PythonSession:
+    """One interpreter per page (tests/doc_python.py) that runs its Python blocks in turn."""
+
+    def __init__(self, folder: Path, env: dict[str, str], log: Path):
+        self.log_path = log
+        self.log = log.open("ab")
+        read, write = os.pipe()
+        self.answers = os.fdopen(read, "r")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "doc_python.py"), str(write)],
+            stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, cwd=folder, env=env,
+            pass_fds=(write,), text=True,
+        )  # fmt: skip
+        os.close(write)
+
+    def run(self, block: Block) -> tuple[bool, str]:
+        start = self.log_path.stat().st_size
+        request = {"code": block.to_run(), "name": block.where}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.answers], [], [], block.timeout)
+        if not ready:
+            self.close()
+            return False, f"timed out after {block.timeout:.0f} s\n" + self._since(start)
+        line = self.answers.readline()
+        ok = bool(line) and json.loads(line)["ok"]
+        return ok, self._since(start)
+
+    def _since(self, start: int) -> str:
+        self.log.flush()
+        with self.log_path.open("rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _run_shell(
+    block: Block, folder: Path, env: dict[str, str], text: str | None = None
+) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run(
+            ["bash", "-eo", "pipefail", "-c", text or block.to_run()], cwd=folder, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=block.timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else ""
+        return False, f"timed out after {block.timeout:.0f} s\n{out}"
+    return proc.returncode == 0, proc.stdout
+
+
+def _run_on_processes(block: Block, folder: Path, env: dict[str, str]) -> tuple[bool, str]:
+    """A Python block saved as a script and started on ``block.nprocs`` processes."""
+    script = folder / f"block_{block.line}.py"
+    script.write_text(block.to_run())
+    run = Block(block.source, block.line, "bash", "", block.directives)
+    command = (
+        f"{sys.executable} -m torch.distributed.run --standalone "
+        f"--nproc-per-node {block.nprocs} {script.name}"
+    )
+    return _run_shell(run, folder, env, command)
+
+
+def _excerpt(text: str) -> str:
+    """The lines around the first error in ``text`` (a rank's traceback is often followed by
+    the launcher's long report), then its last lines."""
+    lines = text.rstrip().splitlines()
+    first = next((i for i, ln in enumerate(lines) if ERROR_LINE.search(ln)), None)
+    tail = lines[-20:]
+    if first is None or first >= len(lines) - 20:
+        return "\n".join(lines[-40:])
+    return "\n".join([*lines[max(0, first - 12) : first + 3], "...", *tail])
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_page_runs_top_to_bottom(page: Path, docs_base: Path) -> None:
+    """Every runnable block of the page, in order, in a fresh folder: each must succeed."""
+    page_blocks = blocks(page)
+    if not any(b.runnable for b in page_blocks):
+        pytest.skip(f"{_page_id(page)} has no block to run")
+    _needs_datasets(page)
+    folder = _page_folder(docs_base, page)
+    env = _environment()
+    python: _PythonSession | None = None
+    try:
+        for block in page_blocks:
+            if block.file is not None:
+                (folder / block.file).write_text(block.text)
+                continue
+            if not block.runnable:
+                continue
+            start = time.perf_counter()
+            if block.nprocs is not None:
+                ok, output = _run_on_processes(block, folder, env)
+            elif block.lang in PYTHON:
+                python = python or _PythonSession(folder, env, folder / "python.log")
+                ok, output = python.run(block)
+            else:
+                ok, output = _run_shell(block, folder, env)
+            took = time.perf_counter() - start
+            print(f"{block.where}: {'ok' if ok else 'FAILED'} in {took:.1f} s")
+            if not ok:
+                pytest.fail(
+                    f"{block.where} ({block.lang}) failed after {took:.1f} s:\n"
+                    f"{block.to_run().rstrip()}\n--- output (end) ---\n{_excerpt(output)}",
+                    pytrace=False,
+                )
+    finally:
+        if python is not None:
+            python.close()
+        shutil.rmtree(folder / "runs", ignore_errors=True)  # big; the rest is small
+
+
+# ------------------------------------------------------------ blocks that are not run
+def _program(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(program, its arguments)`` of a documented command, past launchers and ``python``:
+    ``gnnpar``, ``gnnpar-partition``, ``make`` or a script path; None for anything else."""
+    for i, word in enumerate(argv):
+        if word == "-m" and i + 1 < len(argv) and argv[i + 1] == "gnnpar.cli":
+            return "gnnpar", argv[i + 2 :]
+        if word.endswith(".py"):
+            return word, argv[i + 1 :]
+        name = word.rsplit("/", 1)[-1]
+        if name in ("gnnpar", "gnnpar-partition"):
+            return name, argv[i + 1 :]
+        if word == "make" and i == 0:
+            return "make", argv[1:]
+    return None
+
+
+def _gnnpar_error(args: list[str]) -> str | None:
+    from gnnpar.cli import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            build_parser().parse_args(args)
+    except SystemExit as exit_:
+        if exit_.code:
+            return err.getvalue().strip().splitlines()[-1]
+    return None
+
+
+@functools.cache
+def _help_text(program: str, sub: str) -> str:
+    """The ``--help`` of a script or ``gnnpar-partition`` (and its sub-command)."""
+    if program == "gnnpar-partition":
+        from partitioners.cli import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            main([*([sub] if sub else []), "--help"])
+        return out.getvalue()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / program), "--help"], capture_output=True, text=True,
+        timeout=120, cwd=ROOT, env=_environment(),
+    )  # fmt: skip
+    return proc.stdout
+
+
+def flag_errors(text: str) -> list[str]:
+    """What is wrong with the commands of a shell block, without running them: unknown
+    ``gnnpar`` flags or values (its own parser), flags a script or ``gnnpar-partition``
+    does not list in ``--help``, ``make`` targets the Makefile lacks, missing scripts."""
+    errors = []
+    for argv in commands(text):
+        found = _program(argv)
+        if found is None:
+            continue
+        program, args = found
+        if program == "gnnpar":
+            problem = _gnnpar_error(args)
+        elif program == "make":
+            targets = (ROOT / "Makefile").read_text()
+            missing = [t for t in args if "=" not in t and f"\n{t}:" not in targets]
+            problem = f"no make target {missing[0]}" if missing else None
+        elif program != "gnnpar-partition" and not (ROOT / program).is_file():
+            problem = f"no script {program}"
+        else:
+            sub = args[0] if args and args[0] in ("inspect", "compare") else ""
+            usage = _help_text(program, sub if program == "gnnpar-partition" else "")
+            unknown = [a.split("=")[0] for a in args if a.startswith("--")]
+            unknown = [a for a in unknown if a not in usage]
+            problem = f"unknown flag(s) {', '.join(unknown)}" if unknown else None
+        if problem:
+            errors.append(f"{' '.join(argv)}: {problem}")
+    return errors
+
+
+def _unrun_parts(block: Block) -> str | None:
+    """The text of a block that is not run: all of a no-run block, else its no-run lines."""
+    if block.no_run is not None:
+        return block.text
+    lines = [ln for ln in logical_lines(block.text) if LINE_NO_RUN.search(ln)]
+    return "\n".join(lines) if block.lang in SHELL and lines else None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_blocks_that_are_not_run_are_checked(page: Path) -> None:
+    """No-run blocks still parse and name real flags; every fence names its language, so
+    no command hides in a block the tests skip."""
+    problems = []
+    for block in blocks(page):
+        if not block.lang:
+            problems.append(f"{block.where}: a fence without a language (text, json, ...)")
+            continue
+        text = _unrun_parts(block)
+        if text is None:
+            continue
+        if block.lang in PYTHON:
+            try:
+                compile(text, block.where, "exec")
+            except SyntaxError as err:
+                problems.append(f"{block.where}: {err}")
+        elif block.lang in SHELL:
+            proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+            if proc.returncode:
+                problems.append(f"{block.where}: bash -n: {proc.stderr.strip()}")
+            problems += [f"{block.where}: {e}" for e in flag_errors(text)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_flag_check_catches_a_wrong_command() -> None:
+    """The check the no-run blocks rely on fails on what a stale page would say."""
+    assert flag_errors("gnnpar train gcn --epochs 3 --grid x=2\n") == []
+    assert flag_errors("gnnpar train gcn --no-such-flag 3\n")
+    assert flag_errors("torchrun --nproc-per-node 4 -m gnnpar.cli train gpt --stepz 3\n")
+    assert flag_errors("gnnpar-partition sbm --parts 2 --out p --dataset-options n=5\n") == []
+    assert flag_errors("gnnpar-partition compare sbm --parts 2 --colour red\n")
+    assert flag_errors("python examples/train_gpt.py --steps 3 --n-layerz 2\n")
+    assert flag_errors("python examples/no_such_example.py\n")
+    assert flag_errors("make tset\n")
