@@ -276,28 +276,11 @@ def _compare_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     try:
-        import matplotlib
+        from partitioners.plots import write_compare_plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        write_compare_plot(rows, path, title)
     except ImportError as err:
         raise CliError("--plot needs matplotlib: pip install 'gnnpar[bench]'") from err
-    names = [r["method"] for r in rows]
-    panels = [
-        ("edge cut (%)", [100 * r["edge_cut_fraction"] for r in rows]),
-        ("edge balance (max/mean)", [r["edge_balance"] for r in rows]),
-        ("time (s)", [r["time_s"] or 0.0 for r in rows]),
-        ("peak memory (MiB)", [(r["peak_bytes"] or 0) / 2**20 for r in rows]),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for ax, (label, values) in zip(axes, panels, strict=True):
-        ax.bar(names, values, color="#4c72b0")
-        ax.set_title(label)
-        ax.tick_params(axis="x", rotation=45)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

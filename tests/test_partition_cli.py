@@ -124,6 +124,32 @@ def test_overwrite_replaces_a_partition_folder(tmp_path, capsys):
     assert load_meta(out)["num_parts"] == 3
 
 
+def test_compare_figure_labels_units_and_shows_every_bar():
+    pytest.importorskip("matplotlib")
+    from partitioners.plots import compare_figure
+
+    rows = [
+        {"method": m, "edge_cut_fraction": cut, "edge_balance": bal, "time_s": t,
+         "peak_bytes": peak}
+        for m, cut, bal, t, peak in [
+            ("random", 0.75, 1.01, 0.0004, 64 * 2**10),
+            ("metis", 0.004, 1.03, 2.5, 300 * 2**20),
+            ("range", 0.6, 1.0, 0.0002, 0),
+        ]
+    ]  # fmt: skip
+    cut, balance, time, memory = compare_figure(rows, "g, K=2").axes
+    assert cut.get_ylabel() == "cut edges (% of all edges), log scale"
+    assert balance.get_ylabel() == "max / mean edges per part" and balance.get_yscale() == "linear"
+    assert time.get_ylabel() == "wall time (s), log scale"
+    assert memory.get_ylabel() == "peak memory (MiB), log scale"
+    for ax in (cut, time, memory):  # values spanning decades: log scales
+        assert ax.get_yscale() == "log"
+        bottom = ax.get_ylim()[0]
+        assert len(ax.patches) == 3 and all(p.get_height() > bottom for p in ax.patches)
+    # The zero peak is a visible stub, labelled with its value.
+    assert [t.get_text() for t in memory.texts] == ["0.0625", "300", "0"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -29,6 +29,8 @@ from gnnpar.plan import (
     rank_gpt,
 )
 from gnnpar.plan.compute import measure_local_rates
+from gnnpar.plan.problems import format_count, parse_count
+from gnnpar.plan.rank import rank_gpt_stages, shape_label
 from tests.byte_formulas import plexus_bytes
 
 # 12 nodes, widths 6 -> 4 -> 2, float32, biases: small enough to follow by hand
@@ -284,8 +286,48 @@ def test_cli_plan_tables_plot_and_json(tmp_path, capsys):
     argv = "plan gpt --n-layer 2 --n-embd 64 --n-head 8 --block-size 16 --batch-size 8 --gpus 8"
     argv += " --machine h100x8"
     rc = main(argv.split())
-    assert rc == 0 and "GPT" in capsys.readouterr().out
+    assert rc == 0 and "GPT 232k (2 layers" in capsys.readouterr().out
     assert main(["plan", "machines"]) == 0 and "frontier" in capsys.readouterr().out
+
+
+def test_plan_plot_draws_the_top_shapes_with_labelled_axes():
+    pytest.importorskip("matplotlib")
+    from gnnpar.plan.plot import plan_figure
+
+    problem = GCNProblem.from_edges(2_449_029, 61_859_140, features=100, classes=47)
+    cands = rank_gcn(problem, 64, get_machine("perlmutter"))
+    (ax,) = plan_figure(cands, "products", top=3).axes
+    best = [shape_label(c.shape) for c in cands if c.fits][:3]
+    assert [t.get_text() for t in ax.get_xticklabels()] == best
+    assert len(ax.patches) == 2 * 3  # compute and communication per shape
+    assert ax.get_xlabel().startswith("grid shape") and ax.get_ylabel().endswith("(ms)")
+    (every,) = plan_figure(cands, "products").axes  # no top: every shape that fits, to 40
+    assert len(every.get_xticklabels()) == min(40, sum(c.fits for c in cands))
+    with pytest.raises(PlanError, match="at least 1"):
+        plan_figure(cands, "products", top=0)
+
+
+def test_plan_plot_names_the_zero_stage_where_shapes_differ_in_it():
+    pytest.importorskip("matplotlib")
+    from gnnpar.plan.plot import plan_figure
+
+    problem = GPTProblem.sized(layers=2, hidden=64, heads=8, seq=16, batch=8)
+    cands = rank_gpt_stages(problem, 8, get_machine("h100x8"), (0, 1))
+    (ax,) = plan_figure(cands, "small", top=4).axes
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    # Without the stage, one shape at two stages would read as the same bar twice.
+    assert len(labels) == len(set(labels)) == 4 and all(" Z" in s for s in labels), labels
+    assert "ZeRO stage" in ax.get_xlabel() and ax.get_ylabel() == "predicted step time (ms)"
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(640, "640"), (85_000, "85k"), (10_612_000, "10.6M"), (999_950, "1M"), (125e6, "125M"),
+     (1_315_000_000, "1.31B"), (1.3e9, "1.3B"), (20_260_000_000, "20.3B"), (3.3e12, "3.3T")],
+)  # fmt: skip
+def test_format_count_has_3_significant_digits_and_a_unit(n, text):
+    assert format_count(n) == text
+    assert parse_count(text) == pytest.approx(n, rel=5e-3)
 
 
 @pytest.mark.parametrize(

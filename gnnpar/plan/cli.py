@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 from typing import Any
 
-from gnnpar.atomic import atomic_write, write_json
+from gnnpar.atomic import write_json
 from gnnpar.plan.machines import Machine, builtin_machines, get_machine
+from gnnpar.plan.plot import plot_candidates
 from gnnpar.plan.problems import (
     GCNProblem,
     GPTProblem,
     PlanError,
+    format_count,
     gcn_datasets,
     gpt_sizes,
     parse_count,
@@ -187,38 +188,11 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
     return "\n".join(lines)
 
 
-def plot_candidates(cands: list[Candidate], path: str | Path, title: str) -> None:
-    """Predicted step time (compute + communication) of every shape that fits, best first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fitting = [c for c in cands if c.fits][:40]
-    if not fitting:
-        raise PlanError("no shape fits: nothing to plot")
-    labels = [shape_label(c.shape) for c in fitting]
-    comp = [c.compute_seconds * 1e3 for c in fitting]
-    comm = [c.comm_seconds * 1e3 for c in fitting]
-    fig, ax = plt.subplots(figsize=(max(6, 0.32 * len(fitting) + 2), 4.5))
-    xs = range(len(fitting))
-    ax.bar(xs, comp, label="compute", color="#4c72b0")
-    ax.bar(xs, comm, bottom=comp, label="communication", color="#dd8452")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, rotation=75, fontsize=7)
-    ax.set_ylabel("predicted step time (ms)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=Path(path).suffix[1:] or None))
-    plt.close(fig)
-
-
 def _report(cands: list[Candidate], args: argparse.Namespace, title: str) -> int:
     print(title)
     print(format_candidates(cands, args.top))
     if args.plot:
-        plot_candidates(cands, args.plot, title)
+        plot_candidates(cands, args.plot, title, top=args.top)
         print(f"wrote {args.plot}")
     if args.json:
         doc = {"title": title, "candidates": [c.as_dict() for c in cands]}
@@ -246,8 +220,9 @@ def _cmd_gpt(args: argparse.Namespace) -> int:
     cands = rank_gpt_stages(problem, args.gpus, machine, stages)
     which = "ZeRO stage 0-3" if args.stage is None else f"ZeRO stage {args.stage}"
     title = (
-        f"GPT {problem.num_params / 1e9:.2f}B ({problem.layers} layers, hidden {problem.hidden}, "
-        f"{problem.heads} heads), batch {problem.batch} x {problem.seq} tokens, {which}; "
+        f"GPT {format_count(problem.num_params)} ({problem.layers} layers, "
+        f"hidden {problem.hidden}, {problem.heads} heads), "
+        f"batch {problem.batch} x {problem.seq} tokens, {which}; "
         f"{args.gpus} ranks on {machine.name} ({machine.ranks_per_node(args.gpus)} per node)"
     )
     return _report(cands, args, title)
