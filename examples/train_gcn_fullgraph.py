@@ -8,6 +8,8 @@ checkpoints and metrics files:
         --dataset-options normalize_features=true --nprocs 4
     torchrun --nproc-per-node 4 examples/train_gcn_fullgraph.py --algorithm 2d
 
+(The documentation tests run these with ``--epochs 2``.)
+
 1. rank 0 cuts the graph into shards on disk (once); every rank reads only its blocks;
 2. a plain GCN is built and sharded over the grid from outside;
 3. full-graph epochs with Adam; accuracy every 10 epochs, computed on sharded logits.

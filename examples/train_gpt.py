@@ -1,11 +1,15 @@
 """Train a small GPT on Shakespeare (or any text) with the library API: 4D hybrid parallelism
 (data × x × y × z) and ZeRO, in one readable loop.
 
-    python examples/train_gpt.py --nprocs 4 --grid data=2,x=2 --steps 300
+    python examples/train_gpt.py --nprocs 4 --grid data=2,x=2 --steps 100
     python examples/train_gpt.py --nprocs 4 --grid data=2,z=2 --zero-stage 3 --out runs/ex
-    torchrun --nproc-per-node 4 examples/train_gpt.py --grid x=2,y=2
-    python examples/train_gpt.py --data my_notes.txt --n-layer 4 --n-embd 256 --steps 200
-    python examples/train_gpt.py --consolidate runs/gpt-example full.pt
+    torchrun --nproc-per-node 4 examples/train_gpt.py --grid x=2,y=2 --out runs/ex-xy
+    python examples/train_gpt.py --data README.md --n-layer 4 --n-head 4 --n-embd 256 \\
+        --out runs/ex-readme
+    python examples/train_gpt.py --consolidate runs/ex full.pt
+
+(The documentation tests run these with ``--steps 3 --sample-tokens 5 --n-layer 2
+--n-embd 64 --n-head 4``.)
 
 It is ``gnnpar train gpt`` spelled out (that command adds the planner's grid, metrics,
 progress, TensorBoard, resume on failure and mixed precision). The model is a plain GPT

@@ -6,6 +6,8 @@
         --dataset-options normalize_features=true --nprocs 4 --batch-size 32 --feature-cache 64
     python examples/train_sage_minibatch.py --dataset sbm --fanouts 15,10 --model gat
 
+(The documentation tests run these with ``--epochs 2``.)
+
 One process samples the whole graph. With ``--nprocs N`` rank 0 cuts the graph into N METIS
 parts (a partition folder, written once), every rank loads only its own part, samples
 across parts and fetches remote features with all-to-alls, and the gradients are summed
