@@ -3,7 +3,7 @@
 Copy it and edit it. It does what ``gnnpar train gcn`` does, without the trainer's
 checkpoints and metrics files:
 
-    python examples/train_gcn_fullgraph.py --nprocs 8 --grid x=2,y=2,z=2
+    python examples/train_gcn_fullgraph.py --nprocs 4 --grid x=1,y=2,z=2
     python examples/train_gcn_fullgraph.py --dataset citeseer --root ../shared/datasets \\
         --dataset-options normalize_features=true --nprocs 4
     torchrun --nproc-per-node 4 examples/train_gcn_fullgraph.py --algorithm 2d
