@@ -107,7 +107,10 @@ class Block:
                 text = text.replace(old, new)
             elif "+=" in d:
                 prefix, flags = (s.strip() for s in d.split("+=", 1))
-                text = "\n".join(_append(ln, prefix, flags) for ln in text.splitlines())
+                changed = "\n".join(_append(ln, prefix, flags) for ln in text.splitlines())
+                if changed == text:
+                    raise ValueError(f"{self.where}: directive {d!r}: no command starts so")
+                text = changed
         return text
 
 
@@ -216,10 +219,9 @@ def docstring_blocks(path: Path) -> list[Block]:
             inside = False
     if not lines:
         return []
-    directives = () if not flags else tuple(
-        f"{prefix} += {flags.group(1)}"
-        for prefix in (f"python examples/{path.name}", "torchrun")
-    )
+    prefixes = [f"python examples/{path.name}"]
+    prefixes += ["torchrun"] if any(ln.startswith("torchrun") for ln in lines) else []
+    directives = () if not flags else tuple(f"{p} += {flags.group(1)}" for p in prefixes)
     return [Block(path, first + 2, "bash", "\n".join(lines) + "\n", directives)]
 
 

@@ -333,3 +333,11 @@ def test_the_flag_check_catches_a_wrong_command() -> None:
     assert flag_errors("python examples/train_gpt.py --steps 3 --n-layerz 2\n")
     assert flag_errors("python examples/no_such_example.py\n")
     assert flag_errors("make tset\n")
+
+
+def test_every_test_directive_still_applies() -> None:
+    """A size override whose text left the page is an error, not a silent full-size run."""
+    for page in PAGES:
+        for block in blocks(page):
+            if block.runnable:
+                block.to_run()  # raises naming the block and the directive
