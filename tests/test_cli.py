@@ -257,3 +257,38 @@ def test_every_train_option_has_help_and_a_readme_row():
     for cls, _, _ in _tasks().values():
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in table, f"README's option table lacks {f.name}"
+
+
+# ------------------------------------------------------------------- what a run prints
+def test_significant_writes_three_digits_without_exponents_for_everyday_values():
+    from gnnpar.fmt import significant
+
+    cases = {
+        19917.2351: "19900",
+        1163.7606: "1160",
+        14.9537: "15.0",
+        3.92: "3.92",
+        0.012345: "0.0123",
+        999.7: "1000",  # rounding carries into the next power of ten
+        0.99996: "1.00",
+        -2.456: "-2.46",
+        0.0: "0",
+        1.234e-5: "1.23e-05",
+        float("nan"): "nan",
+    }
+    assert {v: significant(v) for v in cases} == cases
+    assert significant(19917.2351, digits=2) == "20000"
+
+
+def test_counts_take_the_number_of_their_noun():
+    import gnnpar
+    from gnnpar.fmt import count
+
+    assert [count(1, "rank"), count(2, "rank"), count(19874, "edge")] == [
+        "1 rank",
+        "2 ranks",
+        "19,874 edges",
+    ]
+    assert count(1, "class", "classes") == "1 class"
+    assert count(4, "class", "classes") == "4 classes"
+    assert "(1 rank, gloo, cpu, 1 rank/node)" in gnnpar.init().describe()
