@@ -292,3 +292,47 @@ def test_counts_take_the_number_of_their_noun():
     assert count(1, "class", "classes") == "1 class"
     assert count(4, "class", "classes") == "4 classes"
     assert "(1 rank, gloo, cpu, 1 rank/node)" in gnnpar.init().describe()
+
+
+def test_rates_and_times_are_shown_to_three_significant_digits():
+    import io
+
+    from gnnpar.fmt import significant
+    from gnnpar.train.progress import Progress, metrics_text, rate_text
+
+    record = {"loss": 1.911944, "val_acc": 0.50401, "tokens_per_s": 19917.2351, "seconds": 0.01234}
+    shown = "loss=1.9119 val_acc=0.5040 tokens_per_s=19900 seconds=0.0123"
+    assert metrics_text(record) == shown  # losses and accuracies keep four decimals
+    assert rate_text(3.9234, "epoch") == "3.92 epoch/s"
+    assert rate_text(0.885, "epoch") == "1.13 s/epoch"  # below one per second: the inverse
+    screen = io.StringIO()
+    bar = Progress().bar(4, unit="epoch", file=screen)
+    bar.update(2)
+    bar.set_postfix({"seeds_per_s": "1160"})
+    bar.close()
+    shown = screen.getvalue().split("\r")[-1]
+    assert "2/4" in shown and "epoch/s, seeds_per_s=1160]" in shown, shown
+    rate = shown.split(", ")[-2].split()[0]  # "12.3" in "[00:00<00:00, 12.3 epoch/s, ..."
+    assert rate == significant(float(rate)), shown
+
+
+def test_a_run_says_what_it_trains_on_which_grid_before_the_first_epoch(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, 2) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first_epoch = next(i for i, line in enumerate(lines) if line.startswith("epoch 1/2"))
+    before = "\n".join(lines[:first_epoch])
+    # the slow preparation stages, each with the time it took
+    assert any(line.startswith("loading sbm ... ") and line.endswith(" s") for line in lines)
+    assert f"cutting shards into {out / 'shards'}" in before
+    # the start lines: the dataset's sizes, the run folder, the grid and who chose it
+    assert "gcn on sbm: 300 nodes, " in before and " edges, 8 features, 4 classes" in before
+    assert f"; run folder {out}" in before
+    assert "grid data=1 x=1 y=1 z=1 (chosen by the planner) on 1 rank (gloo, cpu)" in before
+    assert lines[-1].startswith("done: grid data=1 x=1 y=1 z=1 (1 rank, gloo, cpu, 1 rank/node)")
+
+
+def test_the_launching_process_says_that_ranks_are_starting(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("gnnpar.launch.launch_local", lambda *a, **k: 0)
+    assert main(["train", "gcn", "--nprocs", "2", "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out == "starting 2 ranks ...\n"
