@@ -76,11 +76,15 @@ RUN_MARKERS = ("metrics.jsonl", "checkpoints", "plots", "tensorboard")
 
 
 def run_folder_error(out: str | Path) -> FileExistsError:
-    """The error for a run folder that already holds a run (neither resume nor overwrite)."""
-    return FileExistsError(
-        f"run folder {out} already holds a run; pass --resume to continue it "
-        "or --overwrite to start again"
+    """The error for a run folder that already holds a run (neither resume nor overwrite):
+    one line naming the folder and both ways out. Every rank that checks finds the same
+    folder, so only one reports it."""
+    err = FileExistsError(
+        f"run folder {out} already holds a run: pass --resume to continue it, or "
+        "--overwrite to start again (or another --out)"
     )
+    err.same_on_every_rank = True
+    return err
 
 
 # ------------------------------------------------------------------ checks before launch
