@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -336,3 +337,40 @@ def test_the_launching_process_says_that_ranks_are_starting(tmp_path, monkeypatc
     monkeypatch.setattr("gnnpar.launch.launch_local", lambda *a, **k: 0)
     assert main(["train", "gcn", "--nprocs", "2", "--out", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out == "starting 2 ranks ...\n"
+
+
+def test_no_help_text_states_its_default_twice():
+    """Every ``--help`` of gnnpar and gnnpar-partition: no "(default: None)", and no flag
+    whose help gives its default twice (one place formats defaults: config.with_default)."""
+    import argparse
+    import contextlib
+    import io
+
+    from gnnpar.cli import build_parser
+    from gnnpar.train.config import with_default
+    from partitioners.cli import main as partition_main
+
+    assert with_default("hidden width", 16) == "hidden width (default: 16)"
+    assert with_default("grid (default: the planner's)", None) == "grid (default: the planner's)"
+    assert with_default("grid (default: the planner's)", "x=1") == "grid (default: the planner's)"
+
+    def parsers(p: argparse.ArgumentParser):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    texts = [p.format_help() for p in parsers(build_parser())]
+    for command in ([], ["inspect"], ["compare"]):
+        screen = io.StringIO()
+        with contextlib.redirect_stdout(screen):
+            assert partition_main([*command, "--help"]) == 0
+        texts.append(screen.getvalue())
+    assert len(texts) > 15
+    for text in texts:
+        flat = " ".join(text.split())  # argparse wraps long help over lines
+        assert "(default: None)" not in flat, text
+        assert not re.search(r"\(default[^)]*\) ?\(default", flat), text
+    actions = [a for p in parsers(build_parser()) for a in p._actions if a.help]
+    assert not [a.help for a in actions if a.help.count("(default") > 1]
