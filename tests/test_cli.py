@@ -334,9 +334,23 @@ def test_a_run_says_what_it_trains_on_which_grid_before_the_first_epoch(tmp_path
 
 
 def test_the_launching_process_says_that_ranks_are_starting(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("gnnpar.launch.launch_local", lambda *a, **k: 0)
+    import time
+
+    from gnnpar.train.progress import LAUNCHED_AT_ENV, Progress
+
+    launched = []
+    monkeypatch.setattr("gnnpar.launch.launch_local", lambda *a, **k: launched.append(k) or 0)
     assert main(["train", "gcn", "--nprocs", "2", "--out", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out == "starting 2 ranks ...\n"
+    # rank 0 then says how long the ranks took to start (each imports torch)
+    env = {LAUNCHED_AT_ENV: repr(time.time() - 3.0)}
+    assert LAUNCHED_AT_ENV in launched[0]["env"]
+    Progress().ranks_started(env)
+    assert re.fullmatch(r"1 rank started in 3\.\d\d s\n", capsys.readouterr().out)
+    Progress().ranks_started({**env, "TORCHELASTIC_RESTART_COUNT": "1"})  # not after a restart
+    Progress().ranks_started({})  # nor outside a local launch
+    Progress(enabled=False).ranks_started(env)  # nor on other ranks
+    assert capsys.readouterr().out == ""
 
 
 def test_no_help_text_states_its_default_twice():

@@ -77,7 +77,6 @@ def _checked_config(args: argparse.Namespace, launching: bool) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gnnpar.fmt import count
     from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local, strip_nprocs, under_launcher
     from gnnpar.train.progress import Progress, metrics_text
 
@@ -91,10 +90,9 @@ def _run(args: argparse.Namespace) -> int:
     if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
         # the ranks take seconds to start (each imports torch): say what is happening
-        progress.line(f"starting {count(args.nprocs, 'rank')} ...")
-        return launch_local(
-            args.nprocs, argv, max_restarts=args.max_restarts, env={PREFLIGHT_DONE_ENV: "1"}
-        )
+        env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(args.nprocs)}
+        return launch_local(args.nprocs, argv, max_restarts=args.max_restarts, env=env)
+    progress.ranks_started()
     import gnnpar
     from gnnpar.train.loop import Trainer
 
