@@ -10,12 +10,12 @@ losses and accuracies to four decimals (:func:`metric_text`).
 A quiet run of ``gnnpar train gcn --nprocs 2 --quiet`` reads::
 
     starting 2 ranks ...
-    2 ranks started in 7.12 s
-    loading sbm ... 0.412 s
-    cutting shards into runs/gcn/shards/sbm-1a2b3c4d5e ... 2.31 s
-    building the model ... 1.95 s
+    2 ranks started in 3.08 s
+    loading sbm ... 0.00582 s
+    cutting shards into runs/gcn/shards/sbm-b42a7359d4 ... 0.199 s
+    building the model ... 1.10 s
     gcn on sbm: 2,000 nodes, 19,874 edges, 32 features, 4 classes; run folder runs/gcn
-    grid data=1 x=1 y=2 z=1 (chosen by the planner) on 2 ranks (gloo, cpu)
+    grid data=1 x=2 y=1 z=1 (chosen by the planner) on 2 ranks (gloo, cpu)
     epoch 1/5 loss=1.9119
 """
 
