@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -326,7 +327,7 @@ def all_gather(
     sizes = list(sizes)
     if len(sizes) != p or sizes[me] != moved.shape[0]:
         raise ValueError(
-            f"all_gather over '{axis}': sizes {sizes} do not fit {p} ranks with this rank "
+            f"all_gather over '{axis}': sizes {sizes} do not fit {count(p, 'rank')} with this rank "
             f"(index {me}) holding {moved.shape[0]} along dim {dim}"
         )
     rows = max(sizes)
@@ -379,7 +380,8 @@ def reduce_scatter(
     sizes = chunk_sizes(n, p) if sizes is None else list(sizes)
     if len(sizes) != p or sum(sizes) != n:
         raise ValueError(
-            f"reduce_scatter over '{axis}': sizes {sizes} do not split {n} rows over {p} ranks"
+            f"reduce_scatter over '{axis}': sizes {sizes} do not split {n} rows over "
+            f"{count(p, 'rank')}"
         )
     rows = max(sizes)
     rest = moved.shape[1:]
@@ -429,7 +431,7 @@ def all_to_all(
     if input_splits is None:
         if n % p:
             raise ValueError(
-                f"all_to_all over '{axis}': {n} rows do not divide over {p} ranks; "
+                f"all_to_all over '{axis}': {n} rows do not divide over {count(p, 'rank')}; "
                 "pass input_splits"
             )
         input_splits = [n // p] * p
@@ -437,7 +439,7 @@ def all_to_all(
     if len(input_splits) != p or sum(input_splits) != n:
         raise ValueError(
             f"all_to_all over '{axis}': input_splits {input_splits} do not split {n} rows "
-            f"over {p} ranks"
+            f"over {count(p, 'rank')}"
         )
     if output_splits is None:
         output_splits = exchange_counts(input_splits, grid, axis)

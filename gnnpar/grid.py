@@ -25,6 +25,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from gnnpar.fmt import count
 from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
 #: The four grid axes, fastest-varying first.
@@ -123,7 +124,7 @@ class GridShape:
         """Grid coordinates of ``rank`` (default: ``global_rank``)."""
         rank = self.global_rank if rank is None else rank
         if not 0 <= rank < self.world_size:
-            raise GridError(f"rank {rank} is outside a grid of {self.world_size} ranks")
+            raise GridError(f"rank {rank} is outside a grid of {count(self.world_size, 'rank')}")
         out = {}
         for a in AXES:
             out[a] = rank % self.shape[a]
@@ -204,8 +205,8 @@ class ProcessGrid(GridShape):
         """One line naming the shape, backend and device."""
         return (
             f"grid data={self.data} x={self.x} y={self.y} z={self.z} "
-            f"({self.world_size} ranks, {self.backend}, {self.device}, "
-            f"{self.ranks_per_node} ranks/node)"
+            f"({count(self.world_size, 'rank')}, {self.backend}, {self.device}, "
+            f"{count(self.ranks_per_node, 'rank')}/node)"
         )
 
 

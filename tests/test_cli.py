@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,133 @@ def test_every_train_option_has_help_and_a_readme_row():
     for cls, _, _ in _tasks().values():
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in table, f"README's option table lacks {f.name}"
+
+
+# ------------------------------------------------------------------- what a run prints
+def test_significant_writes_three_digits_without_exponents_for_everyday_values():
+    from gnnpar.fmt import significant
+
+    cases = {
+        19917.2351: "19900",
+        1163.7606: "1160",
+        14.9537: "15.0",
+        3.92: "3.92",
+        0.012345: "0.0123",
+        999.7: "1000",  # rounding carries into the next power of ten
+        0.99996: "1.00",
+        -2.456: "-2.46",
+        0.0: "0",
+        1.234e-5: "1.23e-05",
+        float("nan"): "nan",
+    }
+    assert {v: significant(v) for v in cases} == cases
+    assert significant(19917.2351, digits=2) == "20000"
+
+
+def test_counts_take_the_number_of_their_noun():
+    import gnnpar
+    from gnnpar.fmt import count
+
+    assert [count(1, "rank"), count(2, "rank"), count(19874, "edge")] == [
+        "1 rank",
+        "2 ranks",
+        "19,874 edges",
+    ]
+    assert count(1, "class", "classes") == "1 class"
+    assert count(4, "class", "classes") == "4 classes"
+    assert "(1 rank, gloo, cpu, 1 rank/node)" in gnnpar.init().describe()
+
+
+def test_rates_and_times_are_shown_to_three_significant_digits():
+    import io
+
+    from gnnpar.fmt import significant
+    from gnnpar.train.progress import Progress, metrics_text, rate_text
+
+    record = {"loss": 1.911944, "val_acc": 0.50401, "tokens_per_s": 19917.2351, "seconds": 0.01234}
+    shown = "loss=1.9119 val_acc=0.5040 tokens_per_s=19900 seconds=0.0123"
+    assert metrics_text(record) == shown  # losses and accuracies keep four decimals
+    assert rate_text(3.9234, "epoch") == "3.92 epoch/s"
+    assert rate_text(0.885, "epoch") == "1.13 s/epoch"  # below one per second: the inverse
+    screen = io.StringIO()
+    bar = Progress().bar(4, unit="epoch", file=screen)
+    bar.update(2)
+    bar.set_postfix({"seeds_per_s": "1160"})
+    bar.close()
+    shown = screen.getvalue().split("\r")[-1]
+    assert "2/4" in shown and "epoch/s, seeds_per_s=1160]" in shown, shown
+    rate = shown.split(", ")[-2].split()[0]  # "12.3" in "[00:00<00:00, 12.3 epoch/s, ..."
+    assert rate == significant(float(rate)), shown
+
+
+def test_a_run_says_what_it_trains_on_which_grid_before_the_first_epoch(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, 2) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first_epoch = next(i for i, line in enumerate(lines) if line.startswith("epoch 1/2"))
+    before = "\n".join(lines[:first_epoch])
+    # the slow preparation stages, each with the time it took
+    assert any(line.startswith("loading sbm ... ") and line.endswith(" s") for line in lines)
+    assert f"cutting shards into {out / 'shards'}" in before
+    # the start lines: the dataset's sizes, the run folder, the grid and who chose it
+    assert "gcn on sbm: 300 nodes, " in before and " edges, 8 features, 4 classes" in before
+    assert f"; run folder {out}" in before
+    assert "grid data=1 x=1 y=1 z=1 (chosen by the planner) on 1 rank (gloo, cpu)" in before
+    assert lines[-1].startswith("done: grid data=1 x=1 y=1 z=1 (1 rank, gloo, cpu, 1 rank/node)")
+
+
+def test_the_launching_process_says_that_ranks_are_starting(tmp_path, monkeypatch, capsys):
+    import time
+
+    from gnnpar.train.progress import LAUNCHED_AT_ENV, Progress
+
+    launched = []
+    monkeypatch.setattr("gnnpar.launch.launch_local", lambda *a, **k: launched.append(k) or 0)
+    assert main(["train", "gcn", "--nprocs", "2", "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out == "starting 2 ranks ...\n"
+    # rank 0 then says how long the ranks took to start (each imports torch)
+    env = {LAUNCHED_AT_ENV: repr(time.time() - 3.0)}
+    assert LAUNCHED_AT_ENV in launched[0]["env"]
+    Progress().ranks_started(env)
+    assert re.fullmatch(r"1 rank started in 3\.\d\d s\n", capsys.readouterr().out)
+    Progress().ranks_started({**env, "TORCHELASTIC_RESTART_COUNT": "1"})  # not after a restart
+    Progress().ranks_started({})  # nor outside a local launch
+    Progress(enabled=False).ranks_started(env)  # nor on other ranks
+    assert capsys.readouterr().out == ""
+
+
+def test_no_help_text_states_its_default_twice():
+    """Every ``--help`` of gnnpar and gnnpar-partition: no "(default: None)", and no flag
+    whose help gives its default twice (one place formats defaults: config.with_default)."""
+    import argparse
+    import contextlib
+    import io
+
+    from gnnpar.cli import build_parser
+    from gnnpar.train.config import with_default
+    from partitioners.cli import main as partition_main
+
+    assert with_default("hidden width", 16) == "hidden width (default: 16)"
+    assert with_default("grid (default: the planner's)", None) == "grid (default: the planner's)"
+    assert with_default("grid (default: the planner's)", "x=1") == "grid (default: the planner's)"
+
+    def parsers(p: argparse.ArgumentParser):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    texts = [p.format_help() for p in parsers(build_parser())]
+    for command in ([], ["inspect"], ["compare"]):
+        screen = io.StringIO()
+        with contextlib.redirect_stdout(screen):
+            assert partition_main([*command, "--help"]) == 0
+        texts.append(screen.getvalue())
+    assert len(texts) > 15
+    for text in texts:
+        flat = " ".join(text.split())  # argparse wraps long help over lines
+        assert "(default: None)" not in flat, text
+        assert not re.search(r"\(default[^)]*\) ?\(default", flat), text
+    actions = [a for p in parsers(build_parser()) for a in p._actions if a.help]
+    assert not [a.help for a in actions if a.help.count("(default") > 1]

@@ -426,7 +426,7 @@ def test_sbatch_gpt_4d_runs(tmp_path):
     script = str(ROOT / "examples" / "slurm" / "gpt_4d.sbatch")
     [(rc, out)] = finish(start(["bash", script, *tiny], [env], str(ROOT)), 240)
     assert rc == 0, out
-    assert "done: grid data=1 x=2 y=1 z=1 (2 ranks, gloo, cpu, 1 ranks/node)" in out
+    assert "done: grid data=1 x=2 y=1 z=1 (2 ranks, gloo, cpu, 1 rank/node)" in out
     assert not (tmp_path / "scontrol.log").exists()
 
 

@@ -92,6 +92,36 @@ def test_checks_before_launch_start_no_rank(one_process, tmp_path, monkeypatch, 
     assert not (tmp_path / "fresh").exists()
 
 
+def test_a_run_folder_that_holds_a_run_is_refused_once_with_both_ways_out(
+    one_process, tmp_path, monkeypatch, capsys
+):
+    from gnnpar.train.loop import run_folder_error
+
+    _no_launch(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"event": "start"}\n')
+    argv = ["train", "gcn", "--nprocs", "2", "--out", str(run)]
+    assert main(argv) == 2  # refused by the launching process: no rank starts
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert captured.out == ""  # not even "starting 2 ranks ..."
+    assert line == (
+        f"gnnpar train: error: run folder {run} already holds a run: pass --resume to "
+        "continue it, or --overwrite to start again (or another --out)"
+    )
+    # Under plain torchrun every rank checks the folder; rank 0 alone says so.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv[:2] + argv[4:]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv[:2] + argv[4:]) == 2
+    assert "already holds a run" in _one_line(capsys)
+    # The trainer's own check raises it on every rank at once: one of them reports it.
+    assert run_folder_error(run).same_on_every_rank
+
+
 def test_a_tasks_preflight_hook_runs_before_launch(one_process, tmp_path, monkeypatch, capsys):
     from gnnpar.train.fullgraph import FullGraphTask
 

@@ -14,6 +14,7 @@ from gnnpar.checkpoint.protocol import CheckpointError, candidates
 from gnnpar.checkpoint.state import MODEL
 from gnnpar.checkpoint.store import plan_reads
 from gnnpar.checkpoint.validate import check_stored, read_checkpoint
+from gnnpar.fmt import count
 from gnnpar.verified import Manifest, load_tensors
 
 __all__ = ["consolidate", "describe", "open_checkpoint"]
@@ -78,7 +79,7 @@ def describe(path: str | os.PathLike) -> str:
     lines = [
         f"checkpoint {m.folder}",
         f"  step {meta['step']}, written {meta.get('created', '?')} by gnnpar "
-        f"{meta.get('gnnpar', '?')} on {meta['world_size']} ranks ({grid})",
+        f"{meta.get('gnnpar', '?')} on {count(meta['world_size'], 'rank')} ({grid})",
     ]
     info: dict[str, Any] = meta.get("info") or {}
     if info:

@@ -36,12 +36,15 @@ ranks), so the global batch does not depend on how many ranks share it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -306,19 +309,35 @@ def _build_cache(
     return tok, tokens
 
 
+def _tokenizing(
+    progress: Callable[[str], AbstractContextManager[Any]] | None,
+    source: str | os.PathLike,
+    vocab_size: int,
+    tokenizer: str | os.PathLike | None,
+) -> AbstractContextManager[Any]:
+    """The ``progress`` stage around building a cache (nothing without ``progress``)."""
+    if progress is None:
+        return contextlib.nullcontext()
+    what = f"BPE, {vocab_size:,} ids" if tokenizer is None else f"tokenizer of {tokenizer}"
+    return progress(f"tokenizing {source} ({what})")
+
+
 def load_corpus(
     source: str | os.PathLike = SHAKESPEARE,
     vocab_size: int = 2048,
     *,
     rebuild: bool = False,
     tokenizer: str | os.PathLike | None = None,
+    progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> TextCorpus:
     """Read ``source``, and train (or load from the cache) a BPE tokenizer of ``vocab_size``
     ids — or use the pretrained ``tokenizer`` folder's — and the encoded stream. The cache
     is used only if it records this text's fingerprint and these tokenizer options and its
     files match their checksums; otherwise it is rebuilt (one line on stderr). Several
     processes may call it at once: each file is replaced atomically, and the results are
-    identical."""
+    identical. ``progress``: called with a description around the slow part (training and
+    encoding, when the cache cannot be used), e.g. a trainer's ``Progress.stage``; quiet
+    without it."""
     if tokenizer is None and (not isinstance(vocab_size, int) or vocab_size < 257):
         raise ValueError(
             "vocab_size must be an integer of at least 257 (256 bytes + merges), "
@@ -350,7 +369,8 @@ def load_corpus(
                 flush=True,
             )
         try:
-            tok, tokens = _build_cache(text, paths, expected, given, vocab_size)
+            with _tokenizing(progress, source, vocab_size, tokenizer):
+                tok, tokens = _build_cache(text, paths, expected, given, vocab_size)
             return TextCorpus(str(source), tok, tokens, base)
         except PermissionError:
             continue

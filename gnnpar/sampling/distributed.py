@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from gnnpar import comm
+from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.inference import BlockModel
@@ -159,8 +160,8 @@ def _check_group(part: LocalPart, grid: ProcessGrid, axis: str) -> None:
     if grid.size(axis) != part.num_parts or grid.rank(axis) != part.part_id:
         raise ValueError(
             f"part {part.part_id} of {part.num_parts} does not fit rank {grid.rank(axis)} of "
-            f"the {grid.size(axis)} ranks on axis {axis!r}: each rank must load the part with "
-            "its own index, and there must be one part per rank"
+            f"the {count(grid.size(axis), 'rank')} on axis {axis!r}: each rank must load the "
+            "part with its own index, and there must be one part per rank"
         )
 
 

@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 
 __all__ = ["INTER", "INTRA", "NodeGroups", "data_groups", "node_groups", "split_by_node"]
@@ -60,7 +61,7 @@ def split_by_node(members: list[int], ranks_per_node: int) -> list[list[int]]:
     if len(sizes) != 1:
         raise ValueError(
             f"the data group {members} does not spread evenly over nodes of "
-            f"{ranks_per_node} ranks (ranks per node: {[len(p) for p in parts]}); "
+            f"{count(ranks_per_node, 'rank')} (ranks per node: {[len(p) for p in parts]}); "
             "choose ranks_per_node so that each node holds the same number of data ranks"
         )
     return parts

@@ -78,6 +78,7 @@ def _checked_config(args: argparse.Namespace, launching: bool) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local, strip_nprocs, under_launcher
+    from gnnpar.train.progress import Progress, metrics_text
 
     _, factory, _ = _tasks()[args.task]
     launching = args.nprocs > 1 and not under_launcher()
@@ -85,16 +86,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    progress = Progress.for_this_process(quiet=cfg.quiet)
     if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
-        return launch_local(
-            args.nprocs, argv, max_restarts=args.max_restarts, env={PREFLIGHT_DONE_ENV: "1"}
-        )
+        # the ranks take seconds to start (each imports torch): say what is happening
+        env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(args.nprocs)}
+        return launch_local(args.nprocs, argv, max_restarts=args.max_restarts, env=env)
+    progress.ranks_started()
     import gnnpar
     from gnnpar.train.loop import Trainer
 
-    task = factory(cfg)
-    trainer = Trainer.from_config(task, cfg)
+    task = factory(cfg, progress=progress)
+    trainer = Trainer.from_config(task, cfg, progress=progress)
     result = trainer.run()
     if trainer.preempted_at is not None:
         # Exit 0: the checkpoint is written and every rank stopped cleanly; requeueing is
@@ -110,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     if task.grid.global_rank == 0:
         if sample:
             print(f"sample:\n{sample}")
-        summary = " ".join(f"{k}={v:.4f}" for k, v in result.items())
+        summary = metrics_text(result)
         print(f"done: {task.grid.describe()} {summary}; metrics in {cfg.out}/metrics.jsonl")
     gnnpar.shutdown(task.grid)
     return 0

@@ -266,6 +266,15 @@ def _owner(cls: type, name: str) -> type:
     return owner
 
 
+def with_default(help_text: str, default: Any) -> str:
+    """A flag's help with its default, said once: ``"hidden width (default: 16)"``. Nothing
+    is added for a ``None`` default or a help that already says what its default is
+    (``"grid such as x=2 (default: the planner's)"``)."""
+    if default is None or "(default" in help_text:
+        return help_text
+    return f"{help_text} (default: {default})"
+
+
 def add_flags(
     parser: argparse.ArgumentParser, cls: type, only: Iterable[str] | None = None
 ) -> None:
@@ -282,16 +291,16 @@ def add_flags(
     for f in fields:
         base, _ = _base_type(_field_types(cls)[f.name])
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
-        if default is not None and "default" not in help_text:
-            help_text += f" (default: {default})"
+        help_text = with_default(f.metadata.get("help", ""), default)
         group = groups[owners[f.name]]
         if base is bool:
             group.add_argument(
                 flag,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
+                # None: unset flags do not override; it also keeps argparse from adding a
+                # "(default: ...)" of its own (Python 3.10's BooleanOptionalAction does)
                 default=None,
                 help=help_text,
             )

@@ -44,6 +44,7 @@ from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train.config import ConfigError, TrainerConfig, option
 from gnnpar.train.loop import load_dataset
 from gnnpar.train.precision import compute_dtype, master_dtype
+from gnnpar.train.progress import Progress, graph_sizes
 
 
 @dataclasses.dataclass
@@ -160,48 +161,55 @@ def _check_given_shards(cfg: FullGraphConfig, fingerprint: str) -> None:
         raise ConfigError(f"{reason}: prepare it again or point 'shards' elsewhere")
 
 
-def _build_or_check(cfg: FullGraphConfig, folder: Path) -> None:
+def _build_or_check(cfg: FullGraphConfig, folder: Path, progress: Progress) -> int:
     """Rank 0: make the shards if missing; rebuild a folder the run owns if it was made
-    from other data or options (one line on stderr); refuse a given folder that was."""
-    graph = load_dataset(cfg)
-    graph.check_trainable()
-    fingerprint = graph.fingerprint()
+    from other data or options (one line on stderr); refuse a given folder that was.
+    Returns the dataset's number of edges (the shards hold Â's, self-loops included)."""
+    with progress.stage(f"loading {cfg.dataset}"):
+        graph = load_dataset(cfg)
+        graph.check_trainable()
+        fingerprint = graph.fingerprint()
     if folder.exists() and cfg.shards:
         _check_given_shards(cfg, fingerprint)
-        return
+        return graph.num_edges
     if folder.exists():
         reason = _stale(folder, _expected_source(cfg, fingerprint), owned=True)
         if reason is None:
-            return
+            return graph.num_edges
         print(f"gnnpar: {reason}; rebuilding the shards", file=sys.stderr, flush=True)
-    prepare_shards(
-        graph,
-        folder,
-        norm=_norm(cfg),
-        blocks=(cfg.blocks, cfg.blocks),
-        seed=cfg.seed,
-        permutation=cfg.permutation,
-        overwrite=True,
-        fingerprint=fingerprint,
-    )
+    with progress.stage(f"cutting shards into {folder}"):
+        prepare_shards(
+            graph,
+            folder,
+            norm=_norm(cfg),
+            blocks=(cfg.blocks, cfg.blocks),
+            seed=cfg.seed,
+            permutation=cfg.permutation,
+            overwrite=True,
+            fingerprint=fingerprint,
+        )
+    return graph.num_edges
 
 
-def _prepare(cfg: FullGraphConfig, world: gnnpar.ProcessGrid) -> Path:
+def _prepare(
+    cfg: FullGraphConfig, world: gnnpar.ProcessGrid, progress: Progress
+) -> tuple[Path, int]:
     """Rank 0 makes, checks or rebuilds the shards (:func:`_build_or_check`); the others
-    wait."""
+    wait. Returns the folder and the dataset's number of edges (rank 0's count, which the
+    one collective that tells every rank the outcome also carries)."""
     folder = _shard_folder(cfg)
-    error = torch.zeros(1, device=world.device)
+    outcome = torch.zeros(2, dtype=torch.float64, device=world.device)  # failed, edges
     if world.global_rank == 0:
         try:
-            _build_or_check(cfg, folder)
+            outcome[1] = _build_or_check(cfg, folder, progress)
         except Exception:
-            error += 1
-            comm.all_reduce(error, world, "world")
+            outcome[0] = 1
+            comm.all_reduce(outcome, world, "world")
             raise
-    comm.all_reduce(error, world, "world")
-    if error.item():
+    comm.all_reduce(outcome, world, "world")
+    if outcome[0].item():
         raise RuntimeError("rank 0 could not prepare the graph shards (see its error)")
-    return folder
+    return folder, int(outcome[1].item())
 
 
 class FullGraphTask:
@@ -218,12 +226,14 @@ class FullGraphTask:
         if cfg.shards and Path(cfg.shards).exists():
             _check_given_shards(cfg, graph.fingerprint())
 
-    def __init__(self, cfg: FullGraphConfig):
+    def __init__(self, cfg: FullGraphConfig, progress: Progress | None = None):
+        """``progress``: where rank 0 reports the slow preparation stages (default: none)."""
         self.cfg = cfg
+        progress = progress if progress is not None else Progress(enabled=False)
         world = gnnpar.init(
             backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
         )
-        folder = _prepare(cfg, world)
+        folder, self.num_edges = _prepare(cfg, world, progress)
         self.source = DiskSource(folder, verify=cfg.verify)
         meta = self.source.meta
         expected_norm = _norm(cfg)
@@ -248,6 +258,15 @@ class FullGraphTask:
                 algorithm=cfg.algorithm,
             )
         self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
+        #: Who chose the grid, for the start lines.
+        self.grid_choice = "given" if cfg.grid else "chosen by the planner"
+        # reading this rank's blocks of Â and the first optimizer's setup take seconds
+        with progress.stage("building the model"):
+            self._build_model(cfg, dims)
+        self.num_steps = cfg.epochs
+
+    def _build_model(self, cfg: FullGraphConfig, dims: list[int]) -> None:
+        """The parallel model on this rank's blocks, its input features and Adam."""
         dtype = master_dtype(cfg)
         torch.manual_seed(cfg.seed)
         model = FullGraphGNN(
@@ -264,7 +283,14 @@ class FullGraphTask:
         )
         self.features = self.model.input_features()
         self.optimizer = torch.optim.Adam(self._param_groups(cfg), lr=cfg.lr)
-        self.num_steps = cfg.epochs
+
+    def summary(self) -> str:
+        """What the run trains on what: ``gcn on sbm: 2,000 nodes, 19,874 edges, ...``."""
+        meta = self.source.meta
+        sizes = graph_sizes(
+            meta["num_nodes"], self.num_edges, meta["feat_dim"], meta["num_classes"]
+        )
+        return f"{self.cfg.model} on {self.cfg.dataset}: {sizes}"
 
     def _param_groups(self, cfg: FullGraphConfig) -> list[dict[str, Any]]:
         groups = []

@@ -27,6 +27,7 @@ from torch import nn
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
 from gnnpar.nn.gpt import GPTConfig, generate
 from gnnpar.train.config import (
@@ -43,6 +44,7 @@ from gnnpar.train.precision import (
     master_dtype,
     shard_policy,
 )
+from gnnpar.train.progress import Progress
 
 __all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "lr_at", "parallel_model"]
 
@@ -303,23 +305,37 @@ class GPTTask:
 
         read_source(cfg.data)
 
-    def __init__(self, cfg: GPTTaskConfig, corpus: Any = None):
+    def __init__(self, cfg: GPTTaskConfig, corpus: Any = None, progress: Progress | None = None):
         """``corpus``: the tokenised text (default: ``cfg.data`` read and tokenised; tests
         and benchmarks pass their own: anything with ``split``, ``encode``, ``decode`` and
-        ``vocab_size`` like :class:`~gnnpar.data.text.TextCorpus`)."""
-        from gnnpar.data.text import TokenBlocks
-        from gnnpar.shard import FCDP, by_type, shard
-
+        ``vocab_size`` like :class:`~gnnpar.data.text.TextCorpus`). ``progress``: where rank
+        0 reports the slow preparation stages (default: none)."""
         self.cfg = cfg
+        progress = progress if progress is not None else Progress(enabled=False)
         world = gnnpar.init(
             backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
         )
-        corpus = corpus if corpus is not None else _load_corpus(cfg, world)
-        plain, block = build_model(cfg, corpus.vocab_size)
-        shape, self.stage = planned(cfg, model_sizes(plain), world)
-        grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
-        self.grid = grid
-        self.corpus = corpus
+        self.corpus = corpus if corpus is not None else _load_corpus(cfg, world, progress)
+        # seconds, mostly torch's lazy imports at the first module and the first optimizer
+        with progress.stage("building the model"):
+            plain, block = build_model(cfg, self.corpus.vocab_size)
+            shape, self.stage = planned(cfg, model_sizes(plain), world)
+            self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
+            self._token_blocks()
+            self.num_params = sum(p.numel() for p in plain.parameters())
+            self.sizes = model_sizes(plain)
+            self._build_model(plain, block)
+        #: Who chose the grid and the ZeRO stage, for the start lines.
+        self.grid_choice = _choice_text(cfg, self.stage)
+        self.scaler = LossScaler(cfg.mixed_precision == "fp16")
+        self.num_steps = cfg.steps
+        self.tokens_per_step = cfg.batch_size * cfg.block_size
+
+    def _token_blocks(self) -> None:
+        """This rank's share of every global batch, for training and validation."""
+        from gnnpar.data.text import TokenBlocks
+
+        cfg, grid = self.cfg, self.grid
         shards = grid.size("data") * grid.size("z")
         index = grid.rank("z") + grid.size("z") * grid.rank("data")
         if cfg.batch_size % (shards * cfg.grad_accum):
@@ -327,12 +343,16 @@ class GPTTask:
                 f"config key 'batch_size' ({cfg.batch_size}) must divide into data·z = {shards} "
                 f"shards of grad_accum = {cfg.grad_accum} micro-batches"
             )
-        train_tokens, val_tokens = corpus.split(cfg.val_fraction)
+        train_tokens, val_tokens = self.corpus.split(cfg.val_fraction)
         blocks = (cfg.block_size, cfg.batch_size, index, shards)
         self.train = TokenBlocks(train_tokens, *blocks, cfg.seed)
         self.val = TokenBlocks(val_tokens, *blocks, cfg.seed + 1)
-        self.num_params = sum(p.numel() for p in plain.parameters())
-        self.sizes = model_sizes(plain)
+
+    def _build_model(self, plain: nn.Module, block: type) -> None:
+        """This rank's pieces of the parallel model, sharded over the data axis, and AdamW."""
+        from gnnpar.shard import FCDP, by_type, shard
+
+        cfg, grid = self.cfg, self.grid
         model = parallel_model(plain, cfg, grid)
         self.net = model
         self.head = model.lm_head
@@ -346,9 +366,17 @@ class GPTTask:
         )
         self.model = self.dp  # what checkpoints save: masters and pieces, on any grid
         self.optimizer = self.dp.attach(_adamw(self.dp, cfg))
-        self.scaler = LossScaler(cfg.mixed_precision == "fp16")
-        self.num_steps = cfg.steps
-        self.tokens_per_step = cfg.batch_size * cfg.block_size
+
+    def summary(self) -> str:
+        """What the run trains on what: the model's size and the text's tokens."""
+        cfg = self.cfg
+        tokens = len(self.train.tokens) + len(self.val.tokens)
+        vocab = self.corpus.vocab_size
+        return (
+            f"{cfg.model} ({count(self.num_params, 'parameter')}) on {cfg.data}: "
+            f"{count(tokens, 'token')} ({len(self.val.tokens):,} held out), "
+            f"vocabulary {vocab:,}"
+        )
 
     # ------------------------------------------------------------------------ training
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -472,13 +500,25 @@ def _adamw(dp, cfg: GPTTaskConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2))
 
 
-def _load_corpus(cfg: GPTTaskConfig, grid: ProcessGrid):
-    """The tokenised text (rank 0 first, so the tokenizer is trained or read once)."""
+def _choice_text(cfg: GPTTaskConfig, stage: int) -> str:
+    """Who chose the grid and the ZeRO stage (the planner chooses what was not given)."""
+    if cfg.grid and cfg.zero_stage is not None:
+        return f"ZeRO stage {stage}; both given"
+    if cfg.grid:
+        return f"ZeRO stage {stage} chosen by the planner"
+    if cfg.zero_stage is not None:
+        return f"chosen by the planner; ZeRO stage {stage} given"
+    return f"ZeRO stage {stage}; both chosen by the planner"
+
+
+def _load_corpus(cfg: GPTTaskConfig, grid: ProcessGrid, progress: Progress):
+    """The tokenised text (rank 0 first, so the tokenizer is trained or read once; it
+    reports tokenizing on ``progress``)."""
     from gnnpar.data.text import load_corpus
 
     tokenizer = Path(cfg.pretrained) if cfg.pretrained else None
     if grid.global_rank == 0:
-        corpus = load_corpus(cfg.data, cfg.vocab_size, tokenizer=tokenizer)
+        corpus = load_corpus(cfg.data, cfg.vocab_size, tokenizer=tokenizer, progress=progress.stage)
     comm.barrier(grid)
     if grid.global_rank != 0:
         corpus = load_corpus(cfg.data, cfg.vocab_size, tokenizer=tokenizer)

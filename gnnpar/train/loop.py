@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tqdm import tqdm
 
 from gnnpar import checkpoint, comm
 from gnnpar.atomic import check_writable
@@ -23,6 +22,7 @@ from gnnpar.grid import GridError, ProcessGrid, parse_grid_spec
 from gnnpar.launch import restart_count
 from gnnpar.train.config import ConfigError
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
+from gnnpar.train.progress import Progress, metric_text, start_lines
 
 
 class Task(Protocol):
@@ -54,6 +54,10 @@ class Task(Protocol):
     def describe(self) -> dict[str, Any]:
         """What the run trains (task, model kind and sizes), recorded in checkpoints."""
 
+    # Optional, for the start lines (:func:`gnnpar.train.progress.start_lines`):
+    # ``summary() -> str`` (what is trained on what data, with its sizes) and ``grid_choice``
+    # (a phrase: who chose the grid, e.g. "chosen by the planner").
+    #
     # Optional, on the task's class: ``preflight(cfg, world_size) -> None`` (a staticmethod
     # or classmethod), called by :func:`preflight` in the launching process before any rank
     # starts; it raises a one-line error (ValueError, OSError, ConfigError) for anything it
@@ -72,11 +76,15 @@ RUN_MARKERS = ("metrics.jsonl", "checkpoints", "plots", "tensorboard")
 
 
 def run_folder_error(out: str | Path) -> FileExistsError:
-    """The error for a run folder that already holds a run (neither resume nor overwrite)."""
-    return FileExistsError(
-        f"run folder {out} already holds a run; pass --resume to continue it "
-        "or --overwrite to start again"
+    """The error for a run folder that already holds a run (neither resume nor overwrite):
+    one line naming the folder and both ways out. Every rank that checks finds the same
+    folder, so only one reports it."""
+    err = FileExistsError(
+        f"run folder {out} already holds a run: pass --resume to continue it, or "
+        "--overwrite to start again (or another --out)"
     )
+    err.same_on_every_rank = True
+    return err
 
 
 # ------------------------------------------------------------------ checks before launch
@@ -226,7 +234,10 @@ class Trainer:
         tensorboard: bool = False,
         keep_checkpoints: int = 2,
         skip_nonfinite: int = 0,
+        progress: Progress | None = None,
     ):
+        """``progress``: the run's console (the one its task printed its preparation on);
+        by default one of its own. It prints on rank 0 only, whatever it is given."""
         self.task = task
         self.grid = task.grid
         self.out = Path(out)
@@ -246,6 +257,9 @@ class Trainer:
         self.preempted_at: int | None = None
         self.quiet = quiet
         self.is_main = self.grid.global_rank == 0
+        if progress is None or not self.is_main:
+            progress = Progress(enabled=self.is_main, quiet=quiet)
+        self.progress = progress
         self._check_run_folder(overwrite)
         self.metrics = MetricsLog(
             self.out / "metrics.jsonl",
@@ -254,9 +268,9 @@ class Trainer:
         )
 
     @classmethod
-    def from_config(cls, task: Task, cfg: Any) -> Trainer:
+    def from_config(cls, task: Task, cfg: Any, progress: Progress | None = None) -> Trainer:
         """A trainer with the options of a task's config (a
-        :class:`~gnnpar.train.config.TrainerConfig`)."""
+        :class:`~gnnpar.train.config.TrainerConfig`), printing on ``progress``."""
         return cls(
             task,
             cfg.out,
@@ -268,6 +282,7 @@ class Trainer:
             tensorboard=cfg.tensorboard,
             keep_checkpoints=cfg.keep_checkpoints,
             skip_nonfinite=getattr(cfg, "skip_nonfinite", 0),
+            progress=progress,
         )
 
     def _check_run_folder(self, overwrite: bool) -> None:
@@ -367,18 +382,21 @@ class Trainer:
         snapshot.restore()
         self.skipped_steps += 1
 
+    def _announce(self, start_step: int) -> None:
+        """Rank 0's start lines, and where a resumed run continues from."""
+        for text in start_lines(self.task, self.out):
+            self.progress.line(text)
+        if start_step:
+            unit, total = self.task.unit, self.task.num_steps
+            self.progress.line(f"resumed from the checkpoint of {unit} {start_step} (of {total})")
+
     def _run(self) -> dict[str, float]:
         start_step = self._resume() if self.resume else 0
         if start_step == 0:
             self.metrics.write({"event": "start", "grid": self.grid.shape, "attempt": self.attempt})
+        self._announce(start_step)
         total = self.task.num_steps
-        bar = tqdm(
-            total=total,
-            initial=start_step,
-            unit=self.task.unit,
-            disable=not self.is_main or self.quiet,
-            dynamic_ncols=True,
-        )
+        bar = self.progress.bar(total, initial=start_step, unit=self.task.unit)
         last_eval: dict[str, float] = {}
         for step in range(start_step, total):
             t0 = time.perf_counter()
@@ -401,11 +419,9 @@ class Trainer:
             record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
             self.metrics.write(record)
             shown = {k: v for k, v in record.items() if k in _SHOWN and isinstance(v, float)}
-            bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()})
+            bar.set_postfix({k: metric_text(k, v) for k, v in shown.items()})
             bar.update(1)
-            if self.quiet and self.is_main and (done % max(1, total // 10) == 0):
-                text = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
-                print(f"{self.task.unit} {done}/{total} {text}", flush=True)
+            self.progress.log_step(self.task.unit, done, total, shown)
             saved = self.checkpoint_every and done % self.checkpoint_every == 0
             if saved and done < total:
                 self._save(done)

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice
 from gnnpar.nn.minibatch import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.sampling import (
@@ -61,6 +61,7 @@ from gnnpar.train.precision import (
     master_dtype,
     shard_policy,
 )
+from gnnpar.train.progress import Progress, graph_sizes
 
 _MODELS = ("sage", "gcn", "gat")
 _MASKS = ("train", "val", "test")
@@ -174,32 +175,46 @@ def _warn_idle(meta: dict[str, Any], folder: Path) -> None:
         print(f"gnnpar train sage: warning: {message}", file=sys.stderr)
 
 
-def _write_parts(cfg: MiniBatchConfig, folder: Path, parts: int) -> dict[str, Any]:
+def _write_parts(
+    cfg: MiniBatchConfig, folder: Path, parts: int, progress: Progress
+) -> dict[str, Any]:
     """Partition the dataset into ``parts`` and write ``folder``; returns its meta."""
     import partitioners
 
-    graph = load_dataset(cfg)
-    graph.check_trainable()
+    with progress.stage(f"loading {cfg.dataset}"):
+        graph = load_dataset(cfg)
+        graph.check_trainable()
     balance = ["nodes", "train"] if cfg.partition_method == "metis" else None
-    part = partitioners.partition(
-        graph, parts, method=cfg.partition_method, seed=cfg.seed, balance=balance
-    )
-    with warnings.catch_warnings():  # reported once, as one line, by _warn_idle
+    method = cfg.partition_method
+    with progress.stage(f"partitioning {cfg.dataset} into {parts} parts ({method})"):
+        part = partitioners.partition(graph, parts, method=method, seed=cfg.seed, balance=balance)
+    with (
+        progress.stage(f"writing the parts into {folder}"),
+        warnings.catch_warnings(),  # reported once, as one line, by _warn_idle
+    ):
         warnings.simplefilter("ignore", partitioners.format.PartitionBalanceWarning)
         partitioners.write(graph, part, folder, halo=1)
     return partitioners.load_meta(folder)
 
 
-def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int) -> Path:
+def _checked_parts(cfg: MiniBatchConfig, folder: Path, progress: Progress) -> dict[str, Any]:
+    """The meta of an existing partition folder, once checked against the dataset (which
+    may mean loading it: a stage of its own)."""
+    with progress.stage(f"checking {folder} against {cfg.dataset}"):
+        return check_partitions(cfg, folder)
+
+
+def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int, progress: Progress) -> Path:
     """Rank 0 partitions the dataset into ``parts`` if the folder is missing, or checks that
     an existing one was cut from the dataset; others wait."""
     folder = _partition_folder(cfg, parts)
     error = torch.zeros(1)
     if grid.global_rank == 0:
         try:
-            meta = check_partitions(cfg, folder) if folder.exists() else None
-            if meta is None:
-                meta = _write_parts(cfg, folder, parts)
+            if folder.exists():
+                meta = _checked_parts(cfg, folder, progress)
+            else:
+                meta = _write_parts(cfg, folder, parts, progress)
             _warn_idle(meta, folder)
         except Exception:
             error += 1
@@ -224,8 +239,11 @@ class MiniBatchTask:
         if cfg.partitions and Path(cfg.partitions).exists():
             check_partitions(cfg)
 
-    def __init__(self, cfg: MiniBatchConfig):
+    def __init__(self, cfg: MiniBatchConfig, progress: Progress | None = None):
+        """``progress``: where rank 0 reports the slow preparation stages (default: none)."""
         self.cfg = cfg
+        progress = progress if progress is not None else Progress(enabled=False)
+        self.progress = progress  # also shows each epoch's batches
         # The model lives on the grid's device; sampling stays on the host (sample_grid).
         self.grid = gnnpar.init(
             backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
@@ -242,9 +260,19 @@ class MiniBatchTask:
         self.fanouts = parse_fanouts(cfg.fanouts)
         self.distributed = world > 1
         if self.distributed:
-            self._setup_parts(parts)
+            self._setup_parts(parts, progress)
         else:
-            self._setup_graph()
+            with progress.stage(f"loading {cfg.dataset}"):
+                self._setup_graph()
+        #: Who chose the grid, for the start lines.
+        self.grid_choice = "data parallel, one part per rank" if self.distributed else None
+        with progress.stage("building the model"):
+            self._build_model(cfg)
+        self.scaler = LossScaler(cfg.mixed_precision == "fp16")
+        self.num_steps = cfg.epochs
+
+    def _build_model(self, cfg: MiniBatchConfig) -> None:
+        """The GNN, sharded over the data axis, and its Adam."""
         torch.manual_seed(cfg.seed)
         self.net = BlockGNN(
             self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model, cfg.heads
@@ -262,8 +290,21 @@ class MiniBatchTask:
         self.optimizer = self.model.attach(
             torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         )
-        self.scaler = LossScaler(cfg.mixed_precision == "fp16")
-        self.num_steps = cfg.epochs
+
+    def summary(self) -> str:
+        """What the run trains on what: the graph's sizes and its training seeds (with the
+        partition, when distributed)."""
+        cfg = self.cfg
+        if self.distributed:
+            meta = self.part.meta
+            nodes, edges = int(meta["num_nodes"]), int(meta["num_edges"])
+            method = meta.get("method", cfg.partition_method)
+            seeds = f"{count(self.num_seeds, 'seed')} in {meta['num_parts']} parts ({method})"
+        else:
+            nodes, edges = self.graph.num_nodes, self.graph.num_edges
+            seeds = count(self.num_seeds, "seed")
+        sizes = graph_sizes(nodes, edges, self.in_dim, self.num_classes, seeds)
+        return f"{cfg.model} on {cfg.dataset}: {sizes}"
 
     # ------------------------------------------------------------------ setup
     def _setup_graph(self) -> None:
@@ -292,12 +333,13 @@ class MiniBatchTask:
             device=self.device,
         )
         self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
+        self.num_seeds = int(graph.train_mask.sum())
         self.fetcher: FeatureFetcher | None = None
         self._eval_blocks = [b.to(self.device) for b in full_blocks(graph)]
 
-    def _setup_parts(self, parts: int) -> None:
+    def _setup_parts(self, parts: int, progress: Progress) -> None:
         cfg = self.cfg
-        folder = _prepare_parts(cfg, self.grid, parts)
+        folder = _prepare_parts(cfg, self.grid, parts, progress)
         # each rank verifies the checksums of the files it maps: its own part's
         part = LocalPart.load(folder, self.rank, verify="checksum")
         if part.num_parts != parts:
@@ -328,6 +370,7 @@ class MiniBatchTask:
         all_keys = comm.all_gather(keys, host, "data", sizes=sizes)
         if all_keys.numel() == 0:
             raise ConfigError(f"dataset {cfg.dataset!r} has no training nodes")
+        self.num_seeds = int(all_keys.numel())
         labels = part.ndata["label"]
         start = part.start
         self.loader = NodeLoader(
@@ -361,8 +404,13 @@ class MiniBatchTask:
         fetch_before = dict(self.fetcher.stats) if self.fetcher else {}
         # loss, correct, seeds, sampling bytes
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
-        show = self.grid.global_rank == 0 and not cfg.quiet and len(self.loader) > 1
-        bar = tqdm(total=len(self.loader), desc=f"epoch {step + 1}", leave=False, disable=not show)
+        bar = self.progress.bar(
+            len(self.loader),
+            unit="batch",
+            show=len(self.loader) > 1,
+            desc=f"epoch {step + 1}",
+            leave=False,
+        )
         t0 = time.perf_counter()
         data = self.grid.size("data")
         for batch in self.loader:

@@ -11,8 +11,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from gnnpar.fmt import significant
 from gnnpar.plotting import byte_unit, format_bytes, new_figure, plain_axis, save_figure
 from gnnpar.train.metrics import read_metrics
+from gnnpar.train.progress import metric_text
 
 __all__ = ["report_figures", "write_report"]
 
@@ -248,10 +250,10 @@ def write_report(run_dir: str | Path) -> str:
     lines = [f"run {run_dir}: {len(series.get('loss', []))} {unit}s recorded"]
     for k in _FINAL:
         if k in last:
-            lines.append(f"  final {k:<13} {last[k]:.4f}")
+            lines.append(f"  final {k:<13} {metric_text(k, last[k])}")
     if series.get("seconds"):
         secs = [v for _, v in series["seconds"]]
-        lines.append(f"  mean seconds per {unit}: {sum(secs) / len(secs):.4f}")
+        lines.append(f"  mean seconds per {unit}: {significant(sum(secs) / len(secs))}")
     for k in sorted(k for k in last if k.startswith("bytes:")):
         lines.append(f"  bytes per {unit} on {k[6:]:<7} {last[k]:,.0f}")
     if resumes:
