@@ -1,15 +1,18 @@
-"""How gnnpar writes numbers for people: rates and times to three significant digits, and
-counts with the noun in the right number (``1 rank``, ``2 ranks``).
+"""How gnnpar writes numbers for people: rates and times to three significant digits,
+counts with the noun in the right number (``1 rank``, ``2 ranks``), large counts with a
+suffix (``20.3B``), and bytes and durations in a unit picked from the value (``256 kB``).
 
-Every console line, progress bar and summary formats through these two functions, so a
-rate reads the same everywhere (``19900 tokens_per_s`` rather than ``19917.2351``).
+Every console line, progress bar, summary, plan title and plot label formats through these
+functions, so a number reads the same everywhere (``19900 tokens_per_s`` rather than
+``19917.2351``). (``partitioners`` keeps its own ``human_bytes``: that package does not
+depend on gnnpar.)
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["count", "significant"]
+__all__ = ["byte_unit", "count", "format_bytes", "format_count", "significant", "time_unit"]
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -38,3 +41,45 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     s: ``count(4, "class", "classes")``)."""
     word = noun if n == 1 else (plural or f"{noun}s")
     return f"{n:,} {word}"
+
+
+def format_count(n: float) -> str:
+    """A count to 3 significant digits with the suffix :func:`parse_count` reads:
+    ``10_612_000 -> "10.6M"``, ``1.3e9 -> "1.3B"``, ``20_260_000_000 -> "20.3B"``."""
+    for suffix, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        # Rounded to 3 digits, 999,950 is 1.00M, not 1e+03k: compare after rounding.
+        if float(f"{n / size:.3g}") >= 1:
+            return f"{float(f'{n / size:.3g}'):g}{suffix}"
+    return f"{float(f'{n:.3g}'):g}"
+
+
+# Decimal units, as the planner's tables print them (MB = 10**6 bytes).
+_DECIMAL = (("B", 1.0), ("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
+# Binary units, as the partitioner's tables print them (MiB = 2**20 bytes).
+_BINARY = (("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30), ("TiB", 2.0**40))
+
+
+def byte_unit(largest: float, binary: bool = False) -> tuple[str, float]:
+    """The unit to show byte counts up to ``largest`` in, and its size in bytes.
+
+    The largest unit of which ``largest`` is at least one: ``3e7 -> ("MB", 1e6)``,
+    ``2.5e9 -> ("GB", 1e9)``; with ``binary``, KiB, MiB, GiB, ...
+    """
+    units = _BINARY if binary else _DECIMAL
+    chosen = units[0]
+    for name, size in units:
+        if abs(largest) >= size:
+            chosen = (name, size)
+    return chosen
+
+
+def format_bytes(n: float, binary: bool = False) -> str:
+    """A byte count to 3 significant digits in its own unit: ``256412 -> '256 kB'``."""
+    name, size = byte_unit(n, binary)
+    return f"{n / size:.3g} {name}"
+
+
+def time_unit(largest: float) -> tuple[str, float]:
+    """The unit to show durations up to ``largest`` seconds in: ``("ms", 1e-3)`` below a
+    second, else ``("s", 1.0)``."""
+    return ("ms", 1e-3) if abs(largest) < 1.0 else ("s", 1.0)

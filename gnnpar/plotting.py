@@ -1,4 +1,5 @@
-"""What the library's plots share: units picked from the data and plainly labelled axes.
+"""What the library's plots share: figures, plainly labelled axes, and (from
+:mod:`gnnpar.fmt`) units picked from the data.
 
 The plots of ``gnnpar report``, ``gnnpar plan --plot`` and ``gnnpar-partition compare --plot``
 draw on :class:`matplotlib.figure.Figure` objects made here, not through ``pyplot``: no
@@ -13,46 +14,7 @@ from typing import Any
 
 from gnnpar.atomic import atomic_write
 
-__all__ = [
-    "byte_unit",
-    "format_bytes",
-    "new_figure",
-    "plain_axis",
-    "save_figure",
-    "time_unit",
-]
-
-# Decimal units, as the planner's tables print them (MB = 10**6 bytes).
-_DECIMAL = (("B", 1.0), ("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
-# Binary units, as the partitioner's tables print them (MiB = 2**20 bytes).
-_BINARY = (("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30), ("TiB", 2.0**40))
-
-
-def byte_unit(largest: float, binary: bool = False) -> tuple[str, float]:
-    """The unit to show byte counts up to ``largest`` in, and its size in bytes.
-
-    The largest unit of which ``largest`` is at least one: ``3e7 -> ("MB", 1e6)``,
-    ``2.5e9 -> ("GB", 1e9)``; with ``binary``, KiB, MiB, GiB, ...
-    """
-    units = _BINARY if binary else _DECIMAL
-    chosen = units[0]
-    for name, size in units:
-        if abs(largest) >= size:
-            chosen = (name, size)
-    return chosen
-
-
-def format_bytes(n: float, binary: bool = False) -> str:
-    """A byte count to 3 significant digits in its own unit: ``256412 -> '256 kB'``."""
-    name, size = byte_unit(n, binary)
-    return f"{n / size:.3g} {name}"
-
-
-def time_unit(largest: float) -> tuple[str, float]:
-    """The unit to show durations up to ``largest`` seconds in: ``("ms", 1e-3)`` below a
-    second, else ``("s", 1.0)``."""
-    return ("ms", 1e-3) if abs(largest) < 1.0 else ("s", 1.0)
-
+__all__ = ["new_figure", "plain_axis", "save_figure"]
 
 def new_figure(width: float, height: float) -> Any:
     """A figure that lays itself out (titles, rotated tick labels and legends fit)."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gnnpar.plotting import byte_unit, new_figure, plain_axis, save_figure, time_unit
+from gnnpar.fmt import byte_unit, time_unit
+from gnnpar.plotting import new_figure, plain_axis, save_figure
 
 __all__ = ["compare_figure", "write_compare_plot"]
 

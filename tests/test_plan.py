@@ -10,6 +10,7 @@ import json
 import pytest
 
 from gnnpar.cli import main
+from gnnpar.fmt import format_count
 from gnnpar.grid import factorizations
 from gnnpar.plan import (
     GCNProblem,
@@ -29,7 +30,7 @@ from gnnpar.plan import (
     rank_gpt,
 )
 from gnnpar.plan.compute import measure_local_rates
-from gnnpar.plan.problems import format_count, parse_count
+from gnnpar.plan.problems import parse_count
 from gnnpar.plan.rank import rank_gpt_stages, shape_label
 from tests.byte_formulas import plexus_bytes
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from gnnpar.plotting import byte_unit, format_bytes, new_figure, plain_axis, time_unit
+from gnnpar.fmt import byte_unit, format_bytes, time_unit
+from gnnpar.plotting import new_figure, plain_axis
 from gnnpar.train.report import report_figures, write_report
 
 pytest.importorskip("matplotlib")

@@ -24,13 +24,13 @@ import dataclasses
 from typing import Any
 
 from gnnpar.atomic import write_json
+from gnnpar.fmt import format_count
 from gnnpar.plan.machines import Machine, builtin_machines, get_machine
 from gnnpar.plan.plot import plot_candidates
 from gnnpar.plan.problems import (
     GCNProblem,
     GPTProblem,
     PlanError,
-    format_count,
     gcn_datasets,
     gpt_sizes,
     parse_count,

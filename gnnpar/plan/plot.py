@@ -10,9 +10,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from gnnpar.fmt import time_unit
 from gnnpar.plan.problems import PlanError
 from gnnpar.plan.rank import Candidate, shape_label
-from gnnpar.plotting import new_figure, plain_axis, save_figure, time_unit
+from gnnpar.plotting import new_figure, plain_axis, save_figure
 
 __all__ = ["plan_figure", "plot_candidates"]
 

@@ -247,13 +247,3 @@ def parse_count(text: str) -> int:
     if not m:
         raise PlanError(f"cannot read {text!r} as a count such as 20B, 350M or 4096")
     return round(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
-
-
-def format_count(n: float) -> str:
-    """A count to 3 significant digits with the suffix :func:`parse_count` reads:
-    ``10_612_000 -> "10.6M"``, ``1.3e9 -> "1.3B"``, ``20_260_000_000 -> "20.3B"``."""
-    for suffix, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        # Rounded to 3 digits, 999,950 is 1.00M, not 1e+03k: compare after rounding.
-        if float(f"{n / size:.3g}") >= 1:
-            return f"{float(f'{n / size:.3g}'):g}{suffix}"
-    return f"{float(f'{n:.3g}'):g}"

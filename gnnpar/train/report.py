@@ -11,8 +11,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from gnnpar.fmt import significant
-from gnnpar.plotting import byte_unit, format_bytes, new_figure, plain_axis, save_figure
+from gnnpar.fmt import byte_unit, format_bytes, significant
+from gnnpar.plotting import new_figure, plain_axis, save_figure
 from gnnpar.train.metrics import read_metrics
 from gnnpar.train.progress import metric_text
 
