@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any
 
 from gnnpar.atomic import write_json
-from gnnpar.fmt import format_count
+from gnnpar.fmt import count, format_count
 from gnnpar.plan.machines import Machine, builtin_machines, get_machine
 from gnnpar.plan.plot import plot_candidates
 from gnnpar.plan.problems import (
@@ -207,7 +207,7 @@ def _cmd_gcn(args: argparse.Namespace) -> int:
     cands = rank_gcn(problem, args.gpus, machine)
     title = (
         f"{problem.model} on {problem.name}: {problem.nodes:,} nodes, {problem.nnz:,} nonzeros, "
-        f"widths {problem.dims}; {args.gpus} ranks on {machine.name} "
+        f"widths {problem.dims}; {count(args.gpus, 'rank')} on {machine.name} "
         f"({machine.ranks_per_node(args.gpus)} per node)"
     )
     return _report(cands, args, title)
@@ -223,7 +223,8 @@ def _cmd_gpt(args: argparse.Namespace) -> int:
         f"GPT {format_count(problem.num_params)} ({problem.layers} layers, "
         f"hidden {problem.hidden}, {problem.heads} heads), "
         f"batch {problem.batch} x {problem.seq} tokens, {which}; "
-        f"{args.gpus} ranks on {machine.name} ({machine.ranks_per_node(args.gpus)} per node)"
+        f"{count(args.gpus, 'rank')} on {machine.name} "
+        f"({machine.ranks_per_node(args.gpus)} per node)"
     )
     return _report(cands, args, title)
 
