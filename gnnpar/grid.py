@@ -532,7 +532,12 @@ def reshape(
 
 
 def shutdown(grid: ProcessGrid) -> None:
-    """Destroy the grid's sub-groups, and tear down torch.distributed if ``init`` started it."""
+    """Wait for every rank, destroy the grid's sub-groups, and tear down torch.distributed if
+    ``init`` started it. Call it on every rank (the end of a run, not an error path)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # A rank that closes its sockets while a peer still completes the last collective
+        # makes gloo abort that peer (SIGABRT): all leave together.
+        dist.barrier()
     release(grid)
     if grid.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -42,6 +42,7 @@ from tests.doc_blocks import (
 
 PAGES = pages()
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b|: error: ")
+RANK_ERROR = re.compile(r"^\[rank\d+\]:.*(Error|Exception)\b|: error: ")
 LINKED = ("examples", "benchmarks", "tests", "gnnpar", "partitioners", "Makefile",
           "pyproject.toml", "README.md")  # fmt: skip
 
@@ -164,14 +165,21 @@ def _run_on_processes(block: Block, folder: Path, env: dict[str, str]) -> tuple[
 
 
 def _excerpt(text: str) -> str:
-    """The lines around the first error in ``text`` (a rank's traceback is often followed by
-    the launcher's long report), then its last lines."""
+    """The first error in ``text`` with the lines before it, then its last lines: a rank's
+    traceback (``[rankN]:`` lines) comes before the launcher's long report, a one-line error
+    (``error:``) before anything else."""
     lines = text.rstrip().splitlines()
-    first = next((i for i, ln in enumerate(lines) if ERROR_LINE.search(ln)), None)
-    tail = lines[-20:]
-    if first is None or first >= len(lines) - 20:
-        return "\n".join(lines[-40:])
-    return "\n".join([*lines[max(0, first - 12) : first + 3], "...", *tail])
+    if len(lines) <= 60:
+        return "\n".join(lines)
+    first = None
+    for pattern in (RANK_ERROR, ERROR_LINE):
+        first = next((i for i, ln in enumerate(lines) if pattern.search(ln)), None)
+        if first is not None:
+            break
+    tail = lines[-15:]
+    if first is None or first >= len(lines) - 15:
+        return "\n".join(lines[-60:])
+    return "\n".join([*lines[max(0, first - 25) : first + 5], "...", *tail])
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
