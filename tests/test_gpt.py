@@ -319,8 +319,12 @@ def test_corpus_cache_and_blocks(small_text, monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------ training
 def _train(text: Path, out: Path, nprocs: int, grid: str) -> list[dict]:
+    """``gnnpar train gpt`` on ``nprocs`` ranks: this process for one, else one world whose
+    ranks run the command as a ``--nprocs`` launch's do (tests/cli_world.py; the real launch
+    is test_example_script_relaunches_and_consolidates's and tests/test_compose.py's)."""
     from gnnpar.cli import main
     from gnnpar.train.metrics import read_metrics
+    from tests.cli_world import run_commands
 
     argv = [
         "train", "gpt", "--data", str(text), "--vocab-size", "300", "--block-size", "32",
@@ -329,7 +333,10 @@ def _train(text: Path, out: Path, nprocs: int, grid: str) -> list[dict]:
         "--val-batches", "2", "--eval-every", "20", "--sample-tokens", "8", "--quiet",
         "--nprocs", str(nprocs), "--grid", grid, "--zero-stage", "0", "--out", str(out),
     ]  # fmt: skip
-    assert main(argv) == 0
+    if nprocs == 1:
+        assert main(argv) == 0
+    else:
+        assert run_commands(nprocs, [argv]) == [[0]] * nprocs
     return read_metrics(out / "metrics.jsonl")
 
 
