@@ -50,13 +50,17 @@ def _commands(steps: list[Step]) -> list[int]:
                 shutil.copytree(step[1], step[2])
         else:
             codes.append(main(strip_nprocs(list(step))))
+            if codes[-1] != 0:  # stop this world now, as a launch stops its ranks: the
+                # others may wait in a collective of the command for this rank
+                raise RuntimeError(f"exit code {codes[-1]} from gnnpar {' '.join(step)}")
         dist.barrier()
     return codes
 
 
 def run_commands(world: int, steps: list[Step], timeout: float = 600) -> list[list[int]]:
     """Run ``steps`` in order on one world of ``world`` ranks; every rank's exit codes, one
-    per command. A command that names ``--nprocs`` must name ``world``."""
+    per command (a rank whose command exits non-zero fails the world at once, naming the
+    command). A command that names ``--nprocs`` must name ``world``."""
     for step in steps:
         if step[0] != "copy" and _nprocs(step) not in (None, world):
             raise ValueError(f"{' '.join(step)}: --nprocs is not the world size {world}")
