@@ -6,6 +6,10 @@ The reference is an uninterrupted run on the *new* grid: a resumed run can only 
 the checkpoint carries everything (parameters, optimizer state, loader position) and training
 is the same function on both grids — full-graph dropout keyed by node and feature, global
 mini-batches ordered by original node ids, GPT batches split over data × z.
+
+The multi-rank runs of a test share one world of forked ranks that run the command line as
+a ``--nprocs`` launch's ranks do (tests/cli_world.py): a launch per run would cost more than
+the training. The sage case that saves on 2 ranks launches for real.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pytest
 
 from gnnpar import checkpoint
 from gnnpar.cli import main
+from tests.cli_world import run_commands
 
 REL = 1e-12
 
@@ -37,69 +42,82 @@ def _same(a: Path, b: Path) -> float:
     return worst
 
 
-def _gcn(out: Path, epochs: int, grid: str, nprocs: int, *extra: str) -> int:
-    return main(
-        ["train", "gcn", "--dataset", "sbm", "--dataset-options", "num_nodes=90,feat_dim=6",
-         "--root", str(out.parent / "data"), "--layers", "3", "--hidden", "5",
-         "--dtype", "float64", "--epochs", str(epochs), "--grid", grid, "--nprocs", str(nprocs),
-         "--out", str(out), "--eval-every", "0", "--quiet", "--blocks", "3", *extra]
-    )  # fmt: skip
+def _gcn_argv(out: Path, epochs: int, grid: str, nprocs: int, *extra: str) -> list[str]:
+    return ["train", "gcn", "--dataset", "sbm", "--dataset-options", "num_nodes=90,feat_dim=6",
+            "--root", str(out.parent / "data"), "--layers", "3", "--hidden", "5",
+            "--dtype", "float64", "--epochs", str(epochs), "--grid", grid, "--nprocs",
+            str(nprocs), "--out", str(out), "--eval-every", "0", "--quiet", "--blocks", "3",
+            *extra]  # fmt: skip
 
 
 def test_gcn_resumes_on_another_grid_and_on_one_rank(tmp_path):
+    import shutil
+
     saved = tmp_path / "x2y2z2"
-    assert _gcn(saved, 2, "x=2,y=2,z=2", 8) == 0
-    for name, grid, nprocs in (("x1y2z4", "x=1,y=2,z=4", 8), ("one", "x=1", 1)):
-        resumed = tmp_path / f"resumed-{name}"
-        import shutil
+    resumed, straight = tmp_path / "resumed-x1y2z4", tmp_path / "straight-x1y2z4"
+    # one rank, straight through (first: it also makes the dataset the 8 ranks read)
+    assert main(_gcn_argv(tmp_path / "straight-one", 4, "x=1", 1)) == 0
+    codes = run_commands(8, [
+        _gcn_argv(saved, 2, "x=2,y=2,z=2", 8),
+        ("copy", saved, resumed),
+        _gcn_argv(resumed, 4, "x=1,y=2,z=4", 8, "--resume"),
+        _gcn_argv(straight, 4, "x=1,y=2,z=4", 8),
+    ])  # fmt: skip
+    assert codes == [[0, 0, 0]] * 8
+    err = _same(resumed, straight)
+    assert err <= REL, f"gcn resumed on x=1,y=2,z=4: {err:.3g}"
+    shutil.copytree(saved, tmp_path / "resumed-one")
+    assert main(_gcn_argv(tmp_path / "resumed-one", 4, "x=1", 1, "--resume")) == 0
+    err = _same(tmp_path / "resumed-one", tmp_path / "straight-one")
+    assert err <= REL, f"gcn resumed on x=1: {err:.3g}"
 
-        shutil.copytree(saved, resumed)
-        assert _gcn(resumed, 4, grid, nprocs, "--resume") == 0
-        straight = tmp_path / f"straight-{name}"
-        assert _gcn(straight, 4, grid, nprocs) == 0
-        err = _same(resumed, straight)
-        assert err <= REL, f"gcn resumed on {grid}: {err:.3g}"
 
-
-def _sage(out: Path, epochs: int, nprocs: int, *extra: str) -> int:
-    return main(
-        ["train", "sage", "--dataset", "sbm", "--dataset-options", "num_nodes=120,feat_dim=6",
-         "--root", str(out.parent / "data"), "--dtype", "float64", "--epochs", str(epochs),
-         "--batch-size", "16", "--hidden", "8", "--fanouts", "4,3", "--nprocs", str(nprocs),
-         "--out", str(out), "--eval-every", "0", "--quiet", "--prefetch", "0", *extra]
-    )  # fmt: skip
+def _sage_argv(out: Path, epochs: int, nprocs: int, *extra: str) -> list[str]:
+    return ["train", "sage", "--dataset", "sbm", "--dataset-options", "num_nodes=120,feat_dim=6",
+            "--root", str(out.parent / "data"), "--dtype", "float64", "--epochs", str(epochs),
+            "--batch-size", "16", "--hidden", "8", "--fanouts", "4,3", "--nprocs", str(nprocs),
+            "--out", str(out), "--eval-every", "0", "--quiet", "--prefetch", "0",
+            *extra]  # fmt: skip
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_sage_resumes_on_another_number_of_data_ranks(tmp_path, before, after):
     import shutil
 
-    saved = tmp_path / "saved"
-    assert _sage(saved, 2, before) == 0
-    shutil.copytree(saved, tmp_path / "resumed")
-    assert _sage(tmp_path / "resumed", 4, after, "--resume") == 0
-    assert _sage(tmp_path / "straight", 4, after) == 0
-    err = _same(tmp_path / "resumed", tmp_path / "straight")
+    saved, resumed, straight = tmp_path / "saved", tmp_path / "resumed", tmp_path / "straight"
+    if before == 2:  # a real --nprocs launch (the one of the sage task in the suite)
+        assert main(_sage_argv(saved, 2, before)) == 0
+        shutil.copytree(saved, resumed)
+        assert main(_sage_argv(resumed, 4, after, "--resume")) == 0
+        assert main(_sage_argv(straight, 4, after)) == 0
+    else:  # saved on one rank (this process), both 2-rank runs in one world
+        assert main(_sage_argv(saved, 2, before)) == 0
+        codes = run_commands(2, [
+            ("copy", saved, resumed),
+            _sage_argv(resumed, 4, after, "--resume"),
+            _sage_argv(straight, 4, after),
+        ])  # fmt: skip
+        assert codes == [[0, 0]] * 2
+    err = _same(resumed, straight)
     assert err <= REL, f"sage {before} -> {after} ranks: {err:.3g}"
 
 
-def _gpt(out: Path, steps: int, grid: str, nprocs: int, *extra: str) -> int:
-    return main(
-        ["train", "gpt", "--steps", str(steps), "--n-layer", "2", "--n-embd", "16",
-         "--n-head", "2", "--batch-size", "4", "--block-size", "8", "--vocab-size", "300",
-         "--warmup", "2", "--eval-every", "100", "--val-batches", "1", "--sample-tokens", "0",
-         "--dtype", "float64", "--grid", grid, "--nprocs", str(nprocs), "--out", str(out),
-         "--quiet", *extra]
-    )  # fmt: skip
+def _gpt_argv(out: Path, steps: int, grid: str, nprocs: int, *extra: str) -> list[str]:
+    return ["train", "gpt", "--steps", str(steps), "--n-layer", "2", "--n-embd", "16",
+            "--n-head", "2", "--batch-size", "4", "--block-size", "8", "--vocab-size", "300",
+            "--warmup", "2", "--eval-every", "100", "--val-batches", "1", "--sample-tokens",
+            "0", "--dtype", "float64", "--grid", grid, "--nprocs", str(nprocs), "--out",
+            str(out), "--quiet", *extra]  # fmt: skip
 
 
 def test_gpt_resumes_on_another_tensor_and_data_grid(tmp_path):
-    import shutil
-
-    saved = tmp_path / "saved"
-    assert _gpt(saved, 2, "data=2,x=2", 4) == 0
-    shutil.copytree(saved, tmp_path / "resumed")
-    assert _gpt(tmp_path / "resumed", 4, "data=1,x=2,y=2", 4, "--resume") == 0
-    assert _gpt(tmp_path / "straight", 4, "data=1,x=2,y=2", 4) == 0
-    err = _same(tmp_path / "resumed", tmp_path / "straight")
+    saved, resumed, straight = tmp_path / "saved", tmp_path / "resumed", tmp_path / "straight"
+    codes = run_commands(4, [
+        _gpt_argv(saved, 2, "data=2,x=2", 4),
+        ("copy", saved, resumed),
+        _gpt_argv(resumed, 4, "data=1,x=2,y=2", 4, "--resume"),
+        _gpt_argv(straight, 4, "data=1,x=2,y=2", 4),
+    ])  # fmt: skip
+    assert codes == [[0, 0, 0]] * 4
+    err = _same(resumed, straight)
     assert err <= REL, f"gpt data=2,x=2 -> data=1,x=2,y=2: {err:.3g}"

@@ -234,12 +234,14 @@ HAVE_HF = __import__("importlib").util.find_spec("transformers") is not None
 def test_trainer_trains_hf_gpt2_from_pretrained_weights(tmp_path, weights):
     """``gnnpar train gpt --model hf-gpt2 --pretrained DIR`` on a 4D grid with ZeRO-3 starts
     from the folder's weights and tokenizer (lr 0: the consolidated checkpoint is the
-    pretrained model, bit for bit) and loads strictly into ``GPT2LMHeadModel``."""
+    pretrained model, bit for bit) and loads strictly into ``GPT2LMHeadModel``. The 4 ranks
+    run the command in one forked world (tests/cli_world.py), not a ``--nprocs`` launch;
+    test_trainer_builds_hf_gpt2_from_a_config launches hf-gpt2 for real."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from gnnpar import checkpoint
-    from gnnpar.cli import main
     from gnnpar.data.text import load_corpus
+    from tests.cli_world import run_commands
 
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
@@ -261,7 +263,7 @@ def test_trainer_trains_hf_gpt2_from_pretrained_weights(tmp_path, weights):
         "--nprocs", "4", "--grid", "data=2,x=2", "--zero-stage", "3", "--out", str(out),
         "--sample-tokens", "4", "--quiet", "--eval-every", "0",
     ]  # fmt: skip
-    assert main(argv) == 0
+    assert run_commands(4, [argv]) == [[0]] * 4
     state = checkpoint.consolidate(out)
     want = hf.state_dict()
     assert set(state) <= set(want)

@@ -319,8 +319,12 @@ def test_corpus_cache_and_blocks(small_text, monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------ training
 def _train(text: Path, out: Path, nprocs: int, grid: str) -> list[dict]:
+    """``gnnpar train gpt`` on ``nprocs`` ranks: this process for one, else one world whose
+    ranks run the command as a ``--nprocs`` launch's do (tests/cli_world.py; the real launch
+    is test_example_script_relaunches_and_consolidates's and tests/test_compose.py's)."""
     from gnnpar.cli import main
     from gnnpar.train.metrics import read_metrics
+    from tests.cli_world import run_commands
 
     argv = [
         "train", "gpt", "--data", str(text), "--vocab-size", "300", "--block-size", "32",
@@ -329,7 +333,10 @@ def _train(text: Path, out: Path, nprocs: int, grid: str) -> list[dict]:
         "--val-batches", "2", "--eval-every", "20", "--sample-tokens", "8", "--quiet",
         "--nprocs", str(nprocs), "--grid", grid, "--zero-stage", "0", "--out", str(out),
     ]  # fmt: skip
-    assert main(argv) == 0
+    if nprocs == 1:
+        assert main(argv) == 0
+    else:
+        assert run_commands(nprocs, [argv]) == [[0]] * nprocs
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -368,14 +375,12 @@ def test_example_script_relaunches_and_consolidates(small_text, tmp_path):
     assert len(result["losses"]) == 3
     ckpt = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-000002", "step-000003"]
+    # --consolidate through the script's main() in this process: the launch above is the
+    # end-to-end run; a second interpreter would only import torch again
     out = tmp_path / "full.pt"
-    run = subprocess.run(
-        common + ["--consolidate", str(run_dir), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--consolidate", str(run_dir), str(out)]) == 0
     cfg = GPTConfig(vocab_size=300, block_size=16, n_layer=1, n_head=4, n_embd=32)
     GPT(cfg).load_state_dict(torch.load(out, weights_only=True))
