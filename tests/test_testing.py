@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,21 @@ def test_grid_shapes_cover_every_factorisation_of_powers_of_two_and_one_of_the_r
     assert grid_shapes(5, ("data",)) == [{"data": 5}]
     with pytest.raises(ValueError, match="world must be at least 1"):
         grid_shapes(0)
+
+
+def test_every_curated_mutant_still_applies():
+    """Each mutant's original line occurs exactly once in its file: a refactor that moves the
+    code must move the mutant too, or ``make mutants`` silently checks less than it says."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    mutants = tomllib.loads((root / "tests" / "mutants" / "mutants.toml").read_text())["mutant"]
+    stale = [
+        f"{m['id']} ({m['file']}: found {(root / m['file']).read_text().count(m['original'])}x)"
+        for m in mutants
+        if (root / m["file"]).read_text().count(m["original"]) != 1
+    ]
+    assert not stale, "mutants whose original line is gone or ambiguous: " + ", ".join(stale)
