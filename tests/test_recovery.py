@@ -127,40 +127,34 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
     assert f"{epochs} epochs recorded" in summary  # the redone epochs count once
 
 
-def _writer(root: str) -> None:
-    """Write checkpoints of a 2000 x 1000 weight filled with the step number, forever."""
-    import gnnpar
-
-    grid = gnnpar.init()
-    model = torch.nn.Linear(2_000, 1_000, bias=False)
-    step = max(checkpoint.complete_steps(root), default=0)
-    while True:
-        step += 1
-        torch.nn.init.constant_(model.weight, float(step))
-        checkpoint.save(root, step, grid, model, keep=2)
+_WRITER = """
+import sys, torch, gnnpar
+from gnnpar import checkpoint
+grid = gnnpar.init()
+model = torch.nn.Linear(2_000, 1_000, bias=False)
+step = max(checkpoint.complete_steps(sys.argv[1]), default=0)
+while True:
+    step += 1
+    torch.nn.init.constant_(model.weight, float(step))
+    checkpoint.save(sys.argv[1], step, grid, model, keep=2)
+"""
 
 
 def test_kill_during_checkpoint_writes_leaves_a_loadable_one(tmp_path):
-    import multiprocessing as mp
-
     import gnnpar
 
     grid = gnnpar.init()
     root = tmp_path / "ckpt"
-    # The writer is a forked process (SIGKILLed like any other): a fresh interpreter would
-    # only add the seconds of importing torch before the first write.
-    ctx = mp.get_context("fork")
     for delay in (0.13, 0.41, 0.77):
-        proc = ctx.Process(target=_writer, args=(str(root),), daemon=True)
-        proc.start()
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], cwd=ROOT)
         try:
             deadline = time.monotonic() + 120
             while not checkpoint.complete_steps(root) and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(delay)  # somewhere inside a later write
         finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join()
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
         model = torch.nn.Linear(2_000, 1_000, bias=False)
         found = checkpoint.load(root, grid, model)
         assert found is not None
