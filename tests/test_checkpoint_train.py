@@ -42,6 +42,22 @@ def _same(a: Path, b: Path) -> float:
     return worst
 
 
+def _resumed_against_straight(
+    argv, world: int, saved: Path, resumed: Path, straight: Path, first: str, then: str
+) -> float:
+    """On one world of ``world`` ranks: train ``saved`` 2 units on grid ``first``, copy it,
+    resume the copy to 4 units on grid ``then``, and train ``straight`` 4 units on ``then``;
+    the largest relative difference of the two final states."""
+    codes = run_commands(world, [
+        argv(saved, 2, first, world),
+        ("copy", saved, resumed),
+        argv(resumed, 4, then, world, "--resume"),
+        argv(straight, 4, then, world),
+    ])  # fmt: skip
+    assert codes == [[0, 0, 0]] * world
+    return _same(resumed, straight)
+
+
 def _gcn_argv(out: Path, epochs: int, grid: str, nprocs: int, *extra: str) -> list[str]:
     return ["train", "gcn", "--dataset", "sbm", "--dataset-options", "num_nodes=90,feat_dim=6",
             "--root", str(out.parent / "data"), "--layers", "3", "--hidden", "5",
@@ -57,14 +73,9 @@ def test_gcn_resumes_on_another_grid_and_on_one_rank(tmp_path):
     resumed, straight = tmp_path / "resumed-x1y2z4", tmp_path / "straight-x1y2z4"
     # one rank, straight through (first: it also makes the dataset the 8 ranks read)
     assert main(_gcn_argv(tmp_path / "straight-one", 4, "x=1", 1)) == 0
-    codes = run_commands(8, [
-        _gcn_argv(saved, 2, "x=2,y=2,z=2", 8),
-        ("copy", saved, resumed),
-        _gcn_argv(resumed, 4, "x=1,y=2,z=4", 8, "--resume"),
-        _gcn_argv(straight, 4, "x=1,y=2,z=4", 8),
-    ])  # fmt: skip
-    assert codes == [[0, 0, 0]] * 8
-    err = _same(resumed, straight)
+    err = _resumed_against_straight(
+        _gcn_argv, 8, saved, resumed, straight, "x=2,y=2,z=2", "x=1,y=2,z=4"
+    )
     assert err <= REL, f"gcn resumed on x=1,y=2,z=4: {err:.3g}"
     shutil.copytree(saved, tmp_path / "resumed-one")
     assert main(_gcn_argv(tmp_path / "resumed-one", 4, "x=1", 1, "--resume")) == 0
@@ -112,12 +123,7 @@ def _gpt_argv(out: Path, steps: int, grid: str, nprocs: int, *extra: str) -> lis
 
 def test_gpt_resumes_on_another_tensor_and_data_grid(tmp_path):
     saved, resumed, straight = tmp_path / "saved", tmp_path / "resumed", tmp_path / "straight"
-    codes = run_commands(4, [
-        _gpt_argv(saved, 2, "data=2,x=2", 4),
-        ("copy", saved, resumed),
-        _gpt_argv(resumed, 4, "data=1,x=2,y=2", 4, "--resume"),
-        _gpt_argv(straight, 4, "data=1,x=2,y=2", 4),
-    ])  # fmt: skip
-    assert codes == [[0, 0, 0]] * 4
-    err = _same(resumed, straight)
+    err = _resumed_against_straight(
+        _gpt_argv, 4, saved, resumed, straight, "data=2,x=2", "data=1,x=2,y=2"
+    )
     assert err <= REL, f"gpt data=2,x=2 -> data=1,x=2,y=2: {err:.3g}"
