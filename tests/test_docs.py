@@ -158,12 +158,11 @@ def _run_on_processes(block: Block, folder: Path, env: dict[str, str]) -> tuple[
     """A Python block saved as a script and started on ``block.nprocs`` processes."""
     script = folder / f"block_{block.line}.py"
     script.write_text(block.to_run())
-    run = Block(block.source, block.line, "bash", "", block.directives)
     command = (
         f"{sys.executable} -m torch.distributed.run --standalone "
         f"--nproc-per-node {block.nprocs} {script.name}"
     )
-    return _run_shell(run, folder, env, command)
+    return _run_shell(block, folder, env, command)
 
 
 def _excerpt(text: str) -> str:
