@@ -113,3 +113,45 @@ def test_edited_manifest_value(pristine, data, reseal):
         (copy / "manifest.json").write_text(json.dumps(doc))
 
     _outcome(pristine, edit)
+
+
+def _resealed(pristine, edit) -> str:
+    """The one-line error that reading a copy whose manifest ``edit`` changed (and whose meta
+    checksum was recomputed) gives, or "" when it reads as written."""
+    grid, folder, want, _ = pristine
+    errors = []
+
+    def mutate(copy: Path) -> None:
+        doc = json.loads((copy / "manifest.json").read_text())
+        edit(doc["meta"])
+        doc["meta_xxh3_64"] = meta_digest(doc["meta"])
+        (copy / "manifest.json").write_text(json.dumps(doc))
+
+    def read(copy: Path):
+        try:
+            return _read(copy, grid)
+        except ValueError as err:
+            errors.append(str(err))
+            raise
+
+    check_outcome(folder, read, want, mutate)
+    return errors[0] if errors else ""
+
+
+def test_a_flipped_transposed_flag_is_refused(pristine):
+    """A box marked as stored transposed holds the same number of elements and passes every
+    structural check; only the entry's digest of what its values mean catches it (the case
+    the fuzz test above once drew: a resealed chunk entry of '2.weight' with index 4 set)."""
+
+    def flip(meta):
+        (chunk,) = meta["pieces"]["rank-00000.pt"]["2.weight"]
+        chunk[4] = 1
+
+    assert "does not hold the values its layout and digest describe" in _resealed(pristine, flip)
+
+
+def test_a_checkpoint_without_its_digests_is_refused(pristine):
+    def drop(meta):
+        del meta["digests"]["rank-00000.pt"]["2.bias"]
+
+    assert "entry '2.bias' of 'rank-00000.pt' has no digest" in _resealed(pristine, drop)

@@ -56,7 +56,7 @@ def consolidate(path: str | os.PathLike, verify: str = "checksum") -> dict[str, 
     for _, _, src, _ in pairs:
         if src.file not in blobs:
             blobs[src.file] = load_tensors(manifest.verify(src.file, verify))
-            check_stored(manifest, src.file, blobs[src.file])
+            check_stored(manifest, src.file, blobs[src.file], verify)
     with torch.no_grad():
         for piece, t, src, s in pairs:
             copy_overlap(piece.tensor.view(-1), t, blobs[src.file][src.entry], s)

@@ -24,6 +24,7 @@ from gnnpar.verified import MANIFEST, FormatError
 
 __all__ = [
     "SCHEMA",
+    "READABLE",
     "VERSION",
     "CheckpointError",
     "candidates",
@@ -34,7 +35,10 @@ __all__ = [
 ]
 
 SCHEMA = "gnnpar.checkpoint"
-VERSION = 1
+#: Version 2 added a digest of each stored entry's meaning (``meta["digests"]``); version 1
+#: checkpoints still load, without that check.
+VERSION = 2
+READABLE = (1, 2)
 
 
 class CheckpointError(ValueError):

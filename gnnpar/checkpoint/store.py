@@ -41,7 +41,7 @@ from gnnpar.checkpoint.state import (
     model_layout,
     optimizer_pieces,
 )
-from gnnpar.checkpoint.validate import check_stored, read_checkpoint
+from gnnpar.checkpoint.validate import check_stored, entry_digest, read_checkpoint
 from gnnpar.grid import ProcessGrid
 from gnnpar.verified import (
     FormatError,
@@ -116,17 +116,19 @@ def save(
         raise CheckpointError(f"rank 0 could not create the checkpoint folder {tmp}")
     stem = _rank_stem(rank)
     try:
-        blob, entries = {}, {}
+        blob, entries, digests = {}, {}, {}
         for p in pieces:
             if p.write and p.chunks:
                 blob[p.name] = p.tensor.detach().reshape(-1).cpu()
                 entries[p.name] = [c.to_json() for c in p.chunks]
+                digests[p.name] = entry_digest(entries[p.name], blob[p.name])
         for name, t in (local or {}).items():
             blob[LOCAL + name] = t.detach().cpu()
         save_tensors(tmp / f"{stem}.pt", blob)
         side = {
             "entry": file_entry(tmp / f"{stem}.pt"),
             "pieces": entries,
+            "digests": digests,
             "local": sorted(local or {}),
             "tensors": {k: v.to_json() for k, v in tensors.items()},
         }
@@ -160,7 +162,7 @@ def _write_manifest(
     extra: Mapping[str, Any] | None,
     info: Mapping[str, Any] | None,
 ) -> None:
-    files, pieces, local, tensors = {}, {}, {}, {}
+    files, pieces, digests, local, tensors = {}, {}, {}, {}, {}
     for r in range(grid.world_size):
         side_path = tmp / f"{_rank_stem(r)}.json"
         side = json.loads(side_path.read_text())
@@ -168,6 +170,7 @@ def _write_manifest(
         files[name] = side["entry"]
         if side["pieces"]:
             pieces[name] = side["pieces"]
+            digests[name] = side["digests"]
         if side["local"]:
             local[name] = side["local"]
         tensors.update(side["tensors"])
@@ -182,6 +185,7 @@ def _write_manifest(
         "aliases": layout.aliases,
         "tensors": tensors,
         "pieces": pieces,
+        "digests": digests,
         "local": local,
         "optimizer": {"param_groups": groups} if groups is not None else None,
         "extra": dict(extra or {}),
@@ -388,7 +392,7 @@ def load(
         for name in files:
             try:
                 blobs[name] = load_tensors(manifest.verify(name, verify))
-                check_stored(manifest, name, blobs[name])
+                check_stored(manifest, name, blobs[name], verify)
             except FormatError as err:
                 index = ordered.index(name)
                 if "not a readable tensor file" in str(err) and "objects other than" in str(err):
@@ -434,7 +438,7 @@ def load(
 def _reason(manifest: Manifest, name: str, verify: str) -> str:
     """Why a file failed (re-checked on the reporting rank)."""
     try:
-        check_stored(manifest, name, load_tensors(manifest.verify(name, verify)))
+        check_stored(manifest, name, load_tensors(manifest.verify(name, verify)), verify)
     except FormatError as err:
         text = str(err)
         return text.split(": ", 1)[1] if text.startswith(str(manifest.folder)) else text

@@ -5,30 +5,32 @@ module catches a layout that is consistent with its checksums but not with itsel
 who recomputed them, or a writer bug): every tensor has a known dtype and a shape of
 non-negative sizes, every stored chunk names a listed file and a known tensor and lies inside
 it, the distinct chunks of a tensor cover it without overlapping, and each stored entry holds
-the elements its chunks address. Each failure is one
-:class:`~gnnpar.verified.FormatError` naming the file.
+the elements its chunks address and (from version 2) the values its digest describes. Each
+failure is one :class:`~gnnpar.verified.FormatError` naming the file.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from gnnpar.checkpoint.chunks import Chunk, overlap_volume
-from gnnpar.checkpoint.protocol import SCHEMA, VERSION
+from gnnpar.checkpoint.protocol import READABLE, SCHEMA
 from gnnpar.verified import MANIFEST, FormatError, Manifest, read_manifest
 
-__all__ = ["check_layout", "check_stored", "read_checkpoint"]
+__all__ = ["check_layout", "check_stored", "entry_digest", "read_checkpoint"]
 
 
 def read_checkpoint(folder: str | os.PathLike) -> Manifest:
     """The manifest of the step folder ``folder``, read (:func:`gnnpar.verified.read_manifest`)
     and its layout checked (:func:`check_layout`)."""
-    manifest = read_manifest(folder, SCHEMA, (VERSION,), sealed=False)
+    manifest = read_manifest(folder, SCHEMA, READABLE, sealed=False)
     check_layout(manifest)
     return manifest
 
@@ -64,6 +66,7 @@ def check_layout(manifest: Manifest) -> None:
     """FormatError unless the manifest's ``tensors`` and ``pieces`` describe every tensor
     exactly (see the module docstring)."""
     where = manifest.folder / MANIFEST
+    digests = manifest.meta.get("digests") if manifest.version >= 2 else {}
     tensors, pieces = manifest.meta.get("tensors"), manifest.meta.get("pieces")
     if not isinstance(tensors, dict) or not isinstance(pieces, dict):
         raise FormatError(f"{where}: the meta lacks its 'tensors' or 'pieces' table")
@@ -82,6 +85,8 @@ def check_layout(manifest: Manifest) -> None:
         for entry, docs in entries.items():
             if not isinstance(docs, list):
                 raise FormatError(f"{where}: entry {entry!r} of {file!r} lists no chunks")
+            if digests is not None and not _has_digest(digests, file, entry):
+                raise FormatError(f"{where}: entry {entry!r} of {file!r} has no digest")
             for doc in docs:
                 c = _chunk(doc, where)
                 shape = shapes.get(c.key)
@@ -97,6 +102,25 @@ def check_layout(manifest: Manifest) -> None:
     for key, shape in shapes.items():
         _check_cover(key, shape, chunks[key], where)
     _check_keys(manifest.meta, shapes, where)
+
+
+def _has_digest(digests: Any, file: str, entry: str) -> bool:
+    table = digests.get(file) if isinstance(digests, dict) else None
+    return isinstance(table, dict) and isinstance(table.get(entry), str)
+
+
+def entry_digest(docs: list[Any], flat: torch.Tensor) -> str:
+    """XXH3-64 of what a stored entry means: for each of its chunks, the full tensor's name,
+    the box's offsets and sizes, and the box's values in the full tensor's row-major order.
+    Where and how a box is stored (``at``, ``transposed``) changes the bytes read, so a layout
+    edited after it was written (or written wrong) no longer matches the values it holds."""
+    h = xxhash.xxh3_64()
+    for doc in docs:
+        chunk = Chunk.from_json(doc)
+        h.update(json.dumps([chunk.key, list(chunk.offsets), list(chunk.sizes)]).encode())
+        box = chunk.view(flat).contiguous().reshape(-1)
+        h.update(box.view(torch.uint8).numpy().tobytes() if box.numel() else b"")
+    return h.hexdigest()
 
 
 def _check_keys(meta: dict[str, Any], shapes: dict[str, list[int]], where: Path) -> None:
@@ -130,9 +154,13 @@ def _check_cover(key: str, shape: list[int], chunks: list[Chunk], where: Path) -
                 raise FormatError(f"{where}: two stored chunks of {key!r} overlap")
 
 
-def check_stored(manifest: Manifest, name: str, blob: dict[str, torch.Tensor]) -> None:
+def check_stored(
+    manifest: Manifest, name: str, blob: dict[str, torch.Tensor], verify: str = "checksum"
+) -> None:
     """FormatError unless the loaded file ``name`` holds every entry its pieces name, each
-    a flat tensor long enough for the chunks stored in it."""
+    a flat tensor long enough for the chunks stored in it and (``verify="checksum"``, a
+    checkpoint of version 2 on) matching its :func:`entry_digest`."""
+    digests = manifest.meta.get("digests", {}).get(name, {}) if manifest.version >= 2 else {}
     for entry, docs in manifest.meta["pieces"].get(name, {}).items():
         t = blob.get(entry)
         need = max((c[3] + math.prod(c[2]) for c in docs), default=0)
@@ -141,4 +169,9 @@ def check_stored(manifest: Manifest, name: str, blob: dict[str, torch.Tensor]) -
             raise FormatError(
                 f"{manifest.folder / name}: entry {entry!r} holds {got}, its chunks need "
                 f"{need} elements"
+            )
+        if verify == "checksum" and entry in digests and entry_digest(docs, t) != digests[entry]:
+            raise FormatError(
+                f"{manifest.folder / name}: entry {entry!r} does not hold the values its "
+                "layout and digest describe (the manifest was edited or written wrong)"
             )
