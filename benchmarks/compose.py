@@ -15,7 +15,10 @@ The model is our GPT with the block stack of ``benchmarks/sharding.py`` — 10 b
 batch of 8 sequences of 64 tokens (2 per data rank at data=4, 4 at data=2); DTensor's plan is
 Megatron's (q/k/v and fc column-wise, the projections row-wise, the fused q/k/v rows ordered
 so each rank holds whole heads, as ours); their embeddings and head stay replicated, ours are
-split too (vocabulary-parallel loss).
+split too (vocabulary-parallel loss). Ours steps with torch's fused AdamW kernel (what
+``gnnpar train gpt`` uses on the host and on CUDA); the peers keep their recipes' optimizer,
+torch's default (the per-tensor loop on the host), unless ``--peer-fused`` gives them the fused
+kernel too.
 
 Per run: **step time** — the median of the timed steps, of the slowest rank; **CPU time**
 per step and rank (all threads; far less sensitive than wall time to other jobs on a shared
@@ -33,6 +36,7 @@ shape with data ≥ 2 and every ZeRO stage.
     python benchmarks/compose.py                  # the three pairs (about 30 min on 2 cores)
     python benchmarks/compose.py --planner-memory # 40 runs of 8 ranks
     python benchmarks/compose.py --quick          # a small model, 2 runs each
+    python benchmarks/compose.py --pairs d2x2-zero0 --peer-fused   # one pair, fused peers
 """
 
 from __future__ import annotations
@@ -148,6 +152,7 @@ def _peer(cfg: dict[str, Any], kind: str):
         [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
         lr=1e-4,
         betas=(0.9, 0.99),
+        fused=True if cfg.get("peer_fused") else None,
     )
     train, _ = Tokens(cfg["sizes"]["vocab_size"]).split(0.05)
     shard = rank // tp  # the data-parallel rank: tp ranks share a batch
@@ -257,10 +262,11 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ the pairs
-def pairs(cfg: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """Every pair, its sides alternating in fresh worlds, ``repeats`` runs each."""
+def pairs(cfg: dict[str, Any], repeats: int, names: list[str]) -> dict[str, Any]:
+    """The pairs ``names``, their sides alternating in fresh worlds, ``repeats`` runs each."""
     results: dict[str, Any] = {}
-    for name, (parallel, peer) in PAIRS.items():
+    for name in names:
+        parallel, peer = PAIRS[name]
         sides = {"ours": "ours:" + json.dumps(parallel), "peer": peer}
         runs: dict[str, list] = {"ours": [], "peer": []}
         for r in range(repeats):
@@ -378,6 +384,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a small model, 2 runs each")
     p.add_argument("--planner-memory", action="store_true", help="planner vs measured memory")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages for --planner-memory")
+    p.add_argument("--pairs", default=",".join(PAIRS), help="which pairs to run (comma list)")
+    p.add_argument(
+        "--peer-fused", action="store_true",
+        help="give the peers torch's fused AdamW too (ours uses it; the peers' recipes keep "
+        "torch's default, the per-tensor loop on the host)",
+    )  # fmt: skip
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--side-out", help=argparse.SUPPRESS)
@@ -405,8 +417,17 @@ def main() -> int:
         (OUT / f"compose-planner-memory{tag}{part}.json").write_text(json.dumps(rows, indent=1))
         print(planner_table(rows))
         return 0
-    results = pairs(cfg, cfg["repeats"])
+    names = [n for n in args.pairs.split(",") if n]
+    unknown = sorted(set(names) - set(PAIRS))
+    if unknown:
+        p.error(f"unknown pair(s) {', '.join(unknown)}; known: {', '.join(PAIRS)}")
+    cfg["peer_fused"] = args.peer_fused
+    results = pairs(cfg, cfg["repeats"], names)
     doc = {"config": cfg, "pairs": results, "load_average": os.getloadavg()}
+    if args.peer_fused:
+        tag += "-peer-fused"
+    if names != list(PAIRS):
+        tag += "-" + "-".join(names)
     (OUT / f"compose{tag}.json").write_text(json.dumps(doc, indent=1))
     print(pairs_table(results, cfg))
     print(f"load average {os.getloadavg()[0]:.1f}")
