@@ -59,6 +59,8 @@ MAX_HOSTS = 1 << 16
 _AGENT = "import sys; from gnnpar.launch import agent; sys.exit(agent(sys.argv[1:]))"
 #: Where the ranks of a local launch record their failure (set by the launch agent).
 ERROR_DIR_ENV = "GNNPAR_ERROR_DIR"
+#: ``0`` makes a local launch start each rank as a new interpreter instead of forking it.
+FORK_ENV = "GNNPAR_LAUNCH_FORK"
 #: Set for the ranks of a local launch: the launching process ran the checks before launch.
 PREFLIGHT_DONE_ENV = "GNNPAR_PREFLIGHT_DONE"
 #: Words of an error that only says a peer went away (the consequence, not the cause).
@@ -546,7 +548,9 @@ def summarise_failure(error: Any, records: list[dict[str, Any]], nprocs: int) ->
 def agent(argv: Sequence[str]) -> int:
     """The launch agent of :func:`launch_local`: ``torch.distributed.run`` with arguments
     ``argv``, reporting a failed launch as one line (and exiting with the failed rank's code)
-    instead of its ``ChildFailedError`` report."""
+    instead of its ``ChildFailedError`` report. Where processes can fork (Linux), the ranks
+    are forked from this process after it has imported what every rank imports (see
+    :func:`run_rank`), instead of each starting a new interpreter."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -557,7 +561,10 @@ def agent(argv: Sequence[str]) -> int:
     directory = tempfile.mkdtemp(prefix="gnnpar-errors-")
     os.environ[ERROR_DIR_ENV] = directory
     try:
-        run(args)
+        if _forks():
+            _run_forked(args)
+        else:
+            run(args)
         return 0
     except ChildFailedError as error:
         line, code = summarise_failure(error, read_failures(directory), args.nproc_per_node)
@@ -566,6 +573,58 @@ def agent(argv: Sequence[str]) -> int:
         return code
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _forks() -> bool:
+    """Whether the agent forks its ranks: on Linux, unless ``GNNPAR_LAUNCH_FORK=0``."""
+    import multiprocessing
+
+    return (
+        sys.platform == "linux"
+        and "fork" in multiprocessing.get_all_start_methods()
+        and os.environ.get(FORK_ENV, "1") != "0"
+    )
+
+
+def _run_forked(args: Any) -> None:
+    """``torch.distributed.run``'s ``run(args)`` for ``--standalone``, with the ranks forked
+    from this process (its ``fork`` start method for function entry points) after importing
+    torch, gnnpar and ``torch._dynamo`` once here: each rank would otherwise spend seconds of
+    CPU on them (``torch._dynamo`` is imported by the first optimizer step), which on a small
+    machine is most of a short run's start-up."""
+    import uuid
+
+    import torch._dynamo  # noqa: F401
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    import gnnpar.cli  # noqa: F401 - imports torch and gnnpar for the ranks
+
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    kind = "module" if args.module else "script"
+    elastic_launch(config, entrypoint=run_rank)(
+        kind, args.training_script, *args.training_script_args
+    )
+
+
+def run_rank(kind: str, target: str, *argv: str) -> None:
+    """One forked rank: run ``target`` as ``python -m target *argv`` (``kind="module"``) or
+    ``python target *argv`` (``kind="script"``) would."""
+    import runpy
+    import warnings
+
+    if kind == "module":
+        sys.argv = [target, *argv]
+        # The agent imported the module already (to warm up): running it as __main__ is then a
+        # second module object, as it is for ``python -m`` when anything imports it again.
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning, "runpy")
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, str(Path(target).resolve().parent))
+        sys.argv = [target, *argv]
+        runpy.run_path(target, run_name="__main__")
 
 
 def _command_name(argv: Sequence[str]) -> str:

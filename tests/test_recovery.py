@@ -27,8 +27,8 @@ def _single_process(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children, grandchildren, ...)."""
+def _descendants(pid: int, depth: int | None = None) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...; ``depth`` levels)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -39,11 +39,14 @@ def _descendants(pid: int) -> list[int]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
+    out, todo = [], [(pid, 0)]
     while todo:
-        for c in children.get(todo.pop(), []):
+        parent, level = todo.pop()
+        if depth is not None and level == depth:
+            continue
+        for c in children.get(parent, []):
             out.append(c)
-            todo.append(c)
+            todo.append((c, level + 1))
     return out
 
 
@@ -98,13 +101,10 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"no checkpoint appeared; output:\n{proc.communicate()[0][-3000:]}")
             time.sleep(0.05)
-        # The workers run ``-m gnnpar.cli`` below the launcher (gnnpar's launch agent,
-        # ``python -c ...``, which runs torch.distributed.run in its process).
-        workers = [
-            p
-            for p in _descendants(proc.pid)
-            if "gnnpar.cli" in _cmdline(p) and not _is_launcher(_cmdline(p))
-        ]
+        # The workers are the children of gnnpar's launch agent (``python -c ...``, which runs
+        # torch.distributed.run in its process and forks them).
+        (agent,) = [p for p in _descendants(proc.pid, depth=1) if _is_launcher(_cmdline(p))]
+        workers = _descendants(agent, depth=1)
         assert len(workers) == 2, [_cmdline(p) for p in workers]
         killed_after = max(r.get("epoch", 0) for r in read_metrics(out / "metrics.jsonl"))
         os.kill(workers[-1], signal.SIGKILL)
