@@ -494,7 +494,7 @@ class MiniBatchTask:
             return pred.cpu()
         part = self.part
         out = torch.full((int(part.meta["num_nodes"]),), -1, dtype=torch.int64)
-        out[part.orig_ids.long()] = pred.cpu()
+        out[part.orig_ids[: part.num_owned].long()] = pred.cpu()  # owned nodes first
         # each node is owned by exactly one part: the maximum is its owner's prediction
         return comm.all_reduce(out, self.sample_grid, "data", op="max")
 
