@@ -284,8 +284,8 @@ def test_evaluate_and_predict_refuse_a_folder_without_run_or_checkpoint(
     shutil.copy(reference / "config.toml", partial)
     assert main(["predict", str(partial), "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith(f"run folder {partial} holds no best checkpoint (its dataset has no "
-                        "validation split): use --checkpoint latest")  # fmt: skip
+    assert err.endswith(f"run folder {partial} holds no best checkpoint (no validation "
+                        "accuracy was evaluated): use --checkpoint latest")  # fmt: skip
     assert len(err.splitlines()) == 1
     assert main(["evaluate", str(partial), "--checkpoint", "latest"]) == 2
     assert f"run folder {partial} holds no checkpoint" in capsys.readouterr().err

@@ -170,7 +170,7 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, Any]:
         folder = checkpoint_dir(args.run, args.checkpoint)
         if not complete_steps(folder):
             why = (
-                "no best checkpoint (its dataset has no validation split): use --checkpoint latest"
+                "no best checkpoint (no validation accuracy was evaluated): use --checkpoint latest"
                 if args.checkpoint == "best"
                 else "no checkpoint"
             )
@@ -354,7 +354,10 @@ def add_train_commands(subparsers: Any) -> None:
     )
     _saved_run_flags(p)
     p.add_argument(
-        "--split", choices=("test", "val", "train"), default="test", help="nodes to score"
+        "--split",
+        choices=("test", "val", "train"),
+        default="test",
+        help="nodes to score (default: test)",
     )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
     p.set_defaults(func=_evaluate, max_restarts=0)

@@ -180,7 +180,9 @@ class DataParallelConfig:
 
 @dataclasses.dataclass
 class ScheduleConfig:
-    """Learning-rate schedule (:mod:`gnnpar.train.schedule`), of every task."""
+    """Learning-rate schedule of every task: a warm-up, then constant, step or cosine.
+
+    The formulas: :mod:`gnnpar.train.schedule`."""
 
     lr_schedule: str = option(
         "constant", "after the warm-up: constant, step (times lr_gamma every lr_step_every) "
