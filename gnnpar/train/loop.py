@@ -63,6 +63,9 @@ class Task(Protocol):
     # best model (:mod:`gnnpar.train.selection`): the trainer then saves it as the run's
     # ``best`` checkpoint, reports its evaluation at the end and stops early on request.
     #
+    # Optional: ``predict() -> Tensor``, every node's class id in original node order on every
+    # rank (collective), for ``gnnpar predict``.
+    #
     # Optional, on the task's class: ``preflight(cfg, world_size) -> None`` (a staticmethod
     # or classmethod), called by :func:`preflight` in the launching process before any rank
     # starts; it raises a one-line error (ValueError, OSError, ConfigError) for anything it
