@@ -88,17 +88,11 @@ def sharded_cross_entropy(
 
 
 @torch.no_grad()
-def sharded_accuracy(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    mask: torch.Tensor,
-    grid: ProcessGrid,
-    class_axis: str | None,
-    row_axis: str,
-    col_start: int,
-) -> float:
-    """Fraction of masked rows whose arg-max class (over all shards; ties to the lowest
-    class id) equals the label."""
+def sharded_argmax(
+    logits: torch.Tensor, grid: ProcessGrid, class_axis: str | None, col_start: int
+) -> torch.Tensor:
+    """Each row's arg-max class over all class shards (ties to the lowest class id, as
+    ``torch.argmax``), as a float tensor of class ids on every rank of ``class_axis``."""
     logits = _widened(logits)
     n_rows = logits.shape[0]
     if logits.shape[1]:
@@ -110,7 +104,22 @@ def sharded_accuracy(
     best_all = _reduce(best.clone(), grid, class_axis, "max")
     # Among shards holding the maximum, the lowest class id wins (as torch.argmax does).
     cand = torch.where(best == best_all, arg, torch.full_like(arg, float("inf")))
-    pred = _reduce(cand, grid, class_axis, "min")
+    return _reduce(cand, grid, class_axis, "min")
+
+
+@torch.no_grad()
+def sharded_accuracy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    grid: ProcessGrid,
+    class_axis: str | None,
+    row_axis: str,
+    col_start: int,
+) -> float:
+    """Fraction of masked rows whose arg-max class (:func:`sharded_argmax`) equals the
+    label."""
+    pred = sharded_argmax(logits, grid, class_axis, col_start)
     maskb = mask.bool()
     counts = torch.tensor(
         [float((pred[maskb] == labels[maskb].to(pred.dtype)).sum()), float(maskb.sum())],

@@ -32,7 +32,7 @@ from gnnpar.grid import ProcessGrid
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.layout import Layout3D, layout3d
-from gnnpar.sparse.loss import sharded_accuracy, sharded_cross_entropy
+from gnnpar.sparse.loss import sharded_accuracy, sharded_argmax, sharded_cross_entropy
 from gnnpar.sparse.plexus import layer_bytes, plexus_layer
 from gnnpar.sparse.source import ShardSource
 
@@ -188,6 +188,16 @@ class ShardedGNN(nn.Module):
                 pieces.append(Piece(name, param.detach(), chunks, write))
                 params[id(param)] = (chunks, write)
         return ModelLayout(pieces, tensors, keys, {}, params)
+
+    def predictions(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every node's predicted class (arg-max of the logits, ties to the lowest class id)
+        in original node order, as int64 on every rank (collective)."""
+        pred = sharded_argmax(logits, self.grid, self.class_axis, self.logits_cols[0])
+        ids = self.source.node_ids(self.output_order, self.logits_rows).to(self.device)
+        out = torch.full((self.num_nodes,), -1, dtype=torch.int64, device=self.device)
+        out[ids.long()] = pred[: ids.numel()].long()
+        # ranks that hold the same rows agree; every node's row is held by some rank
+        return comm.all_reduce(out, self.grid, "world", op="max")
 
     def accuracy(self, logits: torch.Tensor, mask_name: str) -> float:
         """Accuracy over the masked rows of the whole graph."""

@@ -1,10 +1,14 @@
-"""``gnnpar train TASK``: flags or a TOML file onto a typed config, local launch, the loop."""
+"""``gnnpar train TASK``: flags or a TOML file onto a typed config, local launch, the loop;
+``gnnpar evaluate RUN`` and ``gnnpar predict RUN``: a trained run's saved model, rebuilt from
+the run's ``config.toml`` on any grid, without training."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gnnpar.train.config import ConfigError, add_flags, resolve, to_toml
@@ -139,6 +143,193 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ evaluate and predict
+#: The tasks evaluate and predict work on: those with a class per node.
+_NODE_TASKS = ("gcn", "sage")
+
+
+def _saved_run(args: argparse.Namespace) -> tuple[str, Any, Any]:
+    """(task name, config, task factory) of the run folder ``args.run``, with this command's
+    grid, after every check that needs no process group: the folder holds a run of a node
+    task with the checkpoint asked for, and the grid fits the processes. Each error is one
+    line, the same on every rank."""
+    from gnnpar.checkpoint import complete_steps
+    from gnnpar.launch import PREFLIGHT_DONE_ENV, under_launcher
+    from gnnpar.train.config import read_run_config
+    from gnnpar.train.loop import check_dataset_options, check_world, checkpoint_dir
+
+    tasks = _tasks()
+    try:
+        _check_launch_flags(args)
+        name, cfg = read_run_config(args.run, {k: v[0] for k, v in tasks.items()})
+        if name not in _NODE_TASKS:
+            raise ConfigError(
+                f"{args.command} works on {' and '.join(_NODE_TASKS)} runs; {args.run} is a "
+                f"{name} run"
+            )
+        folder = checkpoint_dir(args.run, args.checkpoint)
+        if not complete_steps(folder):
+            why = (
+                "no best checkpoint (no validation accuracy was evaluated): use --checkpoint latest"
+                if args.checkpoint == "best"
+                else "no checkpoint"
+            )
+            raise ConfigError(f"run folder {args.run} holds {why}")
+        # this command's grid (default: the planner's for this many processes), not the run's
+        changes = {"grid": args.grid} if name == "gcn" else {"parts": None}
+        cfg = dataclasses.replace(cfg, **changes, quiet=True)
+        launching = args.nprocs > 1 and not under_launcher()
+        if launching or os.environ.get(PREFLIGHT_DONE_ENV) != "1":
+            world = _world_size(args, launching)
+            check_world(cfg, world)
+            check_dataset_options(cfg)
+            tasks[name][1].preflight(cfg, world)
+    except (ValueError, OSError) as err:
+        err.same_on_every_rank = True
+        raise
+    return name, cfg, tasks[name][1]
+
+
+def _launch_ranks(args: argparse.Namespace) -> int:
+    from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local, strip_nprocs
+
+    return launch_local(args.nprocs, strip_nprocs(args.argv), env={PREFLIGHT_DONE_ENV: "1"})
+
+
+def _loaded(args: argparse.Namespace, cfg: Any, factory: Any) -> tuple[Any, Any]:
+    """The task of ``cfg`` built on this command's ranks, with the model of the run's
+    checkpoint (``args.checkpoint``) loaded onto its grid; and what :func:`checkpoint.load`
+    found."""
+    from gnnpar import checkpoint
+    from gnnpar.train.loop import checkpoint_dir
+
+    task = factory(cfg)
+    found = checkpoint.load(checkpoint_dir(args.run, args.checkpoint), task.grid, task.model)
+    if found is None:  # removed since the check before launch
+        raise checkpoint.CheckpointError(f"run folder {args.run} holds no checkpoint")
+    return task, found
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from gnnpar.atomic import write_json
+    from gnnpar.launch import under_launcher
+
+    name, cfg, factory = _saved_run(args)
+    if args.nprocs > 1 and not under_launcher():
+        return _launch_ranks(args)
+    import gnnpar
+
+    task, found = _loaded(args, cfg, factory)
+    metrics = task.evaluate(found.step - 1)
+    grid = task.grid
+    gnnpar.shutdown(grid)
+    key = f"{args.split}_acc"
+    if key not in metrics:
+        err = ConfigError(f"the dataset of run {args.run} has no {args.split} split")
+        err.same_on_every_rank = True
+        raise err
+    if grid.global_rank == 0:
+        where = f"{args.checkpoint} checkpoint, {task.unit} {found.step}"
+        print(f"{key}={metrics[key]:.4f} ({name} run {args.run}, {where}, {grid.describe()})")
+        if args.json:
+            doc = {
+                "run": str(args.run),
+                "task": name,
+                "checkpoint": args.checkpoint,
+                "step": found.step,
+                "split": args.split,
+                "metric": key,
+                "value": metrics[key],
+                "metrics": metrics,
+                "grid": grid.shape,
+            }
+            write_json(args.json, doc, indent=1)
+    return 0
+
+
+#: What ``predict`` writes in its ``--out`` folder.
+PREDICTIONS = "predictions.npy"
+
+
+def _check_predictions_out(args: argparse.Namespace) -> Path:
+    """The ``--out`` folder can take the predictions (none there unless ``--overwrite``)."""
+    from gnnpar.atomic import check_writable
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a folder")
+    if (out / PREDICTIONS).exists() and not args.overwrite:
+        raise FileExistsError(f"{out / PREDICTIONS} exists; pass --overwrite to replace it")
+    check_writable(out)
+    return out
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from gnnpar.atomic import atomic_write, write_json
+    from gnnpar.launch import under_launcher
+
+    name, cfg, factory = _saved_run(args)
+    try:
+        out = _check_predictions_out(args)
+    except OSError as err:
+        err.same_on_every_rank = True
+        raise
+    if args.nprocs > 1 and not under_launcher():
+        return _launch_ranks(args)
+    import numpy as np
+
+    import gnnpar
+
+    task, found = _loaded(args, cfg, factory)
+    pred = task.predict().numpy()
+    grid = task.grid
+    gnnpar.shutdown(grid)
+    if grid.global_rank == 0:
+
+        def save(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                np.save(f, pred, allow_pickle=False)
+
+        atomic_write(out / PREDICTIONS, save)
+        doc = {
+            "file": PREDICTIONS,
+            "values": "class ids: the arg-max of the model's logits (ties to the lowest id)",
+            "order": "original node order: entry i is node i of the dataset",
+            "dtype": str(pred.dtype),
+            "shape": list(pred.shape),
+            "run": str(args.run),
+            "task": name,
+            "dataset": cfg.dataset,
+            "dataset_options": cfg.dataset_options,
+            "checkpoint": args.checkpoint,
+            "step": found.step,
+        }
+        write_json(out / "predictions.json", doc, indent=1)
+        print(
+            f"wrote {out / PREDICTIONS}: {pred.size:,} class ids ({args.checkpoint} "
+            f"checkpoint, {task.unit} {found.step}) and {out / 'predictions.json'}"
+        )
+    return 0
+
+
+def _saved_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags evaluate and predict share: the run, its checkpoint, the grid."""
+    p.add_argument("run", metavar="RUN", help="a run folder of gnnpar train gcn or sage")
+    p.add_argument(
+        "--checkpoint",
+        choices=("best", "latest"),
+        default="best",
+        help="the best-validation model or the newest checkpoint (default: best)",
+    )
+    p.add_argument("--nprocs", type=int, default=1, help="local processes to start")
+    p.add_argument(
+        "--grid",
+        default=None,
+        help="gcn: grid such as x=2 (default: the planner's for --nprocs; any grid, the "
+        "checkpoint is resharded on load)",
+    )
+
+
 def add_train_commands(subparsers: Any) -> None:
     """Register ``gnnpar train TASK`` on an argparse sub-parsers object."""
     train = subparsers.add_parser(
@@ -158,6 +349,29 @@ def add_train_commands(subparsers: Any) -> None:
         )
         add_flags(p, cls)
         p.set_defaults(func=_run)
+    p = subparsers.add_parser(
+        "evaluate", help="accuracy of a trained gcn or sage run's saved model, on any grid"
+    )
+    _saved_run_flags(p)
+    p.add_argument(
+        "--split",
+        choices=("test", "val", "train"),
+        default="test",
+        help="nodes to score (default: test)",
+    )
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
+    p.set_defaults(func=_evaluate, max_restarts=0)
+    p = subparsers.add_parser(
+        "predict", help="every node's predicted class from a trained gcn or sage run"
+    )
+    _saved_run_flags(p)
+    p.add_argument(
+        "--out", required=True, metavar="DIR",
+        help="folder for predictions.npy (class ids in original node order) and "
+        "predictions.json (what it holds)",
+    )  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace predictions in DIR")
+    p.set_defaults(func=_predict, max_restarts=0)
     report = subparsers.add_parser("report", help="plots and a summary of a run folder")
     report.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
     report.set_defaults(func=_report)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import types
@@ -37,6 +38,12 @@ def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def redefault(cls: type, name: str, default: Any) -> Any:
+    """A config field of ``cls`` again, with the same help and another default (a task
+    whose default differs from the shared part's)."""
+    return option(default, cls.__dataclass_fields__[name].metadata["help"])
+
+
 MASTER_DTYPES = ("float32", "float64")
 PRECISIONS = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
@@ -55,6 +62,7 @@ def _at_least(cfg: Any, minimum: int, *keys: str) -> None:
 RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "lr": (0.0, math.inf, True, False),
     "min_lr": (0.0, math.inf, True, False),
+    "lr_gamma": (0.0, 1.0, False, True),
     "weight_decay": (0.0, math.inf, True, False),
     "beta2": (0.0, 1.0, True, False),
     "grad_clip": (0.0, math.inf, True, False),
@@ -168,6 +176,49 @@ class DataParallelConfig:
         if self.reduce_dtype is not None:
             _one_of(self, "reduce_dtype", REDUCE_DTYPES)
         _at_least(self, 1, "grad_accum")
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    """Learning-rate schedule of every task: a warm-up, then constant, step or cosine.
+
+    The formulas: :mod:`gnnpar.train.schedule`."""
+
+    lr_schedule: str = option(
+        "constant", "after the warm-up: constant, step (times lr_gamma every lr_step_every) "
+        "or cosine (decay to min_lr at the end)"
+    )  # fmt: skip
+    warmup: int = option(0, "linear warm-up epochs or steps (0: none)")
+    min_lr: float = option(0.0, "learning rate at the end of the cosine decay")
+    lr_step_every: int = option(10, "step schedule: epochs or steps between decays")
+    lr_gamma: float = option(0.5, "step schedule: factor of each decay, in (0, 1]")
+
+    def check_schedule(self) -> None:
+        """Reject schedule values that cannot work, naming the key."""
+        from gnnpar.train.schedule import SCHEDULES
+
+        _one_of(self, "lr_schedule", SCHEDULES)
+        _at_least(self, 0, "warmup")
+        _at_least(self, 1, "lr_step_every")
+        lr = getattr(self, "lr", None)
+        if self.lr_schedule == "cosine" and lr is not None and self.min_lr > lr:
+            raise ConfigError(
+                f"config key 'min_lr' ({self.min_lr:g}) must not exceed 'lr' ({lr:g}) for the "
+                "cosine schedule"
+            )
+
+
+@dataclasses.dataclass
+class SelectionConfig:
+    """Best-validation model selection (gcn, sage): the best model is kept and reported."""
+
+    early_stop: int = option(
+        0, "stop after N evaluations without a better validation metric (0: never)"
+    )
+
+    def check_selection(self) -> None:
+        """Reject selection values that cannot work, naming the key."""
+        _at_least(self, 0, "early_stop")
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -335,16 +386,52 @@ def resolve(cls: type, args: argparse.Namespace, config_file: str | None) -> Any
     return from_mapping(cls, values)
 
 
-def to_toml(obj: Any) -> str:
-    """The configuration as TOML text (what ``--print-config`` shows)."""
-    lines = []
+def to_toml(obj: Any, table: str | None = None) -> str:
+    """The configuration as TOML text (what ``--print-config`` shows), under ``[table]``
+    when given (what a run folder's ``config.toml`` holds: the task's name as the table)."""
+    lines = [f"[{table}]"] if table else []
     for k, v in dataclasses.asdict(obj).items():
         if v is None:
             lines.append(f"# {k} = (unset)")
         elif isinstance(v, bool):
             lines.append(f"{k} = {'true' if v else 'false'}")
         elif isinstance(v, str):
-            lines.append(f'{k} = "{v}"')
+            # a JSON string is a TOML basic string (quotes, backslashes, controls escaped)
+            lines.append(f"{k} = {json.dumps(v, ensure_ascii=False)}")
         else:
             lines.append(f"{k} = {v}")
     return "\n".join(lines) + "\n"
+
+
+#: The file of a run folder that holds the run's resolved configuration.
+RUN_CONFIG = "config.toml"
+
+
+def write_run_config(out: str | Path, task: str, cfg: Any) -> None:
+    """Write ``out/config.toml``: ``cfg`` under a ``[task]`` table, atomically (rank 0).
+    ``gnnpar train TASK --config`` reads it back, and so do evaluate and predict."""
+    from gnnpar.atomic import atomic_write
+
+    text = to_toml(cfg, table=task)
+    atomic_write(Path(out) / RUN_CONFIG, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def read_run_config(out: str | Path, tasks: dict[str, type]) -> tuple[str, Any]:
+    """The task name and the config of the run in folder ``out`` (its ``config.toml``, as
+    :func:`write_run_config` wrote it), checked like any config. ``tasks``: config class by
+    task name. ConfigError naming the folder or the file otherwise."""
+    folder = Path(out)
+    path = folder / RUN_CONFIG
+    if not folder.is_dir():
+        raise ConfigError(f"run folder {folder} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{folder} holds no run: it has no {RUN_CONFIG}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    names = list(data)
+    if len(names) != 1 or names[0] not in tasks or not isinstance(data[names[0]], dict):
+        raise ConfigError(f"{path} must hold one table named after its task ({', '.join(tasks)})")
+    task = names[0]
+    return task, from_mapping(tasks[task], data[task], where=f"config file {path}")

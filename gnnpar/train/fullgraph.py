@@ -41,14 +41,21 @@ from gnnpar.sparse.shards import (
     shard_provenance,
 )
 from gnnpar.sparse.source import PERMUTATIONS
-from gnnpar.train.config import ConfigError, TrainerConfig, option
+from gnnpar.train import schedule
+from gnnpar.train.config import (
+    ConfigError,
+    ScheduleConfig,
+    SelectionConfig,
+    TrainerConfig,
+    option,
+)
 from gnnpar.train.loop import load_dataset
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
 
 
 @dataclasses.dataclass
-class FullGraphConfig(TrainerConfig):
+class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
     """Options of ``gnnpar train gcn`` (and ``--config FILE`` keys)."""
 
     dataset: str = option("sbm", "dataset name or path (see `gnnpar data list`)")
@@ -83,6 +90,8 @@ class FullGraphConfig(TrainerConfig):
     def check(self) -> None:
         """Reject values that cannot work, naming the key."""
         self.check_trainer()
+        self.check_schedule()
+        self.check_selection()
         if self.model not in ("gcn", "sage"):
             raise ConfigError(f"config key 'model' must be gcn or sage, got {self.model!r}")
         if self.algorithm not in ALGORITHMS:
@@ -216,6 +225,8 @@ class FullGraphTask:
     """The ``gcn`` task: full-graph training of a GCN or GraphSAGE on sharded data."""
 
     unit = "epoch"
+    #: The best model is the one of the best validation accuracy (:mod:`gnnpar.train.selection`).
+    selection = ("val_acc", "max")
 
     @staticmethod
     def preflight(cfg: FullGraphConfig, world_size: int) -> None:
@@ -302,13 +313,14 @@ class FullGraphTask:
 
     def train_step(self, step: int) -> dict[str, float]:
         """One full-graph epoch."""
+        lr = schedule.apply(self.optimizer, self.cfg, step, self.num_steps)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         logits = self.model(self.features, dropout_seed=self.cfg.seed * 1_000_003 + step)
         loss = self.model.loss(logits, "train_mask")
         loss.backward()
         self.optimizer.step()
-        return {"loss": float(loss.item())}
+        return {"loss": float(loss.item()), "lr": lr}
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
@@ -321,6 +333,13 @@ class FullGraphTask:
             if key in self.source.meta["node_data"]:
                 out[f"{name}_acc"] = self.model.accuracy(logits, key)
         return out
+
+    @torch.no_grad()
+    def predict(self) -> torch.Tensor:
+        """Every node's predicted class (arg-max of the logits) in original node order, on
+        every rank (collective)."""
+        self.model.eval()
+        return self.model.predictions(self.model(self.features)).cpu()
 
     def extra_state(self) -> dict[str, Any]:
         """Nothing beyond the model and optimizer: an epoch is a pure function of its index."""

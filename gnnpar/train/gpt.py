@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +29,14 @@ from gnnpar import comm
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
 from gnnpar.nn.gpt import GPTConfig, generate
+from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
     DataParallelConfig,
+    ScheduleConfig,
     TrainerConfig,
     option,
+    redefault,
 )
 from gnnpar.train.metrics import global_mean
 from gnnpar.train.precision import (
@@ -46,13 +48,13 @@ from gnnpar.train.precision import (
 )
 from gnnpar.train.progress import Progress
 
-__all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "lr_at", "parallel_model"]
+__all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "parallel_model"]
 
 MODELS = ("gpt", "hf-gpt2")
 
 
 @dataclasses.dataclass
-class GPTTaskConfig(DataParallelConfig, TrainerConfig, GPTConfig):
+class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig):
     """Options of ``gnnpar train gpt`` (and ``--config FILE`` keys)."""
 
     model: str = option("gpt", "gpt (ours) or hf-gpt2 (transformers' GPT2LMHeadModel)")
@@ -71,8 +73,9 @@ class GPTTaskConfig(DataParallelConfig, TrainerConfig, GPTConfig):
     batch_size: int = option(16, "sequences per step over all data and z ranks")
     steps: int = option(300, "optimizer steps")
     lr: float = option(1e-3, "peak AdamW learning rate")
-    min_lr: float = option(1e-4, "learning rate at the last step (cosine decay)")
-    warmup: int = option(20, "linear warm-up steps")
+    lr_schedule: str = redefault(ScheduleConfig, "lr_schedule", "cosine")
+    min_lr: float = redefault(ScheduleConfig, "min_lr", 1e-4)
+    warmup: int = redefault(ScheduleConfig, "warmup", 20)
     weight_decay: float = option(0.1, "AdamW weight decay of the matrices")
     beta2: float = option(0.99, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
@@ -96,6 +99,7 @@ class GPTTaskConfig(DataParallelConfig, TrainerConfig, GPTConfig):
         """Reject values that cannot work, naming the key."""
         self.check_trainer()
         self.check_data_parallel()
+        self.check_schedule()
         if self.model not in MODELS:
             raise ConfigError(f"config key 'model' must be one of {', '.join(MODELS)}")
         if self.pretrained and self.model != "hf-gpt2":
@@ -116,15 +120,6 @@ class GPTTaskConfig(DataParallelConfig, TrainerConfig, GPTConfig):
         """Our GPT's sizes, with the tokenizer's vocabulary."""
         names = [f.name for f in dataclasses.fields(GPTConfig)]
         return GPTConfig(**{**{n: getattr(self, n) for n in names}, "vocab_size": vocab_size})
-
-
-def lr_at(cfg: GPTTaskConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr`` at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
 # --------------------------------------------------------------------------- the models
@@ -394,9 +389,7 @@ class GPTTask:
         micro-batches; the loss is the mean over the whole batch."""
         cfg, dp = self.cfg, self.dp
         start = time.perf_counter()
-        lr = lr_at(cfg, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = schedule.apply(self.optimizer, cfg, step, self.num_steps)
         self.net.train()
         x, y = self.train.batch(step)
         total = torch.zeros((), dtype=torch.float64)

@@ -20,9 +20,10 @@ from gnnpar import checkpoint, comm
 from gnnpar.atomic import check_writable
 from gnnpar.grid import GridError, ProcessGrid, parse_grid_spec
 from gnnpar.launch import restart_count
-from gnnpar.train.config import ConfigError
+from gnnpar.train.config import RUN_CONFIG, ConfigError, write_run_config
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 from gnnpar.train.progress import Progress, metric_text, start_lines
+from gnnpar.train.selection import Selection
 
 
 class Task(Protocol):
@@ -58,6 +59,13 @@ class Task(Protocol):
     # ``summary() -> str`` (what is trained on what data, with its sizes) and ``grid_choice``
     # (a phrase: who chose the grid, e.g. "chosen by the planner").
     #
+    # Optional: ``selection = (metric, "max" | "min")``, the evaluation metric that picks the
+    # best model (:mod:`gnnpar.train.selection`): the trainer then saves it as the run's
+    # ``best`` checkpoint, reports its evaluation at the end and stops early on request.
+    #
+    # Optional: ``predict() -> Tensor``, every node's class id in original node order on every
+    # rank (collective), for ``gnnpar predict``.
+    #
     # Optional, on the task's class: ``preflight(cfg, world_size) -> None`` (a staticmethod
     # or classmethod), called by :func:`preflight` in the launching process before any rank
     # starts; it raises a one-line error (ValueError, OSError, ConfigError) for anything it
@@ -72,7 +80,17 @@ class NonFiniteLossError(RuntimeError):
 
 
 #: The markers of a run in a run folder: one of them present means the folder holds a run.
-RUN_MARKERS = ("metrics.jsonl", "checkpoints", "plots", "tensorboard")
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "plots", "tensorboard", RUN_CONFIG)
+
+#: Where a run keeps the checkpoint of its best-validation model, under ``checkpoints/``.
+BEST = "best"
+
+
+def checkpoint_dir(out: str | Path, which: str = "latest") -> Path:
+    """The checkpoint directory of the run in ``out``: ``latest`` (the newest of its
+    checkpoints) or ``best`` (its best-validation model)."""
+    root = Path(out) / "checkpoints"
+    return root / BEST if which == BEST else root
 
 
 def run_folder_error(out: str | Path) -> FileExistsError:
@@ -235,9 +253,14 @@ class Trainer:
         keep_checkpoints: int = 2,
         skip_nonfinite: int = 0,
         progress: Progress | None = None,
+        early_stop: int = 0,
+        config: tuple[str, Any] | None = None,
     ):
         """``progress``: the run's console (the one its task printed its preparation on);
-        by default one of its own. It prints on rank 0 only, whatever it is given."""
+        by default one of its own. It prints on rank 0 only, whatever it is given.
+        ``early_stop``: evaluations without a better selection metric before the run stops
+        (0: never; for tasks with a ``selection``). ``config``: (task name, config) written
+        to the run folder's ``config.toml`` at the start (what evaluate and predict read)."""
         self.task = task
         self.grid = task.grid
         self.out = Path(out)
@@ -248,6 +271,12 @@ class Trainer:
         self.skip_nonfinite = skip_nonfinite
         #: Steps undone so far because their loss was not finite.
         self.skipped_steps = 0
+        selection = getattr(task, "selection", None)
+        #: The best evaluation so far and early stopping (None: the task selects nothing).
+        self.selection = (
+            Selection(selection[0], selection[1], early_stop) if selection is not None else None
+        )
+        self.config = config
         # Ranks brought back by torchrun --max-restarts, or a Slurm job requeued after a
         # preemption, continue their own run from its newest checkpoint (or from the start
         # when none was written yet).
@@ -283,6 +312,8 @@ class Trainer:
             keep_checkpoints=cfg.keep_checkpoints,
             skip_nonfinite=getattr(cfg, "skip_nonfinite", 0),
             progress=progress,
+            early_stop=getattr(cfg, "early_stop", 0),
+            config=(task.describe()["task"], cfg),
         )
 
     def _check_run_folder(self, overwrite: bool) -> None:
@@ -305,19 +336,45 @@ class Trainer:
                     p.unlink()
         comm.barrier(self.grid)
 
+    def _extra(self) -> dict[str, Any]:
+        """The JSON state of a checkpoint: the task's, and the trainer's selection."""
+        extra: dict[str, Any] = {"task": self.task.extra_state()}
+        if self.selection is not None:
+            extra["selection"] = self.selection.state()
+        return extra
+
     def _save(self, step: int) -> None:
         task = self.task
         checkpoint.save(
-            self.out / "checkpoints",
+            checkpoint_dir(self.out),
             step,
             self.grid,
             task.model,
             task.optimizer,
-            extra={"task": task.extra_state()},
+            extra=self._extra(),
             local={"torch_rng": torch.get_rng_state()},
             info=task.describe(),
             keep=self.keep_checkpoints,
         )
+
+    def _save_best(self, step: int) -> None:
+        """The model of ``step``, the best so far, as the run's one ``best`` checkpoint
+        (no optimizer state: it is for evaluation and prediction)."""
+        checkpoint.save(
+            checkpoint_dir(self.out, BEST),
+            step,
+            self.grid,
+            self.task.model,
+            None,
+            extra=self._extra(),
+            info=self.task.describe(),
+            keep=1,
+        )
+
+    def _select(self, evaluation: dict[str, float], done: int) -> None:
+        """Compare an evaluation with the best so far; save the model when it is better."""
+        if self.selection is not None and self.selection.update(evaluation, done):
+            self._save_best(done)
 
     def _resume(self) -> int:
         """Load the newest usable checkpoint of the run (onto this run's grid, whatever grid
@@ -328,6 +385,8 @@ class Trainer:
         if found is None:
             return 0
         self.task.load_extra_state(found.extra.get("task", {}))
+        if self.selection is not None:
+            self.selection.load(found.extra.get("selection", {}))
         # The RNG state is per rank, so it only means something on the grid that saved it;
         # gnnpar's own randomness (dropout, sampling) is counter-based and needs none.
         if "torch_rng" in found.local:
@@ -392,13 +451,18 @@ class Trainer:
 
     def _run(self) -> dict[str, float]:
         start_step = self._resume() if self.resume else 0
+        if self.config is not None and self.is_main:
+            write_run_config(self.out, *self.config)
         if start_step == 0:
             self.metrics.write({"event": "start", "grid": self.grid.shape, "attempt": self.attempt})
         self._announce(start_step)
         total = self.task.num_steps
         bar = self.progress.bar(total, initial=start_step, unit=self.task.unit)
         last_eval: dict[str, float] = {}
-        for step in range(start_step, total):
+        # a run that early stopping ended stays ended when resumed
+        end_step = start_step if self.selection and self.selection.stopped else total
+        saved_at = start_step
+        for step in range(start_step, end_step):
             t0 = time.perf_counter()
             snapshot = self._take_snapshot()
             with comm.record(self.grid) as traffic:
@@ -416,6 +480,9 @@ class Trainer:
             if self.eval_every and (done % self.eval_every == 0 or done == total):
                 last_eval = self.task.evaluate(step)
                 record.update(last_eval)
+                self._select(last_eval, done)
+                if self.selection is not None and self.selection.best_step is not None:
+                    record["best_step"] = self.selection.best_step
             record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
             self.metrics.write(record)
             shown = {k: v for k, v in record.items() if k in _SHOWN and isinstance(v, float)}
@@ -425,6 +492,18 @@ class Trainer:
             saved = self.checkpoint_every and done % self.checkpoint_every == 0
             if saved and done < total:
                 self._save(done)
+                saved_at = done
+            if self.selection is not None and self.selection.stopped and done < total:
+                self.metrics.write(
+                    {"event": "early_stop", "step": done, "best_step": self.selection.best_step}
+                )
+                self.progress.line(
+                    f"early stop after {self.task.unit} {done}: no better "
+                    f"{self.selection.metric} in {self.selection.patience} evaluations since "
+                    f"{self.task.unit} {self.selection.best_step}"
+                )
+                end_step = done
+                break
             if done < total and preempted:
                 if not saved:
                     self._save(done)
@@ -434,14 +513,24 @@ class Trainer:
                 self.metrics.close()
                 return last_eval
         bar.close()
-        if start_step < total:
-            self._save(total)  # every run ends with its trained model on disk
-        if not last_eval:
-            last_eval = self.task.evaluate(total - 1)
+        if saved_at < end_step:
+            self._save(end_step)  # every run ends with its trained model on disk
+        result = self._final(last_eval, end_step)
         end = {"skipped_steps": self.skipped_steps} if self.skip_nonfinite else {}
-        self.metrics.write({"event": "end", **last_eval, **end})
+        self.metrics.write({"event": "end", **result, **end})
         self.metrics.close()
-        return last_eval
+        return result
+
+    def _final(self, last_eval: dict[str, float], end_step: int) -> dict[str, float]:
+        """The run's final evaluation: the best model's when the task selects one (with
+        ``best_step``), else the last model's (evaluated now when the loop did not)."""
+        best = self.selection is not None and self.selection.best_step is not None
+        if not last_eval and not best:
+            last_eval = self.task.evaluate(end_step - 1)
+            self._select(last_eval, end_step)
+        if self.selection is None or self.selection.best_step is None:
+            return last_eval
+        return {**self.selection.best, "best_step": self.selection.best_step}
 
 
 def _finite(value: Any) -> bool:

@@ -52,7 +52,15 @@ from gnnpar.sampling import (
 )
 from gnnpar.sampling.rng import derive_key
 from gnnpar.shard import FCDP, by_type, shard
-from gnnpar.train.config import ConfigError, DataParallelConfig, TrainerConfig, option
+from gnnpar.train import schedule
+from gnnpar.train.config import (
+    ConfigError,
+    DataParallelConfig,
+    ScheduleConfig,
+    SelectionConfig,
+    TrainerConfig,
+    option,
+)
 from gnnpar.train.loop import dataset_option_pairs, load_dataset
 from gnnpar.train.precision import (
     LossScaler,
@@ -70,7 +78,7 @@ _LOW31 = (1 << 31) - 1
 
 
 @dataclasses.dataclass
-class MiniBatchConfig(DataParallelConfig, TrainerConfig):
+class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerConfig):
     """Options of ``gnnpar train sage`` (and ``--config FILE`` keys)."""
 
     dataset: str = option("sbm", "dataset name or path (see `gnnpar data list`)")
@@ -103,6 +111,8 @@ class MiniBatchConfig(DataParallelConfig, TrainerConfig):
         """Reject values that cannot work, naming the key."""
         self.check_trainer()
         self.check_data_parallel()
+        self.check_schedule()
+        self.check_selection()
         if self.model not in _MODELS:
             raise ConfigError(f"config key 'model' must be one of {_MODELS}, got {self.model!r}")
         try:
@@ -230,6 +240,8 @@ class MiniBatchTask:
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
     unit = "epoch"
+    #: The best model is the one of the best validation accuracy (:mod:`gnnpar.train.selection`).
+    selection = ("val_acc", "max")
 
     @staticmethod
     def preflight(cfg: MiniBatchConfig, world_size: int) -> None:
@@ -399,6 +411,7 @@ class MiniBatchTask:
     def train_step(self, step: int) -> dict[str, float]:
         """One epoch of mini-batches; returns its loss, throughput and traffic."""
         cfg, net, dp = self.cfg, self.net, self.model
+        lr = schedule.apply(self.optimizer, cfg, step, self.num_steps)
         self.loader.set_epoch(step)
         net.train()
         fetch_before = dict(self.fetcher.stats) if self.fetcher else {}
@@ -450,6 +463,7 @@ class MiniBatchTask:
             "batch_acc": float(both[1]) / seeds,
             "seeds_per_s": float(both[2]) / elapsed,
             "batches": float(len(self.loader)),
+            "lr": lr,
         }
         if self.distributed:
             record["sample_bytes"] = float(both[3])
@@ -457,20 +471,40 @@ class MiniBatchTask:
             record["cache_hit_rate"] = float(both[6]) / float(both[5]) if both[5] else 0.0
         return record
 
+    def _logits(self) -> torch.Tensor:
+        """Logits of every node this rank owns (all of them on one rank), with full
+        neighbourhoods (layer-wise inference)."""
+        dev = self.device
+        if not self.distributed:
+            g = self.graph
+            return layerwise_inference(
+                self.net, g, features=g.feat.to(dev), blocks=self._eval_blocks
+            )
+        part = self.part
+        return distributed_inference(
+            self.net, part, part.ndata["feat"], self.sample_grid, device=dev
+        )
+
+    @torch.no_grad()
+    def predict(self) -> torch.Tensor:
+        """Every node's predicted class (arg-max of the logits) in original node order, on
+        every rank (collective)."""
+        pred = self._logits().argmax(1).to(torch.int64)
+        if not self.distributed:
+            return pred.cpu()
+        part = self.part
+        out = torch.full((int(part.meta["num_nodes"]),), -1, dtype=torch.int64)
+        out[part.orig_ids[: part.num_owned].long()] = pred.cpu()  # owned nodes first
+        # each node is owned by exactly one part: the maximum is its owner's prediction
+        return comm.all_reduce(out, self.sample_grid, "data", op="max")
+
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """Accuracy on the train/val/test masks, with full neighbourhoods (layer-wise)."""
         dev = self.device
-        if not self.distributed:
-            g = self.graph
-            feat = g.feat.to(dev)
-            logits = layerwise_inference(self.net, g, features=feat, blocks=self._eval_blocks)
-            pred, label, data = logits.argmax(1), g.label.to(dev), g.ndata
-        else:
-            part = self.part
-            feat = part.ndata["feat"]
-            logits = distributed_inference(self.net, part, feat, self.sample_grid, device=dev)
-            pred, label, data = logits.argmax(1), part.ndata["label"].to(dev), part.ndata
+        pred = self._logits().argmax(1)
+        source = self.graph if not self.distributed else self.part
+        label, data = source.ndata["label"].to(dev), source.ndata
         counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64, device=dev)
         for i, name in enumerate(_MASKS):
             mask = data.get(f"{name}_mask")

@@ -251,6 +251,10 @@ def write_report(run_dir: str | Path) -> str:
     for k in _FINAL:
         if k in last:
             lines.append(f"  final {k:<13} {metric_text(k, last[k])}")
+    end = next((r for r in reversed(records) if r.get("event") == "end"), {})
+    if "best_step" in end:  # the model the run reports: its best-validation one
+        scores = " ".join(f"{k}={metric_text(k, end[k])}" for k in _FINAL if k in end)
+        lines.append(f"  best model ({unit} {end['best_step']}): {scores}")
     if series.get("seconds"):
         secs = [v for _, v in series["seconds"]]
         lines.append(f"  mean seconds per {unit}: {significant(sum(secs) / len(secs))}")
