@@ -305,6 +305,13 @@ class Graph:
             self._num_classes = previous
             raise
 
+    @property
+    def is_multilabel(self) -> bool:
+        """Whether ``label`` is an ``N x C`` matrix of 0/1 targets (C > 1 binary tasks, as
+        ogbn-proteins) rather than one class id per node."""
+        y = self.label
+        return y is not None and y.dim() == 2 and y.shape[1] > 1
+
     def check_trainable(self) -> None:
         """What a node-classification trainer needs, one ValueError naming what is missing:
         ``feat``, ``label`` and ``train_mask``, at least one training node, and a class id
@@ -472,10 +479,17 @@ class Graph:
         if y is None:
             return
         k = self._num_classes
-        if y.dim() == 2 and y.shape[1] > 1:
+        if self.is_multilabel:
             if k is not None and k != y.shape[1]:
                 raise ValueError(
                     f"ndata['label'] has {y.shape[1]} columns (multi-label) but num_classes is {k}"
+                )
+            bad = (y != 0) & (y != 1)
+            if bool(bad.any()):
+                node, task = (int(i) for i in torch.nonzero(bad)[0])
+                raise ValueError(
+                    f"ndata['label'][{node}, {task}] = {y[node, task].item()!r}: a multi-label "
+                    "(N x C) label holds 0 or 1 in every entry"
                 )
             return
         ids = y.reshape(-1)

@@ -109,7 +109,10 @@ class MemorySource:
         self.num_nodes = n
         self.feat_dim = int(features.shape[1])
         label = node_data.get("label")
-        self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
+        if label is not None and label.dim() == 2 and label.shape[1] > 1:
+            self.num_classes = int(label.shape[1])  # multi-label: one binary task per column
+        else:
+            self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
         # order o: inv[o][position] = node, perm[o][node] = position (order 0 uses P₂)
         self.inv = (p2, p)
         self.perm = (inverse(p2), inverse(p))

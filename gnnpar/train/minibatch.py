@@ -54,6 +54,7 @@ from gnnpar.sampling.rng import derive_key
 from gnnpar.shard import FCDP, by_type, shard
 from gnnpar.train.config import ConfigError, DataParallelConfig, TrainerConfig, option
 from gnnpar.train.loop import dataset_option_pairs, load_dataset
+from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import (
     LossScaler,
     compute_dtype,
@@ -333,6 +334,7 @@ class MiniBatchTask:
             device=self.device,
         )
         self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
+        self.metric = metric_for(graph.label)
         self.num_seeds = int(graph.train_mask.sum())
         self.fetcher: FeatureFetcher | None = None
         self._eval_blocks = [b.to(self.device) for b in full_blocks(graph)]
@@ -387,9 +389,13 @@ class MiniBatchTask:
             device=self.device,
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
+        self.metric = metric_for(labels)
         recorded = (part.meta.get("source") or {}).get("num_classes")
         if recorded is not None:  # stored by the dataset, not inferred from the labels
             self.num_classes = int(recorded)
+            return
+        if self.metric != "acc":  # multi-label: one binary task per column
+            self.num_classes = int(labels.shape[1])
             return
         num_classes = torch.tensor([int(labels.max()) + 1 if labels.numel() else 0])
         comm.all_reduce(num_classes, host, "data", op="max")
@@ -418,7 +424,7 @@ class MiniBatchTask:
             dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
             with contextlib.nullcontext() if last else dp.no_sync():
                 logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
-                loss = F.cross_entropy(logits, batch.y, reduction="sum")
+                loss = self._loss_sum(logits, batch.y)
                 # the data axis averages gradients: scale the summed loss so the result is
                 # the gradient of the mean loss over the global batch
                 self.scaler.scale_loss(loss * (data / batch.global_size)).backward()
@@ -428,7 +434,8 @@ class MiniBatchTask:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             sums[0] += float(loss.detach())
-            sums[1] += float((logits.argmax(1) == batch.y).sum()) if batch.num_seeds else 0.0
+            if batch.num_seeds and self.metric == "acc":
+                sums[1] += float((logits.argmax(1) == batch.y).sum())
             sums[2] += batch.num_seeds
             sums[3] += batch.stats.get("sample_bytes", 0.0)
             bar.update(1)
@@ -447,19 +454,31 @@ class MiniBatchTask:
         seeds = max(float(both[2]), 1.0)
         record = {
             "loss": float(both[0]) / seeds,
-            "batch_acc": float(both[1]) / seeds,
             "seeds_per_s": float(both[2]) / elapsed,
             "batches": float(len(self.loader)),
         }
+        if self.metric == "acc":
+            record["batch_acc"] = float(both[1]) / seeds
         if self.distributed:
             record["sample_bytes"] = float(both[3])
             record["feature_bytes"] = float(both[4])
             record["cache_hit_rate"] = float(both[6]) / float(both[5]) if both[5] else 0.0
         return record
 
+    def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the batch's seeds: cross-entropy, or for multi-label (N x C)
+        labels the binary cross-entropy with logits averaged over the tasks (so that the
+        mean over seeds is ``F.binary_cross_entropy_with_logits``'s mean over entries)."""
+        if self.metric == "acc":
+            return F.cross_entropy(logits, labels, reduction="sum")
+        bce = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
+        return bce / max(logits.shape[1], 1)
+
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """Accuracy on the train/val/test masks, with full neighbourhoods (layer-wise)."""
+        """The dataset's score (:attr:`metric`) on the train/val/test masks, with full
+        neighbourhoods (layer-wise): accuracy from counts, or ROC-AUC from the masked rows'
+        logits gathered over the data axis (skipped where no task defines it)."""
         dev = self.device
         if not self.distributed:
             g = self.graph
@@ -471,6 +490,8 @@ class MiniBatchTask:
             feat = part.ndata["feat"]
             logits = distributed_inference(self.net, part, feat, self.sample_grid, device=dev)
             pred, label, data = logits.argmax(1), part.ndata["label"].to(dev), part.ndata
+        if self.metric != "acc":
+            return self._gathered_scores(logits, label, data)
         counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64, device=dev)
         for i, name in enumerate(_MASKS):
             mask = data.get(f"{name}_mask")
@@ -484,6 +505,25 @@ class MiniBatchTask:
             for i, name in enumerate(_MASKS)
             if counts[2 * i + 1] > 0
         }
+
+    def _gathered_scores(
+        self, logits: torch.Tensor, label: torch.Tensor, data: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
+        """:attr:`metric` on each mask from every rank's masked rows (one gather per mask)."""
+        out = {}
+        for name in _MASKS:
+            mask = data.get(f"{name}_mask")
+            if mask is None:  # every rank's part has the same keys
+                continue
+            mask = mask.to(logits.device, torch.bool)
+            rows, targets = logits[mask].contiguous(), label[mask].contiguous()
+            if self.distributed:
+                sizes = comm.gather_sizes(rows.shape[0], self.grid, "data")
+                rows = comm.all_gather(rows, self.grid, "data", sizes=sizes)
+                targets = comm.all_gather(targets, self.grid, "data", sizes=sizes)
+            with contextlib.suppress(UndefinedScoreError):  # the same outcome on every rank
+                out[f"{name}_{self.metric}"] = SCORES[self.metric](rows.float(), targets)
+        return out
 
     def extra_state(self) -> dict[str, Any]:
         """The loader's position (the model and optimizer go through the checkpoint)."""
