@@ -230,6 +230,26 @@ def test_minibatch_multilabel_loss_is_the_mean_bce_of_the_model(archives, tmp_pa
     assert record["loss"] == pytest.approx(float(want), rel=1e-5) and "batch_acc" not in record
 
 
+def test_minibatch_multilabel_on_2_ranks_equals_one_process(archives, tmp_path, monkeypatch):
+    """The sage task is the same run on any number of ranks: on 2 (parts, remote features,
+    ROC-AUC from the rows gathered over the data axis) its losses and scores equal one
+    process's."""
+    from tests.cli_world import run_commands
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    root, _ = archives
+    argv = ["train", "sage", "--dataset", "ogbn-proteins", "--root", str(root), "--epochs", "2"]
+    argv += ["--hidden", "8", "--fanouts", "5,5", "--batch-size", "16", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "one")]) == 0
+    run_commands(2, [[*argv, "--out", str(tmp_path / "two"), "--partition-method", "random"]])
+    (one_end, one), (two_end, two) = (_last_eval(tmp_path / r) for r in ("one", "two"))
+    assert one_end.keys() == two_end.keys() and "test_rocauc" in one_end
+    for key in ("train_rocauc", "val_rocauc", "test_rocauc"):
+        assert two_end[key] == pytest.approx(one_end[key], abs=1e-6), key
+    losses = [[r["loss"] for r in records if "loss" in r] for records in (one, two)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 # ------------------------------------------------------------------ scores vs scikit-learn
 def test_scores_equal_scikit_learn():
     from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
