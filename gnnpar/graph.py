@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Graph", "invert_permutation"]
+__all__ = ["Graph", "invert_permutation", "is_multilabel"]
 
 # Well-known node-data keys and their PyG attribute names.
 _PYG_NAMES = MappingProxyType({"feat": "x", "label": "y"})
@@ -187,6 +187,12 @@ def _weights_or_ones(graph: Graph) -> torch.Tensor:
     return torch.ones(graph.num_edges, dtype=dtype, device=graph.indices.device)
 
 
+def is_multilabel(label: torch.Tensor | None) -> bool:
+    """Whether ``label`` is an ``N x C`` matrix of 0/1 targets (C > 1 binary tasks, as
+    ogbn-proteins) rather than one class id per node."""
+    return label is not None and label.dim() == 2 and label.shape[1] > 1
+
+
 def invert_permutation(perm: torch.Tensor) -> torch.Tensor:
     """Return ``inv`` with ``inv[perm[i]] = i``."""
     perm = _as_index(perm, "perm")
@@ -290,7 +296,7 @@ class Graph:
         y = self.label
         if y is None or y.numel() == 0:
             return 0
-        if y.dim() == 2 and y.shape[1] > 1:
+        if is_multilabel(y):
             return int(y.shape[1])
         return max(int(y.max()) + 1, 0)
 
@@ -307,10 +313,8 @@ class Graph:
 
     @property
     def is_multilabel(self) -> bool:
-        """Whether ``label`` is an ``N x C`` matrix of 0/1 targets (C > 1 binary tasks, as
-        ogbn-proteins) rather than one class id per node."""
-        y = self.label
-        return y is not None and y.dim() == 2 and y.shape[1] > 1
+        """Whether ``label`` is multi-label (:func:`is_multilabel`)."""
+        return is_multilabel(self.label)
 
     def check_trainable(self) -> None:
         """What a node-classification trainer needs, one ValueError naming what is missing:

@@ -28,6 +28,7 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
+from gnnpar.graph import is_multilabel
 from gnnpar.grid import ProcessGrid
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse.kernels import LocalSpMM
@@ -138,7 +139,7 @@ class ShardedGNN(nn.Module):
         """Masked cross-entropy over the sharded logits, or for a multi-label (N x C) label
         binary cross-entropy with logits over every task (the same scalar on every rank)."""
         labels = self.node_data("label")
-        if labels.dim() == 2 and labels.shape[1] > 1:
+        if is_multilabel(labels):
             return sharded_bce_with_logits(
                 logits,
                 labels,

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from gnnpar.graph import is_multilabel
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
 
@@ -109,7 +110,7 @@ class MemorySource:
         self.num_nodes = n
         self.feat_dim = int(features.shape[1])
         label = node_data.get("label")
-        if label is not None and label.dim() == 2 and label.shape[1] > 1:
+        if is_multilabel(label):
             self.num_classes = int(label.shape[1])  # multi-label: one binary task per column
         else:
             self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from gnnpar.atomic import naming
+from gnnpar.graph import is_multilabel
 
 
 class UndefinedScoreError(ValueError):
@@ -36,7 +37,7 @@ class UndefinedScoreError(ValueError):
 def metric_for(label: torch.Tensor) -> str:
     """The score a trainer reports for ``label``: ``rocauc`` for a multi-label ``N x C``
     label (C > 1), ``acc`` for class ids (OGB's choice for its node-property datasets)."""
-    return "rocauc" if label.dim() == 2 and label.shape[1] > 1 else "acc"
+    return "rocauc" if is_multilabel(label) else "acc"
 
 
 def _predictions(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
