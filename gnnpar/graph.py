@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Graph", "invert_permutation"]
+__all__ = ["Graph", "invert_permutation", "is_multilabel"]
 
 # Well-known node-data keys and their PyG attribute names.
 _PYG_NAMES = MappingProxyType({"feat": "x", "label": "y"})
@@ -187,6 +187,12 @@ def _weights_or_ones(graph: Graph) -> torch.Tensor:
     return torch.ones(graph.num_edges, dtype=dtype, device=graph.indices.device)
 
 
+def is_multilabel(label: torch.Tensor | None) -> bool:
+    """Whether ``label`` is an ``N x C`` matrix of 0/1 targets (C > 1 binary tasks, as
+    ogbn-proteins) rather than one class id per node."""
+    return label is not None and label.dim() == 2 and label.shape[1] > 1
+
+
 def invert_permutation(perm: torch.Tensor) -> torch.Tensor:
     """Return ``inv`` with ``inv[perm[i]] = i``."""
     perm = _as_index(perm, "perm")
@@ -290,7 +296,7 @@ class Graph:
         y = self.label
         if y is None or y.numel() == 0:
             return 0
-        if y.dim() == 2 and y.shape[1] > 1:
+        if is_multilabel(y):
             return int(y.shape[1])
         return max(int(y.max()) + 1, 0)
 
@@ -304,6 +310,11 @@ class Graph:
         except ValueError:
             self._num_classes = previous
             raise
+
+    @property
+    def is_multilabel(self) -> bool:
+        """Whether ``label`` is multi-label (:func:`is_multilabel`)."""
+        return is_multilabel(self.label)
 
     def check_trainable(self) -> None:
         """What a node-classification trainer needs, one ValueError naming what is missing:
@@ -472,10 +483,17 @@ class Graph:
         if y is None:
             return
         k = self._num_classes
-        if y.dim() == 2 and y.shape[1] > 1:
+        if self.is_multilabel:
             if k is not None and k != y.shape[1]:
                 raise ValueError(
                     f"ndata['label'] has {y.shape[1]} columns (multi-label) but num_classes is {k}"
+                )
+            bad = (y != 0) & (y != 1)
+            if bool(bad.any()):
+                node, task = (int(i) for i in torch.nonzero(bad)[0])
+                raise ValueError(
+                    f"ndata['label'][{node}, {task}] = {y[node, task].item()!r}: a multi-label "
+                    "(N x C) label holds 0 or 1 in every entry"
                 )
             return
         ids = y.reshape(-1)

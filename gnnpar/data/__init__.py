@@ -22,7 +22,7 @@ from gnnpar.data.catalogue import (
     load_path,
 )
 from gnnpar.data.karate import karate
-from gnnpar.data.ogb import ogb
+from gnnpar.data.ogb import ogb, ogbn
 from gnnpar.data.planetoid import planetoid
 from gnnpar.data.rmat import rmat
 from gnnpar.data.safe_pickle import UnsafePickleError, load_pickle
@@ -43,6 +43,7 @@ __all__ = [
     "load_path",
     "load_pickle",
     "ogb",
+    "ogbn",
     "per_class_split",
     "planetoid",
     "random_split",

@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gnnpar.data.karate import karate
-from gnnpar.data.ogb import is_ogb_folder, ogb
+from gnnpar.data.ogb import is_ogb_folder, ogb, ogbn, ogbn_datasets
 from gnnpar.data.planetoid import planetoid, planetoid_names
 from gnnpar.data.rmat import rmat
 from gnnpar.data.sbm import sbm
@@ -44,6 +44,8 @@ class CatalogueEntry:
         defaults: the keyword arguments the builder accepts, with their defaults.
         builder: ``builder(root, **kwargs) -> Graph``; ``root`` is the data root.
         needs_files: whether the dataset is read from files under the root (not generated).
+        metric: what the trainer reports on it (``acc``, or ``rocauc`` for a multi-label
+            dataset; see :func:`gnnpar.train.metrics.metric_for`).
     """
 
     name: str
@@ -51,6 +53,7 @@ class CatalogueEntry:
     defaults: Mapping[str, Any]
     builder: Callable[..., Graph]
     needs_files: bool = False
+    metric: str = "acc"
 
     def resolve_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The defaults updated with ``kwargs``; unknown keys raise ValueError."""
@@ -96,6 +99,41 @@ def _find_planetoid(root: Path, name: str) -> Path:
     )
 
 
+def _ogbn_builder(name: str) -> Callable[..., Graph]:
+    def builder(root: Path, **kwargs: Any) -> Graph:
+        return ogbn(root, name, **kwargs)
+
+    return builder
+
+
+def _ogbn_entries() -> list[CatalogueEntry]:
+    """The OGB node-property benchmarks, read from their unpacked archives."""
+    from gnnpar.plan.problems import gcn_datasets  # the one home of the benchmarks' sizes
+
+    sizes = gcn_datasets()
+    defaults = _defaults_of(ogbn, skip=("root", "name"))
+    entries = []
+    for name, spec in ogbn_datasets().items():
+        size = sizes[name]
+        kind = "binary tasks" if spec.metric == "rocauc" else "classes"
+        feat = (
+            "node features: mean of incident edge features"
+            if name == "ogbn-proteins"
+            else f"{size['features']} features"
+        )
+        description = (
+            f"OGB {spec.what}: {size['nodes']:,} nodes, {spec.num_classes} {kind}, {feat}; "
+            f"symmetrised, official {spec.split!r} split, metric {spec.metric} "
+            f"(needs the OGB archive under <root>/{name})"
+        )
+        entries.append(
+            CatalogueEntry(
+                name, description, defaults, _ogbn_builder(name), True, metric=spec.metric
+            )
+        )
+    return entries
+
+
 def catalogue() -> list[CatalogueEntry]:
     """All named datasets (a new list on every call)."""
     planetoid_defaults = _defaults_of(planetoid, skip=("root", "name"))
@@ -133,13 +171,13 @@ def catalogue() -> list[CatalogueEntry]:
                 needs_files=True,
             )
         )
-    return entries
+    return entries + _ogbn_entries()
 
 
 def get_entry(name: str) -> CatalogueEntry | None:
     """The catalogue entry called ``name`` (case-insensitive), or None."""
     for entry in catalogue():
-        if entry.name == name.lower():
+        if entry.name.lower() == name.lower():
             return entry
     return None
 

@@ -141,7 +141,10 @@ def describe(graph: Graph) -> list[tuple[str, str]]:
     else:
         dim = feat.shape[1] if feat.dim() > 1 else 1
         rows.append(("features", f"{dim:,} ({str(feat.dtype).replace('torch.', '')})"))
-    rows.append(("classes", str(graph.num_classes) if graph.label is not None else "no labels"))
+    if graph.is_multilabel:
+        rows.append(("classes", f"{graph.num_classes} binary tasks (multi-label, 0/1 per task)"))
+    else:
+        rows.append(("classes", str(graph.num_classes) if graph.label is not None else "no labels"))
     split = [
         f"{part} {int(mask.sum()):,}"
         for part, mask in (

@@ -208,6 +208,12 @@ def gcn_datasets() -> Mapping[str, dict[str, int]]:
                 "features": 100,
                 "classes": 47,
             },
+            "ogbn-proteins": {
+                "nodes": 132_534,
+                "edges": 39_561_252,
+                "features": 8,
+                "classes": 112,
+            },
             "ogbn-papers100M": {
                 "nodes": 111_059_956,
                 "edges": 1_615_685_872,

@@ -1,4 +1,9 @@
-"""Masked cross-entropy and accuracy over logits sharded by class columns and node rows.
+"""Masked losses and scores over logits sharded by class columns and node rows.
+
+Single-label: cross-entropy and accuracy. Multi-label (``N x C`` 0/1 targets, one binary
+task per column): binary cross-entropy with logits, whose per-entry terms need no
+communication but the final sum; its scores (ROC-AUC) need every evaluated row at once, so
+:func:`gather_masked` collects the masked rows' logits on every rank (for evaluation).
 
 The logits block on a rank covers rows ``[r0, r1)`` (split over ``row_axis``) and classes
 ``[c0, c1)`` (split over ``class_axis``); ranks of any other axis hold replicas. Only
@@ -128,3 +133,77 @@ def sharded_accuracy(
     )
     counts = comm.all_reduce(counts, grid, row_axis)
     return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
+
+
+def _local_bce_sum(logits: torch.Tensor, targets: torch.Tensor, maskf: torch.Tensor):
+    """Sum over the masked rows of this block of ``softplus(x) - y x`` (BCE with logits)."""
+    per_entry = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, targets.to(logits.dtype), reduction="none"
+    )
+    return (per_entry * maskf[:, None]).sum()
+
+
+class _ShardedBCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, mask, grid, class_axis, row_axis, count):  # noqa: D102
+        maskf = mask.to(logits.dtype)
+        with torch.no_grad():
+            total = _local_bce_sum(logits, targets, maskf).reshape(1)
+            total = comm.all_reduce(_reduce(total, grid, class_axis), grid, row_axis)
+        ctx.save_for_backward(logits, targets, maskf)
+        ctx.count = count
+        return (total / count).reshape(())
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        logits, targets, maskf = ctx.saved_tensors
+        # d/dx of the mean: (sigmoid(x) - y) / count on masked rows; each block is its own.
+        g = (torch.sigmoid(logits) - targets.to(logits.dtype)) * maskf[:, None]
+        return g * (grad / ctx.count), None, None, None, None, None, None
+
+
+def sharded_bce_with_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    grid: ProcessGrid,
+    class_axis: str | None,
+    row_axis: str,
+    num_tasks: int,
+    col_start: int,
+    total: int | None = None,
+) -> torch.Tensor:
+    """Mean binary cross-entropy with logits over every (masked row, task) entry of the
+    whole (sharded) logit matrix, as ``F.binary_cross_entropy_with_logits`` on the gathered
+    masked rows; the same scalar on every rank. ``targets`` holds this block's rows with
+    all ``num_tasks`` columns (0/1); this rank's columns start at ``col_start``. ``total``
+    is the global count of masked rows (one all-reduce when not given); float32 for
+    low-precision logits."""
+    if total is None:
+        total = int(comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item())
+    cols = targets[:, col_start : col_start + logits.shape[1]]
+    count = max(int(total), 1) * num_tasks
+    return _ShardedBCE.apply(_widened(logits), cols, mask, grid, class_axis, row_axis, count)
+
+
+@torch.no_grad()
+def gather_masked(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    grid: ProcessGrid,
+    class_axis: str | None,
+    row_axis: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked rows of the whole logit matrix (all classes) and their labels, on every
+    rank, in row-block order: two all-gathers of only the masked rows (for a score such as
+    ROC-AUC that needs all of them at once, at evaluation)."""
+    keep = mask.bool()
+    rows = _widened(logits)[keep]
+    if class_axis is not None:
+        widths = comm.gather_sizes(rows.shape[1], grid, class_axis)
+        rows = comm.all_gather(rows.contiguous(), grid, class_axis, dim=1, sizes=widths)
+    counts = comm.gather_sizes(rows.shape[0], grid, row_axis)
+    gathered = comm.all_gather(rows.contiguous(), grid, row_axis, sizes=counts)
+    targets = comm.all_gather(labels[keep].contiguous(), grid, row_axis, sizes=counts)
+    return gathered, targets

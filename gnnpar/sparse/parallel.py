@@ -28,11 +28,18 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
+from gnnpar.graph import is_multilabel
 from gnnpar.grid import ProcessGrid
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.layout import Layout3D, layout3d
-from gnnpar.sparse.loss import sharded_accuracy, sharded_argmax, sharded_cross_entropy
+from gnnpar.sparse.loss import (
+    gather_masked,
+    sharded_accuracy,
+    sharded_argmax,
+    sharded_bce_with_logits,
+    sharded_cross_entropy,
+)
 from gnnpar.sparse.plexus import layer_bytes, plexus_layer
 from gnnpar.sparse.source import ShardSource
 
@@ -130,15 +137,42 @@ class ShardedGNN(nn.Module):
         return self.source.node_data(name, self.output_order, self.logits_rows).to(self.device)
 
     def loss(self, logits: torch.Tensor, mask_name: str = "train_mask") -> torch.Tensor:
-        """Masked cross-entropy over the sharded logits (the same scalar on every rank)."""
+        """Masked cross-entropy over the sharded logits, or for a multi-label (N x C) label
+        binary cross-entropy with logits over every task (the same scalar on every rank)."""
+        labels = self.node_data("label")
+        if is_multilabel(labels):
+            return sharded_bce_with_logits(
+                logits,
+                labels,
+                self.node_data(mask_name),
+                self.grid,
+                self.class_axis,
+                self.row_axis,
+                self.dims[-1],
+                self.logits_cols[0],
+            )
         return sharded_cross_entropy(
+            logits,
+            labels,
+            self.node_data(mask_name),
+            self.grid,
+            self.class_axis,
+            self.row_axis,
+            self.logits_cols[0],
+        )
+
+    def gather_masked(
+        self, logits: torch.Tensor, mask_name: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The masked rows' full logits and labels, on every rank (for a score such as
+        ROC-AUC that needs them all; collective)."""
+        return gather_masked(
             logits,
             self.node_data("label"),
             self.node_data(mask_name),
             self.grid,
             self.class_axis,
             self.row_axis,
-            self.logits_cols[0],
         )
 
     # ------------------------------------------------------------------------ checkpoints

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from gnnpar.graph import is_multilabel
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
 
@@ -109,7 +110,10 @@ class MemorySource:
         self.num_nodes = n
         self.feat_dim = int(features.shape[1])
         label = node_data.get("label")
-        self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
+        if is_multilabel(label):
+            self.num_classes = int(label.shape[1])  # multi-label: one binary task per column
+        else:
+            self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
         # order o: inv[o][position] = node, perm[o][node] = position (order 0 uses P₂)
         self.inv = (p2, p)
         self.perm = (inverse(p2), inverse(p))

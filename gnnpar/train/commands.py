@@ -223,7 +223,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     metrics = task.evaluate(found.step - 1)
     grid = task.grid
     gnnpar.shutdown(grid)
-    key = f"{args.split}_acc"
+    key = f"{args.split}_{task.metric}"
     if key not in metrics:
         err = ConfigError(f"the dataset of run {args.run} has no {args.split} split")
         err.same_on_every_rank = True
@@ -281,6 +281,13 @@ def _predict(args: argparse.Namespace) -> int:
     import gnnpar
 
     task, found = _loaded(args, cfg, factory)
+    if task.metric != "acc":
+        err = ConfigError(
+            f"run {args.run} trained multi-label targets ({task.metric}): predict writes class "
+            "ids and does not support them yet (gnnpar evaluate reports the score)"
+        )
+        err.same_on_every_rank = True
+        raise err
     pred = task.predict().numpy()
     grid = task.grid
     gnnpar.shutdown(grid)

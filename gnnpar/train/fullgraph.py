@@ -17,6 +17,7 @@ does not have.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -50,6 +51,7 @@ from gnnpar.train.config import (
     option,
 )
 from gnnpar.train.loop import load_dataset
+from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
 
@@ -225,8 +227,12 @@ class FullGraphTask:
     """The ``gcn`` task: full-graph training of a GCN or GraphSAGE on sharded data."""
 
     unit = "epoch"
-    #: The best model is the one of the best validation accuracy (:mod:`gnnpar.train.selection`).
-    selection = ("val_acc", "max")
+
+    @property
+    def selection(self) -> tuple[str, str]:
+        """The best model is the one of the best validation score of the dataset's metric
+        (``val_acc``, ``val_rocauc``; :mod:`gnnpar.train.selection`)."""
+        return (f"val_{self.metric}", "max")
 
     @staticmethod
     def preflight(cfg: FullGraphConfig, world_size: int) -> None:
@@ -293,6 +299,8 @@ class FullGraphTask:
             compute_dtype=compute_dtype(cfg),
         )
         self.features = self.model.input_features()
+        #: The score evaluation reports (``acc``, or ``rocauc`` for multi-label labels).
+        self.metric = metric_for(self.model.node_data("label"))
         self.optimizer = torch.optim.Adam(self._param_groups(cfg), lr=cfg.lr)
 
     def summary(self) -> str:
@@ -324,14 +332,23 @@ class FullGraphTask:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """Train, validation and test accuracy (masks the dataset lacks are skipped)."""
+        """The dataset's score (:attr:`metric`) on the train, validation and test nodes, as
+        ``train_acc`` ... or ``train_rocauc`` ... (masks the dataset lacks are skipped, and
+        so is a ROC-AUC that no task defines). ROC-AUC gathers the masked rows' logits on
+        every rank once; accuracy needs only per-row statistics."""
         self.model.eval()
         logits = self.model(self.features)
         out = {}
         for name in ("train", "val", "test"):
             key = f"{name}_mask"
-            if key in self.source.meta["node_data"]:
+            if key not in self.source.meta["node_data"]:
+                continue
+            if self.metric == "acc":
                 out[f"{name}_acc"] = self.model.accuracy(logits, key)
+                continue
+            scores, labels = self.model.gather_masked(logits, key)
+            with contextlib.suppress(UndefinedScoreError):  # the same outcome on every rank
+                out[f"{name}_{self.metric}"] = SCORES[self.metric](scores, labels)
         return out
 
     @torch.no_grad()

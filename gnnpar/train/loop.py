@@ -572,6 +572,8 @@ _SHOWN = (
     "train_acc",
     "val_acc",
     "test_acc",
+    "val_rocauc",
+    "test_rocauc",
     "val_loss",
     "tokens_per_s",
     "seeds_per_s",

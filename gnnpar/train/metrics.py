@@ -1,4 +1,17 @@
-"""Per-step metrics as JSON lines in the run folder (rank 0 writes)."""
+"""Evaluation scores of node classification, and per-step metrics as JSON lines in the run
+folder (rank 0 writes).
+
+Scores (:data:`SCORES`), each from logits (or scores) and labels of the evaluated nodes:
+
+- ``acc``: the fraction of rows whose arg-max class is the label (single-label);
+- ``f1_micro``, ``f1_macro``: F1 over all rows, and the mean of the per-class F1 over the
+  classes that occur among the labels or predictions (scikit-learn's definitions);
+- ``rocauc``: multi-label (``N x C`` 0/1 labels), OGB's evaluator: the mean over tasks of
+  each task's ROC-AUC, over the tasks whose evaluated labels hold both a 0 and a 1.
+
+A task reports the score :func:`metric_for` names for its labels, as ``{split}_{metric}``
+(``test_acc``, ``test_rocauc``).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +19,117 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from gnnpar.atomic import naming
+from gnnpar.graph import is_multilabel
+
+
+class UndefinedScoreError(ValueError):
+    """A score has no value on these rows (no rows; ROC-AUC: no task with both classes)."""
+
+
+def metric_for(label: torch.Tensor) -> str:
+    """The score a trainer reports for ``label``: ``rocauc`` for a multi-label ``N x C``
+    label (C > 1), ``acc`` for class ids (OGB's choice for its node-property datasets)."""
+    return "rocauc" if is_multilabel(label) else "acc"
+
+
+def _predictions(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"expected N x C logits and N labels, got {tuple(logits.shape)} and "
+            f"{tuple(labels.shape)}"
+        )
+    if logits.shape[0] == 0:
+        raise UndefinedScoreError("no rows to score")
+    return logits.argmax(1), labels.long()
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of rows whose arg-max class (ties to the lowest id) equals the label."""
+    pred, labels = _predictions(logits, labels)
+    return float((pred == labels).double().mean())
+
+
+def _f1_counts(logits: torch.Tensor, labels: torch.Tensor):
+    pred, labels = _predictions(logits, labels)
+    k = max(int(logits.shape[1]), int(labels.max()) + 1)
+    tp = torch.bincount(labels[pred == labels], minlength=k).double()
+    predicted = torch.bincount(pred, minlength=k).double()
+    actual = torch.bincount(labels, minlength=k).double()
+    return tp, predicted - tp, actual - tp, (predicted + actual) > 0
+
+
+def f1_micro(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """F1 of the pooled counts over every class (for one label per row, the accuracy)."""
+    tp, fp, fn, _ = _f1_counts(logits, labels)
+    return float(2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum()))
+
+
+def f1_macro(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean per-class F1 over the classes present among the labels or the predictions."""
+    tp, fp, fn, present = _f1_counts(logits, labels)
+    f1 = 2 * tp[present] / (2 * tp[present] + fp[present] + fn[present])
+    return float(f1.mean())
+
+
+def _binary_auc(scores: torch.Tensor, truth: torch.Tensor) -> float:
+    """ROC-AUC of one task from the Mann-Whitney rank sum; tied scores get their mean rank
+    (a tie between a positive and a negative counts one half, as the ROC's trapezoids)."""
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    _, inverse, counts = torch.unique_consecutive(
+        sorted_scores, return_inverse=True, return_counts=True
+    )
+    ends = torch.cumsum(counts, 0).double()  # 1-based rank of each tie group's last member
+    mean_rank = ends - (counts.double() - 1) / 2
+    ranks = torch.empty_like(mean_rank[inverse])
+    ranks[order] = mean_rank[inverse]
+    pos = truth == 1
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def rocauc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """OGB's ROC-AUC for multi-label tasks: the mean, over the columns of the ``N x C`` 0/1
+    ``labels`` that hold both a 0 and a 1, of each column's ROC-AUC for ``scores`` (logits
+    or probabilities: only their order counts). Entries that are neither 0 nor 1 are
+    unlabelled and left out. UndefinedScoreError when no column qualifies."""
+    if scores.shape != labels.shape or scores.dim() != 2:
+        raise ValueError(
+            f"expected N x C scores and labels, got {tuple(scores.shape)} and "
+            f"{tuple(labels.shape)}"
+        )
+    scores = scores.double()
+    aucs = []
+    for task in range(labels.shape[1]):
+        truth = labels[:, task]
+        known = (truth == 0) | (truth == 1)
+        truth = truth[known]
+        if bool((truth == 1).any()) and bool((truth == 0).any()):
+            aucs.append(_binary_auc(scores[known, task], truth))
+    if not aucs:
+        raise UndefinedScoreError(
+            "ROC-AUC is undefined: no task has both a positive and a negative evaluated label"
+        )
+    return sum(aucs) / len(aucs)
+
+
+#: Every score by name: ``score(logits, labels) -> float``.
+SCORES: Mapping[str, Callable[[torch.Tensor, torch.Tensor], float]] = MappingProxyType(
+    {"acc": accuracy, "f1_micro": f1_micro, "f1_macro": f1_macro, "rocauc": rocauc}
+)
 
 
 def global_mean(value: Any, grid: Any, axes: tuple[str, ...] = ("z", "data")) -> float:
     """Mean of a per-rank scalar tensor over the grid ``axes`` (the batch axes: every rank
     gets the mean over the global batch)."""
-    import torch
-
     from gnnpar import comm
 
     v = value.detach().to(torch.float64).reshape(1).to(grid.device)

@@ -62,6 +62,7 @@ from gnnpar.train.config import (
     option,
 )
 from gnnpar.train.loop import dataset_option_pairs, load_dataset
+from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import (
     LossScaler,
     compute_dtype,
@@ -240,8 +241,12 @@ class MiniBatchTask:
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
     unit = "epoch"
-    #: The best model is the one of the best validation accuracy (:mod:`gnnpar.train.selection`).
-    selection = ("val_acc", "max")
+
+    @property
+    def selection(self) -> tuple[str, str]:
+        """The best model is the one of the best validation score of the dataset's metric
+        (``val_acc``, ``val_rocauc``; :mod:`gnnpar.train.selection`)."""
+        return (f"val_{self.metric}", "max")
 
     @staticmethod
     def preflight(cfg: MiniBatchConfig, world_size: int) -> None:
@@ -345,6 +350,7 @@ class MiniBatchTask:
             device=self.device,
         )
         self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
+        self.metric = metric_for(graph.label)
         self.num_seeds = int(graph.train_mask.sum())
         self.fetcher: FeatureFetcher | None = None
         self._eval_blocks = [b.to(self.device) for b in full_blocks(graph)]
@@ -399,9 +405,13 @@ class MiniBatchTask:
             device=self.device,
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
+        self.metric = metric_for(labels)
         recorded = (part.meta.get("source") or {}).get("num_classes")
         if recorded is not None:  # stored by the dataset, not inferred from the labels
             self.num_classes = int(recorded)
+            return
+        if self.metric != "acc":  # multi-label: one binary task per column
+            self.num_classes = int(labels.shape[1])
             return
         num_classes = torch.tensor([int(labels.max()) + 1 if labels.numel() else 0])
         comm.all_reduce(num_classes, host, "data", op="max")
@@ -431,7 +441,7 @@ class MiniBatchTask:
             dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
             with contextlib.nullcontext() if last else dp.no_sync():
                 logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
-                loss = F.cross_entropy(logits, batch.y, reduction="sum")
+                loss = self._loss_sum(logits, batch.y)
                 # the data axis averages gradients: scale the summed loss so the result is
                 # the gradient of the mean loss over the global batch
                 self.scaler.scale_loss(loss * (data / batch.global_size)).backward()
@@ -441,7 +451,8 @@ class MiniBatchTask:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             sums[0] += float(loss.detach())
-            sums[1] += float((logits.argmax(1) == batch.y).sum()) if batch.num_seeds else 0.0
+            if batch.num_seeds and self.metric == "acc":
+                sums[1] += float((logits.argmax(1) == batch.y).sum())
             sums[2] += batch.num_seeds
             sums[3] += batch.stats.get("sample_bytes", 0.0)
             bar.update(1)
@@ -460,11 +471,12 @@ class MiniBatchTask:
         seeds = max(float(both[2]), 1.0)
         record = {
             "loss": float(both[0]) / seeds,
-            "batch_acc": float(both[1]) / seeds,
             "seeds_per_s": float(both[2]) / elapsed,
             "batches": float(len(self.loader)),
             "lr": lr,
         }
+        if self.metric == "acc":
+            record["batch_acc"] = float(both[1]) / seeds
         if self.distributed:
             record["sample_bytes"] = float(both[3])
             record["feature_bytes"] = float(both[4])
@@ -498,13 +510,27 @@ class MiniBatchTask:
         # each node is owned by exactly one part: the maximum is its owner's prediction
         return comm.all_reduce(out, self.sample_grid, "data", op="max")
 
+    def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the batch's seeds: cross-entropy, or for multi-label (N x C)
+        labels the binary cross-entropy with logits averaged over the tasks (so that the
+        mean over seeds is ``F.binary_cross_entropy_with_logits``'s mean over entries)."""
+        if self.metric == "acc":
+            return F.cross_entropy(logits, labels, reduction="sum")
+        bce = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
+        return bce / max(logits.shape[1], 1)
+
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """Accuracy on the train/val/test masks, with full neighbourhoods (layer-wise)."""
+        """The dataset's score (:attr:`metric`) on the train/val/test masks, with full
+        neighbourhoods (layer-wise): accuracy from counts, or ROC-AUC from the masked rows'
+        logits gathered over the data axis (skipped where no task defines it)."""
         dev = self.device
-        pred = self._logits().argmax(1)
+        logits = self._logits()
+        pred = logits.argmax(1)
         source = self.graph if not self.distributed else self.part
         label, data = source.ndata["label"].to(dev), source.ndata
+        if self.metric != "acc":
+            return self._gathered_scores(logits, label, data)
         counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64, device=dev)
         for i, name in enumerate(_MASKS):
             mask = data.get(f"{name}_mask")
@@ -518,6 +544,25 @@ class MiniBatchTask:
             for i, name in enumerate(_MASKS)
             if counts[2 * i + 1] > 0
         }
+
+    def _gathered_scores(
+        self, logits: torch.Tensor, label: torch.Tensor, data: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
+        """:attr:`metric` on each mask from every rank's masked rows (one gather per mask)."""
+        out = {}
+        for name in _MASKS:
+            mask = data.get(f"{name}_mask")
+            if mask is None:  # every rank's part has the same keys
+                continue
+            mask = mask.to(logits.device, torch.bool)
+            rows, targets = logits[mask].contiguous(), label[mask].contiguous()
+            if self.distributed:
+                sizes = comm.gather_sizes(rows.shape[0], self.grid, "data")
+                rows = comm.all_gather(rows, self.grid, "data", sizes=sizes)
+                targets = comm.all_gather(targets, self.grid, "data", sizes=sizes)
+            with contextlib.suppress(UndefinedScoreError):  # the same outcome on every rank
+                out[f"{name}_{self.metric}"] = SCORES[self.metric](rows.float(), targets)
+        return out
 
     def extra_state(self) -> dict[str, Any]:
         """The loader's position (the model and optimizer go through the checkpoint)."""

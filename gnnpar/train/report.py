@@ -24,7 +24,17 @@ Series = dict[str, list[tuple[float, float]]]
 _THROUGHPUT = (("tokens_per_s", "tokens/s"), ("seeds_per_s", "training seeds/s"))
 _ACCURACY = (("train_acc", "train"), ("val_acc", "validation"), ("test_acc", "test"))
 # The metrics whose last value the summary prints.
-_FINAL = ("loss", "val_loss", "train_acc", "val_acc", "test_acc", "tokens_per_s", "seeds_per_s")
+_FINAL = (
+    "loss",
+    "val_loss",
+    "train_acc",
+    "val_acc",
+    "test_acc",
+    "val_rocauc",
+    "test_rocauc",
+    "tokens_per_s",
+    "seeds_per_s",
+)
 # Grid axes in the order the trainer names them; other axes follow, sorted.
 _AXIS_ORDER = ("data", "x", "y", "z", "tensor")
 
