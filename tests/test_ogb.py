@@ -198,6 +198,13 @@ def test_each_archive_trains_and_reports_its_metric(archives, tmp_path, task, mo
         assert 0.0 <= end[f"test_{spec.metric}"] <= 1.0 and f"test_{other}" not in end
         losses = [r["loss"] for r in records if "loss" in r]
         assert len(losses) == 3 and all(np.isfinite(losses)), (name, losses)
+        # the best model is chosen by the dataset's metric, and evaluate reproduces its score
+        evals = [r for r in records if f"val_{spec.metric}" in r and "event" not in r]
+        best = max(evals, key=lambda r: r[f"val_{spec.metric}"])
+        assert end["best_step"] == best["epoch"], (name, end, evals)
+        assert main(["evaluate", str(run), "--json", str(run / "eval.json")]) == 0, name
+        doc = json.loads((run / "eval.json").read_text())
+        assert doc["metric"] == f"test_{spec.metric}" and doc["value"] == end[doc["metric"]]
 
 
 def test_minibatch_multilabel_loss_is_the_mean_bce_of_the_model(archives, tmp_path, monkeypatch):
