@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -166,13 +167,25 @@ def dataset_option_pairs(cfg: Any) -> list[str]:
     return split_options(getattr(cfg, "dataset_options", None))
 
 
-def load_dataset(cfg: Any) -> Any:
+def load_dataset(cfg: Any, warn_directed: bool = False) -> Any:
     """The graph a task's ``dataset``, ``root`` and ``dataset_options`` name (a catalogue
-    entry prepared under ``root``, or a graph folder)."""
+    entry prepared under ``root``, or a graph folder), with the structure options
+    (``to_undirected``, ``self_loops``: :mod:`gnnpar.data.structure`) applied: every task
+    loads its graph here. ``warn_directed``: rank 0 prints one line on stderr when the graph
+    is directed and ``to_undirected`` was not given (the tasks' preflight asks, so that a
+    run says it once, before any rank starts)."""
     from gnnpar.data import load
     from gnnpar.data.commands import parse_options
+    from gnnpar.data.structure import directed_warning, split_structure
+    from gnnpar.launch import rank_and_world
 
-    return load(cfg.dataset, root=cfg.root, **parse_options(dataset_option_pairs(cfg)))
+    options = parse_options(dataset_option_pairs(cfg))
+    graph = load(cfg.dataset, root=cfg.root, **options)
+    if warn_directed and rank_and_world()[0] == 0:
+        message = directed_warning(graph, split_structure(options)[1])
+        if message:
+            print(f"gnnpar train: warning: {message}", file=sys.stderr, flush=True)
+    return graph
 
 
 class _Snapshot:

@@ -235,7 +235,7 @@ class MiniBatchTask:
     def preflight(cfg: MiniBatchConfig, world_size: int) -> None:
         """Before launch: the dataset loads and has training nodes, and a given
         ``partitions`` folder that exists was cut from it (:func:`check_partitions`)."""
-        load_dataset(cfg).check_trainable()
+        load_dataset(cfg, warn_directed=True).check_trainable()
         if cfg.partitions and Path(cfg.partitions).exists():
             check_partitions(cfg)
 
