@@ -150,7 +150,7 @@ def test_import_each_kind_of_file(tmp_path: Path) -> None:
     )
     expected = directed.to_undirected().add_self_loops()
     assert torch.equal(out.indptr, expected.indptr) and torch.equal(out.indices, expected.indices)
-    assert read_meta(tmp_path / "imported-edges.txt")["source"]["kwargs"] == {
+    assert read_meta(tmp_path / "imported-edges.txt")["source"]["structure"] == {
         "to_undirected": True,
         "self_loops": "add",
     }
@@ -236,7 +236,7 @@ def fitted(tmp_path_factory) -> Callable[[str], tuple[Path, dict]]:
         if task not in runs:
             out = tmp_path_factory.mktemp(task) / "fit"
             data = labelled(directed=True).to_pyg()
-            runs[task] = out, fit(task, graph=data, out=str(out), **OPTIONS)
+            runs[task] = out, fit(task, graph=data, out=out, **OPTIONS)  # a Path will do
         return runs[task]
 
     return run

@@ -197,14 +197,18 @@ def read_graph_file(path: str | Path, kind: str | None = None, name: str | None 
 
 def import_source(path: str | Path, kind: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """The ``source`` record of an imported graph folder: the file (absolute path, size,
-    XXH3-64 checksum), its kind and the structure options applied."""
+    XXH3-64 checksum), its kind and the structure options applied (as
+    :func:`gnnpar.data.catalogue.source_record` records them: under ``structure``, when
+    given)."""
     entry = file_entry(path)
-    return {
+    record: dict[str, Any] = {
         "import": {
             "file": str(Path(path).resolve()),
             "kind": kind,
             "size": entry["size"],
             "xxh3_64": entry["xxh3_64"],
-        },
-        "kwargs": dict(options),
+        }
     }
+    if options:
+        record["structure"] = dict(options)
+    return record

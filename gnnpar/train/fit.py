@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,8 @@ def fit(
     launch_args = argparse.Namespace(nprocs=nprocs, max_restarts=max_restarts)
     _check_launch_flags(launch_args)
     launching = nprocs > 1 and not under_launcher()
-    values = dict(options)
+    # a path is a str in the config (what a flag or a TOML file gives)
+    values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
     folder = None
     if graph is not None:
         fields = {f.name: f for f in dataclasses.fields(cls)}

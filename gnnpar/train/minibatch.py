@@ -53,7 +53,7 @@ from gnnpar.sampling import (
 from gnnpar.sampling.rng import derive_key
 from gnnpar.shard import FCDP, by_type, shard
 from gnnpar.train.config import ConfigError, DataParallelConfig, TrainerConfig, option
-from gnnpar.train.loop import dataset_option_pairs, load_dataset
+from gnnpar.train.loop import dataset_options, load_dataset
 from gnnpar.train.precision import (
     LossScaler,
     compute_dtype,
@@ -147,9 +147,8 @@ def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
 def _dataset_record(cfg: MiniBatchConfig) -> dict[str, Any]:
     """The dataset's fingerprint record (from its graph folder's manifest when it has one)."""
     from gnnpar.data.catalogue import graph_record
-    from gnnpar.data.commands import parse_options
 
-    return graph_record(cfg.dataset, root=cfg.root, **parse_options(dataset_option_pairs(cfg)))
+    return graph_record(cfg.dataset, root=cfg.root, **dataset_options(cfg))
 
 
 def check_partitions(cfg: MiniBatchConfig, folder: str | Path | None = None) -> dict[str, Any]:
