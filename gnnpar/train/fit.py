@@ -25,9 +25,12 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gnnpar.train.config import ConfigError, from_mapping
+
+if TYPE_CHECKING:
+    from gnnpar.graph import Graph
 
 __all__ = ["GRAPH_FOLDER", "fit"]
 
@@ -45,12 +48,10 @@ def _task(name: str) -> tuple[type, Any]:
     return cls, factory
 
 
-def _save_graph(graph: Any, folder: Path) -> None:
+def _save_graph(graph: Graph, folder: Path) -> None:
     """Write ``graph`` to ``folder`` unless it already holds the same graph."""
-    from gnnpar.convert import as_graph
     from gnnpar.data.storage import is_graph_folder, read_source, save_graph
 
-    graph = as_graph(graph)
     if is_graph_folder(folder):
         try:
             if read_source(folder)["fingerprint"] == graph.fingerprint():
@@ -109,6 +110,7 @@ def fit(
             errors (a run folder that holds a run, a grid that does not fit...).
         RuntimeError: when the launched ranks fail (their error is printed above).
     """
+    from gnnpar.convert import as_graph
     from gnnpar.launch import under_launcher
     from gnnpar.train.commands import _check_launch_flags, _world_size, launch_ranks, train_here
     from gnnpar.train.loop import check_run_folder, preflight
@@ -120,10 +122,8 @@ def fit(
     launching = nprocs > 1 and not under_launcher()
     # a path is a str in the config (what a flag or a TOML file gives)
     values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
-    folder = None
     if graph is not None:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        if "dataset" not in fields:
+        if "dataset" not in {f.name for f in dataclasses.fields(cls)}:
             raise ConfigError(f"task {task!r} trains on no graph: call it without graph=")
         if "dataset" in values:
             raise ConfigError("give graph= or the option dataset=, not both")
@@ -133,13 +133,14 @@ def fit(
                 "and pass dataset=FOLDER on every rank, or call fit(..., nprocs=N) from one "
                 "process"
             )
-        folder = Path(values.get("out", fields["out"].default)) / GRAPH_FOLDER
-        values["dataset"] = str(folder)
+        graph = as_graph(graph)
     cfg = from_mapping(cls, values)
+    if graph is not None:
+        cfg = dataclasses.replace(cfg, dataset=str(Path(cfg.out) / GRAPH_FOLDER))
     world_size = _world_size(launch_args, launching)
-    if folder is not None:
+    if graph is not None:
         check_run_folder(cfg)  # before writing into it
-        _save_graph(graph, folder)
+        _save_graph(graph, Path(cfg.dataset))
     preflight(factory, cfg, world_size)
     progress = Progress.for_this_process(quiet=cfg.quiet)
     if not launching:
