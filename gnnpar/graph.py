@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -23,8 +22,6 @@ import torch
 
 __all__ = ["Graph", "invert_permutation", "is_multilabel"]
 
-# Well-known node-data keys and their PyG attribute names.
-_PYG_NAMES = MappingProxyType({"feat": "x", "label": "y"})
 _REDUCTIONS = ("sum", "max", "mean")
 _SPLIT_MASKS = ("train_mask", "val_mask", "test_mask")
 
@@ -767,18 +764,14 @@ class Graph:
             f"weighted={self.edge_weight is not None}, ndata={{{data}}})"
         )
 
-    # ------------------------------------------------------------------ scipy
+    # ------------------------------------------------------------------ converters
+    # The code lives in gnnpar.convert (one module for every other library and file).
     def to_scipy(self) -> Any:
-        """``scipy.sparse.csr_matrix`` with ``A[i, j]`` = weight of edge ``j -> i``.
+        """``scipy.sparse.csr_matrix`` with ``A[i, j]`` = weight of edge ``j -> i``
+        (:func:`gnnpar.convert.to_scipy`)."""
+        from gnnpar import convert
 
-        Duplicate edges stay as separate stored entries (scipy sums them in arithmetic).
-        """
-        import scipy.sparse as sp
-
-        w = _weights_or_ones(self).numpy()
-        return sp.csr_matrix(
-            (w, self.indices.numpy(), self.indptr.numpy()), shape=(self.num_nodes, self.num_nodes)
-        )
+        return convert.to_scipy(self)
 
     @classmethod
     def from_scipy(
@@ -787,133 +780,56 @@ class Graph:
         ndata: Mapping[str, torch.Tensor] | None = None,
         name: str = "graph",
         weighted: bool | None = None,
+        num_classes: int | None = None,
     ) -> Graph:
-        """From a square scipy sparse matrix (``A[i, j]`` = weight of edge ``j -> i``).
+        """From a square scipy sparse matrix (``A[i, j]`` = weight of edge ``j -> i``);
+        ``weighted=None`` keeps the values unless they are all 1
+        (:func:`gnnpar.convert.from_scipy`)."""
+        from gnnpar import convert
 
-        ``weighted=None`` keeps the values as ``edge_weight`` unless they are all 1.
-        """
-        import scipy.sparse as sp
+        return convert.from_scipy(mat, ndata, name, weighted, num_classes)
 
-        if not sp.issparse(mat):
-            raise TypeError(f"expected a scipy sparse matrix, got {type(mat).__name__}")
-        if mat.shape[0] != mat.shape[1]:
-            raise ValueError(f"adjacency must be square, got shape {mat.shape}")
-        csr = sp.csr_matrix(mat)
-        data = np.asarray(csr.data)
-        if weighted is None:
-            weighted = not bool(np.all(data == 1))
-        weight = None
-        if weighted:
-            floating = np.issubdtype(data.dtype, np.floating)
-            weight = torch.from_numpy(data.copy() if floating else data.astype(np.float32))
-        return cls(
-            torch.from_numpy(csr.indptr.astype(np.int64)),
-            torch.from_numpy(csr.indices.astype(np.int64)),
-            csr.shape[0],
-            weight,
-            ndata,
-            name,
-        )
-
-    # ------------------------------------------------------------------ PyG
     def to_pyg(self) -> Any:
-        """A ``torch_geometric.data.Data``: ``edge_index[0]`` = sources, ``[1]`` = destinations.
+        """A ``torch_geometric.data.Data`` (``feat`` -> ``x``, ``label`` -> ``y``, masks,
+        weights, ``num_classes``; :func:`gnnpar.convert.to_pyg`)."""
+        from gnnpar import convert
 
-        ``feat`` becomes ``x``, ``label`` becomes ``y``; other node data keep their names;
-        weights go to ``edge_weight``.
-        """
-        from torch_geometric.data import Data
-
-        src, dst = self.edges()
-        data = Data(edge_index=torch.stack([src, dst]), num_nodes=self.num_nodes)
-        taken = {"edge_index", "edge_weight", "num_nodes"}
-        for key, value in self.ndata.items():
-            pyg_key = _PYG_NAMES.get(key, key)
-            if pyg_key in taken:
-                raise ValueError(f"ndata[{key!r}] would overwrite PyG attribute {pyg_key!r}")
-            taken.add(pyg_key)
-            data[pyg_key] = value
-        if self.edge_weight is not None:
-            data.edge_weight = self.edge_weight
-        return data
+        return convert.to_pyg(self)
 
     @classmethod
-    def from_pyg(cls, data: Any, name: str = "graph") -> Graph:
-        """From a homogeneous ``torch_geometric.data.Data``.
+    def from_pyg(cls, data: Any, name: str = "graph", num_classes: int | None = None) -> Graph:
+        """From a homogeneous ``torch_geometric.data.Data``; a ``HeteroData`` is one
+        ValueError (:func:`gnnpar.convert.from_pyg`)."""
+        from gnnpar import convert
 
-        ``x``/``y`` become ``feat``/``label``; other node-level tensors keep their names;
-        ``edge_weight`` (or a 1-D ``edge_attr``) becomes the edge weight.
-        """
-        edge_index = getattr(data, "edge_index", None)
-        if edge_index is None:
-            raise ValueError("PyG data has no edge_index")
-        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-            raise ValueError(f"edge_index must have shape (2, E), got {tuple(edge_index.shape)}")
-        num_nodes = int(data.num_nodes)
-        weight = getattr(data, "edge_weight", None)
-        if weight is None:
-            attr = getattr(data, "edge_attr", None)
-            if attr is not None and (attr.dim() == 1 or (attr.dim() == 2 and attr.shape[1] == 1)):
-                weight = attr.reshape(-1)
-        back = {v: k for k, v in _PYG_NAMES.items()}
-        ndata = {}
-        for key in data.keys():
-            value = data[key]
-            if key in ("edge_index", "edge_weight", "edge_attr", "num_nodes"):
-                continue
-            if (
-                isinstance(value, torch.Tensor)
-                and value.dim() >= 1
-                and value.shape[0] == num_nodes
-                and data.is_node_attr(key)
-            ):
-                ndata[back.get(key, key)] = value
-        return cls.from_edges(edge_index[0], edge_index[1], num_nodes, weight, ndata, name)
+        return convert.from_pyg(data, name, num_classes)
 
-    # ------------------------------------------------------------------ DGL
     def to_dgl(self, edge_weight_key: str = "w") -> Any:
-        """A ``dgl.DGLGraph`` with the same edges (CSR order), ``ndata`` and weights in
-        ``edata[edge_weight_key]``. Needs the optional ``dgl`` package."""
-        dgl = _import_dgl("to_dgl")
-        src, dst = self.edges()
-        g = dgl.graph((src, dst), num_nodes=self.num_nodes)
-        for key, value in self.ndata.items():
-            g.ndata[key] = value
-        if self.edge_weight is not None:
-            g.edata[edge_weight_key] = self.edge_weight
-        return g
+        """A ``dgl.DGLGraph`` with the same edges, ``ndata`` and weights in
+        ``edata[edge_weight_key]`` (:func:`gnnpar.convert.to_dgl`). Needs ``dgl``."""
+        from gnnpar import convert
+
+        return convert.to_dgl(self, edge_weight_key)
 
     @classmethod
-    def from_dgl(cls, g: Any, edge_weight_key: str = "w", name: str = "graph") -> Graph:
-        """From a homogeneous ``dgl.DGLGraph``; ``edata[edge_weight_key]`` becomes the weight."""
-        _import_dgl("from_dgl")
-        src, dst = g.edges()
-        weight = g.edata[edge_weight_key] if edge_weight_key in g.edata else None
-        ndata = {key: g.ndata[key] for key in g.ndata}
-        return cls.from_edges(src, dst, g.num_nodes(), weight, ndata, name)
+    def from_dgl(
+        cls,
+        g: Any,
+        edge_weight_key: str = "w",
+        name: str = "graph",
+        num_classes: int | None = None,
+    ) -> Graph:
+        """From a homogeneous ``dgl.DGLGraph`` (:func:`gnnpar.convert.from_dgl`)."""
+        from gnnpar import convert
 
-    # ------------------------------------------------------------------ networkx
+        return convert.from_dgl(g, edge_weight_key, name, num_classes)
+
     def to_networkx(self, node_attrs: bool = True, weight_key: str = "weight") -> Any:
-        """A ``networkx.DiGraph`` on nodes ``0..N-1`` (a ``MultiDiGraph`` if there are
-        duplicate edges). Weights go to ``weight_key``; node data become node attributes."""
-        import networkx as nx
+        """A ``networkx.DiGraph`` (``MultiDiGraph`` with duplicate edges) with node data as
+        node attributes (:func:`gnnpar.convert.to_networkx`)."""
+        from gnnpar import convert
 
-        multi = self.coalesce().num_edges != self.num_edges
-        g = nx.MultiDiGraph() if multi else nx.DiGraph()
-        g.graph["name"] = self.name
-        g.add_nodes_from(range(self.num_nodes))
-        if node_attrs:
-            for key, value in self.ndata.items():
-                nx.set_node_attributes(g, dict(enumerate(value.tolist())), key)
-        src, dst = self.edges()
-        if self.edge_weight is None:
-            g.add_edges_from(zip(src.tolist(), dst.tolist(), strict=True))
-        else:
-            g.add_weighted_edges_from(
-                zip(src.tolist(), dst.tolist(), self.edge_weight.tolist(), strict=True),
-                weight=weight_key,
-            )
-        return g
+        return convert.to_networkx(self, node_attrs, weight_key)
 
     @classmethod
     def from_networkx(
@@ -924,59 +840,18 @@ class Graph:
         ndata: Mapping[str, torch.Tensor] | None = None,
         name: str | None = None,
     ) -> Graph:
-        """From a networkx graph. Nodes are numbered in ``g.nodes`` order; an undirected
-        graph gets both directions of every edge. ``node_attrs`` lists node attributes to
-        gather into ``ndata``; ``weight_key`` is used when every edge carries it."""
-        nodes = list(g.nodes)
-        if nodes == list(range(len(nodes))):
-            index = None
-        else:
-            index = {v: i for i, v in enumerate(nodes)}
-        edge_list = list(g.edges(data=True))
-        src = [u for u, _, _ in edge_list]
-        dst = [v for _, v, _ in edge_list]
-        if index is not None:
-            src = [index[u] for u in src]
-            dst = [index[v] for v in dst]
-        weight = None
-        if weight_key is not None and edge_list and all(weight_key in d for *_, d in edge_list):
-            weight = torch.tensor([float(d[weight_key]) for *_, d in edge_list])
-        src_t = torch.tensor(src, dtype=torch.int64)
-        dst_t = torch.tensor(dst, dtype=torch.int64)
-        if not g.is_directed():
-            loop = src_t == dst_t
-            src_t, dst_t = torch.cat([src_t, dst_t[~loop]]), torch.cat([dst_t, src_t[~loop]])
-            if weight is not None:
-                weight = torch.cat([weight, weight[~loop]])
-        data = dict(ndata or {})
-        for attr in node_attrs or ():
-            values = []
-            for v in nodes:
-                if attr not in g.nodes[v]:
-                    raise ValueError(f"node {v!r} has no attribute {attr!r}")
-                values.append(g.nodes[v][attr])
-            data[attr] = _stack_values(values, attr)
-        if name is None:
-            name = str(g.graph.get("name") or "graph")
-        return cls.from_edges(src_t, dst_t, len(nodes), weight, data, name)
+        """From a networkx graph; an undirected one gets both directions of every edge
+        (:func:`gnnpar.convert.from_networkx`)."""
+        from gnnpar import convert
 
-    # ------------------------------------------------------------------ edge lists
+        return convert.from_networkx(g, node_attrs, weight_key, ndata, name)
+
     def to_edge_list(self, path: str | Path | None = None) -> np.ndarray:
-        """Edges as an ``(E, 2)`` int64 array of ``(src, dst)`` rows, in CSR order.
+        """Edges as an ``(E, 2)`` int64 array of ``(src, dst)`` rows; with ``path``, also
+        written as an edge-list text file (:func:`gnnpar.convert.to_edge_list`)."""
+        from gnnpar import convert
 
-        With ``path``, also write them as text: one ``src dst`` (``src dst weight`` if
-        weighted) line per edge after a ``#`` header line.
-        """
-        src, dst = self.edges()
-        edges = torch.stack([src, dst], dim=1).numpy()
-        if path is not None:
-            header = f"{self.name}: {self.num_nodes} nodes, {self.num_edges} edges\nsrc dst"
-            if self.edge_weight is None:
-                np.savetxt(path, edges, fmt="%d", header=header)
-            else:
-                table = np.column_stack([edges.astype(np.float64), self.edge_weight.numpy()])
-                np.savetxt(path, table, fmt=["%d", "%d", "%.17g"], header=header + " weight")
-        return edges
+        return convert.to_edge_list(self, path)
 
     @classmethod
     def from_edge_list(
@@ -987,44 +862,9 @@ class Graph:
         ndata: Mapping[str, torch.Tensor] | None = None,
         name: str = "graph",
     ) -> Graph:
-        """From an ``(E, 2)`` integer array of ``(src, dst)`` rows, or a text file with
-        ``src dst`` or ``src dst weight`` per line (``#`` starts a comment)."""
-        if isinstance(edges, (str, Path)):
-            table = np.loadtxt(edges, comments="#", ndmin=2, dtype=np.float64)
-            if table.size == 0:
-                table = table.reshape(0, 2)
-            if table.shape[1] not in (2, 3):
-                raise ValueError(
-                    f"{edges}: expected 2 or 3 columns (src dst [weight]), got {table.shape[1]}"
-                )
-            ids = table[:, :2]
-            if not np.all(ids == np.round(ids)):
-                raise ValueError(f"{edges}: node ids must be integers")
-            if table.shape[1] == 3 and edge_weight is None:
-                edge_weight = table[:, 2].astype(np.float32)
-            edges = ids.astype(np.int64)
-        edges = np.asarray(edges)
-        if edges.ndim != 2 or edges.shape[1] != 2:
-            raise ValueError(f"edge list must have shape (E, 2), got {edges.shape}")
-        return cls.from_edges(edges[:, 0], edges[:, 1], num_nodes, edge_weight, ndata, name)
+        """From an ``(E, 2)`` array of ``(src, dst)`` rows or an edge-list text file
+        (``src dst [weight]`` per line, ``#`` comments, ``# nodes: N``;
+        :func:`gnnpar.convert.from_edge_list`)."""
+        from gnnpar import convert
 
-
-def _stack_values(values: list[Any], attr: str) -> torch.Tensor:
-    """One tensor from per-node values (python numbers, lists or tensors)."""
-    if values and all(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack(values)
-    try:
-        return torch.tensor(values)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"node attribute {attr!r} cannot be turned into a tensor: {err}") from err
-
-
-def _import_dgl(caller: str) -> Any:
-    try:
-        import dgl
-    except ImportError as err:  # DGL is optional and heavy
-        raise ImportError(
-            f"Graph.{caller} needs DGL, which is not installed: pip install 'gnnpar[dgl]' "
-            "(dgl==1.1.3)"
-        ) from err
-    return dgl
+        return convert.from_edge_list(edges, num_nodes, edge_weight, ndata, name)

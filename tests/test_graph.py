@@ -408,7 +408,6 @@ def test_from_undirected_networkx() -> None:
 
 
 def test_dgl_round_trip() -> None:
-    pytest.importorskip("dgl")
     g = random_graph(weighted=True)
     d = g.to_dgl()
     assert d.num_nodes() == 9 and d.num_edges() == g.num_edges

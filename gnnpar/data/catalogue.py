@@ -17,6 +17,7 @@ from gnnpar.data.planetoid import planetoid, planetoid_names
 from gnnpar.data.rmat import rmat
 from gnnpar.data.sbm import sbm
 from gnnpar.data.storage import is_graph_folder, load_graph, read_meta, read_source
+from gnnpar.data.structure import apply_structure, split_structure
 from gnnpar.graph import Graph
 
 __all__ = [
@@ -188,12 +189,16 @@ def default_root() -> Path:
 
 
 def source_record(name_or_path: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """What :func:`build` made, in the form stored in a graph folder's ``source`` field."""
+    """What :func:`build` made, in the form stored in a graph folder's ``source`` field
+    (the structure options, :mod:`gnnpar.data.structure`, under ``structure`` when given)."""
+    own, structure = split_structure(kwargs)
     entry = get_entry(name_or_path)
     if entry is not None:
-        record = {"dataset": entry.name, "kwargs": entry.resolve_kwargs(kwargs)}
+        record = {"dataset": entry.name, "kwargs": entry.resolve_kwargs(own)}
     else:
-        record = {"path": str(Path(name_or_path).resolve()), "kwargs": dict(kwargs)}
+        record = {"path": str(Path(name_or_path).resolve()), "kwargs": own}
+    if structure:
+        record["structure"] = structure
     return json.loads(json.dumps(record))  # as it reads back from JSON (tuples become lists)
 
 
@@ -224,18 +229,24 @@ def load_path(path: str | Path, **kwargs: Any) -> Graph:
 def build(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Graph:
     """Make a dataset from its source (generator or raw files), never from a prepared copy.
 
-    ``name_or_path`` is a catalogue name or a folder (see :func:`load_path`).
+    ``name_or_path`` is a catalogue name or a folder (see :func:`load_path`); the structure
+    options (``to_undirected``, ``self_loops``: :mod:`gnnpar.data.structure`) are applied
+    to what is built.
     """
+    own, structure = split_structure(kwargs)
     entry = get_entry(name_or_path)
     if entry is None:
-        if Path(name_or_path).exists():
-            return load_path(name_or_path, **kwargs)
-        names = ", ".join(e.name for e in catalogue())
-        raise ValueError(
-            f"unknown dataset {name_or_path!r}: not a catalogue name ({names}) and no such folder"
-        )
-    root = default_root() if root is None else Path(root)
-    return entry.builder(root, **entry.resolve_kwargs(kwargs))
+        if not Path(name_or_path).exists():
+            names = ", ".join(e.name for e in catalogue())
+            raise ValueError(
+                f"unknown dataset {name_or_path!r}: not a catalogue name ({names}) and no "
+                "such folder"
+            )
+        graph = load_path(name_or_path, **own)
+    else:
+        root = default_root() if root is None else Path(root)
+        graph = entry.builder(root, **entry.resolve_kwargs(own))
+    return apply_structure(graph, structure)
 
 
 def load(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Graph:
@@ -246,7 +257,8 @@ def load(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Gr
     (defaults included); otherwise the dataset is built from its source. ``root`` defaults
     to :func:`default_root` (``$GNNPAR_DATA`` or ``./datasets``); file-based datasets
     (Planetoid) are looked up under it too. Keyword arguments go to the builder (or, for a
-    folder, to its reader).
+    folder, to its reader), except the structure options (``to_undirected``,
+    ``self_loops``: :mod:`gnnpar.data.structure`), which every dataset takes.
 
     Example::
 
@@ -258,8 +270,12 @@ def load(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Gr
     if entry is not None:
         root_path = default_root() if root is None else Path(root)
         prepared = _prepared_copy(root_path / entry.name, entry.name, kwargs)
-        if prepared is not None:
+        if prepared is not None:  # prepared with these structure options too
             return load_graph(prepared)
+        own, structure = split_structure(kwargs)
+        prepared = _prepared_copy(root_path / entry.name, entry.name, own) if structure else None
+        if prepared is not None:
+            return apply_structure(load_graph(prepared), structure)
     return build(name_or_path, root, **kwargs)
 
 
@@ -276,14 +292,15 @@ def _prepared_copy(folder: Path, name: str, kwargs: Mapping[str, Any]) -> Path |
 def graph_record(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> dict:
     """What a derived artefact records about a dataset (``fingerprint``, ``name``,
     ``num_nodes``, ``num_edges``, ``num_classes``), read from the graph folder's manifest
-    when there is one (a folder, or a matching prepared copy) and otherwise computed from
-    the loaded graph. FileNotFoundError/ValueError as :func:`load` for a missing dataset."""
+    when there is one (a folder given without structure options, or a prepared copy made
+    with these options) and otherwise computed from the loaded graph.
+    FileNotFoundError/ValueError as :func:`load` for a missing dataset."""
     folder: Path | None = None
     entry = get_entry(name_or_path)
     if entry is not None:
         root_path = default_root() if root is None else Path(root)
         folder = _prepared_copy(root_path / entry.name, entry.name, kwargs)
-    elif is_graph_folder(name_or_path):
+    elif is_graph_folder(name_or_path) and not split_structure(kwargs)[1]:
         folder = Path(name_or_path)
     if folder is not None:
         return read_source(folder)

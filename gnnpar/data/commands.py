@@ -14,6 +14,7 @@ import torch
 
 from gnnpar.data.catalogue import build, catalogue, default_root, get_entry, load, source_record
 from gnnpar.data.storage import is_graph_folder, save_graph
+from gnnpar.data.structure import STRUCTURE_DEFAULTS, apply_structure, split_structure
 from gnnpar.graph import Graph
 
 __all__ = [
@@ -99,21 +100,24 @@ def parse_options(pairs: Sequence[str], defaults: Mapping[str, Any] | None = Non
     return options
 
 
-def _defaults_for(name: str) -> Mapping[str, Any] | None:
+def _defaults_for(name: str) -> Mapping[str, Any]:
+    """The option defaults of ``name``: its builder's and the structure options."""
     entry = get_entry(name)
-    return None if entry is None else entry.defaults
+    return {**({} if entry is None else entry.defaults), **STRUCTURE_DEFAULTS}
 
 
 def check_dataset(name: str, pairs: Sequence[str]) -> dict[str, Any]:
     """Parse a dataset's ``KEY=VALUE`` options as its builder takes them (a catalogue name:
-    known keys, the defaults' types) and check that a name outside the catalogue is a folder;
+    known keys, the defaults' types; every dataset takes the structure options of
+    :mod:`gnnpar.data.structure`) and check that a name outside the catalogue is a folder;
     a :class:`ValueError` of one line otherwise. Returns the options."""
     options = parse_options(pairs, _defaults_for(name))
     if "root" in options:
         raise ValueError("give the data root as the root option (--root DIR), not as root=")
+    own, _ = split_structure(options)
     entry = get_entry(name)
     if entry is not None:
-        entry.resolve_kwargs(options)
+        entry.resolve_kwargs(own)
     elif not Path(name).exists():
         names = ", ".join(e.name for e in catalogue())
         raise ValueError(
@@ -200,6 +204,29 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import(args: argparse.Namespace) -> int:
+    from gnnpar.data.imports import file_kind, import_source, read_graph_file
+
+    options = parse_options(split_options(args.dataset_options), STRUCTURE_DEFAULTS)
+    own, structure = split_structure(options)
+    if own:
+        raise ValueError(
+            f"unknown option(s) {', '.join(own)} for an imported file; known: "
+            f"{', '.join(STRUCTURE_DEFAULTS)}"
+        )
+    start = time.perf_counter()
+    kind = file_kind(args.file, args.kind)
+    graph = apply_structure(read_graph_file(args.file, kind, args.name), structure)
+    out = save_graph(
+        graph, args.out, overwrite=args.overwrite, source=import_source(args.file, kind, structure)
+    )
+    print(
+        f"wrote {out}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges from {kind} file "
+        f"{args.file} ({time.perf_counter() - start:.1f} s)"
+    )
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     options = check_dataset(args.target, split_options(args.dataset_options))
     graph = load(args.target, args.root, **options)
@@ -222,22 +249,25 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def add_data_commands(subparsers: Any) -> None:
-    """Register ``data`` (with ``list``, ``prepare``, ``info``) on an argparse sub-parsers
-    object. Each command sets ``func``: ``func(args) -> exit code``."""
+    """Register ``data`` (with ``list``, ``prepare``, ``import``, ``info``) on an argparse
+    sub-parsers object. Each command sets ``func``: ``func(args) -> exit code``."""
     data = subparsers.add_parser(
         "data",
-        help="list, prepare and inspect datasets",
+        help="list, prepare, import and inspect datasets",
         description="List the dataset catalogue, prepare datasets in gnnpar's on-disk format, "
-        "and summarise a dataset. The data root defaults to ./datasets ($GNNPAR_DATA).",
+        "import a graph saved by PyG, DGL, scipy or as an edge list, and summarise a dataset. "
+        "The data root defaults to ./datasets ($GNNPAR_DATA).",
     )
 
     def usage(args: argparse.Namespace) -> int:
         data.print_usage(sys.stderr)
-        print("gnnpar data: error: choose a command: list, prepare or info", file=sys.stderr)
+        print(
+            "gnnpar data: error: choose a command: list, prepare, import or info", file=sys.stderr
+        )
         return 2
 
     data.set_defaults(func=usage, data_command=None)
-    sub = data.add_subparsers(dest="data_command", metavar="{list,prepare,info}")
+    sub = data.add_subparsers(dest="data_command", metavar="{list,prepare,import,info}")
 
     p = sub.add_parser("list", help="the dataset catalogue and its options")
     p.add_argument("--root", default=None, help="data root (default: $GNNPAR_DATA or datasets)")
@@ -255,6 +285,33 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     add_dataset_options(p)
     p.set_defaults(func=_guarded(_cmd_prepare))
+
+    p = sub.add_parser(
+        "import",
+        help="turn a PyG, DGL, scipy .npz or edge-list file into a gnnpar graph folder",
+        description="Read FILE without running anything in it (a PyG Data saved with "
+        "torch.save: .pt/.pth; dgl.save_graphs: .bin; scipy.sparse.save_npz: .npz; an edge "
+        "list 'src dst [weight]' per line: .txt/.edges/.el/.tsv/.edgelist) and save it "
+        "atomically to --out, recording the file's size and checksum.",
+    )
+    p.add_argument("file", help="the file to import")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument(
+        "--kind",
+        choices=("pyg", "dgl", "npz", "edges"),
+        default=None,
+        help="what the file is (default: from its suffix)",
+    )
+    p.add_argument("--name", default=None, help="the graph's name (default: the file's stem)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    p.add_argument(
+        "--dataset-options",
+        default=None,
+        metavar="K=V,K=V",
+        help="structure options: to_undirected=true (add reverse edges), "
+        "self_loops=keep|add|remove",
+    )
+    p.set_defaults(func=_guarded(_cmd_import))
 
     p = sub.add_parser(
         "info",

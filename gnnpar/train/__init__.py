@@ -1,1 +1,6 @@
-"""Training: config, loop, checkpoints, metrics and the tasks."""
+"""Training: config, loop, checkpoints, metrics and the tasks; :func:`fit` trains a graph
+held in a Python script."""
+
+from gnnpar.train.fit import fit
+
+__all__ = ["fit"]

@@ -81,8 +81,8 @@ def _checked_config(args: argparse.Namespace, launching: bool) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local, strip_nprocs, under_launcher
-    from gnnpar.train.progress import Progress, metrics_text
+    from gnnpar.launch import strip_nprocs, under_launcher
+    from gnnpar.train.progress import Progress
 
     _, factory, _ = _tasks()[args.task]
     launching = args.nprocs > 1 and not under_launcher()
@@ -93,13 +93,30 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress.for_this_process(quiet=cfg.quiet)
     if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
-        # the ranks take seconds to start (each imports torch): say what is happening
-        env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(args.nprocs)}
-        return launch_local(args.nprocs, argv, max_restarts=args.max_restarts, env=env)
-    progress.ranks_started()
+        return launch_ranks(args.nprocs, argv, args.max_restarts, progress)
+    train_here(factory, cfg, progress)
+    return 0
+
+
+def launch_ranks(nprocs: int, argv: list[str], max_restarts: int, progress: Any) -> int:
+    """Start ``gnnpar ARGV`` on ``nprocs`` local ranks (:func:`gnnpar.launch.launch_local`),
+    the checks before launch marked as done (the caller ran them); return the exit code."""
+    from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local
+
+    # the ranks take seconds to start (each imports torch): say what is happening
+    env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(nprocs)}
+    return launch_local(nprocs, argv, max_restarts=max_restarts, env=env)
+
+
+def train_here(factory: Callable[..., Any], cfg: Any, progress: Any) -> dict[str, float]:
+    """Build the task in this process (one rank of the launcher's world, or a world of its
+    own), run :class:`~gnnpar.train.loop.Trainer` to the end, print the outcome on rank 0
+    and shut the grid down; return the final evaluation."""
     import gnnpar
     from gnnpar.train.loop import Trainer
+    from gnnpar.train.progress import metrics_text
 
+    progress.ranks_started()
     task = factory(cfg, progress=progress)
     trainer = Trainer.from_config(task, cfg, progress=progress)
     result = trainer.run()
@@ -112,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"in {cfg.out}/checkpoints; run again with --resume to continue"
             )
         gnnpar.shutdown(task.grid)
-        return 0
+        return result
     sample = task.finish() if hasattr(task, "finish") else None
     if task.grid.global_rank == 0:
         if sample:
@@ -120,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         summary = metrics_text(result)
         print(f"done: {task.grid.describe()} {summary}; metrics in {cfg.out}/metrics.jsonl")
     gnnpar.shutdown(task.grid)
-    return 0
+    return result
 
 
 def _strip_flag(argv: list[str], flag: str) -> list[str]:

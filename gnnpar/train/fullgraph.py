@@ -238,7 +238,7 @@ class FullGraphTask:
     def preflight(cfg: FullGraphConfig, world_size: int) -> None:
         """Before launch: the dataset loads and can be trained on, and a given ``shards``
         folder was made from it (a folder the run owns is rebuilt by rank 0 instead)."""
-        graph = load_dataset(cfg)
+        graph = load_dataset(cfg, warn_directed=True)
         graph.check_trainable()
         if cfg.shards and Path(cfg.shards).exists():
             _check_given_shards(cfg, graph.fingerprint())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -184,13 +185,32 @@ def dataset_option_pairs(cfg: Any) -> list[str]:
     return split_options(getattr(cfg, "dataset_options", None))
 
 
-def load_dataset(cfg: Any) -> Any:
-    """The graph a task's ``dataset``, ``root`` and ``dataset_options`` name (a catalogue
-    entry prepared under ``root``, or a graph folder)."""
-    from gnnpar.data import load
-    from gnnpar.data.commands import parse_options
+def dataset_options(cfg: Any) -> dict[str, Any]:
+    """A task's ``dataset_options`` as keyword arguments, typed by the dataset's defaults
+    (:func:`gnnpar.data.commands.check_dataset`, the structure options included)."""
+    from gnnpar.data.commands import check_dataset
 
-    return load(cfg.dataset, root=cfg.root, **parse_options(dataset_option_pairs(cfg)))
+    return check_dataset(cfg.dataset, dataset_option_pairs(cfg))
+
+
+def load_dataset(cfg: Any, warn_directed: bool = False) -> Any:
+    """The graph a task's ``dataset``, ``root`` and ``dataset_options`` name (a catalogue
+    entry prepared under ``root``, or a graph folder), with the structure options
+    (``to_undirected``, ``self_loops``: :mod:`gnnpar.data.structure`) applied: every task
+    loads its graph here. ``warn_directed``: rank 0 prints one line on stderr when the graph
+    is directed and ``to_undirected`` was not given (the tasks' preflight asks, so that a
+    run says it once, before any rank starts)."""
+    from gnnpar.data import load
+    from gnnpar.data.structure import directed_warning, split_structure
+    from gnnpar.launch import rank_and_world
+
+    options = dataset_options(cfg)
+    graph = load(cfg.dataset, root=cfg.root, **options)
+    if warn_directed and rank_and_world()[0] == 0:
+        message = directed_warning(graph, split_structure(options)[1])
+        if message:
+            print(f"gnnpar train: warning: {message}", file=sys.stderr, flush=True)
+    return graph
 
 
 class _Snapshot:

@@ -61,7 +61,7 @@ from gnnpar.train.config import (
     TrainerConfig,
     option,
 )
-from gnnpar.train.loop import dataset_option_pairs, load_dataset
+from gnnpar.train.loop import dataset_options, load_dataset
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import (
     LossScaler,
@@ -158,9 +158,8 @@ def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
 def _dataset_record(cfg: MiniBatchConfig) -> dict[str, Any]:
     """The dataset's fingerprint record (from its graph folder's manifest when it has one)."""
     from gnnpar.data.catalogue import graph_record
-    from gnnpar.data.commands import parse_options
 
-    return graph_record(cfg.dataset, root=cfg.root, **parse_options(dataset_option_pairs(cfg)))
+    return graph_record(cfg.dataset, root=cfg.root, **dataset_options(cfg))
 
 
 def check_partitions(cfg: MiniBatchConfig, folder: str | Path | None = None) -> dict[str, Any]:
@@ -252,7 +251,7 @@ class MiniBatchTask:
     def preflight(cfg: MiniBatchConfig, world_size: int) -> None:
         """Before launch: the dataset loads and has training nodes, and a given
         ``partitions`` folder that exists was cut from it (:func:`check_partitions`)."""
-        load_dataset(cfg).check_trainable()
+        load_dataset(cfg, warn_directed=True).check_trainable()
         if cfg.partitions and Path(cfg.partitions).exists():
             check_partitions(cfg)
 

@@ -1,0 +1,434 @@
+"""Converters between :class:`~gnnpar.graph.Graph` and other graph libraries and files.
+
+The API is on :class:`Graph` (``Graph.from_pyg``, ``graph.to_dgl()``, ...); this module holds
+the code. Every converter keeps the edges (``src -> dst``), the edge weights, every node-data
+array (``feat``, ``label``, the split masks, any other) and the number of classes where the
+other side has a place for it:
+
+============  =============================  ==========================================
+library       node data                      number of classes
+============  =============================  ==========================================
+PyG ``Data``  ``x``, ``y``, other keys as is  ``data.num_classes`` (an int attribute)
+DGL           ``g.ndata`` (same keys)         not stored (pass ``num_classes=``)
+networkx      node attributes                 ``g.graph["num_classes"]``
+scipy         none (structure only)           none
+edge list     none (structure only)           none
+============  =============================  ==========================================
+
+Heterogeneous graphs (PyG ``HeteroData``, DGL graphs with several node or edge types) are
+refused with one ValueError: they are not supported yet.
+
+**The edge-list text format** (:func:`write_edge_list`, :func:`read_edge_list`): one edge
+per line, ``src dst`` or ``src dst weight``, separated by blanks or tabs, node ids are
+integers in ``[0, num_nodes)``; ``#`` starts a comment; a comment line ``# nodes: N`` gives
+the number of nodes (otherwise the largest id + 1: trailing isolated nodes need it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from gnnpar.graph import Graph
+
+__all__ = [
+    "HETEROGENEOUS",
+    "as_graph",
+    "is_heterogeneous",
+    "from_dgl",
+    "from_edge_list",
+    "from_networkx",
+    "from_pyg",
+    "from_scipy",
+    "read_edge_list",
+    "to_dgl",
+    "to_edge_list",
+    "to_networkx",
+    "to_pyg",
+    "to_scipy",
+]
+
+#: The message of every refused heterogeneous graph (after what it is).
+HETEROGENEOUS = "heterogeneous graphs are not supported yet (give one node and one edge type)"
+# Well-known node-data keys and their PyG attribute names.
+_PYG_NAMES = MappingProxyType({"feat": "x", "label": "y"})
+_NODES_LINE = re.compile(r"^\s*#\s*nodes:\s*(\d+)\s*$")
+
+
+def _graph_class() -> type[Graph]:
+    from gnnpar.graph import Graph
+
+    return Graph
+
+
+def _weights_or_ones(graph: Graph) -> torch.Tensor:
+    from gnnpar.graph import _weights_or_ones
+
+    return _weights_or_ones(graph)
+
+
+def _with_classes(graph: Graph, num_classes: Any) -> Graph:
+    """``graph`` with ``num_classes`` stored (when it is an int and there are labels)."""
+    if isinstance(num_classes, torch.Tensor) and num_classes.numel() == 1:
+        num_classes = int(num_classes)
+    if isinstance(num_classes, (int, np.integer)) and not isinstance(num_classes, bool):
+        if graph.label is not None:
+            graph.num_classes = int(num_classes)
+    return graph
+
+
+# ------------------------------------------------------------------ scipy
+def to_scipy(graph: Graph) -> Any:
+    """``scipy.sparse.csr_matrix`` with ``A[i, j]`` = weight of edge ``j -> i``.
+
+    Duplicate edges stay as separate stored entries (scipy sums them in arithmetic).
+    """
+    import scipy.sparse as sp
+
+    w = _weights_or_ones(graph).numpy()
+    return sp.csr_matrix(
+        (w, graph.indices.numpy(), graph.indptr.numpy()), shape=(graph.num_nodes, graph.num_nodes)
+    )
+
+
+def from_scipy(
+    mat: Any,
+    ndata: Mapping[str, torch.Tensor] | None = None,
+    name: str = "graph",
+    weighted: bool | None = None,
+    num_classes: int | None = None,
+) -> Graph:
+    """From a square scipy sparse matrix (``A[i, j]`` = weight of edge ``j -> i``).
+
+    ``weighted=None`` keeps the values as ``edge_weight`` unless they are all 1.
+    """
+    import scipy.sparse as sp
+
+    if not sp.issparse(mat):
+        raise TypeError(f"expected a scipy sparse matrix, got {type(mat).__name__}")
+    if mat.shape[0] != mat.shape[1]:
+        raise ValueError(f"adjacency must be square, got shape {mat.shape}")
+    csr = sp.csr_matrix(mat)
+    data = np.asarray(csr.data)
+    if weighted is None:
+        weighted = not bool(np.all(data == 1))
+    weight = None
+    if weighted:
+        floating = np.issubdtype(data.dtype, np.floating)
+        weight = torch.from_numpy(data.copy() if floating else data.astype(np.float32))
+    return _graph_class()(
+        torch.from_numpy(csr.indptr.astype(np.int64)),
+        torch.from_numpy(csr.indices.astype(np.int64)),
+        csr.shape[0],
+        weight,
+        ndata,
+        name,
+        num_classes=num_classes,
+    )
+
+
+# ------------------------------------------------------------------ PyG
+def to_pyg(graph: Graph) -> Any:
+    """A ``torch_geometric.data.Data``: ``edge_index[0]`` = sources, ``[1]`` = destinations.
+
+    ``feat`` becomes ``x``, ``label`` becomes ``y``; other node data keep their names;
+    weights go to ``edge_weight``; the number of classes (with labels) to ``num_classes``.
+    """
+    from torch_geometric.data import Data
+
+    src, dst = graph.edges()
+    data = Data(edge_index=torch.stack([src, dst]), num_nodes=graph.num_nodes)
+    taken = {"edge_index", "edge_weight", "num_nodes", "num_classes"}
+    for key, value in graph.ndata.items():
+        pyg_key = _PYG_NAMES.get(key, key)
+        if pyg_key in taken:
+            raise ValueError(f"ndata[{key!r}] would overwrite PyG attribute {pyg_key!r}")
+        taken.add(pyg_key)
+        data[pyg_key] = value
+    if graph.edge_weight is not None:
+        data.edge_weight = graph.edge_weight
+    if graph.label is not None:
+        data.num_classes = graph.num_classes
+    return data
+
+
+def is_heterogeneous(data: Any) -> bool:
+    """Whether ``data`` is a PyG ``HeteroData`` (False without PyG)."""
+    try:
+        from torch_geometric.data import HeteroData
+    except ImportError:
+        return False
+    return isinstance(data, HeteroData)
+
+
+def from_pyg(data: Any, name: str = "graph", num_classes: int | None = None) -> Graph:
+    """From a homogeneous ``torch_geometric.data.Data`` (a ``HeteroData`` is refused).
+
+    ``x``/``y`` become ``feat``/``label``; other node-level tensors keep their names;
+    ``edge_weight`` (or a 1-D ``edge_attr``) becomes the edge weight; ``num_classes`` (the
+    argument, else an int ``data.num_classes``) is stored with the labels.
+    """
+    if is_heterogeneous(data):
+        raise ValueError(f"PyG HeteroData: {HETEROGENEOUS}")
+    edge_index = getattr(data, "edge_index", None)
+    if edge_index is None:
+        raise ValueError("PyG data has no edge_index")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"edge_index must have shape (2, E), got {tuple(edge_index.shape)}")
+    num_nodes = int(data.num_nodes)
+    weight = getattr(data, "edge_weight", None)
+    if weight is None:
+        attr = getattr(data, "edge_attr", None)
+        if attr is not None and (attr.dim() == 1 or (attr.dim() == 2 and attr.shape[1] == 1)):
+            weight = attr.reshape(-1)
+    back = {v: k for k, v in _PYG_NAMES.items()}
+    ndata = {}
+    for key in data.keys():
+        value = data[key]
+        if key in ("edge_index", "edge_weight", "edge_attr", "num_nodes", "num_classes"):
+            continue
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dim() >= 1
+            and value.shape[0] == num_nodes
+            and data.is_node_attr(key)
+        ):
+            ndata[back.get(key, key)] = value
+    graph = _graph_class().from_edges(edge_index[0], edge_index[1], num_nodes, weight, ndata, name)
+    if num_classes is None and "num_classes" in data.keys():
+        num_classes = data["num_classes"]
+    return _with_classes(graph, num_classes)
+
+
+# ------------------------------------------------------------------ DGL
+def import_dgl(caller: str) -> Any:
+    """The ``dgl`` module, or an ImportError saying how to install it."""
+    try:
+        import dgl
+    except ImportError as err:  # DGL is optional and heavy
+        raise ImportError(
+            f"Graph.{caller} needs DGL, which is not installed: pip install 'gnnpar[dgl]' "
+            "(dgl==1.1.3)"
+        ) from err
+    return dgl
+
+
+def to_dgl(graph: Graph, edge_weight_key: str = "w") -> Any:
+    """A ``dgl.DGLGraph`` with the same edges (CSR order), ``ndata`` and weights in
+    ``edata[edge_weight_key]``. DGL graphs hold no class count: pass it back to
+    :func:`from_dgl`. Needs the optional ``dgl`` package."""
+    dgl = import_dgl("to_dgl")
+    src, dst = graph.edges()
+    g = dgl.graph((src, dst), num_nodes=graph.num_nodes)
+    for key, value in graph.ndata.items():
+        g.ndata[key] = value
+    if graph.edge_weight is not None:
+        g.edata[edge_weight_key] = graph.edge_weight
+    return g
+
+
+def from_dgl(
+    g: Any, edge_weight_key: str = "w", name: str = "graph", num_classes: int | None = None
+) -> Graph:
+    """From a homogeneous ``dgl.DGLGraph`` (several node or edge types are refused);
+    ``edata[edge_weight_key]`` becomes the weight, ``ndata`` the node data (a uint8 0/1
+    ``*_mask``, as ``dgl.save_graphs`` stores masks, as bool)."""
+    import_dgl("from_dgl")
+    if len(g.ntypes) != 1 or len(g.etypes) != 1:
+        raise ValueError(
+            f"DGL graph with node types {g.ntypes} and edge types {g.etypes}: {HETEROGENEOUS}"
+        )
+    src, dst = g.edges()
+    weight = g.edata[edge_weight_key] if edge_weight_key in g.edata else None
+    ndata = {key: _mask_as_bool(key, g.ndata[key]) for key in g.ndata}
+    graph = _graph_class().from_edges(src, dst, g.num_nodes(), weight, ndata, name)
+    return _with_classes(graph, num_classes)
+
+
+def _mask_as_bool(key: str, value: torch.Tensor) -> torch.Tensor:
+    """A ``*_mask`` that ``dgl.save_graphs`` stored as uint8 (it cannot store bool) as bool."""
+    if key.endswith("_mask") and value.dtype == torch.uint8 and bool((value <= 1).all()):
+        return value.to(torch.bool)
+    return value
+
+
+# ------------------------------------------------------------------ networkx
+def to_networkx(graph: Graph, node_attrs: bool = True, weight_key: str = "weight") -> Any:
+    """A ``networkx.DiGraph`` on nodes ``0..N-1`` (a ``MultiDiGraph`` if there are
+    duplicate edges). Weights go to ``weight_key``; node data become node attributes; the
+    name and number of classes go to ``g.graph``."""
+    import networkx as nx
+
+    multi = graph.coalesce().num_edges != graph.num_edges
+    g = nx.MultiDiGraph() if multi else nx.DiGraph()
+    g.graph["name"] = graph.name
+    if graph.label is not None:
+        g.graph["num_classes"] = graph.num_classes
+    g.add_nodes_from(range(graph.num_nodes))
+    if node_attrs:
+        for key, value in graph.ndata.items():
+            nx.set_node_attributes(g, dict(enumerate(value.tolist())), key)
+    src, dst = graph.edges()
+    if graph.edge_weight is None:
+        g.add_edges_from(zip(src.tolist(), dst.tolist(), strict=True))
+    else:
+        g.add_weighted_edges_from(
+            zip(src.tolist(), dst.tolist(), graph.edge_weight.tolist(), strict=True),
+            weight=weight_key,
+        )
+    return g
+
+
+def from_networkx(
+    g: Any,
+    node_attrs: Iterable[str] | None = None,
+    weight_key: str | None = "weight",
+    ndata: Mapping[str, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> Graph:
+    """From a networkx graph. Nodes are numbered in ``g.nodes`` order; an undirected
+    graph gets both directions of every edge. ``node_attrs`` lists node attributes to
+    gather into ``ndata``; ``weight_key`` is used when every edge carries it;
+    ``g.graph["num_classes"]`` is kept."""
+    nodes = list(g.nodes)
+    index = None if nodes == list(range(len(nodes))) else {v: i for i, v in enumerate(nodes)}
+    edge_list = list(g.edges(data=True))
+    src = [u for u, _, _ in edge_list]
+    dst = [v for _, v, _ in edge_list]
+    if index is not None:
+        src = [index[u] for u in src]
+        dst = [index[v] for v in dst]
+    weight = None
+    if weight_key is not None and edge_list and all(weight_key in d for *_, d in edge_list):
+        weight = torch.tensor([float(d[weight_key]) for *_, d in edge_list])
+    src_t = torch.tensor(src, dtype=torch.int64)
+    dst_t = torch.tensor(dst, dtype=torch.int64)
+    if not g.is_directed():
+        loop = src_t == dst_t
+        src_t, dst_t = torch.cat([src_t, dst_t[~loop]]), torch.cat([dst_t, src_t[~loop]])
+        if weight is not None:
+            weight = torch.cat([weight, weight[~loop]])
+    data = dict(ndata or {})
+    for attr in node_attrs or ():
+        values = []
+        for v in nodes:
+            if attr not in g.nodes[v]:
+                raise ValueError(f"node {v!r} has no attribute {attr!r}")
+            values.append(g.nodes[v][attr])
+        data[attr] = _stack_values(values, attr)
+    if name is None:
+        name = str(g.graph.get("name") or "graph")
+    graph = _graph_class().from_edges(src_t, dst_t, len(nodes), weight, data, name)
+    return _with_classes(graph, g.graph.get("num_classes"))
+
+
+def _stack_values(values: list[Any], attr: str) -> torch.Tensor:
+    """One tensor from per-node values (python numbers, lists or tensors)."""
+    if values and all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack(values)
+    try:
+        return torch.tensor(values)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"node attribute {attr!r} cannot be turned into a tensor: {err}") from err
+
+
+# ------------------------------------------------------------------ edge lists
+def to_edge_list(graph: Graph, path: str | Path | None = None) -> np.ndarray:
+    """Edges as an ``(E, 2)`` int64 array of ``(src, dst)`` rows, in CSR order.
+
+    With ``path``, also write them in the edge-list text format (module docstring): a
+    ``# NAME: N nodes, E edges`` line, ``# nodes: N``, then one ``src dst`` (``src dst
+    weight`` if weighted) line per edge.
+    """
+    src, dst = graph.edges()
+    edges = torch.stack([src, dst], dim=1).numpy()
+    if path is not None:
+        header = (
+            f"{graph.name}: {graph.num_nodes} nodes, {graph.num_edges} edges\n"
+            f"nodes: {graph.num_nodes}\nsrc dst"
+        )
+        if graph.edge_weight is None:
+            np.savetxt(path, edges, fmt="%d", header=header)
+        else:
+            table = np.column_stack([edges.astype(np.float64), graph.edge_weight.numpy()])
+            np.savetxt(path, table, fmt=["%d", "%d", "%.17g"], header=header + " weight")
+    return edges
+
+
+def read_edge_list(path: str | Path) -> tuple[np.ndarray, np.ndarray | None, int | None]:
+    """``(edges (E, 2) int64, weights or None, num_nodes from '# nodes: N' or None)`` of an
+    edge-list text file; ValueError naming the file for anything else."""
+    num_nodes = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.lstrip().startswith("#"):
+                break
+            match = _NODES_LINE.match(line)
+            if match:
+                num_nodes = int(match.group(1))
+    try:
+        table = np.loadtxt(path, comments="#", ndmin=2, dtype=np.float64)
+    except ValueError as err:
+        raise ValueError(f"{path}: not an edge list (src dst [weight] per line): {err}") from None
+    if table.size == 0:
+        table = table.reshape(0, 2)
+    if table.shape[1] not in (2, 3):
+        raise ValueError(
+            f"{path}: expected 2 or 3 columns (src dst [weight]), got {table.shape[1]}"
+        )
+    ids = table[:, :2]
+    if not np.all(ids == np.round(ids)):
+        raise ValueError(f"{path}: node ids must be integers")
+    weight = table[:, 2].astype(np.float32) if table.shape[1] == 3 else None
+    return ids.astype(np.int64), weight, num_nodes
+
+
+def from_edge_list(
+    edges: np.ndarray | str | Path,
+    num_nodes: int | None = None,
+    edge_weight: Any = None,
+    ndata: Mapping[str, torch.Tensor] | None = None,
+    name: str = "graph",
+) -> Graph:
+    """From an ``(E, 2)`` integer array of ``(src, dst)`` rows, or an edge-list text file
+    (module docstring; its ``# nodes: N`` line, when given, sets ``num_nodes``)."""
+    if isinstance(edges, (str, Path)):
+        where = edges
+        edges, weight, stated = read_edge_list(edges)
+        if edge_weight is None:
+            edge_weight = weight
+        if num_nodes is None:
+            num_nodes = stated
+        try:
+            return from_edge_list(edges, num_nodes, edge_weight, ndata, name)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    edges = np.asarray(edges)
+    if edges.ndim != 2 or edges.shape[1] != 2:
+        raise ValueError(f"edge list must have shape (E, 2), got {edges.shape}")
+    return _graph_class().from_edges(edges[:, 0], edges[:, 1], num_nodes, edge_weight, ndata, name)
+
+
+# ------------------------------------------------------------------ anything
+def as_graph(obj: Any, name: str | None = None) -> Graph:
+    """``obj`` as a :class:`Graph`: a Graph as it is, a PyG ``Data`` or a DGL graph
+    converted (``name`` names a converted one, default ``"graph"``); TypeError otherwise."""
+    graph_cls = _graph_class()
+    if isinstance(obj, graph_cls):
+        return obj
+    module = type(obj).__module__ or ""
+    if module.startswith("torch_geometric"):
+        return from_pyg(obj, name=name or "graph")
+    if module.startswith("dgl"):
+        return from_dgl(obj, name=name or "graph")
+    raise TypeError(
+        f"expected a gnnpar Graph, a PyG Data or a DGL graph, got {type(obj).__name__} "
+        "(networkx, scipy and edge lists: see Graph.from_networkx, from_scipy, from_edge_list)"
+    )
