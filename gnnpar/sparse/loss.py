@@ -71,6 +71,14 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         return g, None, None, None, None, None, None, None
 
 
+def _masked_rows(mask: torch.Tensor, grid: ProcessGrid, row_axis: str, total: int | None) -> int:
+    """The global count of masked rows (``total`` when given, else one all-reduce over the
+    row axis), at least 1: what a masked mean divides by."""
+    if total is None:
+        total = int(comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item())
+    return max(int(total), 1)
+
+
 def sharded_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -84,9 +92,7 @@ def sharded_cross_entropy(
     """Mean cross-entropy over the masked rows of the whole (sharded) logit matrix; the same
     scalar on every rank. ``total`` is the global count of masked rows (computed with one
     all-reduce when not given); float32 for low-precision logits."""
-    if total is None:
-        total = int(comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item())
-    total = max(int(total), 1)
+    total = _masked_rows(mask, grid, row_axis, total)
     return _ShardedCrossEntropy.apply(
         _widened(logits), labels.long(), mask, grid, class_axis, row_axis, col_start, total
     )
@@ -179,10 +185,8 @@ def sharded_bce_with_logits(
     all ``num_tasks`` columns (0/1); this rank's columns start at ``col_start``. ``total``
     is the global count of masked rows (one all-reduce when not given); float32 for
     low-precision logits."""
-    if total is None:
-        total = int(comm.all_reduce(mask.sum().reshape(1).to(torch.float64), grid, row_axis).item())
     cols = targets[:, col_start : col_start + logits.shape[1]]
-    count = max(int(total), 1) * num_tasks
+    count = _masked_rows(mask, grid, row_axis, total) * num_tasks
     return _ShardedBCE.apply(_widened(logits), cols, mask, grid, class_axis, row_axis, count)
 
 

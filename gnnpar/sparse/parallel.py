@@ -139,27 +139,12 @@ class ShardedGNN(nn.Module):
     def loss(self, logits: torch.Tensor, mask_name: str = "train_mask") -> torch.Tensor:
         """Masked cross-entropy over the sharded logits, or for a multi-label (N x C) label
         binary cross-entropy with logits over every task (the same scalar on every rank)."""
-        labels = self.node_data("label")
+        labels, mask = self.node_data("label"), self.node_data(mask_name)
+        axes = (self.grid, self.class_axis, self.row_axis)
         if is_multilabel(labels):
-            return sharded_bce_with_logits(
-                logits,
-                labels,
-                self.node_data(mask_name),
-                self.grid,
-                self.class_axis,
-                self.row_axis,
-                self.dims[-1],
-                self.logits_cols[0],
-            )
-        return sharded_cross_entropy(
-            logits,
-            labels,
-            self.node_data(mask_name),
-            self.grid,
-            self.class_axis,
-            self.row_axis,
-            self.logits_cols[0],
-        )
+            tasks = self.dims[-1]
+            return sharded_bce_with_logits(logits, labels, mask, *axes, tasks, self.logits_cols[0])
+        return sharded_cross_entropy(logits, labels, mask, *axes, self.logits_cols[0])
 
     def gather_masked(
         self, logits: torch.Tensor, mask_name: str
