@@ -185,7 +185,9 @@ def _last_eval(run: Path) -> dict:
 
 
 @pytest.mark.parametrize("task", ["sage", "gcn"])
-def test_each_archive_trains_and_reports_its_metric(archives, tmp_path, task, monkeypatch):
+def test_each_archive_trains_and_reports_its_metric(
+    archives, tmp_path, task, monkeypatch, capsys
+):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     root, _ = archives
     extra = ["--fanouts", "5,5", "--batch-size", "16"] if task == "sage" else ["--blocks", "1"]
@@ -193,6 +195,8 @@ def test_each_archive_trains_and_reports_its_metric(archives, tmp_path, task, mo
         run = tmp_path / name
         argv = ["train", task, "--dataset", name, "--root", str(root), "--epochs", "3"]
         assert main([*argv, "--hidden", "8", "--out", str(run), *extra]) == 0, name
+        targets = "binary tasks" if spec.metric == "rocauc" else "classes"
+        assert f" {targets}" in capsys.readouterr().out, name  # the start line says which
         end, records = _last_eval(run)
         other = "acc" if spec.metric == "rocauc" else "rocauc"
         assert 0.0 <= end[f"test_{spec.metric}"] <= 1.0 and f"test_{other}" not in end

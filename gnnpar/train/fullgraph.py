@@ -307,7 +307,11 @@ class FullGraphTask:
         """What the run trains on what: ``gcn on sbm: 2,000 nodes, 19,874 edges, ...``."""
         meta = self.source.meta
         sizes = graph_sizes(
-            meta["num_nodes"], self.num_edges, meta["feat_dim"], meta["num_classes"]
+            meta["num_nodes"],
+            self.num_edges,
+            meta["feat_dim"],
+            meta["num_classes"],
+            multilabel=self.metric != "acc",
         )
         return f"{self.cfg.model} on {self.cfg.dataset}: {sizes}"
 

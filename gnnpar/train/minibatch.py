@@ -319,7 +319,8 @@ class MiniBatchTask:
         else:
             nodes, edges = self.graph.num_nodes, self.graph.num_edges
             seeds = count(self.num_seeds, "seed")
-        sizes = graph_sizes(nodes, edges, self.in_dim, self.num_classes, seeds)
+        multilabel = self.metric != "acc"
+        sizes = graph_sizes(nodes, edges, self.in_dim, self.num_classes, seeds, multilabel)
         return f"{cfg.model} on {cfg.dataset}: {sizes}"
 
     # ------------------------------------------------------------------ setup

@@ -86,14 +86,20 @@ class _Bar(tqdm):
 
 
 def graph_sizes(
-    nodes: int, edges: int, features: int, classes: int, extra: str | None = None
+    nodes: int,
+    edges: int,
+    features: int,
+    classes: int,
+    extra: str | None = None,
+    multilabel: bool = False,
 ) -> str:
-    """``2,000 nodes, 19,874 edges, 16 features, 4 classes`` (then ``extra``, if given)."""
+    """``2,000 nodes, 19,874 edges, 16 features, 4 classes`` (``112 binary tasks`` for
+    multi-label targets; then ``extra``, if given)."""
     parts = [
         count(nodes, "node"),
         count(edges, "edge"),
         count(features, "feature"),
-        count(classes, "class", "classes"),
+        count(classes, "binary task") if multilabel else count(classes, "class", "classes"),
     ]
     return ", ".join([*parts, *([extra] if extra else [])])
 
