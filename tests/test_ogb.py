@@ -252,8 +252,17 @@ def test_minibatch_multilabel_on_2_ranks_equals_one_process(archives, tmp_path, 
     argv = ["train", "sage", "--dataset", "ogbn-proteins", "--root", str(root), "--epochs", "2"]
     argv += ["--hidden", "8", "--fanouts", "5,5", "--batch-size", "16", "--quiet"]
     assert main([*argv, "--out", str(tmp_path / "one")]) == 0
-    run_commands(2, [[*argv, "--out", str(tmp_path / "two"), "--partition-method", "random"]])
+    assert main(["predict", str(tmp_path / "one"), "--out", str(tmp_path / "pred-one")]) == 0
+    run_commands(2, [
+        [*argv, "--out", str(tmp_path / "two"), "--partition-method", "random"],
+        ["predict", str(tmp_path / "two"), "--nprocs", "2", "--out", str(tmp_path / "pred-two")],
+    ])  # fmt: skip
     (one_end, one), (two_end, two) = (_last_eval(tmp_path / r) for r in ("one", "two"))
+    # predictions: each task's probability, in original node order, the same from 2 parts
+    got = [np.load(tmp_path / p / "predictions.npy") for p in ("pred-one", "pred-two")]
+    assert got[0].shape == got[1].shape == (N, load_proteins(root).label.shape[1])
+    assert got[0].dtype == np.float32 and ((got[0] > 0) & (got[0] < 1)).all()
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-5)
     assert one_end.keys() == two_end.keys() and "test_rocauc" in one_end
     for key in ("train_rocauc", "val_rocauc", "test_rocauc"):
         assert two_end[key] == pytest.approx(one_end[key], abs=1e-6), key
@@ -262,6 +271,36 @@ def test_minibatch_multilabel_on_2_ranks_equals_one_process(archives, tmp_path, 
 
 
 # ------------------------------------------------------------------ scores vs scikit-learn
+def load_proteins(root: Path):
+    return load("ogbn-proteins", root=root)
+
+
+def test_full_graph_multilabel_predictions_on_any_grid(archives, tmp_path, monkeypatch):
+    """gnnpar predict of a multi-label gcn run writes each task's probability in original
+    node order: their ROC-AUC on the test nodes is the run's test_rocauc, and 2 ranks on
+    another grid write the same array."""
+    from tests.cli_world import run_commands
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    root, _ = archives
+    run = tmp_path / "run"
+    argv = ["train", "gcn", "--dataset", "ogbn-proteins", "--root", str(root), "--epochs", "3"]
+    assert main([*argv, "--hidden", "8", "--blocks", "1", "--out", str(run), "--quiet"]) == 0
+    assert main(["predict", str(run), "--out", str(tmp_path / "one")]) == 0
+    grid = ["--nprocs", "2", "--grid", "z=2"]  # z splits the classes of the last layer here
+    run_commands(2, [["predict", str(run), *grid, "--out", str(tmp_path / "two")]])
+    one, two = (np.load(tmp_path / p / "predictions.npy") for p in ("one", "two"))
+    np.testing.assert_allclose(two, one, rtol=1e-6)
+    about = json.loads((tmp_path / "one" / "predictions.json").read_text())
+    assert about["shape"] == list(one.shape) and "probabilities" in about["values"]
+    g = load_proteins(root)
+    test = g.test_mask.numpy()
+    end, _ = _last_eval(run)
+    assert rocauc(torch.from_numpy(one[test]), g.label[test]) == pytest.approx(
+        end["test_rocauc"], abs=1e-9
+    )
+
+
 def test_scores_equal_scikit_learn():
     from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
 

@@ -209,12 +209,24 @@ class ShardedGNN(nn.Module):
         return ModelLayout(pieces, tensors, keys, {}, params)
 
     def predictions(self, logits: torch.Tensor) -> torch.Tensor:
-        """Every node's predicted class (arg-max of the logits, ties to the lowest class id)
-        in original node order, as int64 on every rank (collective)."""
-        pred = sharded_argmax(logits, self.grid, self.class_axis, self.logits_cols[0])
-        ids = self.source.node_ids(self.output_order, self.logits_rows).to(self.device)
-        out = torch.full((self.num_nodes,), -1, dtype=torch.int64, device=self.device)
-        out[ids.long()] = pred[: ids.numel()].long()
+        """Every node's prediction in original node order, on every rank (collective): its
+        class (arg-max of the logits, ties to the lowest class id) as int64, or for a
+        multi-label (N x C) label each task's probability (sigmoid of the logits) as
+        float32, N x C."""
+        ids = self.source.node_ids(self.output_order, self.logits_rows).to(self.device).long()
+        if is_multilabel(self.node_data("label")):
+            rows = logits.detach().float()
+            if self.class_axis is not None:
+                widths = comm.gather_sizes(rows.shape[1], self.grid, self.class_axis)
+                rows = comm.all_gather(rows.contiguous(), self.grid, self.class_axis, dim=1,
+                                       sizes=widths)  # fmt: skip
+            pred = torch.sigmoid(rows)
+            out = torch.full((self.num_nodes, pred.shape[1]), -1.0, device=self.device)
+        else:
+            pred = sharded_argmax(logits, self.grid, self.class_axis, self.logits_cols[0])
+            pred = pred.long()
+            out = torch.full((self.num_nodes,), -1, dtype=torch.int64, device=self.device)
+        out[ids] = pred[: ids.numel()]
         # ranks that hold the same rows agree; every node's row is held by some rank
         return comm.all_reduce(out, self.grid, "world", op="max")
 

@@ -266,6 +266,11 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 #: What ``predict`` writes in its ``--out`` folder.
 PREDICTIONS = "predictions.npy"
+#: What its values are: class ids, or (multi-label targets) each task's probability.
+VALUES = (
+    "class ids: the arg-max of the model's logits (ties to the lowest id)",
+    "probabilities: the sigmoid of the model's logits, one column per task",
+)
 
 
 def _check_predictions_out(args: argparse.Namespace) -> Path:
@@ -298,13 +303,6 @@ def _predict(args: argparse.Namespace) -> int:
     import gnnpar
 
     task, found = _loaded(args, cfg, factory)
-    if task.metric != "acc":
-        err = ConfigError(
-            f"run {args.run} trained multi-label targets ({task.metric}): predict writes class "
-            "ids and does not support them yet (gnnpar evaluate reports the score)"
-        )
-        err.same_on_every_rank = True
-        raise err
     pred = task.predict().numpy()
     grid = task.grid
     gnnpar.shutdown(grid)
@@ -317,7 +315,7 @@ def _predict(args: argparse.Namespace) -> int:
         atomic_write(out / PREDICTIONS, save)
         doc = {
             "file": PREDICTIONS,
-            "values": "class ids: the arg-max of the model's logits (ties to the lowest id)",
+            "values": VALUES[task.metric != "acc"],
             "order": "original node order: entry i is node i of the dataset",
             "dtype": str(pred.dtype),
             "shape": list(pred.shape),
@@ -330,7 +328,8 @@ def _predict(args: argparse.Namespace) -> int:
         }
         write_json(out / "predictions.json", doc, indent=1)
         print(
-            f"wrote {out / PREDICTIONS}: {pred.size:,} class ids ({args.checkpoint} "
+            f"wrote {out / PREDICTIONS}: {' x '.join(f'{n:,}' for n in pred.shape)} "
+            f"{'class ids' if pred.ndim == 1 else 'probabilities'} ({args.checkpoint} "
             f"checkpoint, {task.unit} {found.step}) and {out / 'predictions.json'}"
         )
     return 0

@@ -357,8 +357,9 @@ class FullGraphTask:
 
     @torch.no_grad()
     def predict(self) -> torch.Tensor:
-        """Every node's predicted class (arg-max of the logits) in original node order, on
-        every rank (collective)."""
+        """Every node's prediction in original node order, on every rank (collective): class
+        ids, or each task's probability for multi-label targets
+        (:meth:`~gnnpar.sparse.parallel.ShardedGNN.predictions`)."""
         self.model.eval()
         return self.model.predictions(self.model(self.features)).cpu()
 

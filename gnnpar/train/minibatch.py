@@ -499,13 +499,18 @@ class MiniBatchTask:
 
     @torch.no_grad()
     def predict(self) -> torch.Tensor:
-        """Every node's predicted class (arg-max of the logits) in original node order, on
-        every rank (collective)."""
-        pred = self._logits().argmax(1).to(torch.int64)
+        """Every node's prediction in original node order, on every rank (collective): its
+        class (arg-max of the logits) as int64, or for multi-label targets each task's
+        probability (sigmoid of the logits) as float32, N x C."""
+        logits = self._logits()
+        if self.metric == "acc":
+            pred = logits.argmax(1).to(torch.int64)
+        else:
+            pred = torch.sigmoid(logits.float())
         if not self.distributed:
             return pred.cpu()
         part = self.part
-        out = torch.full((int(part.meta["num_nodes"]),), -1, dtype=torch.int64)
+        out = torch.full((int(part.meta["num_nodes"]), *pred.shape[1:]), -1, dtype=pred.dtype)
         out[part.orig_ids[: part.num_owned].long()] = pred.cpu()  # owned nodes first
         # each node is owned by exactly one part: the maximum is its owner's prediction
         return comm.all_reduce(out, self.sample_grid, "data", op="max")
