@@ -290,6 +290,10 @@ def test_full_graph_multilabel_predictions_on_any_grid(archives, tmp_path, monke
     grid = ["--nprocs", "2", "--grid", "z=2"]  # z splits the classes of the last layer here
     run_commands(2, [["predict", str(run), *grid, "--out", str(tmp_path / "two")]])
     one, two = (np.load(tmp_path / p / "predictions.npy") for p in ("one", "two"))
+    from gnnpar.train.report import write_report
+
+    assert "test_rocauc" in write_report(run)  # and the score's figure shows ROC-AUC
+    assert (run / "plots" / "accuracy.png").is_file()
     np.testing.assert_allclose(two, one, rtol=1e-6)
     about = json.loads((tmp_path / "one" / "predictions.json").read_text())
     assert about["shape"] == list(one.shape) and "probabilities" in about["values"]

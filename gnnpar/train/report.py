@@ -22,7 +22,12 @@ Series = dict[str, list[tuple[float, float]]]
 
 # Throughput metrics the tasks record (all ranks together), with what they count.
 _THROUGHPUT = (("tokens_per_s", "tokens/s"), ("seeds_per_s", "training seeds/s"))
-_ACCURACY = (("train_acc", "train"), ("val_acc", "validation"), ("test_acc", "test"))
+_SPLITS = (("train", "train"), ("val", "validation"), ("test", "test"))
+# The score a run evaluates (its dataset's metric), the title and the y axis of its figure.
+_SCORES = (
+    ("acc", "accuracy", "accuracy (fraction correct)"),
+    ("rocauc", "ROC-AUC", "ROC-AUC (mean over tasks)"),
+)
 # The metrics whose last value the summary prints.
 _FINAL = (
     "loss",
@@ -133,15 +138,19 @@ def _loss_figure(series: Series, unit: str, resumes: list[dict], name: str) -> A
 
 
 def _accuracy_figure(series: Series, unit: str, resumes: list[dict], name: str) -> Any:
-    present = [(k, label) for k, label in _ACCURACY if series.get(k)]
-    if not present:
-        return None
-    fig, ax = _timeline(unit, resumes, f"{name}: accuracy")
-    for k, label in present:
-        _draw(ax, series[k], label)
-    ax.set_ylabel("accuracy (fraction correct)")
-    ax.legend()
-    return fig
+    """The evaluated score on each split: accuracy, or ROC-AUC for multi-label targets
+    (the file keeps its name, ``accuracy.png``)."""
+    for metric, title, ylabel in _SCORES:
+        present = [(f"{split}_{metric}", label) for split, label in _SPLITS]
+        present = [(k, label) for k, label in present if series.get(k)]
+        if present:
+            fig, ax = _timeline(unit, resumes, f"{name}: {title}")
+            for k, label in present:
+                _draw(ax, series[k], label)
+            ax.set_ylabel(ylabel)
+            ax.legend()
+            return fig
+    return None
 
 
 def _throughput(series: Series, unit: str) -> tuple[list[tuple[float, float]], str] | None:
