@@ -576,14 +576,21 @@ def agent(argv: Sequence[str]) -> int:
 
 
 def _forks() -> bool:
-    """Whether the agent forks its ranks: on Linux, unless ``GNNPAR_LAUNCH_FORK=0``."""
+    """Whether the agent forks its ranks: on Linux without an accelerator (a GPU runtime
+    does not survive a fork once the driver is up, so ranks that may use one start as new
+    interpreters), unless ``GNNPAR_LAUNCH_FORK=0``."""
     import multiprocessing
 
-    return (
-        sys.platform == "linux"
-        and "fork" in multiprocessing.get_all_start_methods()
-        and os.environ.get(FORK_ENV, "1") != "0"
-    )
+    if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return False
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, ROCm, XPU, ...
+    if accelerator is not None:
+        return not accelerator.is_available()
+    return not torch.cuda.is_available()
 
 
 def _run_forked(args: Any) -> None:
