@@ -103,7 +103,8 @@ def launch_ranks(nprocs: int, argv: list[str], max_restarts: int, progress: Any)
     the checks before launch marked as done (the caller ran them); return the exit code."""
     from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local
 
-    # the ranks take seconds to start (each imports torch): say what is happening
+    # the ranks can take seconds to start (where each is a new interpreter importing
+    # torch): say what is happening
     env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(nprocs)}
     return launch_local(nprocs, argv, max_restarts=max_restarts, env=env)
 
@@ -208,9 +209,11 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, Any]:
 
 
 def _launch_ranks(args: argparse.Namespace) -> int:
-    from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local, strip_nprocs
+    """evaluate or predict on ``args.nprocs`` local ranks (:func:`launch_ranks`, silently)."""
+    from gnnpar.launch import strip_nprocs
+    from gnnpar.train.progress import Progress
 
-    return launch_local(args.nprocs, strip_nprocs(args.argv), env={PREFLIGHT_DONE_ENV: "1"})
+    return launch_ranks(args.nprocs, strip_nprocs(args.argv), 0, Progress(enabled=False))
 
 
 def _loaded(args: argparse.Namespace, cfg: Any, factory: Any) -> tuple[Any, Any]:
@@ -373,7 +376,9 @@ def add_train_commands(subparsers: Any) -> None:
         add_flags(p, cls)
         p.set_defaults(func=_run)
     p = subparsers.add_parser(
-        "evaluate", help="accuracy of a trained gcn or sage run's saved model, on any grid"
+        "evaluate",
+        help="the score (accuracy, or ROC-AUC for multi-label targets) of a trained gcn or "
+        "sage run's saved model, on any grid",
     )
     _saved_run_flags(p)
     p.add_argument(

@@ -531,11 +531,11 @@ class MiniBatchTask:
         logits gathered over the data axis (skipped where no task defines it)."""
         dev = self.device
         logits = self._logits()
-        pred = logits.argmax(1)
         source = self.graph if not self.distributed else self.part
         label, data = source.ndata["label"].to(dev), source.ndata
         if self.metric != "acc":
             return self._gathered_scores(logits, label, data)
+        pred = logits.argmax(1)
         counts = torch.zeros(2 * len(_MASKS), dtype=torch.float64, device=dev)
         for i, name in enumerate(_MASKS):
             mask = data.get(f"{name}_mask")
