@@ -548,9 +548,10 @@ def summarise_failure(error: Any, records: list[dict[str, Any]], nprocs: int) ->
 def agent(argv: Sequence[str]) -> int:
     """The launch agent of :func:`launch_local`: ``torch.distributed.run`` with arguments
     ``argv``, reporting a failed launch as one line (and exiting with the failed rank's code)
-    instead of its ``ChildFailedError`` report. Where processes can fork (Linux), the ranks
-    are forked from this process after it has imported what every rank imports (see
-    :func:`run_rank`), instead of each starting a new interpreter."""
+    instead of its ``ChildFailedError`` report. For a ``--standalone`` launch where ranks can be
+    forked (:func:`_forks`: Linux, no accelerator), they are forked from this process after
+    it has imported what every rank imports (see :func:`run_rank`), instead of each starting
+    a new interpreter."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -561,7 +562,7 @@ def agent(argv: Sequence[str]) -> int:
     directory = tempfile.mkdtemp(prefix="gnnpar-errors-")
     os.environ[ERROR_DIR_ENV] = directory
     try:
-        if _forks():
+        if args.standalone and _forks():
             _run_forked(args)
         else:
             run(args)
@@ -594,7 +595,8 @@ def _forks() -> bool:
 
 
 def _run_forked(args: Any) -> None:
-    """``torch.distributed.run``'s ``run(args)`` for ``--standalone``, with the ranks forked
+    """``torch.distributed.run``'s ``run(args)`` for ``--standalone`` (its one-node
+    rendezvous, set here as ``run`` sets it), with the ranks forked
     from this process (its ``fork`` start method for function entry points) after importing
     torch, gnnpar and ``torch._dynamo`` once here: each rank would otherwise spend seconds of
     CPU on them (``torch._dynamo`` is imported by the first optimizer step), which on a small
