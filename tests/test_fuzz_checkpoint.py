@@ -155,3 +155,8 @@ def test_a_checkpoint_without_its_digests_is_refused(pristine):
         del meta["digests"]["rank-00000.pt"]["2.bias"]
 
     assert "entry '2.bias' of 'rank-00000.pt' has no digest" in _resealed(pristine, drop)
+
+    def drop_all(meta):
+        del meta["digests"]
+
+    assert "has no digest" in _resealed(pristine, drop_all)

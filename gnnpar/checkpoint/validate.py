@@ -66,7 +66,8 @@ def check_layout(manifest: Manifest) -> None:
     """FormatError unless the manifest's ``tensors`` and ``pieces`` describe every tensor
     exactly (see the module docstring)."""
     where = manifest.folder / MANIFEST
-    digests = manifest.meta.get("digests") if manifest.version >= 2 else {}
+    # version 2 on: every stored entry has a digest (a table missing whole is no exception)
+    digests = manifest.meta.get("digests", {}) if manifest.version >= 2 else None
     tensors, pieces = manifest.meta.get("tensors"), manifest.meta.get("pieces")
     if not isinstance(tensors, dict) or not isinstance(pieces, dict):
         raise FormatError(f"{where}: the meta lacks its 'tensors' or 'pieces' table")
@@ -119,7 +120,7 @@ def entry_digest(docs: list[Any], flat: torch.Tensor) -> str:
         chunk = Chunk.from_json(doc)
         h.update(json.dumps([chunk.key, list(chunk.offsets), list(chunk.sizes)]).encode())
         box = chunk.view(flat).contiguous().reshape(-1)
-        h.update(box.view(torch.uint8).numpy().tobytes() if box.numel() else b"")
+        h.update(box.view(torch.uint8).numpy())  # hashed in place, no copy of the bytes
     return h.hexdigest()
 
 
