@@ -255,7 +255,9 @@ def _two_rank_worker(folder: str, dims: list[int], reps: int, shapes: list) -> d
 
     source = DiskSource(folder)
     out = {}
-    for algo, shape, chunks in shapes:
+    for algo, shape, chunks, transport in shapes:
+        # The same-host transport is on by default; "gloo" rows turn it off for comparison.
+        os.environ["GNNPAR_SHM"] = "0" if transport == "gloo" else "1"
         grid = gnnpar.init(**shape)
         par = parallelize_fullgraph(
             _model(dims), grid, source, algorithm=algo, overlap_chunks=chunks
@@ -276,21 +278,25 @@ def _two_rank_worker(folder: str, dims: list[int], reps: int, shapes: list) -> d
             step()
             times.append(time.perf_counter() - start)
         key = f"{algo} " + ",".join(f"{k}={v}" for k, v in shape.items())
-        out[key + (f" overlap {chunks}" if chunks > 1 else "")] = _summary(times)
+        key += f" overlap {chunks}" if chunks > 1 else ""
+        out[key + (" gloo" if transport == "gloo" else "")] = _summary(times)
         gnnpar.release(grid)
     return out
 
 
 def two_ranks(folder: str, dims: list[int], reps: int, one_rank: dict) -> dict:
-    """(2): every 2-rank shape (one thread per rank) beside the one-rank epoch."""
+    """(2): every 2-rank shape (one thread per rank) beside the one-rank epoch; two shapes
+    also with the same-host shared-memory transport off (plain gloo)."""
     from gnnpar.testing import run_distributed
 
     shapes = [
-        ("3d", {"x": 2}, 1),
-        ("3d", {"y": 2}, 1),
-        ("3d", {"z": 2}, 1),
-        ("3d", {"x": 2}, 4),
-        ("1d", {"x": 2}, 1),
+        ("3d", {"x": 2}, 1, "shm"),
+        ("3d", {"y": 2}, 1, "shm"),
+        ("3d", {"z": 2}, 1, "shm"),
+        ("3d", {"x": 2}, 4, "shm"),
+        ("1d", {"x": 2}, 1, "shm"),
+        ("3d", {"x": 2}, 1, "gloo"),
+        ("3d", {"z": 2}, 1, "gloo"),
     ]
     load = os.getloadavg()
     res = run_distributed(_two_rank_worker, 2, folder, dims, reps, shapes, timeout=3600)[0]

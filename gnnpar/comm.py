@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from gnnpar import shm
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 
@@ -194,6 +195,14 @@ def _launch(
     return handle if async_op else handle.wait()
 
 
+def _channel(
+    grid: ProcessGrid, group: dist.ProcessGroup, largest: torch.Tensor
+) -> shm.Channel | None:
+    """The group's shared-memory channel when this collective should use it (a CPU tensor
+    of at least ``shm.min_bytes()`` on a group within one host); ``None`` for gloo."""
+    return shm.channel(grid.channels, group, largest.device, _nbytes(largest))
+
+
 def _done(result: torch.Tensor, async_op: bool) -> torch.Tensor | Handle:
     return Handle(None, lambda: result, "local") if async_op else result
 
@@ -250,19 +259,23 @@ def all_reduce(
     _account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(tensor), p))
     red = getattr(dist.ReduceOp, _REDUCE_OPS.get(op, "SUM"))
 
+    # gloo reduces a strided tensor's storage, not its view: move it through a dense copy.
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+
     def finish() -> torch.Tensor:
         if op == "avg":
-            tensor.div_(p)
+            buf.div_(p)
+        if buf is not tensor:
+            tensor.copy_(buf)
         return tensor
 
-    return _launch(
-        "all_reduce",
-        grid,
-        axis,
-        lambda: dist.all_reduce(tensor, op=red, group=group, async_op=True),
-        finish,
-        async_op,
-    )
+    def start() -> object:
+        chan = _channel(grid, group, buf)
+        if chan is not None and chan.all_reduce(buf, "sum" if op == "avg" else op):
+            return None
+        return dist.all_reduce(buf, op=red, group=group, async_op=True)
+
+    return _launch("all_reduce", grid, axis, start, finish, async_op)
 
 
 def broadcast(
@@ -278,14 +291,21 @@ def broadcast(
     if not 0 <= src < len(members):
         raise ValueError(f"broadcast source {src} is outside axis '{axis}' of {len(members)}")
     _account(grid, axis, "broadcast", ring_bytes("broadcast", _nbytes(tensor), len(members)))
-    return _launch(
-        "broadcast",
-        grid,
-        axis,
-        lambda: dist.broadcast(tensor, src=members[src], group=group, async_op=True),
-        lambda: tensor,
-        async_op,
-    )
+
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+
+    def start() -> object:
+        chan = _channel(grid, group, buf)
+        if chan is not None and chan.broadcast(buf, src):
+            return None
+        return dist.broadcast(buf, src=members[src], group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if buf is not tensor:
+            tensor.copy_(buf)
+        return tensor
+
+    return _launch("broadcast", grid, axis, start, finish, async_op)
 
 
 def gather_sizes(n: int, grid: ProcessGrid, axis: str) -> list[int]:
@@ -345,14 +365,13 @@ def all_gather(
             full = torch.cat([out[i * rows : i * rows + s] for i, s in enumerate(sizes)])
         return full.movedim(0, dim) if dim else full
 
-    return _launch(
-        "all_gather",
-        grid,
-        axis,
-        lambda: _all_gather_single(out, send, group, True),
-        finish,
-        async_op,
-    )
+    def start() -> object:
+        chan = _channel(grid, group, out)
+        if chan is not None and chan.all_gather(out, send):
+            return None
+        return _all_gather_single(out, send, group, True)
+
+    return _launch("all_gather", grid, axis, start, finish, async_op)
 
 
 def reduce_scatter(
@@ -398,14 +417,13 @@ def reduce_scatter(
         mine = out[: sizes[me]]
         return mine.movedim(0, dim) if dim else mine
 
-    return _launch(
-        "reduce_scatter",
-        grid,
-        axis,
-        lambda: _reduce_scatter_single(out, send, group, True),
-        finish,
-        async_op,
-    )
+    def start() -> object:
+        chan = _channel(grid, group, send)
+        if chan is not None and chan.reduce_scatter(out, send):
+            return None
+        return _reduce_scatter_single(out, send, group, True)
+
+    return _launch("reduce_scatter", grid, axis, start, finish, async_op)
 
 
 def all_to_all(

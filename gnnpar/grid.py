@@ -25,6 +25,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from gnnpar import shm
 from gnnpar.fmt import count
 from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
@@ -151,6 +152,8 @@ class ProcessGrid(GridShape):
     owns_process_group: bool = dataclasses.field(default=False, repr=False)
     # Traffic recorders opened by gnnpar.comm.record(); the list object is owned by this grid.
     recorders: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+    # Shared-memory channels of this grid's groups (gnnpar.shm), created on first use.
+    channels: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def distributed(self) -> bool:
@@ -490,6 +493,7 @@ def release(grid: ProcessGrid) -> None:
     several shapes): every gloo group holds threads, and hundreds of leftover groups slow
     the whole machine.
     """
+    shm.release(grid.channels)
     if not (dist.is_available() and dist.is_initialized()):
         return
     seen: set[int] = set()

@@ -108,6 +108,11 @@ class NodeGroups:
         return self.grid.recorders
 
     @property
+    def channels(self) -> dict:
+        """The grid's shared-memory channels (:mod:`gnnpar.shm`), keyed by group."""
+        return self.grid.channels
+
+    @property
     def global_rank(self) -> int:
         """This process's global rank."""
         return self.grid.global_rank
