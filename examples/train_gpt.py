@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
@@ -40,6 +40,7 @@ from gnnpar.grid import parse_grid_spec
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
 from gnnpar.nn.gpt import GPT, Block, GPTConfig
 from gnnpar.shard import by_type, shard
+from gnnpar.train.schedule import apply as apply_schedule
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -67,12 +68,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def lr_at(args: argparse.Namespace, step: int) -> float:
-    """Linear warm-up over 20 steps, then cosine decay to a tenth."""
-    if step < 20:
-        return args.lr * (step + 1) / 20
-    progress = (step - 20) / max(1, args.steps - 20)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+def lr_schedule(args: argparse.Namespace) -> SimpleNamespace:
+    """The trainer's schedule keys: linear warm-up over 20 steps, then cosine decay to a
+    tenth (``gnnpar.train.schedule`` computes it, as for ``gnnpar train``)."""
+    return SimpleNamespace(
+        lr=args.lr, warmup=20, lr_schedule="cosine", min_lr=args.lr / 10,
+        lr_gamma=1.0, lr_step_every=1,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps,
                disable=not rank0 or args.quiet)  # fmt: skip
     t0 = time.perf_counter()
+    schedule = lr_schedule(args)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(args, step)
+        apply_schedule(opt, schedule, step, args.steps)
         x, y = batches.batch(step)
         loss = tensor.cross_entropy(model(x), y, model.lm_head)  # logits split over vocab
         loss.backward()  # gradients reduced over data (and z) while backward runs
