@@ -85,6 +85,14 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of the balanced chunks :func:`gnnpar.comm.chunk_sizes` gives."""
+    from gnnpar.comm import chunk_offsets, chunk_sizes  # comm imports this module
+
+    sizes = chunk_sizes(n, parts)
+    return [(o, o + s) for o, s in zip(chunk_offsets(sizes), sizes, strict=True)]
+
+
 class Channel:
     """The shared segment of one process group, and the collectives that use it."""
 
@@ -176,26 +184,23 @@ class Channel:
     def all_reduce(self, tensor: torch.Tensor, op: str) -> bool:
         """Reduce ``tensor`` in place (``op``: sum, max, min, product) over the group.
 
-        Each rank reduces one chunk of the flat tensor over the slots in group order into a
-        result area, and after a sync every rank copies the whole result: every element is
-        reduced once, so all ranks hold the same bits.
+        Rank r reduces chunk r of the flat tensor over the slots in group order and writes it
+        back over chunk r of its own slot (which no other rank reads); after a sync every rank
+        copies chunk c from slot c. Every element is reduced once, so all ranks hold the same
+        bits, and the segment holds p inputs, nothing more.
         """
         flat = tensor.reshape(-1)
         full = _aligned(flat.numel() * flat.element_size())
-        if not self._begin((self.size + 1) * full):
+        if not self._begin(self.size * full):
             return False
         self._region(self.rank * full, flat).copy_(flat)
         self.sync()
-        result = self._region(self.size * full, flat)
-        base, extra = divmod(flat.numel(), self.size)
-        start = self.rank * base + min(self.rank, extra)
-        stop = start + base + (1 if self.rank < extra else 0)
-        acc = result[start:stop]
-        for r in range(self.size):
+        bounds = _chunk_bounds(flat.numel(), self.size)
+        start, stop = bounds[self.rank]
+        acc = self._region(0, flat)[start:stop].clone()
+        for r in range(1, self.size):
             part = self._region(r * full, flat)[start:stop]
-            if r == 0:
-                acc.copy_(part)
-            elif op == "sum":
+            if op == "sum":
                 acc.add_(part)
             elif op == "product":
                 acc.mul_(part)
@@ -203,8 +208,10 @@ class Channel:
                 torch.maximum(acc, part, out=acc)
             else:
                 torch.minimum(acc, part, out=acc)
+        self._region(self.rank * full, flat)[start:stop].copy_(acc)
         self.sync()
-        flat.copy_(result)
+        for r, (lo, hi) in enumerate(bounds):
+            flat[lo:hi].copy_(self._region(r * full, flat)[lo:hi])
         return True
 
     def broadcast(self, tensor: torch.Tensor, src_index: int) -> bool:
