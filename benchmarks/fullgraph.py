@@ -15,7 +15,9 @@ On R-MAT graphs (128 features; 3 layers of width 128), in one run:
     128, float32 / bfloat16 / float64): time of each, the fastest, and the layers' pick
     (their autotune chooses among the dtype's bit-identical variants);
 (2) the 2-rank epoch (one thread per rank) of every 2-rank shape beside the 1-rank epoch,
-    ``balanced-local`` shards (medians of 5, spread);
+    ``balanced-local`` shards, in 5 interleaved rounds of a fresh 1-rank world then a fresh
+    2-rank world (ratio per round: median and spread); two shapes also over plain gloo, with
+    the same-host shared-memory transport (:mod:`gnnpar.shm`) off;
 (b) bytes per epoch of the 1D, 2D and 3D algorithms at 8 ranks (``--scale``, default 18),
     measured by gnnpar's comm accounting, beside the analytic model (:mod:`gnnpar.plan` for
     3D, each algorithm's formulas for 1D and 2D);
@@ -28,6 +30,7 @@ Run::
     python benchmarks/fullgraph.py              # full run (tens of minutes on 2 cores)
     python benchmarks/fullgraph.py --scale 14 --single-scales 14
     python benchmarks/fullgraph.py --quick      # scale 12, 3 runs each (a smoke run)
+    python benchmarks/fullgraph.py --two-ranks-only --no-eight-ranks   # (2) alone
 
 Writes ``benchmarks/out/fullgraph.json`` and prints the tables with ratios.
 """
@@ -246,13 +249,15 @@ def spmm_by_permutation(shards: dict[str, str], reps: int, width: int = 128) -> 
     return {"cpu_s": out, "ratio_to_none": {p: v["median"] / base for p, v in out.items()}}
 
 
-def _two_rank_worker(folder: str, dims: list[int], reps: int, shapes: list) -> dict:
-    """Runs on both ranks (one thread each): epoch times of each 2-rank shape."""
+def _two_rank_worker(folder: str, dims: list[int], epochs: int, shapes: list) -> dict:
+    """Runs on every rank of a world of 1 or 2 (one thread each): after a warm-up epoch,
+    the median of ``epochs`` timed epochs of each shape."""
     import gnnpar
     from gnnpar import comm
     from gnnpar.sparse import parallelize_fullgraph
     from gnnpar.sparse.shards import DiskSource
 
+    torch.set_num_threads(1)
     source = DiskSource(folder)
     out = {}
     for algo, shape, chunks, transport in shapes:
@@ -273,20 +278,23 @@ def _two_rank_worker(folder: str, dims: list[int], reps: int, shapes: list) -> d
 
         step()
         times = []
-        for _ in range(reps):
+        for _ in range(epochs):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        key = f"{algo} " + ",".join(f"{k}={v}" for k, v in shape.items())
+        key = f"{algo} " + ",".join(f"{k}={v}" for k, v in shape.items()) if shape else "1 rank"
         key += f" overlap {chunks}" if chunks > 1 else ""
-        out[key + (" gloo" if transport == "gloo" else "")] = _summary(times)
+        out[key + (" gloo" if transport == "gloo" else "")] = statistics.median(times)
         gnnpar.release(grid)
     return out
 
 
-def two_ranks(folder: str, dims: list[int], reps: int, one_rank: dict) -> dict:
-    """(2): every 2-rank shape (one thread per rank) beside the one-rank epoch; two shapes
-    also with the same-host shared-memory transport off (plain gloo)."""
+def two_ranks(folder: str, dims: list[int], reps: int) -> dict:
+    """(2): every 2-rank shape (one thread per rank) beside one rank, interleaved: each of
+    ``reps`` rounds runs a fresh 1-rank world, then a fresh 2-rank world with every shape;
+    each value is the median of 2 epochs after a warm-up. Ratios are taken per round, and
+    their median and spread reported. Two shapes also run with the same-host shared-memory
+    transport off (plain gloo)."""
     from gnnpar.testing import run_distributed
 
     shapes = [
@@ -299,21 +307,40 @@ def two_ranks(folder: str, dims: list[int], reps: int, one_rank: dict) -> dict:
         ("3d", {"z": 2}, 1, "gloo"),
     ]
     load = os.getloadavg()
-    res = run_distributed(_two_rank_worker, 2, folder, dims, reps, shapes, timeout=3600)[0]
-    base = one_rank["median"]
-    best = min(res, key=lambda k: res[k]["median"])
+    one, two = [], []
+    for _ in range(reps):
+        one.append(run_distributed(_two_rank_worker, 1, folder, dims, 2, [("3d", {}, 1, "shm")],
+                                   timeout=3600)[0]["1 rank"])  # fmt: skip
+        two.append(run_distributed(_two_rank_worker, 2, folder, dims, 2, shapes,
+                                   timeout=3600)[0])  # fmt: skip
+    res = {k: _summary([t[k] for t in two]) for k in two[0]}
+    ratios = {k: _summary([t[k] / o for t, o in zip(two, one, strict=True)]) for k in two[0]}
+    best = min(ratios, key=lambda k: ratios[k]["median"])
     return {
         "shapes": res,
-        "one_rank": one_rank,
-        "ratio_to_one_rank": {k: v["median"] / base for k, v in res.items()},
+        "one_rank": _summary(one),
+        "ratio_to_one_rank": {k: v["median"] for k, v in ratios.items()},
+        "ratio_spread": ratios,
         "best": best,
-        "best_ratio": res[best]["median"] / base,
-        "best_ratio_range": [
-            res[best]["min"] / one_rank["max"],
-            res[best]["max"] / one_rank["min"],
-        ],
+        "best_ratio": ratios[best]["median"],
+        "best_ratio_range": [ratios[best]["min"], ratios[best]["max"]],
         "load_average": [load, os.getloadavg()],
     }
+
+
+def _print_two_ranks(two: dict, reps: int) -> None:
+    print(f"(2) 2 ranks vs 1, one thread each, balanced-local, {reps} interleaved rounds: "
+          "epoch median (min-max), ratio to 1 rank per round: median (min-max)")  # fmt: skip
+    print(f"    {'1 rank':<22} {_spread(two['one_rank'])}")
+    for name, t in two["shapes"].items():
+        r = two["ratio_spread"][name]
+        print(f"    {name:<22} {_spread(t)}   {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})")
+    lo, hi = two["best_ratio_range"]
+    print(
+        f"    best {two['best']}: {two['best_ratio']:.2f}x the 1-rank epoch "
+        f"(spread {lo:.2f}-{hi:.2f}); load average {two['load_average']}",
+        flush=True,
+    )
 
 
 def single_scale(scale: int, args, tmp: Path, graph=None) -> tuple[dict, dict, object]:
@@ -327,11 +354,15 @@ def single_scale(scale: int, args, tmp: Path, graph=None) -> tuple[dict, dict, o
     dims = [args.features, 128, 128, int(graph.num_classes)]
     print(f"\nR-MAT scale {scale}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges")
     shards = {}
-    for perm in PERMUTATIONS:
+    for perm in ("balanced-local",) if args.two_ranks_only else PERMUTATIONS:
         t = time.perf_counter()
         folder = tmp / f"s{scale}-{perm}"
         shards[perm] = str(prepare_shards(graph, folder, blocks=(8, 8), permutation=perm))
         print(f"  shards ({perm} permutation) in {time.perf_counter() - t:.1f}s", flush=True)
+    if args.two_ranks_only:
+        two = two_ranks(shards["balanced-local"], dims, args.reps)
+        _print_two_ranks(two, args.reps)
+        return {"two_ranks": two}, shards, graph
     a = one_rank_vs_pyg(shards, graph, dims, args.reps)
     print(f"(a) one rank, one thread, epoch time: median of {args.reps} interleaved (min-max)")
     for name, t in a["epoch_s"].items():
@@ -351,16 +382,8 @@ def single_scale(scale: int, args, tmp: Path, graph=None) -> tuple[dict, dict, o
         times = "  ".join(f"{n} {ms:.1f}" for n, ms in row["ms"].items())
         print(f"    {row['dtype']:<8} {row['product']:<7} width {row['width']:>3}: {times}"
               f"   fastest {row['fastest']}, pick {row['pick']}")  # fmt: skip
-    two = two_ranks(shards["balanced-local"], dims, args.reps, a["epoch_s"]["ours balanced-local"])
-    print("(2) 2 ranks, one thread each, balanced-local: epoch median (min-max), / 1 rank")
-    for name, t in two["shapes"].items():
-        print(f"    {name:<22} {_spread(t)}   {two['ratio_to_one_rank'][name]:.2f}x")
-    lo, hi = two["best_ratio_range"]
-    print(
-        f"    best {two['best']}: {two['best_ratio']:.2f}x the 1-rank epoch "
-        f"(spread {lo:.2f}-{hi:.2f}); load average {two['load_average']}",
-        flush=True,
-    )
+    two = two_ranks(shards["balanced-local"], dims, args.reps)
+    _print_two_ranks(two, args.reps)
     return {"pyg": a, "spmm_by_permutation": loc, "kernels": k, "two_ranks": two}, shards, graph
 
 
@@ -427,6 +450,9 @@ def main() -> None:
     parser.add_argument("--no-eight-ranks", action="store_true", help="skip (b), (c) and (d)")
     parser.add_argument("--json", default=str(OUT / "fullgraph.json"), help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="R-MAT scale 12, 3 runs each")
+    parser.add_argument(
+        "--two-ranks-only", action="store_true", help="of the single-scale parts, only (2)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.scale, args.single_scales, args.epochs, args.reps = 12, "12", 1, 3
