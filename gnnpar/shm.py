@@ -6,9 +6,11 @@ every rank of a group runs on one host, a collective can instead write each rank
 into a segment that all of them map, and read what it needs once (a 32 MB-per-rank all-gather
 on 2 ranks takes about a tenth of gloo's time).
 
-One :class:`Channel` serves one process group. Every collective on it runs
+One :class:`Channel` serves one process group. Every collective on it walks its buffer in
+windows that fit the segment (at most :func:`max_bytes`, default 64 MiB, so the transport's
+memory is bounded whatever the tensor), and each window runs
 
-1. a *sync*: every peer has finished reading the previous collective, so the segment may be
+1. a *sync*: every peer has finished reading the previous window, so the segment may be
    overwritten;
 2. each rank writes its input into its slot of the segment;
 3. a sync: every slot is written;
@@ -20,7 +22,7 @@ CPU, and turns a dead or slow peer into the same error and timeout as every gloo
 The segment is created under :func:`shm_dir` with its space reserved up front (so a full
 ``/dev/shm`` is an error at creation, never a crash at first write), mapped by every rank and
 unlinked at once, so nothing is left behind even if a rank is killed. It grows to the largest
-collective seen; every rank agrees on each growth, and a group where the segment cannot be
+window seen; every rank agrees on each growth, and a group where the segment cannot be
 made falls back to gloo for good, on every rank alike.
 
 Only groups whose ranks share one host use it (checked by exchanging each host's boot id and
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_MIN_BYTES = 256 * 1024
+DEFAULT_MAX_BYTES = 64 << 20
 _ALIGN = 64
 
 
@@ -56,18 +59,29 @@ def enabled() -> bool:
     return os.environ.get("GNNPAR_SHM", "1") != "0"
 
 
-def min_bytes() -> int:
-    """Smallest collective (bytes of its largest buffer) that goes through shared memory."""
-    raw = os.environ.get("GNNPAR_SHM_MIN_BYTES")
+def _env_bytes(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_MIN_BYTES
+        return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"GNNPAR_SHM_MIN_BYTES must be a byte count, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"GNNPAR_SHM_MIN_BYTES must not be negative, got {value}")
+        raise ValueError(f"{name} must be a byte count, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return value
+
+
+def min_bytes() -> int:
+    """Smallest collective (bytes of its largest buffer) that goes through shared memory
+    (``GNNPAR_SHM_MIN_BYTES``, default 256 KiB)."""
+    return _env_bytes("GNNPAR_SHM_MIN_BYTES", DEFAULT_MIN_BYTES, 0)
+
+
+def max_bytes() -> int:
+    """Largest segment of a group (``GNNPAR_SHM_MAX_BYTES``, default 64 MiB): larger
+    collectives move through it in windows, so the transport's memory stays bounded."""
+    return _env_bytes("GNNPAR_SHM_MAX_BYTES", DEFAULT_MAX_BYTES, 1)
 
 
 def _host_id() -> int:
@@ -119,7 +133,7 @@ class Channel:
             return True
         self._generation += 1
         path = os.path.join(shm_dir(), f"gnnpar-{self.token & (2**64 - 1):016x}-{self._generation}")
-        capacity = max(nbytes, 2 * self._bytes.numel())
+        capacity = max(nbytes, min(2 * self._bytes.numel(), max_bytes()))
         ok = torch.ones(1, dtype=torch.int32)
         new_map = None
         try:
@@ -144,87 +158,128 @@ class Channel:
         self._bytes = torch.frombuffer(new_map, dtype=torch.uint8)
         return True
 
-    def _region(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        n = like.numel() * like.element_size()
-        return self._bytes[offset : offset + n].view(like.dtype).view(like.shape)
+    def _elems(self, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``n`` elements of ``dtype`` at byte ``offset`` of the segment."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return self._bytes[offset : offset + n * size].view(dtype)
+
+    def _window(self, need: int, esize: int, per_slot: int = 1, slots: int | None = None) -> int:
+        """Elements per window: ``slots`` (default p) 64-byte aligned slots of
+        ``per_slot``·window elements fit :func:`max_bytes` (at least one element each)."""
+        room = max(_ALIGN, max_bytes() // (slots or self.size) // _ALIGN * _ALIGN)
+        return max(1, min(need, room // (per_slot * esize)))
 
     def _begin(self, nbytes: int) -> bool:
-        self.sync()  # every peer is done reading the last collective
+        self.sync()  # every peer is done reading the last window
         return self._ensure(nbytes)
 
     # ------------------------------------------------------------------------ collectives
+    # Each collective walks its buffer in windows that fit the segment; a window starts with
+    # the sync that lets it overwrite the last one. Only the first window can grow the
+    # segment, so a fallback to gloo (False) happens before anything was written.
     def all_gather(self, out: torch.Tensor, send: torch.Tensor) -> bool:
         """``out`` (p pieces of ``send``'s shape, concatenated) gets every rank's ``send``.
         Returns False (nothing done) where the group fell back to gloo."""
-        piece = send.numel() * send.element_size()
-        if not self._begin(self.size * piece):
-            return False
-        self._region(self.rank * piece, send).copy_(send)
-        self.sync()
-        out.copy_(self._region(0, out))
+        src, dst = _as_bytes(send), _as_bytes(out)
+        piece = src.numel()
+        w = self._window(piece, 1)
+        stride = _aligned(w)
+        for o in range(0, piece, w):
+            n = min(w, piece - o)
+            if not self._begin(self.size * stride):
+                return False
+            self._bytes[self.rank * stride : self.rank * stride + n].copy_(src[o : o + n])
+            self.sync()
+            for r in range(self.size):
+                dst[r * piece + o : r * piece + o + n].copy_(
+                    self._bytes[r * stride : r * stride + n]
+                )
         return True
 
     def reduce_scatter(self, out: torch.Tensor, send: torch.Tensor) -> bool:
-        """``out`` gets chunk ``rank`` (of p equal chunks along dim 0) of the sum of every
-        rank's ``send``, summed in group order."""
-        full = _aligned(send.numel() * send.element_size())
-        if not self._begin(self.size * full):
-            return False
-        self._region(self.rank * full, send).copy_(send)
-        self.sync()
-        rows = out.shape[0]
-        for r in range(self.size):
-            mine = self._region(r * full, send)[self.rank * rows : (self.rank + 1) * rows]
-            if r == 0:
-                out.copy_(mine)
-            else:
-                out.add_(mine)
+        """``out`` gets chunk ``rank`` (of p equal chunks of the flat ``send``) of the sum of
+        every rank's ``send``, summed in group order."""
+        p, src, dst = self.size, send.reshape(-1), out.reshape(-1)
+        chunk = dst.numel()
+        w = self._window(chunk, src.element_size(), per_slot=p)
+        stride = _aligned(p * w * src.element_size())
+        for o in range(0, chunk, w):
+            n = min(w, chunk - o)
+            if not self._begin(p * stride):
+                return False
+            slot = self._elems(self.rank * stride, p * w, src.dtype)
+            for c in range(p):  # slot r holds, per destination c, its part of c's chunk
+                slot[c * w : c * w + n].copy_(src[c * chunk + o : c * chunk + o + n])
+            self.sync()
+            for r in range(p):
+                part = self._elems(r * stride, p * w, src.dtype)[self.rank * w : self.rank * w + n]
+                if r == 0:
+                    dst[o : o + n].copy_(part)
+                else:
+                    dst[o : o + n].add_(part)
         return True
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> bool:
         """Reduce ``tensor`` in place (``op``: sum, max, min, product) over the group.
 
-        Rank r reduces chunk r of the flat tensor over the slots in group order and writes it
-        back over chunk r of its own slot (which no other rank reads); after a sync every rank
+        Per window, rank r reduces chunk r over the slots in group order and writes it back
+        over chunk r of its own slot (which no other rank reads); after a sync every rank
         copies chunk c from slot c. Every element is reduced once, so all ranks hold the same
         bits, and the segment holds p inputs, nothing more.
         """
-        flat = tensor.reshape(-1)
-        full = _aligned(flat.numel() * flat.element_size())
-        if not self._begin(self.size * full):
-            return False
-        self._region(self.rank * full, flat).copy_(flat)
-        self.sync()
-        bounds = _chunk_bounds(flat.numel(), self.size)
-        start, stop = bounds[self.rank]
-        acc = self._region(0, flat)[start:stop].clone()
-        for r in range(1, self.size):
-            part = self._region(r * full, flat)[start:stop]
-            if op == "sum":
-                acc.add_(part)
-            elif op == "product":
-                acc.mul_(part)
-            elif op == "max":
-                torch.maximum(acc, part, out=acc)
-            else:
-                torch.minimum(acc, part, out=acc)
-        self._region(self.rank * full, flat)[start:stop].copy_(acc)
-        self.sync()
-        for r, (lo, hi) in enumerate(bounds):
-            flat[lo:hi].copy_(self._region(r * full, flat)[lo:hi])
+        p, flat = self.size, tensor.reshape(-1)
+        total = flat.numel()
+        w = self._window(total, flat.element_size())
+        stride = _aligned(w * flat.element_size())
+        for o in range(0, total, w):
+            n = min(w, total - o)
+            if not self._begin(p * stride):
+                return False
+            mine = self._elems(self.rank * stride, n, flat.dtype)
+            mine.copy_(flat[o : o + n])
+            self.sync()
+            bounds = _chunk_bounds(n, p)
+            lo, hi = bounds[self.rank]
+            acc = self._elems(0, n, flat.dtype)[lo:hi].clone()
+            for r in range(1, p):
+                _combine(acc, self._elems(r * stride, n, flat.dtype)[lo:hi], op)
+            mine[lo:hi].copy_(acc)
+            self.sync()
+            for r, (a, b) in enumerate(bounds):
+                flat[o + a : o + b].copy_(self._elems(r * stride, n, flat.dtype)[a:b])
         return True
 
     def broadcast(self, tensor: torch.Tensor, src_index: int) -> bool:
         """Copy the tensor of the rank with group index ``src_index`` into every rank's."""
-        if not self._begin(tensor.numel() * tensor.element_size()):
-            return False
-        flat = tensor.reshape(-1)
-        if self.rank == src_index:
-            self._region(0, flat).copy_(flat)
-        self.sync()
-        if self.rank != src_index:
-            tensor.copy_(self._region(0, flat).view(tensor.shape))
+        flat = _as_bytes(tensor)
+        total = flat.numel()
+        w = self._window(total, 1, slots=1)
+        for o in range(0, total, w):
+            n = min(w, total - o)
+            if not self._begin(_aligned(w)):
+                return False
+            if self.rank == src_index:
+                self._bytes[:n].copy_(flat[o : o + n])
+            self.sync()
+            if self.rank != src_index:
+                flat[o : o + n].copy_(self._bytes[:n])
         return True
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _combine(acc: torch.Tensor, part: torch.Tensor, op: str) -> None:
+    if op == "sum":
+        acc.add_(part)
+    elif op == "product":
+        acc.mul_(part)
+    elif op == "max":
+        torch.maximum(acc, part, out=acc)
+    else:
+        torch.minimum(acc, part, out=acc)
 
 
 def channel(

@@ -42,14 +42,17 @@ def _ordered(parts: list[torch.Tensor], op: str) -> torch.Tensor:
     return acc / len(parts) if op == "avg" else acc
 
 
-def _check_collectives(p: int, transport: str = "shm") -> dict:
+def _check_collectives(p: int, transport: str = "shm", segment: int | None = None) -> dict:
     """Runs on every rank of an x=p grid with the transport on for every size (or off, for
-    gloo's bytes: gloo's ring sums in another order, so its sums are close, not identical)."""
+    gloo's bytes: gloo's ring sums in another order, so its sums are close, not identical).
+    ``segment`` caps the segment's bytes, so the collectives walk it in several windows."""
     import gnnpar
     from gnnpar import comm, shm
 
     os.environ["GNNPAR_SHM_MIN_BYTES"] = "0"
     os.environ["GNNPAR_SHM"] = "1" if transport == "shm" else "0"
+    if segment is not None:
+        os.environ["GNNPAR_SHM_MAX_BYTES"] = str(segment)
     exact = {"rtol": 0, "atol": 0} if transport == "shm" else {"rtol": 0.05, "atol": 0.1}
     grid = gnnpar.init(x=p)
     me = grid.rank("x")
@@ -94,9 +97,11 @@ def _check_collectives(p: int, transport: str = "shm") -> dict:
     view = base[me].clone().t()
     comm.broadcast(view, grid, "x", src=0)
     torch.testing.assert_close(view, base[0].t(), rtol=0, atol=0)
+    largest = chan._bytes.numel() if used else 0
     gnnpar.release(grid)
     return {
         "used": used,
+        "segment_bytes": largest,
         "bytes": traffic.as_dict(),
         "bits": [b.flatten().tolist() for b in bits],
         "min_default": shm.DEFAULT_MIN_BYTES,
@@ -112,6 +117,16 @@ def test_shared_memory_collectives_equal_the_serial_reference(p):
     gloo = run_distributed(_check_collectives, p, p, "gloo")
     assert not any(r["used"] for r in gloo)
     assert [r["bytes"] for r in results] == [r["bytes"] for r in gloo]
+
+
+def test_a_small_segment_carries_large_collectives_in_windows():
+    # 3 ranks, a 200-byte cap: every collective above (up to 45 float64 values per rank, 15
+    # rows per reduce-scatter destination) needs several windows, some of one element
+    results = run_distributed(_check_collectives, 3, 3, "shm", 200)
+    assert all(r["used"] for r in results)
+    assert all(r["bits"] == results[0]["bits"] for r in results)
+    # the cap holds (it is at least p aligned 64-byte slots)
+    assert all(0 < r["segment_bytes"] <= 200 for r in results)
 
 
 def _fallback(p: int) -> dict:
