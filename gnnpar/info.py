@@ -6,10 +6,12 @@ The probe's JSON (``--json FILE``) is a measured bandwidth table::
     {"schema": 1, "world_size": 4, "ranks_per_node": 4, "backend": "gloo",
      "grid": {"data": 1, "x": 2, "y": 2, "z": 1},
      "entries": [{"axis": "x", "group_size": 2, "intra_node": true, "kind": "all_reduce",
-                  "bytes": 4194304, "seconds": 0.0021, "busbw_gbps": 3.9}, ...]}
+                  "bytes": 4194304, "seconds": 0.0021, "busbw_gbps": 3.9,
+                  "transport": "shm"}, ...]}
 
 ``busbw_gbps`` is the NCCL-tests convention: the ring bytes each rank moves (see
-:func:`gnnpar.comm.ring_bytes`) divided by the time, in GB/s.
+:func:`gnnpar.comm.ring_bytes`) divided by the time, in GB/s. ``transport`` says what carried
+it: ``shm`` for the same-host shared-memory transport (:mod:`gnnpar.shm`), else the backend.
 """
 
 from __future__ import annotations
@@ -120,9 +122,20 @@ def probe(grid: ProcessGrid, nbytes: int = 4 << 20, iters: int = 5) -> list[dict
                     "bytes": n * 4,
                     "seconds": seconds,
                     "busbw_gbps": moved / seconds / 1e9,
+                    "transport": _transport(grid, axis, kind),
                 }
             )
     return entries
+
+
+def _transport(grid: ProcessGrid, axis: str, kind: str) -> str:
+    """What carried a probed collective: ``shm`` (the same-host transport, :mod:`gnnpar.shm`)
+    or the backend."""
+    group = grid.group(axis)
+    chan = grid.channels.get(id(group)) if group is not None else None
+    if kind != "all_to_all" and chan is not None and chan.usable:
+        return "shm"
+    return grid.backend
 
 
 def format_table(entries: list[dict]) -> str:
