@@ -195,12 +195,24 @@ def _launch(
     return handle if async_op else handle.wait()
 
 
-def _channel(
-    grid: ProcessGrid, group: dist.ProcessGroup, largest: torch.Tensor
-) -> shm.Channel | None:
-    """The group's shared-memory channel when this collective should use it (a CPU tensor
-    of at least ``shm.min_bytes()`` on a group within one host); ``None`` for gloo."""
-    return shm.channel(grid.channels, group, largest.device, _nbytes(largest))
+def _shm_or_backend(
+    grid: ProcessGrid,
+    group: dist.ProcessGroup,
+    largest: torch.Tensor,
+    via_shm: Callable[[shm.Channel], bool],
+    via_backend: Callable[[], object],
+) -> Callable[[], object]:
+    """The start of a collective: through the group's shared-memory channel when it should
+    carry it (a CPU tensor of at least ``shm.min_bytes()`` on a group within one host; done
+    when it returns, so no work handle), else through the backend (its async work)."""
+
+    def start() -> object:
+        chan = shm.channel(grid.channels, group, largest.device, _nbytes(largest))
+        if chan is not None and via_shm(chan):
+            return None
+        return via_backend()
+
+    return start
 
 
 def _done(result: torch.Tensor, async_op: bool) -> torch.Tensor | Handle:
@@ -269,12 +281,13 @@ def all_reduce(
             tensor.copy_(buf)
         return tensor
 
-    def start() -> object:
-        chan = _channel(grid, group, buf)
-        if chan is not None and chan.all_reduce(buf, "sum" if op == "avg" else op):
-            return None
-        return dist.all_reduce(buf, op=red, group=group, async_op=True)
-
+    start = _shm_or_backend(
+        grid,
+        group,
+        buf,
+        lambda chan: chan.all_reduce(buf, "sum" if op == "avg" else op),
+        lambda: dist.all_reduce(buf, op=red, group=group, async_op=True),
+    )
     return _launch("all_reduce", grid, axis, start, finish, async_op)
 
 
@@ -294,11 +307,13 @@ def broadcast(
 
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
 
-    def start() -> object:
-        chan = _channel(grid, group, buf)
-        if chan is not None and chan.broadcast(buf, src):
-            return None
-        return dist.broadcast(buf, src=members[src], group=group, async_op=True)
+    start = _shm_or_backend(
+        grid,
+        group,
+        buf,
+        lambda chan: chan.broadcast(buf, src),
+        lambda: dist.broadcast(buf, src=members[src], group=group, async_op=True),
+    )
 
     def finish() -> torch.Tensor:
         if buf is not tensor:
@@ -365,12 +380,13 @@ def all_gather(
             full = torch.cat([out[i * rows : i * rows + s] for i, s in enumerate(sizes)])
         return full.movedim(0, dim) if dim else full
 
-    def start() -> object:
-        chan = _channel(grid, group, out)
-        if chan is not None and chan.all_gather(out, send):
-            return None
-        return _all_gather_single(out, send, group, True)
-
+    start = _shm_or_backend(
+        grid,
+        group,
+        out,
+        lambda chan: chan.all_gather(out, send),
+        lambda: _all_gather_single(out, send, group, True),
+    )
     return _launch("all_gather", grid, axis, start, finish, async_op)
 
 
@@ -417,12 +433,13 @@ def reduce_scatter(
         mine = out[: sizes[me]]
         return mine.movedim(0, dim) if dim else mine
 
-    def start() -> object:
-        chan = _channel(grid, group, send)
-        if chan is not None and chan.reduce_scatter(out, send):
-            return None
-        return _reduce_scatter_single(out, send, group, True)
-
+    start = _shm_or_backend(
+        grid,
+        group,
+        send,
+        lambda chan: chan.reduce_scatter(out, send),
+        lambda: _reduce_scatter_single(out, send, group, True),
+    )
     return _launch("reduce_scatter", grid, axis, start, finish, async_op)
 
 
