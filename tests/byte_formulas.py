@@ -1,6 +1,6 @@
 """Bytes each rank should move, written out from the algorithms' descriptions.
 
-Nothing here calls gnnpar's own byte formulas (``comm.ring_bytes``, ``layer_bytes``,
+Nothing here calls gnnpar's own byte formulas (``comm.ring_bytes``, the layers' schedules,
 ``expected_bytes``, the planner): the tests hold gnnpar's measured traffic against these, so a
 wrong factor in the implementation's formulas cannot hide behind the same factor here.
 
