@@ -1,4 +1,4 @@
-"""Plain full-graph GNN models: GCN and GraphSAGE (mean), serial and readable.
+"""Plain full-graph GNN models: GCN, GraphSAGE (mean) and GAT, serial and readable.
 
 They take the (normalised) adjacency as a :class:`~gnnpar.sparse.kernels.LocalSpMM` over the
 whole graph; parallelism is applied from outside by :func:`gnnpar.sparse.parallelize_fullgraph`,
@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from gnnpar.nn.dropout import index_dropout
+from gnnpar.nn.dropout import edge_dropout, index_dropout
+from gnnpar.sparse import attention
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 
 
@@ -70,8 +72,94 @@ class SAGELayer(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class GATLayer(nn.Module):
+    """Multi-head graph attention (Veličković et al.; PyG's ``GATConv`` with its defaults):
+    ``Z = H W`` split into ``heads`` heads of ``F`` features, per head
+    ``e_ij = LeakyReLU(a_dstᵀ Z_i + a_srcᵀ Z_j)`` on the adjacency's nonzeros (its structure
+    only; self loops come from the GCN-normalised Â), a softmax over each row's edges,
+    attention dropout, then ``out_i = Σ_j att_ij Z_j``; heads concatenated (hidden layers) or
+    averaged (``concat=False``, the output layer), plus the bias."""
+
+    num_ops = 1
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        heads: int = 1,
+        concat: bool = True,
+        attn_dropout: float = 0.0,
+        negative_slope: float = 0.2,
+        bias: bool = True,
+    ):
+        super().__init__()
+        if concat and out_dim % heads:
+            raise ValueError(f"a GAT layer of width {out_dim} cannot split into {heads} heads")
+        self.heads, self.concat = heads, concat
+        self.head_dim = out_dim // heads if concat else out_dim
+        self.out_dim = out_dim
+        self.attn_dropout, self.negative_slope = attn_dropout, negative_slope
+        self.weight = nn.Parameter(_glorot((in_dim, heads * self.head_dim)))
+        self.att_src = nn.Parameter(_glorot((heads, self.head_dim)))
+        self.att_dst = nn.Parameter(_glorot((heads, self.head_dim)))
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+
+    def stacked_weight(self) -> torch.Tensor:
+        """The weight (in × heads·F)."""
+        return self.weight
+
+    def stacked_weight_grad(self) -> torch.Tensor | None:
+        """Gradient of :meth:`stacked_weight`."""
+        return self.weight.grad
+
+    def forward(  # noqa: D102
+        self, adj: LocalSpMM, h: torch.Tensor, seed: int | None = None
+    ) -> torch.Tensor:
+        z = (h @ self.weight).view(h.shape[0], self.heads, self.head_dim)
+        rows, cols = attention.edges(adj.block)
+        ids = torch.arange(h.shape[0], device=h.device)
+        out = gat_attend(self, z, z, rows, cols, ids[rows], ids[cols], h.shape[0], seed)
+        out = out.reshape(h.shape[0], -1) if self.concat else out.mean(dim=1)
+        return out if self.bias is None else out + self.bias
+
+
+def gat_attend(
+    layer: GATLayer,
+    z_dst: torch.Tensor,
+    z_src: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    dst_ids: torch.Tensor,
+    src_ids: torch.Tensor,
+    num_rows: int,
+    seed: int | None,
+    row_max: attention.Reduce | None = None,
+    row_sum: attention.Reduce | None = None,
+    alpha_dst: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention part of ``layer`` on one block (rows × K × F out): scores from ``z_dst``
+    (rows' Z, or ``alpha_dst`` given directly) and ``z_src`` (columns' Z), softmax (reduced
+    by ``row_max`` / ``row_sum`` over ranks sharing rows), dropout by global edge ids, SpMM."""
+    if alpha_dst is None:
+        alpha_dst = (z_dst * layer.att_dst).sum(-1)
+    alpha_src = (z_src * layer.att_src).sum(-1)
+    e = attention.edge_logits(alpha_dst, alpha_src, rows, cols, layer.negative_slope)
+    att = attention.edge_softmax(e, rows, num_rows, row_max, row_sum)
+    att = edge_dropout(att, layer.attn_dropout, seed, dst_ids, src_ids, layer.training)
+    return attention.attend(att, z_src, rows, cols, num_rows)
+
+
+ACTIVATIONS = {"gcn": torch.relu, "sage": torch.relu, "gat": F.elu}
+"""The nonlinearity between layers of each kind (ELU for GAT, as in its paper)."""
+
+
 class FullGraphGNN(nn.Module):
-    """A stack of GCN or SAGE layers with ReLU and index-seeded dropout between them."""
+    """A stack of GCN, SAGE or GAT layers with index-seeded dropout and the kind's
+    nonlinearity (:data:`ACTIVATIONS`) between them.
+
+    GAT: ``hidden`` is the width of a hidden layer, ``heads`` heads of ``hidden / heads``
+    features concatenated; the output layer averages ``out_heads`` heads of ``out_dim``;
+    ``attn_dropout`` drops attention values (by (seed, edge, head))."""
 
     def __init__(
         self,
@@ -82,26 +170,45 @@ class FullGraphGNN(nn.Module):
         dropout: float = 0.5,
         kind: str = "gcn",
         bias: bool = True,
+        heads: int = 1,
+        out_heads: int = 1,
+        attn_dropout: float = 0.0,
     ):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-        layer_cls = {"gcn": GCNLayer, "sage": SAGELayer}.get(kind)
-        if layer_cls is None:
-            raise ValueError(f"unknown full-graph model {kind!r}; use 'gcn' or 'sage'")
+        if kind not in ACTIVATIONS:
+            raise ValueError(f"unknown full-graph model {kind!r}; use one of {list(ACTIVATIONS)}")
         dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
         self.kind = kind
         self.dropout = dropout
-        self.layers = nn.ModuleList(
-            layer_cls(dims[i], dims[i + 1], bias) for i in range(num_layers)
-        )
+        self._dims = dims
+        if kind == "gat":
+            self.layers = nn.ModuleList(
+                GATLayer(
+                    dims[i],
+                    dims[i + 1],
+                    heads if i < num_layers - 1 else out_heads,
+                    concat=i < num_layers - 1,
+                    attn_dropout=attn_dropout,
+                    bias=bias,
+                )
+                for i in range(num_layers)
+            )
+        else:
+            layer_cls = GCNLayer if kind == "gcn" else SAGELayer
+            self.layers = nn.ModuleList(
+                layer_cls(dims[i], dims[i + 1], bias) for i in range(num_layers)
+            )
 
     @property
     def dims(self) -> list[int]:
         """Feature widths from input to output."""
-        return [self.layers[0].stacked_weight().shape[0] // self.layers[0].num_ops] + [
-            layer.stacked_weight().shape[1] for layer in self.layers
-        ]
+        return list(self._dims)
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """The nonlinearity between layers."""
+        return ACTIVATIONS[self.kind](h)
 
     def forward(
         self, adj: LocalSpMM, x: torch.Tensor, dropout_seed: int | None = None
@@ -113,9 +220,9 @@ class FullGraphGNN(nn.Module):
         for i, layer in enumerate(self.layers):
             seed = None if dropout_seed is None else dropout_seed * 1009 + i
             h = index_dropout(h, self.dropout, seed, rows, 0, self.training)
-            h = layer(adj, h)
+            h = layer(adj, h, seed) if self.kind == "gat" else layer(adj, h)
             if i < len(self.layers) - 1:
-                h = torch.relu(h)
+                h = self.act(h)
         return h
 
 
@@ -129,3 +236,22 @@ def GraphSAGE(  # noqa: N802
 ):
     """Full-graph GraphSAGE-mean (use with the row-normalised adjacency)."""
     return FullGraphGNN(in_dim, hidden, out_dim, num_layers, dropout, kind="sage")
+
+
+def GAT(  # noqa: N802
+    in_dim: int,
+    hidden: int,
+    out_dim: int,
+    num_layers: int = 2,
+    dropout: float = 0.6,
+    heads: int = 8,
+    out_heads: int = 1,
+    attn_dropout: float = 0.6,
+):
+    """Full-graph GAT (Veličković et al.): ``heads`` heads concatenated in hidden layers,
+    ``out_heads`` averaged in the output layer (use with the GCN-normalised adjacency, whose
+    structure holds the self loops)."""
+    return FullGraphGNN(
+        in_dim, hidden, out_dim, num_layers, dropout, "gat",
+        heads=heads, out_heads=out_heads, attn_dropout=attn_dropout,
+    )  # fmt: skip
