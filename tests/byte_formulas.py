@@ -219,3 +219,82 @@ def rows1d_bytes(
         if bias:
             bwd.add("tensor", "all_reduce", p, d_out * es)
     return fwd, bwd
+
+
+def gat3d_bytes(
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    heads: list[int],
+    es: int,
+    bias: bool,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 3D GAT model on the rank at ``coords``; layer ℓ has
+    ``heads[ℓ]`` heads of F features (concatenated: ``dims[ℓ+1] = heads·F``; the last layer
+    averages them: F = ``dims[-1]``).
+
+    Layer ℓ with roles (a, b, c) holds Â rows chunk c × columns chunk a, H rows chunk a ×
+    features chunk b and the weight's rows chunk b (all heads·F columns):
+
+    forward:  [ℓ = 0] all-gather H over c; all-reduce Z = H·W (columns × heads·F) over b;
+              all-reduce over a of the rows' destination scores, the softmax row maxima and
+              row sums (rows × heads each); reduce-scatter over a of the output (rows × the
+              output features padded to a multiple of the outer size)
+    backward: all-gather of the output's gradient over a; all-reduce over a of the row sums'
+              and the destination scores' gradients; all-reduce of Z's gradient over c; the
+              two attention vectors' gradients (heads·F) all-reduced over c and over a; the
+              weight's gradient (its rows × heads·F) over a; bias: all-reduce over c
+    """
+    fwd, bwd = Bytes(), Bytes()
+    last = len(dims) - 2
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        a, b, c = ROLES[layer % 3]
+        pa, pb, pc = shape[a], shape[b], shape[c]
+        k = heads[layer]
+        width = d_out * k if layer == last else d_out  # heads·F
+        rows = chunk(n, pc, coords[c])
+        cols = chunk(n, pa, coords[a])
+        fin = chunk(d_in, pb, coords[b])
+        fout = chunk(d_out, pa, coords[a])
+        out_padded = pa * biggest(d_out, pa) * rows * es
+        if layer == 0:
+            fwd.add(c, "all_gather", pc, pc * biggest(cols, pc) * fin * es)
+        fwd.add(b, "all_reduce", pb, cols * width * es)
+        for _ in range(3):
+            fwd.add(a, "all_reduce", pa, rows * k * es)
+        fwd.add(a, "reduce_scatter", pa, out_padded)
+        bwd.add(a, "all_gather", pa, out_padded)
+        for _ in range(2):
+            bwd.add(a, "all_reduce", pa, rows * k * es)
+        bwd.add(c, "all_reduce", pc, cols * width * es)
+        for _ in range(2):
+            bwd.add(c, "all_reduce", pc, width * es)
+            bwd.add(a, "all_reduce", pa, width * es)
+        bwd.add(a, "all_reduce", pa, fin * width * es)
+        if bias:
+            bwd.add(c, "all_reduce", pc, fout * es)
+    return fwd, bwd
+
+
+def gat1d_bytes(
+    p: int, n: int, dims: list[int], heads: list[int], es: int, bias: bool
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 1D GAT model over the ``tensor`` axis (p ranks).
+
+    forward:  all-gather Z = H·W (rows × heads·F) per layer
+    backward: reduce-scatter Z's gradient; all-reduce of the two attention vectors' (heads·F
+              each), the weight's (d_in × heads·F) and the bias's gradients
+    """
+    fwd, bwd = Bytes(), Bytes()
+    last = len(dims) - 2
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        width = d_out * heads[layer] if layer == last else d_out
+        z = p * biggest(n, p) * width * es
+        fwd.add("tensor", "all_gather", p, z)
+        bwd.add("tensor", "reduce_scatter", p, z)
+        for numel in (width, width, d_in * width):
+            bwd.add("tensor", "all_reduce", p, numel * es)
+        if bias:
+            bwd.add("tensor", "all_reduce", p, d_out * es)
+    return fwd, bwd

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gnnpar.nn.dropout import edge_dropout, index_dropout
+from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse import attention
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 
@@ -117,36 +117,12 @@ class GATLayer(nn.Module):
     ) -> torch.Tensor:
         z = (h @ self.weight).view(h.shape[0], self.heads, self.head_dim)
         rows, cols = attention.edges(adj.block)
-        ids = torch.arange(h.shape[0], device=h.device)
-        out = gat_attend(self, z, z, rows, cols, ids[rows], ids[cols], h.shape[0], seed)
+        alpha_dst = (z * self.att_dst).sum(-1)
+        out = attention.gat_aggregate(
+            z, alpha_dst, self.att_src, rows, cols, (rows, cols), h.shape[0], seed, self
+        )
         out = out.reshape(h.shape[0], -1) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
-
-
-def gat_attend(
-    layer: GATLayer,
-    z_dst: torch.Tensor,
-    z_src: torch.Tensor,
-    rows: torch.Tensor,
-    cols: torch.Tensor,
-    dst_ids: torch.Tensor,
-    src_ids: torch.Tensor,
-    num_rows: int,
-    seed: int | None,
-    row_max: attention.Reduce | None = None,
-    row_sum: attention.Reduce | None = None,
-    alpha_dst: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The attention part of ``layer`` on one block (rows × K × F out): scores from ``z_dst``
-    (rows' Z, or ``alpha_dst`` given directly) and ``z_src`` (columns' Z), softmax (reduced
-    by ``row_max`` / ``row_sum`` over ranks sharing rows), dropout by global edge ids, SpMM."""
-    if alpha_dst is None:
-        alpha_dst = (z_dst * layer.att_dst).sum(-1)
-    alpha_src = (z_src * layer.att_src).sum(-1)
-    e = attention.edge_logits(alpha_dst, alpha_src, rows, cols, layer.negative_slope)
-    att = attention.edge_softmax(e, rows, num_rows, row_max, row_sum)
-    att = edge_dropout(att, layer.attn_dropout, seed, dst_ids, src_ids, layer.training)
-    return attention.attend(att, z_src, rows, cols, num_rows)
 
 
 ACTIVATIONS = {"gcn": torch.relu, "sage": torch.relu, "gat": F.elu}

@@ -17,10 +17,12 @@ from (seed, edge, head) alone, as feature dropout does from (seed, node, feature
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from gnnpar.nn.dropout import edge_dropout
 from gnnpar.sparse.csr import CSRBlock, coo_rows
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -75,3 +77,35 @@ def attend(
     msg = att[:, :, None] * z[cols]
     out = torch.zeros(num_rows, *z.shape[1:], dtype=z.dtype, device=z.device)
     return out.index_add(0, rows, msg)
+
+
+class AttentionSettings(Protocol):
+    """The hyper-parameters of a GAT layer the attention reads."""
+
+    negative_slope: float
+    attn_dropout: float
+    training: bool
+
+
+def gat_aggregate(
+    z: torch.Tensor,
+    alpha_dst: torch.Tensor,
+    att_src: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    edge_ids: tuple[torch.Tensor, torch.Tensor],
+    num_rows: int,
+    seed: int | None,
+    settings: AttentionSettings,
+    row_max: Reduce | None = None,
+    row_sum: Reduce | None = None,
+) -> torch.Tensor:
+    """GAT's attention over one block (R × K × F): the columns' scores from ``z`` (C × K ×
+    F) and ``att_src``, the rows' scores ``alpha_dst`` (R × K), logits, the softmax (its row
+    reductions ``row_max`` / ``row_sum`` over the ranks sharing the rows), attention dropout
+    by the edges' global (destination, source) ``edge_ids``, then the SpMM."""
+    alpha_src = (z * att_src).sum(-1)
+    e = edge_logits(alpha_dst, alpha_src, rows, cols, settings.negative_slope)
+    att = edge_softmax(e, rows, num_rows, row_max, row_sum)
+    att = edge_dropout(att, settings.attn_dropout, seed, *edge_ids, settings.training)
+    return attend(att, z, rows, cols, num_rows)

@@ -1,4 +1,5 @@
-"""Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE model.
+"""Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE / GAT
+model (GAT: :mod:`gnnpar.sparse.gat`).
 
 >>> par = parallelize_fullgraph(model, grid, source)
 >>> x = par.input_features()          # this rank's shard of the input features
@@ -433,6 +434,14 @@ def parallelize_fullgraph(
     the default), or CAGNET's ``"2d"`` (SUMMA over x × y) and ``"1d"`` (rows over all ranks)
     baselines. Parameters are kept in ``dtype`` (default: the model's), forward and backward
     run in ``compute_dtype`` (default: ``dtype``; ``torch.bfloat16`` for mixed precision)."""
+    if model.kind == "gat":
+        from gnnpar.sparse.gat import Parallel1DGAT, Parallel3DGAT
+
+        if algorithm == "3d":
+            return Parallel3DGAT(model, grid, source, dtype, compute_dtype)
+        if algorithm == "1d":
+            return Parallel1DGAT(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
+        raise ValueError(f"GAT runs on the 3d and 1d full-graph algorithms, not {algorithm!r}")
     if algorithm == "3d":
         return Parallel3DGNN(model, grid, source, overlap_chunks, dtype, compute_dtype)
     from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN
