@@ -298,3 +298,53 @@ def gat1d_bytes(
         if bias:
             bwd.add("tensor", "all_reduce", p, d_out * es)
     return fwd, bwd
+
+
+def gat2d_bytes(
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    heads: list[int],
+    es: int,
+    bias: bool,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 2D GAT model on the rank at ``coords`` (R × C =
+    x × y; rank (i, j) holds Â rows chunk i × columns chunk j, H rows chunk i × features
+    chunk j and the weight's rows chunk j; heads as in :func:`gat3d_bytes`):
+
+    forward:  all-reduce Z (rows i × heads·F) over y; all-gather it over x (every node,
+              padded); all-reduce the softmax row maxima and sums (rows × heads) over y;
+              reduce-scatter the output over y (rows × output features padded)
+    backward: all-gather the output's gradient over y; all-reduce the row sums' gradient over
+              y; reduce-scatter Z's gradient over x, then all-reduce it over y; the two
+              attention vectors' gradients all-reduced over y and over x; the weight's (its
+              rows × heads·F) and the bias's (its columns) over x
+    """
+    r, c = shape["x"], shape["y"]
+    rows = chunk(n, r, coords["x"])
+    fwd, bwd = Bytes(), Bytes()
+    last = len(dims) - 2
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        k = heads[layer]
+        width = d_out * k if layer == last else d_out
+        fin = chunk(d_in, c, coords["y"])
+        fout = chunk(d_out, c, coords["y"])
+        out_padded = c * biggest(d_out, c) * rows * es
+        z_all = r * biggest(n, r) * width * es
+        fwd.add("y", "all_reduce", c, rows * width * es)
+        fwd.add("x", "all_gather", r, z_all)
+        for _ in range(2):
+            fwd.add("y", "all_reduce", c, rows * k * es)
+        fwd.add("y", "reduce_scatter", c, out_padded)
+        bwd.add("y", "all_gather", c, out_padded)
+        bwd.add("y", "all_reduce", c, rows * k * es)
+        bwd.add("x", "reduce_scatter", r, z_all)
+        bwd.add("y", "all_reduce", c, rows * width * es)
+        for _ in range(2):
+            bwd.add("y", "all_reduce", c, width * es)
+            bwd.add("x", "all_reduce", r, width * es)
+        bwd.add("x", "all_reduce", r, fin * width * es)
+        if bias:
+            bwd.add("x", "all_reduce", r, fout * es)
+    return fwd, bwd

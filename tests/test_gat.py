@@ -110,7 +110,7 @@ def _check_gat(shape: dict, algorithm: str, permute: bool, seed) -> None:
     import gnnpar
     from gnnpar import comm
     from gnnpar.sparse import parallelize_fullgraph
-    from tests.byte_formulas import gat1d_bytes, gat3d_bytes
+    from tests.byte_formulas import gat1d_bytes, gat2d_bytes, gat3d_bytes
     from tests.fullgraph_utils import check_schedule, make_source
 
     grid = gnnpar.init(**shape)
@@ -148,6 +148,8 @@ def _check_gat(shape: dict, algorithm: str, permute: bool, seed) -> None:
 
     if algorithm == "3d":
         want_f, want_b = gat3d_bytes(grid.shape, grid.coords(), N, DDIMS, DHEADS, 8, True)
+    elif algorithm == "2d":
+        want_f, want_b = gat2d_bytes(grid.shape, grid.coords(), N, DDIMS, DHEADS, 8, True)
     else:
         want_f, want_b = gat1d_bytes(grid.size("tensor"), N, DDIMS, DHEADS, 8, True)
     want_f.check(fwd.as_dict(), f"forward bytes {tag}")
@@ -161,6 +163,7 @@ def _gat_world(world: int) -> int:
 
     n = 0
     shapes = [("3d", s) for s in grid_shapes(world)] + [("1d", {"x": world})]
+    shapes += [("2d", s) for s in grid_shapes(world, ("x", "y"))]
     for algorithm, shape in shapes:
         for permute, seed in ((False, None), (True, 11)):
             _check_gat(shape, algorithm, permute, seed)
@@ -170,10 +173,12 @@ def _gat_world(world: int) -> int:
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_gat_matches_serial_on_every_grid(world):
-    """Every x·y·z shape of the world (3D) and the 1D rows: logits, loss and every gradient
-    equal the serial GAT to 1e-12 in float64 (plain; permuted with feature and attention
-    dropout), and the bytes of each pass equal the schedule and the written formulas."""
+    """Every x·y·z shape of the world (3D), every x·y shape (2D) and the 1D rows: logits,
+    loss and every gradient equal the serial GAT to 1e-12 in float64 (plain; permuted with
+    feature and attention dropout), and the bytes of each pass equal the schedule and the
+    written formulas."""
     from gnnpar.testing import grid_shapes, run_distributed
 
     counts = run_distributed(_gat_world, world, world, timeout=600)
-    assert counts == [2 * (len(grid_shapes(world)) + 1)] * world
+    shapes = len(grid_shapes(world)) + 1 + len(grid_shapes(world, ("x", "y")))
+    assert counts == [2 * shapes] * world

@@ -19,10 +19,17 @@ chunk a = its inner chunk, replicated over b = its depth). Backward is autograd'
 :func:`gnnpar.comm.copy_to` / ``reduce_from`` / ``scatter_to`` / ``gather_replicated``; the
 weight's gradient is all-reduced over a, the attention vectors' over a and c, Z's over c.
 
+**2D** (R × C = x × y; rank (i, j) holds Â rows chunk i × columns chunk j, H rows chunk i ×
+features chunk j and the weight rows of features chunk j): ``Z = all-reduce_y(H W_j)`` (rows
+i), all-gathered over x (every node's Z), the destination scores taken locally from it, the
+softmax row max and sum all-reduced over y, the output reduce-scattered over y into rows i ×
+output features chunk j, the 2D layout of the next layer.
+
 **1D** (rows over one axis): ``Z_local = H_local W``, all-gather Z, everything else local (a
 row's columns all live on its rank), weight and attention gradients all-reduced.
 
-:func:`gat3d_layer_schedule` and :func:`gat1d_layer_schedule` describe each layer's
+:func:`gat3d_layer_schedule`, :func:`gat2d_layer_schedule` and :func:`gat1d_layer_schedule`
+describe each layer's
 collectives once (:mod:`gnnpar.sparse.schedule`).
 """
 
@@ -58,14 +65,13 @@ class _Block:
     """One rank's edges of one layer: local (row, column) of each nonzero of Â's block, the
     edges' global (destination, source) ids, and the permutation block R's edges."""
 
-    def __init__(self, source: ShardSource, parity: int, rows, cols, device) -> None:
+    def __init__(self, source: ShardSource, parity: int, rows, cols, device, r_cols=None):
         blk = source.adjacency(parity, rows, cols)
         self.rows, self.cols = (t.to(device) for t in attention.edges(blk))
         self.dst = source.node_ids(1 - parity, rows).to(device)[self.rows]
         self.src = source.node_ids(parity, cols).to(device)[self.cols]
-        self.r_rows, self.r_cols = (
-            t.to(device) for t in attention.edges(source.root(parity, rows, cols))
-        )
+        root = source.root(parity, rows, cols if r_cols is None else r_cols)
+        self.r_rows, self.r_cols = (t.to(device) for t in attention.edges(root))
         self.num_rows = rows[1] - rows[0]
 
     def move_rows(self, alpha: torch.Tensor) -> torch.Tensor:
@@ -377,4 +383,126 @@ def gat1d_layer_schedule(
     out += step("backward", axis, "all_reduce", p, d_in * width, f"{tag} dW")
     if bias:
         out += step("backward", axis, "all_reduce", p, d_out, f"{tag} d bias")
+    return out
+
+
+class Parallel2DGAT(_GATBase):
+    """GAT on an x × y grid (CAGNET's 2D layout; see the module docstring)."""
+
+    def __init__(
+        self,
+        model: FullGraphGNN,
+        grid: ProcessGrid,
+        source: ShardSource,
+        dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(model, grid, source, dtype, compute_dtype)
+        if grid.z != 1:
+            raise ValueError(f"the 2D algorithm runs on x × y grids; this grid has z={grid.z}")
+        n, r, c = self.num_nodes, grid.size("x"), grid.size("y")
+        i, j = grid.rank("x"), grid.rank("y")
+        self.row_sizes = chunk_sizes(n, r)
+        self.rows = chunk(n, r, i)
+        self.cols = chunk(n, c, j)
+        self.fin = [chunk(d, c, j) for d in self.dims]
+        self._setup(model, self.fin[:-1], self.fin[1:])
+        self.blocks = [
+            _Block(source, k % 2, self.rows, self.cols, self.device, r_cols=(0, n))
+            for k in range(self.num_layers)
+        ]
+        self._row_ids = [
+            source.node_ids(k % 2, self.rows).to(self.device) for k in range(self.num_layers)
+        ]
+        self.input_block = (self.rows, self.fin[0])
+        self.logits_rows, self.logits_cols = self.rows, self.fin[-1]
+        self.row_axis, self.class_axis = "x", "y"
+
+    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
+        """This rank's block of the logits (rows i, classes j)."""
+        h, grid = x, self.grid
+        for i in range(self.num_layers):
+            layer = self.gat_layers[i]
+            seed = None if dropout_seed is None else dropout_seed * 1009 + i
+            h = index_dropout(
+                h, self.dropout, seed, self._row_ids[i], self.fin[i][0], self.training
+            )
+            w = comm.copy_to(self.in_compute_dtype(self.params.weights[i]), grid, "x")
+            z = _all_reduce_both(h @ w, grid, "y")  # rows i, all heads
+            z = comm.gather_from(z, grid, "x", sizes=self.row_sizes)  # every node
+            z = z.view(z.shape[0], layer.heads, layer.head_dim)
+            blk = self.blocks[i]
+            alpha_dst = blk.move_rows((z * self.att(i, "dst", ("x", "y"))).sum(-1))
+            out = self._attend(
+                i, z[self.cols[0] : self.cols[1]], blk, alpha_dst, seed, ("x", "y"),
+                lambda m: comm.all_reduce(m, grid, "y", op="max"),
+                lambda s: _all_reduce_both(s, grid, "y"),
+            )  # fmt: skip
+            sizes = chunk_sizes(self.dims[i + 1], grid.size("y"))
+            h = comm.scatter_to(self._finish(i, out), grid, "y", dim=1, sizes=sizes)
+            if self.has_bias:
+                h = h + comm.copy_to(self.in_compute_dtype(self.params.biases[i]), grid, "x")
+            if i < self.num_layers - 1:
+                h = self.act(h)
+        return h
+
+    def bias_axis(self, layer: int) -> str | None:
+        """Output features are split over y."""
+        return "y"
+
+    def weight_axis(self, layer: int) -> str | None:
+        """Input features are split over y."""
+        return "y"
+
+    def schedule(self, input_grad: bool = False) -> list[Step]:
+        """The collectives of one forward and backward pass, layer by layer."""
+        out: list[Step] = []
+        shape = (self.grid.size("x"), self.grid.size("y"))
+        for i in range(self.num_layers):
+            layer = self.gat_layers[i]
+            out += gat2d_layer_schedule(
+                shape, self.row_sizes, self.rows[1] - self.rows[0],
+                self.fin[i][1] - self.fin[i][0], layer.heads, layer.head_dim,
+                self.dims[i + 1], self.fin[i + 1][1] - self.fin[i + 1][0], self.has_bias, i,
+            )  # fmt: skip
+        return out
+
+
+def gat2d_layer_schedule(
+    grid: tuple[int, int],
+    row_sizes: list[int],
+    rows: int,
+    fin: int,
+    heads: int,
+    head_dim: int,
+    d_out: int,
+    fout: int,
+    bias: bool,
+    layer: int = 0,
+) -> list[Step]:
+    """The collectives of one forward and backward of a 2D GAT layer on an R × C = ``grid``
+    (x × y) grid, for the rank holding ``rows`` rows (of ``row_sizes`` over x), ``fin``
+    input features and ``fout`` of the ``d_out`` output features."""
+    r, c = grid
+    width = heads * head_dim
+    out_sizes = chunk_sizes(d_out, c)
+    out_full = c * max(out_sizes) * rows
+    z_all = r * max(row_sizes) * width
+    tag = f"layer {layer}"
+    fw, bw = "forward", "backward"
+    out = step(fw, "y", "all_reduce", c, rows * width, f"{tag} Z = H·W")
+    out += step(fw, "x", "all_gather", r, z_all, f"{tag} gather Z")
+    out += step(fw, "y", "all_reduce", c, rows * heads, f"{tag} softmax row max")
+    out += step(fw, "y", "all_reduce", c, rows * heads, f"{tag} softmax row sum")
+    out += step(fw, "y", "reduce_scatter", c, out_full, f"{tag} OUT = att·Z")
+    out += step(bw, "y", "all_gather", c, out_full, f"{tag} dOUT")
+    out += step(bw, "y", "all_reduce", c, rows * heads, f"{tag} d row sum")
+    out += step(bw, "x", "reduce_scatter", r, z_all, f"{tag} dZ (x)")
+    out += step(bw, "y", "all_reduce", c, rows * width, f"{tag} dZ (y)")
+    for which in ("a_src", "a_dst"):
+        out += step(bw, "y", "all_reduce", c, width, f"{tag} d {which} (y)")
+        out += step(bw, "x", "all_reduce", r, width, f"{tag} d {which} (x)")
+    out += step(bw, "x", "all_reduce", r, fin * width, f"{tag} dW")
+    if bias:
+        out += step(bw, "x", "all_reduce", r, fout, f"{tag} d bias")
     return out

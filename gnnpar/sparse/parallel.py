@@ -435,13 +435,15 @@ def parallelize_fullgraph(
     baselines. Parameters are kept in ``dtype`` (default: the model's), forward and backward
     run in ``compute_dtype`` (default: ``dtype``; ``torch.bfloat16`` for mixed precision)."""
     if model.kind == "gat":
-        from gnnpar.sparse.gat import Parallel1DGAT, Parallel3DGAT
+        from gnnpar.sparse.gat import Parallel1DGAT, Parallel2DGAT, Parallel3DGAT
 
         if algorithm == "3d":
             return Parallel3DGAT(model, grid, source, dtype, compute_dtype)
+        if algorithm == "2d":
+            return Parallel2DGAT(model, grid, source, dtype, compute_dtype)
         if algorithm == "1d":
             return Parallel1DGAT(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
-        raise ValueError(f"GAT runs on the 3d and 1d full-graph algorithms, not {algorithm!r}")
+        raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
     if algorithm == "3d":
         return Parallel3DGNN(model, grid, source, overlap_chunks, dtype, compute_dtype)
     from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN
