@@ -29,6 +29,7 @@ from gnnpar.comm import ring_bytes
 from gnnpar.grid import AXES, COMBINED_AXES, GridShape, axes_of
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
+from gnnpar.sparse.gat import gat3d_layer_schedule
 from gnnpar.sparse.layout import layout3d
 from gnnpar.sparse.plexus import layer_schedule
 from gnnpar.tensor.layout import ShardLayout
@@ -205,7 +206,11 @@ def gcn_collectives(
         lay = layout3d(g, i, n, dims[i], dims[i + 1], ops)
         grad_in = i > 0 or problem.input_grad
         # the layer's own description of its traffic (what the layer's accounting uses too)
-        steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias)
+        if problem.model == "gat":
+            heads, head_dim = problem.layer_heads(i)
+            steps = gat3d_layer_schedule(g, lay, heads, head_dim, dims[i + 1], i == 0, problem.bias)
+        else:
+            steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias)
         out += [Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), s.what) for s in steps]
         last = lay
     if loss and last is not None:

@@ -108,6 +108,7 @@ class _GATBase(ShardedGNN):
 
     def _setup(self, model: FullGraphGNN, fins, fouts) -> None:
         self.gat_layers: list[GATLayer] = list(model.layers)
+        self.fins, self.fouts = list(fins), list(fouts)
         self.act = ACTIVATIONS["gat"]
         self.params = _GATParams(model, fins, fouts, self.dtype, self.device)
         self.has_bias = len(self.params.biases) == self.num_layers
@@ -132,6 +133,42 @@ class _GATBase(ShardedGNN):
     def _finish(self, i: int, out: torch.Tensor) -> torch.Tensor:
         layer = self.gat_layers[i]
         return out.reshape(out.shape[0], -1) if layer.concat else out.mean(dim=1)
+
+    def checkpoint_layout(self):
+        """This rank's :class:`~gnnpar.checkpoint.state.ModelLayout` against the plain
+        GAT's state dict: the weight rows ``fin`` (split over :meth:`weight_axis`), the
+        attention vectors (whole), the bias columns ``fout`` (split over :meth:`bias_axis`)."""
+        from gnnpar.checkpoint.chunks import concat
+        from gnnpar.checkpoint.state import MODEL, ModelLayout, Piece, TensorSpec, writes
+
+        pieces, tensors, params, keys = [], {}, {}, []
+        for i, layer in enumerate(self.gat_layers):
+            width = layer.heads * layer.head_dim
+            fin, fout = self.fins[i], self.fouts[i]
+            w_axis, b_axis = self.weight_axis(i), self.bias_axis(i)
+            entries = [
+                ("weight", self.params.weights[i], (self.dims[i], width),
+                 (fin[0], 0), (fin[1] - fin[0], width), (w_axis,) if w_axis else ()),
+                ("att_src", self.params.att_src[i], (layer.heads, layer.head_dim),
+                 (0, 0), (layer.heads, layer.head_dim), ()),
+                ("att_dst", self.params.att_dst[i], (layer.heads, layer.head_dim),
+                 (0, 0), (layer.heads, layer.head_dim), ()),
+            ]  # fmt: skip
+            if self.has_bias:
+                n = self.dims[i + 1]
+                split = (b_axis,) if b_axis else ()
+                entries.append(
+                    ("bias", self.params.biases[i], (n,), (fout[0],), (fout[1] - fout[0],), split)
+                )
+            for name, param, shape, offsets, sizes, split in entries:
+                key = f"layers.{i}.{name}"
+                keys.append(key)
+                tensors[MODEL + key] = TensorSpec.of(shape, self.dtype)
+                chunks = concat([(MODEL + key, offsets, sizes)])
+                write = writes(self.grid, split)
+                pieces.append(Piece(f"{name}.{i}", param.detach(), chunks, write))
+                params[id(param)] = (chunks, write)
+        return ModelLayout(pieces, tensors, keys, {}, params)
 
     def full_weights(self, grads: bool = False) -> list[dict[str, torch.Tensor]]:
         """Every layer's full weight, attention vectors and bias (or their gradients),
