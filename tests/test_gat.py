@@ -254,3 +254,49 @@ def test_planner_gat_bytes_equal_the_written_formula_and_count_attention_memory(
     more = gcn_memory(GCNProblem.from_widths(1001, 5000, dims, model="gat", heads=6), shape)
     assert mem["attention"] > 0 and more["attention"] > mem["attention"]
     assert "attention" not in gcn_memory(GCNProblem.from_widths(1001, 5000, dims), shape)
+
+
+def test_serial_gin_equals_pyg_ginconv_forward_and_gradients():
+    gnn = pytest.importorskip("torch_geometric.nn")
+    from gnnpar.nn.gcn import GIN
+
+    a, x, y, train = small_graph(n=N, feat=DIMS[0])
+    torch.manual_seed(0)
+    model = GIN(DIMS[0], 6, 3, num_layers=2, dropout=0.0).double()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.bias.normal_()
+            layer.hidden_bias.normal_()
+            layer.eps.fill_(0.3)
+    convs = []
+    for i, layer in enumerate(model.layers):
+        d_in, d_out = model.dims[i], model.dims[i + 1]
+        mlp = torch.nn.Sequential(
+            torch.nn.Linear(d_in, d_out), torch.nn.ReLU(), torch.nn.Linear(d_out, d_out)
+        )
+        conv = gnn.GINConv(mlp, train_eps=True).double()  # resets the MLP: copy after
+        with torch.no_grad():
+            conv.nn[0].weight.copy_(layer.weight.T)
+            conv.nn[0].bias.copy_(layer.hidden_bias)
+            conv.nn[2].weight.copy_(layer.weight_out.T)
+            conv.nn[2].bias.copy_(layer.bias)
+            conv.eps.fill_(0.3)
+        convs.append(conv)
+    edge_index = a.nonzero().T
+    xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours = model(serial_adj(normalise(a, "gcn")), xr)
+    theirs = convs[1](torch.relu(convs[0](xp, edge_index)), edge_index)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    F.cross_entropy(ours[train], y[train]).backward()
+    F.cross_entropy(theirs[train], y[train]).backward()
+    torch.testing.assert_close(xr.grad, xp.grad, rtol=1e-12, atol=1e-12)
+    for layer, conv in zip(model.layers, convs, strict=True):
+        pairs = [(layer.weight.grad, conv.nn[0].weight.grad.T),
+                 (layer.hidden_bias.grad, conv.nn[0].bias.grad),
+                 (layer.weight_out.grad, conv.nn[2].weight.grad.T),
+                 (layer.bias.grad, conv.nn[2].bias.grad),
+                 (layer.eps.grad, conv.eps.grad)]  # fmt: skip
+        for ours_g, theirs_g in pairs:
+            torch.testing.assert_close(
+                ours_g, theirs_g.reshape(ours_g.shape), rtol=1e-12, atol=1e-12
+            )

@@ -1,4 +1,4 @@
-"""Plain full-graph GNN models: GCN, GraphSAGE (mean) and GAT, serial and readable.
+"""Plain full-graph GNN models: GCN, GraphSAGE (mean), GAT and GIN, serial and readable.
 
 They take the (normalised) adjacency as a :class:`~gnnpar.sparse.kernels.LocalSpMM` over the
 whole graph; parallelism is applied from outside by :func:`gnnpar.sparse.parallelize_fullgraph`,
@@ -125,12 +125,58 @@ class GATLayer(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-ACTIVATIONS = {"gcn": torch.relu, "sage": torch.relu, "gat": F.elu}
+class GINLayer(nn.Module):
+    """Graph isomorphism network layer (Xu et al.; PyG's ``GINConv`` with ``train_eps``):
+    ``MLP((1 + ε)·h_i + Σ_j h_j)`` over the adjacency's structure without its self loops,
+    the MLP ``Linear → ReLU → Linear`` of width ``out_dim``, ε learnable (starts at 0)."""
+
+    num_ops = 1
+
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(_glorot((in_dim, out_dim)))
+        self.hidden_bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+        self.weight_out = nn.Parameter(_glorot((out_dim, out_dim)))
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+        self.eps = nn.Parameter(torch.zeros(1))
+
+    def stacked_weight(self) -> torch.Tensor:
+        """The MLP's first weight (in × out)."""
+        return self.weight
+
+    def forward(self, adj: LocalSpMM, h: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        rows, cols = attention.edges(adj.block)
+        keep = rows != cols  # the self loops of the GCN-normalised Â are GIN's ε term
+        z = h @ self.weight  # the MLP's first Linear commutes with the (linear) aggregation
+        ids = torch.arange(h.shape[0], device=h.device)
+        out = gin_aggregate(z, z, (rows[keep], cols[keep]), (ids, ids), h.shape[0], self.eps)
+        if self.hidden_bias is not None:
+            out = out + self.hidden_bias
+        out = torch.relu(out) @ self.weight_out
+        return out if self.bias is None else out + self.bias
+
+
+def gin_aggregate(
+    z: torch.Tensor,
+    z_self: torch.Tensor,
+    edges: tuple[torch.Tensor, torch.Tensor],
+    root: tuple[torch.Tensor, torch.Tensor],
+    num_rows: int,
+    eps: torch.Tensor,
+) -> torch.Tensor:
+    """GIN's sum over one block: ``Σ_j z[j]`` over ``edges`` (row ← column of ``z``:
+    neighbours, no self loops) plus ``(1 + ε)·z_self[c]`` at row r for each ``root`` pair
+    (r, c) (row ← column of ``z_self`` holding the same node)."""
+    out = z.new_zeros(num_rows, z.shape[1]).index_add(0, edges[0], z[edges[1]])
+    return out.index_add(0, root[0], (1 + eps) * z_self[root[1]])
+
+
+ACTIVATIONS = {"gcn": torch.relu, "sage": torch.relu, "gat": F.elu, "gin": torch.relu}
 """The nonlinearity between layers of each kind (ELU for GAT, as in its paper)."""
 
 
 class FullGraphGNN(nn.Module):
-    """A stack of GCN, SAGE or GAT layers with index-seeded dropout and the kind's
+    """A stack of GCN, SAGE, GAT or GIN layers with index-seeded dropout and the kind's
     nonlinearity (:data:`ACTIVATIONS`) between them.
 
     GAT: ``hidden`` is the width of a hidden layer, ``heads`` heads of ``hidden / heads``
@@ -172,7 +218,7 @@ class FullGraphGNN(nn.Module):
                 for i in range(num_layers)
             )
         else:
-            layer_cls = GCNLayer if kind == "gcn" else SAGELayer
+            layer_cls = {"gcn": GCNLayer, "sage": SAGELayer, "gin": GINLayer}[kind]
             self.layers = nn.ModuleList(
                 layer_cls(dims[i], dims[i + 1], bias) for i in range(num_layers)
             )
@@ -231,3 +277,11 @@ def GAT(  # noqa: N802
         in_dim, hidden, out_dim, num_layers, dropout, "gat",
         heads=heads, out_heads=out_heads, attn_dropout=attn_dropout,
     )  # fmt: skip
+
+
+def GIN(  # noqa: N802
+    in_dim: int, hidden: int, out_dim: int, num_layers: int = 2, dropout: float = 0.5
+):
+    """Full-graph GIN (Xu et al.; use with the GCN-normalised adjacency, whose structure it
+    sums over, its self loops replaced by the learnable ε term)."""
+    return FullGraphGNN(in_dim, hidden, out_dim, num_layers, dropout, kind="gin")
