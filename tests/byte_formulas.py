@@ -314,11 +314,12 @@ def gat2d_bytes(
     chunk j and the weight's rows chunk j; heads as in :func:`gat3d_bytes`):
 
     forward:  all-reduce Z (rows i × heads·F) over y; all-gather it over x (every node,
-              padded); all-reduce the softmax row maxima and sums (rows × heads) over y;
-              reduce-scatter the output over y (rows × output features padded)
-    backward: all-gather the output's gradient over y; all-reduce the row sums' gradient over
-              y; reduce-scatter Z's gradient over x, then all-reduce it over y; the two
-              attention vectors' gradients all-reduced over y and over x; the weight's (its
+              padded); all-reduce the rows' destination scores, the softmax row maxima and
+              sums (rows × heads each) over y; reduce-scatter the output over y (rows ×
+              output features padded)
+    backward: all-gather the output's gradient over y; all-reduce the row sums' and the
+              destination scores' gradients over y; reduce-scatter Z's gradient over x,
+              then all-reduce it over y; the two attention vectors' gradients all-reduced over y and over x; the weight's (its
               rows × heads·F) and the bias's (its columns) over x
     """
     r, c = shape["x"], shape["y"]
@@ -334,11 +335,12 @@ def gat2d_bytes(
         z_all = r * biggest(n, r) * width * es
         fwd.add("y", "all_reduce", c, rows * width * es)
         fwd.add("x", "all_gather", r, z_all)
-        for _ in range(2):
+        for _ in range(3):
             fwd.add("y", "all_reduce", c, rows * k * es)
         fwd.add("y", "reduce_scatter", c, out_padded)
         bwd.add("y", "all_gather", c, out_padded)
-        bwd.add("y", "all_reduce", c, rows * k * es)
+        for _ in range(2):
+            bwd.add("y", "all_reduce", c, rows * k * es)
         bwd.add("x", "reduce_scatter", r, z_all)
         bwd.add("y", "all_reduce", c, rows * width * es)
         for _ in range(2):

@@ -1,5 +1,5 @@
-"""Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE / GAT
-model (GAT: :mod:`gnnpar.sparse.gat`).
+"""Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE / GAT /
+GIN model (GAT and GIN: :mod:`gnnpar.sparse.gat`).
 
 >>> par = parallelize_fullgraph(model, grid, source)
 >>> x = par.input_features()          # this rank's shard of the input features
@@ -434,16 +434,13 @@ def parallelize_fullgraph(
     the default), or CAGNET's ``"2d"`` (SUMMA over x × y) and ``"1d"`` (rows over all ranks)
     baselines. Parameters are kept in ``dtype`` (default: the model's), forward and backward
     run in ``compute_dtype`` (default: ``dtype``; ``torch.bfloat16`` for mixed precision)."""
-    if model.kind == "gat":
-        from gnnpar.sparse.gat import Parallel1DGAT, Parallel2DGAT, Parallel3DGAT
+    if model.kind in ("gat", "gin"):
+        from gnnpar.sparse.gat import parallel_gemm_first
 
-        if algorithm == "3d":
-            return Parallel3DGAT(model, grid, source, dtype, compute_dtype)
-        if algorithm == "2d":
-            return Parallel2DGAT(model, grid, source, dtype, compute_dtype)
-        if algorithm == "1d":
-            return Parallel1DGAT(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
-        raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
+        cls = parallel_gemm_first(model, algorithm)
+        return cls(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
     if algorithm == "3d":
         return Parallel3DGNN(model, grid, source, overlap_chunks, dtype, compute_dtype)
     from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN
