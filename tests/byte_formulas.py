@@ -319,8 +319,9 @@ def gat2d_bytes(
               output features padded)
     backward: all-gather the output's gradient over y; all-reduce the row sums' and the
               destination scores' gradients over y; reduce-scatter Z's gradient over x,
-              then all-reduce it over y; the two attention vectors' gradients all-reduced over y and over x; the weight's (its
-              rows × heads·F) and the bias's (its columns) over x
+              then all-reduce it over y; the two attention vectors' gradients all-reduced
+              over y and over x; the weight's (its rows × heads·F) and the bias's (its
+              columns) over x
     """
     r, c = shape["x"], shape["y"]
     rows = chunk(n, r, coords["x"])
