@@ -351,3 +351,73 @@ def gat2d_bytes(
         if bias:
             bwd.add("x", "all_reduce", r, fout * es)
     return fwd, bwd
+
+
+def gin_bytes(
+    algorithm: str,
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    es: int,
+    bias: bool,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the GIN model (MLP width = the layer's output width) on
+    the rank at ``coords`` of ``algorithm`` ("3d"; "2d" on x × y; "1d" over ``tensor``).
+
+    Z = H·W₁ as for GAT (:func:`gat3d_bytes`, :func:`gat2d_bytes`, :func:`gat1d_bytes`:
+    3D all-reduce over b, gradient over c, W₁'s over a; 2D all-reduce over y then all-gather
+    over x; 1D all-gather), then the sum over the block (neighbours and the (1 + ε) self
+    term) and the MLP's second product are each reduce-scattered over the axis splitting a
+    row's columns (3D a, 2D y; none in 1D) into this rank's output features (padded), their
+    gradients all-gathered back; ε's gradient (one element) is all-reduced over that axis
+    and the rows' axis (3D c, 2D x, 1D the only one), as are the second weight's (output
+    features chunk × width) and both biases' (the chunk) over the rows' axis.
+    """
+    fwd, bwd = Bytes(), Bytes()
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        if algorithm == "3d":
+            a, b, c = ROLES[layer % 3]
+            pa, pb, pc = shape[a], shape[b], shape[c]
+            part, rows_ax, pp, pr = a, c, pa, pc
+            rows = chunk(n, pc, coords[c])
+            cols = chunk(n, pa, coords[a])
+            fin = chunk(d_in, pb, coords[b])
+            fout = chunk(d_out, pa, coords[a])
+            if layer == 0:
+                fwd.add(c, "all_gather", pc, pc * biggest(cols, pc) * fin * es)
+            fwd.add(b, "all_reduce", pb, cols * d_out * es)
+            bwd.add(c, "all_reduce", pc, cols * d_out * es)
+            bwd.add(a, "all_reduce", pa, fin * d_out * es)
+        elif algorithm == "2d":
+            r, c = shape["x"], shape["y"]
+            part, rows_ax, pp, pr = "y", "x", c, r
+            rows = chunk(n, r, coords["x"])
+            fin = chunk(d_in, c, coords["y"])
+            fout = chunk(d_out, c, coords["y"])
+            z_all = r * biggest(n, r) * d_out * es
+            fwd.add("y", "all_reduce", c, rows * d_out * es)
+            fwd.add("x", "all_gather", r, z_all)
+            bwd.add("x", "reduce_scatter", r, z_all)
+            bwd.add("y", "all_reduce", c, rows * d_out * es)
+            bwd.add("x", "all_reduce", r, fin * d_out * es)
+        else:
+            p = shape["x"] * shape["y"] * shape["z"]
+            part, rows_ax, pp, pr = None, "tensor", 1, p
+            rows, fout = 0, d_out
+            z = p * biggest(n, p) * d_out * es
+            fwd.add("tensor", "all_gather", p, z)
+            bwd.add("tensor", "reduce_scatter", p, z)
+            bwd.add("tensor", "all_reduce", p, d_in * d_out * es)
+        if part is not None:
+            out_padded = pp * biggest(d_out, pp) * rows * es
+            for _ in range(2):
+                fwd.add(part, "reduce_scatter", pp, out_padded)
+                bwd.add(part, "all_gather", pp, out_padded)
+            bwd.add(part, "all_reduce", pp, es)
+        bwd.add(rows_ax, "all_reduce", pr, es)
+        bwd.add(rows_ax, "all_reduce", pr, fout * d_out * es)
+        if bias:
+            for _ in range(2):
+                bwd.add(rows_ax, "all_reduce", pr, fout * es)
+    return fwd, bwd

@@ -106,18 +106,35 @@ def _close(a, b, what, tol=1e-12):
         raise AssertionError(f"{what}: max diff {diff}")
 
 
-def _check_gat(shape: dict, algorithm: str, permute: bool, seed) -> None:
+def _gin_model(seed: int = 0, dropout: float = 0.0):
+    """A float64 GIN with non-trivial biases and ε."""
+    from gnnpar.nn.gcn import GIN
+
+    torch.manual_seed(seed)
+    m = GIN(DDIMS[0], DDIMS[1], DDIMS[-1], len(DDIMS) - 1, dropout).double()
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.bias.normal_()
+            layer.hidden_bias.normal_()
+            layer.eps.uniform_(-0.5, 0.5)
+    return m
+
+
+def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
     import gnnpar
     from gnnpar import comm
     from gnnpar.sparse import parallelize_fullgraph
-    from tests.byte_formulas import gat1d_bytes, gat2d_bytes, gat3d_bytes
+    from tests.byte_formulas import gat1d_bytes, gat2d_bytes, gat3d_bytes, gin_bytes
     from tests.fullgraph_utils import check_schedule, make_source
 
     grid = gnnpar.init(**shape)
     a, x, y, train = small_graph(n=N, feat=DDIMS[0])
     a_hat = normalise(a, "gcn")
     drop = 0.5 if seed is not None else 0.0
-    ref = gat_model(DDIMS, DHEADS[0], DHEADS[-1], attn_dropout=drop, dropout=drop)
+    if kind == "gat":
+        ref = gat_model(DDIMS, DHEADS[0], DHEADS[-1], attn_dropout=drop, dropout=drop)
+    else:
+        ref = _gin_model(dropout=drop)
     ref.train()
     xr = x.clone().requires_grad_(True)
     logits = ref(serial_adj(a_hat), xr, dropout_seed=seed)
@@ -132,7 +149,7 @@ def _check_gat(shape: dict, algorithm: str, permute: bool, seed) -> None:
         out = par(xl, dropout_seed=seed)
     rows, cols = par.logits_rows, par.logits_cols
     ids = source.node_ids(par.output_order, rows)
-    tag = f"{grid.describe()} {algorithm} permute={permute} seed={seed}"
+    tag = f"{grid.describe()} {kind} {algorithm} permute={permute} seed={seed}"
     _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
     loss = par.loss(out)
     _close(loss.detach(), loss_ref.detach(), f"loss {tag}")
@@ -140,18 +157,24 @@ def _check_gat(shape: dict, algorithm: str, permute: bool, seed) -> None:
         loss.backward()
     full = par.full_weights(grads=True)
     for i, layer in enumerate(ref.layers):
-        for key in ("weight", "att_src", "att_dst", "bias"):
-            _close(full[i][key], getattr(layer, key).grad, f"{key} grad {i} {tag}")
+        names = [k for k, _ in layer.named_parameters()]
+        assert sorted(full[i]) == sorted(names), (full[i].keys(), names)
+        for key in names:
+            got = full[i][key].reshape(getattr(layer, key).shape)
+            _close(got, getattr(layer, key).grad, f"{key} grad {i} {tag}")
     in_rows, in_cols = par.input_block
     in_ids = source.node_ids(0, in_rows)
     _close(xl.grad, xr.grad[in_ids][:, in_cols[0] : in_cols[1]], f"input grad {tag}")
 
-    if algorithm == "3d":
-        want_f, want_b = gat3d_bytes(grid.shape, grid.coords(), N, DDIMS, DHEADS, 8, True)
+    es, coords = 8, grid.coords()
+    if kind == "gin":
+        want_f, want_b = gin_bytes(algorithm, grid.shape, coords, N, DDIMS, es, True)
+    elif algorithm == "3d":
+        want_f, want_b = gat3d_bytes(grid.shape, coords, N, DDIMS, DHEADS, es, True)
     elif algorithm == "2d":
-        want_f, want_b = gat2d_bytes(grid.shape, grid.coords(), N, DDIMS, DHEADS, 8, True)
+        want_f, want_b = gat2d_bytes(grid.shape, coords, N, DDIMS, DHEADS, es, True)
     else:
-        want_f, want_b = gat1d_bytes(grid.size("tensor"), N, DDIMS, DHEADS, 8, True)
+        want_f, want_b = gat1d_bytes(grid.size("tensor"), N, DDIMS, DHEADS, es, True)
     want_f.check(fwd.as_dict(), f"forward bytes {tag}")
     want_b.check(bwd.as_dict(), f"backward bytes {tag}")
     check_schedule(fwd, bwd, par.expected_bytes(), tag)
@@ -164,19 +187,22 @@ def _gat_world(world: int) -> int:
     n = 0
     shapes = [("3d", s) for s in grid_shapes(world)] + [("1d", {"x": world})]
     shapes += [("2d", s) for s in grid_shapes(world, ("x", "y"))]
-    for algorithm, shape in shapes:
-        for permute, seed in ((False, None), (True, 11)):
-            _check_gat(shape, algorithm, permute, seed)
+    for k, (algorithm, shape) in enumerate(shapes):
+        # each kind plain on every other shape and permuted with dropout on the rest
+        plain, permuted = (False, None), (True, 11)
+        configs = (plain, permuted) if k % 2 == 0 else (permuted, plain)
+        for kind, (permute, seed) in zip(("gat", "gin"), configs, strict=True):
+            _check(kind, shape, algorithm, permute, seed)
             n += 1
     return n
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_gat_matches_serial_on_every_grid(world):
-    """Every x·y·z shape of the world (3D), every x·y shape (2D) and the 1D rows: logits,
-    loss and every gradient equal the serial GAT to 1e-12 in float64 (plain; permuted with
-    feature and attention dropout), and the bytes of each pass equal the schedule and the
-    written formulas."""
+def test_gat_and_gin_match_serial_on_every_grid(world):
+    """Every x·y·z shape of the world (3D), every x·y shape (2D) and the 1D rows, GAT and
+    GIN: logits, loss and every gradient equal the serial model to 1e-12 in float64 (each
+    kind plain on half the shapes, permuted with feature and attention dropout on the
+    others), and the bytes of each pass equal the schedule and the written formulas."""
     from gnnpar.testing import grid_shapes, run_distributed
 
     counts = run_distributed(_gat_world, world, world, timeout=600)
@@ -185,32 +211,44 @@ def test_gat_matches_serial_on_every_grid(world):
 
 
 # -------------------------------------------------------------- the trainer and the planner
-def _gat_argv(out, epochs: int, grid: str, nprocs: int, *extra: str) -> list[str]:
-    return ["train", "gcn", "--model", "gat", "--heads", "3", "--out-heads", "2",
-            "--dataset", "sbm", "--dataset-options", "num_nodes=90,feat_dim=6",
-            "--root", str(out.parent / "data"), "--layers", "3", "--hidden", "6",
-            "--dtype", "float64", "--epochs", str(epochs), "--grid", grid, "--nprocs",
-            str(nprocs), "--out", str(out), "--eval-every", "0", "--quiet", "--blocks", "3",
-            *extra]  # fmt: skip
+def _argv(model: str):
+    def argv(out, epochs: int, grid: str, nprocs: int, *extra: str) -> list[str]:
+        return ["train", "gcn", "--model", model, "--heads", "3", "--out-heads", "2",
+                "--dataset", "sbm", "--dataset-options", "num_nodes=90,feat_dim=6",
+                "--root", str(out.parent / "data"), "--layers", "3", "--hidden", "6",
+                "--dtype", "float64", "--epochs", str(epochs), "--grid", grid, "--nprocs",
+                str(nprocs), "--out", str(out), "--eval-every", "0", "--quiet",
+                "--blocks", "3", *extra]  # fmt: skip
+
+    return argv
 
 
-def test_train_gat_resumes_on_another_grid_and_matches_one_rank(tmp_path, monkeypatch):
-    """``gnnpar train gcn --model gat`` (feature and attention dropout on): saved on x=2,z=2,
-    resumed on x=1,y=4 equals a straight run there, which equals a straight run on one rank
-    (float64 parameters after 4 Adam steps, ≤ 1e-10 relative, the issue's bound for loss
-    curves; measured 3.5e-12: the masks depend on (seed, node or edge, feature or head))."""
+def test_train_gat_and_gin_resume_on_another_grid_and_match_one_rank(tmp_path, monkeypatch):
+    """``gnnpar train gcn --model gat|gin`` (feature and attention dropout on), on one world
+    of 4 ranks: saved on x=2,z=2, resumed on y=4 equals a straight run there, which equals a
+    straight run on one rank (float64 parameters after 4 Adam steps, ≤ 1e-10 relative, the
+    issue's bound for loss curves; measured 3.5e-12 (gat): the masks depend on (seed, node
+    or edge, feature or head), not on the grid)."""
     from gnnpar.cli import main
-    from tests.test_checkpoint_train import _resumed_against_straight, _same
+    from tests.cli_world import run_commands
+    from tests.test_checkpoint_train import _same
 
-    rel = 1e-10
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    saved, resumed, straight = tmp_path / "saved", tmp_path / "resumed", tmp_path / "straight"
-    err = _resumed_against_straight(_gat_argv, 4, saved, resumed, straight, "x=2,z=2", "y=4")
-    assert err <= rel, f"gat resumed on y=4: {err:.3g}"
-    assert main(_gat_argv(tmp_path / "one", 4, "x=1", 1)) == 0
-    err = _same(tmp_path / "one", straight)
-    assert err <= rel, f"gat on one rank vs y=4: {err:.3g}"
+    steps = []
+    for model in ("gat", "gin"):
+        argv, d = _argv(model), tmp_path / model
+        steps += [argv(d / "saved", 2, "x=2,z=2", 4), ("copy", d / "saved", d / "resumed"),
+                  argv(d / "resumed", 4, "y=4", 4, "--resume"),
+                  argv(d / "straight", 4, "y=4", 4)]  # fmt: skip
+    assert run_commands(4, steps) == [[0] * 6] * 4
+    for model in ("gat", "gin"):
+        d = tmp_path / model
+        err = _same(d / "resumed", d / "straight")
+        assert err <= 1e-10, f"{model} resumed on y=4: {err:.3g}"
+        assert main(_argv(model)(d / "one", 4, "x=1", 1)) == 0
+        err = _same(d / "one", d / "straight")
+        assert err <= 1e-10, f"{model} on one rank vs y=4: {err:.3g}"
 
 
 def test_train_gat_options_are_checked():
@@ -221,17 +259,18 @@ def test_train_gat_options_are_checked():
         FullGraphConfig(model="gat", hidden=10, heads=3).check()
     with pytest.raises(ConfigError, match="'attn_dropout' must be in"):
         FullGraphConfig(model="gat", attn_dropout=1.0).check()
-    with pytest.raises(ConfigError, match="must be one of gcn, sage, gat"):
+    with pytest.raises(ConfigError, match="must be one of gcn, sage, gat, gin"):
         FullGraphConfig(model="gin2").check()
 
 
-def test_planner_gat_bytes_equal_the_written_formula_and_count_attention_memory():
-    """The planner's GAT (``gnnpar plan gcn --model gat``): every rank's bytes of an uneven
-    shape equal the formula written in tests/byte_formulas.py (loss left out), and its memory
-    holds the per-edge, per-head attention tensors, growing with the heads."""
+def test_planner_gat_and_gin_bytes_equal_the_written_formulas_and_count_attention_memory():
+    """The planner's GAT and GIN (``gnnpar plan gcn --model gat|gin``): the bytes of an
+    uneven shape (GAT every rank, GIN one) equal the formulas written in
+    tests/byte_formulas.py (loss left out), and GAT's memory holds the per-edge, per-head
+    attention tensors, growing with the heads."""
     from gnnpar.plan import GCNProblem, gcn_collectives
     from gnnpar.plan.memory import gcn_memory
-    from tests.byte_formulas import gat3d_bytes
+    from tests.byte_formulas import gat3d_bytes, gin_bytes
 
     dims, heads = [37, 12, 12, 5], [4, 4, 3]
     problem = GCNProblem.from_widths(1001, 5000, dims, model="gat", heads=4, out_heads=3)
@@ -250,6 +289,18 @@ def test_planner_gat_bytes_equal_the_written_formula_and_count_attention_memory(
                 both.bytes[axis][kind] += v
                 both.calls[axis][kind] += b.calls[axis][kind]
         both.check(got, f"planner gat rank {rank}")
+    gin = GCNProblem.from_widths(1001, 5000, dims, model="gin")
+    colls = gcn_collectives(gin, shape, {"x": 2, "y": 1, "z": 0, "data": 0}, loss=False)
+    got = {}
+    for c in colls:
+        got.setdefault(c.axis, {}).setdefault(c.kind, 0)
+        got[c.axis][c.kind] += c.total
+    f, b = gin_bytes("3d", shape, {"x": 2, "y": 1, "z": 0}, 1001, dims, 4, True)
+    for axis, kinds in b.bytes.items():
+        for kind, v in kinds.items():
+            f.bytes[axis][kind] += v
+            f.calls[axis][kind] += b.calls[axis][kind]
+    f.check(got, "planner gin")
     mem = gcn_memory(problem, shape)
     more = gcn_memory(GCNProblem.from_widths(1001, 5000, dims, model="gat", heads=6), shape)
     assert mem["attention"] > 0 and more["attention"] > mem["attention"]

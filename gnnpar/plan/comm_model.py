@@ -29,7 +29,7 @@ from gnnpar.comm import ring_bytes
 from gnnpar.grid import AXES, COMBINED_AXES, GridShape, axes_of
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
-from gnnpar.sparse.gat import gat3d_layer_schedule
+from gnnpar.sparse.gat import gat3d_layer_schedule, gin3d_layer_schedule
 from gnnpar.sparse.layout import layout3d
 from gnnpar.sparse.plexus import layer_schedule
 from gnnpar.tensor.layout import ShardLayout
@@ -209,6 +209,8 @@ def gcn_collectives(
         if problem.model == "gat":
             heads, head_dim = problem.layer_heads(i)
             steps = gat3d_layer_schedule(g, lay, heads, head_dim, dims[i + 1], i == 0, problem.bias)
+        elif problem.model == "gin":
+            steps = gin3d_layer_schedule(g, lay, dims[i + 1], i == 0, problem.bias)
         else:
             steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias)
         out += [Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), s.what) for s in steps]

@@ -31,7 +31,7 @@ def _positive(name: str, value: object) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GCNProblem:
-    """A full-graph GCN (or GraphSAGE-mean, or GAT) training run of ``layers`` layers.
+    """A full-graph GCN (or GraphSAGE-mean, GAT, GIN) training run of ``layers`` layers.
 
     ``nnz`` is the number of nonzeros of the normalised adjacency Â (stored entries, self
     loops included); :meth:`from_edges` derives it from an undirected edge count as
@@ -60,8 +60,8 @@ class GCNProblem:
         keys = ("nodes", "nnz", "features", "classes", "hidden", "layers", "element_size")
         for key in (*keys, "heads", "out_heads"):
             _positive(key, getattr(self, key))
-        if self.model not in ("gcn", "sage", "gat"):
-            raise PlanError(f"model must be gcn, sage or gat, got {self.model!r}")
+        if self.model not in ("gcn", "sage", "gat", "gin"):
+            raise PlanError(f"model must be gcn, sage, gat or gin, got {self.model!r}")
         if self.widths:
             for w in self.widths:
                 _positive("width", w)

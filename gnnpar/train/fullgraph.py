@@ -1,4 +1,4 @@
-"""Full-graph GCN / GraphSAGE / GAT training on an x × y × z grid (the ``gcn`` task).
+"""Full-graph GCN / GraphSAGE / GAT / GIN training on an x × y × z grid (the ``gcn`` task).
 
 Rank 0 cuts the dataset into a shard folder (next to the run, or where ``shards`` points)
 and records the dataset's fingerprint in it; a later run compares that with the dataset it
@@ -65,7 +65,9 @@ class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
     dataset_options: str | None = option(
         None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
     )
-    model: str = option("gcn", "gcn, sage (GraphSAGE-mean) or gat (graph attention)")
+    model: str = option(
+        "gcn", "gcn, sage (GraphSAGE-mean), gat (graph attention) or gin (isomorphism network)"
+    )
     hidden: int = option(16, "hidden width (gat: of all heads together)")
     heads: int = option(8, "gat: attention heads of each hidden layer (concatenated)")
     out_heads: int = option(1, "gat: attention heads of the output layer (averaged)")
@@ -137,12 +139,12 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
     return Path(cfg.out) / "shards" / f"{name}-{digest}"
 
 
-MODELS = ("gcn", "sage", "gat")
+MODELS = ("gcn", "sage", "gat", "gin")
 
 
 def _norm(cfg: FullGraphConfig) -> str:
-    """The adjacency's normalisation each model reads (GAT: the structure of the GCN one,
-    whose self loops it attends over)."""
+    """The adjacency's normalisation each model reads (GAT and GIN: the structure of the GCN
+    one, whose self loops GAT attends over and GIN replaces with its ε term)."""
     return "mean" if cfg.model == "sage" else "gcn"
 
 
@@ -239,7 +241,8 @@ def _prepare(
 
 
 class FullGraphTask:
-    """The ``gcn`` task: full-graph training of a GCN, GraphSAGE or GAT on sharded data."""
+    """The ``gcn`` task: full-graph training of a GCN, GraphSAGE, GAT or GIN on sharded
+    data."""
 
     unit = "epoch"
 
