@@ -1,6 +1,6 @@
 """Bytes each rank should move, written out from the algorithms' descriptions.
 
-Nothing here calls gnnpar's own byte formulas (``comm.ring_bytes``, ``layer_bytes``,
+Nothing here calls gnnpar's own byte formulas (``comm.ring_bytes``, the layers' schedules,
 ``expected_bytes``, the planner): the tests hold gnnpar's measured traffic against these, so a
 wrong factor in the implementation's formulas cannot hide behind the same factor here.
 
@@ -218,4 +218,206 @@ def rows1d_bytes(
         bwd.add("tensor", "all_reduce", p, num_ops * d_in * d_out * es)
         if bias:
             bwd.add("tensor", "all_reduce", p, d_out * es)
+    return fwd, bwd
+
+
+def gat3d_bytes(
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    heads: list[int],
+    es: int,
+    bias: bool,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 3D GAT model on the rank at ``coords``; layer ℓ has
+    ``heads[ℓ]`` heads of F features (concatenated: ``dims[ℓ+1] = heads·F``; the last layer
+    averages them: F = ``dims[-1]``).
+
+    Layer ℓ with roles (a, b, c) holds Â rows chunk c × columns chunk a, H rows chunk a ×
+    features chunk b and the weight's rows chunk b (all heads·F columns):
+
+    forward:  [ℓ = 0] all-gather H over c; all-reduce Z = H·W (columns × heads·F) over b;
+              all-reduce over a of the rows' destination scores, the softmax row maxima and
+              row sums (rows × heads each); reduce-scatter over a of the output (rows × the
+              output features padded to a multiple of the outer size)
+    backward: all-gather of the output's gradient over a; all-reduce over a of the row sums'
+              and the destination scores' gradients; all-reduce of Z's gradient over c; the
+              two attention vectors' gradients (heads·F) all-reduced over c and over a; the
+              weight's gradient (its rows × heads·F) over a; bias: all-reduce over c
+    """
+    fwd, bwd = Bytes(), Bytes()
+    last = len(dims) - 2
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        a, b, c = ROLES[layer % 3]
+        pa, pb, pc = shape[a], shape[b], shape[c]
+        k = heads[layer]
+        width = d_out * k if layer == last else d_out  # heads·F
+        rows = chunk(n, pc, coords[c])
+        cols = chunk(n, pa, coords[a])
+        fin = chunk(d_in, pb, coords[b])
+        fout = chunk(d_out, pa, coords[a])
+        out_padded = pa * biggest(d_out, pa) * rows * es
+        if layer == 0:
+            fwd.add(c, "all_gather", pc, pc * biggest(cols, pc) * fin * es)
+        fwd.add(b, "all_reduce", pb, cols * width * es)
+        for _ in range(3):
+            fwd.add(a, "all_reduce", pa, rows * k * es)
+        fwd.add(a, "reduce_scatter", pa, out_padded)
+        bwd.add(a, "all_gather", pa, out_padded)
+        for _ in range(2):
+            bwd.add(a, "all_reduce", pa, rows * k * es)
+        bwd.add(c, "all_reduce", pc, cols * width * es)
+        for _ in range(2):
+            bwd.add(c, "all_reduce", pc, width * es)
+            bwd.add(a, "all_reduce", pa, width * es)
+        bwd.add(a, "all_reduce", pa, fin * width * es)
+        if bias:
+            bwd.add(c, "all_reduce", pc, fout * es)
+    return fwd, bwd
+
+
+def gat1d_bytes(
+    p: int, n: int, dims: list[int], heads: list[int], es: int, bias: bool
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 1D GAT model over the ``tensor`` axis (p ranks).
+
+    forward:  all-gather Z = H·W (rows × heads·F) per layer
+    backward: reduce-scatter Z's gradient; all-reduce of the two attention vectors' (heads·F
+              each), the weight's (d_in × heads·F) and the bias's gradients
+    """
+    fwd, bwd = Bytes(), Bytes()
+    last = len(dims) - 2
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        width = d_out * heads[layer] if layer == last else d_out
+        z = p * biggest(n, p) * width * es
+        fwd.add("tensor", "all_gather", p, z)
+        bwd.add("tensor", "reduce_scatter", p, z)
+        for numel in (width, width, d_in * width):
+            bwd.add("tensor", "all_reduce", p, numel * es)
+        if bias:
+            bwd.add("tensor", "all_reduce", p, d_out * es)
+    return fwd, bwd
+
+
+def gat2d_bytes(
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    heads: list[int],
+    es: int,
+    bias: bool,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 2D GAT model on the rank at ``coords`` (R × C =
+    x × y; rank (i, j) holds Â rows chunk i × columns chunk j, H rows chunk i × features
+    chunk j and the weight's rows chunk j; heads as in :func:`gat3d_bytes`):
+
+    forward:  all-reduce Z (rows i × heads·F) over y; all-gather it over x (every node,
+              padded); all-reduce the rows' destination scores, the softmax row maxima and
+              sums (rows × heads each) over y; reduce-scatter the output over y (rows ×
+              output features padded)
+    backward: all-gather the output's gradient over y; all-reduce the row sums' and the
+              destination scores' gradients over y; reduce-scatter Z's gradient over x,
+              then all-reduce it over y; the two attention vectors' gradients all-reduced
+              over y and over x; the weight's (its rows × heads·F) and the bias's (its
+              columns) over x
+    """
+    r, c = shape["x"], shape["y"]
+    rows = chunk(n, r, coords["x"])
+    fwd, bwd = Bytes(), Bytes()
+    last = len(dims) - 2
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        k = heads[layer]
+        width = d_out * k if layer == last else d_out
+        fin = chunk(d_in, c, coords["y"])
+        fout = chunk(d_out, c, coords["y"])
+        out_padded = c * biggest(d_out, c) * rows * es
+        z_all = r * biggest(n, r) * width * es
+        fwd.add("y", "all_reduce", c, rows * width * es)
+        fwd.add("x", "all_gather", r, z_all)
+        for _ in range(3):
+            fwd.add("y", "all_reduce", c, rows * k * es)
+        fwd.add("y", "reduce_scatter", c, out_padded)
+        bwd.add("y", "all_gather", c, out_padded)
+        for _ in range(2):
+            bwd.add("y", "all_reduce", c, rows * k * es)
+        bwd.add("x", "reduce_scatter", r, z_all)
+        bwd.add("y", "all_reduce", c, rows * width * es)
+        for _ in range(2):
+            bwd.add("y", "all_reduce", c, width * es)
+            bwd.add("x", "all_reduce", r, width * es)
+        bwd.add("x", "all_reduce", r, fin * width * es)
+        if bias:
+            bwd.add("x", "all_reduce", r, fout * es)
+    return fwd, bwd
+
+
+def gin_bytes(
+    algorithm: str,
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    es: int,
+    bias: bool,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the GIN model (MLP width = the layer's output width) on
+    the rank at ``coords`` of ``algorithm`` ("3d"; "2d" on x × y; "1d" over ``tensor``).
+
+    Z = H·W₁ as for GAT (:func:`gat3d_bytes`, :func:`gat2d_bytes`, :func:`gat1d_bytes`:
+    3D all-reduce over b, gradient over c, W₁'s over a; 2D all-reduce over y then all-gather
+    over x; 1D all-gather), then the sum over the block (neighbours and the (1 + ε) self
+    term) and the MLP's second product are each reduce-scattered over the axis splitting a
+    row's columns (3D a, 2D y; none in 1D) into this rank's output features (padded), their
+    gradients all-gathered back; ε's gradient (one element) is all-reduced over that axis
+    and the rows' axis (3D c, 2D x, 1D the only one), as are the second weight's (output
+    features chunk × width) and both biases' (the chunk) over the rows' axis.
+    """
+    fwd, bwd = Bytes(), Bytes()
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        if algorithm == "3d":
+            a, b, c = ROLES[layer % 3]
+            pa, pb, pc = shape[a], shape[b], shape[c]
+            part, rows_ax, pp, pr = a, c, pa, pc
+            rows = chunk(n, pc, coords[c])
+            cols = chunk(n, pa, coords[a])
+            fin = chunk(d_in, pb, coords[b])
+            fout = chunk(d_out, pa, coords[a])
+            if layer == 0:
+                fwd.add(c, "all_gather", pc, pc * biggest(cols, pc) * fin * es)
+            fwd.add(b, "all_reduce", pb, cols * d_out * es)
+            bwd.add(c, "all_reduce", pc, cols * d_out * es)
+            bwd.add(a, "all_reduce", pa, fin * d_out * es)
+        elif algorithm == "2d":
+            r, c = shape["x"], shape["y"]
+            part, rows_ax, pp, pr = "y", "x", c, r
+            rows = chunk(n, r, coords["x"])
+            fin = chunk(d_in, c, coords["y"])
+            fout = chunk(d_out, c, coords["y"])
+            z_all = r * biggest(n, r) * d_out * es
+            fwd.add("y", "all_reduce", c, rows * d_out * es)
+            fwd.add("x", "all_gather", r, z_all)
+            bwd.add("x", "reduce_scatter", r, z_all)
+            bwd.add("y", "all_reduce", c, rows * d_out * es)
+            bwd.add("x", "all_reduce", r, fin * d_out * es)
+        else:
+            p = shape["x"] * shape["y"] * shape["z"]
+            part, rows_ax, pp, pr = None, "tensor", 1, p
+            rows, fout = 0, d_out
+            z = p * biggest(n, p) * d_out * es
+            fwd.add("tensor", "all_gather", p, z)
+            bwd.add("tensor", "reduce_scatter", p, z)
+            bwd.add("tensor", "all_reduce", p, d_in * d_out * es)
+        if part is not None:
+            out_padded = pp * biggest(d_out, pp) * rows * es
+            for _ in range(2):
+                fwd.add(part, "reduce_scatter", pp, out_padded)
+                bwd.add(part, "all_gather", pp, out_padded)
+            bwd.add(part, "all_reduce", pp, es)
+        bwd.add(rows_ax, "all_reduce", pr, es)
+        bwd.add(rows_ax, "all_reduce", pr, fout * d_out * es)
+        if bias:
+            for _ in range(2):
+                bwd.add(rows_ax, "all_reduce", pr, fout * es)
     return fwd, bwd

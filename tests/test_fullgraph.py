@@ -161,6 +161,71 @@ def test_gcn_and_graphsage_are_the_plain_model_of_each_kind():
         assert model.dims == [7, 5, 5, 3] and model.dropout == 0.1
 
 
+def _as_recorded(steps, es: int, phase: str) -> dict[str, dict[str, int]]:
+    """``Traffic.as_dict()`` of ``steps`` of one phase, each collective rounding once."""
+    out: dict[str, dict[str, int]] = {}
+    for s in steps:
+        if s.phase == phase:
+            d = out.setdefault(s.axis, {})
+            d[s.kind] = d.get(s.kind, 0) + round(s.nbytes(es))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gcn", "sage"])
+def test_every_layer_schedule_equals_the_written_formula_on_every_rank(kind):
+    """One process, every rank of uneven shapes: each layer kind's schedule (the one
+    description the models' accounting and the planner use) equals the formulas written out
+    in tests/byte_formulas.py, per axis and collective kind, forward and backward."""
+    from gnnpar.comm import chunk_sizes
+    from gnnpar.grid import GridShape
+    from gnnpar.sparse.cagnet import rows1d_schedule, summa_schedule
+    from gnnpar.sparse.layout import layout3d
+    from gnnpar.sparse.plexus import layer_schedule
+
+    dims, ops, es = DIMS[kind], 2 if kind == "sage" else 1, 8
+    for (x, y, z), grad, chunks in (((3, 2, 5), True, 1), ((2, 3, 1), False, 3)):
+        g0 = GridShape(x=x, y=y, z=z)
+        for rank in range(g0.world_size):
+            g = GridShape(x=x, y=y, z=z, global_rank=rank)
+            coords = g.coords()
+            steps = []
+            for i in range(len(dims) - 1):
+                lay = layout3d(g, i, N, dims[i], dims[i + 1], ops)
+                steps += layer_schedule(g, lay, ops, i == 0, grad or i > 0, True, chunks)
+            f, b = plexus_bytes(g.shape, coords, N, dims, ops, es, grad, True, chunks)
+            f.check(_as_recorded(steps, es, "forward"), f"3d forward {coords}")
+            b.check(_as_recorded(steps, es, "backward"), f"3d backward {coords}")
+            # 2D on x × y (z folded away), arbitrary per-stage nonzero counts
+            r, c = x, y
+            i_, j_ = rank % r, (rank // r) % c
+            rows = chunk_range(N, r, i_)
+            nnz = [
+                [[3 + layer + k + jj for jj in range(c)] for k in range(ops)] for layer in (0, 1)
+            ]
+            steps = []
+            for i in range(len(dims) - 1):
+                fin = chunk_range(dims[i], c, j_)
+                steps += summa_schedule(
+                    (r, c), chunk_sizes(N, r), rows[1] - rows[0], chunk_sizes(dims[i], c),
+                    fin[1] - fin[0], dims[i + 1], nnz[i], grad or i > 0, True, 4, i,
+                )  # fmt: skip
+            f, b = summa_bytes(
+                {"x": r, "y": c}, {"x": i_, "y": j_}, N, dims, ops, es, grad, True, nnz
+            )
+            f.check(_as_recorded(steps, es, "forward"), f"2d forward {(i_, j_)}")
+            b.check(_as_recorded(steps, es, "backward"), f"2d backward {(i_, j_)}")
+        p = g0.world_size
+        steps = []
+        for i in range(len(dims) - 1):
+            d_in, d_out = dims[i], dims[i + 1]
+            steps += rows1d_schedule(
+                "tensor", chunk_sizes(N, p), d_in, d_out, ops, grad or i > 0, True, i
+            )
+        f, b = rows1d_bytes(p, N, dims, ops, es, grad, True)
+        f.check(_as_recorded(steps, es, "forward"), f"1d forward p={p}")
+        b.check(_as_recorded(steps, es, "backward"), f"1d backward p={p}")
+
+
 @pytest.mark.parametrize("algorithm", ["3d", "2d", "1d"])
 @pytest.mark.parametrize("world", WORLDS)  # small worlds of every algorithm first
 def test_matches_serial_every_grid(world, algorithm):

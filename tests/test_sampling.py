@@ -362,6 +362,51 @@ def test_block_backward_matches_dense():
     torch.testing.assert_close(x.grad, xr.grad)
 
 
+def test_block_layers_honour_edge_weights():
+    """Weighted block layers against dense formulas written here: SAGE's weighted mean, GCN's
+    weighted sum with a unit self loop, GAT's attention ∝ w·exp(e); unit weights give the
+    unweighted layers; BlockGNN looks a graph's weights up through the blocks' edge ids."""
+    from gnnpar.nn.minibatch import GCNConv
+
+    g = mixed_graph()
+    gen = torch.Generator().manual_seed(4)
+    weights = torch.rand(g.num_edges, generator=gen, dtype=torch.float64) + 0.1
+    batch = NeighborSampler(g, [5, 4]).sample(torch.tensor([3, 40, 77, 9]), key=2)
+    block = batch.blocks[0]
+    w = weights[block.edge_ids]
+    x = torch.randn(block.num_src, 6, dtype=torch.float64, generator=gen)
+    nd = block.num_dst
+    a = torch.zeros(nd, block.num_src, dtype=torch.float64)
+    a.index_put_((block.dst_index(), block.indices), w, accumulate=True)
+    rowsum = a.sum(1, keepdim=True)
+    torch.manual_seed(0)
+    for in_dim, out_dim in ((6, 4), (6, 9)):  # transform before / after aggregating
+        sage = SAGEConv(in_dim, out_dim).double()
+        want = sage.lin_neigh(a / rowsum.clamp(min=1e-300) @ x) + sage.lin_root(x[:nd])
+        torch.testing.assert_close(sage(block, x, w), want)
+        torch.testing.assert_close(sage(block, x, torch.ones_like(w)), sage(block, x))
+        gcn = GCNConv(in_dim, out_dim).double()
+        want = gcn.lin((x[:nd] + a @ x) / (1 + rowsum)) + gcn.bias
+        torch.testing.assert_close(gcn(block, x, w), want)
+        torch.testing.assert_close(gcn(block, x, torch.ones_like(w)), gcn(block, x))
+    gat = GATConv(6, 8, heads=2).double()
+    z = gat.lin(x).view(-1, 2, 4)
+    e = F.leaky_relu(
+        (z[:nd] * gat.att_dst).sum(-1)[:, None, :] + (z * gat.att_src).sum(-1)[None, :, :], 0.2
+    )  # destinations × sources × heads
+    a_loops = a.clone()
+    a_loops[torch.arange(nd), torch.arange(nd)] += 1.0  # the self loop weighs 1
+    num = a_loops[:, :, None] * torch.exp(e - e.amax(1, keepdim=True))
+    att = num / num.sum(1, keepdim=True)
+    want = torch.einsum("dsh,shf->dhf", att, z).reshape(nd, 8) + gat.bias
+    torch.testing.assert_close(gat(block, x, w), want)
+    torch.testing.assert_close(gat(block, x, torch.ones_like(w)), gat(block, x))
+    model = BlockGNN(6, 8, 3, num_layers=2, dropout=0.0, kind="gcn").double()
+    h = model.forward_layer(0, batch.blocks[0], x, edge_weight=w)
+    h = model.forward_layer(1, batch.blocks[1], h, edge_weight=weights[batch.blocks[1].edge_ids])
+    torch.testing.assert_close(model(batch.blocks, x, edge_weight=weights), h)
+
+
 # ------------------------------------------------------------------------------ loader
 def _seed_lists(loader) -> list[list[int]]:
     return [b.seeds.tolist() for b in loader]

@@ -1,4 +1,5 @@
-"""Dropout whose mask depends only on (seed, global row id, global column id).
+"""Dropout whose mask depends only on (seed, global row id, global column id) (features), or
+on (seed, edge, head) (attention: :func:`edge_dropout`).
 
 Every grid shape — and the serial model — then draws the same mask for the same element,
 so loss curves of different grids agree for one seed. Each row id and each column id is
@@ -72,3 +73,27 @@ def index_dropout(
     threshold = round(p * (1 << _BITS)) * (1 << (32 - _BITS)) - (1 << 31)
     keep = hash_int32(seed, row_ids, cols) >= threshold
     return torch.where(keep.to(h.device), h, 0.0).mul_(1.0 / (1.0 - p))
+
+
+def edge_dropout(
+    att: torch.Tensor,
+    p: float,
+    seed: int | None,
+    dst_ids: torch.Tensor,
+    src_ids: torch.Tensor,
+    training: bool = True,
+) -> torch.Tensor:
+    """Dropout on attention values ``att`` (E × K: edge e from global node ``src_ids[e]`` to
+    ``dst_ids[e]``, head k) whose mask is a function of (seed, dst, src, head) alone, so every
+    grid draws the same mask for the same edge (the serial model included)."""
+    if not training or p == 0.0 or seed is None:
+        return att
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attention dropout probability must be in [0, 1), got {p}")
+    base = _mix(torch.tensor(seed, dtype=torch.int64) * _GOLDEN + 3)  # not feature dropout's
+    dev = dst_ids.device
+    edge = _keys(dst_ids, base) ^ _keys(src_ids, _mix(base + 7))
+    head = _keys(torch.arange(att.shape[1], device=dev), _mix(base + 13))
+    threshold = round(p * (1 << _BITS)) * (1 << (32 - _BITS)) - (1 << 31)
+    keep = ((edge[:, None] ^ head[None, :]) * _M32) >= threshold
+    return torch.where(keep.to(att.device), att, 0.0) * (1.0 / (1.0 - p))

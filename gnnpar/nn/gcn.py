@@ -1,4 +1,4 @@
-"""Plain full-graph GNN models: GCN and GraphSAGE (mean), serial and readable.
+"""Plain full-graph GNN models: GCN, GraphSAGE (mean), GAT and GIN, serial and readable.
 
 They take the (normalised) adjacency as a :class:`~gnnpar.sparse.kernels.LocalSpMM` over the
 whole graph; parallelism is applied from outside by :func:`gnnpar.sparse.parallelize_fullgraph`,
@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gnnpar.nn.dropout import index_dropout
+from gnnpar.sparse import attention
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 
 
@@ -70,8 +72,116 @@ class SAGELayer(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class GATLayer(nn.Module):
+    """Multi-head graph attention (Veličković et al.; PyG's ``GATConv`` with its defaults):
+    ``Z = H W`` split into ``heads`` heads of ``F`` features, per head
+    ``e_ij = LeakyReLU(a_dstᵀ Z_i + a_srcᵀ Z_j)`` on the adjacency's nonzeros (its structure
+    only; self loops come from the GCN-normalised Â), a softmax over each row's edges,
+    attention dropout, then ``out_i = Σ_j att_ij Z_j``; heads concatenated (hidden layers) or
+    averaged (``concat=False``, the output layer), plus the bias."""
+
+    num_ops = 1
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        heads: int = 1,
+        concat: bool = True,
+        attn_dropout: float = 0.0,
+        negative_slope: float = 0.2,
+        bias: bool = True,
+    ):
+        super().__init__()
+        if concat and out_dim % heads:
+            raise ValueError(f"a GAT layer of width {out_dim} cannot split into {heads} heads")
+        self.heads, self.concat = heads, concat
+        self.head_dim = out_dim // heads if concat else out_dim
+        self.out_dim = out_dim
+        self.attn_dropout, self.negative_slope = attn_dropout, negative_slope
+        self.weight = nn.Parameter(_glorot((in_dim, heads * self.head_dim)))
+        self.att_src = nn.Parameter(_glorot((heads, self.head_dim)))
+        self.att_dst = nn.Parameter(_glorot((heads, self.head_dim)))
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+
+    def stacked_weight(self) -> torch.Tensor:
+        """The weight (in × heads·F)."""
+        return self.weight
+
+    def stacked_weight_grad(self) -> torch.Tensor | None:
+        """Gradient of :meth:`stacked_weight`."""
+        return self.weight.grad
+
+    def forward(  # noqa: D102
+        self, adj: LocalSpMM, h: torch.Tensor, seed: int | None = None
+    ) -> torch.Tensor:
+        z = (h @ self.weight).view(h.shape[0], self.heads, self.head_dim)
+        rows, cols = attention.edges(adj.block)
+        alpha_dst = (z * self.att_dst).sum(-1)
+        out = attention.gat_aggregate(
+            z, alpha_dst, self.att_src, rows, cols, (rows, cols), h.shape[0], seed, self
+        )
+        out = out.reshape(h.shape[0], -1) if self.concat else out.mean(dim=1)
+        return out if self.bias is None else out + self.bias
+
+
+class GINLayer(nn.Module):
+    """Graph isomorphism network layer (Xu et al.; PyG's ``GINConv`` with ``train_eps``):
+    ``MLP((1 + ε)·h_i + Σ_j h_j)`` over the adjacency's structure without its self loops,
+    the MLP ``Linear → ReLU → Linear`` of width ``out_dim``, ε learnable (starts at 0)."""
+
+    num_ops = 1
+
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(_glorot((in_dim, out_dim)))
+        self.hidden_bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+        self.weight_out = nn.Parameter(_glorot((out_dim, out_dim)))
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+        self.eps = nn.Parameter(torch.zeros(1))
+
+    def stacked_weight(self) -> torch.Tensor:
+        """The MLP's first weight (in × out)."""
+        return self.weight
+
+    def forward(self, adj: LocalSpMM, h: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        rows, cols = attention.edges(adj.block)
+        keep = rows != cols  # the self loops of the GCN-normalised Â are GIN's ε term
+        z = h @ self.weight  # the MLP's first Linear commutes with the (linear) aggregation
+        ids = torch.arange(h.shape[0], device=h.device)
+        out = gin_aggregate(z, z, (rows[keep], cols[keep]), (ids, ids), h.shape[0], self.eps)
+        if self.hidden_bias is not None:
+            out = out + self.hidden_bias
+        out = torch.relu(out) @ self.weight_out
+        return out if self.bias is None else out + self.bias
+
+
+def gin_aggregate(
+    z: torch.Tensor,
+    z_self: torch.Tensor,
+    edges: tuple[torch.Tensor, torch.Tensor],
+    root: tuple[torch.Tensor, torch.Tensor],
+    num_rows: int,
+    eps: torch.Tensor,
+) -> torch.Tensor:
+    """GIN's sum over one block: ``Σ_j z[j]`` over ``edges`` (row ← column of ``z``:
+    neighbours, no self loops) plus ``(1 + ε)·z_self[c]`` at row r for each ``root`` pair
+    (r, c) (row ← column of ``z_self`` holding the same node)."""
+    out = z.new_zeros(num_rows, z.shape[1]).index_add(0, edges[0], z[edges[1]])
+    return out.index_add(0, root[0], (1 + eps) * z_self[root[1]])
+
+
+ACTIVATIONS = {"gcn": torch.relu, "sage": torch.relu, "gat": F.elu, "gin": torch.relu}
+"""The nonlinearity between layers of each kind (ELU for GAT, as in its paper)."""
+
+
 class FullGraphGNN(nn.Module):
-    """A stack of GCN or SAGE layers with ReLU and index-seeded dropout between them."""
+    """A stack of GCN, SAGE, GAT or GIN layers with index-seeded dropout and the kind's
+    nonlinearity (:data:`ACTIVATIONS`) between them.
+
+    GAT: ``hidden`` is the width of a hidden layer, ``heads`` heads of ``hidden / heads``
+    features concatenated; the output layer averages ``out_heads`` heads of ``out_dim``;
+    ``attn_dropout`` drops attention values (by (seed, edge, head))."""
 
     def __init__(
         self,
@@ -82,26 +192,45 @@ class FullGraphGNN(nn.Module):
         dropout: float = 0.5,
         kind: str = "gcn",
         bias: bool = True,
+        heads: int = 1,
+        out_heads: int = 1,
+        attn_dropout: float = 0.0,
     ):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-        layer_cls = {"gcn": GCNLayer, "sage": SAGELayer}.get(kind)
-        if layer_cls is None:
-            raise ValueError(f"unknown full-graph model {kind!r}; use 'gcn' or 'sage'")
+        if kind not in ACTIVATIONS:
+            raise ValueError(f"unknown full-graph model {kind!r}; use one of {list(ACTIVATIONS)}")
         dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
         self.kind = kind
         self.dropout = dropout
-        self.layers = nn.ModuleList(
-            layer_cls(dims[i], dims[i + 1], bias) for i in range(num_layers)
-        )
+        self._dims = dims
+        if kind == "gat":
+            self.layers = nn.ModuleList(
+                GATLayer(
+                    dims[i],
+                    dims[i + 1],
+                    heads if i < num_layers - 1 else out_heads,
+                    concat=i < num_layers - 1,
+                    attn_dropout=attn_dropout,
+                    bias=bias,
+                )
+                for i in range(num_layers)
+            )
+        else:
+            layer_cls = {"gcn": GCNLayer, "sage": SAGELayer, "gin": GINLayer}[kind]
+            self.layers = nn.ModuleList(
+                layer_cls(dims[i], dims[i + 1], bias) for i in range(num_layers)
+            )
 
     @property
     def dims(self) -> list[int]:
         """Feature widths from input to output."""
-        return [self.layers[0].stacked_weight().shape[0] // self.layers[0].num_ops] + [
-            layer.stacked_weight().shape[1] for layer in self.layers
-        ]
+        return list(self._dims)
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """The nonlinearity between layers."""
+        return ACTIVATIONS[self.kind](h)
 
     def forward(
         self, adj: LocalSpMM, x: torch.Tensor, dropout_seed: int | None = None
@@ -113,9 +242,9 @@ class FullGraphGNN(nn.Module):
         for i, layer in enumerate(self.layers):
             seed = None if dropout_seed is None else dropout_seed * 1009 + i
             h = index_dropout(h, self.dropout, seed, rows, 0, self.training)
-            h = layer(adj, h)
+            h = layer(adj, h, seed) if self.kind == "gat" else layer(adj, h)
             if i < len(self.layers) - 1:
-                h = torch.relu(h)
+                h = self.act(h)
         return h
 
 
@@ -129,3 +258,30 @@ def GraphSAGE(  # noqa: N802
 ):
     """Full-graph GraphSAGE-mean (use with the row-normalised adjacency)."""
     return FullGraphGNN(in_dim, hidden, out_dim, num_layers, dropout, kind="sage")
+
+
+def GAT(  # noqa: N802
+    in_dim: int,
+    hidden: int,
+    out_dim: int,
+    num_layers: int = 2,
+    dropout: float = 0.6,
+    heads: int = 8,
+    out_heads: int = 1,
+    attn_dropout: float = 0.6,
+):
+    """Full-graph GAT (Veličković et al.): ``heads`` heads concatenated in hidden layers,
+    ``out_heads`` averaged in the output layer (use with the GCN-normalised adjacency, whose
+    structure holds the self loops)."""
+    return FullGraphGNN(
+        in_dim, hidden, out_dim, num_layers, dropout, "gat",
+        heads=heads, out_heads=out_heads, attn_dropout=attn_dropout,
+    )  # fmt: skip
+
+
+def GIN(  # noqa: N802
+    in_dim: int, hidden: int, out_dim: int, num_layers: int = 2, dropout: float = 0.5
+):
+    """Full-graph GIN (Xu et al.; use with the GCN-normalised adjacency, whose structure it
+    sums over, its self loops replaced by the learnable ε term)."""
+    return FullGraphGNN(in_dim, hidden, out_dim, num_layers, dropout, kind="gin")

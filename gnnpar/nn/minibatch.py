@@ -10,6 +10,10 @@ source nodes, and returns those of its destinations (the first ``num_dst`` sourc
   block, which a sample does not have);
 - :class:`GATConv`: graph attention with multi-head concatenation and a self loop.
 
+Every layer takes optional edge weights (one per edge of the block): a weighted mean (SAGE),
+a weighted sum with the self loop weighing 1 (GCN), attention scaled by the weight before it
+is normalised (GAT); :meth:`BlockGNN.forward` looks a graph's weights up per block.
+
 Aggregation is a CSR sparse-dense product through the project's one local SpMM
 (:func:`gnnpar.sparse.kernels.csr_spmm`, the same kernels as the full-graph layers); its
 backward uses the transposed CSR, built only when a gradient is needed. :class:`BlockGNN`
@@ -45,12 +49,37 @@ def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = Non
     return csr_spmm(block.indptr, block.indices, weight, h_src, block.num_src)
 
 
-def block_mean(block: Any, h_src: torch.Tensor) -> torch.Tensor:
-    """Mean of the in-neighbours' rows for every destination (0 where there are none)."""
+def block_mean(
+    block: Any, h_src: torch.Tensor, edge_weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean of the in-neighbours' rows for every destination (0 where there are none);
+    with ``edge_weight`` (one per edge, aligned with ``block.indices``) the weighted mean
+    ``Σ w_uv h_u / Σ w_uv``."""
     deg = block.in_degrees()
-    inv = 1.0 / deg.clamp(min=1).to(h_src.dtype)
-    weight = torch.repeat_interleave(inv, deg, output_size=block.num_edges)
+    if edge_weight is None:
+        inv = 1.0 / deg.clamp(min=1).to(h_src.dtype)
+        weight = torch.repeat_interleave(inv, deg, output_size=block.num_edges)
+        return block_sum(block, h_src, weight)
+    total = _weight_sums(block, edge_weight.to(h_src.dtype))
+    inv = torch.where(total != 0, 1.0 / total, 0.0)
+    weight = edge_weight.to(h_src.dtype) * torch.repeat_interleave(
+        inv, deg, output_size=block.num_edges
+    )
     return block_sum(block, h_src, weight)
+
+
+def _weight_sums(block: Any, edge_weight: torch.Tensor) -> torch.Tensor:
+    """``Σ_u w_uv`` for every destination v."""
+    out = torch.zeros(block.num_dst, dtype=edge_weight.dtype, device=edge_weight.device)
+    return out.index_add(0, block.dst_index(), edge_weight)
+
+
+def _check_weights(block: Any, edge_weight: torch.Tensor | None) -> None:
+    if edge_weight is not None and edge_weight.shape != (block.num_edges,):
+        raise ValueError(
+            f"edge_weight has shape {tuple(edge_weight.shape)}; the block has "
+            f"{block.num_edges} edges"
+        )
 
 
 class SAGEConv(nn.Module):
@@ -66,20 +95,25 @@ class SAGEConv(nn.Module):
         self.lin_neigh = nn.Linear(in_dim, out_dim, bias=bias)
         self.lin_root = nn.Linear(in_dim, out_dim, bias=False)
 
-    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:
-        """Outputs of the block's destinations from its sources' ``h_src``."""
+    def forward(
+        self, block: Any, h_src: torch.Tensor, edge_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Outputs of the block's destinations from its sources' ``h_src`` (``edge_weight``:
+        the weighted mean of the neighbours)."""
+        _check_weights(block, edge_weight)
         h_dst = h_src[: block.num_dst]
         if self.in_dim > self.out_dim:
-            agg = block_mean(block, h_src @ self.lin_neigh.weight.t())
+            agg = block_mean(block, h_src @ self.lin_neigh.weight.t(), edge_weight)
             if self.lin_neigh.bias is not None:
                 agg = agg + self.lin_neigh.bias
         else:
-            agg = self.lin_neigh(block_mean(block, h_src))
+            agg = self.lin_neigh(block_mean(block, h_src, edge_weight))
         return agg + self.lin_root(h_dst)
 
 
 class GCNConv(nn.Module):
-    """GCN on a block: ``W · (h_v + sum_{u in N(v)} h_u) / (deg(v) + 1) + b``."""
+    """GCN on a block: ``W · (h_v + sum_{u in N(v)} h_u) / (deg(v) + 1) + b``; with edge
+    weights ``W · (h_v + Σ w_uv h_u) / (1 + Σ w_uv) + b`` (the self loop weighs 1)."""
 
     def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
         super().__init__()
@@ -87,12 +121,19 @@ class GCNConv(nn.Module):
         self.lin = nn.Linear(in_dim, out_dim, bias=False)
         self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
 
-    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, block: Any, h_src: torch.Tensor, edge_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Outputs of the block's destinations from its sources' ``h_src``."""
+        _check_weights(block, edge_weight)
         if self.in_dim > self.out_dim:
             h_src = self.lin(h_src)
-        total = block_sum(block, h_src) + h_src[: block.num_dst]
-        out = total / (block.in_degrees() + 1).to(total.dtype)[:, None]
+        w = None if edge_weight is None else edge_weight.to(h_src.dtype)
+        total = block_sum(block, h_src, w) + h_src[: block.num_dst]
+        if w is None:
+            out = total / (block.in_degrees() + 1).to(total.dtype)[:, None]
+        else:
+            out = total / (1 + _weight_sums(block, w))[:, None]
         if self.in_dim <= self.out_dim:
             out = self.lin(out)
         return out if self.bias is None else out + self.bias
@@ -102,7 +143,9 @@ class GATConv(nn.Module):
     """Graph attention (Veličković et al.) on a block, with a self loop per destination.
 
     ``heads`` attention heads of ``out_dim // heads`` features each are concatenated
-    (``concat=True``) or averaged (``concat=False``, then each head has ``out_dim``).
+    (``concat=True``) or averaged (``concat=False``, then each head has ``out_dim``). Edge
+    weights scale the attention before it is normalised: ``α_uv ∝ w_uv · exp(e_uv)`` (the
+    self loop weighs 1), i.e. ``log w`` added to the logits.
     """
 
     def __init__(
@@ -130,8 +173,11 @@ class GATConv(nn.Module):
         nn.init.xavier_uniform_(self.att_src)
         nn.init.xavier_uniform_(self.att_dst)
 
-    def forward(self, block: Any, h_src: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, block: Any, h_src: torch.Tensor, edge_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Outputs of the block's destinations from its sources' ``h_src``."""
+        _check_weights(block, edge_weight)
         nd, heads = block.num_dst, self.heads
         z = self.lin(h_src).view(-1, heads, self.head_dim)
         a_src = (z * self.att_src).sum(-1)
@@ -140,6 +186,9 @@ class GATConv(nn.Module):
         src = torch.cat([block.indices, loops])
         dst = torch.cat([block.dst_index(), loops])
         e = F.leaky_relu(a_src[src] + a_dst[dst], self.negative_slope)
+        if edge_weight is not None:
+            ones = torch.ones(nd, dtype=e.dtype, device=e.device)
+            e = e + torch.log(torch.cat([edge_weight.to(e.dtype), ones]))[:, None]
         e_max = torch.full((nd, heads), float("-inf"), dtype=e.dtype, device=e.device)
         e_max = e_max.scatter_reduce(0, dst[:, None].expand_as(e), e, "amax", include_self=True)
         w = torch.exp(e - e_max[dst])
@@ -207,24 +256,44 @@ class BlockGNN(nn.Module):
         return len(self.layers)
 
     def forward_layer(
-        self, i: int, block: Any, h_src: torch.Tensor, dropout_seed: int | None = None
+        self,
+        i: int,
+        block: Any,
+        h_src: torch.Tensor,
+        dropout_seed: int | None = None,
+        edge_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Layer ``i`` on ``block``: dropout (in training), the layer, ReLU unless last."""
+        """Layer ``i`` on ``block``: dropout (in training), the layer, ReLU unless last;
+        ``edge_weight``: the block's edges' weights (aligned with ``block.indices``)."""
         if dropout_seed is None:
             h = F.dropout(h_src, self.dropout, self.training)
         else:
             keys = block.keys
             h = index_dropout(h_src, self.dropout, dropout_seed * 1009 + i, keys, 0, self.training)
-        h = self.layers[i](block, h)
+        h = self.layers[i](block, h, edge_weight)
         return h if i == self.num_layers - 1 else torch.relu(h)
 
     def forward(
-        self, blocks: list[Any], x: torch.Tensor, dropout_seed: int | None = None
+        self,
+        blocks: list[Any],
+        x: torch.Tensor,
+        dropout_seed: int | None = None,
+        edge_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of the seeds (``blocks[-1]``'s destinations)."""
+        """Logits of the seeds (``blocks[-1]``'s destinations). ``edge_weight``: the sampled
+        graph's weight per edge (its CSR order), looked up through each block's
+        ``edge_ids``."""
         if len(blocks) != self.num_layers:
             raise ValueError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
         h = x
         for i, block in enumerate(blocks):
-            h = self.forward_layer(i, block, h, dropout_seed)
+            w = None
+            if edge_weight is not None:
+                if block.edge_ids is None:
+                    raise ValueError(
+                        "edge weights need the blocks' edge ids, which this sampler does not "
+                        "record (distributed sampling)"
+                    )
+                w = edge_weight[block.edge_ids]
+            h = self.forward_layer(i, block, h, dropout_seed, w)
         return h

@@ -46,8 +46,8 @@ def _machine(args: argparse.Namespace) -> Machine:
 
 # The trainer's options that ``gnnpar plan`` takes, spelled and defaulted as the trainer's:
 # the same flags describe the same run, so both pick the same grid.
-GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "layers", "dtype",
-               "mixed_precision")  # fmt: skip
+GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "heads", "out_heads",
+               "layers", "dtype", "mixed_precision")  # fmt: skip
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip")  # fmt: skip
 
@@ -75,6 +75,8 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
         "layers": cfg.layers,
         "model": cfg.model,
         "element_size": compute_dtype(cfg).itemsize,
+        "heads": cfg.heads,
+        "out_heads": cfg.out_heads,
     }
     if not sizes_given:
         presets = gcn_datasets()

@@ -1,7 +1,8 @@
 """Communication of one training step, collective by collective, and its time.
 
 :func:`gcn_collectives` lists what one full-graph epoch of :mod:`gnnpar.sparse.plexus`
-sends (forward, the sharded loss, backward with the bias gradients); :func:`gpt_collectives`
+sends (forward, the sharded loss, backward with the bias gradients), each layer's part taken
+from the layer's own schedule (:func:`gnnpar.sparse.plexus.layer_schedule`); :func:`gpt_collectives`
 what one optimizer step of :func:`gnnpar.tensor.train.train_step` sends (embeddings, every
 3D tensor-parallel ``Linear`` as :func:`gnnpar.tensor.parallelize` lays it out, the
 vocabulary-parallel loss, the data/z gradient reduction, the gradient-norm and loss
@@ -28,7 +29,9 @@ from gnnpar.comm import ring_bytes
 from gnnpar.grid import AXES, COMBINED_AXES, GridShape, axes_of
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
+from gnnpar.sparse.gat import gat3d_layer_schedule, gin3d_layer_schedule
 from gnnpar.sparse.layout import layout3d
+from gnnpar.sparse.plexus import layer_schedule
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
@@ -201,32 +204,16 @@ def gcn_collectives(
     last = None
     for i in range(len(dims) - 1):
         lay = layout3d(g, i, n, dims[i], dims[i + 1], ops)
-        a, b, c = lay.outer, lay.inner, lay.depth
-        pa, pb, pc = g.size(a), g.size(b), g.size(c)
-        rows = lay.rows[1] - lay.rows[0]
-        fin = lay.fin[1] - lay.fin[0]
-        fout = lay.fout[1] - lay.fout[0]
-        h_full = pc * max(lay.h_sub_sizes) * fin * e
-        w_full = pc * max(lay.w_sizes) * e
-        agg = rows * ops * fin * e
-        tag = f"layer {i}"
-        if i == 0:
-            out += _coll(c, "all_gather", pc, h_full, f"{tag} gather H")
-        out += _coll(a, "all_reduce", pa, agg, f"{tag} AGG = A·H")
-        out += _coll(c, "all_gather", pc, w_full, f"{tag} gather W")
-        out += _coll(b, "all_reduce", pb, rows * fout * e, f"{tag} OUT = AGG·W")
-        # backward
-        out += _coll(c, "all_gather", pc, w_full, f"{tag} gather W (backward)")
-        out += _coll(a, "all_reduce", pa, agg, f"{tag} dAGG")
-        out += _coll(c, "reduce_scatter", pc, w_full, f"{tag} dW")
-        if i > 0 or problem.input_grad:
-            if i == 0:
-                out += _coll(c, "reduce_scatter", pc, h_full, f"{tag} dH")
-            else:
-                h_rows = lay.cols[1] - lay.cols[0]
-                out += _coll(c, "all_reduce", pc, h_rows * fin * e, f"{tag} dH")
-        if problem.bias:
-            out += _coll(c, "all_reduce", pc, fout * e, f"{tag} d bias")
+        grad_in = i > 0 or problem.input_grad
+        # the layer's own description of its traffic (what the layer's accounting uses too)
+        if problem.model == "gat":
+            heads, head_dim = problem.layer_heads(i)
+            steps = gat3d_layer_schedule(g, lay, heads, head_dim, dims[i + 1], i == 0, problem.bias)
+        elif problem.model == "gin":
+            steps = gin3d_layer_schedule(g, lay, dims[i + 1], i == 0, problem.bias)
+        else:
+            steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias)
+        out += [Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), s.what) for s in steps]
         last = lay
     if loss and last is not None:
         rows = last.rows[1] - last.rows[0]

@@ -9,6 +9,18 @@ Full-graph GCN (:func:`gcn_memory`), per rank:
 - ``activations``: what backward keeps per layer (the aggregate ``Â·H`` and the output
   before and after the ReLU) plus the largest transient (a gathered ``H`` and ``W``).
 
+GAT and GIN (``model="gat"`` / ``"gin"``, :mod:`gnnpar.sparse.gat`) instead: ``adjacency``
+holds the block's edge list (local row and column, global destination and source ids: 4
+int64 per nonzero) and the permutation block's (2 int64 per row); ``weights`` the weight rows
+of this rank's input features for every head, the two attention vectors and the bias piece
+(4 copies each); ``activations`` Z (columns × heads·F, kept) and the output (rows × heads·F
+before the reduce-scatter, and the output piece before and after the ELU); ``attention`` the
+per-edge, per-head tensors backward keeps: the logits before and after the LeakyReLU, the
+exponentials, the attention values after the softmax and after dropout (5 · nnz · heads),
+and the gathered source rows of Z each edge multiplies (nnz · heads·F). GIN keeps the
+gathered neighbour rows of Z (nnz · width) and its MLP's second weight rows, ε and hidden
+bias instead of attention.
+
 GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
 
 - ``parameters`` (e each), ``gradients`` (e each), ``optimizer`` (Adam's two moments in
@@ -53,6 +65,8 @@ USABLE_FRACTION = 0.9
 
 def gcn_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[str, float]:
     """Bytes on rank 0 of one full-graph training run, by part (see the module docstring)."""
+    if problem.model in ("gat", "gin"):
+        return _gemm_first_memory(problem, shape)
     e, ops = problem.element_size, problem.num_ops
     out = {"adjacency": 0.0, "features": 0.0, "weights": 0.0, "activations": 0.0}
     transient = 0.0
@@ -65,6 +79,30 @@ def gcn_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[str, float
         out["activations"] += (rows * ops * fin + 2 * rows * fout) * e
         transient = max(transient, (cols * fin + ops * fin * fout) * e)
     out["activations"] += transient
+    return out
+
+
+def _gemm_first_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[str, float]:
+    """:func:`gcn_memory` of a GAT or GIN (see the module docstring)."""
+    e = problem.element_size
+    gat = problem.model == "gat"
+    out = {"adjacency": 0.0, "features": 0.0, "weights": 0.0, "activations": 0.0}
+    if gat:
+        out["attention"] = 0.0
+    for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
+        heads, head_dim = problem.layer_heads(i) if gat else (1, problem.dims[i + 1])
+        width = heads * head_dim
+        out["adjacency"] += nnz * 4 * 8 + rows * 2 * 8
+        if i == 0:
+            out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
+        # GAT: two attention vectors; GIN: the MLP's second weight rows, ε, a second bias
+        extra = 2 * width if gat else fout * width + 1 + (fout if problem.bias else 0)
+        out["weights"] += 4 * (fin * width + extra + (fout if problem.bias else 0)) * e
+        out["activations"] += (cols * width + rows * width + 2 * rows * fout) * e
+        if gat:
+            out["attention"] += nnz * (5 * heads + width) * e
+        else:  # the gathered neighbour rows of Z, and the MLP's hidden output
+            out["activations"] += (nnz * width + 2 * rows * fout) * e
     return out
 
 

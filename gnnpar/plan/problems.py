@@ -31,13 +31,14 @@ def _positive(name: str, value: object) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GCNProblem:
-    """A full-graph GCN (or GraphSAGE-mean) training run of ``layers`` layers.
+    """A full-graph GCN (or GraphSAGE-mean, GAT, GIN) training run of ``layers`` layers.
 
     ``nnz`` is the number of nonzeros of the normalised adjacency Â (stored entries, self
     loops included); :meth:`from_edges` derives it from an undirected edge count as
     ``2·E + N``. ``element_size`` is the bytes of a feature, weight and activation (4:
     float32, as Plexus trains). ``input_grad`` asks for the gradient of the input features
-    (the trainer does not need it).
+    (the trainer does not need it). GAT (``model="gat"``): hidden layers have ``heads`` heads
+    concatenated (a hidden width splits into them), the output layer ``out_heads`` averaged.
     """
 
     nodes: int
@@ -52,12 +53,15 @@ class GCNProblem:
     input_grad: bool = False
     name: str = ""
     widths: tuple[int, ...] = ()
+    heads: int = 8
+    out_heads: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("nodes", "nnz", "features", "classes", "hidden", "layers", "element_size"):
+        keys = ("nodes", "nnz", "features", "classes", "hidden", "layers", "element_size")
+        for key in (*keys, "heads", "out_heads"):
             _positive(key, getattr(self, key))
-        if self.model not in ("gcn", "sage"):
-            raise PlanError(f"model must be gcn or sage, got {self.model!r}")
+        if self.model not in ("gcn", "sage", "gat", "gin"):
+            raise PlanError(f"model must be gcn, sage, gat or gin, got {self.model!r}")
         if self.widths:
             for w in self.widths:
                 _positive("width", w)
@@ -100,6 +104,18 @@ class GCNProblem:
         if self.widths:
             return list(self.widths)
         return [self.features] + [self.hidden] * (self.layers - 1) + [self.classes]
+
+    def layer_heads(self, layer: int) -> tuple[int, int]:
+        """GAT: (heads, features per head) of ``layer`` (hidden layers concatenate their
+        heads, the output layer averages ``out_heads`` heads of the classes)."""
+        dims = self.dims
+        if layer == len(dims) - 2:
+            return self.out_heads, dims[-1]
+        if dims[layer + 1] % self.heads:
+            raise PlanError(
+                f"hidden width {dims[layer + 1]} does not split into {self.heads} heads"
+            )
+        return self.heads, dims[layer + 1] // self.heads
 
     @property
     def num_ops(self) -> int:

@@ -212,16 +212,21 @@ def fullgraph_epoch_bytes(
     num_ops: int = 1,
     element_size: int = 4,
     bias: bool = True,
+    model: str | None = None,
+    heads: tuple[int, int] = (8, 1),
 ) -> dict[str, float]:
     """Bytes per axis that rank 0 moves in one forward + backward pass of a 3D full-graph
-    model with feature widths ``dims`` (biases included, the loss's few scalars not)."""
+    model with feature widths ``dims`` (biases included, the loss's few scalars not);
+    ``model`` (default: gcn, or sage for 2 operators) and GAT's (hidden, output) ``heads``."""
     problem = GCNProblem.from_widths(
         num_nodes,
         1,
         list(dims),
-        model="sage" if num_ops == 2 else "gcn",
+        model=model or ("sage" if num_ops == 2 else "gcn"),
         element_size=element_size,
         bias=bias,
+        heads=heads[0],
+        out_heads=heads[1],
     )
     colls = gcn_collectives(problem, {"data": 1, **shape}, loss=False)
     out = {"x": 0.0, "y": 0.0, "z": 0.0}
@@ -240,14 +245,19 @@ def choose_fullgraph_grid(
     machine: Machine | None = None,
     element_size: int = 4,
     algorithm: str = "3d",
+    model: str | None = None,
+    heads: tuple[int, int] = (8, 1),
 ) -> dict[str, int]:
     """The grid shape for a full-graph run of ``algorithm`` on ``world`` ranks.
 
     3D, with a ``machine`` (and the adjacency's ``nnz``): the fastest predicted x·y·z shape
     that fits (:func:`rank_gcn`; what ``gnnpar plan gcn`` ranks first). Without: the shape
     with the fewest bytes per epoch; ties go to the shape whose busiest axis moves least, then
-    to x before y before z. 2D (SUMMA): the squarest x·y; 1D: x = ``world``.
+    to x before y before z. 2D (SUMMA): the squarest x·y; 1D: x = ``world``. ``model``
+    (default: gcn, or sage for 2 operators) and GAT's (hidden, output) ``heads`` pick the
+    layers' schedules and memory.
     """
+    model = model or ("sage" if num_ops == 2 else "gcn")
     if algorithm == "2d":
         x = int(world**0.5)
         while world % x:
@@ -262,15 +272,17 @@ def choose_fullgraph_grid(
             num_nodes,
             nnz or num_nodes,
             list(dims),
-            model="sage" if num_ops == 2 else "gcn",
+            model=model,
             element_size=element_size,
+            heads=heads[0],
+            out_heads=heads[1],
         )
         best = _best(rank_gcn(problem, world, machine), "graph")
         return {a: best[a] for a in ("x", "y", "z")}
     chosen = None
     for s in _shapes(world, data=False):
         shape = {a: s[a] for a in ("x", "y", "z")}
-        b = fullgraph_epoch_bytes(shape, num_nodes, dims, num_ops)
+        b = fullgraph_epoch_bytes(shape, num_nodes, dims, num_ops, model=model, heads=heads)
         key = (sum(b.values()), max(b.values()), -shape["x"], -shape["y"])
         if chosen is None or key < chosen[0]:
             chosen = (key, shape)

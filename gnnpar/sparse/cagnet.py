@@ -13,7 +13,9 @@ and multiplied by column block j of the replicated W. Backward streams Â again 
 reduce-scatters the gradients.
 
 Both compose gnnpar's differentiable collectives, so their backward passes are the adjoints
-of their forward passes by construction.
+of their forward passes by construction. Each layer's collectives are described once, by
+:func:`rows1d_schedule` and :func:`summa_schedule`, from which the models' byte accounting
+comes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 from gnnpar.sparse.layout import chunk
 from gnnpar.sparse.parallel import ShardedGNN
+from gnnpar.sparse.schedule import Step, step
 from gnnpar.sparse.source import ShardSource
 
 if TYPE_CHECKING:
@@ -121,22 +124,18 @@ class Parallel1DGNN(ShardedGNN):
                 h = torch.relu(h)
         return h
 
-    def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
-        """Per-rank bytes of one forward and backward pass, from the ring formulas (elements
-        of the compute dtype)."""
-        es = self.compute_dtype.itemsize
-        p = self.grid.size(self.axis)
-        padded_rows = p * max(self.row_sizes)
-        rb = comm.ring_bytes
-        fwd = bwd = 0.0
+    def schedule(self, input_grad: bool = False) -> list[Step]:
+        """The collectives of one forward and one backward pass, layer by layer (see
+        :func:`rows1d_schedule`)."""
+        out: list[Step] = []
         for i in range(self.num_layers):
-            fwd += rb("all_gather", padded_rows * self.dims[i] * es, p)
-            if input_grad or i > 0:
-                bwd += rb("reduce_scatter", padded_rows * self.dims[i] * es, p)
-            bwd += rb("all_reduce", self.params.weights[i].numel() * es, p)
-            if self.has_bias:
-                bwd += rb("all_reduce", self.dims[i + 1] * es, p)
-        return {"forward": {self.axis: fwd}, "backward": {self.axis: bwd}}
+            d_in, d_out = self.dims[i], self.dims[i + 1]
+            num_ops = len(self.ops[i])
+            grad_in = input_grad or i > 0
+            out += rows1d_schedule(
+                self.axis, self.row_sizes, d_in, d_out, num_ops, grad_in, self.has_bias, i
+            )
+        return out
 
 
 class _SummaSpMM(torch.autograd.Function):
@@ -260,34 +259,99 @@ class Parallel2DGNN(ShardedGNN):
                 h = torch.relu(h)
         return h
 
-    def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
-        """Per-rank bytes of one forward and backward pass, from the ring formulas (elements
-        of the compute dtype)."""
-        es = self.compute_dtype.itemsize
+    def schedule(self, input_grad: bool = False) -> list[Step]:
+        """The collectives of one forward and one backward pass, layer by layer (see
+        :func:`summa_schedule`)."""
         ies = torch.tensor([], dtype=self.index_dtype).element_size()
-        r, c = self.grid.size("x"), self.grid.size("y")
-        rows = self.rows[1] - self.rows[0]
-        rb = comm.ring_bytes
-        fwd = {"x": 0.0, "y": 0.0}
-        bwd = {"x": 0.0, "y": 0.0}
+        out: list[Step] = []
         for i in range(self.num_layers):
-            stream = sum(
-                rb("broadcast", (rows + 1) * 8 + nnz * (ies + es), c)
-                for per_op in self.stage_nnz[i]
-                for nnz in per_op
+            out += summa_schedule(
+                (self.grid.size("x"), self.grid.size("y")),
+                self.row_sizes,
+                self.rows[1] - self.rows[0],
+                self.fin_sizes[i],
+                self.fin[i][1] - self.fin[i][0],
+                self.dims[i + 1],
+                self.stage_nnz[i],
+                input_grad or i > 0,
+                self.has_bias,
+                ies,
+                i,
             )
-            d_in, d_out = self.dims[i], self.dims[i + 1]
-            h_col = r * max(self.row_sizes) * (self.fin[i][1] - self.fin[i][0]) * es
-            agg = self.num_ops * c * max(self.fin_sizes[i]) * rows * es
-            w_cols = c * max(self.fin_sizes[i + 1]) * self.num_ops * d_in * es
-            fwd["y"] += stream + rb("all_gather", agg, c)
-            fwd["x"] += rb("all_gather", h_col, r)
-            bwd["y"] += rb("all_gather", w_cols, c)
-            bwd["x"] += rb("all_reduce", self.num_ops * d_in * d_out * es, r)
-            if input_grad or i > 0:  # only H's gradient needs these (none for raw features)
-                bwd["y"] += stream + rb("reduce_scatter", agg, c)
-                bwd["x"] += rb("reduce_scatter", h_col, r)
-            if self.has_bias:
-                bwd["y"] += rb("all_gather", c * max(self.fin_sizes[i + 1]) * es, c)
-                bwd["x"] += rb("all_reduce", d_out * es, r)
-        return {"forward": fwd, "backward": bwd}
+        return out
+
+
+def rows1d_schedule(
+    axis: str,
+    row_sizes: list[int],
+    d_in: int,
+    d_out: int,
+    num_ops: int,
+    input_grad: bool,
+    bias: bool,
+    layer: int = 0,
+) -> list[Step]:
+    """The collectives of one forward and backward of a 1D layer over ``axis`` (rows split
+    into ``row_sizes``; ``num_ops`` operators of ``d_in`` → ``d_out`` features, weights
+    replicated): the one description of this layer's traffic."""
+    p = len(row_sizes)
+    h_full = p * max(row_sizes) * d_in
+    tag = f"layer {layer}"
+    out = step("forward", axis, "all_gather", p, h_full, f"{tag} gather H")
+    if input_grad:
+        out += step("backward", axis, "reduce_scatter", p, h_full, f"{tag} dH")
+    out += step("backward", axis, "all_reduce", p, num_ops * d_in * d_out, f"{tag} dW")
+    if bias:
+        out += step("backward", axis, "all_reduce", p, d_out, f"{tag} d bias")
+    return out
+
+
+def summa_schedule(
+    grid: tuple[int, int],
+    row_sizes: list[int],
+    rows: int,
+    fin_sizes: list[int],
+    fin: int,
+    d_out: int,
+    stage_nnz: list[list[int]],
+    input_grad: bool,
+    bias: bool,
+    index_size: int,
+    layer: int = 0,
+) -> list[Step]:
+    """The collectives of one forward and backward of a 2D (SUMMA) layer on an R × C =
+    ``grid`` (x × y) grid, for the rank holding ``rows`` rows (of ``row_sizes`` over x) and
+    ``fin`` input features (of ``fin_sizes`` over y); ``stage_nnz[op][j]`` is the nonzero
+    count of operator ``op``'s block (i, j), streamed over y as (indptr int64, column ids
+    of ``index_size`` bytes, values): the one description of this layer's traffic."""
+    r, c = grid
+    num_ops = len(stage_nnz)
+    d_in = sum(fin_sizes)
+    out_sizes = chunk_sizes(d_out, c)  # output features are split over y too
+    h_col = r * max(row_sizes) * fin
+    agg = c * max(fin_sizes) * rows
+    tag = f"layer {layer}"
+    fw, bw = "forward", "backward"
+    stream: list[tuple[int, int, str]] = []  # (elements, itemsize, what) of every broadcast
+    for k, per_op in enumerate(stage_nnz):
+        for j, nnz in enumerate(per_op):
+            what = f"{tag} stream A op {k} block {j}"
+            stream += [(rows + 1, 8, f"{what} indptr"), (nnz, index_size, f"{what} indices")]
+            stream += [(nnz, 0, f"{what} values")]
+    out = step(fw, "x", "all_gather", r, h_col, f"{tag} gather H columns")
+    for n, size, what in stream:
+        out += step(fw, "y", "broadcast", c, n, what, size)
+    for k in range(num_ops):
+        out += step(fw, "y", "all_gather", c, agg, f"{tag} gather AGG op {k}")
+    out += step(bw, "y", "all_gather", c, c * max(out_sizes) * num_ops * d_in, f"{tag} dW (y)")
+    out += step(bw, "x", "all_reduce", r, num_ops * d_in * d_out, f"{tag} dW (x)")
+    if input_grad:  # only H's gradient needs these (none for raw features)
+        for k in range(num_ops):
+            out += step(bw, "y", "reduce_scatter", c, agg, f"{tag} dAGG op {k}")
+        for n, size, what in stream:
+            out += step(bw, "y", "broadcast", c, n, f"{what} (backward)", size)
+        out += step(bw, "x", "reduce_scatter", r, h_col, f"{tag} dH columns")
+    if bias:
+        out += step(bw, "y", "all_gather", c, c * max(out_sizes), f"{tag} d bias (y)")
+        out += step(bw, "x", "all_reduce", r, d_out, f"{tag} d bias (x)")
+    return out

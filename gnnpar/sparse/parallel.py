@@ -1,4 +1,5 @@
-"""Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE model.
+"""Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE / GAT /
+GIN model (GAT and GIN: :mod:`gnnpar.sparse.gat`).
 
 >>> par = parallelize_fullgraph(model, grid, source)
 >>> x = par.input_features()          # this rank's shard of the input features
@@ -40,7 +41,8 @@ from gnnpar.sparse.loss import (
     sharded_bce_with_logits,
     sharded_cross_entropy,
 )
-from gnnpar.sparse.plexus import layer_bytes, plexus_layer
+from gnnpar.sparse.plexus import layer_schedule, plexus_layer
+from gnnpar.sparse.schedule import Step, bytes_by_phase
 from gnnpar.sparse.source import ShardSource
 
 if TYPE_CHECKING:
@@ -111,6 +113,16 @@ class ShardedGNN(nn.Module):
         self.compute_dtype = compute_dtype or self.dtype
         # Shards are read on the host (memory-mapped files) and live on the grid's device.
         self.device = grid.device
+
+    def schedule(self, input_grad: bool = False) -> list[Step]:
+        """The collectives of one forward and one backward pass on this rank (each layer's
+        own description; ``input_grad``: the input features' gradient is wanted too)."""
+        raise NotImplementedError
+
+    def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
+        """Per-rank bytes by axis of one forward and one backward pass, from
+        :meth:`schedule` (elements of the compute dtype; unrounded)."""
+        return bytes_by_phase(self.schedule(input_grad), self.compute_dtype.itemsize)
 
     def in_compute_dtype(self, param: torch.Tensor) -> torch.Tensor:
         """``param`` (a master) cast to the compute dtype for this pass (itself when they
@@ -260,6 +272,7 @@ class Parallel3DGNN(ShardedGNN):
             raise ValueError(f"overlap_chunks must be at least 1, got {overlap_chunks}")
         dtype = self.dtype
         dims = self.dims
+        self.overlap_chunks = overlap_chunks
         self.layouts: list[Layout3D] = []
         self.ops: list[list[list[tuple[int, int, LocalSpMM]]]] = []
         self.weights = nn.ParameterList()
@@ -342,24 +355,18 @@ class Parallel3DGNN(ShardedGNN):
         return self.biases[layer], concat([("model/" + key, (lay.fout[0],), (n,))]), (lay.outer,)
 
     # ------------------------------------------------------------------------ accounting
-    def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
-        """Per-rank bytes by axis of one forward and one backward pass, from the formulas
-        (bias gradients included; elements of the compute dtype)."""
-        es = self.compute_dtype.itemsize
-        fwd: dict[str, float] = {}
-        bwd: dict[str, float] = {}
+    def schedule(self, input_grad: bool = False) -> list[Step]:
+        """The collectives of one forward and one backward pass, layer by layer (see
+        :func:`~gnnpar.sparse.plexus.layer_schedule`); ``input_grad``: the input features'
+        gradient is wanted too."""
+        out: list[Step] = []
         for i, lay in enumerate(self.layouts):
             num_ops = len(self.ops[i])
             grad_in = input_grad or i > 0
-            for out, f, b in ((fwd, True, False), (bwd, False, True)):
-                part = layer_bytes(self.grid, lay, num_ops, i == 0, grad_in, es, f, b)
-                for k, v in part.items():
-                    out[k] = out.get(k, 0.0) + v
-            if self.has_bias:
-                width = lay.fout[1] - lay.fout[0]
-                bias = comm.ring_bytes("all_reduce", width * es, self.grid.size(lay.depth))
-                bwd[lay.depth] = bwd.get(lay.depth, 0.0) + bias
-        return {"forward": fwd, "backward": bwd}
+            out += layer_schedule(
+                self.grid, lay, num_ops, i == 0, grad_in, self.has_bias, self.overlap_chunks
+            )
+        return out
 
     def shard_numel(self) -> dict[str, int]:
         """Elements this rank holds: adjacency nonzeros, input features, weights."""
@@ -427,6 +434,13 @@ def parallelize_fullgraph(
     the default), or CAGNET's ``"2d"`` (SUMMA over x × y) and ``"1d"`` (rows over all ranks)
     baselines. Parameters are kept in ``dtype`` (default: the model's), forward and backward
     run in ``compute_dtype`` (default: ``dtype``; ``torch.bfloat16`` for mixed precision)."""
+    if model.kind in ("gat", "gin"):
+        from gnnpar.sparse.gat import parallel_gemm_first
+
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
+        cls = parallel_gemm_first(model, algorithm)
+        return cls(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
     if algorithm == "3d":
         return Parallel3DGNN(model, grid, source, overlap_chunks, dtype, compute_dtype)
     from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN

@@ -17,8 +17,8 @@ backward (OUT's gradient is the same on every rank of b, as OUT is replicated th
     gW   = reduce-scatter_c(AGGᵀ @ gOUT)          (async)
     gH   = Âᵀ_local @ gAGG, then reduce-scatter_c (first layer) or all-reduce_c
 
-Bytes per rank and layer (elements × element size; ring costs of DESIGN) are computed by
-:func:`layer_bytes`, which tests hold the measured traffic against.
+The collectives of one layer are described once, by :func:`layer_schedule`: the model's
+byte accounting and the planner's communication model both come from it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from __future__ import annotations
 import torch
 
 from gnnpar import comm
+from gnnpar.comm import chunk_sizes
 from gnnpar.grid import GridShape, ProcessGrid
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.layout import Layout3D
+from gnnpar.sparse.schedule import Step, step
 
 
 def _aggregate(
@@ -110,42 +112,46 @@ def plexus_layer(
     return Plexus3DFunction.apply(h, w_local, ops, grid, lay, input_split)
 
 
-def layer_bytes(
+def layer_schedule(
     grid: ProcessGrid | GridShape,
     lay: Layout3D,
     num_ops: int,
     input_split: bool,
     input_grad: bool,
-    element_size: int,
-    forward: bool = True,
-    backward: bool = True,
-) -> dict[str, float]:
-    """Per-rank bytes of one 3D layer by axis, from the ring formulas (pieces that do not
-    divide are padded to the largest, as the collectives send them)."""
+    bias: bool,
+    chunks: int = 1,
+) -> list[Step]:
+    """The collectives of one forward and backward of the 3D layer ``lay`` (with its bias,
+    whose gradient is all-reduced over the depth axis), as the rank of ``lay`` runs them:
+    the one description of this layer's traffic (see :mod:`gnnpar.sparse.schedule`).
+    ``chunks`` is the forward aggregate's row chunks (``overlap_chunks``)."""
     a, b, c = lay.outer, lay.inner, lay.depth
     pa, pb, pc = grid.size(a), grid.size(b), grid.size(c)
     rows = lay.rows[1] - lay.rows[0]
     fin = lay.fin[1] - lay.fin[0]
     fout = lay.fout[1] - lay.fout[0]
-    h_gather = pc * max(lay.h_sub_sizes) * fin
-    w_gather = pc * max(lay.w_sizes)
-    agg = rows * num_ops * fin
-    out = {a: 0.0, b: 0.0, c: 0.0}
-    rb = comm.ring_bytes
-    if forward:
+    h_full = pc * max(lay.h_sub_sizes) * fin
+    w_full = pc * max(lay.w_sizes)
+    tag = f"layer {lay.layer}"
+    fw, bw = "forward", "backward"
+    out: list[Step] = []
+    if input_split:
+        out += step(fw, c, "all_gather", pc, h_full, f"{tag} gather H")
+    pieces = [r for r in chunk_sizes(rows, chunks) if r] if chunks > 1 else [rows]
+    for k, piece in enumerate(pieces):
+        what = f"{tag} AGG = A·H" + (f" (chunk {k})" if len(pieces) > 1 else "")
+        out += step(fw, a, "all_reduce", pa, piece * num_ops * fin, what)
+    out += step(fw, c, "all_gather", pc, w_full, f"{tag} gather W")
+    out += step(fw, b, "all_reduce", pb, rows * fout, f"{tag} OUT = AGG·W")
+    out += step(bw, c, "all_gather", pc, w_full, f"{tag} gather W (backward)")
+    out += step(bw, a, "all_reduce", pa, rows * num_ops * fin, f"{tag} dAGG")
+    out += step(bw, c, "reduce_scatter", pc, w_full, f"{tag} dW")
+    if input_grad:
         if input_split:
-            out[c] += rb("all_gather", h_gather, pc)
-        out[a] += rb("all_reduce", agg, pa)
-        out[c] += rb("all_gather", w_gather, pc)
-        out[b] += rb("all_reduce", rows * fout, pb)
-    if backward:
-        out[c] += rb("all_gather", w_gather, pc)
-        out[a] += rb("all_reduce", agg, pa)
-        out[c] += rb("reduce_scatter", w_gather, pc)
-        if input_grad:
+            out += step(bw, c, "reduce_scatter", pc, h_full, f"{tag} dH")
+        else:
             h_rows = lay.cols[1] - lay.cols[0]
-            if input_split:
-                out[c] += rb("reduce_scatter", h_gather, pc)
-            else:
-                out[c] += rb("all_reduce", h_rows * fin, pc)
-    return {k: v * element_size for k, v in out.items()}
+            out += step(bw, c, "all_reduce", pc, h_rows * fin, f"{tag} dH")
+    if bias:
+        out += step(bw, c, "all_reduce", pc, fout, f"{tag} d bias")
+    return out

@@ -1,4 +1,4 @@
-"""Full-graph GCN / GraphSAGE training on an x × y × z grid (the ``gcn`` task).
+"""Full-graph GCN / GraphSAGE / GAT / GIN training on an x × y × z grid (the ``gcn`` task).
 
 Rank 0 cuts the dataset into a shard folder (next to the run, or where ``shards`` points)
 and records the dataset's fingerprint in it; a later run compares that with the dataset it
@@ -65,8 +65,13 @@ class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
     dataset_options: str | None = option(
         None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
     )
-    model: str = option("gcn", "gcn or sage (GraphSAGE-mean)")
-    hidden: int = option(16, "hidden width")
+    model: str = option(
+        "gcn", "gcn, sage (GraphSAGE-mean), gat (graph attention) or gin (isomorphism network)"
+    )
+    hidden: int = option(16, "hidden width (gat: of all heads together)")
+    heads: int = option(8, "gat: attention heads of each hidden layer (concatenated)")
+    out_heads: int = option(1, "gat: attention heads of the output layer (averaged)")
+    attn_dropout: float = option(0.6, "gat: dropout probability of the attention values")
     layers: int = option(2, "number of layers")
     dropout: float = option(0.5, "dropout probability")
     lr: float = option(0.01, "Adam learning rate")
@@ -94,8 +99,10 @@ class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
         self.check_trainer()
         self.check_schedule()
         self.check_selection()
-        if self.model not in ("gcn", "sage"):
-            raise ConfigError(f"config key 'model' must be gcn or sage, got {self.model!r}")
+        if self.model not in MODELS:
+            raise ConfigError(
+                f"config key 'model' must be one of {', '.join(MODELS)}, got {self.model!r}"
+            )
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
         if self.permutation not in PERMUTATIONS:
@@ -107,11 +114,16 @@ class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
                 "config key 'mixed_precision': full-graph training supports none or bf16 "
                 "(fp16 would need loss scaling and float16 SpMM kernels); use bf16"
             )
-        for key in ("hidden", "layers", "epochs", "blocks", "overlap_chunks"):
+        for key in ("hidden", "layers", "epochs", "blocks", "overlap_chunks", "heads", "out_heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be positive")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("config key 'dropout' must be in [0, 1)")
+        for key in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"config key '{key}' must be in [0, 1)")
+        if self.model == "gat" and self.layers > 1 and self.hidden % self.heads:
+            raise ConfigError(
+                f"config key 'hidden' ({self.hidden}) must be a multiple of 'heads' ({self.heads})"
+            )
         if self.grid is not None:
             parse_grid_spec(self.grid)
 
@@ -127,8 +139,13 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
     return Path(cfg.out) / "shards" / f"{name}-{digest}"
 
 
+MODELS = ("gcn", "sage", "gat", "gin")
+
+
 def _norm(cfg: FullGraphConfig) -> str:
-    return "gcn" if cfg.model == "gcn" else "mean"
+    """The adjacency's normalisation each model reads (GAT and GIN: the structure of the GCN
+    one, whose self loops GAT attends over and GIN replaces with its ε term)."""
+    return "mean" if cfg.model == "sage" else "gcn"
 
 
 def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
@@ -224,7 +241,8 @@ def _prepare(
 
 
 class FullGraphTask:
-    """The ``gcn`` task: full-graph training of a GCN or GraphSAGE on sharded data."""
+    """The ``gcn`` task: full-graph training of a GCN, GraphSAGE, GAT or GIN on sharded
+    data."""
 
     unit = "epoch"
 
@@ -273,6 +291,8 @@ class FullGraphTask:
                 machine=local_machine(world.backend, gpus_per_node),
                 element_size=compute_dtype(cfg).itemsize,
                 algorithm=cfg.algorithm,
+                model=cfg.model,
+                heads=(cfg.heads, cfg.out_heads),
             )
         self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
         #: Who chose the grid, for the start lines.
@@ -287,8 +307,9 @@ class FullGraphTask:
         dtype = master_dtype(cfg)
         torch.manual_seed(cfg.seed)
         model = FullGraphGNN(
-            dims[0], cfg.hidden, dims[-1], cfg.layers, cfg.dropout, kind=cfg.model
-        ).to(dtype)
+            dims[0], cfg.hidden, dims[-1], cfg.layers, cfg.dropout, kind=cfg.model,
+            heads=cfg.heads, out_heads=cfg.out_heads, attn_dropout=cfg.attn_dropout,
+        ).to(dtype)  # fmt: skip
         self.model = parallelize_fullgraph(
             model,
             self.grid,

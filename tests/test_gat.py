@@ -1,0 +1,353 @@
+"""GAT: the serial model against PyG's ``GATConv`` (same weights, eval mode: logits and every
+gradient), its attention dropout drawn from (seed, edge, head) alone.
+
+Float64 throughout; tiny graphs (one process here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gnnpar.nn.dropout import edge_dropout
+from gnnpar.nn.gcn import GAT, FullGraphGNN
+from tests.fullgraph_utils import normalise, serial_adj, small_graph
+
+N = 23
+DIMS = [7, 6, 3]  # 3 heads of 2 hidden features, 2 averaged output heads of 3 classes
+
+
+def gat_model(dims=DIMS, heads=3, out_heads=2, attn_dropout=0.0, dropout=0.0, seed=0):
+    """A float64 GAT with non-trivial biases."""
+    torch.manual_seed(seed)
+    m = FullGraphGNN(
+        dims[0], dims[1], dims[-1], len(dims) - 1, dropout, "gat",
+        heads=heads, out_heads=out_heads, attn_dropout=attn_dropout,
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.bias.normal_()
+    return m
+
+
+def test_serial_gat_equals_pyg_gatconv_forward_and_gradients():
+    gnn = pytest.importorskip("torch_geometric.nn")
+    a, x, y, train = small_graph(n=N, feat=DIMS[0])
+    model = gat_model()
+    model.eval()
+    convs = []
+    for i, layer in enumerate(model.layers):
+        conv = gnn.GATConv(DIMS[i], layer.head_dim, heads=layer.heads, concat=layer.concat).double()
+        with torch.no_grad():
+            conv.lin.weight.copy_(layer.weight.T)
+            conv.att_src.copy_(layer.att_src[None])
+            conv.att_dst.copy_(layer.att_dst[None])
+            conv.bias.copy_(layer.bias)
+        conv.eval()
+        convs.append(conv)
+    edge_index = a.nonzero().T  # (source, target) pairs; GATConv adds the self loops
+    xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours = model(serial_adj(normalise(a, "gcn")), xr)
+    theirs = F.elu(convs[0](xp, edge_index))
+    theirs = convs[1](theirs, edge_index)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    F.cross_entropy(ours[train], y[train]).backward()
+    F.cross_entropy(theirs[train], y[train]).backward()
+    torch.testing.assert_close(xr.grad, xp.grad, rtol=1e-12, atol=1e-12)
+    for layer, conv in zip(model.layers, convs, strict=True):
+        torch.testing.assert_close(
+            layer.weight.grad, conv.lin.weight.grad.T, rtol=1e-12, atol=1e-12
+        )
+        torch.testing.assert_close(layer.att_src.grad, conv.att_src.grad[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer.att_dst.grad, conv.att_dst.grad[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer.bias.grad, conv.bias.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_gat_preset_and_shapes():
+    m = GAT(7, 64, 3)
+    assert m.kind == "gat" and m.dims == [7, 64, 3] and m.dropout == 0.6
+    assert [(layer.heads, layer.head_dim, layer.concat) for layer in m.layers] == [
+        (8, 8, True),
+        (1, 3, False),
+    ]
+    with pytest.raises(ValueError, match="cannot split into 3 heads"):
+        FullGraphGNN(7, 8, 3, kind="gat", heads=3)
+
+
+def test_attention_dropout_depends_on_seed_edge_and_head_only():
+    att = torch.ones(6, 4, dtype=torch.float64)
+    dst = torch.tensor([0, 0, 1, 2, 2, 5])
+    src = torch.tensor([0, 3, 1, 2, 4, 5])
+    full = edge_dropout(att, 0.5, 7, dst, src)
+    # the same edges in another order and split in two pieces draw the same mask
+    order = torch.tensor([4, 1, 5, 0, 3, 2])
+    part = torch.cat(
+        [edge_dropout(att[order[:2]], 0.5, 7, dst[order[:2]], src[order[:2]]),
+         edge_dropout(att[order[2:]], 0.5, 7, dst[order[2:]], src[order[2:]])]
+    )  # fmt: skip
+    torch.testing.assert_close(part, full[order], rtol=0, atol=0)
+    assert set(full.unique().tolist()) <= {0.0, 2.0}
+    assert not torch.equal(full, edge_dropout(att, 0.5, 8, dst, src))  # the seed matters
+    assert not torch.equal(full[:, 0], full[:, 1])  # so does the head
+    assert not torch.equal(full, edge_dropout(att, 0.5, 7, src, dst))  # and the direction
+    big = edge_dropout(torch.ones(20000, 2, dtype=torch.float64), 0.6, 1,
+                       torch.arange(20000), torch.arange(20000) * 7)  # fmt: skip
+    assert abs((big == 0).double().mean().item() - 0.6) < 0.02
+
+
+# ------------------------------------------------------------------- 1D and 3D vs serial
+DDIMS = [7, 9, 9, 5]  # three layers (every role rotation); nothing divides the grids
+DHEADS = [3, 3, 2]  # 3 heads of 3 hidden features, 2 averaged output heads
+
+
+def _close(a, b, what, tol=1e-12):
+    if a.shape != b.shape or not torch.allclose(a, b, atol=tol, rtol=tol):
+        diff = (a - b).abs().max() if a.shape == b.shape else (a.shape, b.shape)
+        raise AssertionError(f"{what}: max diff {diff}")
+
+
+def _gin_model(seed: int = 0, dropout: float = 0.0):
+    """A float64 GIN with non-trivial biases and ε."""
+    from gnnpar.nn.gcn import GIN
+
+    torch.manual_seed(seed)
+    m = GIN(DDIMS[0], DDIMS[1], DDIMS[-1], len(DDIMS) - 1, dropout).double()
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.bias.normal_()
+            layer.hidden_bias.normal_()
+            layer.eps.uniform_(-0.5, 0.5)
+    return m
+
+
+def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
+    import gnnpar
+    from gnnpar import comm
+    from gnnpar.sparse import parallelize_fullgraph
+    from tests.byte_formulas import gat1d_bytes, gat2d_bytes, gat3d_bytes, gin_bytes
+    from tests.fullgraph_utils import check_schedule, make_source
+
+    grid = gnnpar.init(**shape)
+    a, x, y, train = small_graph(n=N, feat=DDIMS[0])
+    a_hat = normalise(a, "gcn")
+    drop = 0.5 if seed is not None else 0.0
+    if kind == "gat":
+        ref = gat_model(DDIMS, DHEADS[0], DHEADS[-1], attn_dropout=drop, dropout=drop)
+    else:
+        ref = _gin_model(dropout=drop)
+    ref.train()
+    xr = x.clone().requires_grad_(True)
+    logits = ref(serial_adj(a_hat), xr, dropout_seed=seed)
+    loss_ref = F.cross_entropy(logits[train], y[train])
+    loss_ref.backward()
+
+    source = make_source(a_hat, x, y, train, permute)
+    par = parallelize_fullgraph(ref, grid, source, algorithm=algorithm)
+    par.train()
+    xl = par.input_features().requires_grad_(True)
+    with comm.record(grid) as fwd:
+        out = par(xl, dropout_seed=seed)
+    rows, cols = par.logits_rows, par.logits_cols
+    ids = source.node_ids(par.output_order, rows)
+    tag = f"{grid.describe()} {kind} {algorithm} permute={permute} seed={seed}"
+    _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
+    loss = par.loss(out)
+    _close(loss.detach(), loss_ref.detach(), f"loss {tag}")
+    with comm.record(grid) as bwd:
+        loss.backward()
+    full = par.full_weights(grads=True)
+    for i, layer in enumerate(ref.layers):
+        names = [k for k, _ in layer.named_parameters()]
+        assert sorted(full[i]) == sorted(names), (full[i].keys(), names)
+        for key in names:
+            got = full[i][key].reshape(getattr(layer, key).shape)
+            _close(got, getattr(layer, key).grad, f"{key} grad {i} {tag}")
+    in_rows, in_cols = par.input_block
+    in_ids = source.node_ids(0, in_rows)
+    _close(xl.grad, xr.grad[in_ids][:, in_cols[0] : in_cols[1]], f"input grad {tag}")
+
+    es, coords = 8, grid.coords()
+    if kind == "gin":
+        want_f, want_b = gin_bytes(algorithm, grid.shape, coords, N, DDIMS, es, True)
+    elif algorithm == "3d":
+        want_f, want_b = gat3d_bytes(grid.shape, coords, N, DDIMS, DHEADS, es, True)
+    elif algorithm == "2d":
+        want_f, want_b = gat2d_bytes(grid.shape, coords, N, DDIMS, DHEADS, es, True)
+    else:
+        want_f, want_b = gat1d_bytes(grid.size("tensor"), N, DDIMS, DHEADS, es, True)
+    want_f.check(fwd.as_dict(), f"forward bytes {tag}")
+    want_b.check(bwd.as_dict(), f"backward bytes {tag}")
+    check_schedule(fwd, bwd, par.expected_bytes(), tag)
+    gnnpar.release(grid)
+
+
+def _gat_world(world: int) -> int:
+    from gnnpar.testing import grid_shapes
+
+    n = 0
+    shapes = [("3d", s) for s in grid_shapes(world)] + [("1d", {"x": world})]
+    shapes += [("2d", s) for s in grid_shapes(world, ("x", "y"))]
+    for k, (algorithm, shape) in enumerate(shapes):
+        # each kind plain on every other shape and permuted with dropout on the rest
+        plain, permuted = (False, None), (True, 11)
+        configs = (plain, permuted) if k % 2 == 0 else (permuted, plain)
+        for kind, (permute, seed) in zip(("gat", "gin"), configs, strict=True):
+            _check(kind, shape, algorithm, permute, seed)
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_gat_and_gin_match_serial_on_every_grid(world):
+    """Every x·y·z shape of the world (3D), every x·y shape (2D) and the 1D rows, GAT and
+    GIN: logits, loss and every gradient equal the serial model to 1e-12 in float64 (each
+    kind plain on half the shapes, permuted with feature and attention dropout on the
+    others), and the bytes of each pass equal the schedule and the written formulas."""
+    from gnnpar.testing import grid_shapes, run_distributed
+
+    counts = run_distributed(_gat_world, world, world, timeout=600)
+    shapes = len(grid_shapes(world)) + 1 + len(grid_shapes(world, ("x", "y")))
+    assert counts == [2 * shapes] * world
+
+
+# -------------------------------------------------------------- the trainer and the planner
+def _argv(model: str):
+    def argv(out, epochs: int, grid: str, nprocs: int, *extra: str) -> list[str]:
+        return ["train", "gcn", "--model", model, "--heads", "3", "--out-heads", "2",
+                "--dataset", "sbm", "--dataset-options", "num_nodes=90,feat_dim=6",
+                "--root", str(out.parent / "data"), "--layers", "3", "--hidden", "6",
+                "--dtype", "float64", "--epochs", str(epochs), "--grid", grid, "--nprocs",
+                str(nprocs), "--out", str(out), "--eval-every", "0", "--quiet",
+                "--blocks", "3", *extra]  # fmt: skip
+
+    return argv
+
+
+def test_train_gat_and_gin_resume_on_another_grid_and_match_one_rank(tmp_path, monkeypatch):
+    """``gnnpar train gcn --model gat|gin`` (feature and attention dropout on), on one world
+    of 4 ranks: saved on x=2,z=2, resumed on y=4 equals a straight run there, which equals a
+    straight run on one rank (float64 parameters after 4 Adam steps, ≤ 1e-10 relative, the
+    issue's bound for loss curves; measured 3.5e-12 (gat): the masks depend on (seed, node
+    or edge, feature or head), not on the grid)."""
+    from gnnpar.cli import main
+    from tests.cli_world import run_commands
+    from tests.test_checkpoint_train import _same
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    steps = []
+    for model in ("gat", "gin"):
+        argv, d = _argv(model), tmp_path / model
+        steps += [argv(d / "saved", 2, "x=2,z=2", 4), ("copy", d / "saved", d / "resumed"),
+                  argv(d / "resumed", 4, "y=4", 4, "--resume"),
+                  argv(d / "straight", 4, "y=4", 4)]  # fmt: skip
+    assert run_commands(4, steps) == [[0] * 6] * 4
+    for model in ("gat", "gin"):
+        d = tmp_path / model
+        err = _same(d / "resumed", d / "straight")
+        assert err <= 1e-10, f"{model} resumed on y=4: {err:.3g}"
+        assert main(_argv(model)(d / "one", 4, "x=1", 1)) == 0
+        err = _same(d / "one", d / "straight")
+        assert err <= 1e-10, f"{model} on one rank vs y=4: {err:.3g}"
+
+
+def test_train_gat_options_are_checked():
+    from gnnpar.train.config import ConfigError
+    from gnnpar.train.fullgraph import FullGraphConfig
+
+    with pytest.raises(ConfigError, match="'hidden' \\(10\\) must be a multiple of 'heads'"):
+        FullGraphConfig(model="gat", hidden=10, heads=3).check()
+    with pytest.raises(ConfigError, match="'attn_dropout' must be in"):
+        FullGraphConfig(model="gat", attn_dropout=1.0).check()
+    with pytest.raises(ConfigError, match="must be one of gcn, sage, gat, gin"):
+        FullGraphConfig(model="gin2").check()
+
+
+def test_planner_gat_and_gin_bytes_equal_the_written_formulas_and_count_attention_memory():
+    """The planner's GAT and GIN (``gnnpar plan gcn --model gat|gin``): the bytes of an
+    uneven shape (GAT every rank, GIN one) equal the formulas written in
+    tests/byte_formulas.py (loss left out), and GAT's memory holds the per-edge, per-head
+    attention tensors, growing with the heads."""
+    from gnnpar.plan import GCNProblem, gcn_collectives
+    from gnnpar.plan.memory import gcn_memory
+    from tests.byte_formulas import gat3d_bytes, gin_bytes
+
+    dims, heads = [37, 12, 12, 5], [4, 4, 3]
+    problem = GCNProblem.from_widths(1001, 5000, dims, model="gat", heads=4, out_heads=3)
+    shape = {"x": 3, "y": 2, "z": 1, "data": 1}
+    for rank in range(6):
+        coords = {"x": rank % 3, "y": rank // 3, "z": 0, "data": 0}
+        colls = gcn_collectives(problem, shape, coords, loss=False)
+        got: dict[str, dict[str, int]] = {}
+        for c in colls:
+            got.setdefault(c.axis, {}).setdefault(c.kind, 0)
+            got[c.axis][c.kind] += c.total
+        f, b = gat3d_bytes(shape, coords, 1001, dims, heads, 4, True)
+        both = f
+        for axis, kinds in b.bytes.items():
+            for kind, v in kinds.items():
+                both.bytes[axis][kind] += v
+                both.calls[axis][kind] += b.calls[axis][kind]
+        both.check(got, f"planner gat rank {rank}")
+    gin = GCNProblem.from_widths(1001, 5000, dims, model="gin")
+    colls = gcn_collectives(gin, shape, {"x": 2, "y": 1, "z": 0, "data": 0}, loss=False)
+    got = {}
+    for c in colls:
+        got.setdefault(c.axis, {}).setdefault(c.kind, 0)
+        got[c.axis][c.kind] += c.total
+    f, b = gin_bytes("3d", shape, {"x": 2, "y": 1, "z": 0}, 1001, dims, 4, True)
+    for axis, kinds in b.bytes.items():
+        for kind, v in kinds.items():
+            f.bytes[axis][kind] += v
+            f.calls[axis][kind] += b.calls[axis][kind]
+    f.check(got, "planner gin")
+    mem = gcn_memory(problem, shape)
+    more = gcn_memory(GCNProblem.from_widths(1001, 5000, dims, model="gat", heads=6), shape)
+    assert mem["attention"] > 0 and more["attention"] > mem["attention"]
+    assert "attention" not in gcn_memory(GCNProblem.from_widths(1001, 5000, dims), shape)
+
+
+def test_serial_gin_equals_pyg_ginconv_forward_and_gradients():
+    gnn = pytest.importorskip("torch_geometric.nn")
+    from gnnpar.nn.gcn import GIN
+
+    a, x, y, train = small_graph(n=N, feat=DIMS[0])
+    torch.manual_seed(0)
+    model = GIN(DIMS[0], 6, 3, num_layers=2, dropout=0.0).double()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.bias.normal_()
+            layer.hidden_bias.normal_()
+            layer.eps.fill_(0.3)
+    convs = []
+    for i, layer in enumerate(model.layers):
+        d_in, d_out = model.dims[i], model.dims[i + 1]
+        mlp = torch.nn.Sequential(
+            torch.nn.Linear(d_in, d_out), torch.nn.ReLU(), torch.nn.Linear(d_out, d_out)
+        )
+        conv = gnn.GINConv(mlp, train_eps=True).double()  # resets the MLP: copy after
+        with torch.no_grad():
+            conv.nn[0].weight.copy_(layer.weight.T)
+            conv.nn[0].bias.copy_(layer.hidden_bias)
+            conv.nn[2].weight.copy_(layer.weight_out.T)
+            conv.nn[2].bias.copy_(layer.bias)
+            conv.eps.fill_(0.3)
+        convs.append(conv)
+    edge_index = a.nonzero().T
+    xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours = model(serial_adj(normalise(a, "gcn")), xr)
+    theirs = convs[1](torch.relu(convs[0](xp, edge_index)), edge_index)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    F.cross_entropy(ours[train], y[train]).backward()
+    F.cross_entropy(theirs[train], y[train]).backward()
+    torch.testing.assert_close(xr.grad, xp.grad, rtol=1e-12, atol=1e-12)
+    for layer, conv in zip(model.layers, convs, strict=True):
+        pairs = [(layer.weight.grad, conv.nn[0].weight.grad.T),
+                 (layer.hidden_bias.grad, conv.nn[0].bias.grad),
+                 (layer.weight_out.grad, conv.nn[2].weight.grad.T),
+                 (layer.bias.grad, conv.nn[2].bias.grad),
+                 (layer.eps.grad, conv.eps.grad)]  # fmt: skip
+        for ours_g, theirs_g in pairs:
+            torch.testing.assert_close(
+                ours_g, theirs_g.reshape(ours_g.shape), rtol=1e-12, atol=1e-12
+            )
