@@ -30,8 +30,13 @@ def gat_model(dims=DIMS, heads=3, out_heads=2, attn_dropout=0.0, dropout=0.0, se
     return m
 
 
-def test_serial_gat_equals_pyg_gatconv_forward_and_gradients():
+@pytest.mark.parametrize("pieces", ["one", "many"])
+def test_serial_gat_equals_pyg_gatconv_forward_and_gradients(pieces, monkeypatch):
     gnn = pytest.importorskip("torch_geometric.nn")
+    if pieces == "many":  # the attention gradient in pieces of 5 edges (a real graph's path)
+        from gnnpar.sparse import attention
+
+        monkeypatch.setattr(attention, "_SDDMM_EDGES", 5)
     a, x, y, train = small_graph(n=N, feat=DIMS[0])
     model = gat_model()
     model.eval()

@@ -116,11 +116,9 @@ class GATLayer(nn.Module):
         self, adj: LocalSpMM, h: torch.Tensor, seed: int | None = None
     ) -> torch.Tensor:
         z = (h @ self.weight).view(h.shape[0], self.heads, self.head_dim)
-        rows, cols = attention.edges(adj.block)
+        e = attention.Edges(adj.block)
         alpha_dst = (z * self.att_dst).sum(-1)
-        out = attention.gat_aggregate(
-            z, alpha_dst, self.att_src, rows, cols, (rows, cols), h.shape[0], seed, self
-        )
+        out = attention.gat_aggregate(z, alpha_dst, self.att_src, e, (e.rows, e.cols), seed, self)
         out = out.reshape(h.shape[0], -1) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
 

@@ -9,9 +9,13 @@ structure is read) and per-head node scores ``α_dst`` (rows) and ``α_src`` (co
   per-row maximum and sum over the ranks that hold the row (identity for a whole row);
 - :func:`attend`: ``out[i, k] = Σ_j att_ijk · Z[j, k]`` (the SpMM with the attention values).
 
-Everything is plain differentiable torch on an edge list (gather, scatter-add), so the
-backward is autograd's; :func:`gnnpar.nn.dropout.edge_dropout` draws the attention dropout
-from (seed, edge, head) alone, as feature dropout does from (seed, node, feature).
+The logits and the softmax are plain differentiable torch on the edge list (gathers,
+scatters; E × heads values). The SpMM is the expensive part (E × heads × F): :func:`attend`
+runs it without materialising a message per edge, as one ``embedding_bag`` per head over the
+CSR rows forward and over the transposed order (kept in :class:`Edges`) for Z's gradient;
+the attention's gradient is the SDDMM ``<G[i, k], Z[j, k]>`` per edge.
+:func:`gnnpar.nn.dropout.edge_dropout` draws the attention dropout from (seed, edge, head)
+alone, as feature dropout does from (seed, node, feature).
 """
 
 from __future__ import annotations
@@ -26,11 +30,33 @@ from gnnpar.nn.dropout import edge_dropout
 from gnnpar.sparse.csr import CSRBlock, coo_rows
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+#: Edges per piece of the attention gradient (E × heads × F products are never whole).
+_SDDMM_EDGES = 1 << 14
 
 
 def edges(block: CSRBlock) -> tuple[torch.Tensor, torch.Tensor]:
     """Local (row, column) of every nonzero of ``block``, int64."""
     return coo_rows(block), block.indices.long()
+
+
+class Edges:
+    """A block's nonzeros in CSR order, with the row offsets and the transposed (by column)
+    order that :func:`attend` needs; built once per block."""
+
+    def __init__(self, block: CSRBlock) -> None:
+        self.rows, self.cols = edges(block)
+        self.num_rows, self.num_cols = block.shape
+        self.offsets = block.indptr.long()
+        self.by_col = torch.argsort(self.cols, stable=True)
+        self.t_rows = self.rows.index_select(0, self.by_col)
+        counts = torch.bincount(self.cols, minlength=self.num_cols)
+        self.t_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+    def to(self, device: torch.device) -> Edges:
+        """These edges on ``device``."""
+        for name in ("rows", "cols", "offsets", "by_col", "t_rows", "t_offsets"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
 
 
 def edge_logits(
@@ -41,7 +67,8 @@ def edge_logits(
     negative_slope: float,
 ) -> torch.Tensor:
     """``LeakyReLU(α_dst[row] + α_src[col])`` per edge and head (E × K)."""
-    return F.leaky_relu(alpha_dst[rows] + alpha_src[cols], negative_slope)
+    pair = alpha_dst.index_select(0, rows) + alpha_src.index_select(0, cols)
+    return F.leaky_relu(pair, negative_slope)
 
 
 def edge_softmax(
@@ -62,21 +89,62 @@ def edge_softmax(
         if row_max is not None:
             m = row_max(m)
         m = torch.where(torch.isfinite(m), m, 0.0)  # rows without edges
-    ex = torch.exp(logits - m[rows])
+    ex = torch.exp(logits - m.index_select(0, rows))
     s = torch.zeros(num_rows, heads, dtype=logits.dtype, device=logits.device)
     s = s.index_add(0, rows, ex)
     if row_sum is not None:
         s = row_sum(s)
-    return ex / s[rows]
+    return ex / s.index_select(0, rows)
 
 
-def attend(
-    att: torch.Tensor, z: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, num_rows: int
+def _bag_spmm(
+    index: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor, table: torch.Tensor
 ) -> torch.Tensor:
+    """``out[b] = Σ_{e in bag b} weights[e] · table[index[e]]`` for CSR-like ``offsets``."""
+    return F.embedding_bag(
+        index, table, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
+    )
+
+
+class _Attend(torch.autograd.Function):
+    """The attention SpMM and its adjoints, per head, without an E × F message."""
+
+    @staticmethod
+    def forward(ctx, att, z, e):  # noqa: D102
+        ctx.save_for_backward(att, z)
+        ctx.edges = e
+        out = z.new_empty(e.num_rows, *z.shape[1:])
+        for k in range(z.shape[1]):
+            out[:, k] = _bag_spmm(e.cols, e.offsets, att[:, k].contiguous(), z[:, k].contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        att, z = ctx.saved_tensors
+        e = ctx.edges
+        g = g.contiguous()
+        grad_att = grad_z = None
+        if ctx.needs_input_grad[0]:  # the SDDMM <G[i, k], Z[j, k]>, in cache-sized pieces
+            grad_att = att.new_empty(att.shape)
+            for lo in range(0, att.shape[0], _SDDMM_EDGES):
+                rows, cols = e.rows[lo : lo + _SDDMM_EDGES], e.cols[lo : lo + _SDDMM_EDGES]
+                piece = g.index_select(0, rows) * z.index_select(0, cols)
+                grad_att[lo : lo + rows.numel()] = piece.sum(-1)
+        if ctx.needs_input_grad[1]:  # Aᵀ G, over the edges in column order
+            t_att = att.index_select(0, e.by_col)
+            grad_z = torch.empty_like(z)
+            for k in range(z.shape[1]):
+                grad_z[:, k] = _bag_spmm(
+                    e.t_rows, e.t_offsets, t_att[:, k].contiguous(), g[:, k].contiguous()
+                )
+        return grad_att, grad_z, None
+
+
+def attend(att: torch.Tensor, z: torch.Tensor, e: Edges) -> torch.Tensor:
     """``out[i, k, :] = Σ_j att[e(i, j), k] · z[j, k, :]`` (z: C × K × F; out: R × K × F)."""
-    msg = att[:, :, None] * z[cols]
-    out = torch.zeros(num_rows, *z.shape[1:], dtype=z.dtype, device=z.device)
-    return out.index_add(0, rows, msg)
+    if z.shape[0] != e.num_cols:
+        raise ValueError(f"attention over {e.num_cols} columns got {z.shape[0]} rows of Z")
+    return _Attend.apply(att, z, e)
 
 
 class AttentionSettings(Protocol):
@@ -91,10 +159,8 @@ def gat_aggregate(
     z: torch.Tensor,
     alpha_dst: torch.Tensor,
     att_src: torch.Tensor,
-    rows: torch.Tensor,
-    cols: torch.Tensor,
+    e: Edges,
     edge_ids: tuple[torch.Tensor, torch.Tensor],
-    num_rows: int,
     seed: int | None,
     settings: AttentionSettings,
     row_max: Reduce | None = None,
@@ -105,7 +171,7 @@ def gat_aggregate(
     reductions ``row_max`` / ``row_sum`` over the ranks sharing the rows), attention dropout
     by the edges' global (destination, source) ``edge_ids``, then the SpMM."""
     alpha_src = (z * att_src).sum(-1)
-    e = edge_logits(alpha_dst, alpha_src, rows, cols, settings.negative_slope)
-    att = edge_softmax(e, rows, num_rows, row_max, row_sum)
+    logits = edge_logits(alpha_dst, alpha_src, e.rows, e.cols, settings.negative_slope)
+    att = edge_softmax(logits, e.rows, e.num_rows, row_max, row_sum)
     att = edge_dropout(att, settings.attn_dropout, seed, *edge_ids, settings.training)
-    return attend(att, z, rows, cols, num_rows)
+    return attend(att, z, e)

@@ -77,7 +77,8 @@ class _Block:
 
     def __init__(self, source: ShardSource, parity: int, rows, cols, device) -> None:
         blk = source.adjacency(parity, rows, cols)
-        self.rows, self.cols = (t.to(device) for t in attention.edges(blk))
+        self.edges = attention.Edges(blk).to(device)
+        self.rows, self.cols = self.edges.rows, self.edges.cols
         self.dst = source.node_ids(1 - parity, rows).to(device)[self.rows]
         self.src = source.node_ids(parity, cols).to(device)[self.cols]
         self.neighbours = self.dst != self.src  # the edges that are not self loops
@@ -253,8 +254,8 @@ class _GATKind:
             row_max = lambda m: comm.all_reduce(m, grid, ax.part, op="max")  # noqa: E731
             row_sum = lambda s: _all_reduce_both(s, grid, ax.part)  # noqa: E731
         out = attention.gat_aggregate(
-            z_cols, alpha_dst, self.param("att_src", i, ax.part, ax.rows), blk.rows, blk.cols,
-            (blk.dst, blk.src), blk.num_rows, seed, _Settings(layer, self.training),
+            z_cols, alpha_dst, self.param("att_src", i, ax.part, ax.rows), blk.edges,
+            (blk.dst, blk.src), seed, _Settings(layer, self.training),
             row_max, row_sum,
         )  # fmt: skip
         out = out.reshape(out.shape[0], -1) if layer.concat else out.mean(dim=1)
