@@ -1,0 +1,256 @@
+"""Pipeline parallelism: schedules (deadlock, order, in-flight bound), stage splits, the pipe
+axis of the grid, and pipelined GPT training equal to one process (one world of 8 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gnnpar.grid import GridError, GridShape, fit_shape, parse_grid_spec
+from gnnpar.nn.gpt import GPT, GPTConfig
+from gnnpar.pipeline.schedule import (
+    SCHEDULES,
+    ScheduleError,
+    bubble_fraction,
+    check_sizes,
+    peak_bound,
+    program,
+    verify,
+)
+from gnnpar.pipeline.stages import split_layers
+from gnnpar.testing import run_distributed
+
+CFG = dict(vocab_size=32, block_size=8, n_layer=8, n_head=2, n_embd=8, dropout=0.0)
+BATCH, SEQ, STEPS, LR = 16, 8, 3, 1e-2
+
+# (grid, schedule, micro-batches, virtual stages, ZeRO stage, tied)
+RUNS = [
+    ("pipe=2,data=4", "gpipe", 4, 1, 0, True),
+    ("pipe=2,data=4", "1f1b", 4, 1, 0, True),
+    ("pipe=2,data=4", "interleaved", 4, 2, 0, True),
+    ("pipe=4,data=2", "gpipe", 4, 1, 0, True),
+    ("pipe=4,data=2", "1f1b", 8, 1, 0, True),
+    ("pipe=4,data=2", "interleaved", 4, 2, 0, True),
+    ("pipe=2,data=4", "1f1b", 2, 1, 3, True),
+    ("pipe=2,data=4", "1f1b", 4, 1, 0, False),
+    ("pipe=2,data=2,x=2", "1f1b", 4, 1, 0, True),
+    ("pipe=2,data=2,x=2", "interleaved", 4, 2, 3, True),
+]
+
+
+# ------------------------------------------------------------------ one process: schedules
+def _combos():
+    for schedule in SCHEDULES:
+        for p in (2, 3, 4, 8):
+            for m in (1, 2, 3, 4, 8, 12):
+                for v in (1,) if schedule != "interleaved" else (2, 3):
+                    try:
+                        check_sizes(schedule, p, m, v)
+                    except ScheduleError:
+                        continue
+                    yield schedule, p, m, v
+
+
+def test_every_schedule_is_deadlock_free_and_holds_its_bound():
+    checked = 0
+    for schedule, p, m, v in _combos():
+        for tied in (False, True):
+            peaks = verify(program(schedule, p, m, v, tied=tied))
+            assert peaks == [peak_bound(schedule, p, m, v, r) for r in range(p)], (
+                schedule, p, m, v, peaks)  # fmt: skip
+            verify(program(schedule, p, m, v, tied=tied, forward_only=True))
+            checked += 1
+    assert checked == 2 * len(list(_combos())) > 100
+
+
+def test_every_pass_runs_once_and_backward_follows_forward():
+    for schedule, p, m, v in _combos():
+        for r, ops in enumerate(program(schedule, p, m, v)):
+            passes = [(o.kind, o.mb, o.chunk) for o in ops if o.kind in "FB"]
+            want = {(k, i, c) for k in "FB" for i in range(m) for c in range(v)}
+            assert sorted(passes) == sorted(want), (schedule, p, m, v, r)
+            for k, i, c in passes:
+                if k == "B":
+                    assert passes.index(("F", i, c)) < passes.index((k, i, c))
+
+
+def test_verify_catches_a_deadlock_and_a_swapped_order():
+    progs = program("1f1b", 2, 4)
+    # rank 1 waits for its second activation before the first: the channel order is broken
+    bad = [list(progs[0]), list(progs[1])]
+    recvs = [i for i, o in enumerate(bad[1]) if o.kind == "recv"]
+    bad[1][recvs[0]], bad[1][recvs[1]] = bad[1][recvs[1]], bad[1][recvs[0]]
+    with pytest.raises(ScheduleError, match="comes first"):
+        verify(bad)
+    # both ranks receive before they send: a deadlock
+    first_send = next(i for i, o in enumerate(progs[0]) if o.kind == "send")
+    grad_recv = next(o for o in progs[0] if o.kind == "recv")
+    dead = [[grad_recv, *progs[0][:first_send]], progs[1]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        verify(dead)
+
+
+def test_bubble_and_bounds():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    assert [peak_bound("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [peak_bound("gpipe", 4, 8, 1, r) for r in range(4)] == [8] * 4
+    with pytest.raises(ScheduleError, match="divisible"):
+        check_sizes("interleaved", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="interleaved"):
+        check_sizes("1f1b", 4, 8, 2)
+
+
+def test_split_layers_by_count_and_cost():
+    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    # a costly head pushes layers off the last stage
+    assert split_layers(8, 2, [1.0] * 8, 0.0, 4.0) == [range(0, 6), range(6, 8)]
+    assert split_layers(6, 3, [1, 1, 4, 1, 1, 1]) == [range(0, 2), range(2, 3), range(3, 6)]
+    with pytest.raises(ValueError, match="cannot fill"):
+        split_layers(2, 3)
+
+
+def test_pipe_axis_rank_order():
+    old = GridShape(x=2, y=1, z=2, data=2)
+    assert old.shape == {"x": 2, "y": 1, "z": 2, "data": 2}  # no pipe key without a pipe
+    for r in range(old.world_size):
+        c = old.coords(r)
+        assert r == c["x"] + 2 * (c["y"] + 1 * (c["z"] + 2 * c["data"])) and c["pipe"] == 0
+    g = GridShape(x=2, data=2, pipe=3)
+    assert g.world_size == 12 and g.shape["pipe"] == 3
+    for r in range(12):
+        c = g.coords(r)
+        assert r == c["x"] + 2 * (c["data"] + 2 * c["pipe"])
+    assert fit_shape(16, parse_grid_spec("pipe=2,x=2")) == {
+        "data": 4, "x": 2, "y": 1, "z": 1, "pipe": 2}  # fmt: skip
+    with pytest.raises(GridError, match="pipe"):
+        fit_shape(6, parse_grid_spec("pipe=4"))
+
+
+# ------------------------------------------------------------ the world: pipelined training
+def _batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=g)
+
+
+def _reference(m: int, tied: bool) -> dict[str, torch.Tensor]:
+    """One process, the same global batch in ``m`` micro-batches, float64."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, tie_weights=tied)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(STEPS):
+        ids = _batch(step)
+        for xm, ym in zip(ids[:, :-1].chunk(m), ids[:, 1:].chunk(m), strict=True):
+            logits = model(xm)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     ym.reshape(-1)) / m  # fmt: skip
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _train(world, spec, schedule, m, v, stage, tied):
+    import gnnpar
+    from gnnpar import comm
+    from gnnpar.nn.gpt import Block
+    from gnnpar.pipeline.gpt import gpt_pipeline
+    from gnnpar.shard import by_type, shard
+    from gnnpar.tensor import cross_entropy, parallelize
+
+    grid = gnnpar.reshape(world, **parse_grid_spec(spec))
+    torch.manual_seed(0)
+    model = parallelize(GPT(GPTConfig(**CFG, tie_weights=tied)).double(), grid)
+    head = model.lm_head
+    pipe = gpt_pipeline(
+        model, grid, schedule, m, virtual=v,
+        shard_fn=lambda chunk: shard(chunk, grid, stage, units=by_type(Block)),
+    )  # fmt: skip
+    del model
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR, weight_decay=0.1)
+    shards, index = grid.size("data"), grid.rank("data")
+    rows = BATCH // shards
+
+    def loss_fn(logits, y):
+        loss = cross_entropy(logits, y, head) / m
+        return loss, float(loss)
+
+    peaks, losses = [], []
+    with comm.record(grid) as traffic:
+        for step in range(STEPS):
+            ids = _batch(step)[index * rows : (index + 1) * rows]
+            res = pipe.step(list(ids[:, :-1].chunk(m)), list(ids[:, 1:].chunk(m)), loss_fn,
+                            torch.float64)  # fmt: skip
+            opt.step()
+            opt.zero_grad()
+            pipe.sync_params()
+            peaks.append(res.peak_in_flight)
+            losses.append(res.loss)
+    params = {}
+    for dp in pipe.dps:
+        params.update({k: t.detach().cpu().numpy() for k, t in dp.full_state_dict().items()})
+    # the pipe groups: consecutive stages are D·X·Y·Z ranks apart
+    members = grid.ranks("pipe")
+    stride = grid.size("world") // grid.size("pipe")
+    assert members == [grid.global_rank % stride + i * stride for i in range(grid.size("pipe"))]
+    out = {
+        "pipe_rank": grid.rank("pipe"),
+        "params": params,
+        "peaks": peaks,
+        "bound": pipe.pipeline.bound,
+        "p2p": traffic.bytes(axis="pipe", kind="p2p"),
+        "p2p_other_kinds": traffic.bytes(axis="pipe") - traffic.bytes(axis="pipe", kind="p2p"),
+        "tensor": grid.size("tensor"),
+        "losses": losses,
+    }
+    return out, grid
+
+
+def _world():
+    import gnnpar
+
+    grid = gnnpar.init()
+    results = []
+    for run in RUNS:
+        out, grid = _train(grid, *run)
+        results.append(out)
+    gnnpar.shutdown(grid)
+    return results
+
+
+@pytest.fixture(scope="module")
+def world_results():
+    return run_distributed(_world, 8, timeout=600)
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=[" ".join(map(str, r)) for r in RUNS])
+def test_pipelined_training_equals_one_process(world_results, i):
+    spec, schedule, m, v, stage, tied = RUNS[i]
+    want = _reference(m, tied)
+    seen = set()
+    for per_rank in world_results:
+        got = per_rank[i]
+        for name, value in got["params"].items():
+            ref, value = want[name], torch.from_numpy(value)
+            err = (value - ref).abs().max() / ref.abs().max()
+            assert err <= 1e-12, (name, float(err))
+            seen.add(name)
+    assert seen | ({"lm_head.weight"} if tied else set()) == set(want)
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=[" ".join(map(str, r)) for r in RUNS])
+def test_p2p_bytes_and_in_flight_bound(world_results, i):
+    spec, schedule, m, v, stage, tied = RUNS[i]
+    shape = fit_shape(8, parse_grid_spec(spec))
+    p, rows = shape["pipe"], BATCH // shape["data"] // m
+    act = rows * SEQ * CFG["n_embd"] * 8  # one micro-batch's activation (or its gradient)
+    for per_rank in world_results:
+        got = per_rank[i]
+        r = got["pipe_rank"]
+        # v chunks send activations forward and gradients back, except at the two ends
+        sends = m * (2 * v - (r == 0) - (r == p - 1))
+        tie = CFG["vocab_size"] * CFG["n_embd"] * 8 // got["tensor"] if tied else 0
+        want = STEPS * (sends * act + (tie if r in (0, p - 1) else 0))
+        assert got["p2p"] == want, (r, got["p2p"], want)
+        assert got["p2p_other_kinds"] == 0
+        assert got["peaks"] == [peak_bound(schedule, p, m, v, r)] * STEPS == [got["bound"]] * 3
