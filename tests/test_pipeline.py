@@ -135,7 +135,7 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=g)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(m: int, tied: bool) -> dict[str, torch.Tensor]:
     """One process, the same global batch in ``m`` micro-batches, float64."""
     torch.manual_seed(0)

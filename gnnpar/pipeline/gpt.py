@@ -52,6 +52,14 @@ class GPTPipeline:
     dps: list[Any]
     pipeline: Pipeline
     layers: list[range]
+    #: The whole model's state-dict keys, in order, and its tied keys (what checkpoints name).
+    keys: list[str] = dataclasses.field(default_factory=list)
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def slots(self) -> list[Any]:
+        """Every chunk's parameter slots (:class:`gnnpar.shard.flat.Slot`)."""
+        return [s for dp in self.dps for s in dp.slots]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The optimizer's parameters of every chunk, by state-dict key."""
@@ -63,10 +71,48 @@ class GPTPipeline:
         for _, p in self.named_parameters():
             yield p
 
-    def sync_params(self) -> None:
+    def sync_params(self, force: bool = True) -> None:
         """After an optimizer step: bring every chunk's parameters up to date."""
         for dp in self.dps:
-            dp.sync_params(force=True)
+            dp.sync_params(force=force)
+
+    def checkpoint_layout(self) -> Any:
+        """This rank's :class:`~gnnpar.checkpoint.state.ModelLayout`: its chunks' pieces,
+        named as in the whole model (so a checkpoint loads on any number of stages)."""
+        from gnnpar.checkpoint.state import ModelLayout
+
+        parts = [dp.checkpoint_layout() for dp in self.dps]
+        pieces, tensors, params = [], {}, {}
+        for part in parts:
+            pieces += part.pieces
+            tensors.update(part.tensors)
+            params.update(part.params)
+
+        def after_load() -> None:
+            for part in parts:
+                if part.after_load is not None:
+                    part.after_load()
+
+        return ModelLayout(pieces, tensors, list(self.keys), dict(self.aliases), params,
+                           after_load)  # fmt: skip
+
+    def grad_norm(self) -> torch.Tensor:
+        """Norm of the whole model's gradient (every stage's; a tied weight once), the same
+        on every rank."""
+        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        for dp in self.dps:
+            total += dp.grad_norm().to(torch.float64) ** 2
+        return comm.all_reduce(total.reshape(1), self.grid, "pipe").reshape(()).sqrt()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every stage's gradients so the whole model's gradient norm is at most
+        ``max_norm``; return the norm before clipping."""
+        norm = self.grad_norm()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
 
     def act_shape(self, micro_batch: int, rows: int, seq: int) -> tuple[int, int, int]:
         """Shape of the activations between stages: ``(rows, seq, n_embd)``."""
@@ -97,14 +143,6 @@ class GPTPipeline:
         shapes = [self.act_shape(i, *inputs[i].shape) for i in range(len(inputs))]
         return self.pipeline.forward(inputs, lambda i: shapes[i], act_dtype)
 
-    def grad_norm_sq(self) -> torch.Tensor:
-        """Squared norm of the whole model's gradient (every stage's; a tied weight once),
-        the same on every rank."""
-        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
-        for dp in self.dps:
-            total += dp.grad_norm().to(torch.float64) ** 2
-        return comm.all_reduce(total.reshape(1), self.grid, "pipe").reshape(())
-
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Every chunk's parameters gathered (ZeRO-3) for read-only use."""
@@ -132,6 +170,7 @@ def gpt_pipeline(
     from gnnpar.shard import by_type, shard
 
     p, r = grid.size("pipe"), grid.rank("pipe")
+    keys = list(model.state_dict(keep_vars=True))
     layers = gpt_stage_layers(model, p * virtual, split)
     tie = None
     if model.config.tie_weights and p > 1:
@@ -145,4 +184,5 @@ def gpt_pipeline(
         shard_fn = lambda chunk: shard(chunk, grid, 0, units=by_type(Block))  # noqa: E731
     dps = [shard_fn(chunk) for chunk in chunks]
     pipeline = Pipeline(grid, dps, schedule, micro_batches, virtual, tie)
-    return GPTPipeline(grid, chunks, dps, pipeline, layers)
+    aliases = {"lm_head.weight": "wte.weight"} if model.config.tie_weights else {}
+    return GPTPipeline(grid, chunks, dps, pipeline, layers, keys, aliases)

@@ -145,9 +145,6 @@ class Pipeline:
         #: The simulated peak of every rank (the program is checked before it runs).
         self.simulated_peaks = verify(programs)
         self.ops = programs[self.rank]
-        self.eval_ops = program(schedule, self.p, micro_batches, virtual, tied=tied,
-                                forward_only=True)[self.rank]  # fmt: skip
-        verify(program(schedule, self.p, micro_batches, virtual, tied=tied, forward_only=True))
         self.bound = peak_bound(schedule, self.p, micro_batches, virtual, self.rank)
         self.stages = self.p * virtual
 
@@ -188,15 +185,19 @@ class Pipeline:
         act_dtype: torch.dtype,
     ) -> list[torch.Tensor]:
         """The outputs of the last virtual stage for every micro-batch (on the last pipe
-        rank; an empty list elsewhere), forward only."""
+        rank; an empty list elsewhere), forward only; any number of micro-batches."""
+        n = len(inputs)
+        programs = program(self.schedule, self.p, n, self.v, tied=self.tie is not None,
+                           forward_only=True)  # fmt: skip
+        verify(programs)
         outputs: list[torch.Tensor] = []
 
         def keep(out: torch.Tensor, target: Any) -> tuple[torch.Tensor, float]:
             outputs.append(out)
             return out, 0.0
 
-        targets = [None] * self.m
-        self._run(self.eval_ops, inputs, targets, keep, act_shape, act_dtype, None, train=False)
+        self._run(programs[self.rank], inputs, [None] * n, keep, act_shape, act_dtype, None,
+                  train=False)  # fmt: skip
         return outputs
 
     def _run(
@@ -212,7 +213,7 @@ class Pipeline:
     ) -> StepResult:
         import time
 
-        if len(inputs) != self.m and self.is_first:
+        if train and len(inputs) != self.m:
             raise ValueError(f"{len(inputs)} micro-batches for a pipeline of {self.m}")
         last_b = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
         received: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -241,7 +242,8 @@ class Pipeline:
                 if op.what == "tie":
                     value = self.tie.grad()
                 elif op.what == "act":
-                    value = held[(op.mb, op.chunk)][1].detach()
+                    kept = held[(op.mb, op.chunk)] if train else held.pop((op.mb, op.chunk))
+                    value = kept[1].detach()
                 else:
                     value = held.pop((op.mb, op.chunk))[0].grad
                 sends.append(comm.send(value, self.grid, "pipe", op.peer, op.tag))
@@ -256,8 +258,8 @@ class Pipeline:
                     loss, value = loss_fn(out, targets[op.mb])
                     total += float(value)
                     out = loss
-                if train:
-                    held[(op.mb, op.chunk)] = (x if s > 0 else None, out)
+                if train or s < self.stages - 1:  # kept for backward, or to be sent
+                    held[(op.mb, op.chunk)] = (x if s > 0 and train else None, out)
                     peak = max(peak, len(held))
             else:  # "B"
                 s = self._stage(op.chunk)

@@ -144,8 +144,10 @@ def program(
     rank ``p − 1`` sends the gradient it accumulated back before rank 0's last backward of
     chunk 0 (at the end of its program, so that on the channel to rank 0 it comes after
     every gradient rank 0 waits for first). ``forward_only``: the forwards alone
-    (evaluation), in GPipe order."""
-    check_sizes(schedule, p, m, v)
+    (evaluation, any number of micro-batches), in GPipe order."""
+    check_sizes(schedule, p, p if forward_only else m, v)
+    if forward_only and (not isinstance(m, int) or m < 1):
+        raise ScheduleError(f"micro-batches must be a positive integer, got {m!r}")
     stages = p * v
     out = []
     for r in range(p):
