@@ -310,6 +310,9 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         batch=cfg.batch_size,
         element_size=compute_dtype(cfg).itemsize,
         grad_clip=cfg.grad_clip > 0,
+        micro_batches=cfg.grad_accum,
+        schedule=cfg.schedule if cfg.model == "gpt" else None,  # pipelines: our GPT's
+        virtual=cfg.virtual_stages,
     )
 
 
@@ -322,15 +325,6 @@ def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[d
     if shape is not None and cfg.zero_stage is not None:
         return shape, cfg.zero_stage
     problem = plan_problem(cfg, sizes)
-    pipe = (shape or {}).get("pipe", 1)
-    if pipe > 1:  # the stage of a given pipeline: the planner's pick for one stage's ranks
-        from gnnpar.plan import choose_gpt_plan, local_machine
-
-        rest = {a: v for a, v in shape.items() if a != "pipe"}
-        gpus = world.ranks_per_node if world.backend == "nccl" else None
-        machine = local_machine(world.backend, gpus)
-        _, stage = choose_gpt_plan(problem, world.world_size // pipe, machine, rest, None)
-        return shape, stage
     # A GPU node holds the launcher's ranks per node, one GPU each (the CPU box: every core).
     gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
     machine = local_machine(world.backend, gpus_per_node)
