@@ -11,7 +11,8 @@ sleeping rank holds no core. The activations are a few numbers, sent through
 
 Per stage and step: idle = 1 − (the time it spent in its sleeps) / (the step's wall time,
 between two barriers);
-the table gives the median over ``STEPS`` steps (after one warm-up step) of each stage's
+the schedules take turns step by step in one world; the table gives the median over
+``STEPS`` steps (after one warm-up step) of each stage's
 idle fraction, their mean, and the formula; and the median step time beside the planner's
 prediction ``3·FORWARD_MS·m / (1 − bubble)`` (the stage's work stretched by the bubble; the
 messages' own cost, a few milliseconds each on a loaded CPU, is what the two differ by).
@@ -67,39 +68,41 @@ class _Sleep(torch.autograd.Function):
         return g, None, None, None
 
 
-def _stage_idle(
-    schedule: str, virtual: int, m: int, forward_ms: float
-) -> tuple[list[float], list[float]]:
-    """This stage's idle fraction and the step's wall seconds, per measured step."""
+def _stage_idle(m: int, forward_ms: float) -> dict[str, tuple[list[float], list[float]]]:
+    """This stage's idle fraction and the step's wall seconds per measured step, for every
+    schedule; the schedules take turns step by step, so a change of load hits all alike."""
     import gnnpar
     from gnnpar import comm
     from gnnpar.pipeline.runtime import Pipeline
 
     grid = gnnpar.init(pipe=PIPE)
     busy = [0.0]
-    f, b = forward_ms / 1e3 / virtual, 2 * forward_ms / 1e3 / virtual
-    weights = [torch.nn.Parameter(torch.ones(1)) for _ in range(virtual)]
-    chunks = [lambda x, w=w: _Sleep.apply(x * w, f, b, busy) for w in weights]
-    pipe = Pipeline(grid, chunks, schedule, m, virtual)
+    pipes = {}
+    for schedule, v in SCHEDULES:
+        f, b = forward_ms / 1e3 / v, 2 * forward_ms / 1e3 / v
+        weights = [torch.nn.Parameter(torch.ones(1)) for _ in range(v)]
+        chunks = [lambda x, w=w, f=f, b=b: _Sleep.apply(x * w, f, b, busy) for w in weights]
+        pipes[schedule] = Pipeline(grid, chunks, schedule, m, v)
     inputs = [torch.ones(1, 4) for _ in range(m)]
 
     def loss_fn(out, target):
         loss = out.sum()
         return loss, float(loss.detach())
 
-    idle, walls = [], []
+    out: dict[str, tuple[list[float], list[float]]] = {s: ([], []) for s in pipes}
     for step in range(STEPS + 1):
-        comm.barrier(grid)
-        busy[0] = 0.0
-        start = time.perf_counter()
-        pipe.train_step(inputs, [None] * m, loss_fn, lambda i: (1, 4), torch.float32)
-        comm.barrier(grid)  # the step ends when the last stage is done
-        wall = time.perf_counter() - start
-        if step:  # the first is a warm-up
-            idle.append(1.0 - busy[0] / wall)
-            walls.append(wall)
+        for schedule, pipe in pipes.items():
+            comm.barrier(grid)
+            busy[0] = 0.0
+            start = time.perf_counter()
+            pipe.train_step(inputs, [None] * m, loss_fn, lambda i: (1, 4), torch.float32)
+            comm.barrier(grid)  # the step ends when the last stage is done
+            wall = time.perf_counter() - start
+            if step:  # the first is a warm-up
+                out[schedule][0].append(1.0 - busy[0] / wall)
+                out[schedule][1].append(wall)
     gnnpar.shutdown(grid)
-    return idle, walls
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,15 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     m, forward_ms = (4, 10.0) if args.quick else (8, 50.0)
     rows = []
+    per_rank = run_distributed(_stage_idle, PIPE, m, forward_ms, timeout=600)
     for schedule, v in SCHEDULES:
-        per_rank = run_distributed(_stage_idle, PIPE, schedule, v, m, forward_ms, timeout=600)
-        medians = [statistics.median(idle) for idle, _ in per_rank]
+        medians = [statistics.median(r[schedule][0]) for r in per_rank]
         bubble = bubble_fraction(PIPE, m, v)
         rows.append({
             "schedule": schedule, "virtual": v, "micro_batches": m, "pipe": PIPE,
             "idle_per_stage": medians, "idle_mean": statistics.mean(medians),
             "formula": bubble, "steps": STEPS,
-            "step_s": statistics.median(per_rank[0][1]),
+            "step_s": statistics.median(per_rank[0][schedule][1]),
             "predicted_step_s": 3 * forward_ms / 1e3 * m / (1 - bubble),
             "forward_ms": forward_ms, "backward_ms": 2 * forward_ms,
         })  # fmt: skip

@@ -257,3 +257,41 @@ def test_p2p_bytes_and_in_flight_bound(world_results, i):
         assert got["p2p"] == want, (r, got["p2p"], want)
         assert got["p2p_other_kinds"] == 0
         assert got["peaks"] == [peak_bound(schedule, p, m, v, r)] * STEPS == [got["bound"]] * 3
+
+
+# ------------------------------------------------------------------------------ the planner
+def _planned(spec, schedule, m, v, tied, batch=BATCH):
+    from gnnpar.plan import GPTProblem, get_machine
+    from gnnpar.plan.rank import rank_gpt
+
+    problem = GPTProblem(
+        GPTConfig(**CFG, tie_weights=tied), batch=batch, element_size=8, grad_clip=False,
+        micro_batches=m, schedule=schedule, virtual=v,
+    )  # fmt: skip
+    shape = fit_shape(8, parse_grid_spec(spec))
+    for c in rank_gpt(problem, 8, get_machine("cpu")):
+        if {a: c.shape.get(a, 1) for a in shape} == shape:
+            return c
+    raise AssertionError(f"the planner has no candidate {spec}")
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=[" ".join(map(str, r)) for r in RUNS])
+def test_planner_p2p_bytes_equal_the_measured(world_results, i):
+    spec, schedule, m, v, stage, tied = RUNS[i]
+    c = _planned(spec, schedule, m, v, tied)
+    assert c.fits and c.pipeline is not None
+    assert c.pipeline.bubble == bubble_fraction(c.shape["pipe"], m, v)
+    # the planner reports the rank that sends most
+    assert c.bytes["pipe"] == max(r[i]["p2p"] for r in world_results) // STEPS
+
+
+def test_planner_stage_memory_follows_the_schedule():
+    gpipe = _planned("pipe=4,data=2", "gpipe", 8, 1, True)
+    one = _planned("pipe=4,data=2", "1f1b", 8, 1, True)
+    inter = _planned("pipe=4,data=2", "interleaved", 8, 2, True)
+    # activations of m micro-batches in flight against p (1F1B) on the first stage
+    assert gpipe.memory["activations"] / one.memory["activations"] == pytest.approx(8 / 4)
+    # interleaved: 2(p-1) + (v-1)p + 1 = 11 chunk passes of half the layers each
+    assert inter.memory["activations"] / one.memory["activations"] == pytest.approx(11 / 2 / 4)
+    assert inter.compute["bubble"] < one.compute["bubble"] == gpipe.compute["bubble"]
+    assert gpipe.memory["parameters"] == one.memory["parameters"]
