@@ -17,6 +17,7 @@ from gnnpar.pipeline.schedule import (
     check_sizes,
     peak_bound,
     program,
+    simulate,
     verify,
 )
 from gnnpar.pipeline.stages import split_layers
@@ -63,6 +64,17 @@ def test_every_schedule_is_deadlock_free_and_holds_its_bound():
             verify(program(schedule, p, m, v, tied=tied, forward_only=True))
             checked += 1
     assert checked == 2 * len(list(_combos())) > 100
+
+
+def test_the_timeline_of_every_program_has_the_formula_bubble():
+    for schedule, p, m, v in _combos():
+        step, idle = simulate(program(schedule, p, m, v, tied=True), 1.0 / v, 2.0 / v)
+        assert step == pytest.approx(3.0 * (m * v + p - 1) / v)
+        assert idle == pytest.approx([bubble_fraction(p, m, v)] * p), (schedule, p, m, v)
+    # a message's latency adds to the critical path: more messages, more of it
+    slow = [simulate(program(s, 4, 8, v), 1 / v, 2 / v, 0.05)[1][0] for s, v in
+            (("1f1b", 1), ("interleaved", 2))]  # fmt: skip
+    assert slow[0] > bubble_fraction(4, 8) and slow[1] > bubble_fraction(4, 8, 2)
 
 
 def test_every_pass_runs_once_and_backward_follows_forward():
