@@ -243,9 +243,9 @@ class Pipeline:
                     value = self.tie.grad()
                 elif op.what == "act":
                     kept = held[(op.mb, op.chunk)] if train else held.pop((op.mb, op.chunk))
-                    value = kept[1].detach()
+                    value = kept[1].detach().to(act_dtype)
                 else:
-                    value = held.pop((op.mb, op.chunk))[0].grad
+                    value = held.pop((op.mb, op.chunk))[0].grad.to(act_dtype)
                 sends.append(comm.send(value, self.grid, "pipe", op.peer, op.tag))
             elif op.kind == "F":
                 s = self._stage(op.chunk)
@@ -253,6 +253,7 @@ class Pipeline:
                     x = inputs[op.mb]
                 else:
                     x = received.pop(("act", op.mb, op.chunk)).requires_grad_(train)
+                    # the input's gradient leaves in act_dtype whatever the chunk computes in
                 out = self.chunks[op.chunk](x)
                 if s == self.stages - 1:
                     loss, value = loss_fn(out, targets[op.mb])
@@ -269,7 +270,7 @@ class Pipeline:
                     if s == self.stages - 1:
                         out.backward()
                     else:
-                        out.backward(received.pop(("grad", op.mb, op.chunk)))
+                        out.backward(received.pop(("grad", op.mb, op.chunk)).to(out.dtype))
                 if s == 0:
                     del held[(op.mb, op.chunk)]
                 else:  # the input's gradient leaves with the next op
