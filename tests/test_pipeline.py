@@ -38,6 +38,7 @@ RUNS = [
     ("pipe=2,data=4", "1f1b", 4, 1, 0, False),
     ("pipe=2,data=2,x=2", "1f1b", 4, 1, 0, True),
     ("pipe=2,data=2,x=2", "interleaved", 4, 2, 3, True),
+    ("pipe=2,x=2,z=2", "gpipe", 4, 1, 0, True),
 ]
 
 
@@ -183,7 +184,9 @@ def _train(world, spec, schedule, m, v, stage, tied):
     )  # fmt: skip
     del model
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, weight_decay=0.1)
-    shards, index = grid.size("data"), grid.rank("data")
+    # the batch is split over data and z (as the gpt task splits it)
+    shards = grid.size("data") * grid.size("z")
+    index = grid.rank("z") + grid.size("z") * grid.rank("data")
     rows = BATCH // shards
 
     def loss_fn(logits, y):
@@ -204,10 +207,18 @@ def _train(world, spec, schedule, m, v, stage, tied):
     params = {}
     for dp in pipe.dps:
         params.update({k: t.detach().cpu().numpy() for k, t in dp.full_state_dict().items()})
-    # the pipe groups: consecutive stages are D·X·Y·Z ranks apart
+    # the pipe groups: consecutive stages are D·X·Y·Z ranks apart, and every other group
+    # stays inside a stage
+    import torch.distributed as dist
+
     members = grid.ranks("pipe")
     stride = grid.size("world") // grid.size("pipe")
     assert members == [grid.global_rank % stride + i * stride for i in range(grid.size("pipe"))]
+    assert dist.get_process_group_ranks(grid.group("pipe")) == members
+    total = comm.all_reduce(torch.tensor([float(grid.global_rank)]), grid, "pipe")
+    assert total.item() == sum(members)
+    for axis in ("data", "tensor"):
+        assert {r // stride for r in grid.ranks(axis)} == {grid.global_rank // stride}
     out = {
         "pipe_rank": grid.rank("pipe"),
         "params": params,
@@ -257,7 +268,7 @@ def test_pipelined_training_equals_one_process(world_results, i):
 def test_p2p_bytes_and_in_flight_bound(world_results, i):
     spec, schedule, m, v, stage, tied = RUNS[i]
     shape = fit_shape(8, parse_grid_spec(spec))
-    p, rows = shape["pipe"], BATCH // shape["data"] // m
+    p, rows = shape["pipe"], BATCH // (shape["data"] * shape["z"]) // m
     act = rows * SEQ * CFG["n_embd"] * 8  # one micro-batch's activation (or its gradient)
     for per_rank in world_results:
         got = per_rank[i]

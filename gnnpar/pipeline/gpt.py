@@ -152,6 +152,21 @@ class GPTPipeline:
             yield
 
 
+def _chain_prefetch(chunks: list[GPTChunk], grid: ProcessGrid) -> None:
+    """Each chunk's own z-prefetch chain (:class:`gnnpar.tensor.layers.PrefetchChain`): the
+    model's chain runs through every stage, and a layer must not start gathering the weight of
+    a layer that another stage runs (or that this one only borrows, a tied head)."""
+    from gnnpar.tensor.layers import PrefetchChain, ShardedModule
+
+    for chunk in chunks:
+        layers = [m for m in chunk.modules() if isinstance(m, ShardedModule)]
+        for m in layers:
+            m._chain, m._chain_pos = None, -1
+        own = [m for m in layers if "weight" in m._parameters]
+        if grid.size("z") > 1 and own:
+            PrefetchChain(own)
+
+
 def gpt_pipeline(
     model: GPT,
     grid: ProcessGrid,
@@ -180,6 +195,7 @@ def gpt_pipeline(
     for c in range(virtual):
         s = c * p + r
         chunks.append(GPTChunk(model, layers[s], s == 0, s == p * virtual - 1, tie))
+    _chain_prefetch(chunks, grid)
     if shard_fn is None:
         shard_fn = lambda chunk: shard(chunk, grid, 0, units=by_type(Block))  # noqa: E731
     dps = [shard_fn(chunk) for chunk in chunks]
