@@ -127,7 +127,6 @@ class GPTPipeline:
     ) -> StepResult:
         """Forward and backward of every micro-batch (``inputs[i]`` of shape (rows, seq), on
         every rank: the first stage reads them, the last the ``targets``)."""
-        rows, seq = inputs[0].shape
         shapes = [self.act_shape(i, *inputs[i].shape) for i in range(len(inputs))]
         return self.pipeline.train_step(
             inputs,

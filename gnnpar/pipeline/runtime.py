@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -211,8 +212,6 @@ class Pipeline:
         no_sync: Callable[[int], contextlib.AbstractContextManager] | None,
         train: bool = True,
     ) -> StepResult:
-        import time
-
         if train and len(inputs) != self.m:
             raise ValueError(f"{len(inputs)} micro-batches for a pipeline of {self.m}")
         last_b = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
@@ -282,12 +281,3 @@ class Pipeline:
         if self.tie is not None:
             self.tie.end_step()
         return StepResult(total, peak, waited)
-
-
-@contextlib.contextmanager
-def all_no_sync(models: Sequence[Any]) -> Iterator[None]:
-    """``no_sync`` of several sharded models at once."""
-    with contextlib.ExitStack() as stack:
-        for m in models:
-            stack.enter_context(m.no_sync())
-        yield
