@@ -1,7 +1,8 @@
 """``gnnpar train gpt`` with a pipe axis, through the one trainer loop and the checkpoint
 package: a pipelined run equals the same run without a pipeline, and a checkpoint written on
-pipe=2 resumes on pipe=4 to the parameters of an uninterrupted pipe=4 run (float64, ≤ 1e-12
-relative). One world of 8 forked ranks runs every command (tests/cli_world.py)."""
+pipe=2 resumes on pipe=4, and without a pipeline, to the parameters of uninterrupted runs on
+those grids (float64, ≤ 1e-12 relative). One world of 8 forked ranks runs every command
+(tests/cli_world.py)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ def _argv(out: Path, steps: int, grid: str, *extra: str) -> list[str]:
             "--out", str(out), "--quiet", *extra]  # fmt: skip
 
 
-def test_pipelined_gpt_trains_resumes_on_another_pipe_and_equals_no_pipeline(tmp_path):
+def test_pipelined_gpt_resumes_on_another_pipe_and_without_one_and_equals_no_pipeline(
+    tmp_path,
+):
     saved, resumed = tmp_path / "saved", tmp_path / "resumed"
-    straight, flat = tmp_path / "straight", tmp_path / "flat"
+    straight, flat, unpiped = tmp_path / "straight", tmp_path / "flat", tmp_path / "unpiped"
     codes = run_commands(8, [
         _argv(saved, 2, "pipe=2,data=2,x=2", "--schedule", "1f1b", "--zero-stage", "3"),
         ("copy", saved, resumed),
@@ -37,9 +40,13 @@ def test_pipelined_gpt_trains_resumes_on_another_pipe_and_equals_no_pipeline(tmp
               "--resume"),
         _argv(straight, 4, "pipe=4,data=2", "--schedule", "gpipe", "--zero-stage", "0"),
         _argv(flat, 4, "data=2,x=2,y=2", "--zero-stage", "0"),
+        ("copy", saved, unpiped),
+        _argv(unpiped, 4, "data=2,x=2,y=2", "--zero-stage", "0", "--resume"),
     ])  # fmt: skip
-    assert codes == [[0, 0, 0, 0]] * 8
+    assert codes == [[0, 0, 0, 0, 0]] * 8
     err = _same(resumed, straight)
     assert err <= REL, f"pipe=2 -> pipe=4: {err:.3g}"
     err = _same(straight, flat)
     assert err <= REL, f"pipe=4 against no pipeline: {err:.3g}"
+    err = _same(unpiped, flat)
+    assert err <= REL, f"pipe=2 -> no pipeline: {err:.3g}"
