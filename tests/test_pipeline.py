@@ -328,3 +328,29 @@ def test_planner_stage_memory_follows_the_schedule():
     assert inter.memory["activations"] / one.memory["activations"] == pytest.approx(11 / 2 / 4)
     assert inter.compute["bubble"] < one.compute["bubble"] == gpipe.compute["bubble"]
     assert gpipe.memory["parameters"] == one.memory["parameters"]
+
+
+def test_planner_shares_the_cores_among_stages():
+    """Four ranks on the 2-core box: a pipeline stage computes a quarter of the step on half
+    a core, like a data rank, then waits for the bubble, so data parallelism wins; the
+    trainer without a grid (what the planner picks) keeps running without a pipeline."""
+    from gnnpar.plan import choose_gpt_plan, get_machine
+    from gnnpar.train.gpt import GPTTaskConfig, plan_problem
+
+    problem = plan_problem(GPTTaskConfig(grad_accum=4))
+    shape, _ = choose_gpt_plan(problem, 4, get_machine("cpu"))
+    assert shape.get("pipe", 1) == 1, shape
+    piped = _planned_shape(problem, {"pipe": 2, "data": 2, "x": 1, "y": 1, "z": 1})
+    flat = _planned_shape(problem, {"pipe": 1, "data": 4, "x": 1, "y": 1, "z": 1})
+    work = sum(v for k, v in piped.compute.items() if k != "bubble")
+    assert work == pytest.approx(flat.compute["gemm"], rel=0.2)
+
+
+def _planned_shape(problem, shape):
+    from gnnpar.plan import get_machine
+    from gnnpar.plan.rank import rank_gpt
+
+    for c in rank_gpt(problem, 4, get_machine("cpu")):
+        if {a: c.shape.get(a, 1) for a in shape} == shape:
+            return c
+    raise AssertionError(f"no candidate {shape}")

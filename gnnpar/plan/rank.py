@@ -220,7 +220,12 @@ def _gpt_candidate(
 
     def compute() -> dict[str, float]:
         out = gpt_compute_seconds(stage_problem, rest, machine, layout)
-        if plan is not None:  # the stage waits for the others this part of the step
+        if plan is not None:
+            # the stage's ranks share the devices with every other stage's
+            world = math.prod(shape.values())
+            slower = machine.compute_share(world // pipe) / machine.compute_share(world)
+            out = {k: v * slower for k, v in out.items()}
+            # and it waits for the others this part of the step
             out["bubble"] = sum(out.values()) * plan.bubble / (1.0 - plan.bubble)
         return out
 
