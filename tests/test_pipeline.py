@@ -354,3 +354,18 @@ def _planned_shape(problem, shape):
         if {a: c.shape.get(a, 1) for a in shape} == shape:
             return c
     raise AssertionError(f"no candidate {shape}")
+
+
+def test_a_pipe_axis_is_for_the_gpt_task_only():
+    from gnnpar.train.config import ConfigError
+    from gnnpar.train.fullgraph import FullGraphConfig
+    from gnnpar.train.gpt import GPTTaskConfig
+    from gnnpar.train.loop import check_world
+
+    with pytest.raises(ConfigError, match="pipe axis needs the gpt task"):
+        check_world(FullGraphConfig(grid="pipe=2,x=2"), 4)
+    check_world(GPTTaskConfig(grid="pipe=2,x=2"), 4)
+    with pytest.raises(ConfigError, match="divisible by pipe"):
+        GPTTaskConfig(grid="pipe=4", schedule="interleaved", grad_accum=6).check()
+    with pytest.raises(ConfigError, match="n_layer"):
+        GPTTaskConfig(grid="pipe=4", n_layer=3).check()
