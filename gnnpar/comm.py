@@ -72,8 +72,12 @@ class CommError(RuntimeError):
 class Traffic:
     """Bytes and call counts per (axis, kind), recorded inside a :func:`record` block."""
 
-    nbytes: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-    ncalls: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    nbytes: dict[tuple[str, str], int] = dataclasses.field(
+        default_factory=lambda: defaultdict(int)
+    )
+    ncalls: dict[tuple[str, str], int] = dataclasses.field(
+        default_factory=lambda: defaultdict(int)
+    )
 
     def add(self, axis: str, kind: str, nbytes: int) -> None:
         """Count one collective of ``kind`` over ``axis`` that moved ``nbytes``."""
@@ -170,7 +174,9 @@ class Handle:
 
 
 def _what(kind: str, grid: ProcessGrid, axis: str) -> str:
-    return f"{kind} over grid axis '{axis}' (ranks {grid.ranks(axis)}) on rank {grid.global_rank}"
+    return (
+        f"{kind} over grid axis '{axis}' (ranks {grid.ranks(axis)}) on rank {grid.global_rank}"
+    )
 
 
 def _launch(

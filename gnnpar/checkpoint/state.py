@@ -142,17 +142,17 @@ def optimizer_pieces(
                 label = f"{OPTIM}{name}/g{gi}.p{pi}"
                 if _per_element(name, value, p):
                     moved = [
-                        dataclasses.replace(c, key=f"{OPTIM}{name}/{c.key[len(MODEL) :]}")
+                        dataclasses.replace(c, key=f"{OPTIM}{name}/{c.key[len(MODEL):]}")
                         for c in chunks
                     ]
                     pieces.append(Piece(label, value, moved, write))
                     for c in chunks:
                         spec = layout.tensors[c.key]
-                        tensors[f"{OPTIM}{name}/{c.key[len(MODEL) :]}"] = TensorSpec(
+                        tensors[f"{OPTIM}{name}/{c.key[len(MODEL):]}"] = TensorSpec(
                             spec.shape, str(value.dtype).removeprefix("torch.")
                         )
                 else:
-                    for key in dict.fromkeys(c.key[len(MODEL) :] for c in chunks):
+                    for key in dict.fromkeys(c.key[len(MODEL):] for c in chunks):
                         full = f"{OPTIM}{name}/{key}"
                         tensors[full] = TensorSpec.of(value.shape, value.dtype)
                         box = concat([(full, (0,) * value.dim(), tuple(value.shape))])

@@ -256,7 +256,7 @@ def _check_model(manifest: Manifest, layout: ModelLayout, strict: bool) -> None:
         for key in saved:
             if key.startswith(MODEL) and key not in mine:
                 raise CheckpointError(
-                    f"checkpoint {folder} holds tensor '{key[len(MODEL) :]}' that this model "
+                    f"checkpoint {folder} holds tensor '{key[len(MODEL):]}' that this model "
                     "does not have: it was written for another model"
                 )
 
@@ -289,7 +289,7 @@ def _optimizer_targets(
                 if per_element:
                     t = torch.empty(p.shape, dtype=dtype, device=p.device)
                     moved = [
-                        dataclasses.replace(c, key=f"{OPTIM}{name}/{c.key[len(MODEL) :]}")
+                        dataclasses.replace(c, key=f"{OPTIM}{name}/{c.key[len(MODEL):]}")
                         for c in chunks
                     ]
                 else:
@@ -445,3 +445,4 @@ def _reason(manifest: Manifest, name: str, verify: str) -> str:
         text = str(err)
         return text.split(": ", 1)[1] if text.startswith(str(manifest.folder)) else text
     return "damaged (size or checksum differs from the manifest)"
+

@@ -91,10 +91,8 @@ def check_layout(manifest: Manifest) -> None:
             for doc in docs:
                 c = _chunk(doc, where)
                 shape = shapes.get(c.key)
-                inside = (
-                    shape is not None
-                    and len(c.offsets) == len(shape)
-                    and all(o + s <= n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True))
+                inside = shape is not None and len(c.offsets) == len(shape) and all(
+                    o + s <= n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)
                 )
                 if not inside or (c.transposed and len(c.sizes) != 2):
                     raise FormatError(
@@ -148,7 +146,8 @@ def _check_cover(key: str, shape: list[int], chunks: list[Chunk], where: Path) -
     total = sum(c.numel for c in chunks)
     if total != math.prod(shape):
         raise FormatError(
-            f"{where}: the stored chunks of {key!r} hold {total} of its {math.prod(shape)} elements"
+            f"{where}: the stored chunks of {key!r} hold {total} of its {math.prod(shape)} "
+            "elements"
         )
     for i, a in enumerate(chunks):
         for b in chunks[i + 1 :]:

@@ -626,7 +626,8 @@ def _has_fused_kernels(params: list[torch.Tensor]) -> bool:
     default there (70.8M parameters: 0.04 s against 0.23 s of CPU time a step, one thread),
     which is a tenth of a tensor-parallel GPT step; other devices keep torch's default."""
     return bool(params) and all(
-        type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda") for p in params
+        type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda")
+        for p in params
     )
 
 
