@@ -12,7 +12,9 @@ Every collective takes the :class:`~gnnpar.grid.ProcessGrid` and an axis name, a
 
 Bytes are counted with the ring costs of DESIGN, per rank, for a group of p ranks and a full
 buffer of V bytes: all-gather and reduce-scatter (p−1)/p·V, all-reduce 2(p−1)/p·V, broadcast
-(p−1)/p·V (the average each rank receives), all-to-all the bytes this rank sends to others.
+(p−1)/p·V (the average each rank receives), all-to-all the bytes this rank sends to others,
+and a point-to-point :func:`send` its tensor's bytes (on the sender; :func:`recv` counts
+nothing, so each message is counted once).
 Uneven all-gathers and reduce-scatters are padded to the largest piece (as FSDP does), and the
 padded bytes are what is counted, because they are what moves.
 
@@ -47,7 +49,7 @@ from gnnpar import shm
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
@@ -498,6 +500,54 @@ def all_to_all(
         lambda: out,
         async_op,
     )
+
+
+def _peer(grid: ProcessGrid, axis: str, index: int, kind: str) -> int:
+    """The global rank of ``index`` within this rank's ``axis`` group."""
+    members = grid.ranks(axis)
+    if not 0 <= index < len(members) or members[index] == grid.global_rank:
+        raise ValueError(
+            f"{_what(kind, grid, axis)}: peer index {index} is not another rank of the group "
+            f"of {len(members)}"
+        )
+    return members[index]
+
+
+def send(tensor: torch.Tensor, grid: ProcessGrid, axis: str, dst: int, tag: int = 0) -> Handle:
+    """Send ``tensor`` to the rank with index ``dst`` within the ``axis`` group, without
+    blocking: the returned handle's ``wait()`` (which returns ``tensor``) must be called
+    before ``tensor`` is changed. ``tag`` tells apart messages between the same two ranks
+    (gloo matches on it; NCCL matches in order, so both sides must agree on the order too)."""
+    _check_device(tensor, grid, "p2p", axis)
+    peer = _peer(grid, axis, dst, "send")
+    send_buf = tensor.contiguous()
+    _account(grid, axis, "p2p", _nbytes(send_buf))
+    what = f"send to rank {peer} over grid axis '{axis}' on rank {grid.global_rank}"
+    try:
+        work = dist.isend(send_buf, peer, group=grid.group(axis), tag=tag)
+    except RuntimeError as e:
+        raise CommError(f"{what} failed: {e}") from e
+    return Handle(work, lambda: tensor, what)
+
+
+def recv(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    grid: ProcessGrid,
+    axis: str,
+    src: int,
+    tag: int = 0,
+) -> torch.Tensor:
+    """Receive a tensor of ``shape`` and ``dtype`` from the rank with index ``src`` within the
+    ``axis`` group (blocking; what :func:`send` with the same ``tag`` sent)."""
+    peer = _peer(grid, axis, src, "recv")
+    out = torch.empty(tuple(shape), dtype=dtype, device=grid.device)
+    what = f"recv from rank {peer} over grid axis '{axis}' on rank {grid.global_rank}"
+    try:
+        dist.irecv(out, peer, group=grid.group(axis), tag=tag).wait()
+    except RuntimeError as e:
+        raise CommError(f"{what} failed: {e}") from e
+    return out
 
 
 def exchange_counts(counts: Sequence[int], grid: ProcessGrid, axis: str) -> list[int]:

@@ -1,8 +1,11 @@
-"""The 4D process grid: data × x × y × z, rank order, and every sub-group.
+"""The process grid: pipe × data × x × y × z, rank order, and every sub-group.
 
-Rank order follows AxoNN: x varies fastest, then y, then z, then data::
+Rank order follows AxoNN: x varies fastest, then y, then z, then data, then pipe::
 
-    rank = x + X * (y + Y * (z + Z * data))
+    rank = x + X * (y + Y * (z + Z * (data + D * pipe)))
+
+so a grid without a pipe axis (pipe = 1) numbers its ranks as the 4D grid always did, and each
+pipeline stage is a block of consecutive ranks (its tensor and data groups stay inside it).
 
 Every sub-group along every axis (and the combined ``"tensor"`` axis, x·y·z) is created once,
 on every rank, in the same order, because ``torch.distributed.new_group`` is collective. The
@@ -29,13 +32,13 @@ from gnnpar import shm
 from gnnpar.fmt import count
 from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
-#: The four grid axes, fastest-varying first.
-AXES: tuple[str, ...] = ("x", "y", "z", "data")
+#: The grid axes, fastest-varying first (a context axis would slot in between z and data).
+AXES: tuple[str, ...] = ("x", "y", "z", "data", "pipe")
 #: Axis names that denote a combination of axes.
 COMBINED_AXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "tensor": ("x", "y", "z"),
-        "world": ("x", "y", "z", "data"),
+        "world": ("x", "y", "z", "data", "pipe"),
         "xy": ("x", "y"),
         "xz": ("x", "z"),
         "yz": ("y", "z"),
@@ -103,22 +106,30 @@ class GridShape:
     z: int = 1
     data: int = 1
     global_rank: int = 0
+    pipe: int = 1
 
     @property
     def shape(self) -> dict[str, int]:
-        """Sizes of the four axes, by name."""
-        return {"x": self.x, "y": self.y, "z": self.z, "data": self.data}
+        """Sizes of the axes, by name (``pipe`` only when it is above 1, so a grid without
+        pipelining describes itself as it always did)."""
+        out = {"x": self.x, "y": self.y, "z": self.z, "data": self.data}
+        if self.pipe > 1:
+            out["pipe"] = self.pipe
+        return out
 
     @property
     def world_size(self) -> int:
         """Number of processes in the grid."""
-        return self.x * self.y * self.z * self.data
+        return self.x * self.y * self.z * self.data * self.pipe
+
+    def _size_of(self, axis: str) -> int:
+        return getattr(self, axis)
 
     def size(self, axis: str) -> int:
         """Number of ranks in a group along ``axis``."""
         out = 1
         for a in axes_of(axis):
-            out *= self.shape[a]
+            out *= self._size_of(a)
         return out
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
@@ -128,18 +139,22 @@ class GridShape:
             raise GridError(f"rank {rank} is outside a grid of {count(self.world_size, 'rank')}")
         out = {}
         for a in AXES:
-            out[a] = rank % self.shape[a]
-            rank //= self.shape[a]
+            out[a] = rank % self._size_of(a)
+            rank //= self._size_of(a)
         return out
+
+    def sizes(self) -> dict[str, int]:
+        """Sizes of every axis, by name, pipe included (1 when absent)."""
+        return {a: self._size_of(a) for a in AXES}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProcessGrid(GridShape):
-    """An immutable data × x × y × z grid of processes with one group per axis.
+    """An immutable pipe × data × x × y × z grid of processes with one group per axis.
 
     Build one with :func:`gnnpar.init`. Query it by axis name (``"x"``, ``"y"``, ``"z"``,
-    ``"data"``, or the combinations ``"tensor"`` = x·y·z, ``"world"``, ``"xy"``, ``"xz"``,
-    ``"yz"``): :meth:`group`, :meth:`rank`, :meth:`size`, :meth:`ranks`. Shape and rank
+    ``"data"``, ``"pipe"``, or the combinations ``"tensor"`` = x·y·z, ``"world"``, ``"xy"``,
+    ``"xz"``, ``"yz"``): :meth:`group`, :meth:`rank`, :meth:`size`, :meth:`ranks`. Shape and rank
     arithmetic (``shape``, ``world_size``, ``size``, ``coords``) come from
     :class:`GridShape`.
     """
@@ -167,10 +182,10 @@ class ProcessGrid(GridShape):
         for a, v in coords.items():
             if a not in AXES:
                 raise GridError(f"unknown grid axis {a!r}; axes are {', '.join(AXES)}")
-            if not 0 <= v < self.shape[a]:
-                raise GridError(f"coordinate {a}={v} is outside an axis of size {self.shape[a]}")
+            if not 0 <= v < self._size_of(a):
+                raise GridError(f"coordinate {a}={v} is outside an axis of size {self._size_of(a)}")
             mine[a] = v
-        return mine["x"] + self.x * (mine["y"] + self.y * (mine["z"] + self.z * mine["data"]))
+        return _rank_at(self.sizes(), mine)
 
     def rank(self, axis: str) -> int:
         """This rank's index within its group along ``axis`` (x fastest within combinations)."""
@@ -178,13 +193,13 @@ class ProcessGrid(GridShape):
         idx, stride = 0, 1
         for a in axes_of(axis):
             idx += c[a] * stride
-            stride *= self.shape[a]
+            stride *= self._size_of(a)
         return idx
 
     def ranks(self, axis: str, rank: int | None = None) -> list[int]:
         """Global ranks of the group along ``axis`` that contains ``rank`` (default: this one),
         ordered by their index within the group."""
-        return _group_members(self.shape, axes_of(axis), self.coords(rank))
+        return _group_members(self.sizes(), axes_of(axis), self.coords(rank))
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """This rank's process group along ``axis``; ``None`` where the group has one rank
@@ -206,25 +221,35 @@ class ProcessGrid(GridShape):
 
     def describe(self) -> str:
         """One line naming the shape, backend and device."""
+        pipe = f"pipe={self.pipe} " if self.pipe > 1 else ""
         return (
-            f"grid data={self.data} x={self.x} y={self.y} z={self.z} "
+            f"grid {pipe}data={self.data} x={self.x} y={self.y} z={self.z} "
             f"({count(self.world_size, 'rank')}, {self.backend}, {self.device}, "
             f"{count(self.ranks_per_node, 'rank')}/node)"
         )
+
+
+def _rank_at(shape: Mapping[str, int], coords: Mapping[str, int]) -> int:
+    """The global rank at ``coords`` (x fastest, pipe slowest; absent axes count as 0)."""
+    rank, stride = 0, 1
+    for a in AXES:
+        rank += coords.get(a, 0) * stride
+        stride *= shape.get(a, 1)
+    return rank
 
 
 def _group_members(
     shape: Mapping[str, int], axes: Sequence[str], coords: Mapping[str, int]
 ) -> list[int]:
     """Ranks that share every coordinate of ``coords`` except those of ``axes``."""
-    free = [range(shape[a]) for a in axes]
+    free = [range(shape.get(a, 1)) for a in axes]
     out = []
     # itertools.product varies the last axis fastest; reverse so the first named axis is.
     for combo in itertools.product(*reversed(free)):
         c = dict(coords)
         for a, v in zip(reversed(axes), combo, strict=True):
             c[a] = v
-        out.append(c["x"] + shape["x"] * (c["y"] + shape["y"] * (c["z"] + shape["z"] * c["data"])))
+        out.append(_rank_at(shape, c))
     return out
 
 
@@ -232,30 +257,51 @@ def _all_group_rank_lists(shape: Mapping[str, int], axes: Sequence[str]) -> list
     """Every group along ``axes`` in a fixed order (the same on all ranks)."""
     fixed = [a for a in AXES if a not in axes]
     out = []
-    for combo in itertools.product(*(range(shape[a]) for a in reversed(fixed))):
+    for combo in itertools.product(*(range(shape.get(a, 1)) for a in reversed(fixed))):
         coords = {a: 0 for a in AXES}
         coords.update(dict(zip(reversed(fixed), combo, strict=True)))
         out.append(_group_members(shape, axes, coords))
     return out
 
 
-def _resolve_sizes(world: int, data: int | None, x: int, y: int, z: int) -> tuple[int, ...]:
-    for name, v in (("x", x), ("y", y), ("z", z), ("data", data)):
+def _resolve_sizes(
+    world: int, data: int | None, x: int, y: int, z: int, pipe: int = 1
+) -> tuple[int, ...]:
+    for name, v in (("x", x), ("y", y), ("z", z), ("data", data), ("pipe", pipe)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise GridError(f"grid axis {name} must be a positive integer, got {v!r}")
     tensor = x * y * z
+    fixed, named = tensor * pipe, f"x*y*z = {x}*{y}*{z}"
+    if pipe > 1:
+        named = f"pipe*x*y*z = {pipe}*{x}*{y}*{z}"
     if data is None:
-        if world % tensor:
-            raise GridError(
-                f"x*y*z = {x}*{y}*{z} = {tensor} does not divide the world size {world}"
-            )
-        data = world // tensor
-    if data * tensor != world:
+        if world % fixed:
+            raise GridError(f"{named} = {fixed} does not divide the world size {world}")
+        data = world // fixed
+    if data * fixed != world:
+        lead = f"pipe*data*x*y*z = {pipe}*{data}" if pipe > 1 else f"data*x*y*z = {data}"
         raise GridError(
-            f"grid data*x*y*z = {data}*{x}*{y}*{z} = {data * tensor} does not match "
-            f"the world size {world}"
+            f"grid {lead}*{x}*{y}*{z} = {data * fixed} does not match the world size {world}"
         )
-    return data, x, y, z
+    return data, x, y, z, pipe
+
+
+def fit_shape(world: int, shape: Mapping[str, int]) -> dict[str, int]:
+    """The full shape (every axis) that ``shape`` (some axes, as :func:`parse_grid_spec`
+    gives) takes on ``world`` ranks, data filling the rest; a :class:`GridError` when it does
+    not fit (checked before ranks launch)."""
+    unknown = sorted(set(shape) - set(AXES))
+    if unknown:
+        raise GridError(f"unknown grid axis {unknown[0]!r}; axes are {', '.join(AXES)}")
+    sizes = _resolve_sizes(
+        world,
+        shape.get("data"),
+        shape.get("x", 1),
+        shape.get("y", 1),
+        shape.get("z", 1),
+        shape.get("pipe", 1),
+    )
+    return dict(zip(("data", "x", "y", "z", "pipe"), sizes, strict=True))
 
 
 def _restart_safe_store(timeout: timedelta) -> dict:
@@ -399,6 +445,7 @@ def init(
     y: int = 1,
     z: int = 1,
     *,
+    pipe: int = 1,
     backend: str | None = None,
     device: torch.device | str | None = None,
     ranks_per_node: int | None = None,
@@ -409,7 +456,8 @@ def init(
     The launcher is recognised from the environment (:func:`gnnpar.launch.detect_launch`):
     torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``: its env rendezvous), a Slurm step
     (``srun``) or an MPI launch (Open MPI, MPICH/PMI); in a plain process it returns a world
-    of one. ``data`` defaults to ``world // (x*y*z)``. Backend and device follow each other:
+    of one. ``data`` defaults to ``world // (pipe*x*y*z)``; ``pipe`` is the number of
+    pipeline stages (:mod:`gnnpar.pipeline`). Backend and device follow each other:
     gloo ↔ CPU, NCCL ↔ CUDA; with neither given, CUDA and NCCL are used when a GPU is present,
     the local rank's GPU. ``ranks_per_node`` (default: the launcher's, e.g.
     ``LOCAL_WORLD_SIZE`` or Slurm's tasks per node, else the world size) tells which groups
@@ -439,12 +487,12 @@ def init(
         world, rank = 1, 0
 
     try:
-        sizes = _resolve_sizes(world, data, x, y, z)
+        sizes = _resolve_sizes(world, data, x, y, z, pipe)
     except GridError as e:
         if launch is None:
             raise
         raise GridError(f"{e} (launched by {LAUNCHER_NAMES[launch.launcher]})") from None
-    shape = dict(zip(("data", "x", "y", "z"), sizes, strict=True))
+    shape = dict(zip(("data", "x", "y", "z", "pipe"), sizes, strict=True))
     if ranks_per_node is None:
         if launched_per_node is not None:
             ranks_per_node = launched_per_node
@@ -475,6 +523,7 @@ def init(
         y=shape["y"],
         z=shape["z"],
         data=shape["data"],
+        pipe=shape["pipe"],
         global_rank=rank,
         backend=backend,
         device=device,
@@ -511,6 +560,7 @@ def reshape(
     x: int = 1,
     y: int = 1,
     z: int = 1,
+    pipe: int = 1,
     ranks_per_node: int | None = None,
 ) -> ProcessGrid:
     """Release ``grid``'s sub-groups and build a grid of another shape over the same world.
@@ -525,6 +575,7 @@ def reshape(
         x=x,
         y=y,
         z=z,
+        pipe=pipe,
         backend=grid.backend,
         device=grid.device,
         ranks_per_node=ranks_per_node,
@@ -548,8 +599,8 @@ def shutdown(grid: ProcessGrid) -> None:
 
 
 def parse_grid_spec(spec: str) -> dict[str, int]:
-    """Parse ``"data=2,x=2,y=1,z=2"`` (any subset of the axes) into keyword arguments of
-    :func:`init`."""
+    """Parse ``"data=2,x=2,y=1,z=2"`` or ``"pipe=2,data=2,x=2"`` (any subset of the axes) into
+    keyword arguments of :func:`init`."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, value = part.partition("=")

@@ -84,7 +84,8 @@ class ModelLayout:
 def writes(grid: ProcessGrid, split_axes: Iterable[str]) -> bool:
     """Whether this rank writes a piece split over ``split_axes`` and replicated over the
     others: only the rank at coordinate 0 of every replicated axis does."""
-    split = set(split_axes)
+    # every pipeline stage holds tensors of its own: a stage's pieces are split over pipe
+    split = {*split_axes, "pipe"}
     return all(v == 0 for a, v in grid.coords().items() if a not in split)
 
 

@@ -237,7 +237,9 @@ def _check_model(manifest: Manifest, layout: ModelLayout, strict: bool) -> None:
     folder = manifest.folder
     for key in layout.keys:
         canon = layout.aliases.get(key, key)
-        spec = layout.tensors[MODEL + canon]
+        spec = layout.tensors.get(MODEL + canon)
+        if spec is None:
+            continue  # held by another pipeline stage: that rank checks it
         got = saved.get(MODEL + canon)
         if got is None:
             raise CheckpointError(

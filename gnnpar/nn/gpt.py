@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig", "generate"]
+__all__ = ["GPT", "GPTChunk", "MLP", "Block", "CausalSelfAttention", "GPTConfig", "generate"]
 
 
 def _size(default, help: str):  # noqa: A002 - mirrors dataclasses.field
@@ -176,6 +176,52 @@ class GPT(nn.Module):
             generator,
             full_logits,
         )
+
+
+class GPTChunk(nn.Module):
+    """Consecutive blocks of a :class:`GPT` as one pipeline stage: with ``first`` the token
+    and position embeddings before them, with ``last`` the final norm and head after them.
+
+    The chunk takes the modules of ``model`` (plain or made parallel), so its state-dict keys
+    are the model's (``blocks.3.attn.qkv.weight``). A head tied to the embedding on a chunk
+    without the embedding gets its weight for each step from ``tie`` (a
+    :class:`~gnnpar.pipeline.runtime.TiedWeight`): its own copy is dropped, and the first
+    chunk reports the weight it uses to ``tie``.
+    """
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool, tie: object = None):
+        super().__init__()
+        self.config = model.config
+        self.first, self.last = first, last
+        self.layers = layers
+        if first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.tie = tie if model.config.tie_weights and first != last else None
+        if self.tie is not None and last:
+            # the first stage owns the shared weight; this one borrows it for each step
+            del self.lm_head._parameters["weight"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if self.first:
+            t = x.shape[-1]
+            if t > self.config.block_size:
+                raise ValueError(
+                    f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
+                )
+            if self.tie is not None:
+                self.tie.watch(self.wte.weight)
+            pos = torch.arange(t, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if not self.last:
+            return x
+        if self.tie is not None:
+            self.lm_head.weight = self.tie.leaf
+        return self.lm_head(self.ln_f(x))
 
 
 @torch.no_grad()

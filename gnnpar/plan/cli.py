@@ -49,7 +49,8 @@ def _machine(args: argparse.Namespace) -> Machine:
 GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "heads", "out_heads",
                "layers", "dtype", "mixed_precision")  # fmt: skip
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
-               "batch_size", "dtype", "mixed_precision", "grad_clip")  # fmt: skip
+               "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
+               "virtual_stages")  # fmt: skip
 
 
 def _task_config(cls: type, args: argparse.Namespace) -> Any:
@@ -152,13 +153,26 @@ def _cell(c: Candidate, axis: str) -> str:
     return f"{b / 1e6:,.1f}MB/{c.comm.get(axis, 0.0) * 1e3:,.1f}ms{where}"
 
 
+def _pipeline_cell(c: Candidate) -> str:
+    pl = c.pipeline
+    if pl is None:
+        return "-"
+    return f"{pl.schedule} {pl.micro_batches}·{pl.virtual} {pl.bubble:.1%}"
+
+
 def format_candidates(cands: list[Candidate], top: int) -> str:
     """A plain-text table of the ``top`` best shapes (and how many do not fit)."""
-    axes = [a for a in ("x", "y", "z", "data", "tensor") if any(c.bytes.get(a) for c in cands)]
+    axes = [
+        a for a in ("x", "y", "z", "data", "tensor", "pipe") if any(c.bytes.get(a) for c in cands)
+    ]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]
     stages = len({c.stage for c in cands}) > 1
     if stages:
         head.insert(2, "ZeRO")
+    piped = any(c.pipeline is not None for c in cands[:top] if c.fits)
+    if piped:
+        head[1] = "shape (pipe data x y z)"
+        head.insert(2, "schedule m·v bubble")
     rows = []
     fitting = [c for c in cands if c.fits]
     for i, c in enumerate(fitting[:top], 1):
@@ -166,6 +180,7 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
             [
                 str(i),
                 shape_label(c.shape),
+                *([_pipeline_cell(c)] if piped else []),
                 *([str(c.stage)] if stages else []),
                 f"{c.step_seconds * 1e3:,.2f}",
                 f"{c.compute_seconds * 1e3:,.2f}",
@@ -287,9 +302,10 @@ def add_plan_commands(subparsers: Any) -> None:
 
     t = kinds.add_parser(
         "gpt",
-        help="GPT with data x 3D tensor parallelism",
-        description="Rank (data, x, y, z) shapes and ZeRO stages for `gnnpar train gpt` with "
-        "the same options (and the same defaults), or for a built-in size (--params).",
+        help="GPT with pipeline x data x 3D tensor parallelism",
+        description="Rank (pipe, data, x, y, z) shapes and ZeRO stages for `gnnpar train gpt` "
+        "with the same options (and the same defaults), or for a built-in size (--params); "
+        "pipelines run --schedule with --grad-accum micro-batches.",
     )
     t.add_argument(
         "--params",

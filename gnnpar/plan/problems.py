@@ -135,7 +135,10 @@ class GPTProblem:
     parameters, gradients and activations (2: bf16 with fp32 master weights and Adam state, as
     at scale; 4: float32). ``stage`` is the data-axis sharding (:mod:`gnnpar.shard`): 0
     replicates everything, 1 shards optimizer state, 2 also gradients, 3 also parameters.
-    ``grad_clip`` includes the gradient-norm all-reduce of the trainer.
+    ``grad_clip`` includes the gradient-norm all-reduce of the trainer. ``micro_batches``
+    (the trainer's ``grad_accum``), ``schedule`` and ``virtual`` describe the pipeline a grid
+    with a ``pipe`` axis runs (:mod:`gnnpar.pipeline`; ``virtual`` counts only for the
+    interleaved schedule; ``schedule`` None: no pipelines).
     """
 
     model: GPTConfig
@@ -144,9 +147,12 @@ class GPTProblem:
     stage: int = 0
     grad_clip: bool = True
     name: str = ""
+    micro_batches: int = 1
+    schedule: str | None = "1f1b"
+    virtual: int = 2
 
     def __post_init__(self) -> None:
-        for key in ("batch", "element_size"):
+        for key in ("batch", "element_size", "micro_batches", "virtual"):
             _positive(key, getattr(self, key))
         if self.stage not in (0, 1, 2, 3):
             raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")

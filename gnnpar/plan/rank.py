@@ -1,5 +1,6 @@
-"""Rank grid shapes: every factorisation of the world into (data, x, y, z), costed with the
-communication, compute and memory models, those that fit in memory first, fastest first.
+"""Rank grid shapes: every factorisation of the world into (data, x, y, z), and for GPT
+into (pipe, data, x, y, z) (:mod:`gnnpar.plan.pipeline`), costed with the communication,
+compute and memory models, those that fit in memory first, fastest first.
 
 Predicted step time = compute (:mod:`gnnpar.plan.compute`) + communication
 (:mod:`gnnpar.plan.comm_model`), with no overlap between them. Full-graph training has no
@@ -9,7 +10,9 @@ batch to split, so its shapes all have data = 1.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from gnnpar.grid import AXES, factorizations
 from gnnpar.plan.comm_model import (
@@ -26,6 +29,8 @@ from gnnpar.plan.comm_model import (
 from gnnpar.plan.compute import gcn_compute_seconds, gpt_compute_seconds
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.memory import USABLE_FRACTION, gcn_memory, gpt_memory
+from gnnpar.plan.pipeline import PipelinePlan, p2p_collectives, pipeline_plan
+from gnnpar.plan.pipeline import stage_problem as pipeline_stage
 from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
 
 __all__ = [
@@ -59,6 +64,7 @@ class Candidate:
     intra_node: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
     stage: int | None = None  # the ZeRO stage (GPT candidates)
+    pipeline: PipelinePlan | None = None  # GPT candidates with a pipe axis
 
     @property
     def compute_seconds(self) -> float:
@@ -93,12 +99,14 @@ class Candidate:
             "memory_bytes": dict(self.memory),
             "intra_node": dict(self.intra_node),
             "stage": self.stage,
+            "pipeline": self.pipeline.as_dict() if self.pipeline is not None else None,
         }
 
 
 def shape_label(shape: Mapping[str, int]) -> str:
-    """``"d1 x2 y2 z2"``."""
-    return " ".join(f"{'d' if a == 'data' else a}{shape.get(a, 1)}" for a in ("data", *AXES[:3]))
+    """``"d1 x2 y2 z2"`` (``"p4 d1 x2 y2 z2"`` with a pipe axis)."""
+    label = " ".join(f"{'d' if a == 'data' else a}{shape.get(a, 1)}" for a in ("data", *AXES[:3]))
+    return f"p{shape['pipe']} {label}" if shape.get("pipe", 1) > 1 else label
 
 
 def _shapes(world: int, data: bool) -> list[dict[str, int]]:
@@ -119,7 +127,7 @@ def _evaluate(
     compute: Callable[[], dict[str, float]],
     memory: Callable[[], dict[str, float]],
 ) -> Candidate:
-    world = shape["data"] * shape["x"] * shape["y"] * shape["z"]
+    world = math.prod(shape.get(a, 1) for a in AXES)
     try:
         colls = collectives()
         mem = memory()
@@ -155,6 +163,7 @@ def _order(cands: Iterable[Candidate]) -> list[Candidate]:
             c.step_seconds,
             c.total_bytes,
             c.stage or 0,
+            s.get("pipe", 1),
             -s["data"],
             -s["x"],
             -s["y"],
@@ -178,24 +187,62 @@ def rank_gcn(problem: GCNProblem, world: int, machine: Machine) -> list[Candidat
 
 
 def rank_gpt(problem: GPTProblem, world: int, machine: Machine) -> list[Candidate]:
-    """Every data·x·y·z shape of ``world`` ranks for a GPT step, best first."""
+    """Every data·x·y·z shape of ``world`` ranks for a GPT step, and with ``problem.schedule``
+    every pipe·data·x·y·z shape with pipe > 1 (pipelines of that schedule), best first."""
     model = meta_gpt(problem)
     out = []
-    for s in _shapes(world, data=True):
-        try:
-            layout = gpt_layout(problem, s, model)
-        except Infeasible as err:
-            out.append(Candidate(s, False, str(err), stage=problem.stage))
-            continue
-        c = _evaluate(
-            s,
-            machine,
-            lambda s=s, lay=layout: gpt_collectives(problem, s, layout=lay),
-            lambda s=s, lay=layout: gpt_compute_seconds(problem, s, machine, lay),
-            lambda s=s, lay=layout: gpt_memory(problem, s, lay),
-        )
-        out.append(dataclasses.replace(c, stage=problem.stage))
+    pipes = [1]
+    if problem.schedule:
+        pipes += [p for p in range(2, min(world, problem.layers) + 1) if world % p == 0]
+    for pipe in pipes:
+        for s in _shapes(world // pipe, data=True):
+            shape = {**s, "pipe": pipe} if pipe > 1 else s
+            out.append(_gpt_candidate(problem, shape, machine, model))
     return _order(out)
+
+
+def _gpt_candidate(
+    problem: GPTProblem, shape: dict[str, int], machine: Machine, model: Any
+) -> Candidate:
+    """One GPT candidate; with a pipe axis, its busiest stage (:mod:`gnnpar.plan.pipeline`)."""
+    pipe = shape.get("pipe", 1)
+    rest = {a: v for a, v in shape.items() if a != "pipe"}
+    plan = None
+    try:
+        stage_problem = problem
+        if pipe > 1:
+            plan = pipeline_plan(problem, pipe)
+            stage_problem = pipeline_stage(problem, pipe)
+        layout = gpt_layout(stage_problem, rest, model)
+        p2p = p2p_collectives(problem, shape, plan) if plan is not None else []
+    except Infeasible as err:
+        return Candidate(shape, False, str(err), stage=problem.stage, pipeline=plan)
+
+    def compute() -> dict[str, float]:
+        out = gpt_compute_seconds(stage_problem, rest, machine, layout)
+        if plan is not None:
+            # the stage's ranks share the devices with every other stage's
+            world = math.prod(shape.values())
+            slower = machine.compute_share(world // pipe) / machine.compute_share(world)
+            out = {k: v * slower for k, v in out.items()}
+            # and it waits for the others this part of the step
+            out["bubble"] = sum(out.values()) * plan.bubble / (1.0 - plan.bubble)
+        return out
+
+    def memory() -> dict[str, float]:
+        out = gpt_memory(stage_problem, rest, layout)
+        if plan is not None:  # the chunk passes in flight, of the m·v of a step
+            out["activations"] *= plan.in_flight / (plan.micro_batches * plan.virtual)
+        return out
+
+    c = _evaluate(
+        shape,
+        machine,
+        lambda: gpt_collectives(stage_problem, rest, layout=layout) + p2p,
+        compute,
+        memory,
+    )
+    return dataclasses.replace(c, stage=problem.stage, pipeline=plan)
 
 
 def _best(cands: list[Candidate], what: str) -> dict[str, int]:
@@ -313,11 +360,11 @@ def choose_gpt_plan(
     ``shape`` or ``stage`` fix one of them (what ``gnnpar train gpt`` runs when it is given
     no grid or no stage, and ``gnnpar plan gpt`` recommends)."""
     stages = (0, 1, 2, 3) if stage is None else (stage,)
-    want = None if shape is None else {a: shape.get(a, 1) for a in ("data", *AXES[:3])}
+    want = None if shape is None else {a: shape.get(a, 1) for a in ("pipe", "data", *AXES[:3])}
     cands = [
         c
         for c in rank_gpt_stages(problem, world, machine, stages)
-        if want is None or {a: c.shape[a] for a in want} == want
+        if want is None or {a: c.shape.get(a, 1) for a in want} == want
     ]
     fitting = [c for c in cands if c.fits]
     if not fitting:

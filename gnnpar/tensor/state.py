@@ -26,11 +26,14 @@ __all__ = [
 
 def sharded_parameters(model: nn.Module) -> dict[str, tuple[ShardedModule, str, ShardLayout]]:
     """Every state-dict key of ``model`` that names a sharded parameter → (module, local
-    parameter name, layout). Tied parameters appear under each of their names."""
+    parameter name, layout). Tied parameters appear under each of their names; a weight a
+    module only borrows (a pipeline stage's tied head, not among its parameters) is left out."""
     out = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, ShardedModule):
             for pname, layout in module.layouts().items():
+                if pname not in module._parameters:
+                    continue
                 out[f"{prefix}.{pname}" if prefix else pname] = (module, pname, layout)
     return out
 

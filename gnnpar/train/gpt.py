@@ -1,6 +1,9 @@
 """GPT training with data × 3D tensor parallelism and sharded data parallelism (the ``gpt``
 task): our GPT or Hugging Face's GPT-2, :func:`gnnpar.tensor.parallelize` over x × y × z,
-then :func:`gnnpar.shard.shard` over the data axis (ZeRO stage 0–3, FCDP, mixed precision).
+then :func:`gnnpar.shard.shard` over the data axis (ZeRO stage 0–3, FCDP, mixed precision);
+with a ``pipe`` axis in the grid, our GPT runs as a pipeline of that many stages
+(:mod:`gnnpar.pipeline`; ``schedule`` gpipe, 1f1b or interleaved, the ``grad_accum``
+micro-batches pushed through it), each stage tensor-parallel and sharded as above.
 
 The global batch of ``batch_size`` sequences of a step is split over the data and z axes
 (each (data, z) coordinate holds ``batch_size / (data·z)`` of them; the x and y ranks of a
@@ -80,8 +83,17 @@ class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
     beta2: float = option(0.99, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
     grid: str | None = option(
-        None, "grid such as data=2,x=2 (default: the planner's pick with zero_stage)"
+        None,
+        "grid such as data=2,x=2 or pipe=2,data=2,x=2 (default: the planner's pick with "
+        "zero_stage)",
     )
+    schedule: str = option(
+        "1f1b",
+        "pipeline schedule with a pipe axis: gpipe, 1f1b or interleaved (the "
+        "micro-batches are grad_accum)",
+    )
+    virtual_stages: int = option(2, "interleaved schedule: model chunks per pipe rank")
+    pipe_split: str = option("layers", "pipeline stages by layer count (layers) or by cost")
     val_fraction: float = option(0.05, "held-out end of the token stream")
     val_batches: int = option(4, "global batches per validation")
     sample_tokens: int = option(100, "tokens sampled at the end (0: none)")
@@ -114,7 +126,36 @@ class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("config key 'dropout' must be in [0, 1)")
         if self.grid is not None:
-            parse_grid_spec(self.grid)
+            self.check_pipeline(parse_grid_spec(self.grid).get("pipe", 1))
+
+    def check_pipeline(self, pipe: int) -> None:
+        """Reject pipeline options that cannot work with ``pipe`` stages, naming the key."""
+        from gnnpar.pipeline.gpt import SPLITS
+        from gnnpar.pipeline.schedule import SCHEDULES, ScheduleError, check_sizes
+
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"config key 'schedule' must be one of {', '.join(SCHEDULES)}")
+        if self.pipe_split not in SPLITS:
+            raise ConfigError(f"config key 'pipe_split' must be one of {', '.join(SPLITS)}")
+        if pipe == 1:
+            return
+        if self.model != "gpt":
+            raise ConfigError("a pipe axis in config key 'grid' needs model = gpt")
+        virtual = self.pipeline_virtual
+        try:
+            check_sizes(self.schedule, pipe, self.grad_accum, virtual)
+        except ScheduleError as err:
+            raise ConfigError(f"config keys 'schedule'/'grad_accum': {err}") from None
+        if self.n_layer < pipe * virtual:
+            raise ConfigError(
+                f"config key 'n_layer' ({self.n_layer}) must be at least pipe x virtual "
+                f"stages = {pipe * virtual}"
+            )
+
+    @property
+    def pipeline_virtual(self) -> int:
+        """Model chunks per pipe rank: ``virtual_stages`` for the interleaved schedule."""
+        return self.virtual_stages if self.schedule == "interleaved" else 1
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """Our GPT's sizes, with the tokenizer's vocabulary."""
@@ -269,6 +310,9 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         batch=cfg.batch_size,
         element_size=compute_dtype(cfg).itemsize,
         grad_clip=cfg.grad_clip > 0,
+        micro_batches=cfg.grad_accum,
+        schedule=cfg.schedule if cfg.model == "gpt" else None,  # pipelines: our GPT's
+        virtual=cfg.virtual_stages,
     )
 
 
@@ -344,21 +388,48 @@ class GPTTask:
         self.val = TokenBlocks(val_tokens, *blocks, cfg.seed + 1)
 
     def _build_model(self, plain: nn.Module, block: type) -> None:
-        """This rank's pieces of the parallel model, sharded over the data axis, and AdamW."""
+        """This rank's pieces of the parallel model, sharded over the data axis, and AdamW;
+        with a pipe axis, only this rank's stage (:mod:`gnnpar.pipeline`)."""
         from gnnpar.shard import FCDP, by_type, shard
 
         cfg, grid = self.cfg, self.grid
         model = parallel_model(plain, cfg, grid)
         self.net = model
         self.head = model.lm_head
-        self.dp = shard(
-            model,
-            grid,
-            self.stage,
-            units=by_type(block),
-            mixed_precision=shard_policy(cfg),
-            fcdp=FCDP() if cfg.fcdp else None,
-        )
+
+        def shard_fn(module: nn.Module):
+            return shard(
+                module,
+                grid,
+                self.stage,
+                units=by_type(block),
+                mixed_precision=shard_policy(cfg),
+                fcdp=FCDP() if cfg.fcdp else None,
+            )
+
+        self.pipeline = None
+        if grid.size("pipe") > 1:
+            from gnnpar.pipeline.gpt import gpt_pipeline
+
+            self.pipeline = gpt_pipeline(
+                model,
+                grid,
+                cfg.schedule,
+                cfg.grad_accum,
+                virtual=cfg.pipeline_virtual,
+                split=cfg.pipe_split,
+                shard_fn=shard_fn,
+                tie_dtype=compute_dtype(cfg),
+            )
+            self.net = None  # the stages run through self.pipeline
+            if not self.pipeline.pipeline.is_last:  # the head's sizes only, not its weight
+                self.head._parameters.pop("weight", None)
+            self.dp = self.model = self.pipeline
+            self.optimizer = _adamw(self.dp, cfg)
+            # one optimizer over several sharded chunks: they catch up after each step
+            self.optimizer.register_step_post_hook(lambda *a: self.pipeline.sync_params())
+            return
+        self.dp = shard_fn(model)
         self.model = self.dp  # what checkpoints save: masters and pieces, on any grid
         self.optimizer = self.dp.attach(_adamw(self.dp, cfg))
 
@@ -375,6 +446,17 @@ class GPTTask:
 
     # ------------------------------------------------------------------------ training
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is not None:  # the last position, on every pipe rank
+            grid = self.grid
+            last = torch.empty(
+                (ids.shape[0], 1, self.head.local_out_features),
+                dtype=compute_dtype(self.cfg),
+                device=grid.device,
+            )
+            outs = self.pipeline.forward([ids.to(grid.device)], compute_dtype(self.cfg))
+            if outs:
+                last.copy_(outs[0][:, -1:, :])
+            return comm.broadcast(last, grid, "pipe", src=grid.size("pipe") - 1)
         out = self.net(ids.to(self.grid.device))
         return out if isinstance(out, torch.Tensor) else out.logits
 
@@ -384,16 +466,39 @@ class GPTTask:
         logits = full_precision(self._logits(x))
         return cross_entropy(logits, y.to(self.grid.device), self.head)
 
+    def _pipelined(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one step's micro-batches through the pipeline; the summed
+        loss, on every pipe rank."""
+        from gnnpar.tensor import cross_entropy
+
+        cfg, grid, m = self.cfg, self.grid, self.cfg.grad_accum
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
+            loss = cross_entropy(full_precision(logits), target, self.head) / m
+            return self.scaler.scale_loss(loss), float(loss.detach())
+
+        xs = [t.to(grid.device) for t in x.chunk(m)]
+        ys = [t.to(grid.device) for t in y.chunk(m)]
+        for chunk in self.pipeline.chunks:
+            chunk.train()
+        res = self.pipeline.step(xs, ys, loss_fn, compute_dtype(cfg))
+        total = torch.tensor([res.loss], dtype=torch.float64, device=grid.device)
+        return comm.all_reduce(total, grid, "pipe").cpu().reshape(())
+
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step on the global batch of ``step``, in ``grad_accum``
         micro-batches; the loss is the mean over the whole batch."""
         cfg, dp = self.cfg, self.dp
         start = time.perf_counter()
         lr = schedule.apply(self.optimizer, cfg, step, self.num_steps)
-        self.net.train()
         x, y = self.train.batch(step)
         total = torch.zeros((), dtype=torch.float64)
         micro = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True))
+        if self.pipeline is not None:
+            total = self._pipelined(x, y)
+            micro = []
+        else:
+            self.net.train()
         for i, (xm, ym) in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else dp.no_sync():
@@ -416,12 +521,12 @@ class GPTTask:
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """Mean validation loss over ``val_batches`` global batches."""
-        self.net.eval()
+        self._train_mode(False)
         total = 0.0
         for i in range(self.cfg.val_batches):
             x, y = self.val.batch(i)
-            total += global_mean(self._loss(x, y), self.grid)
-        self.net.train()
+            total += global_mean(self._val_loss(x, y), self.grid)
+        self._train_mode(True)
         return {"val_loss": total / max(self.cfg.val_batches, 1)}
 
     @torch.no_grad()
@@ -437,7 +542,7 @@ class GPTTask:
             full = lambda lg: comm.all_gather(  # noqa: E731
                 lg.contiguous(), grid, head.out_axis, dim=-1, sizes=head.out_sizes
             )
-        self.net.eval()
+        self._train_mode(False)
         out = generate(
             self._logits,
             ids,
@@ -449,6 +554,26 @@ class GPTTask:
             full,
         )
         return self.corpus.decode(out[0])
+
+    def _train_mode(self, on: bool) -> None:
+        for module in self.pipeline.chunks if self.pipeline is not None else [self.net]:
+            module.train(on)
+
+    def _val_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one validation batch (through the pipeline: the mean over its
+        ``grad_accum`` micro-batches, on every pipe rank)."""
+        if self.pipeline is None:
+            return self._loss(x, y)
+        from gnnpar.tensor import cross_entropy
+
+        grid, m = self.grid, self.cfg.grad_accum
+        xs = [t.to(grid.device) for t in x.chunk(m)]
+        outs = self.pipeline.forward(xs, compute_dtype(self.cfg))
+        total = torch.zeros(1, dtype=torch.float64, device=grid.device)
+        for logits, ym in zip(outs, y.chunk(m), strict=False):
+            loss = cross_entropy(full_precision(logits), ym.to(grid.device), self.head)
+            total += loss.detach().to(torch.float64) / m
+        return comm.all_reduce(total, grid, "pipe").reshape(())
 
     # ------------------------------------------------------------------------ state
     def extra_state(self) -> dict[str, Any]:
@@ -472,6 +597,7 @@ class GPTTask:
             "vocab_size": s.vocab_size,
             "zero_stage": self.stage,
             "mixed_precision": self.cfg.mixed_precision,
+            **({"schedule": self.cfg.schedule} if self.pipeline is not None else {}),
         }
 
 

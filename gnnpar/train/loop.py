@@ -19,7 +19,7 @@ import torch
 
 from gnnpar import checkpoint, comm
 from gnnpar.atomic import check_writable
-from gnnpar.grid import GridError, ProcessGrid, parse_grid_spec
+from gnnpar.grid import ProcessGrid, fit_shape, parse_grid_spec
 from gnnpar.launch import restart_count
 from gnnpar.train.config import RUN_CONFIG, ConfigError, write_run_config
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
@@ -138,23 +138,13 @@ def check_run_folder(cfg: Any) -> None:
 
 
 def check_world(cfg: Any, world_size: int) -> None:
-    """A ``grid`` option must fit ``world_size`` processes, and so must ``parts`` (one part
-    per process)."""
+    """A ``grid`` option must fit ``world_size`` processes (and have a pipe axis only for a
+    task that pipelines), and so must ``parts`` (one part per process)."""
     spec = getattr(cfg, "grid", None)
     if spec:
-        shape = parse_grid_spec(spec)
-        x, y, z = (shape.get(a, 1) for a in ("x", "y", "z"))
-        tensor = x * y * z
-        data = shape.get("data")
-        if data is None and world_size % tensor:
-            raise GridError(
-                f"x*y*z = {x}*{y}*{z} = {tensor} does not divide the world size {world_size}"
-            )
-        if data is not None and data * tensor != world_size:
-            raise GridError(
-                f"grid data*x*y*z = {data}*{x}*{y}*{z} = {data * tensor} does not match "
-                f"the world size {world_size}"
-            )
+        shape = fit_shape(world_size, parse_grid_spec(spec))
+        if shape["pipe"] > 1 and not hasattr(cfg, "schedule"):  # only gpt pipelines
+            raise ConfigError(f"config key 'grid' ({spec}): a pipe axis needs the gpt task")
     parts = getattr(cfg, "parts", None)
     if parts is not None and parts != world_size:
         raise ConfigError(
