@@ -177,7 +177,7 @@ def prepare_shards(
 
     def fill(tmp: Path) -> None:
         files: dict[str, dict[str, Any]] = {}
-        for parity, cp in enumerate(perms):  # column order of Â₁ = P·Â·P₂ᵀ, Â₂ = P₂·Â·Pᵀ
+        for parity, (rp, cp) in enumerate(((perms[1], perms[0]), (perms[0], perms[1]))):
             a = csr.permute(g.indptr, g.indices, values, rp, cp)
             for i in range(r_parts):
                 for j in range(c_parts):
