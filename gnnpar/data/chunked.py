@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_CHUNK_EDGES",
     "GraphReader",
     "chunk_edges_for",
+    "entry_chunks",
     "gather",
     "row_groups",
 ]
@@ -88,6 +89,17 @@ def gather(
     rows = np.repeat(np.arange(a, b, dtype=np.int64), deg)
     offset = np.arange(total, dtype=np.int64) - np.repeat(first, deg)
     return rows, offset
+
+
+def entry_chunks(lengths: np.ndarray, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Every entry of the rows, in order, as ``(row, offset)`` pieces (see :func:`gather`)
+    of at most ``chunk`` entries; a long row is split across pieces. No empty piece."""
+    for a, b in row_groups(lengths, chunk):
+        stop = int(lengths[a]) if b == a + 1 else 1
+        for lo in range(0, stop, chunk):
+            rows, offset = gather(lengths, a, b, lo, lo + chunk)
+            if rows.shape[0]:
+                yield rows, offset
 
 
 class GraphReader:

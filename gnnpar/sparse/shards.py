@@ -340,7 +340,7 @@ def _norm_factors(reader: Any, norm: str, chunk_edges: int):
     """Per node: the self loop to add (gcn: 1 where the row has none) and the factors of
     the normalisation, computed in one pass over the edges with the arithmetic of
     :meth:`~gnnpar.graph.Graph.gcn_norm` / :meth:`~gnnpar.graph.Graph.row_normalize`."""
-    from gnnpar.data.chunked import gather, row_groups
+    from gnnpar.data.chunked import entry_chunks
 
     n = reader.num_nodes
     indptr = reader.indptr
@@ -353,18 +353,14 @@ def _norm_factors(reader: Any, norm: str, chunk_edges: int):
         wdtype = wdtype if wdtype.is_floating_point else torch.float32
     deg = torch.zeros(n, dtype=wdtype)
     has_loop = np.zeros(n, dtype=bool)
-    for a, b in row_groups(lengths, chunk_edges):
-        for lo in range(0, max(int(lengths[a]), 1) if b == a + 1 else 1, chunk_edges):
-            rows, offset = gather(lengths, a, b, lo, lo + chunk_edges)
-            if not rows.shape[0]:
-                continue
-            pos = indptr[rows] + offset
-            cols = reader.indices(pos)
-            if norm == "gcn":
-                has_loop[rows[cols == rows]] = True
-            w = reader.weights(pos)
-            w = torch.ones(rows.shape[0], dtype=wdtype) if w is None else torch.from_numpy(w)
-            deg.index_add_(0, torch.from_numpy(rows), w)
+    for rows, offset in entry_chunks(lengths, chunk_edges):
+        pos = indptr[rows] + offset
+        cols = reader.indices(pos)
+        if norm == "gcn":
+            has_loop[rows[cols == rows]] = True
+        w = reader.weights(pos)
+        w = torch.ones(rows.shape[0], dtype=wdtype) if w is None else torch.from_numpy(w)
+        deg.index_add_(0, torch.from_numpy(rows), w)
     add = ~has_loop if norm == "gcn" else np.zeros(n, dtype=bool)
     if norm == "gcn":
         deg[torch.from_numpy(add)] += 1.0
