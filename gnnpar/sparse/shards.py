@@ -451,10 +451,11 @@ class _Entries:
 
 
 def _emit_long_row(entries: _Entries, a: int, chunk_edges: int, cb: np.ndarray, out) -> None:
-    """Row ``a`` (longer than a chunk), sorted by new column through column ranges that
-    each hold at most ``chunk_edges`` of its entries (one counting pass per split)."""
+    """Row ``a`` (longer than a chunk), sorted by new column externally: one pass counts
+    its entries per column bucket, consecutive buckets are grouped into column ranges of at
+    most ``chunk_edges`` entries, and each range is read, sorted and emitted in turn (a
+    bucket still over the limit is split the same way)."""
     length = int(entries.row_len[a])
-    n_cols = int(cb[-1])
 
     def pieces(lo_col: int, hi_col: int):
         for lo in range(0, length, chunk_edges):
@@ -462,25 +463,33 @@ def _emit_long_row(entries: _Entries, a: int, chunk_edges: int, cb: np.ndarray, 
             keep = (col >= lo_col) & (col < hi_col)
             yield col[keep], val[keep]
 
-    pending = [(0, n_cols)]
-    while pending:
-        lo_col, hi_col = pending.pop()
-        count = sum(c.shape[0] for c, _ in pieces(lo_col, hi_col))
-        if count <= chunk_edges or hi_col - lo_col == 1:
-            got = list(pieces(lo_col, hi_col))
-            col = np.concatenate([c for c, _ in got])
-            val = np.concatenate([v for _, v in got])
-            key = np.argsort(col, kind="stable")
-            out.emit(np.zeros(col.shape[0], dtype=np.int64), col[key], val[key], None, cb)
-            continue
-        splits = min(hi_col - lo_col, 4 * -(-count // chunk_edges))
-        edges = np.linspace(lo_col, hi_col, splits + 1).astype(np.int64)
-        # pushed last to first so the lowest columns are emitted first
-        pending.extend(
-            (int(edges[k]), int(edges[k + 1]))
-            for k in range(splits - 1, -1, -1)
-            if edges[k + 1] > edges[k]
-        )
+    def emit(lo_col: int, hi_col: int) -> None:
+        got = list(pieces(lo_col, hi_col))
+        col = np.concatenate([c for c, _ in got])
+        val = np.concatenate([v for _, v in got])
+        key = np.argsort(col, kind="stable")
+        out.emit(np.zeros(col.shape[0], dtype=np.int64), col[key], val[key], None, cb)
+
+    def split(lo_col: int, hi_col: int, count: int) -> None:
+        buckets = min(hi_col - lo_col, 4 * -(-count // chunk_edges))
+        edges = np.linspace(lo_col, hi_col, buckets + 1).astype(np.int64)
+        counts = np.zeros(buckets, dtype=np.int64)
+        for col, _ in pieces(lo_col, hi_col):
+            counts += np.bincount(np.searchsorted(edges, col, side="right") - 1, minlength=buckets)
+        k = 0
+        while k < buckets:  # group consecutive buckets up to chunk_edges entries
+            stop, total = k + 1, int(counts[k])
+            while stop < buckets and total + counts[stop] <= chunk_edges:
+                total += int(counts[stop])
+                stop += 1
+            lo, hi = int(edges[k]), int(edges[stop])
+            if total > chunk_edges and hi - lo > 1:
+                split(lo, hi, total)
+            elif total:
+                emit(lo, hi)
+            k = stop
+
+    split(0, int(cb[-1]), length)
     out.end_row()
 
 
