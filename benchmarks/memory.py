@@ -68,6 +68,7 @@ def _fullgraph_worker(shards: str, dims: list[int], shape: dict[str, int]) -> di
         source = DiskSource(shards)
         par = parallelize_fullgraph(model, grid, source)
         x = par.input_features()
+        built = _rss_kib("VmHWM") * 1024 - baseline
         opt = torch.optim.Adam(par.parameters(), lr=0.01)
         opt.zero_grad()
         par.loss(par(x), "train_mask").backward()
@@ -77,6 +78,9 @@ def _fullgraph_worker(shards: str, dims: list[int], shape: dict[str, int]) -> di
         "rank": grid.global_rank,
         "baseline": baseline,
         "peak_over_baseline": m.peak_bytes,
+        "build_peak": built,
+        # the shard files this rank mapped (their pages count as its resident memory)
+        "mapped": sum(source.manifest.files[f]["size"] for f in source.mapped_files()),
         "rss_file_end": _rss_kib("RssFile") * 1024,
         "rss_anon_end": _rss_kib("RssAnon") * 1024,
         "time_s": m.time_s,
@@ -104,7 +108,7 @@ def fullgraph_table(scale: int, ranks: list[int], tmp: Path) -> dict:
     for p in ranks:
         shape = choose_fullgraph_grid(p, n, dims, nnz=nnz, machine=local_machine("gloo", p))
         res = run_distributed(_fullgraph_worker, p, str(shards), dims, shape, timeout=3600)
-        model = gcn_memory(GCNProblem.from_widths(n, nnz, dims), shape)
+        model = gcn_memory(GCNProblem.from_widths(n, nnz, dims), shape, staging=True)
         measured = [r["peak_over_baseline"] for r in res]
         rows.append(
             {
@@ -119,6 +123,7 @@ def fullgraph_table(scale: int, ranks: list[int], tmp: Path) -> dict:
                 "model_parts": model,
                 "ratio": measured[0] / sum(model.values()),
                 "time_s": max(r["time_s"] for r in res),
+                "per_rank": res,
             }
         )
         print(_row_line(rows[-1]), flush=True)
@@ -171,9 +176,9 @@ def scale_pipeline(scale: int, limit: str, parts: int, tmp: Path) -> dict:
     stages = [
         (
             "generate",
-            "from gnnpar.data.commands import main_prepare; import sys; "
-            f"sys.exit(main_prepare(['rmat', '--out', {str(graph)!r}, '--dataset-options', "
-            f"'scale={scale},feat_dim=128', '--memory-limit', {limit!r}]))",
+            "from gnnpar.cli import main; import sys; "
+            f"sys.exit(main(['data', 'prepare', 'rmat', '--out', {str(graph)!r}, "
+            f"'--dataset-options', 'scale={scale},feat_dim=128', '--memory-limit', {limit!r}]))",
         ),
         (
             "partition (fennel)",

@@ -405,3 +405,18 @@ def test_train_gcn_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, mo
     assert {a: best[a] for a in ("x", "y", "z")} == {a: got.get(a, 1) for a in ("x", "y", "z")}
     assert choose_fullgraph_grid(6, 300, [8, 4], algorithm="2d") == {"x": 2, "y": 3}
     assert choose_fullgraph_grid(6, 300, [8, 4], algorithm="1d") == {"x": 6}
+
+
+def test_gcn_memory_staging_counts_each_shard_block_once():
+    """The host pages of the shard files a rank maps: on one rank a 3-layer GCN reads Â in
+    two orders (layers 0 and 2 share Â₁), 12 bytes an entry and 8 a row, and all features."""
+    from gnnpar.plan.memory import gcn_memory
+    from gnnpar.plan.problems import GCNProblem
+
+    n, nnz, feats = 1000, 9000, 32
+    problem = GCNProblem.from_widths(n, nnz, [feats, 16, 16, 4])
+    plain = gcn_memory(problem, {"x": 1, "y": 1, "z": 1})
+    staged = gcn_memory(problem, {"x": 1, "y": 1, "z": 1}, staging=True)
+    assert "staging" not in plain
+    assert staged.pop("staging") == 2 * (nnz * 12 + n * 8) + n * feats * 4
+    assert staged == plain
