@@ -294,6 +294,7 @@ def _write_streamed_into(
 ) -> dict[str, Any]:
     """:func:`_write_into` part by part, each part's edges read ``chunk_edges`` at a time
     (twice: once to find the halo, once to write), producing the same files."""
+    from gnnpar.data.chunked import rows_per_piece
     from gnnpar.verified import NpyWriter
 
     files: dict[str, dict[str, Any]] = {}
@@ -367,7 +368,7 @@ def _write_streamed_into(
         save(f"{sub}/num_owned.npy", np.array(stop - start, dtype=np.int64))
         for key in keys:
             dtype, shape = reader.ndata_spec(key)
-            per = max(1, chunk_edges * 8 // max(1, int(np.prod(shape[1:]))))
+            per = rows_per_piece(chunk_edges, shape[1:], dtype.itemsize)
             w = NpyWriter(folder / sub / "ndata" / f"{key}.npy", dtype, shape[1:])
             for lo in range(0, stop - start, per):
                 w.append(reader.ndata(key, rows[lo : lo + per]))

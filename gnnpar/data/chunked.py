@@ -15,6 +15,7 @@ longer than that forms a group of its own, which callers split further) and
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,14 @@ __all__ = [
     "entry_chunks",
     "gather",
     "row_groups",
+    "rows_per_piece",
 ]
 
 #: Working memory per edge of a chunk: the gathered positions, rows, columns, values,
-#: sort keys and their permutation (int64/float32 arrays and temporaries), rounded up.
-BYTES_PER_EDGE = 96
+#: sort keys and their permutation (int64/float32 arrays and temporaries), and the file
+#: pages a read of scattered rows maps, rounded up.
+BYTES_PER_EDGE = 128
+_PAGE = 4096
 #: Edges per chunk when no memory limit is given (about 400 MB of working memory).
 DEFAULT_CHUNK_EDGES = 1 << 22
 
@@ -54,6 +58,16 @@ def chunk_edges_for(memory_limit: int | None, fixed_bytes: int, what: str = "thi
             "its chunks"
         )
     return room // BYTES_PER_EDGE
+
+
+def rows_per_piece(chunk_edges: int, row_shape: tuple[int, ...], itemsize: int) -> int:
+    """Rows of node data (one row: ``row_shape`` elements of ``itemsize`` bytes) to read at
+    a time within a chunk's working memory: a piece is read (its pages mapped), copied out
+    and written, so it takes a quarter of ``chunk_edges · BYTES_PER_EDGE``, counting a
+    page of the file per row (the rows read are scattered)."""
+    row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * itemsize)
+    # scattered rows each map at least a page of the file while they are read
+    return max(1, chunk_edges * BYTES_PER_EDGE // (4 * (row_bytes + _PAGE)))
 
 
 def row_groups(lengths: np.ndarray, chunk: int) -> Iterator[tuple[int, int]]:
@@ -198,7 +212,12 @@ class GraphReader:
         path = self._folder / self._arrays[name]["file"]
         mapped = np.load(path, mmap_mode="r", allow_pickle=False)
         try:
-            return np.array(mapped[where])
+            if isinstance(where, np.ndarray) and mapped.size:
+                # scattered positions: no read-around, so only the pages read are mapped
+                mapped._mmap.madvise(mmap.MADV_RANDOM)  # noqa: SLF001 - numpy's map
+            got = mapped[where]
+            # fancy indexing already copied; a slice is a view of the map: copy it out
+            return np.array(got) if np.shares_memory(got, mapped) else np.asarray(got)
         finally:
             del mapped  # unmap now: the pages read stop counting as this process's memory
 
@@ -206,4 +225,6 @@ class GraphReader:
 def _take(tensor: Any, where: Any) -> np.ndarray:
     from partitioners.csr import to_numpy
 
-    return np.array(to_numpy(tensor)[where])
+    whole = to_numpy(tensor)
+    got = whole[where]
+    return np.array(got) if np.shares_memory(got, whole) else got

@@ -241,7 +241,7 @@ def _prepare_streamed(
     chunk_edges: int | None,
 ) -> Path:
     """:func:`prepare_shards` reading the edges in chunks (see :func:`_fill_streamed`)."""
-    from gnnpar.data.chunked import GraphReader, chunk_edges_for
+    from gnnpar.data.chunked import GraphReader, chunk_edges_for, rows_per_piece
 
     reader = GraphReader(graph, verify="size")
     n = reader.num_nodes
@@ -274,10 +274,10 @@ def _prepare_streamed(
             tmp, files, reader, norm, perms, inv, row_bounds, col_bounds, chunk_edges
         )
         feat_dtype, feat_shape = reader.ndata_spec("feat")
-        rows_per = max(1, chunk_edges * 8 // max(1, int(np.prod(feat_shape[1:]))))
+        rows_per = rows_per_piece(chunk_edges, feat_shape[1:], 4)
         files["feat.npy"] = _write_rows(
             tmp / "feat.npy",
-            lambda r: reader.ndata("feat", r).astype(np.float32),
+            lambda r: reader.ndata("feat", r).astype(np.float32, copy=False),
             inv[0],
             np.float32,
             feat_shape[1:],
@@ -289,7 +289,7 @@ def _prepare_streamed(
             if name == "feat" or shape[0] != n:
                 continue
             names.append(name)
-            per = max(1, chunk_edges * 8 // max(1, int(np.prod(shape[1:]))))
+            per = rows_per_piece(chunk_edges, shape[1:], dtype.itemsize)
             for o in (0, 1):
                 files[f"node/{name}.{o}.npy"] = _write_rows(
                     tmp / f"node/{name}.{o}.npy",
