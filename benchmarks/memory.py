@@ -108,7 +108,7 @@ def fullgraph_table(scale: int, ranks: list[int], tmp: Path) -> dict:
     for p in ranks:
         shape = choose_fullgraph_grid(p, n, dims, nnz=nnz, machine=local_machine("gloo", p))
         res = run_distributed(_fullgraph_worker, p, str(shards), dims, shape, timeout=3600)
-        model = gcn_memory(GCNProblem.from_widths(n, nnz, dims), shape, staging=True)
+        model = gcn_memory(GCNProblem.from_widths(n, nnz, dims), shape, host=True)
         measured = [r["peak_over_baseline"] for r in res]
         rows.append(
             {
@@ -137,14 +137,15 @@ def _row_line(r: dict) -> str:
         f"| {r['ranks']} | {shape} | {r['measured_rank0'] / MIB:,.0f} | "
         f"{r['measured_max'] / MIB:,.0f} | {r['model_rank0'] / MIB:,.0f} | "
         f"{parts['adjacency'] / MIB:,.0f} / {parts['features'] / MIB:,.0f} / "
-        f"{parts['weights'] / MIB:,.1f} / {parts['activations'] / MIB:,.0f} | "
+        f"{parts['weights'] / MIB:,.1f} / {parts['activations'] / MIB:,.0f} / "
+        f"{parts['staging'] / MIB:,.0f} / {parts['buffers'] / MIB:,.0f} | "
         f"{r['ratio']:.2f} |"
     )
 
 
 HEADER = (
     "| P | x×y×z | measured rank 0 MiB | measured max MiB | model MiB | "
-    "model Â / H / W / act MiB | measured / model |\n"
+    "model Â / H / W / act / staging / buffers MiB | measured / model |\n"
     "|--:|------|--:|--:|--:|------|--:|"
 )
 
