@@ -199,7 +199,14 @@ def scale_pipeline(scale: int, limit: str, parts: int, tmp: Path) -> dict:
         out.append(_stage(name, code, tmp / f"{name.split()[0]}.log"))
         r = out[-1]
         print(f"| {name} | {r['seconds']:.0f} | {(r['peak_bytes'] or 0) / MIB:,.0f} |", flush=True)
-    return {"scale": scale, "memory_limit": limit, "stages": out}
+        if name == "generate":
+            from gnnpar.data.storage import read_meta
+
+            meta = read_meta(graph)
+            print(
+                f"| (R-MAT {scale}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges) | | |"
+            )
+    return {"scale": scale, "memory_limit": limit, "stages": out, "edges": meta["num_edges"]}
 
 
 def main() -> None:
