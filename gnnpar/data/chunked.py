@@ -40,7 +40,7 @@ __all__ = [
 #: pages a read of scattered rows maps, rounded up.
 BYTES_PER_EDGE = 128
 _PAGE = 4096
-#: Edges per chunk when no memory limit is given (about 400 MB of working memory).
+#: Edges per chunk when no memory limit is given (about 0.5 GB of working memory).
 DEFAULT_CHUNK_EDGES = 1 << 22
 
 
