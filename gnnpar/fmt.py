@@ -11,8 +11,17 @@ depend on gnnpar.)
 from __future__ import annotations
 
 import math
+import re
 
-__all__ = ["byte_unit", "count", "format_bytes", "format_count", "significant", "time_unit"]
+__all__ = [
+    "byte_unit",
+    "count",
+    "format_bytes",
+    "format_count",
+    "parse_bytes",
+    "significant",
+    "time_unit",
+]
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -71,6 +80,24 @@ def byte_unit(largest: float, binary: bool = False) -> tuple[str, float]:
         if abs(largest) >= size:
             chosen = (name, size)
     return chosen
+
+
+def parse_bytes(text: str | int) -> int:
+    """A byte count people write: ``"4GB"`` or ``"4G"`` (4·10⁹), ``"4GiB"`` (4·2³⁰),
+    ``"512MB"``, ``"1e9"``, ``123``. ValueError naming the text otherwise."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(?:([kKmMgGtT])(i?)[bB]?|[bB]?)\s*", str(text))
+    try:
+        value = float(match.group(1)) if match else math.nan
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):
+        raise ValueError(f"not a byte count: {text!r} (write e.g. 4GB, 512MiB or 1e9)")
+    if match.group(2):
+        base = 1024.0 if match.group(3) else 1000.0
+        value *= base ** ("kmgt".index(match.group(2).lower()) + 1)
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"a byte count must be positive, got {text!r}")
+    return int(value)
 
 
 def format_bytes(n: float, binary: bool = False) -> str:

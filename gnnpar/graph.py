@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Graph", "invert_permutation", "is_multilabel"]
+__all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel"]
 
 _REDUCTIONS = ("sum", "max", "mean")
 _SPLIT_MASKS = ("train_mask", "val_mask", "test_mask")
@@ -198,6 +198,22 @@ def invert_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def content_fingerprint(num_nodes: int, arrays: Iterable[tuple[str, str, list, Iterable]]) -> str:
+    """:meth:`Graph.fingerprint` from its parts: ``(name, dtype, shape, byte pieces)`` of
+    every array in the fingerprint's order (``indptr``, ``indices``, ``edge_weight``, then
+    ``ndata/<key>`` by key), the bytes given piece by piece, so a graph too large for memory
+    (written to disk in chunks) gets the fingerprint it would have in memory."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    h.update(f"nodes {num_nodes};".encode())
+    for name, dtype, shape, pieces in arrays:
+        h.update(f"{name} {dtype} {list(shape)};".encode())
+        for piece in pieces:
+            h.update(piece)
+    return h.hexdigest()
+
+
 class Graph:
     """A directed graph in CSR form (rows = destinations) with per-node data.
 
@@ -338,20 +354,23 @@ class Graph:
         its key, dtype and shape; not its name): what a derived artefact — a partition, a
         shard folder — records to name the graph it was made from. XXH3-64, 16 hex digits;
         it reads every byte once (about 15 GB/s)."""
-        import xxhash
-
-        h = xxhash.xxh3_64()
         arrays = [("indptr", self.indptr), ("indices", self.indices)]
         if self.edge_weight is not None:
             arrays.append(("edge_weight", self.edge_weight))
         arrays += [(f"ndata/{k}", self.ndata[k]) for k in sorted(self.ndata)]
-        h.update(f"nodes {self.num_nodes};".encode())
-        for name, t in arrays:
+
+        def pieces(t: torch.Tensor):
             t = t.detach().cpu().contiguous()
-            h.update(f"{name} {str(t.dtype).removeprefix('torch.')} {list(t.shape)};".encode())
             if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy())
-        return h.hexdigest()
+                yield t.reshape(-1).view(torch.uint8).numpy()
+
+        return content_fingerprint(
+            self.num_nodes,
+            (
+                (name, str(t.dtype).removeprefix("torch."), list(t.shape), pieces(t))
+                for name, t in arrays
+            ),
+        )
 
     def record(self) -> dict[str, Any]:
         """What a derived artefact records about the graph it was made from: its

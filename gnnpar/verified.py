@@ -43,6 +43,7 @@ __all__ = [
     "MANIFEST",
     "FormatError",
     "Manifest",
+    "NpyWriter",
     "check_level",
     "file_entry",
     "load_npy",
@@ -223,23 +224,86 @@ def save_npy(path: str | os.PathLike, array: np.ndarray) -> dict[str, Any]:
     array = np.ascontiguousarray(array)
     if array.dtype.hasobject:
         raise ValueError(f"cannot store {Path(path).name}: object arrays are not supported")
+    header = _npy_header(array.dtype, array.shape)
+    data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
+    digest = xxhash.xxh3_64(header)
+    digest.update(data)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(header) + data.nbytes, CHECKSUM: digest.hexdigest()}
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The header :func:`save_npy` (and ``np.save``) writes for an array of this dtype and shape."""
+    info = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
     header = io.BytesIO()
-    info = np.lib.format.header_data_from_array_1_0(array)
     try:
         np.lib.format.write_array_header_1_0(header, info)
     except ValueError:  # header longer than 64 KiB: format 2.0
         header = io.BytesIO()
         np.lib.format.write_array_header_2_0(header, info)
-    data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
-    digest = xxhash.xxh3_64(header.getbuffer())
-    digest.update(data)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(header.getbuffer())
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"size": len(header.getbuffer()) + data.nbytes, CHECKSUM: digest.hexdigest()}
+    return header.getvalue()
+
+
+class NpyWriter:
+    """Write a ``.npy`` file piece by piece along its first axis, for arrays too large to
+    hold at once; the file is byte for byte what :func:`save_npy` writes for the whole array.
+
+    The first dimension is known only at :meth:`close`: the header is reserved at the start
+    and rewritten then (a 1-D header has the same length for every size; when the final one
+    is longer the data is moved once). ``close`` returns the manifest entry (the file is read
+    back once for its checksum, block by block)."""
+
+    def __init__(self, path: str | os.PathLike, dtype: Any, tail: tuple[int, ...] = ()):
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        if self.dtype.hasobject:
+            raise ValueError(f"cannot store {self.path.name}: object arrays are not supported")
+        self.tail = tuple(int(t) for t in tail)
+        self.rows = 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._reserved = len(_npy_header(self.dtype, (0, *self.tail)))
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(b"\0" * self._reserved)
+
+    def append(self, piece: Any) -> None:
+        """Append rows (shape ``(k, *tail)``, cast to the writer's dtype)."""
+        piece = np.ascontiguousarray(np.asarray(piece), dtype=self.dtype)
+        if piece.shape[1:] != self.tail:
+            raise ValueError(f"{self.path.name}: piece of shape {piece.shape}, rows {self.tail}")
+        if piece.size:
+            self._file.write(memoryview(piece.reshape(-1)).cast("B"))
+        self.rows += int(piece.shape[0])
+
+    def close(self) -> dict[str, Any]:
+        """Finish the file; returns its manifest entry (size and checksum)."""
+        header = _npy_header(self.dtype, (self.rows, *self.tail))
+        f = self._file
+        if len(header) == self._reserved:
+            f.seek(0)
+            f.write(header)
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        else:  # rare: a longer header; move the data once
+            f.close()
+            moved = self.path.with_name(self.path.name + ".moving")
+            with open(self.path, "rb") as src, open(moved, "wb") as dst:
+                src.seek(self._reserved)
+                dst.write(header)
+                shutil.copyfileobj(src, dst, _BLOCK)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(moved, self.path)
+        return file_entry(self.path)
+
+    def abort(self) -> None:
+        """Close without finishing (the caller removes the folder)."""
+        self._file.close()
 
 
 def load_npy(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,13 +18,33 @@ from partitioners.streaming import streaming_owner
 __all__ = ["METHODS", "Partition", "check_num_parts", "partition", "supported_balance"]
 
 METHODS = ("random", "range", "hash", "metis", "ldg", "fennel")
-_STREAM_OPTIONS = ("order", "passes", "slack", "gamma", "alpha")
+_STREAM_OPTIONS = ("order", "passes", "slack", "gamma", "alpha", "chunk_edges")
 _BALANCES = {"metis": BALANCE_NAMES, "range": ("nodes", "edges")}
 _OPTIONS = {
     "metis": ("node_weight", "edge_weight", "ufactor", "niter", "ncuts", "recursive"),
     "ldg": _STREAM_OPTIONS,
     "fennel": _STREAM_OPTIONS,
 }
+
+
+def _is_reader(graph: Any) -> bool:
+    from gnnpar.data.chunked import GraphReader
+
+    return isinstance(graph, GraphReader)
+
+
+def _folder_input(folder: str | Path, method: str) -> Any:
+    """A graph folder as partitioner input: for LDG/Fennel a
+    :class:`~gnnpar.data.chunked.GraphReader`, whose edges are read from disk in chunks
+    (only ``indptr`` in memory); for the other methods the graph itself (memory-mapped;
+    METIS copies it into memory)."""
+    from gnnpar.data.chunked import GraphReader
+
+    if method in ("ldg", "fennel"):
+        return GraphReader(folder, verify="size")
+    from gnnpar.data.storage import load_graph
+
+    return load_graph(folder, verify="size")
 
 
 @dataclass
@@ -158,7 +179,14 @@ def partition(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    csr: CSR = as_csr(graph, check=True)  # METIS would crash on ids out of range
+    if isinstance(graph, (str, Path)):
+        graph = _folder_input(graph, method)
+    if _is_reader(graph):  # a graph folder for LDG/Fennel: edges read from disk in chunks
+        csr = CSR(graph.indptr, np.zeros(0, dtype=np.int64), graph.num_nodes, name=graph.name)
+        read = graph.indices
+    else:
+        csr = as_csr(graph, check=True)  # METIS would crash on ids out of range
+        read = None
     n = csr.num_nodes
     k = check_num_parts(num_parts, n)
     bal = _normalise_balance(balance)
@@ -184,7 +212,15 @@ def partition(
         owner, info = metis_owner(csr, k, seed=seed, balance=bal, **options)
     else:
         owner, info = streaming_owner(
-            csr.indptr, csr.indices, n, k, method=method, seed=seed, progress=progress, **options
+            csr.indptr,
+            csr.indices,
+            n,
+            k,
+            method=method,
+            seed=seed,
+            progress=progress,
+            read=read,
+            **options,
         )
     moved = _fill_empty(owner, k) if n >= k else 0
     if moved:

@@ -13,12 +13,20 @@ holds several copies of the adjacency, runs out of memory.
   ``alpha = sqrt(K) * m / n ** 1.5``, under a hard cap ``C = slack * n / K``.
 
 Ties go to the smaller part. ``N(v)`` is the CSR row of ``v``: its in-neighbours (all
-neighbours for a symmetric graph). ``passes > 1`` restreams (Nishimura & Ugander, KDD 2013):
+neighbours for a symmetric graph).
+
+The edges are read from ``indices`` (an array, a memory map) or through ``read`` (positions
+to source ids, e.g. :meth:`gnnpar.data.chunked.GraphReader.indices` of a graph folder on
+disk), in chunks of at most ``chunk_edges`` edges covering consecutive nodes of the stream:
+memory is ``indptr``, the assignment and the stream order (24 bytes a node) plus one chunk
+(about 16 bytes an edge), whatever the graph's size; the result does not depend on the
+chunk size. ``passes > 1`` restreams (Nishimura & Ugander, KDD 2013):
 later passes see every neighbour's previous owner, which lowers the cut at the same memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,7 +39,7 @@ _PROGRESS_EVERY = 8192
 
 def streaming_owner(
     indptr: np.ndarray,
-    indices: np.ndarray,
+    indices: np.ndarray | None,
     num_nodes: int,
     num_parts: int,
     method: str = "fennel",
@@ -42,11 +50,17 @@ def streaming_owner(
     gamma: float = 1.5,
     alpha: float | None = None,
     progress: bool = False,
+    read: Callable[[np.ndarray], np.ndarray] | None = None,
+    chunk_edges: int = 1 << 22,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Stream the nodes once (or ``passes`` times) and return ``(owner, info)``.
 
     Args:
-        indptr, indices: the CSR (numpy arrays or memory maps); only read.
+        indptr, indices: the CSR (numpy arrays or memory maps); only read. ``indices`` may
+            be None when ``read`` is given.
+        read: returns the source ids of the edges at the given positions (default:
+            ``indices[positions]``).
+        chunk_edges: edges read at a time.
         order: ``"natural"`` (id order: the order a file is read in; the default) or
             ``"random"`` (a seeded permutation).
         passes: number of streaming passes (1 = classic one-pass streaming).
@@ -61,6 +75,12 @@ def streaming_owner(
         raise ValueError(f"passes must be >= 1, got {passes}")
     if slack < 1.0:
         raise ValueError(f"slack must be >= 1.0, got {slack}")
+    if chunk_edges < 1:
+        raise ValueError(f"chunk_edges must be >= 1, got {chunk_edges}")
+    if read is None:
+        if indices is None:
+            raise ValueError("streaming_owner needs indices or read")
+        read = indices.__getitem__
     n, k = num_nodes, num_parts
     capacity = max(int(np.ceil(slack * n / k)), -(-n // k))
     edges = int(indptr[-1]) if n else 0
@@ -69,7 +89,11 @@ def streaming_owner(
     # Unplaced nodes point at an extra bucket k, so bincount needs no filtering.
     owner = np.full(n, k, dtype=np.int64)
     sizes = np.zeros(k + 1, dtype=np.int64)
-    stream = np.random.default_rng(seed).permutation(n) if order == "random" else None
+    stream = (
+        np.random.default_rng(seed).permutation(n)
+        if order == "random"
+        else np.arange(n, dtype=np.int64)
+    )
 
     bar = None
     if progress:
@@ -78,7 +102,20 @@ def streaming_owner(
         bar = tqdm(total=n * passes, desc=method, unit="node", leave=False)
     try:
         for _ in range(passes):
-            _one_pass(indptr, indices, owner, sizes, stream, k, capacity, method, alpha, gamma, bar)
+            _one_pass(
+                indptr,
+                read,
+                chunk_edges,
+                owner,
+                sizes,
+                stream,
+                k,
+                capacity,
+                method,
+                alpha,
+                gamma,
+                bar,
+            )
     finally:
         if bar is not None:
             bar.close()
@@ -88,12 +125,41 @@ def streaming_owner(
     return owner, info
 
 
+def _neighbour_chunks(
+    indptr: np.ndarray,
+    read: Callable[[np.ndarray], np.ndarray],
+    stream: np.ndarray,
+    chunk_edges: int,
+):
+    """The stream in chunks: ``(nodes, ptr, sources)`` with the in-neighbours of
+    ``nodes[t]`` at ``sources[ptr[t]:ptr[t + 1]]``; a node with more in-edges than a chunk
+    comes alone, as ``(nodes, None, pieces)`` with its neighbours in a list of pieces."""
+    from gnnpar.data.chunked import gather, row_groups
+
+    deg = indptr[stream + 1] - indptr[stream]
+    for a, b in row_groups(deg, chunk_edges):
+        nodes = stream[a:b]
+        if b == a + 1 and deg[a] > chunk_edges:
+            start = int(indptr[nodes[0]])
+            pieces = (  # read lazily, one piece at a time
+                read(np.arange(start + lo, start + min(lo + chunk_edges, int(deg[a]))))
+                for lo in range(0, int(deg[a]), chunk_edges)
+            )
+            yield nodes, None, pieces
+            continue
+        rows, offset = gather(deg, a, b)
+        ptr = np.zeros(b - a + 1, dtype=np.int64)
+        np.cumsum(deg[a:b], out=ptr[1:])
+        yield nodes, ptr, read(indptr[stream[rows]] + offset)
+
+
 def _one_pass(
     indptr: np.ndarray,
-    indices: np.ndarray,
+    read: Callable[[np.ndarray], np.ndarray],
+    chunk_edges: int,
     owner: np.ndarray,
     sizes: np.ndarray,
-    stream: np.ndarray | None,
+    stream: np.ndarray,
     k: int,
     capacity: int,
     method: str,
@@ -108,37 +174,42 @@ def _one_pass(
     penalty = alpha * gamma * part_sizes.astype(np.float64) ** (gamma - 1.0)
     full = part_sizes >= capacity
     bincount, argmax = np.bincount, np.argmax
-    for step in range(n):
-        v = int(stream[step]) if stream is not None else step
-        old = int(owner[v])
-        if old < k:  # restreaming: take v out of its part first
-            sizes[old] -= 1
-            full[old] = False
+    step = 0
+    for nodes, ptr, sources in _neighbour_chunks(indptr, read, stream, chunk_edges):
+        for t in range(nodes.shape[0]):
+            v = int(nodes[t])
+            old = int(owner[v])
+            if old < k:  # restreaming: take v out of its part first
+                sizes[old] -= 1
+                full[old] = False
+                if fennel:
+                    penalty[old] = alpha * gamma * float(sizes[old]) ** (gamma - 1.0)
+                owner[v] = k
+            if ptr is None:  # a node with more in-edges than a chunk, read in pieces
+                counts = sum(bincount(owner[piece], minlength=k + 1)[:k] for piece in sources)
+            elif ptr[t + 1] > ptr[t]:
+                counts = bincount(owner[sources[ptr[t] : ptr[t + 1]]], minlength=k + 1)[:k]
+            else:
+                counts = None
             if fennel:
-                penalty[old] = alpha * gamma * float(sizes[old]) ** (gamma - 1.0)
-            owner[v] = k
-        start, stop = int(indptr[v]), int(indptr[v + 1])
-        if stop > start:
-            counts = bincount(owner[indices[start:stop]], minlength=k + 1)[:k]
-        else:
-            counts = None
-        if fennel:
-            score = -penalty if counts is None else counts - penalty
-        elif counts is None:
-            score = -part_sizes.astype(np.float64)
-        else:
-            # LDG; the tiny size term breaks ties (including all-zero rows) towards small parts.
-            score = counts * (1.0 - part_sizes / capacity) - part_sizes * (1e-9 / capacity)
-        if full.any():
-            score = np.where(full, -np.inf, score)
-        best = int(argmax(score))
-        owner[v] = best
-        sizes[best] += 1
-        if sizes[best] >= capacity:
-            full[best] = True
-        if fennel:
-            penalty[best] = alpha * gamma * float(sizes[best]) ** (gamma - 1.0)
-        if bar is not None and (step + 1) % _PROGRESS_EVERY == 0:
-            bar.update(_PROGRESS_EVERY)
+                score = -penalty if counts is None else counts - penalty
+            elif counts is None:
+                score = -part_sizes.astype(np.float64)
+            else:
+                # LDG; the tiny size term breaks ties (including all-zero rows) towards small
+                # parts.
+                score = counts * (1.0 - part_sizes / capacity) - part_sizes * (1e-9 / capacity)
+            if full.any():
+                score = np.where(full, -np.inf, score)
+            best = int(argmax(score))
+            owner[v] = best
+            sizes[best] += 1
+            if sizes[best] >= capacity:
+                full[best] = True
+            if fennel:
+                penalty[best] = alpha * gamma * float(sizes[best]) ** (gamma - 1.0)
+            step += 1
+            if bar is not None and step % _PROGRESS_EVERY == 0:
+                bar.update(_PROGRESS_EVERY)
     if bar is not None:
         bar.update(n % _PROGRESS_EVERY)

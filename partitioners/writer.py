@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,8 @@ def write(
     ndata: Iterable[str] | None = None,
     progress: bool = False,
     overwrite: bool = False,
+    memory_limit: int | None = None,
+    chunk_edges: int | None = None,
 ) -> Path:
     """Write ``graph`` split by ``part`` as a partition folder at ``out_dir``.
 
@@ -68,6 +70,11 @@ def write(
         ndata: node-data keys to store (default: all of them).
         progress: show a progress bar over the parts.
         overwrite: replace an existing ``out_dir`` (only once the new folder is complete).
+        memory_limit, chunk_edges: stream the edges (:func:`_write_streamed`): the process
+            keeps per-node arrays (about 40 bytes a node) and one chunk of ``chunk_edges``
+            edges (by default as many as ``memory_limit`` bytes allow). A graph folder
+            (a path) is always streamed. The folder is the same, byte for byte, as the one
+            written from memory.
 
     The meta records the graph's fingerprint (``source``, see
     :func:`~partitioners.format.check_source`) and every part's training seeds; a part
@@ -84,6 +91,19 @@ def write(
     The folder is built under a temporary name beside ``out_dir`` and renamed when complete;
     on any error the temporary folder is removed, so nothing half-written is left behind.
     """
+    if isinstance(graph, (str, Path)) or memory_limit is not None or chunk_edges is not None:
+        return _write_streamed(
+            graph,
+            part,
+            Path(out_dir),
+            halo,
+            name,
+            ndata,
+            progress,
+            overwrite,
+            memory_limit,
+            chunk_edges,
+        )
     csr: CSR = as_csr(graph, check=True)
     if not isinstance(part, Partition):
         owner = np.asarray(part)
@@ -180,6 +200,204 @@ def _write_into(
         "node_ranges": np.stack([rl.offsets[:-1], rl.offsets[1:]], axis=1).tolist(),
         "parts": parts_meta,
         "ndata": {key: _dtype_spec(csr.ndata[key]) for key in keys},
+        "partition_info": _jsonable(part.info),
+    }
+    write_manifest(folder, FORMAT, SCHEMA_VERSION, files, meta)
+    return meta
+
+
+# ------------------------------------------------------------------ streamed writing
+#: Per-node bytes the streamed writer keeps: the relabelling (order, node_map, offsets), the
+#: halo marks, the training mask and one part's row offsets.
+_STREAM_BYTES_PER_NODE = 40
+
+
+def _as_partition(part: Partition | np.ndarray) -> Partition:
+    if isinstance(part, Partition):
+        return part
+    owner = np.asarray(part)
+    k = int(owner.max()) + 1 if owner.size else 1
+    return Partition(owner.astype(np.int64, copy=False), k, method="custom")
+
+
+def _write_streamed(
+    graph: Any,
+    part: Partition | np.ndarray,
+    out: Path,
+    halo: int,
+    name: str | None,
+    ndata: Iterable[str] | None,
+    progress: bool,
+    overwrite: bool,
+    memory_limit: int | None,
+    chunk_edges: int | None,
+) -> Path:
+    """:func:`write` reading the edges of ``graph`` (a Graph or a graph folder) in chunks."""
+    from gnnpar.data.chunked import GraphReader, chunk_edges_for
+
+    reader = GraphReader(graph, verify="size")
+    part = _as_partition(part)
+    if halo not in (0, 1):
+        raise ValueError(f"halo must be 0 or 1 hops, got {halo!r}")
+    if part.num_nodes != reader.num_nodes:
+        raise ValueError(
+            f"the partition covers {part.num_nodes} nodes but the graph has {reader.num_nodes}"
+        )
+    part.validate()
+    known = reader.ndata_keys()
+    keys = known if ndata is None else list(ndata)
+    for key in keys:
+        check_key(key)
+        if key not in known:
+            raise ValueError(f"the graph has no node data {key!r} (it has {sorted(known)})")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output folder {out} already exists; remove it or choose another")
+    if chunk_edges is None:
+        chunk_edges = chunk_edges_for(
+            memory_limit, _STREAM_BYTES_PER_NODE * reader.num_nodes, "writing a partition"
+        )
+    meta: dict[str, Any] = {}
+
+    def fill(tmp: Path) -> None:
+        meta.update(
+            _write_streamed_into(
+                tmp, reader, part, halo, name or reader.name, keys, progress, chunk_edges
+            )
+        )
+
+    write_folder(out, fill, overwrite=overwrite)
+    warn_idle_parts(meta, out)
+    return out
+
+
+def _part_chunks(
+    reader: Any, rl: Any, rows: np.ndarray, deg: np.ndarray, chunk_edges: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The in-edges of ``rows`` in chunks: (row index into ``rows``, position in the CSR,
+    new id of the source) per chunk."""
+    from gnnpar.data.chunked import entry_chunks
+
+    for r, offset in entry_chunks(deg, chunk_edges):
+        pos = reader.indptr[rows[r]] + offset
+        yield r, pos, rl.node_map[reader.indices(pos)]
+
+
+def _write_streamed_into(
+    folder: Path,
+    reader: Any,
+    part: Partition,
+    halo: int,
+    name: str,
+    keys: list[str],
+    progress: bool,
+    chunk_edges: int,
+) -> dict[str, Any]:
+    """:func:`_write_into` part by part, each part's edges read ``chunk_edges`` at a time
+    (twice: once to find the halo, once to write), producing the same files."""
+    from gnnpar.data.chunked import rows_per_piece
+    from gnnpar.verified import NpyWriter
+
+    files: dict[str, dict[str, Any]] = {}
+    n, indptr = reader.num_nodes, reader.indptr
+
+    def save(rel: str, array: np.ndarray) -> None:
+        files[rel] = save_npy(folder / rel, array)
+
+    rl = relabel(part.owner, part.num_parts)
+    save(NODE_MAP, rl.node_map)
+    train = None
+    if "train_mask" in reader.ndata_keys():
+        train = reader.ndata("train_mask", slice(None)).astype(bool)
+    parts_meta = []
+    steps: Iterable[int] = range(part.num_parts)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="writing parts", unit="part", leave=False)
+    for k in steps:
+        sub = part_dir(k)
+        (folder / sub / "ndata").mkdir(parents=True)
+        start, stop = int(rl.offsets[k]), int(rl.offsets[k + 1])
+        rows = rl.order[start:stop]
+        deg = indptr[rows + 1] - indptr[rows]
+
+        kept = np.zeros(stop - start, dtype=np.int64)  # local edges per owned row
+        seen = np.zeros(n if halo else 0, dtype=bool)
+        for r, _, src in _part_chunks(reader, rl, rows, deg, chunk_edges):
+            inside = (src >= start) & (src < stop)
+            if halo:
+                seen[src[~inside]] = True
+            else:
+                kept += np.bincount(r[inside], minlength=stop - start)
+        halo_ids = np.flatnonzero(seen).astype(np.int64)
+        del seen
+        ptr = np.zeros(stop - start + 1 + halo_ids.shape[0], dtype=np.int64)
+        np.cumsum(deg if halo else kept, out=ptr[1 : stop - start + 1])
+        ptr[stop - start + 1 :] = ptr[stop - start]
+        save(f"{sub}/indptr.npy", ptr)
+        writers = {
+            "indices": NpyWriter(folder / sub / "indices.npy", np.int64),
+            "edge_ids": NpyWriter(folder / sub / "edge_ids.npy", np.int64),
+        }
+        if reader.weighted:
+            wdtype = reader.weights(slice(0, 0)).dtype
+            writers["edge_weight"] = NpyWriter(folder / sub / "edge_weight.npy", wdtype)
+        try:
+            for _, pos, src in _part_chunks(reader, rl, rows, deg, chunk_edges):
+                inside = (src >= start) & (src < stop)
+                if halo:
+                    local = np.where(inside, src - start, 0)
+                    outside = ~inside
+                    local[outside] = (stop - start) + np.searchsorted(halo_ids, src[outside])
+                else:
+                    pos, local = pos[inside], src[inside] - start
+                writers["indices"].append(local)
+                writers["edge_ids"].append(pos)
+                if "edge_weight" in writers:
+                    writers["edge_weight"].append(reader.weights(pos))
+        except BaseException:
+            for w in writers.values():
+                w.abort()
+            raise
+        for key, w in writers.items():
+            files[f"{sub}/{key}.npy"] = w.close()
+        num_local_edges = writers["indices"].rows
+        local_to_global = np.concatenate([np.arange(start, stop, dtype=np.int64), halo_ids])
+        save(f"{sub}/local_to_global.npy", local_to_global)
+        save(f"{sub}/orig_ids.npy", rl.order[local_to_global])
+        save(f"{sub}/num_owned.npy", np.array(stop - start, dtype=np.int64))
+        for key in keys:
+            dtype, shape = reader.ndata_spec(key)
+            per = rows_per_piece(chunk_edges, shape[1:], dtype.itemsize)
+            w = NpyWriter(folder / sub / "ndata" / f"{key}.npy", dtype, shape[1:])
+            for lo in range(0, stop - start, per):
+                w.append(reader.ndata(key, rows[lo : lo + per]))
+            files[f"{sub}/ndata/{key}.npy"] = w.close()
+        parts_meta.append(
+            {
+                "num_owned": stop - start,
+                "num_halo": int(halo_ids.shape[0]),
+                "num_local_edges": num_local_edges,
+                "num_train": None if train is None else int(train[rows].sum()),
+            }
+        )
+    meta = {
+        "source": reader.record(),
+        "graph_name": name,
+        "method": part.method,
+        "seed": part.seed,
+        "balance": list(part.balance),
+        "num_parts": part.num_parts,
+        "num_nodes": n,
+        "num_edges": reader.num_edges,
+        "halo_hops": halo,
+        "weighted": reader.weighted,
+        "node_ranges": np.stack([rl.offsets[:-1], rl.offsets[1:]], axis=1).tolist(),
+        "parts": parts_meta,
+        "ndata": {
+            key: {"dtype": reader.ndata_spec(key)[0].name, "shape": list(reader.ndata_spec(key)[1])}
+            for key in keys
+        },
         "partition_info": _jsonable(part.info),
     }
     write_manifest(folder, FORMAT, SCHEMA_VERSION, files, meta)

@@ -405,3 +405,25 @@ def test_train_gcn_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, mo
     assert {a: best[a] for a in ("x", "y", "z")} == {a: got.get(a, 1) for a in ("x", "y", "z")}
     assert choose_fullgraph_grid(6, 300, [8, 4], algorithm="2d") == {"x": 2, "y": 3}
     assert choose_fullgraph_grid(6, 300, [8, 4], algorithm="1d") == {"x": 6}
+
+
+def test_gcn_memory_host_parts():
+    """The host parts of a CPU rank: on one rank a 3-layer GCN maps Â in two orders (layers
+    0 and 2 share Â₁), 12 bytes an entry and 8 a row, and all features, and no all-reduce
+    buffer; on z=2 the depth all-reduce of layer 0's input gradient adds a buffer."""
+    from gnnpar.plan.memory import gcn_memory
+    from gnnpar.plan.problems import GCNProblem
+
+    n, nnz, feats = 1000, 9000, 32
+    problem = GCNProblem.from_widths(n, nnz, [feats, 16, 16, 4])
+    one = {"x": 1, "y": 1, "z": 1}
+    plain = gcn_memory(problem, one)
+    host = gcn_memory(problem, one, host=True)
+    assert "staging" not in plain and "buffers" not in plain
+    assert host.pop("staging") == 2 * (nnz * 12 + n * 8) + n * feats * 4
+    assert host.pop("buffers") == 0
+    assert host == plain
+    # z=2: layer 0's input gradient (all 1000 columns x 32 features) is all-reduced over
+    # its depth axis z; layer 1's Â·H gradient (1000 x 16) over its outer axis z is smaller
+    two = gcn_memory(problem, {"x": 1, "y": 1, "z": 2}, host=True)
+    assert two["buffers"] == 1000 * 32 * 4

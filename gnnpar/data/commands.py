@@ -193,6 +193,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     options = check_dataset(args.name, split_options(args.dataset_options))
     start = time.perf_counter()
+    if args.memory_limit is not None:
+        return _prepare_to_disk(args, options, start)
     graph = build(args.name, args.root, **options)
     out = save_graph(
         graph, args.out, overwrite=args.overwrite, source=source_record(args.name, options)
@@ -200,6 +202,39 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges "
         f"({time.perf_counter() - start:.1f} s)"
+    )
+    return 0
+
+
+def _prepare_to_disk(args: argparse.Namespace, options: dict, start: float) -> int:
+    """``prepare --memory-limit``: a generator that writes to disk in chunks (R-MAT)."""
+    from gnnpar.data.rmat import rmat_to_disk
+    from gnnpar.data.storage import read_meta
+    from gnnpar.data.structure import split_structure
+    from gnnpar.fmt import parse_bytes
+
+    entry = get_entry(args.name)
+    own, structure = split_structure(options)
+    if entry is None or entry.name != "rmat" or structure:
+        raise ValueError(
+            f"--memory-limit generates rmat to disk in chunks; {args.name!r}"
+            + (" with structure options" if structure else "")
+            + " is built in memory (leave out --memory-limit)"
+        )
+    # a graph of its own (drawn in batches): the source says so, so that it is never taken
+    # for the in-memory generator's graph of the same options
+    source = {**source_record(args.name, options), "generator": "rmat_to_disk"}
+    out = rmat_to_disk(
+        args.out,
+        **entry.resolve_kwargs(own),
+        memory_limit=parse_bytes(args.memory_limit),
+        overwrite=args.overwrite,
+        source=source,
+    )
+    meta = read_meta(out)
+    print(
+        f"wrote {out}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges, streamed "
+        f"under {args.memory_limit} ({time.perf_counter() - start:.1f} s)"
     )
     return 0
 
@@ -283,6 +318,13 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--root", default=None, help="where file-based datasets are looked up")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    p.add_argument(
+        "--memory-limit",
+        default=None,
+        metavar="SIZE",
+        help="generate rmat straight to disk in chunks under SIZE bytes (e.g. 3GB): a graph "
+        "larger than memory, drawn in batches",
+    )
     add_dataset_options(p)
     p.set_defaults(func=_guarded(_cmd_prepare))
 

@@ -63,14 +63,40 @@ __all__ = ["USABLE_FRACTION", "gcn_memory", "gpt_memory"]
 USABLE_FRACTION = 0.9
 
 
-def gcn_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[str, float]:
-    """Bytes on rank 0 of one full-graph training run, by part (see the module docstring)."""
+def gcn_memory(
+    problem: GCNProblem, shape: Mapping[str, int], host: bool = False
+) -> dict[str, float]:
+    """Bytes on rank 0 of one full-graph training run, by part (see the module docstring).
+
+    ``host=True`` adds what a CPU rank (gloo) holds beside the device model, measured by
+    ``benchmarks/memory.py``: ``"staging"``, the pages of the shard files it maps, resident
+    while its source is open (every distinct Â block its layers read, 12 bytes a stored
+    entry and 8 a row, and its input-feature rows at full width, since rows share pages);
+    and ``"buffers"``, one more copy of the largest backward step's all-reduced gradients
+    (``Â·H``'s over the outer axis and ``H``'s over the depth axis, when those axes have
+    more than one rank), which gloo's all-reduce stages in a buffer of the tensor's size."""
     if problem.model in ("gat", "gin"):
         return _gemm_first_memory(problem, shape)
     e, ops = problem.element_size, problem.num_ops
     out = {"adjacency": 0.0, "features": 0.0, "weights": 0.0, "activations": 0.0}
+    if host:
+        out["staging"] = 0.0
+        out["buffers"] = 0.0
+        seen: set[tuple[int, int, int, int, int]] = set()
+    g = grid_shape(shape)
     transient = 0.0
     for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
+        if host:
+            key = (i % 2, *lay.rows, *lay.cols)
+            if key not in seen:
+                seen.add(key)
+                out["staging"] += ops * (nnz * 12 + rows * 8)
+            if i == 0:
+                out["staging"] += (lay.h_sub[1] - lay.h_sub[0]) * problem.features * 4
+            reduced = (rows * ops * fin * e if g.size(lay.outer) > 1 else 0) + (
+                cols * fin * e if g.size(lay.depth) > 1 else 0
+            )
+            out["buffers"] = max(out["buffers"], float(reduced))
         out["adjacency"] += ops * 2 * (nnz * (8 + e) + (rows + cols + 2) * 8)
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e

@@ -61,6 +61,7 @@ from gnnpar.verified import (
     MANIFEST,
     FormatError,
     Manifest,
+    NpyWriter,
     check_level,
     read_manifest,
     save_npy,
@@ -136,6 +137,8 @@ def prepare_shards(
     permutation: str = "random",
     overwrite: bool = False,
     fingerprint: str | None = None,
+    memory_limit: int | None = None,
+    chunk_edges: int | None = None,
 ) -> Path:
     """Normalise ``graph`` (``norm``: ``"gcn"`` for Â = D^-1/2 (A+I) D^-1/2, ``"mean"`` for
     row-normalised A), permute it (``permutation``: ``"random"`` as Plexus, ``"balanced"``
@@ -143,10 +146,20 @@ def prepare_shards(
     order inside each, or ``"none"``) and write the shard folder ``out``
     atomically (a temporary sibling renamed at the end). The folder records
     :func:`shard_provenance` of ``graph`` (``fingerprint``: its
-    :meth:`~gnnpar.graph.Graph.fingerprint` when the caller already has it). Returns ``out``."""
+    :meth:`~gnnpar.graph.Graph.fingerprint` when the caller already has it). Returns ``out``.
+
+    ``graph`` is a :class:`~gnnpar.graph.Graph` or a graph folder. With a folder, a
+    ``memory_limit`` (bytes) or ``chunk_edges``, the edges are streamed (:func:`_fill_streamed`):
+    the process keeps per-node arrays (about 60 bytes a node) and one chunk of
+    ``chunk_edges`` edges (by default as many as ``memory_limit`` allows); the folder is the
+    same, byte for byte, as the one written from memory."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"shard folder {out} already exists (pass overwrite=True)")
+    if isinstance(graph, (str, Path)) or memory_limit is not None or chunk_edges is not None:
+        return _prepare_streamed(
+            graph, out, norm, blocks, seed, permutation, overwrite, memory_limit, chunk_edges
+        )
     if graph.feat is None:
         raise ValueError(f"graph {graph.name!r} has no node features ('feat')")
     g = _normalised(graph, norm)
@@ -208,6 +221,335 @@ def prepare_shards(
 
     write_folder(out, fill, overwrite)
     return out
+
+
+# ------------------------------------------------------------------ streamed writing
+#: Per-node bytes the streamed path keeps: two permutations and their inverses (int64),
+#: indptr, degrees and their normalisation, the loop flags and the rows of one file block.
+_STREAM_BYTES_PER_NODE = 72
+
+
+def _prepare_streamed(
+    graph: Any,
+    out: Path,
+    norm: str,
+    blocks: tuple[int, int],
+    seed: int,
+    permutation: str,
+    overwrite: bool,
+    memory_limit: int | None,
+    chunk_edges: int | None,
+) -> Path:
+    """:func:`prepare_shards` reading the edges in chunks (see :func:`_fill_streamed`)."""
+    from gnnpar.data.chunked import GraphReader, chunk_edges_for, rows_per_piece
+
+    reader = GraphReader(graph, verify="size")
+    n = reader.num_nodes
+    if chunk_edges is None:
+        chunk_edges = chunk_edges_for(memory_limit, _STREAM_BYTES_PER_NODE * n, "preparing shards")
+    if "feat" not in reader.ndata_keys():
+        raise ValueError(f"graph {reader.name!r} has no node features ('feat')")
+    if norm not in ("gcn", "mean"):
+        raise ValueError(f"unknown normalisation {norm!r}; use 'gcn' or 'mean'")
+    r_parts, c_parts = blocks
+    if r_parts < 1 or c_parts < 1:
+        raise ValueError(f"file blocks must be positive, got {blocks}")
+    source = shard_provenance(reader.fingerprint(), norm, blocks, seed, permutation)
+    if permutation not in ("random", "none"):
+        # the degree-aware permutations look at all of Â at once
+        raise ValueError(
+            f"permutation {permutation!r} needs the whole graph in memory; streamed "
+            "preparation (a graph folder, a memory limit) takes 'random' or 'none'"
+        )
+    p, p2 = make_permutations(permutation, torch.from_numpy(reader.indptr), torch.zeros(0), seed)
+    inv = (p2.numpy(), p.numpy())
+    perms = (inverse(p2).numpy(), inverse(p).numpy())
+    del p, p2
+    row_bounds = [chunk(n, r_parts, i)[0] for i in range(r_parts)] + [n]
+    col_bounds = [chunk(n, c_parts, j)[0] for j in range(c_parts)] + [n]
+
+    def fill(tmp: Path) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        num_edges = _fill_streamed(
+            tmp, files, reader, norm, perms, inv, row_bounds, col_bounds, chunk_edges
+        )
+        feat_dtype, feat_shape = reader.ndata_spec("feat")
+        rows_per = rows_per_piece(chunk_edges, feat_shape[1:], 4)
+        files["feat.npy"] = _write_rows(
+            tmp / "feat.npy",
+            lambda r: reader.ndata("feat", r).astype(np.float32, copy=False),
+            inv[0],
+            np.float32,
+            feat_shape[1:],
+            rows_per,
+        )
+        names = []
+        for name in reader.ndata_keys():
+            dtype, shape = reader.ndata_spec(name)
+            if name == "feat" or shape[0] != n:
+                continue
+            names.append(name)
+            per = rows_per_piece(chunk_edges, shape[1:], dtype.itemsize)
+            for o in (0, 1):
+                files[f"node/{name}.{o}.npy"] = _write_rows(
+                    tmp / f"node/{name}.{o}.npy",
+                    lambda r, k=name: reader.ndata(k, r),
+                    inv[o],
+                    dtype,
+                    shape[1:],
+                    per,
+                )
+        for o in (0, 1):
+            _save(tmp, f"perm.{o}.npy", perms[o], files)
+            _save(tmp, f"inv.{o}.npy", inv[o], files)
+        meta = {
+            "name": reader.name,
+            "norm": norm,
+            "num_nodes": n,
+            "num_edges": num_edges,
+            "feat_dim": int(feat_shape[1]),
+            "num_classes": int(reader.num_classes or 0) if "label" in reader.ndata_keys() else 0,
+            "seed": seed,
+            "permutation": permutation,
+            "row_bounds": row_bounds,
+            "col_bounds": col_bounds,
+            "node_data": names,
+            "source": source,
+        }
+        write_manifest(tmp, SCHEMA, VERSION, files, meta)
+
+    write_folder(out, fill, overwrite)
+    return out
+
+
+def _write_rows(
+    path: Path, read: Any, order: np.ndarray, dtype: Any, tail: tuple, rows_per: int
+) -> dict[str, Any]:
+    """``read(order)`` written to ``path`` in pieces of ``rows_per`` rows."""
+    writer = NpyWriter(path, dtype, tuple(tail))
+    try:
+        for lo in range(0, order.shape[0], rows_per):
+            writer.append(read(order[lo : lo + rows_per]))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def _norm_factors(reader: Any, norm: str, chunk_edges: int):
+    """Per node: the self loop to add (gcn: 1 where the row has none) and the factors of
+    the normalisation, computed in one pass over the edges with the arithmetic of
+    :meth:`~gnnpar.graph.Graph.gcn_norm` / :meth:`~gnnpar.graph.Graph.row_normalize`."""
+    from gnnpar.data.chunked import entry_chunks
+
+    n = reader.num_nodes
+    indptr = reader.indptr
+    lengths = np.diff(indptr)
+    if reader.weighted:
+        wdtype = torch.from_numpy(reader.weights(slice(0, 0))).dtype
+    else:
+        fdtype, _ = reader.ndata_spec("feat")
+        wdtype = torch.from_numpy(np.zeros(0, fdtype)).dtype
+        wdtype = wdtype if wdtype.is_floating_point else torch.float32
+    deg = torch.zeros(n, dtype=wdtype)
+    has_loop = np.zeros(n, dtype=bool)
+    for rows, offset in entry_chunks(lengths, chunk_edges):
+        pos = indptr[rows] + offset
+        cols = reader.indices(pos)
+        if norm == "gcn":
+            has_loop[rows[cols == rows]] = True
+        w = reader.weights(pos)
+        w = torch.ones(rows.shape[0], dtype=wdtype) if w is None else torch.from_numpy(w)
+        deg.index_add_(0, torch.from_numpy(rows), w)
+    add = ~has_loop if norm == "gcn" else np.zeros(n, dtype=bool)
+    if norm == "gcn":
+        deg[torch.from_numpy(add)] += 1.0
+        factor = deg.pow(-0.5)
+    else:
+        factor = 1.0 / deg
+    factor[~torch.isfinite(factor)] = 0.0
+    return add, factor, wdtype
+
+
+def _fill_streamed(
+    tmp: Path,
+    files: dict[str, dict[str, Any]],
+    reader: Any,
+    norm: str,
+    perms: tuple[np.ndarray, np.ndarray],
+    inv: tuple[np.ndarray, np.ndarray],
+    row_bounds: list[int],
+    col_bounds: list[int],
+    chunk_edges: int,
+) -> int:
+    """Write ``adj{0,1}/`` reading the edges ``chunk_edges`` at a time; returns the number
+    of entries of Â (self loops included).
+
+    For each order and row block, the block's rows (original ids in the new row order) are
+    taken in groups of at most ``chunk_edges`` entries; each group is normalised, its
+    columns permuted and sorted inside each row (stable, as :func:`csr.permute`), and
+    appended to the file blocks of its columns. A row longer than a chunk is sorted
+    externally: its entries are counted per column range, then read once per range of at
+    most ``chunk_edges`` entries and emitted range by range."""
+    from gnnpar.data.chunked import row_groups
+
+    add, factor, wdtype = _norm_factors(reader, norm, chunk_edges)
+    lengths = np.diff(reader.indptr) + add
+    cb = np.asarray(col_bounds, dtype=np.int64)
+    c_parts = len(col_bounds) - 1
+    total = 0
+    for parity, cp in enumerate(perms):  # column order of Â₁ = P·Â·P₂ᵀ, Â₂ = P₂·Â·Pᵀ
+        row_of = inv[1 - parity]  # original node at each new row
+        for i in range(len(row_bounds) - 1):
+            rows = row_of[row_bounds[i] : row_bounds[i + 1]]
+            out = _BlockRow(tmp, files, f"adj{parity}/r{i}", c_parts)
+            try:
+                row_len = lengths[rows]
+                for a, b in row_groups(row_len, chunk_edges):
+                    entries = _Entries(reader, rows, row_len, add, factor, wdtype, norm, cp)
+                    if b == a + 1 and row_len[a] > chunk_edges:
+                        _emit_long_row(entries, a, chunk_edges, cb, out)
+                    else:
+                        loc, col, val = entries.read(a, b)
+                        key = np.argsort(loc * max(len(cp), 1) + col, kind="stable")
+                        out.emit(loc[key] - a, col[key], val[key], b - a, cb)
+                total += out.close()
+            except BaseException:
+                out.abort()
+                raise
+    return total // 2
+
+
+class _Entries:
+    """Reads the normalised, column-permuted entries of rows of one file block."""
+
+    def __init__(self, reader, rows, row_len, add, factor, wdtype, norm, cp):
+        self.reader, self.rows, self.row_len, self.add = reader, rows, row_len, add
+        self.factor, self.wdtype, self.norm, self.cp = factor, wdtype, norm, cp
+
+    def read(self, a: int, b: int, lo: int = 0, hi: int | None = None):
+        """``(row, new column, value)`` of rows ``[a, b)`` (offsets ``[lo, hi)`` of one)."""
+        from gnnpar.data.chunked import gather
+
+        loc, offset = gather(self.row_len, a, b, lo, hi)
+        node = self.rows[loc]
+        start, stop = self.reader.indptr[node], self.reader.indptr[node + 1]
+        is_edge = start + offset < stop
+        pos = (start + offset)[is_edge]
+        cols = node.copy()  # the added self loop is the last entry of its row
+        cols[is_edge] = self.reader.indices(pos)
+        w = torch.ones(node.shape[0], dtype=self.wdtype)
+        weights = self.reader.weights(pos)
+        if weights is not None:
+            w[torch.from_numpy(is_edge)] = torch.from_numpy(weights)
+        r, c = torch.from_numpy(node), torch.from_numpy(cols)
+        if self.norm == "gcn":
+            val = self.factor.index_select(0, r) * w * self.factor.index_select(0, c)
+        else:
+            val = w * self.factor.index_select(0, r)
+        return loc, self.cp[cols], val.to(torch.float32).numpy()
+
+
+def _emit_long_row(entries: _Entries, a: int, chunk_edges: int, cb: np.ndarray, out) -> None:
+    """Row ``a`` (longer than a chunk), sorted by new column externally: one pass counts
+    its entries per column bucket, consecutive buckets are grouped into column ranges of at
+    most ``chunk_edges`` entries, and each range is read, sorted and emitted in turn (a
+    bucket still over the limit is split the same way)."""
+    length = int(entries.row_len[a])
+
+    def pieces(lo_col: int, hi_col: int):
+        for lo in range(0, length, chunk_edges):
+            _, col, val = entries.read(a, a + 1, lo, lo + chunk_edges)
+            keep = (col >= lo_col) & (col < hi_col)
+            yield col[keep], val[keep]
+
+    def emit(lo_col: int, hi_col: int) -> None:
+        got = list(pieces(lo_col, hi_col))
+        col = np.concatenate([c for c, _ in got])
+        val = np.concatenate([v for _, v in got])
+        key = np.argsort(col, kind="stable")
+        out.emit(np.zeros(col.shape[0], dtype=np.int64), col[key], val[key], None, cb)
+
+    def split(lo_col: int, hi_col: int, count: int) -> None:
+        buckets = min(hi_col - lo_col, 4 * -(-count // chunk_edges))
+        edges = np.linspace(lo_col, hi_col, buckets + 1).astype(np.int64)
+        counts = np.zeros(buckets, dtype=np.int64)
+        for col, _ in pieces(lo_col, hi_col):
+            counts += np.bincount(np.searchsorted(edges, col, side="right") - 1, minlength=buckets)
+        k = 0
+        while k < buckets:  # group consecutive buckets up to chunk_edges entries
+            stop, total = k + 1, int(counts[k])
+            while stop < buckets and total + counts[stop] <= chunk_edges:
+                total += int(counts[stop])
+                stop += 1
+            lo, hi = int(edges[k]), int(edges[stop])
+            if total > chunk_edges and hi - lo > 1:
+                split(lo, hi, total)
+            elif total:
+                emit(lo, hi)
+            k = stop
+
+    split(0, int(cb[-1]), length)
+    out.end_row()
+
+
+class _BlockRow:
+    """The file blocks ``(i, 0..C-1)`` of one row block, written as rows arrive."""
+
+    def __init__(self, tmp: Path, files: dict, stem: str, c_parts: int):
+        self.tmp, self.files, self.stem = tmp, files, stem
+        self.writers = [
+            {
+                part: NpyWriter(tmp / f"{stem}_c{j}.{part}.npy", dtype)
+                for part, dtype in (
+                    ("indptr", np.int64),
+                    ("indices", np.int64),
+                    ("values", np.float32),
+                )
+            }
+            for j in range(c_parts)
+        ]
+        self.counts = np.zeros(c_parts, dtype=np.int64)  # entries written per block
+        self.open_row = np.zeros(c_parts, dtype=np.int64)  # of a long row so far
+        for w in self.writers:
+            w["indptr"].append(np.zeros(1, dtype=np.int64))
+
+    def emit(self, loc, col, val, num_rows: int | None, cb: np.ndarray) -> None:
+        """Append sorted entries of ``num_rows`` whole rows (``loc``: 0-based row in the
+        group), or with ``num_rows=None`` a column range of the one long row being written
+        (finished by :meth:`end_row`)."""
+        c_parts = len(self.writers)
+        block = np.searchsorted(cb, col, side="right") - 1
+        for j in range(c_parts):
+            sel = block == j
+            w = self.writers[j]
+            w["indices"].append(col[sel] - cb[j])
+            w["values"].append(val[sel])
+            if num_rows is None:
+                self.open_row[j] += int(sel.sum())
+            else:
+                per_row = np.bincount(loc[sel], minlength=num_rows)
+                w["indptr"].append(self.counts[j] + np.cumsum(per_row))
+                self.counts[j] += int(per_row.sum())
+
+    def end_row(self) -> None:
+        """Close the long row written range by range."""
+        for j, w in enumerate(self.writers):
+            self.counts[j] += self.open_row[j]
+            w["indptr"].append(self.counts[j : j + 1].copy())
+            self.open_row[j] = 0
+
+    def close(self) -> int:
+        """Finish every file (listing it in ``files``); returns the entries written."""
+        for j, w in enumerate(self.writers):
+            for part, writer in w.items():
+                self.files[f"{self.stem}_c{j}.{part}.npy"] = writer.close()
+        return int(self.counts.sum())
+
+    def abort(self) -> None:
+        for w in self.writers:
+            for writer in w.values():
+                writer.abort()
 
 
 # --------------------------------------------------------------------------- reading

@@ -29,6 +29,7 @@ import torch
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.fmt import parse_bytes
 from gnnpar.grid import backend_for_choice, parse_grid_spec
 from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid, local_machine
@@ -87,6 +88,11 @@ class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
     permutation: str = option(
         "random", "node relabelling: random (Plexus), balanced, balanced-local, none"
     )
+    memory_limit: str | None = option(
+        None,
+        "cut the shards streaming the edges in chunks under this many bytes (e.g. 3GB; "
+        "permutation random or none)",
+    )
     overlap_chunks: int = option(1, "row chunks whose all-reduce overlaps the next SpMM")
     verify: str = option(
         "checksum",
@@ -126,6 +132,16 @@ class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
             )
         if self.grid is not None:
             parse_grid_spec(self.grid)
+        if self.memory_limit is not None:
+            try:
+                parse_bytes(self.memory_limit)
+            except ValueError as err:
+                raise ConfigError(f"config key 'memory_limit': {err}") from None
+            if self.permutation not in ("random", "none"):
+                raise ConfigError(
+                    "config key 'memory_limit' streams the shards, which takes permutation "
+                    f"random or none, not {self.permutation!r}"
+                )
 
 
 def _shard_folder(cfg: FullGraphConfig) -> Path:
@@ -215,6 +231,7 @@ def _build_or_check(cfg: FullGraphConfig, folder: Path, progress: Progress) -> i
             permutation=cfg.permutation,
             overwrite=True,
             fingerprint=fingerprint,
+            memory_limit=None if cfg.memory_limit is None else parse_bytes(cfg.memory_limit),
         )
     return graph.num_edges
 

@@ -1,0 +1,249 @@
+"""Memory per rank, measured, beside the planner's model (:func:`gnnpar.plan.memory.gcn_memory`).
+
+(a) Full-graph 3-layer GCN (width 128) on R-MAT ``--scale`` (default 18; 128 features):
+    for P = 1, 2, 4, 8 ranks on the shape the planner picks (what ``gnnpar train gcn``
+    runs), each rank's peak resident memory over building its shards' blocks and one
+    training epoch (forward, backward, Adam step), minus the same process's resident memory
+    just before (the idle baseline: Python, torch, the process group). Beside it the
+    model's bytes for rank 0, by part, and the ratio measured / model.
+(b) With ``--scale-pipeline``: the larger-than-memory pipeline (long; run once): R-MAT
+    ``--big-scale`` (default 22) generated to disk in chunks, partitioned with Fennel
+    streaming from disk, cut into full-graph shards streaming, each stage in its own process
+    under ``--memory-limit`` with its peak and time.
+
+Every figure is a process's resident-set high-water mark (``VmHWM``) from
+:func:`partitioners.metrics.measure`; ranks are one-threaded processes on one machine.
+
+Run::
+
+    python benchmarks/memory.py                   # (a) at scale 18 (a few minutes on 2 cores)
+    python benchmarks/memory.py --quick           # scale 12, 1 and 2 ranks (a smoke run)
+    python benchmarks/memory.py --scale-pipeline  # also (b) (tens of minutes)
+
+Writes ``benchmarks/out/memory.json`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "out"
+MIB = 2**20
+
+
+def _rss_kib(field: str) -> int:
+    from partitioners.metrics import _status_kib
+
+    return _status_kib(field) or 0
+
+
+def _fullgraph_worker(shards: str, dims: list[int], shape: dict[str, int]) -> dict:
+    """One rank: peak memory of building the model's blocks and one epoch, over the idle
+    baseline (this process just before)."""
+    import gc
+
+    import gnnpar
+    from gnnpar import comm
+    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.sparse import parallelize_fullgraph
+    from gnnpar.sparse.shards import DiskSource
+    from partitioners.metrics import measure
+
+    grid = gnnpar.init(**shape)
+    torch.manual_seed(0)
+    model = FullGraphGNN(dims[0], dims[1], dims[-1], len(dims) - 1, dropout=0.0)
+    comm.barrier(grid)
+    gc.collect()
+    baseline = _rss_kib("VmRSS") * 1024
+    with measure() as m:
+        source = DiskSource(shards)
+        par = parallelize_fullgraph(model, grid, source)
+        x = par.input_features()
+        built = _rss_kib("VmHWM") * 1024 - baseline
+        opt = torch.optim.Adam(par.parameters(), lr=0.01)
+        opt.zero_grad()
+        par.loss(par(x), "train_mask").backward()
+        opt.step()
+        comm.barrier(grid)
+    out = {
+        "rank": grid.global_rank,
+        "baseline": baseline,
+        "peak_over_baseline": m.peak_bytes,
+        "build_peak": built,
+        # the shard files this rank mapped (their pages count as its resident memory)
+        "mapped": sum(source.manifest.files[f]["size"] for f in source.mapped_files()),
+        "rss_file_end": _rss_kib("RssFile") * 1024,
+        "rss_anon_end": _rss_kib("RssAnon") * 1024,
+        "time_s": m.time_s,
+    }
+    gnnpar.release(grid)
+    return out
+
+
+def fullgraph_table(scale: int, ranks: list[int], tmp: Path) -> dict:
+    """(a): the measured peaks per rank beside the model, for each world size."""
+    from gnnpar.data.rmat import rmat
+    from gnnpar.plan import choose_fullgraph_grid, local_machine
+    from gnnpar.plan.memory import gcn_memory
+    from gnnpar.plan.problems import GCNProblem
+    from gnnpar.sparse.shards import prepare_shards, read_shard_manifest
+    from gnnpar.testing import run_distributed
+
+    graph = rmat(scale=scale, feat_dim=128, num_classes=16)
+    shards = prepare_shards(graph, tmp / f"shards{scale}", blocks=(8, 8))
+    del graph
+    meta = read_shard_manifest(shards).meta
+    n, nnz = meta["num_nodes"], meta["num_edges"]
+    dims = [meta["feat_dim"], 128, 128, meta["num_classes"]]
+    rows = []
+    for p in ranks:
+        shape = choose_fullgraph_grid(p, n, dims, nnz=nnz, machine=local_machine("gloo", p))
+        res = run_distributed(_fullgraph_worker, p, str(shards), dims, shape, timeout=3600)
+        model = gcn_memory(GCNProblem.from_widths(n, nnz, dims), shape, host=True)
+        measured = [r["peak_over_baseline"] for r in res]
+        rows.append(
+            {
+                "ranks": p,
+                "shape": shape,
+                "measured_rank0": measured[0],
+                "measured_max": max(measured),
+                "measured": measured,
+                "baseline_rank0": res[0]["baseline"],
+                "rss_file_end_rank0": res[0]["rss_file_end"],
+                "model_rank0": sum(model.values()),
+                "model_parts": model,
+                "ratio": measured[0] / sum(model.values()),
+                "time_s": max(r["time_s"] for r in res),
+                "per_rank": res,
+            }
+        )
+        print(_row_line(rows[-1]), flush=True)
+    return {"scale": scale, "nodes": n, "nnz": nnz, "dims": dims, "rows": rows}
+
+
+def _row_line(r: dict) -> str:
+    shape = "x".join(str(r["shape"].get(a, 1)) for a in ("x", "y", "z"))
+    parts = r["model_parts"]
+    return (
+        f"| {r['ranks']} | {shape} | {r['measured_rank0'] / MIB:,.0f} | "
+        f"{r['measured_max'] / MIB:,.0f} | {r['model_rank0'] / MIB:,.0f} | "
+        f"{parts['adjacency'] / MIB:,.0f} / {parts['features'] / MIB:,.0f} / "
+        f"{parts['weights'] / MIB:,.1f} / {parts['activations'] / MIB:,.0f} / "
+        f"{parts['staging'] / MIB:,.0f} / {parts['buffers'] / MIB:,.0f} | "
+        f"{r['ratio']:.2f} |"
+    )
+
+
+HEADER = (
+    "| P | x×y×z | measured rank 0 MiB | measured max MiB | model MiB | "
+    "model Â / H / W / act / staging / buffers MiB | measured / model |\n"
+    "|--:|------|--:|--:|--:|------|--:|"
+)
+
+
+# ------------------------------------------------------------------ (b) scale pipeline
+def _stage(name: str, code: str, log: Path) -> dict:
+    """Run ``code`` in a fresh Python under ``/usr/bin/time -v``: its wall time and peak."""
+    cmd = [sys.executable, "-c", code]
+    timer = Path("/usr/bin/time")
+    if timer.exists():
+        cmd = [str(timer), "-v", *cmd]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"stage {name} failed (exit {proc.returncode}); see {log}")
+    peak = None
+    for line in proc.stderr.splitlines():
+        if "Maximum resident set size" in line:
+            peak = int(line.split()[-1]) * 1024
+    return {"stage": name, "seconds": seconds, "peak_bytes": peak}
+
+
+def scale_pipeline(scale: int, limit: str, parts: int, tmp: Path) -> dict:
+    """(b): generate, partition (Fennel, streamed) and cut shards (streamed), each stage a
+    process under ``limit``."""
+    graph, part, shards = tmp / f"rmat{scale}", tmp / f"rmat{scale}-fennel{parts}", tmp / "shards"
+    stages = [
+        (
+            "generate",
+            "from gnnpar.cli import main; import sys; "
+            f"sys.exit(main(['data', 'prepare', 'rmat', '--out', {str(graph)!r}, "
+            f"'--dataset-options', 'scale={scale},feat_dim=128', '--memory-limit', {limit!r}]))",
+        ),
+        (
+            "partition (fennel)",
+            "from partitioners.cli import main; import sys; "
+            f"sys.exit(main([{str(graph)!r}, '--parts', '{parts}', '--method', 'fennel', "
+            f"'--out', {str(part)!r}, '--memory-limit', {limit!r}, '--no-progress']))",
+        ),
+        (
+            "shards (8x8)",
+            "from gnnpar.fmt import parse_bytes; from gnnpar.sparse.shards import prepare_shards; "
+            f"prepare_shards({str(graph)!r}, {str(shards)!r}, blocks=(8, 8), "
+            f"memory_limit=parse_bytes({limit!r}))",
+        ),
+    ]
+    out = []
+    for name, code in stages:
+        out.append(_stage(name, code, tmp / f"{name.split()[0]}.log"))
+        r = out[-1]
+        print(f"| {name} | {r['seconds']:.0f} | {(r['peak_bytes'] or 0) / MIB:,.0f} |", flush=True)
+        if name == "generate":
+            from gnnpar.data.storage import read_meta
+
+            meta = read_meta(graph)
+            print(
+                f"| (R-MAT {scale}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges) | | |"
+            )
+    return {"scale": scale, "memory_limit": limit, "stages": out, "edges": meta["num_edges"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", type=int, default=18, help="R-MAT scale of table (a)")
+    parser.add_argument("--ranks", default="1,2,4,8", help="world sizes of table (a)")
+    parser.add_argument("--quick", action="store_true", help="scale 12, 1 and 2 ranks")
+    parser.add_argument(
+        "--scale-pipeline", action="store_true", help="also run (b), the long scale pipeline"
+    )
+    parser.add_argument("--big-scale", type=int, default=22, help="R-MAT scale of (b)")
+    parser.add_argument("--memory-limit", default="3GB", help="per-stage budget of (b)")
+    parser.add_argument("--skip-fullgraph", action="store_true", help="run only (b)")
+    parser.add_argument("--tmp", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--out", default=str(OUT / "memory.json"), help="JSON results file")
+    args = parser.parse_args()
+    if args.quick:
+        args.scale, args.ranks, args.big_scale = 12, "1,2", 12
+    ranks = [int(r) for r in args.ranks.split(",")]
+    doc: dict = {}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as scratch:
+        tmp = Path(scratch)
+        if not args.skip_fullgraph:
+            print(f"Full-graph GCN, R-MAT {args.scale}, 3 layers x 128: peak minus idle baseline")
+            print(HEADER, flush=True)
+            doc["fullgraph"] = fullgraph_table(args.scale, ranks, tmp)
+        if args.scale_pipeline:
+            print(
+                f"\nR-MAT {args.big_scale} to disk and shards, every stage under "
+                f"{args.memory_limit}"
+            )
+            print("| stage | seconds | peak RSS MiB |\n|------|--:|--:|", flush=True)
+            doc["pipeline"] = scale_pipeline(args.big_scale, args.memory_limit, 4, tmp)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
