@@ -1,5 +1,6 @@
 """Pipeline parallelism: schedules (deadlock, order, in-flight bound), stage splits, the pipe
-axis of the grid, and pipelined GPT training equal to one process (one world of 8 ranks)."""
+axis of the grid, and pipelined training of our GPT and of HF GPT-2 equal to one process (one
+world of 8 ranks)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ RUNS = [
     ("pipe=2,data=2,x=2", "interleaved", 4, 2, 3, True),
     ("pipe=2,x=2,z=2", "gpipe", 4, 1, 0, True),
 ]
+# transformers' GPT2LMHeadModel of the same sizes, pipelined by HFGPT2Chunk
+HF_CFG = dict(vocab_size=32, n_positions=8, n_layer=4, n_head=2, n_embd=8, resid_pdrop=0.0,
+              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+HF_RUNS = [
+    ("pipe=2,data=4", "1f1b", 4, 1, 0, True),
+    ("pipe=2,data=2,x=2", "1f1b", 4, 1, 3, True),
+]
+#: (run, HF GPT-2) for every pipelined run of the world
+ALL = [(r, False) for r in RUNS] + [(r, True) for r in HF_RUNS]
+ALL_IDS = [("hf-gpt2 " if hf else "") + " ".join(map(str, r)) for r, hf in ALL]
 
 
 # ------------------------------------------------------------------ one process: schedules
@@ -142,32 +153,65 @@ def test_pipe_axis_rank_order():
         fit_shape(6, parse_grid_spec("pipe=4"))
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_hf_gpt2_chunks_give_the_models_logits(attention):
+    """Two HF GPT-2 chunks, the first with the embeddings, the second with the head, give the
+    model's own logits, with the causal mask eager attention needs; an attention that takes no
+    mask is refused in one line."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gnnpar.pipeline.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**HF_CFG, attn_implementation=attention)).double()
+    check_hf_gpt2(model)
+    first = HFGPT2Chunk(model, range(0, 1), True, False)
+    last = HFGPT2Chunk(model, range(1, 4), False, True)
+    ids = _batch(0)[:4, :-1]
+    with torch.no_grad():
+        want, got = model(ids).logits, last(first(ids))
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+    assert sorted({*first.state_dict(), *last.state_dict()}) == sorted(model.state_dict())
+    model.config._attn_implementation = "flash_attention_2"  # what the check reads
+    with pytest.raises(ValueError, match="takes no additive causal mask"):
+        check_hf_gpt2(model)
+
+
 # ------------------------------------------------------------ the world: pipelined training
 def _batch(step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=g)
 
 
+def _model(tied: bool, hf: bool) -> torch.nn.Module:
+    """Our GPT, or HF GPT-2 of the same sizes, in float64."""
+    if hf:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(**HF_CFG, tie_word_embeddings=tied)).double()
+    return GPT(GPTConfig(**CFG, tie_weights=tied)).double()
+
+
 @functools.cache
-def _reference(m: int, tied: bool) -> dict[str, torch.Tensor]:
+def _reference(m: int, tied: bool, hf: bool = False) -> dict[str, torch.Tensor]:
     """One process, the same global batch in ``m`` micro-batches, float64 (one thread: this
     tiny model runs 20× slower on two threads of a loaded 2-core machine)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_run(m, tied)
+        return _reference_run(m, tied, hf)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_run(m: int, tied: bool) -> dict[str, torch.Tensor]:
+def _reference_run(m: int, tied: bool, hf: bool) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG, tie_weights=tied)).double()
+    model = _model(tied, hf)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     for step in range(STEPS):
         ids = _batch(step)
         for xm, ym in zip(ids[:, :-1].chunk(m), ids[:, 1:].chunk(m), strict=True):
-            logits = model(xm)
+            logits = model(xm).logits if hf else model(xm)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                      ym.reshape(-1)) / m  # fmt: skip
             loss.backward()
@@ -176,7 +220,7 @@ def _reference_run(m: int, tied: bool) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def _train(world, spec, schedule, m, v, stage, tied):
+def _train(world, spec, schedule, m, v, stage, tied, hf=False):
     import gnnpar
     from gnnpar import comm
     from gnnpar.nn.gpt import Block
@@ -186,11 +230,12 @@ def _train(world, spec, schedule, m, v, stage, tied):
 
     grid = gnnpar.reshape(world, **parse_grid_spec(spec))
     torch.manual_seed(0)
-    model = parallelize(GPT(GPTConfig(**CFG, tie_weights=tied)).double(), grid)
+    model = parallelize(_model(tied, hf), grid)
     head = model.lm_head
+    block = type(model.transformer.h[0]) if hf else Block
     pipe = gpt_pipeline(
         model, grid, schedule, m, virtual=v,
-        shard_fn=lambda chunk: shard(chunk, grid, stage, units=by_type(Block)),
+        shard_fn=lambda chunk: shard(chunk, grid, stage, units=by_type(block)),
     )  # fmt: skip
     del model
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, weight_decay=0.1)
@@ -247,8 +292,8 @@ def _world():
 
     grid = gnnpar.init()
     results = []
-    for run in RUNS:
-        out, grid = _train(grid, *run)
+    for run, hf in ALL:
+        out, grid = _train(grid, *run, hf=hf)
         results.append(out)
     gnnpar.shutdown(grid)
     return results
@@ -256,13 +301,15 @@ def _world():
 
 @pytest.fixture(scope="module")
 def world_results():
+    from transformers import GPT2LMHeadModel  # noqa: F401 - imported once, before the fork
+
     return run_distributed(_world, 8, timeout=600)
 
 
-@pytest.mark.parametrize("i", range(len(RUNS)), ids=[" ".join(map(str, r)) for r in RUNS])
+@pytest.mark.parametrize("i", range(len(ALL)), ids=ALL_IDS)
 def test_pipelined_training_equals_one_process(world_results, i):
-    spec, schedule, m, v, stage, tied = RUNS[i]
-    want = _reference(m, tied)
+    (spec, schedule, m, v, stage, tied), hf = ALL[i]
+    want = _reference(m, tied, hf)
     seen = set()
     for per_rank in world_results:
         got = per_rank[i]
@@ -274,9 +321,9 @@ def test_pipelined_training_equals_one_process(world_results, i):
     assert seen | ({"lm_head.weight"} if tied else set()) == set(want)
 
 
-@pytest.mark.parametrize("i", range(len(RUNS)), ids=[" ".join(map(str, r)) for r in RUNS])
+@pytest.mark.parametrize("i", range(len(ALL)), ids=ALL_IDS)
 def test_p2p_bytes_and_in_flight_bound(world_results, i):
-    spec, schedule, m, v, stage, tied = RUNS[i]
+    (spec, schedule, m, v, stage, tied), _ = ALL[i]
     shape = fit_shape(8, parse_grid_spec(spec))
     p, rows = shape["pipe"], BATCH // (shape["data"] * shape["z"]) // m
     act = rows * SEQ * CFG["n_embd"] * 8  # one micro-batch's activation (or its gradient)

@@ -1,7 +1,8 @@
 """``gnnpar train gpt`` with a pipe axis, through the one trainer loop and the checkpoint
 package: a pipelined run equals the same run without a pipeline, and a checkpoint written on
 pipe=2 resumes on pipe=4, and without a pipeline, to the parameters of uninterrupted runs on
-those grids (float64, ≤ 1e-12 relative). One world of 8 forked ranks runs every command
+those grids (float64, ≤ 1e-12 relative); HF GPT-2 (``--model hf-gpt2``) pipelined equals it
+without a pipeline. One world of 8 forked ranks runs every command
 (tests/cli_world.py)."""
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def test_pipelined_gpt_resumes_on_another_pipe_and_without_one_and_equals_no_pip
 ):
     saved, resumed = tmp_path / "saved", tmp_path / "resumed"
     straight, flat, unpiped = tmp_path / "straight", tmp_path / "flat", tmp_path / "unpiped"
+    hf_piped, hf_flat = tmp_path / "hf-piped", tmp_path / "hf-flat"
+    hf = ("--model", "hf-gpt2")
+    from transformers import GPT2LMHeadModel  # noqa: F401 - imported once, before the fork
+
     codes = run_commands(8, [
         _argv(saved, 2, "pipe=2,data=2,x=2", "--schedule", "1f1b", "--zero-stage", "3"),
         ("copy", saved, resumed),
@@ -42,11 +47,15 @@ def test_pipelined_gpt_resumes_on_another_pipe_and_without_one_and_equals_no_pip
         _argv(flat, 4, "data=2,x=2,y=2", "--zero-stage", "0"),
         ("copy", saved, unpiped),
         _argv(unpiped, 4, "data=2,x=2,y=2", "--zero-stage", "0", "--resume"),
+        _argv(hf_piped, 2, "pipe=2,data=2,x=2", "--schedule", "1f1b", "--zero-stage", "3", *hf),
+        _argv(hf_flat, 2, "data=2,x=2,y=2", "--zero-stage", "0", *hf),
     ])  # fmt: skip
-    assert codes == [[0, 0, 0, 0, 0]] * 8
+    assert codes == [[0, 0, 0, 0, 0, 0, 0]] * 8
     err = _same(resumed, straight)
     assert err <= REL, f"pipe=2 -> pipe=4: {err:.3g}"
     err = _same(straight, flat)
     assert err <= REL, f"pipe=4 against no pipeline: {err:.3g}"
     err = _same(unpiped, flat)
     assert err <= REL, f"pipe=2 -> no pipeline: {err:.3g}"
+    err = _same(hf_piped, hf_flat)
+    assert err <= REL, f"hf-gpt2 on pipe=2 against no pipeline: {err:.3g}"

@@ -18,7 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTChunk", "MLP", "Block", "CausalSelfAttention", "GPTConfig", "generate"]
+__all__ = [
+    "GPT",
+    "GPTChunk",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "GPTConfig",
+    "generate",
+    "model_sizes",
+]
 
 
 def _size(default, help: str):  # noqa: A002 - mirrors dataclasses.field
@@ -100,6 +109,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+def model_sizes(model: nn.Module) -> GPTConfig:
+    """The sizes of a plain GPT or GPT-2 as a :class:`GPTConfig` (what the planner and the
+    pipeline's stage split read)."""
+    if hasattr(model, "transformer"):  # GPT2LMHeadModel
+        c = model.config
+        return GPTConfig(
+            vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer,
+            n_head=c.n_head, n_embd=c.n_embd, tie_weights=c.tie_word_embeddings,
+        )  # fmt: skip
+    return model.config
 
 
 class GPT(nn.Module):

@@ -6,8 +6,9 @@
   :func:`gnnpar.comm.send` / :func:`gnnpar.comm.recv`), :class:`TiedWeight` shares a tied
   embedding between the first and last stage;
 - :mod:`gnnpar.pipeline.stages`: contiguous splits by layer count or by cost;
-- :mod:`gnnpar.pipeline.gpt`: our GPT as a pipeline, each chunk sharded over the data axis
-  (what ``gnnpar train gpt --grid pipe=P,...`` runs).
+- :mod:`gnnpar.pipeline.gpt`: our GPT or HF GPT-2 as a pipeline, each chunk sharded over the
+  data axis (what ``gnnpar train gpt --grid pipe=P,...`` runs);
+- :mod:`gnnpar.pipeline.hf_gpt2`: the chunks of a ``transformers`` GPT-2.
 """
 
 from gnnpar.pipeline.runtime import Pipeline, StepResult, TiedWeight

@@ -1,7 +1,9 @@
-"""Our GPT as a pipeline: this rank's chunks, each sharded over the data axis, and a step.
+"""Our GPT or HF GPT-2 as a pipeline: this rank's chunks, each sharded over the data axis,
+and a step.
 
 :func:`gpt_pipeline` takes the whole model (plain or tensor-parallel on the grid, the same
 values on every rank), keeps the chunks of this pipe rank (:class:`~gnnpar.nn.gpt.GPTChunk`,
+or :class:`~gnnpar.pipeline.hf_gpt2.HFGPT2Chunk` for a ``transformers`` GPT2LMHeadModel,
 split by :func:`~gnnpar.pipeline.stages.split_layers` by layer count or by cost) and shards
 each with :func:`gnnpar.shard.shard`. One sharded model per chunk, because the data-parallel
 reduction of a chunk runs in the backward of its own last micro-batch.
@@ -19,7 +21,8 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
-from gnnpar.nn.gpt import GPT, Block, GPTChunk
+from gnnpar.nn.gpt import GPT, Block, GPTChunk, model_sizes
+from gnnpar.pipeline.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2, is_hf_gpt2
 from gnnpar.pipeline.runtime import Pipeline, StepResult, TiedWeight
 from gnnpar.pipeline.stages import gpt_layer_costs, split_layers
 
@@ -28,10 +31,10 @@ __all__ = ["SPLITS", "GPTPipeline", "gpt_pipeline", "gpt_stage_layers"]
 SPLITS = ("layers", "cost")
 
 
-def gpt_stage_layers(model: GPT, stages: int, split: str = "layers") -> list[range]:
-    """The blocks of each of ``stages`` virtual stages: by layer count, or by cost (the head
-    counted on the last stage)."""
-    cfg = model.config
+def gpt_stage_layers(model: nn.Module, stages: int, split: str = "layers") -> list[range]:
+    """The blocks of each of ``stages`` virtual stages of our GPT or HF GPT-2: by layer count,
+    or by cost (the head counted on the last stage)."""
+    cfg = model_sizes(model)
     if split == "layers":
         return split_layers(cfg.n_layer, stages)
     if split == "cost":
@@ -47,7 +50,7 @@ class GPTPipeline:
     """This pipe rank's part of a pipelined GPT."""
 
     grid: ProcessGrid
-    chunks: list[GPTChunk]
+    chunks: list[GPTChunk | HFGPT2Chunk]
     #: One sharded model per chunk (what the optimizer steps and checkpoints save).
     dps: list[Any]
     pipeline: Pipeline
@@ -151,7 +154,7 @@ class GPTPipeline:
             yield
 
 
-def _chain_prefetch(chunks: list[GPTChunk], grid: ProcessGrid) -> None:
+def _chain_prefetch(chunks: list[nn.Module], grid: ProcessGrid) -> None:
     """Each chunk's own z-prefetch chain (:class:`gnnpar.tensor.layers.PrefetchChain`): the
     model's chain runs through every stage, and a layer must not start gathering the weight of
     a layer that another stage runs (or that this one only borrows, a tied head)."""
@@ -167,7 +170,7 @@ def _chain_prefetch(chunks: list[GPTChunk], grid: ProcessGrid) -> None:
 
 
 def gpt_pipeline(
-    model: GPT,
+    model: GPT | nn.Module,
     grid: ProcessGrid,
     schedule: str,
     micro_batches: int,
@@ -177,27 +180,35 @@ def gpt_pipeline(
     shard_fn: Callable[[nn.Module], Any] | None = None,
     tie_dtype: torch.dtype | None = None,
 ) -> GPTPipeline:
-    """This rank's chunks of ``model`` on ``grid`` (pipe axis = stages) with a verified
-    ``schedule``. ``shard_fn(chunk)`` shards a chunk over the data axis (default
-    ``gnnpar.shard.shard(chunk, grid, 0, units=by_type(Block))``). ``tie_dtype``: the dtype of
-    the tied weight between the first and last stage (default: the embedding's)."""
+    """This rank's chunks of ``model`` (our :class:`GPT` or a ``transformers``
+    GPT2LMHeadModel) on ``grid`` (pipe axis = stages) with a verified ``schedule``.
+    ``shard_fn(chunk)`` shards a chunk over the data axis (default
+    ``gnnpar.shard.shard(chunk, grid, 0, units=by_type(BLOCK))``, BLOCK the model's block
+    class). ``tie_dtype``: the dtype of the tied weight between the first and last stage
+    (default: the embedding's)."""
     from gnnpar.shard import by_type, shard
 
     p, r = grid.size("pipe"), grid.rank("pipe")
     keys = list(model.state_dict(keep_vars=True))
     layers = gpt_stage_layers(model, p * virtual, split)
+    if is_hf_gpt2(model):
+        check_hf_gpt2(model)
+        chunk_cls, block, wte = HFGPT2Chunk, type(model.transformer.h[0]), "transformer.wte"
+    else:
+        chunk_cls, block, wte = GPTChunk, Block, "wte"
+    tied = model_sizes(model).tie_weights
     tie = None
-    if model.config.tie_weights and p > 1:
-        w = model.wte.weight
+    if tied and p > 1:
+        w = model.get_submodule(wte).weight
         tie = TiedWeight(grid, w.shape, tie_dtype or w.dtype)
     chunks = []
     for c in range(virtual):
         s = c * p + r
-        chunks.append(GPTChunk(model, layers[s], s == 0, s == p * virtual - 1, tie))
+        chunks.append(chunk_cls(model, layers[s], s == 0, s == p * virtual - 1, tie))
     _chain_prefetch(chunks, grid)
     if shard_fn is None:
-        shard_fn = lambda chunk: shard(chunk, grid, 0, units=by_type(Block))  # noqa: E731
+        shard_fn = lambda chunk: shard(chunk, grid, 0, units=by_type(block))  # noqa: E731
     dps = [shard_fn(chunk) for chunk in chunks]
     pipeline = Pipeline(grid, dps, schedule, micro_batches, virtual, tie)
-    aliases = {"lm_head.weight": "wte.weight"} if model.config.tie_weights else {}
+    aliases = {"lm_head.weight": f"{wte}.weight"} if tied else {}
     return GPTPipeline(grid, chunks, dps, pipeline, layers, keys, aliases)

@@ -1,7 +1,7 @@
 """GPT training with data × 3D tensor parallelism and sharded data parallelism (the ``gpt``
 task): our GPT or Hugging Face's GPT-2, :func:`gnnpar.tensor.parallelize` over x × y × z,
 then :func:`gnnpar.shard.shard` over the data axis (ZeRO stage 0–3, FCDP, mixed precision);
-with a ``pipe`` axis in the grid, our GPT runs as a pipeline of that many stages
+with a ``pipe`` axis in the grid, the model (ours or GPT-2) runs as a pipeline of that many stages
 (:mod:`gnnpar.pipeline`; ``schedule`` gpipe, 1f1b or interleaved, the ``grad_accum``
 micro-batches pushed through it), each stage tensor-parallel and sharded as above.
 
@@ -31,7 +31,7 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
-from gnnpar.nn.gpt import GPTConfig, generate
+from gnnpar.nn.gpt import GPTConfig, generate, model_sizes
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
@@ -139,14 +139,14 @@ class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
             raise ConfigError(f"config key 'pipe_split' must be one of {', '.join(SPLITS)}")
         if pipe == 1:
             return
-        if self.model != "gpt":
-            raise ConfigError("a pipe axis in config key 'grid' needs model = gpt")
         virtual = self.pipeline_virtual
         try:
             check_sizes(self.schedule, pipe, self.grad_accum, virtual)
         except ScheduleError as err:
             raise ConfigError(f"config keys 'schedule'/'grad_accum': {err}") from None
-        if self.n_layer < pipe * virtual:
+        # GPT-2's layers may come from model_config or pretrained: checked when it is built
+        sized = self.model == "gpt" or not (self.model_config or self.pretrained)
+        if sized and self.n_layer < pipe * virtual:
             raise ConfigError(
                 f"config key 'n_layer' ({self.n_layer}) must be at least pipe x virtual "
                 f"stages = {pipe * virtual}"
@@ -207,17 +207,6 @@ def hf_config(cfg: GPTTaskConfig, vocab_size: int):
             raise ConfigError(f"config key 'model_config': GPT2Config has no field '{key}'")
         setattr(hf, key, value)
     return hf
-
-
-def model_sizes(model: nn.Module) -> GPTConfig:
-    """The sizes of a plain GPT or GPT-2 as a :class:`GPTConfig` (what the planner reads)."""
-    if hasattr(model, "transformer"):  # GPT2LMHeadModel
-        c = model.config
-        return GPTConfig(
-            vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer,
-            n_head=c.n_head, n_embd=c.n_embd, tie_weights=c.tie_word_embeddings,
-        )  # fmt: skip
-    return model.config
 
 
 @contextlib.contextmanager
@@ -311,7 +300,7 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         element_size=compute_dtype(cfg).itemsize,
         grad_clip=cfg.grad_clip > 0,
         micro_batches=cfg.grad_accum,
-        schedule=cfg.schedule if cfg.model == "gpt" else None,  # pipelines: our GPT's
+        schedule=cfg.schedule,
         virtual=cfg.virtual_stages,
     )
 
@@ -411,16 +400,19 @@ class GPTTask:
         if grid.size("pipe") > 1:
             from gnnpar.pipeline.gpt import gpt_pipeline
 
-            self.pipeline = gpt_pipeline(
-                model,
-                grid,
-                cfg.schedule,
-                cfg.grad_accum,
-                virtual=cfg.pipeline_virtual,
-                split=cfg.pipe_split,
-                shard_fn=shard_fn,
-                tie_dtype=compute_dtype(cfg),
-            )
+            try:  # a GPT-2 whose sizes came from its config, or a transformers it cannot run
+                self.pipeline = gpt_pipeline(
+                    model,
+                    grid,
+                    cfg.schedule,
+                    cfg.grad_accum,
+                    virtual=cfg.pipeline_virtual,
+                    split=cfg.pipe_split,
+                    shard_fn=shard_fn,
+                    tie_dtype=compute_dtype(cfg),
+                )
+            except ValueError as err:
+                raise ConfigError(f"config key 'grid': {err}") from None
             self.net = None  # the stages run through self.pipeline
             if not self.pipeline.pipeline.is_last:  # the head's sizes only, not its weight
                 self.head._parameters.pop("weight", None)
