@@ -7,7 +7,7 @@ into a segment that all of them map, and read what it needs once (a 32 MB-per-ra
 on 2 ranks takes about a tenth of gloo's time).
 
 One :class:`Channel` serves one process group. Every collective on it walks its buffer in
-windows that fit the segment (at most :func:`max_bytes`, default 64 MiB, so the transport's
+windows that fit the segment (at most :func:`max_bytes`, default 16 MiB, so the transport's
 memory is bounded whatever the tensor), and each window runs
 
 1. a *sync*: every peer has finished reading the previous window, so the segment may be
@@ -44,8 +44,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_MIN_BYTES = 256 * 1024
-DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_MAX_BYTES = 16 << 20
 _ALIGN = 64
+#: The collectives the transport carries.
+_SEGMENT_SLOTS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
 def shm_dir() -> str:
@@ -79,9 +81,29 @@ def min_bytes() -> int:
 
 
 def max_bytes() -> int:
-    """Largest segment of a group (``GNNPAR_SHM_MAX_BYTES``, default 64 MiB): larger
+    """Largest segment of a group (``GNNPAR_SHM_MAX_BYTES``, default 16 MiB): larger
     collectives move through it in windows, so the transport's memory stays bounded."""
     return _env_bytes("GNNPAR_SHM_MAX_BYTES", DEFAULT_MAX_BYTES, 1)
+
+
+def _slot_room(slots: int) -> int:
+    """Bytes of one of ``slots`` 64-byte aligned slots that fit :func:`max_bytes`."""
+    return max(_ALIGN, max_bytes() // slots // _ALIGN * _ALIGN)
+
+
+def segment_bytes(kind: str, full_bytes: float, p: int) -> int:
+    """Bytes of the segment a collective of ``kind`` over ``p`` ranks on a full buffer of
+    ``full_bytes`` (the all-gather's output, the reduce-scatter's input, the all-reduced
+    tensor) makes its group map: 0 where gloo carries it (below :func:`min_bytes`, or the
+    transport is off). Every rank of the group maps, and reads, all of it (the planner's
+    memory model counts it)."""
+    full = int(full_bytes)
+    if p <= 1 or not enabled() or full < min_bytes() or kind not in _SEGMENT_SLOTS:
+        return 0
+    if kind == "broadcast":
+        return min(_aligned(full), _slot_room(1))
+    per_slot = full // p if kind == "all_gather" else full
+    return p * min(_aligned(per_slot), _slot_room(p))
 
 
 def _host_id() -> int:
@@ -166,7 +188,7 @@ class Channel:
     def _window(self, need: int, esize: int, per_slot: int = 1, slots: int | None = None) -> int:
         """Elements per window: ``slots`` (default p) 64-byte aligned slots of
         ``per_slot``·window elements fit :func:`max_bytes` (at least one element each)."""
-        room = max(_ALIGN, max_bytes() // (slots or self.size) // _ALIGN * _ALIGN)
+        room = _slot_room(slots or self.size)
         return max(1, min(need, room // (per_slot * esize)))
 
     def _begin(self, nbytes: int) -> bool:

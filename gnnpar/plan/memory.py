@@ -47,9 +47,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gnnpar import shm
+from gnnpar.comm import ring_bytes
 from gnnpar.plan.comm_model import (
+    Collective,
     ShardedLayer,
     batch_per_rank,
+    gcn_collectives,
     gcn_local_layers,
     gpt_layout,
     grid_shape,
@@ -72,9 +76,10 @@ def gcn_memory(
     ``benchmarks/memory.py``: ``"staging"``, the pages of the shard files it maps, resident
     while its source is open (every distinct Â block its layers read, 12 bytes a stored
     entry and 8 a row, and its input-feature rows at full width, since rows share pages);
-    and ``"buffers"``, one more copy of the largest backward step's all-reduced gradients
-    (``Â·H``'s over the outer axis and ``H``'s over the depth axis, when those axes have
-    more than one rank), which gloo's all-reduce stages in a buffer of the tensor's size."""
+    and ``"buffers"``, the same-host shared-memory segments of the rank's groups
+    (:func:`shm_segments`; with ``GNNPAR_SHM=0``, one more copy of the largest backward
+    step's all-reduced gradients, ``Â·H``'s over the outer axis and ``H``'s over the depth
+    axis, which gloo's all-reduce stages in a buffer of the tensor's size)."""
     if problem.model in ("gat", "gin"):
         return _gemm_first_memory(problem, shape)
     e, ops = problem.element_size, problem.num_ops
@@ -93,10 +98,11 @@ def gcn_memory(
                 out["staging"] += ops * (nnz * 12 + rows * 8)
             if i == 0:
                 out["staging"] += (lay.h_sub[1] - lay.h_sub[0]) * problem.features * 4
-            reduced = (rows * ops * fin * e if g.size(lay.outer) > 1 else 0) + (
-                cols * fin * e if g.size(lay.depth) > 1 else 0
-            )
-            out["buffers"] = max(out["buffers"], float(reduced))
+            if not shm.enabled():  # gloo stages a large all-reduce in a copy of its size
+                reduced = (rows * ops * fin * e if g.size(lay.outer) > 1 else 0) + (
+                    cols * fin * e if g.size(lay.depth) > 1 else 0
+                )
+                out["buffers"] = max(out["buffers"], float(reduced))
         out["adjacency"] += ops * 2 * (nnz * (8 + e) + (rows + cols + 2) * 8)
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
@@ -105,7 +111,20 @@ def gcn_memory(
         out["activations"] += (rows * ops * fin + 2 * rows * fout) * e
         transient = max(transient, (cols * fin + ops * fin * fout) * e)
     out["activations"] += transient
+    if host and shm.enabled():
+        out["buffers"] = float(shm_segments(gcn_collectives(problem, shape)))
     return out
+
+
+def shm_segments(collectives: list[Collective]) -> int:
+    """Bytes of the same-host shared-memory segments a rank maps for these collectives
+    (:func:`gnnpar.shm.segment_bytes`): one per axis, as large as its largest need."""
+    per_axis: dict[str, int] = {}
+    for c in collectives:
+        ring = ring_bytes(c.kind, 1.0, c.group)
+        need = shm.segment_bytes(c.kind, c.nbytes / ring, c.group) if ring else 0
+        per_axis[c.axis] = max(per_axis.get(c.axis, 0), need)
+    return sum(per_axis.values())
 
 
 def _gemm_first_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[str, float]:
