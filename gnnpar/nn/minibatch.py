@@ -46,7 +46,11 @@ def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = Non
 
 
 def block_mean(block: Any, h_src: torch.Tensor) -> torch.Tensor:
-    """Mean of the in-neighbours' rows for every destination (0 where there are none)."""
+    """Mean of the in-neighbours' rows for every destination (0 where there are none); a
+    block with ``edge_weight`` (a subgraph sampler's normalisation) is weighted by it."""
+    given = getattr(block, "edge_weight", None)
+    if given is not None:
+        return block_sum(block, h_src, given.to(h_src.dtype))
     deg = block.in_degrees()
     inv = 1.0 / deg.clamp(min=1).to(h_src.dtype)
     weight = torch.repeat_interleave(inv, deg, output_size=block.num_edges)
