@@ -30,6 +30,7 @@ from gnnpar.sampling import (
     SaintNodeSampler,
     SaintWalkSampler,
     SubgraphLoader,
+    induced_block,
 )
 from tests.cli_world import run_commands
 
@@ -96,6 +97,9 @@ def test_samplers_are_reproducible_and_resume_exactly(kind, one_thread):
     assert _same_batches(batches, [again.batch(e, i) for e in range(2) for i in range(3)])
     distinct = {tuple(b.seeds.tolist()) for b in batches}
     assert len(distinct) > 1, "every subgraph is the same"
+    assert any(not torch.equal(batches[i].seeds, batches[3 + i].seeds) for i in range(3)), (
+        "epoch 1 repeats epoch 0"
+    )
     for b in batches:
         b.blocks[0].validate()
         assert bool((b.seeds[1:] > b.seeds[:-1]).all())
@@ -149,6 +153,20 @@ def test_cluster_batches_hold_exactly_the_edges_between_their_clusters():
         between += sum(1 for u, v in want if owner[u] != owner[v])
     assert sorted(seen) == list(range(8))  # one epoch visits every cluster once
     assert between > 0  # edges between the chosen clusters were restored
+
+
+def test_induced_block_compiled_equals_tensor_path():
+    """The numba loop (whole node sets) builds the block the tensor path builds."""
+    pytest.importorskip("numba")
+    indptr, indices = _graph(n=40, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    for b in (0, 1, 9, 40):
+        nodes = torch.sort(torch.randperm(40, generator=gen)[:b]).values
+        fast = induced_block(indptr, indices, nodes)
+        slow = induced_block(indptr, indices, nodes, col_ids=torch.arange(40))  # tensor path
+        assert torch.equal(fast.indptr, slow.indptr) and torch.equal(fast.indices, slow.indices)
+        assert torch.equal(fast.src_nodes, nodes)
+        assert torch.equal(indices[fast.edge_ids], nodes[fast.indices])
 
 
 def _full_mean(indptr, indices, x):

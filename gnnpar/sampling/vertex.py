@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from gnnpar.graph import Graph
+from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
-from gnnpar.sampling.neighbor import _all_positions
+from gnnpar.sampling.neighbor import _all_positions, _use_numba
 from gnnpar.sampling.rng import random_bits, uniform_below
 
 __all__ = ["VertexSampler", "induced_block", "uniform_subset"]
@@ -86,22 +87,40 @@ def induced_block(
     rows = dst - row_start
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
         raise ValueError("the share holds vertices whose rows this process does not have")
+    if (
+        lo == 0
+        and hi == b
+        and row_start == 0
+        and col_ids is None
+        and _use_numba("auto", indptr, indices, nodes)
+    ):  # the compiled loop: the same block in one pass
+        out, local, eids = compiled.induced(indptr, indices, nodes)
+        return Block(nodes, b, out, local, eids)
     start = indptr.index_select(0, rows)
     deg = indptr.index_select(0, rows + 1) - start
     pos = _all_positions(start, deg)
     nbr = indices.index_select(0, pos)
     if col_ids is not None:
         nbr = col_ids.index_select(0, nbr)
-    at = torch.searchsorted(nodes, nbr).clamp(max=max(b - 1, 0))
-    keep = nodes[at] == nbr if b else torch.zeros(0, dtype=torch.bool)
-    row_of = torch.repeat_interleave(torch.arange(dst.numel()), deg, output_size=pos.numel())
-    counts = torch.bincount(row_of[keep], minlength=dst.numel())
+    # position of every neighbour among ``nodes`` through a dense map up to the largest
+    # sampled id (one gather per edge, where a binary search costs log b), -1 if absent
+    top = int(nodes[-1]) + 1 if b else 0
+    where = torch.full((top + 1,), -1, dtype=torch.int64)
+    where[nodes] = torch.arange(b, dtype=torch.int64)
+    at = where.index_select(0, nbr.clamp(max=top))
+    keep = at >= 0
+    offsets = torch.zeros(dst.numel() + 1, dtype=torch.int64)
+    torch.cumsum(deg, 0, out=offsets[1:])
+    kept_before = torch.zeros(pos.numel() + 1, dtype=torch.int64)
+    torch.cumsum(keep, 0, out=kept_before[1:])
+    out_indptr = kept_before.index_select(0, offsets)  # kept edges before every row
     at = at[keep]
     # sources: the share [lo, hi) first, then the sampled vertices before it, then after
-    local = torch.where(at < lo, at + (hi - lo), torch.where(at < hi, at - lo, at))
+    if lo == 0 and hi == b:  # the whole set: sources are ``nodes`` as they are
+        local = at
+    else:
+        local = torch.where(at < lo, at + (hi - lo), torch.where(at < hi, at - lo, at))
     src = torch.cat([dst, nodes[:lo], nodes[hi:]])
-    out_indptr = torch.zeros(dst.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=out_indptr[1:])
     return Block(src, dst.numel(), out_indptr, local, pos[keep] if col_ids is None else None)
 
 
