@@ -87,7 +87,7 @@ from gnnpar.train.precision import (
 from gnnpar.train.progress import Progress, graph_sizes
 
 _MODELS = ("sage", "gcn", "gat")
-#: ``--sampler`` choices; ``vertex`` (ScaleGNN) is named so that it is refused clearly.
+#: ``--sampler`` choices (``vertex``, ScaleGNN's, is refused with its own message).
 SAMPLERS = ("neighbor", "saint-node", "saint-edge", "saint-rw", "cluster")
 _MASKS = ("train", "val", "test")
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
