@@ -54,7 +54,12 @@ def block_mean(
 ) -> torch.Tensor:
     """Mean of the in-neighbours' rows for every destination (0 where there are none);
     with ``edge_weight`` (one per edge, aligned with ``block.indices``) the weighted mean
-    ``Σ w_uv h_u / Σ w_uv``."""
+    ``Σ w_uv h_u / Σ w_uv``. A block that carries its own ``edge_weight`` (a subgraph
+    sampler's normalisation, which already includes the mean) is summed with those weights
+    as they are."""
+    given = getattr(block, "edge_weight", None)
+    if given is not None:
+        return block_sum(block, h_src, given.to(h_src.dtype))
     deg = block.in_degrees()
     if edge_weight is None:
         inv = 1.0 / deg.clamp(min=1).to(h_src.dtype)

@@ -19,12 +19,16 @@ Quick start::
 Modules: :mod:`~gnnpar.sampling.rng` (counter-based random numbers),
 :mod:`~gnnpar.sampling.block` (``Block``, ``MiniBatch``), :mod:`~gnnpar.sampling.neighbor`
 (``NeighborSampler``), :mod:`~gnnpar.sampling.vertex` (ScaleGNN's ``VertexSampler``),
-:mod:`~gnnpar.sampling.loader` (``NodeLoader``), :mod:`~gnnpar.sampling.inference`
+:mod:`~gnnpar.sampling.saint` (GraphSAINT's ``SaintNodeSampler``, ``SaintEdgeSampler``,
+``SaintWalkSampler``), :mod:`~gnnpar.sampling.cluster` (ClusterGCN's ``ClusterSampler``),
+:mod:`~gnnpar.sampling.loader` (``NodeLoader``, ``SubgraphLoader``),
+:mod:`~gnnpar.sampling.inference`
 (``layerwise_inference``), :mod:`~gnnpar.sampling.distributed` (``LocalPart``,
 ``DistNeighborSampler``, ``FeatureFetcher``, ``distributed_inference``).
 """
 
 from gnnpar.sampling.block import Block, MiniBatch
+from gnnpar.sampling.cluster import ClusterSampler
 from gnnpar.sampling.distributed import (
     DistNeighborSampler,
     FeatureFetcher,
@@ -33,7 +37,7 @@ from gnnpar.sampling.distributed import (
     request_rows,
 )
 from gnnpar.sampling.inference import BlockModel, full_blocks, layerwise_inference
-from gnnpar.sampling.loader import NodeLoader, Sampler, batch_sizes
+from gnnpar.sampling.loader import NodeLoader, Sampler, SubgraphLoader, batch_sizes
 from gnnpar.sampling.neighbor import (
     NeighborSampler,
     Relabeler,
@@ -42,11 +46,18 @@ from gnnpar.sampling.neighbor import (
     sample_rows,
 )
 from gnnpar.sampling.rng import derive_key, random_bits, uniform_below
-from gnnpar.sampling.vertex import VertexSampler, uniform_subset
+from gnnpar.sampling.saint import (
+    SaintEdgeSampler,
+    SaintNodeSampler,
+    SaintSampler,
+    SaintWalkSampler,
+)
+from gnnpar.sampling.vertex import VertexSampler, induced_block, uniform_subset
 
 __all__ = [
     "Block",
     "BlockModel",
+    "ClusterSampler",
     "DistNeighborSampler",
     "FeatureFetcher",
     "LocalPart",
@@ -54,13 +65,19 @@ __all__ = [
     "NeighborSampler",
     "NodeLoader",
     "Relabeler",
+    "SaintEdgeSampler",
+    "SaintNodeSampler",
+    "SaintSampler",
+    "SaintWalkSampler",
     "Sampler",
+    "SubgraphLoader",
     "VertexSampler",
     "as_node_ids",
     "batch_sizes",
     "derive_key",
     "distributed_inference",
     "full_blocks",
+    "induced_block",
     "layerwise_inference",
     "parse_fanouts",
     "random_bits",

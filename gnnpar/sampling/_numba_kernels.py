@@ -108,3 +108,34 @@ def relabel(scratch, tag, ids, num_dst):
         if p >= num_dst:
             local[p - num_dst] = lid
     return src[:count].copy(), local, dup
+
+
+@numba.njit(cache=True, nogil=True)
+def induced(indptr, indices, nodes):
+    """The subgraph induced by the sorted ids ``nodes``: ``(indptr, local, edge_ids)`` of
+    its CSR, rows and kept edges in the graph's order (``vertex.induced_block``'s square
+    case)."""
+    b = nodes.shape[0]
+    top = nodes[b - 1] + 1 if b else 0
+    where = np.full(top, -1, np.int64)
+    total = 0
+    for i in range(b):
+        v = nodes[i]
+        where[v] = i
+        total += indptr[v + 1] - indptr[v]
+    local = np.empty(total, np.int64)
+    eids = np.empty(total, np.int64)
+    out = np.zeros(b + 1, np.int64)
+    m = 0
+    for i in range(b):
+        v = nodes[i]
+        for e in range(indptr[v], indptr[v + 1]):
+            u = indices[e]
+            if u < top:
+                j = where[u]
+                if j >= 0:
+                    local[m] = j
+                    eids[m] = e
+                    m += 1
+        out[i + 1] = m
+    return out, local[:m].copy(), eids[:m].copy()

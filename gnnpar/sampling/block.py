@@ -41,6 +41,8 @@ class Block:
         src_keys: the id every source node is known by for counter-based randomness (its
             original id before a partition relabelled it), or None when it is ``src_nodes``.
             Dropout masks keyed by it are the same however the graph is partitioned.
+        edge_weight: each edge's coefficient in a mean aggregation, replacing ``1 /
+            in-degree`` (a subgraph sampler's normalisation, e.g. GraphSAINT's), or None.
     """
 
     src_nodes: torch.Tensor
@@ -49,6 +51,7 @@ class Block:
     indices: torch.Tensor
     edge_ids: torch.Tensor | None = None
     src_keys: torch.Tensor | None = None
+    edge_weight: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ sizes and views
     @property
@@ -126,6 +129,7 @@ class Block:
             move(self.indices),
             move(self.edge_ids),
             move(self.src_keys),
+            move(self.edge_weight),
         )
 
     def pin_memory(self) -> Block:
@@ -141,6 +145,7 @@ class Block:
             pin(self.indices),
             pin(self.edge_ids),
             pin(self.src_keys),
+            pin(self.edge_weight),
         )
 
     # ------------------------------------------------------------------ converters
@@ -182,6 +187,8 @@ class MiniBatch:
         micro: which micro-batch of the global batch it is (gradient accumulation).
         global_size: seeds of the global batch this one is part of, over all ranks (set by
             a loader; the mean loss of the global batch divides by it).
+        seed_weight: the weight of each seed's loss, where a subgraph sampler sets it (0 for
+            seeds that are not training nodes; GraphSAINT's loss normalisation), else None.
         stats: counters of the batch (sampling and fetch bytes, cache hits, timings).
     """
 
@@ -193,6 +200,7 @@ class MiniBatch:
     index: int = 0
     micro: int = 0
     global_size: int | None = None
+    seed_weight: torch.Tensor | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
@@ -217,6 +225,7 @@ class MiniBatch:
             blocks=[b.to(device, non_blocking) for b in self.blocks],
             x=move(self.x),
             y=move(self.y),
+            seed_weight=move(self.seed_weight),
         )
 
     def pin_memory(self) -> MiniBatch:
@@ -231,4 +240,5 @@ class MiniBatch:
             blocks=[b.pin_memory() for b in self.blocks],
             x=pin(self.x),
             y=pin(self.y),
+            seed_weight=pin(self.seed_weight),
         )

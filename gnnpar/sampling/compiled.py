@@ -1,6 +1,7 @@
 """Compiled sampling kernels (numba), an optional accelerated form of the tensor ones.
 
-:func:`sample_rows` and :meth:`Relabeler.relabel <gnnpar.sampling.neighbor.Relabeler>` have a
+:func:`sample_rows`, :meth:`Relabeler.relabel <gnnpar.sampling.neighbor.Relabeler>` and
+:func:`~gnnpar.sampling.vertex.induced_block` (whole node sets) have a
 pure-torch implementation that always works; when numba is installed (``pip install
 'gnnpar[fast]'``) these loops compute **the same results bit for bit**, one row or one id at a
 time instead of a few dozen whole-tensor passes: the same hash of ``(key, node key, draw)``
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["available", "relabel", "sample_rows"]
+__all__ = ["available", "induced", "relabel", "sample_rows"]
 
 
 def available() -> bool:
@@ -56,3 +57,12 @@ def relabel(
     first ``num_dst`` ids, or -1."""
     src, local, dup = _kernels().relabel(scratch.numpy(), np.int64(tag), ids.numpy(), num_dst)
     return torch.from_numpy(src), torch.from_numpy(local), int(dup)
+
+
+def induced(
+    indptr: torch.Tensor, indices: torch.Tensor, nodes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indptr, local, edge_ids)`` of the subgraph induced by the sorted ids ``nodes``, as
+    :func:`~gnnpar.sampling.vertex.induced_block` builds it for the whole set."""
+    out, local, eids = _kernels().induced(indptr.numpy(), indices.numpy(), nodes.numpy())
+    return torch.from_numpy(out), torch.from_numpy(local), torch.from_numpy(eids)

@@ -40,7 +40,14 @@ from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.neighbor import as_node_ids
 from gnnpar.sampling.rng import derive_key, random_bits
 
-__all__ = ["NodeLoader", "Sampler", "batch_sizes"]
+__all__ = [
+    "NodeLoader",
+    "Sampler",
+    "SubgraphLoader",
+    "SubgraphSampler",
+    "batch_sizes",
+    "prefetched",
+]
 
 _PERMUTATION = 0x5EED  # salts that keep the streams of the loader apart
 _BATCH = 0xB47C
@@ -69,6 +76,45 @@ def _gather(source: DataSource | None, ids: torch.Tensor) -> torch.Tensor | None
     if isinstance(source, torch.Tensor):
         return source.index_select(0, ids)
     return source(ids)
+
+
+def prefetched(make: Callable[[int], Any], indices: range, depth: int) -> Iterator[Any]:
+    """``make(i)`` for every ``i`` of ``indices``, in order, prepared up to ``depth`` ahead by
+    a background thread; an error of ``make`` is raised here, and stopping early stops it."""
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for i in indices:
+                if stop.is_set():
+                    return
+                item = make(i)
+                while not stop.is_set():
+                    try:
+                        slots.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer
+            slots.put(err)
+
+    worker = threading.Thread(target=produce, name="gnnpar-prefetch", daemon=True)
+    worker.start()
+    try:
+        for _ in indices:
+            item = slots.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():
+            try:
+                slots.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        worker.join()
 
 
 class NodeLoader:
@@ -260,41 +306,14 @@ class NodeLoader:
     def _prefetched(
         self, epoch: int, start: int, batches: list[torch.Tensor]
     ) -> Iterator[MiniBatch]:
-        slots: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-
-        def produce() -> None:
-            try:
-                for i in range(start, len(batches)):
-                    if stop.is_set():
-                        return
-                    item = self.make_batch(epoch, i, batches[i])
-                    while not stop.is_set():
-                        try:
-                            slots.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-            except BaseException as err:  # noqa: BLE001 - handed to the consumer
-                slots.put(err)
-
-        worker = threading.Thread(target=produce, name="gnnpar-prefetch", daemon=True)
-        worker.start()
-        try:
-            for i in range(start, len(batches)):
-                item = slots.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self.position = i + 1
-                yield self._deliver(item)
-        finally:
-            stop.set()
-            while worker.is_alive():
-                try:
-                    slots.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            worker.join()
+        made = prefetched(
+            lambda i: self.make_batch(epoch, i, batches[i]),
+            range(start, len(batches)),
+            self.prefetch,
+        )
+        for i, item in zip(range(start, len(batches)), made, strict=True):
+            self.position = i + 1
+            yield self._deliver(item)
 
     def __repr__(self) -> str:
         return (
@@ -321,3 +340,106 @@ def _keys(
     if keys.numel() and (not ordered.numel() or bool((ordered[at] != keys).any())):
         raise ValueError("every seed's key must be among all_keys")
     return keys, all_keys, order[at] if keys.numel() else at
+
+
+class SubgraphSampler(Protocol):
+    """What :class:`SubgraphLoader` needs from a subgraph sampler (GraphSAINT, ClusterGCN)."""
+
+    num_nodes: int
+    batches_per_epoch: int
+
+    def batch(self, epoch: int, index: int) -> MiniBatch:
+        """Subgraph ``index`` of ``epoch``, a function of the sampler's seed."""
+
+
+class SubgraphLoader:
+    """Iterate a subgraph sampler's mini-batches, one subgraph per step and data rank.
+
+    An epoch has ``ceil(batches / ranks)`` steps (``batches``: default the sampler's
+    ``batches_per_epoch``); at step ``s`` rank ``r`` takes subgraph ``s * ranks + r`` of the
+    epoch, so every rank trains on a sample of its own. Features and labels are gathered for
+    the subgraph's nodes. Like :class:`NodeLoader`, everything is a function of (seed,
+    epoch, index): :meth:`state_dict` resumes exactly, prefetched or not.
+
+    Args:
+        sampler: has ``batch(epoch, index)``, ``num_nodes`` and ``batches_per_epoch``.
+        features, labels: ``(N, ...)`` tensors or functions of the ids.
+        rank, ranks: this data rank and the data ranks.
+        batches: subgraphs per epoch over all ranks (default: the sampler's).
+        prefetch: batches prepared ahead by a background thread (0: none).
+        device: where batches go; ``None`` keeps them on the CPU.
+        pin_memory: pin batches before the copy (default: when ``device`` is CUDA).
+    """
+
+    def __init__(
+        self,
+        sampler: SubgraphSampler,
+        *,
+        features: DataSource | None = None,
+        labels: DataSource | None = None,
+        rank: int = 0,
+        ranks: int = 1,
+        batches: int | None = None,
+        prefetch: int = 1,
+        device: torch.device | str | None = None,
+        pin_memory: bool | None = None,
+    ):
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        batches = sampler.batches_per_epoch if batches is None else batches
+        if batches < 1:
+            raise ValueError(f"batches must be >= 1, got {batches}")
+        self.sampler, self.features, self.labels = sampler, features, labels
+        self.rank, self.ranks, self.prefetch = rank, ranks, prefetch
+        self.steps = -(-batches // ranks)
+        self.seed = int(getattr(sampler, "seed", 0))
+        self.device = None if device is None else torch.device(device)
+        if pin_memory is None:
+            pin_memory = self.device is not None and self.device.type == "cuda"
+        self.pin_memory = bool(pin_memory)
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Steps per epoch, the same on every rank."""
+        return self.steps
+
+    set_epoch = NodeLoader.set_epoch
+    state_dict = NodeLoader.state_dict
+    load_state_dict = NodeLoader.load_state_dict
+    _deliver = NodeLoader._deliver
+
+    def make_batch(self, epoch: int, step: int) -> MiniBatch:
+        """This rank's subgraph at ``step`` of ``epoch``, with its data gathered."""
+        t0 = time.perf_counter()
+        index = step * self.ranks + self.rank
+        batch = self.sampler.batch(epoch, index)
+        t1 = time.perf_counter()
+        batch.x = _gather(self.features, batch.input_nodes)
+        batch.y = _gather(self.labels, batch.seeds)
+        batch.epoch, batch.index = epoch, index
+        batch.stats.setdefault("sample_s", t1 - t0)
+        batch.stats.setdefault("gather_s", time.perf_counter() - t1)
+        return batch.pin_memory() if self.pin_memory else batch
+
+    def __iter__(self) -> Iterator[MiniBatch]:
+        """The rest of the current epoch; at its end the loader moves to the next epoch."""
+        epoch, start = self.epoch, self.position
+        steps = range(start, self.steps)
+        if self.prefetch == 0:
+            made: Iterator[MiniBatch] = (self.make_batch(epoch, i) for i in steps)
+        else:
+            made = prefetched(lambda i: self.make_batch(epoch, i), steps, self.prefetch)
+        for i, batch in zip(steps, made, strict=True):
+            self.position = i + 1
+            yield self._deliver(batch)
+        if self.epoch == epoch and self.position >= self.steps:
+            self.epoch, self.position = epoch + 1, 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SubgraphLoader({self.sampler!r}, steps={self.steps}, rank={self.rank} of "
+            f"{self.ranks}, prefetch={self.prefetch})"
+        )

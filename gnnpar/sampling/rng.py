@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["derive_key", "random_bits", "uniform_below"]
+__all__ = ["derive_key", "random_bits", "random_unit", "uniform_below"]
 
 _M1 = -49064778989728563  # 0xff51afd7ed558ccd as signed int64
 _M2 = -4265267296055464877  # 0xc4ceb9fe1a85ec53
@@ -86,3 +86,10 @@ def uniform_below(bits: torch.Tensor, bound: torch.Tensor | int) -> torch.Tensor
     """Map 32-bit uniform ``bits`` to integers uniform in ``[0, bound)`` (Lemire's
     multiply-shift; the bias is below ``bound / 2**32``). ``bound`` must be < 2**31."""
     return (bits * bound) >> 32
+
+
+def random_unit(key: int | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in ``[0, 1)`` per id (53 random bits from two draws); entry ``i``
+    depends only on ``(key, ids[i])``."""
+    bits = random_bits(key, ids, 2)
+    return ((bits[0] << 21) | (bits[1] >> 11)).to(torch.float64) * 2.0**-53

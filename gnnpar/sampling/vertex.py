@@ -24,11 +24,12 @@ from __future__ import annotations
 import torch
 
 from gnnpar.graph import Graph
+from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
-from gnnpar.sampling.neighbor import _all_positions
+from gnnpar.sampling.neighbor import _all_positions, _use_numba
 from gnnpar.sampling.rng import random_bits, uniform_below
 
-__all__ = ["VertexSampler", "uniform_subset"]
+__all__ = ["VertexSampler", "induced_block", "uniform_subset"]
 
 
 def uniform_subset(key: int, num_nodes: int, size: int) -> torch.Tensor:
@@ -59,6 +60,68 @@ def uniform_subset(key: int, num_nodes: int, size: int) -> torch.Tensor:
             first = torch.full((uniq.numel(),), drawn.numel(), dtype=torch.int64)
             first.scatter_reduce_(0, inverse, torch.arange(drawn.numel()), "amin")
             return torch.sort(drawn[torch.sort(first).values[:size]]).values
+
+
+def induced_block(
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    nodes: torch.Tensor,
+    lo: int = 0,
+    hi: int | None = None,
+    row_start: int = 0,
+    col_ids: torch.Tensor | None = None,
+) -> Block:
+    """The block of the subgraph induced by the sorted global ids ``nodes``, for the
+    destinations ``nodes[lo:hi]`` (default: all of them, a square block).
+
+    Sources are the destinations first, then the other ``nodes`` in id order; an edge is
+    kept when both ends are in ``nodes``. ``indptr``/``indices`` hold the rows of the
+    destinations (row ``v - row_start`` for global id ``v``; ``col_ids`` maps local column
+    ids to global ones). ``edge_ids`` are the kept edges' CSR positions (None with
+    ``col_ids``).
+    """
+    b = nodes.numel()
+    hi = b if hi is None else hi
+    num_rows = indptr.numel() - 1
+    dst = nodes[lo:hi]
+    rows = dst - row_start
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+        raise ValueError("the share holds vertices whose rows this process does not have")
+    if (
+        lo == 0
+        and hi == b
+        and row_start == 0
+        and col_ids is None
+        and _use_numba("auto", indptr, indices, nodes)
+    ):  # the compiled loop: the same block in one pass
+        out, local, eids = compiled.induced(indptr, indices, nodes)
+        return Block(nodes, b, out, local, eids)
+    start = indptr.index_select(0, rows)
+    deg = indptr.index_select(0, rows + 1) - start
+    pos = _all_positions(start, deg)
+    nbr = indices.index_select(0, pos)
+    if col_ids is not None:
+        nbr = col_ids.index_select(0, nbr)
+    # position of every neighbour among ``nodes`` through a dense map up to the largest
+    # sampled id (one gather per edge, where a binary search costs log b), -1 if absent
+    top = int(nodes[-1]) + 1 if b else 0
+    where = torch.full((top + 1,), -1, dtype=torch.int64)
+    where[nodes] = torch.arange(b, dtype=torch.int64)
+    at = where.index_select(0, nbr.clamp(max=top))
+    keep = at >= 0
+    offsets = torch.zeros(dst.numel() + 1, dtype=torch.int64)
+    torch.cumsum(deg, 0, out=offsets[1:])
+    kept_before = torch.zeros(pos.numel() + 1, dtype=torch.int64)
+    torch.cumsum(keep, 0, out=kept_before[1:])
+    out_indptr = kept_before.index_select(0, offsets)  # kept edges before every row
+    at = at[keep]
+    # sources: the share [lo, hi) first, then the sampled vertices before it, then after
+    if lo == 0 and hi == b:  # the whole set: sources are ``nodes`` as they are
+        local = at
+    else:
+        local = torch.where(at < lo, at + (hi - lo), torch.where(at < hi, at - lo, at))
+    src = torch.cat([dst, nodes[:lo], nodes[hi:]])
+    return Block(src, dst.numel(), out_indptr, local, pos[keep] if col_ids is None else None)
 
 
 class VertexSampler:
@@ -138,27 +201,10 @@ class VertexSampler:
             hi = int(torch.searchsorted(nodes, owned[1]))
         else:
             lo, hi = 0, b
-        dst = nodes[lo:hi]
-        rows = dst - self.row_start
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.num_rows):
-            raise ValueError("the share holds vertices whose rows this process does not have")
-        start = self.indptr.index_select(0, rows)
-        deg = self.indptr.index_select(0, rows + 1) - start
-        pos = _all_positions(start, deg)
-        nbr = self.indices.index_select(0, pos)
-        if self.col_ids is not None:
-            nbr = self.col_ids.index_select(0, nbr)
-        at = torch.searchsorted(nodes, nbr).clamp(max=max(b - 1, 0))
-        keep = nodes[at] == nbr if b else torch.zeros(0, dtype=torch.bool)
-        row_of = torch.repeat_interleave(torch.arange(dst.numel()), deg, output_size=pos.numel())
-        counts = torch.bincount(row_of[keep], minlength=dst.numel())
-        at = at[keep]
-        # sources: the share [lo, hi) first, then the sampled vertices before it, then after
-        local = torch.where(at < lo, at + (hi - lo), torch.where(at < hi, at - lo, at))
-        src = torch.cat([dst, nodes[:lo], nodes[hi:]])
-        indptr = torch.zeros(dst.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=indptr[1:])
-        block = Block(src, dst.numel(), indptr, local, pos[keep] if self.col_ids is None else None)
+        block = induced_block(
+            self.indptr, self.indices, nodes, lo, hi, self.row_start, self.col_ids
+        )
+        dst = block.dst_nodes
         batch = MiniBatch(dst, [block] * self.num_layers)
         batch.stats["sample_bytes"] = 0.0
         return batch

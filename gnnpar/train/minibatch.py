@@ -1,4 +1,13 @@
-"""Mini-batch GNN training with neighbour sampling (the ``sage`` task).
+"""Mini-batch GNN training with neighbour or subgraph sampling (the ``sage`` task).
+
+``sampler`` picks how a step's computation graph is drawn: ``neighbor`` (per-seed fan-outs,
+the default, described below), or a subgraph sampler: GraphSAINT's ``saint-node``,
+``saint-edge`` and ``saint-rw`` (with the paper's loss and aggregation normalisation,
+estimated by pre-sampling) and ClusterGCN's ``cluster`` (:mod:`gnnpar.sampling.saint`,
+:mod:`gnnpar.sampling.cluster`). With a subgraph sampler every rank holds the whole graph
+and trains on a subgraph of its own per step (:class:`~gnnpar.sampling.SubgraphLoader`),
+its gradients reduced by :mod:`gnnpar.shard` like the neighbour sampler's; an epoch is
+about one pass over the nodes; evaluation is layer-wise on the full graph.
 
 One process trains on the whole graph. With N processes, each data-parallel rank owns one
 part of a partition folder (rank 0 writes it once if it is missing; every rank then reads
@@ -40,11 +49,16 @@ from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice
 from gnnpar.nn.minibatch import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.sampling import (
+    ClusterSampler,
     DistNeighborSampler,
     FeatureFetcher,
     LocalPart,
     NeighborSampler,
     NodeLoader,
+    SaintEdgeSampler,
+    SaintNodeSampler,
+    SaintWalkSampler,
+    SubgraphLoader,
     distributed_inference,
     full_blocks,
     layerwise_inference,
@@ -73,6 +87,8 @@ from gnnpar.train.precision import (
 from gnnpar.train.progress import Progress, graph_sizes
 
 _MODELS = ("sage", "gcn", "gat")
+#: ``--sampler`` choices (``vertex``, ScaleGNN's, is refused with its own message).
+SAMPLERS = ("neighbor", "saint-node", "saint-edge", "saint-rw", "cluster")
 _MASKS = ("train", "val", "test")
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
 _LOW31 = (1 << 31) - 1
@@ -93,9 +109,21 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
     partitions: str | None = option(
         None, "partition folder (default: under RUN/parts/), written by rank 0 if missing"
     )
+    sampler: str = option(
+        "neighbor",
+        "neighbor (fan-outs per seed), saint-node, saint-edge, saint-rw (GraphSAINT subgraphs) "
+        "or cluster (ClusterGCN)",
+    )
     fanouts: str = option("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
     replace: bool = option(False, "sample neighbours with replacement")
     batch_size: int = option(32, "seeds per step over all ranks (the global batch)")
+    budget: int = option(
+        1000, "GraphSAINT draws per subgraph: nodes (saint-node), edges (saint-edge), roots (rw)"
+    )
+    walk_length: int = option(2, "steps of every saint-rw random walk")
+    presample: int = option(50, "subgraphs pre-sampled to estimate GraphSAINT's normalisation")
+    clusters: int = option(32, "parts of the ClusterGCN partition (by partition_method)")
+    clusters_per_batch: int = option(8, "ClusterGCN parts per subgraph")
     hidden: int = option(64, "hidden width")
     layers: int = option(2, "number of layers (one fan-out each)")
     heads: int = option(4, "attention heads of hidden GAT layers")
@@ -116,6 +144,9 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         self.check_selection()
         if self.model not in _MODELS:
             raise ConfigError(f"config key 'model' must be one of {_MODELS}, got {self.model!r}")
+        self._check_sampler()
+        if self.sampler != "neighbor":
+            return self._check_common()
         try:
             fanouts = parse_fanouts(self.fanouts)
         except ValueError as err:
@@ -125,6 +156,9 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
                 f"config key 'fanouts' gives {len(fanouts)} fan-outs but 'layers' is "
                 f"{self.layers}: give one fan-out per layer"
             )
+        self._check_common()
+
+    def _check_common(self) -> None:
         for key in ("batch_size", "hidden", "layers", "epochs", "heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
@@ -142,6 +176,37 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
             )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
+
+    def _check_sampler(self) -> None:
+        if self.sampler == "vertex":
+            raise ConfigError(
+                "config key 'sampler': 'vertex' (ScaleGNN's 4D vertex sampling) is not "
+                f"available yet; use one of {', '.join(SAMPLERS)}"
+            )
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(
+                f"config key 'sampler' must be one of {SAMPLERS}, got {self.sampler!r}"
+            )
+        for key in ("budget", "presample", "clusters", "clusters_per_batch"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.walk_length < 0:
+            raise ConfigError(f"config key 'walk_length' must be >= 0, got {self.walk_length}")
+        if self.clusters_per_batch > self.clusters:
+            raise ConfigError(
+                f"config key 'clusters_per_batch' ({self.clusters_per_batch}) exceeds "
+                f"'clusters' ({self.clusters})"
+            )
+        if self.sampler.startswith("saint") and self.model != "sage":
+            raise ConfigError(
+                f"config key 'model': GraphSAINT's aggregation normalisation is a weighted "
+                f"mean, which the sage model uses; {self.model!r} cannot take it"
+            )
+        if self.sampler != "neighbor" and self.grad_accum != 1:
+            raise ConfigError(
+                "config key 'grad_accum' must be 1 with a subgraph sampler (one subgraph per "
+                "step and rank)"
+            )
 
 
 def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
@@ -273,15 +338,27 @@ class MiniBatchTask:
                 "rank owns one part (use --nprocs equal to --parts)"
             )
         self.rank = self.grid.rank("data")
-        self.fanouts = parse_fanouts(cfg.fanouts)
-        self.distributed = world > 1
+        #: Whether steps train on subgraphs (GraphSAINT, ClusterGCN): every rank then holds
+        #: the whole graph and samples a subgraph of its own.
+        self.subgraph = cfg.sampler != "neighbor"
+        self.fanouts = parse_fanouts(cfg.fanouts) if not self.subgraph else []
+        self.distributed = world > 1 and not self.subgraph  # partitioned over the ranks
         if self.distributed:
             self._setup_parts(parts, progress)
         else:
             with progress.stage(f"loading {cfg.dataset}"):
                 self._setup_graph()
+        if self.subgraph:
+            with progress.stage(f"{cfg.sampler} sampler (partition or pre-sampling)"):
+                self._setup_subgraphs()
         #: Who chose the grid, for the start lines.
-        self.grid_choice = "data parallel, one part per rank" if self.distributed else None
+        self.grid_choice = (
+            "data parallel, one part per rank"
+            if self.distributed
+            else "data parallel, one subgraph per rank and step"
+            if self.subgraph and world > 1
+            else None
+        )
         with progress.stage("building the model"):
             self._build_model(cfg)
         self.scaler = LossScaler(cfg.mixed_precision == "fp16")
@@ -337,8 +414,15 @@ class MiniBatchTask:
             pformat.check_source(cfg.partitions, graph, label=f"--dataset {cfg.dataset}")
         graph.ndata["feat"] = graph.feat.to(compute_dtype(cfg))
         self.graph = graph
+        self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
+        self.metric = metric_for(graph.label)
+        self.num_seeds = int(graph.train_mask.sum())
+        self.fetcher: FeatureFetcher | None = None
+        self._eval_blocks = [b.to(self.device) for b in full_blocks(graph)]
+        if self.subgraph:
+            return  # the sampler and loader: _setup_subgraphs
         sampler = NeighborSampler(graph, self.fanouts, replace=cfg.replace, seed=cfg.seed)
-        self.loader = NodeLoader(
+        self.loader: NodeLoader | SubgraphLoader = NodeLoader(
             sampler,
             graph.train_mask,
             cfg.batch_size,
@@ -349,11 +433,41 @@ class MiniBatchTask:
             micro_batches=cfg.grad_accum,
             device=self.device,
         )
-        self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
-        self.metric = metric_for(graph.label)
-        self.num_seeds = int(graph.train_mask.sum())
-        self.fetcher: FeatureFetcher | None = None
-        self._eval_blocks = [b.to(self.device) for b in full_blocks(graph)]
+
+    def _setup_subgraphs(self) -> None:
+        """The GraphSAINT or ClusterGCN sampler on the whole graph, and this rank's loader."""
+        cfg, graph = self.cfg, self.graph
+        common: dict[str, Any] = {"train_mask": graph.train_mask, "seed": cfg.seed}
+        saint = {**common, "presample": cfg.presample}
+        if cfg.sampler == "saint-node":
+            sampler: Any = SaintNodeSampler(graph, cfg.layers, cfg.budget, **saint)
+        elif cfg.sampler == "saint-edge":
+            sampler = SaintEdgeSampler(graph, cfg.layers, cfg.budget, **saint)
+        elif cfg.sampler == "saint-rw":
+            sampler = SaintWalkSampler(graph, cfg.layers, cfg.budget, cfg.walk_length, **saint)
+        else:
+            if cfg.clusters > graph.num_nodes:
+                raise ConfigError(
+                    f"config key 'clusters' ({cfg.clusters}) exceeds the graph's "
+                    f"{graph.num_nodes} nodes"
+                )
+            sampler = ClusterSampler(
+                graph,
+                cfg.layers,
+                cfg.clusters,
+                cfg.clusters_per_batch,
+                method=cfg.partition_method,
+                **common,
+            )
+        self.loader = SubgraphLoader(
+            sampler,
+            features=graph.feat,
+            labels=graph.label,
+            rank=self.rank,
+            ranks=self.grid.size("data"),
+            prefetch=cfg.prefetch,
+            device=self.device,
+        )
 
     def _setup_parts(self, parts: int, progress: Progress) -> None:
         cfg = self.cfg
@@ -425,8 +539,8 @@ class MiniBatchTask:
         self.loader.set_epoch(step)
         net.train()
         fetch_before = dict(self.fetcher.stats) if self.fetcher else {}
-        # loss, correct, seeds, sampling bytes
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        # loss, correct, seeds, sampling bytes, subgraph nodes
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         bar = self.progress.bar(
             len(self.loader),
             unit="batch",
@@ -437,6 +551,10 @@ class MiniBatchTask:
         t0 = time.perf_counter()
         data = self.grid.size("data")
         for batch in self.loader:
+            if self.subgraph:
+                self._subgraph_update(batch, sums)
+                bar.update(1)
+                continue
             last = batch.micro == cfg.grad_accum - 1
             dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
             with contextlib.nullcontext() if last else dp.no_sync():
@@ -469,19 +587,44 @@ class MiniBatchTask:
         both = torch.cat([sums, extra])
         comm.all_reduce(both, self.grid, "data")
         seeds = max(float(both[2]), 1.0)
+        # a subgraph's loss is already its estimate of the mean: average over subgraphs
+        subgraphs = float(len(self.loader) * data)
         record = {
-            "loss": float(both[0]) / seeds,
+            "loss": float(both[0]) / (subgraphs if self.subgraph else seeds),
             "seeds_per_s": float(both[2]) / elapsed,
             "batches": float(len(self.loader)),
             "lr": lr,
         }
         if self.metric == "acc":
             record["batch_acc"] = float(both[1]) / seeds
+        if self.subgraph:
+            record["subgraph_nodes"] = float(both[4]) / subgraphs
         if self.distributed:
             record["sample_bytes"] = float(both[3])
             record["feature_bytes"] = float(both[4])
             record["cache_hit_rate"] = float(both[6]) / float(both[5]) if both[5] else 0.0
         return record
+
+    def _subgraph_update(self, batch: Any, sums: torch.Tensor) -> None:
+        """One optimizer step on this rank's subgraph: the sum of its seeds' losses weighted
+        by the sampler's ``seed_weight`` (an estimate of the mean training loss), averaged
+        over the data axis by the gradient reduction. Adds to ``sums`` (see train_step)."""
+        cfg, net, dp = self.cfg, self.net, self.model
+        dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
+        logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
+        weight = batch.seed_weight.to(logits.dtype)
+        loss = (self._loss_terms(logits, batch.y) * weight).sum()
+        self.scaler.scale_loss(loss).backward()
+        self.scaler.unscale(dp.parameters())
+        if self.scaler.update(float(dp.grad_norm()) if self.scaler.enabled else 0.0):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        train = weight > 0
+        sums[0] += float(loss.detach())
+        if self.metric == "acc":
+            sums[1] += float((logits.argmax(1) == batch.y)[train].sum())
+        sums[2] += float(train.sum())
+        sums[4] += batch.num_seeds
 
     def _logits(self) -> torch.Tensor:
         """Logits of every node this rank owns (all of them on one rank), with full
@@ -519,10 +662,14 @@ class MiniBatchTask:
         """The loss summed over the batch's seeds: cross-entropy, or for multi-label (N x C)
         labels the binary cross-entropy with logits averaged over the tasks (so that the
         mean over seeds is ``F.binary_cross_entropy_with_logits``'s mean over entries)."""
+        return self._loss_terms(logits, labels).sum()
+
+    def _loss_terms(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Every seed's loss (see :meth:`_loss_sum`)."""
         if self.metric == "acc":
-            return F.cross_entropy(logits, labels, reduction="sum")
-        bce = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
-        return bce / max(logits.shape[1], 1)
+            return F.cross_entropy(logits, labels, reduction="none")
+        bce = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+        return bce.mean(1)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
