@@ -426,4 +426,11 @@ def test_gcn_memory_host_parts():
     # z=2: layer 0's input gradient (all 1000 columns x 32 features) is all-reduced over
     # its depth axis z; layer 1's Â·H gradient (1000 x 16) over its outer axis z is smaller
     two = gcn_memory(problem, {"x": 1, "y": 1, "z": 2}, host=True)
-    assert two["buffers"] == 1000 * 32 * 4
+    assert two["buffers"] == 1000 * 32 * 4  # below 256 KiB: gloo's copy
+    # 4000 nodes: layer 0's all-gather of H (4000 x 32 floats, 512,000 bytes) goes through
+    # the same-host transport, a segment of two slots of one rank's half (256,000 bytes,
+    # a multiple of 64); layer 1's Â·H all-reduce (4000 x 16 floats, 256,000 bytes, under
+    # the 256 KiB threshold) stays on gloo, which stages a copy of it
+    big = GCNProblem.from_widths(4000, 36000, [feats, 16, 16, 4])
+    buffers = gcn_memory(big, {"x": 1, "y": 1, "z": 2}, host=True)["buffers"]
+    assert buffers == 2 * 256_000 + 256_000

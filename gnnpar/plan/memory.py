@@ -76,10 +76,11 @@ def gcn_memory(
     ``benchmarks/memory.py``: ``"staging"``, the pages of the shard files it maps, resident
     while its source is open (every distinct Â block its layers read, 12 bytes a stored
     entry and 8 a row, and its input-feature rows at full width, since rows share pages);
-    and ``"buffers"``, the same-host shared-memory segments of the rank's groups
-    (:func:`shm_segments`; with ``GNNPAR_SHM=0``, one more copy of the largest backward
-    step's all-reduced gradients, ``Â·H``'s over the outer axis and ``H``'s over the depth
-    axis, which gloo's all-reduce stages in a buffer of the tensor's size)."""
+    and ``"buffers"``: the same-host shared-memory segments of the rank's groups
+    (:func:`shm_segments`), plus one more copy of the largest backward step's all-reduced
+    gradients that gloo carries (``Â·H``'s over the outer axis and ``H``'s over the depth
+    axis, below the transport's threshold or with ``GNNPAR_SHM=0``), which gloo's all-reduce
+    stages in a buffer of the tensor's size."""
     if problem.model in ("gat", "gin"):
         return _gemm_first_memory(problem, shape)
     e, ops = problem.element_size, problem.num_ops
@@ -98,11 +99,14 @@ def gcn_memory(
                 out["staging"] += ops * (nnz * 12 + rows * 8)
             if i == 0:
                 out["staging"] += (lay.h_sub[1] - lay.h_sub[0]) * problem.features * 4
-            if not shm.enabled():  # gloo stages a large all-reduce in a copy of its size
-                reduced = (rows * ops * fin * e if g.size(lay.outer) > 1 else 0) + (
-                    cols * fin * e if g.size(lay.depth) > 1 else 0
-                )
-                out["buffers"] = max(out["buffers"], float(reduced))
+            # gloo stages an all-reduce it carries in a copy of its size (the transport's
+            # segments are added below)
+            reduced = sum(
+                size
+                for axis, size in ((lay.outer, rows * ops * fin * e), (lay.depth, cols * fin * e))
+                if g.size(axis) > 1 and not shm.segment_bytes("all_reduce", size, g.size(axis))
+            )
+            out["buffers"] = max(out["buffers"], float(reduced))
         out["adjacency"] += ops * 2 * (nnz * (8 + e) + (rows + cols + 2) * 8)
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
@@ -111,8 +115,8 @@ def gcn_memory(
         out["activations"] += (rows * ops * fin + 2 * rows * fout) * e
         transient = max(transient, (cols * fin + ops * fin * fout) * e)
     out["activations"] += transient
-    if host and shm.enabled():
-        out["buffers"] = float(shm_segments(gcn_collectives(problem, shape)))
+    if host:
+        out["buffers"] += float(shm_segments(gcn_collectives(problem, shape)))
     return out
 
 
