@@ -203,12 +203,18 @@ def _shm_or_backend(
     largest: torch.Tensor,
     via_shm: Callable[[shm.Channel], bool],
     via_backend: Callable[[], object],
+    async_op: bool,
 ) -> Callable[[], object]:
     """The start of a collective: through the group's shared-memory channel when it should
-    carry it (a CPU tensor of at least ``shm.min_bytes()`` on a group within one host; done
-    when it returns, so no work handle), else through the backend (its async work)."""
+    carry it (a blocking collective of a CPU tensor of at least ``shm.min_bytes()`` on a
+    group within one host; done when it returns, so no work handle), else through the
+    backend (its async work). An async collective stays on the backend, whose threads
+    overlap it with the caller's compute (gradient buckets, prefetched gathers): the
+    transport runs in the caller's thread and would serialise them."""
 
     def start() -> object:
+        if async_op:
+            return via_backend()
         chan = shm.channel(grid.channels, group, largest.device, _nbytes(largest))
         if chan is not None and via_shm(chan):
             return None
@@ -289,6 +295,7 @@ def all_reduce(
         buf,
         lambda chan: chan.all_reduce(buf, "sum" if op == "avg" else op),
         lambda: dist.all_reduce(buf, op=red, group=group, async_op=True),
+        async_op,
     )
     return _launch("all_reduce", grid, axis, start, finish, async_op)
 
@@ -315,6 +322,7 @@ def broadcast(
         buf,
         lambda chan: chan.broadcast(buf, src),
         lambda: dist.broadcast(buf, src=members[src], group=group, async_op=True),
+        async_op,
     )
 
     def finish() -> torch.Tensor:
@@ -388,6 +396,7 @@ def all_gather(
         out,
         lambda chan: chan.all_gather(out, send),
         lambda: _all_gather_single(out, send, group, True),
+        async_op,
     )
     return _launch("all_gather", grid, axis, start, finish, async_op)
 
@@ -441,6 +450,7 @@ def reduce_scatter(
         send,
         lambda chan: chan.reduce_scatter(out, send),
         lambda: _reduce_scatter_single(out, send, group, True),
+        async_op,
     )
     return _launch("reduce_scatter", grid, axis, start, finish, async_op)
 

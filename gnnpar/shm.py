@@ -26,8 +26,10 @@ window seen; every rank agrees on each growth, and a group where the segment can
 made falls back to gloo for good, on every rank alike.
 
 Only groups whose ranks share one host use it (checked by exchanging each host's boot id and
-name), only for CPU tensors of at least :func:`min_bytes` (``GNNPAR_SHM_MIN_BYTES``, default
-256 KiB; smaller ones cost more in syncs than they save), and never when ``GNNPAR_SHM=0``.
+name), only for blocking collectives (:mod:`gnnpar.comm` keeps async ones on gloo, whose
+threads overlap them with compute) of CPU tensors of at least :func:`min_bytes`
+(``GNNPAR_SHM_MIN_BYTES``, default 256 KiB; smaller ones cost more in syncs than they
+save), and never when ``GNNPAR_SHM=0``.
 Traffic accounting is unchanged: :mod:`gnnpar.comm` counts the bytes of the collective, not of
 the transport.
 """
