@@ -203,24 +203,37 @@ def prepare_shards(
         for o in (0, 1):
             _save(tmp, f"perm.{o}.npy", perms[o].numpy(), files)
             _save(tmp, f"inv.{o}.npy", inv[o].numpy(), files)
-        meta = {
-            "name": graph.name,
-            "norm": norm,
-            "num_nodes": n,
-            "num_edges": int(g.num_edges),
-            "feat_dim": int(graph.feat.shape[1]),
-            "num_classes": int(graph.num_classes) if graph.label is not None else 0,
-            "seed": seed,
-            "permutation": permutation,
-            "row_bounds": row_bounds,
-            "col_bounds": col_bounds,
-            "node_data": names,
-            "source": source,
-        }
+        classes = int(graph.num_classes) if graph.label is not None else 0
+        meta = _manifest_meta(
+            graph.name, norm, n, int(g.num_edges), int(graph.feat.shape[1]), classes, seed,
+            permutation, row_bounds, col_bounds, names, source,
+        )  # fmt: skip
         write_manifest(tmp, SCHEMA, VERSION, files, meta)
 
     write_folder(out, fill, overwrite)
     return out
+
+
+def _manifest_meta(
+    name, norm, num_nodes, num_edges, feat_dim, num_classes, seed, permutation,
+    row_bounds, col_bounds, node_data, source,
+) -> dict:  # fmt: skip
+    """The manifest's description of a shard folder, one layout for the in-memory and the
+    streamed writers (their folders are byte-identical)."""
+    return {
+        "name": name,
+        "norm": norm,
+        "num_nodes": num_nodes,
+        "num_edges": num_edges,
+        "feat_dim": feat_dim,
+        "num_classes": num_classes,
+        "seed": seed,
+        "permutation": permutation,
+        "row_bounds": row_bounds,
+        "col_bounds": col_bounds,
+        "node_data": node_data,
+        "source": source,
+    }
 
 
 # ------------------------------------------------------------------ streamed writing
@@ -302,20 +315,11 @@ def _prepare_streamed(
         for o in (0, 1):
             _save(tmp, f"perm.{o}.npy", perms[o], files)
             _save(tmp, f"inv.{o}.npy", inv[o], files)
-        meta = {
-            "name": reader.name,
-            "norm": norm,
-            "num_nodes": n,
-            "num_edges": num_edges,
-            "feat_dim": int(feat_shape[1]),
-            "num_classes": int(reader.num_classes or 0) if "label" in reader.ndata_keys() else 0,
-            "seed": seed,
-            "permutation": permutation,
-            "row_bounds": row_bounds,
-            "col_bounds": col_bounds,
-            "node_data": names,
-            "source": source,
-        }
+        classes = int(reader.num_classes or 0) if "label" in reader.ndata_keys() else 0
+        meta = _manifest_meta(
+            reader.name, norm, n, num_edges, int(feat_shape[1]), classes, seed, permutation,
+            row_bounds, col_bounds, names, source,
+        )  # fmt: skip
         write_manifest(tmp, SCHEMA, VERSION, files, meta)
 
     write_folder(out, fill, overwrite)
