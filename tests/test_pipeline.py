@@ -136,6 +136,28 @@ def test_split_layers_by_count_and_cost():
         split_layers(2, 3)
 
 
+def test_the_tied_weight_is_sent_from_a_copy(monkeypatch):
+    """The tied embedding's send runs in the background while ZeRO-3 frees the gathered
+    weight after the forward: the send must read a copy, not the weight's storage (sending
+    the weight itself made one CI run end with a wrong embedding)."""
+    from gnnpar import comm
+    from gnnpar.pipeline.runtime import TiedWeight
+
+    class Grid:
+        def size(self, axis):
+            return 2
+
+    sent = []
+    monkeypatch.setattr(comm, "send", lambda t, *a, **k: sent.append(t))
+    tie = TiedWeight(Grid(), (4, 3), torch.float64)
+    weight = torch.arange(12, dtype=torch.float64).reshape(4, 3)
+    tie.due_send(7)
+    tie.watch(weight)
+    assert sent[0].untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    weight.untyped_storage().resize_(0)  # what ZeRO-3 does to a gathered weight
+    assert torch.equal(sent[0], torch.arange(12, dtype=torch.float64).reshape(4, 3))
+
+
 def test_pipe_axis_rank_order():
     old = GridShape(x=2, y=1, z=2, data=2)
     assert old.shape == {"x": 2, "y": 1, "z": 2, "data": 2}  # no pipe key without a pipe

@@ -74,7 +74,9 @@ class TiedWeight:
         is due, and hook its gradient (once per tensor)."""
         if self._send_tag is not None:
             peer = self.grid.size("pipe") - 1
-            value = weight.detach().to(self.dtype)
+            # a copy: the send runs in the background, and a sharded (ZeRO-3) embedding
+            # frees its gathered weight after the forward, while the send may still read it
+            value = weight.detach().to(self.dtype, copy=True)
             self._sends.append(comm.send(value, self.grid, "pipe", peer, self._send_tag))
             self._send_tag = None
         if weight.requires_grad and not any(t is weight for t in self._hooked):
