@@ -108,16 +108,38 @@ def _config(spec: str | None, stage: int):
     )  # fmt: skip
 
 
+def _saved_bytes(task, step: int) -> tuple[float, int]:
+    """Run ``step`` and return what autograd saved for backward on this rank (bytes of the
+    distinct storages, parameters left out), and the loss."""
+    params = {p.untyped_storage().data_ptr() for p in task.net.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = task.train_step(step)["loss"]
+    return loss, sum(seen.values())
+
+
 def _train(spec: str | None, stage: int) -> dict:
-    """Three steps of the gpt task on ``spec``: full parameters, losses, ring bytes."""
+    """Three steps of the gpt task on ``spec``: full parameters, losses, ring bytes, and the
+    bytes autograd saved in the first step beside the planner's activation memory."""
     import gnnpar
     from gnnpar import comm
-    from gnnpar.train.gpt import GPTTask
+    from gnnpar.plan.memory import gpt_memory
+    from gnnpar.train.gpt import GPTTask, plan_problem
 
     task = GPTTask(_config(spec, stage), corpus=_Tokens())
     losses, predicted, measured = [], None, None
+    memory = gpt_memory(dataclasses.replace(plan_problem(task.cfg), stage=stage), task.grid.shape)
     with comm.record(task.grid) as traffic:
-        for step in range(STEPS):
+        loss, saved = _saved_bytes(task, 0)
+        losses.append(loss)
+        for step in range(1, STEPS):
             losses.append(task.train_step(step)["loss"])
     ring = traffic.bytes(axis="context", kind="p2p")
     other = traffic.bytes(axis="context") - ring
@@ -126,7 +148,6 @@ def _train(spec: str | None, stage: int) -> dict:
     if spec is not None:
         from gnnpar.plan import gpt_collectives
         from gnnpar.plan.comm_model import bytes_by_axis_kind
-        from gnnpar.train.gpt import plan_problem
 
         problem = dataclasses.replace(plan_problem(task.cfg), stage=stage)
         predicted = bytes_by_axis_kind(
@@ -134,7 +155,9 @@ def _train(spec: str | None, stage: int) -> dict:
         )
         measured = traffic.as_dict()
     out = {"params": params, "losses": losses, "val": val, "ring": ring, "other": other,
-           "grid": task.grid.shape, "predicted": predicted, "measured": measured}  # fmt: skip
+           "grid": task.grid.shape, "predicted": predicted, "measured": measured,
+           "saved": saved,
+           "activations": memory["activations"] + memory.get("ring", 0.0)}  # fmt: skip
     gnnpar.release(task.grid)
     return out
 
@@ -209,3 +232,42 @@ def test_ring_bytes_equal_the_formula_and_the_planner(world_results, i):
         per_step = {a: {k: STEPS * v for k, v in kinds.items()}
                     for a, kinds in got["predicted"].items()}  # fmt: skip
         assert got["measured"] == per_step, (got["measured"], per_step)
+
+
+# ------------------------------------------------------------------------------ the planner
+# ZeRO-3's gathered parameters live in storages the hook cannot tell from activations
+STAGE0 = [i for i, (_, stage) in enumerate(RUNS) if stage == 0]
+
+
+@pytest.mark.parametrize("i", [None, *STAGE0], ids=["one process", *(RUNS[i][0] for i in STAGE0)])
+def test_planner_activation_memory_matches_what_autograd_saves(world_results, reference, i):
+    """The planner's per-rank activation memory (Megatron's count with this rank's tokens,
+    plus the ring's blocks) against the bytes autograd actually saved in a step, on this
+    model: one process, and each context grid (which holds a quarter or half the tokens)."""
+    runs = [reference] if i is None else [r[i] for r in world_results]
+    for got in runs:
+        assert 0.8 <= got["saved"] / got["activations"] <= 1.25, (got["saved"], got["activations"])
+
+
+def test_longest_sequence_grows_with_the_context_axis():
+    """``gnnpar plan gpt --longest-sequence``: the answer fits and one chunk pair more does
+    not; four context ranks hold more than twice the sequence of one rank (batch 1), less than
+    four times (the replicated model, and the ring's score tiles, 3·L² per head and sequence
+    with L = T/8, where one rank's fused attention keeps none)."""
+    from gnnpar.plan import get_machine
+    from gnnpar.plan.memory import USABLE_FRACTION, gpt_memory
+    from gnnpar.plan.problems import GPTProblem
+    from gnnpar.plan.rank import longest_sequence
+
+    problem = GPTProblem.sized(4, 256, 8, seq=64, vocab=512, batch=1, element_size=4)
+    machine = dataclasses.replace(get_machine("cpu"), memory_gb=0.2)
+    usable = USABLE_FRACTION * 0.2e9
+    one, best_one = longest_sequence(problem, 1, machine, (0,))
+    four, best = longest_sequence(problem, 4, machine, (0,), {"context": 4, "data": 1})
+    assert best.shape["context"] == 4 and best_one is not None
+    for seq, shape in ((four, best.shape), (one, best_one.shape)):
+        step = 2 * shape.get("context", 1)
+        for s, fits in ((seq, True), (seq + step, False)):
+            p = dataclasses.replace(problem, model=dataclasses.replace(problem.model, block_size=s))
+            assert (sum(gpt_memory(p, shape).values()) <= usable) == fits, (s, shape)
+    assert 2.0 * one <= four <= 4.0 * one, (one, four)

@@ -315,7 +315,7 @@ def batch_per_rank(problem: GPTProblem, g: GridShape) -> int:
 
 def seq_per_rank(problem: GPTProblem, g: GridShape) -> int:
     """Tokens of each sequence a rank holds (the sequence is split over context)."""
-    if problem.seq % (2 * g.context):
+    if g.context > 1 and problem.seq % (2 * g.context):
         raise Infeasible(
             f"sequence of {problem.seq} does not cut into 2·context = {2 * g.context} chunks"
         )
