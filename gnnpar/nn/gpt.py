@@ -173,12 +173,12 @@ class GPT(nn.Module):
         """Logits of ``ids (B, T)``; ``pos`` are the tokens' positions in their sequences
         (default 0..T−1; a context-parallel rank passes those of the chunks it holds)."""
         t = ids.shape[-1]
-        if pos is None:
-            pos = torch.arange(t, device=ids.device)
-        if t > self.config.block_size or (t and int(pos.max()) >= self.config.block_size):
+        if t > self.config.block_size:
             raise ValueError(
                 f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
             )
+        if pos is None:
+            pos = torch.arange(t, device=ids.device)
         x = self.drop(self.wte(ids) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
