@@ -52,10 +52,15 @@ def test_layout_is_load_balanced():
 
 
 # ------------------------------------------------------------------- serial ring attention
-@pytest.mark.parametrize("c,chunk", [(1, 3), (2, 5), (3, 3), (4, 1)])
-def test_ring_attention_equals_causal_attention(c, chunk):
+@pytest.mark.parametrize("c,chunk,tile", [(1, 3, None), (2, 5, None), (3, 3, None), (4, 1, None),
+                                           (3, 3, 100)])  # fmt: skip
+def test_ring_attention_equals_causal_attention(c, chunk, tile, monkeypatch):
+    """``tile``: score tiles of 100 bytes, so the pairs run one sequence·head at a time."""
+    from gnnpar.tensor import context
     from gnnpar.tensor.context import simulate_ring_attention
 
+    if tile is not None:
+        monkeypatch.setattr(context, "TILE_BYTES", tile)
     torch.manual_seed(c)
     t = 2 * c * chunk
     q, k, v = (torch.randn(2, 3, t, 5, dtype=torch.float64, requires_grad=True) for _ in "qkv")

@@ -43,8 +43,9 @@ GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
 - ``ring`` (context > 1): what ring attention holds beyond that in the busiest layer's
   backward: the travelling key/value block, its gradients and the received copies (8 blocks
   of this rank's keys' size), the saved log-sum-exp (one float per query and head), and one
-  chunk pair's score matrices (scores, probabilities and their gradient: 3 · L² per head
-  and sequence, L = T/(2C)).
+  tile of a chunk pair's score matrices (scores, probabilities and their gradient: 3 · L²
+  per head and sequence, L = T/(2C), computed a slice of sequences·heads at a time so that
+  one tile holds at most ``TILE_BYTES``, or one L × L matrix when that is larger).
 
 Not counted: allocator fragmentation, communication buffers, the CUDA context (about 0.5–1
 GB per GPU). The planner keeps 10% of device memory free for them (``usable``).
@@ -68,6 +69,7 @@ from gnnpar.plan.comm_model import (
     seq_per_rank,
 )
 from gnnpar.plan.problems import GCNProblem, GPTProblem
+from gnnpar.tensor.context import TILE_BYTES
 
 __all__ = ["USABLE_FRACTION", "gcn_memory", "gpt_memory"]
 
@@ -211,6 +213,7 @@ def gpt_memory(
     if g.context > 1:
         heads = problem.heads // t
         keys = tokens * heads * (problem.hidden // problem.heads) * e
-        chunk = t_loc // 2
-        out["ring"] = float(8 * keys + tokens * heads * e + 3 * rows * heads * chunk**2 * e)
+        square = (t_loc // 2) ** 2 * e
+        tile = min(rows * heads * square, max(TILE_BYTES // square, 1) * square)
+        out["ring"] = float(8 * keys + tokens * heads * e + 3 * tile)
     return out

@@ -12,7 +12,8 @@ two query chunks to the block's two key chunks: a key chunk before the query chu
 same chunk with the causal mask, a later one not at all. The partial results are merged with
 the online softmax (each partial output comes with its rows' log-sum-exp, i.e. running max and
 sum; merging rescales both sides to the new log-sum-exp), so no rank ever holds a T×T score
-matrix or another rank's whole sequence at once.
+matrix or another rank's whole sequence at once; each chunk pair's scores are computed a slice
+of sequences·heads at a time, at most ``TILE_BYTES`` of them.
 
 **Backward** (a custom autograd function) recomputes each block's probabilities from the saved
 log-sum-exp, as FlashAttention does: the key/value blocks go around the ring again, each with
@@ -125,6 +126,11 @@ class _ThreadRing:
 
 
 # ---------------------------------------------------------------------------- the blocks
+#: Bytes of one score tile (chunk × chunk scores of some sequences and heads): the pairs are
+#: computed a slice of sequences·heads at a time, so the transient scores stay this small.
+TILE_BYTES = 8 << 20
+
+
 def _pairs(c: int, r: int, src: int) -> Iterator[tuple[int, int, bool]]:
     """(query chunk, key chunk, causal) of the local pairs that attend at all, when rank
     ``r`` holds the key/value block of rank ``src``."""
@@ -132,6 +138,23 @@ def _pairs(c: int, r: int, src: int) -> Iterator[tuple[int, int, bool]]:
         for j, kj in enumerate(chunk_ids(c, src)):
             if kj <= qi:
                 yield i, j, kj == qi
+
+
+def _tiles(n: int, chunk: int, itemsize: int) -> list[slice]:
+    """Slices of the ``n`` sequences·heads whose chunk × chunk scores fit in TILE_BYTES."""
+    per = max(1, TILE_BYTES // max(1, chunk * chunk * itemsize))
+    return [slice(a, min(a + per, n)) for a in range(0, n, per)]
+
+
+def _half(t: torch.Tensor, i: int) -> torch.Tensor:
+    """Chunk ``i`` (0: the early one, 1: the late one) of a rank's tokens (dimension 1)."""
+    n = t.shape[1] // 2
+    return t[:, i * n : (i + 1) * n]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``(..., T, d)`` as ``(sequences·heads, T, d)``."""
+    return t.reshape(-1, *t.shape[-2:])
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -146,53 +169,53 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
 def _forward(q, k, v, ring, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's attention output and its rows' log-sum-exp (both of its query chunks)."""
     c, r = ring.size, ring.rank
-    qs = q.chunk(2, dim=-2)
-    outs = [torch.zeros_like(part) for part in qs]
-    lses = [torch.full(part.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-            for part in qs]  # fmt: skip
+    shape = q.shape
+    q, k, v = _flat(q), _flat(k), _flat(v)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    tiles = _tiles(q.shape[0], q.shape[1] // 2, q.element_size())
     for step in range(c):
-        src = (r - step) % c
-        ks, vs = k.chunk(2, dim=-2), v.chunk(2, dim=-2)
-        for i, j, causal in _pairs(c, r, src):
-            s = _scores(qs[i], ks[j], scale, causal)
-            lse = torch.logsumexp(s, dim=-1)
-            o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vs[j])
-            # online softmax: rescale both partial outputs to the merged log-sum-exp
-            new = torch.logaddexp(lses[i], lse)
-            outs[i] = outs[i] * torch.exp(lses[i] - new).unsqueeze(-1) + o * torch.exp(
-                lse - new
-            ).unsqueeze(-1)
-            lses[i] = new
+        for i, j, causal in _pairs(c, r, src=(r - step) % c):
+            for t in tiles:
+                s = _scores(_half(q, i)[t], _half(k, j)[t], scale, causal)
+                part = torch.logsumexp(s, dim=-1)
+                o = torch.matmul(torch.exp(s - part.unsqueeze(-1)), _half(v, j)[t])
+                # online softmax: rescale both partial outputs to the merged log-sum-exp
+                old = _half(lse, i)[t]
+                new = torch.logaddexp(old, part)
+                _half(out, i)[t] = _half(out, i)[t] * torch.exp(old - new).unsqueeze(
+                    -1
+                ) + o * torch.exp(part - new).unsqueeze(-1)
+                _half(lse, i)[t] = new
         if step < c - 1:
             k, v = ring.shift([k, v], tag=4 * step)
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+    return out.reshape(shape), lse.reshape(shape[:-1])
 
 
 def _backward(q, k, v, out, lse, grad, ring, scale: float):
     """Gradients of q, k, v (this rank's) from the gradient of its output."""
     c, r = ring.size, ring.rank
-    qs, gs = q.chunk(2, dim=-2), grad.chunk(2, dim=-2)
-    lses = lse.chunk(2, dim=-1)
-    deltas = (grad * out).sum(-1).chunk(2, dim=-1)
-    dqs = [torch.zeros_like(part) for part in qs]
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    shape = q.shape
+    q, k, v, grad = _flat(q), _flat(k), _flat(v), _flat(grad)
+    lse = lse.reshape(q.shape[:-1])
+    delta = (grad * _flat(out)).sum(-1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    tiles = _tiles(q.shape[0], q.shape[1] // 2, q.element_size())
     for step in range(c):
-        src = (r - step) % c
-        ks, vs = k.chunk(2, dim=-2), v.chunk(2, dim=-2)
-        dks, dvs = list(dk.chunk(2, dim=-2)), list(dv.chunk(2, dim=-2))
-        for i, j, causal in _pairs(c, r, src):
-            p = torch.exp(_scores(qs[i], ks[j], scale, causal) - lses[i].unsqueeze(-1))
-            dvs[j] = dvs[j] + torch.matmul(p.transpose(-2, -1), gs[i])
-            ds = p * (torch.matmul(gs[i], vs[j].transpose(-2, -1)) - deltas[i].unsqueeze(-1))
-            dqs[i] = dqs[i] + torch.matmul(ds, ks[j]) * scale
-            dks[j] = dks[j] + torch.matmul(ds.transpose(-2, -1), qs[i]) * scale
-        dk, dv = torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)
+        for i, j, causal in _pairs(c, r, src=(r - step) % c):
+            for t in tiles:
+                qi, gi, kj, vj = _half(q, i)[t], _half(grad, i)[t], _half(k, j)[t], _half(v, j)[t]
+                p = torch.exp(_scores(qi, kj, scale, causal) - _half(lse, i)[t].unsqueeze(-1))
+                _half(dv, j)[t] += torch.matmul(p.transpose(-2, -1), gi)
+                ds = p * (torch.matmul(gi, vj.transpose(-2, -1)) - _half(delta, i)[t].unsqueeze(-1))
+                _half(dq, i)[t] += torch.matmul(ds, kj) * scale
+                _half(dk, j)[t] += torch.matmul(ds.transpose(-2, -1), qi) * scale
         # the block's gradients travel with it; after the last step one more hop takes them home
         if step < c - 1:
             k, v, dk, dv = ring.shift([k, v, dk, dv], tag=4 * step)
         elif c > 1:
             dk, dv = ring.shift([dk, dv], tag=4 * step + 2)
-    return torch.cat(dqs, dim=-2), dk, dv
+    return dq.reshape(shape), dk.reshape(shape), dv.reshape(shape)
 
 
 class _RingAttentionFn(torch.autograd.Function):
