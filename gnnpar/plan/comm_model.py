@@ -6,14 +6,16 @@ from the layer's own schedule (:func:`gnnpar.sparse.plexus.layer_schedule`); :fu
 what one optimizer step of :func:`gnnpar.tensor.train.train_step` sends (embeddings, every
 3D tensor-parallel ``Linear`` as :func:`gnnpar.tensor.parallelize` lays it out, the
 vocabulary-parallel loss, the data/z gradient reduction, the gradient-norm and loss
-all-reduces). Each :class:`Collective` carries the per-rank ring bytes exactly as
-:mod:`gnnpar.comm` records them (pieces padded to the largest, rounded once per call), so the
-sums equal measured traffic byte for byte; tests check this for every grid of 8 ranks.
+all-reduces, and with a context axis the ring attention's point-to-point sends). Each
+:class:`Collective` carries the per-rank ring bytes exactly as :mod:`gnnpar.comm` records them
+(pieces padded to the largest, rounded once per call), so the sums equal measured traffic byte
+for byte; tests check this for every grid of 8 ranks.
 
-Placement (:func:`intra_node_axes`): ranks are numbered x fastest, then y, z, data; a node
-holds ``ranks_per_node`` consecutive ranks; a group is intra-node when every group along
-that axis lies inside one node (for a single axis: stride × size divides ranks_per_node).
-:func:`comm_seconds` prices each collective with the machine's α–β model for its placement.
+Placement (:func:`intra_node_axes`): ranks are numbered x fastest, then y, z, context, data,
+pipe; a node holds ``ranks_per_node`` consecutive ranks; a group is intra-node when every
+group along that axis lies inside one node (for a single axis: stride × size divides
+ranks_per_node). :func:`comm_seconds` prices each collective with the machine's α–β model for
+its placement.
 """
 
 from __future__ import annotations
