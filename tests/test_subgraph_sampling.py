@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from gnnpar import checkpoint
-from gnnpar.cli import main
 from gnnpar.sampling import (
     ClusterSampler,
     SaintEdgeSampler,
@@ -229,13 +228,6 @@ def test_saint_normalisation_is_unbiased(kind, one_thread):
     se = math.sqrt(float(loss_draws.var()) / draws + est_var)
     gap = abs(float(loss_draws.mean()) - full_loss)
     assert gap <= Z * se, f"{kind}: loss mean off by {gap:.4g} (bound {Z * se:.4g})"
-
-
-def test_sage_cli_refuses_the_vertex_sampler_in_one_line(tmp_path, capsys):
-    argv = ["train", "sage", "--sampler", "vertex", "--out", str(tmp_path / "v")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not available yet" in err[0]
 
 
 def _saint_argv(out: Path, epochs: int, *extra: str) -> list[str]:
