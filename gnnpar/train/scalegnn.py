@@ -26,6 +26,7 @@ import torch
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.fmt import count
 from gnnpar.grid import backend_for_choice, parse_grid_spec
 from gnnpar.nn.gcn import FullGraphGNN
 from gnnpar.sampling import SubgraphLoader, VertexSampler
@@ -131,12 +132,12 @@ class VertexTask:
     def summary(self) -> str:
         """What the run trains on what."""
         g = self.graph
+        samples = f"{count(self.num_train, 'seed')}, vertex samples of {self.cfg.budget}"
+        multilabel = self.metric != "acc"
         sizes = graph_sizes(
-            g.num_nodes, g.num_edges, self.in_dim, self.num_classes, self.num_train,
-            self.metric != "acc",
-        )  # fmt: skip
-        c = self.cfg
-        return f"{c.model} on {c.dataset}: {sizes}, vertex samples of {c.budget}"
+            g.num_nodes, g.num_edges, self.in_dim, self.num_classes, samples, multilabel
+        )
+        return f"{self.cfg.model} on {self.cfg.dataset}: {sizes}"
 
     # ------------------------------------------------------------------ the protocol
     def step_loss(self, nodes: torch.Tensor, dropout_seed: int | None) -> tuple[torch.Tensor, int]:
