@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import torch
 
-from gnnpar.graph import Graph, is_multilabel
+from gnnpar.graph import Graph
 from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.neighbor import _all_positions, _use_numba
 from gnnpar.sampling.rng import derive_key, random_bits, uniform_below
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
+from gnnpar.sparse.source import num_classes_of, root_block
 
 __all__ = [
     "SubgraphSource",
@@ -308,12 +309,8 @@ class SubgraphSource:
         self.scale = edge_scale(total, self.num_nodes)
         self._features, self._node_data = features, node_data
         self.feat_dim = int(features.shape[1])
-        label = node_data.get("label")
         if num_classes is None:
-            if is_multilabel(label):
-                num_classes = int(label.shape[1])
-            else:
-                num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
+            num_classes = num_classes_of(node_data.get("label"))
         self.num_classes = int(num_classes)
 
     def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
@@ -338,8 +335,6 @@ class SubgraphSource:
 
     def root(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
         """Block of the identity (the root operator; the sample has one order)."""
-        from gnnpar.sparse.source import root_block
-
         ident = torch.arange(self.num_nodes)
         return root_block(ident, ident, rows, cols, self.values.dtype)
 
