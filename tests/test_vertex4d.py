@@ -206,7 +206,7 @@ def test_vertex_run_resumes_exactly(world):
 def test_vertex_normalisation_is_unbiased(kind):
     """E over samples of Σ_{v ∈ S ∩ train} λ (Â_S X)_v equals the full mean over training
     nodes of (Â X)_v, coordinate by coordinate, within Z standard errors."""
-    n, b, draws = 17, 4, 600
+    n, b, draws = 17, 4, 400
     a, g, x, y, train = _graph(n=n, seed=1)
     a_hat = normalise(a, kind)
     full = (a_hat @ x)[train].mean(0)
