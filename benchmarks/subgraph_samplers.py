@@ -32,8 +32,8 @@ and an R-MAT graph (``scale`` 13: 8,192 nodes, 64 features, 16 classes), GraphSA
 --grid data=2,x=2 --budget 512`` (two groups of 512 sampled nodes) against ``gnnpar train
 sage --parts 4 --batch-size 1024 --fanouts 10,10`` (1,024 seeds over the 4 ranks). Each run
 trains 2 epochs; the second epoch's seconds and bytes (the trainer's per-axis traffic, plus
-the neighbour sampler's sampling and feature-fetch bytes) are kept, per epoch and per step,
-with the load average. Writes ``benchmarks/out/vertex_4d.json``.
+the neighbour sampler's sampling and feature-fetch bytes), per rank, are kept, per epoch and
+per step, with the load average. Writes ``benchmarks/out/vertex_4d.json``.
 """
 
 from __future__ import annotations
@@ -198,9 +198,11 @@ def _train(out: Path, *flags: str) -> dict[str, Any]:
     return [r for r in map(json.loads, lines) if r.get("epoch") == 2][0]
 
 
-def _epoch_row(name: str, record: dict[str, Any]) -> dict[str, Any]:
+def _epoch_row(name: str, record: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
+    """Seconds and bytes of one rank: the trainer's traffic is rank 0's, the neighbour
+    sampler's sampling and feature bytes are summed over the ``ranks`` data ranks."""
     traffic = sum(v for kinds in record.get("bytes", {}).values() for v in kinds.values())
-    extra = record.get("sample_bytes", 0.0) + record.get("feature_bytes", 0.0)
+    extra = (record.get("sample_bytes", 0.0) + record.get("feature_bytes", 0.0)) / ranks
     steps = record["batches"]
     return {
         "run": name,
