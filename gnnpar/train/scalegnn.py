@@ -159,7 +159,8 @@ class VertexTask:
         lr = schedule.apply(self.optimizer, cfg, step, self.num_steps)
         self.loader.set_epoch(step)
         self.net.train()
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, correct, train nodes, sampled
+        # loss, correct, train nodes, sampled (on the device: NCCL reduces device tensors)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         bar = self.progress.bar(
             len(self.loader), unit="batch", show=len(self.loader) > 1,
             desc=f"epoch {step + 1}", leave=False,
