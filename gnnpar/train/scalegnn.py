@@ -39,6 +39,7 @@ from gnnpar.train.config import ConfigError
 from gnnpar.train.fullgraph import sharded_scores
 from gnnpar.train.loop import load_dataset
 from gnnpar.train.metrics import metric_for
+from gnnpar.train.minibatch import MiniBatchTask
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
 
@@ -70,10 +71,7 @@ class VertexTask:
             self._build_model()
         self.num_steps = cfg.epochs
 
-    @property
-    def selection(self) -> tuple[str, str]:
-        """The best model is the one of the best validation score."""
-        return (f"val_{self.metric}", "max")
+    selection = MiniBatchTask.selection
 
     def _setup_graph(self) -> None:
         cfg = self.cfg
@@ -212,23 +210,10 @@ class VertexTask:
         """Every node's prediction in original node order, on every rank (collective)."""
         return self.net.predictions(self._full_logits()).cpu()
 
-    def extra_state(self) -> dict[str, Any]:
-        """The loader's position (the model and optimizer go through the checkpoint)."""
-        return {"loader": self.loader.state_dict()}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`extra_state`."""
-        self.loader.load_state_dict(state["loader"])
+    # the loader's position and the run's description: the sage task's
+    extra_state = MiniBatchTask.extra_state
+    load_extra_state = MiniBatchTask.load_extra_state
 
     def describe(self) -> dict[str, Any]:
         """The run's task, model and sizes (recorded in its checkpoints)."""
-        c = self.cfg
-        return {
-            "task": "sage",
-            "model": c.model,
-            "sampler": "vertex",
-            "in_dim": self.in_dim,
-            "hidden": c.hidden,
-            "classes": self.num_classes,
-            "layers": c.layers,
-        }
+        return {**MiniBatchTask.describe(self), "sampler": "vertex"}
