@@ -13,7 +13,8 @@ One 8-rank world runs every case:
 - ``gnnpar train sage --sampler vertex --grid data=2,x=2,y=2`` resumed from a checkpoint
   ends where an uninterrupted run does.
 
-In one process: the normalisation is unbiased for one linear aggregation layer with the
+In one process: options the vertex sampler cannot take are refused in one line; the
+normalisation is unbiased for one linear aggregation layer with the
 λ-weighted sum (the mean over many samples of the weighted aggregation equals the full
 graph's mean over training nodes within confidence bounds from the samples), for the mean
 and the GCN normalisation.
@@ -222,3 +223,20 @@ def test_vertex_normalisation_is_unbiased(kind):
     se = values.std(0) / math.sqrt(draws)
     gap = (values.mean(0) - full).abs()
     assert bool((gap <= Z * se + 1e-12).all()), f"{kind}: gaps {gap} vs bounds {Z * se}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--sampler", "vertex", "--model", "gat"], "3D sage or gcn"),
+        (["--sampler", "vertex", "--budget", "1"], "'budget' must be >= 2"),
+        (["--sampler", "vertex", "--zero-stage", "2"], "zero_stage 0"),
+        (["--grid", "data=2,x=2"], "'grid' is for the vertex sampler"),
+    ],
+)
+def test_vertex_options_are_refused_in_one_line(tmp_path, capsys, flags, says):
+    from gnnpar.cli import main
+
+    assert main(["train", "sage", *flags, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
