@@ -36,15 +36,6 @@ from tests.cli_world import run_commands
 Z = 5.0  # standard errors of the confidence bounds (over ~100 checks: no false alarms)
 
 
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny-tensor operations: one intra-op thread (no pool hand-offs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _graph(n: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A small undirected graph with uneven degrees (a ring plus random chords to hubs)."""
     gen = torch.Generator().manual_seed(seed)

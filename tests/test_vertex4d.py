@@ -204,7 +204,7 @@ def test_vertex_run_resumes_exactly(world):
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn"])
-def test_vertex_normalisation_is_unbiased(kind):
+def test_vertex_normalisation_is_unbiased(kind, one_thread):
     """E over samples of Σ_{v ∈ S ∩ train} λ (Â_S X)_v equals the full mean over training
     nodes of (Â X)_v, coordinate by coordinate, within Z standard errors."""
     n, b, draws = 17, 4, 400
