@@ -27,7 +27,7 @@ demo: $(VENV)/.stamp-dev-llm
 # process, or ranks waiting for each other); a module's tests stay on one worker.
 TEST_WORKERS ?= 2
 test: $(VENV)/.stamp-dev-llm-dgl
-	$(PY) -m pytest --timeout=1200 -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest --timeout=1200 -n $(TEST_WORKERS)
 
 # Not part of `make test`: apply each curated one-line bug in tests/mutants/mutants.toml to a
 # copy of the tree and run the test files of the module it touches (docs/testing.md).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,16 +55,20 @@ def pytest_configure(config: pytest.Config) -> None:
 SPREAD_MODULES = ("test_docs.py",)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test`` runs two workers): the tests of one module stay on one
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``make test`` runs two workers): the tests of one module go to one
     worker, in order, so a module's shared world (a module-scoped fixture that starts 8
-    ranks) starts once, not once per worker; only :data:`SPREAD_MODULES` spread."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        name = item.path.name
-        if name not in SPREAD_MODULES:
-            item.add_marker(pytest.mark.xdist_group(name))
+    ranks) starts once, not once per worker; only :data:`SPREAD_MODULES` spread test by
+    test."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module.endswith(SPREAD_MODULES) else module
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
