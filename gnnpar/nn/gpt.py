@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gnnpar.recompute import MODES, check_mode, recompute
+
 __all__ = [
     "GPT",
     "GPTChunk",
@@ -27,6 +29,8 @@ __all__ = [
     "GPTConfig",
     "generate",
     "model_sizes",
+    "run_blocks",
+    "set_activation_checkpointing",
 ]
 
 
@@ -59,7 +63,11 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused q/k/v projection."""
+    """Multi-head causal self-attention with a fused q/k/v projection. With
+    ``recompute_core`` the attention core (scores, softmax, dropout, weighted sum) keeps
+    nothing for backward and runs again there (selective activation checkpointing)."""
+
+    recompute_core = False
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -76,11 +84,13 @@ class CausalSelfAttention(nn.Module):
             part.view(b, t, -1, self.head_dim).transpose(1, 2)
             for part in self.qkv(x).chunk(3, dim=-1)
         )
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = recompute(self._core, q, k, v, enabled=self.recompute_core)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.proj(y))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -97,7 +107,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``. With
+    ``recompute_all`` the model that runs it keeps only its input for backward and runs it
+    again there (full activation checkpointing: see :func:`run_blocks`)."""
+
+    recompute_all = False
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -109,6 +123,28 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    """Make every :class:`Block` of ``model`` (plain, parallel or sharded: its modules are
+    the same) recompute its activations in backward: ``"full"`` (the whole block),
+    ``"selective"`` (the attention core) or ``"none"`` (see :mod:`gnnpar.recompute`)."""
+    check_mode(mode, MODES)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if mode != "none" and not blocks:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no GPT Block")
+    for block in blocks:
+        block.recompute_all = mode == "full"
+        block.attn.recompute_core = mode == "selective"
+    return model
+
+
+def run_blocks(blocks, x: torch.Tensor) -> torch.Tensor:
+    """``x`` through ``blocks`` in order; a block with ``recompute_all`` is called (hooks
+    and all, so that a sharded block is gathered again) once more in backward."""
+    for block in blocks:
+        x = recompute(block, x, enabled=block.recompute_all)
+    return x
 
 
 def model_sizes(model: nn.Module) -> GPTConfig:
@@ -166,9 +202,7 @@ class GPT(nn.Module):
                 f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
             )
         pos = torch.arange(t, device=ids.device)
-        x = self.drop(self.wte(ids) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, self.drop(self.wte(ids) + self.wpe(pos)))
         return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
@@ -236,8 +270,7 @@ class GPTChunk(nn.Module):
                 self.tie.watch(self.wte.weight)
             pos = torch.arange(t, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))
-        for block in self.blocks.values():
-            x = block(x)
+        x = run_blocks(self.blocks.values(), x)
         if not self.last:
             return x
         if self.tie is not None:

@@ -214,6 +214,12 @@ def gcn_collectives(
         else:
             steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias)
         out += [Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), s.what) for s in steps]
+        if problem.activation_checkpointing == "full":  # backward runs the forward again
+            out += [
+                Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), f"recompute: {s.what}")
+                for s in steps
+                if s.phase == "forward"
+            ]
         last = lay
     if loss and last is not None:
         rows = last.rows[1] - last.rows[0]
@@ -313,8 +319,15 @@ def batch_per_rank(problem: GPTProblem, g: GridShape) -> int:
 
 
 def _module_collectives(
-    m: ShardedLayer, g: GridShape, coords: Mapping[str, int], tokens: int, e: int
+    m: ShardedLayer,
+    g: GridShape,
+    coords: Mapping[str, int],
+    tokens: int,
+    e: int,
+    forward_only: bool = False,
 ) -> list[Collective]:
+    """One sharded layer's collectives, forward and backward (``forward_only``: the forward's,
+    which a recompute runs again)."""
     lay = m.layout
     r, c = coords[lay.row_axis], coords[lay.col_axis]
     rs, cs = lay.row_sizes(), lay.col_sizes()
@@ -334,6 +347,8 @@ def _module_collectives(
     out += _coll(i_ax, "all_reduce", pi, tokens * rs[r] * e, f"{m.name} Y = X·Wᵀ", n)
     if m.gather_output:
         out += _coll(o_ax, "all_gather", po, po * max(rs) * tokens * e, f"{m.name} gather Y", n)
+    if forward_only:
+        return out
     out += _coll(o_ax, "all_reduce", po, tokens * cs[c] * e, f"{m.name} dX", n)
     out += _coll("z", "reduce_scatter", pz, z_full, f"{m.name} dW over z", n)
     if m.scatter_input:
@@ -374,6 +389,9 @@ def gpt_collectives(
     for m in mods:
         tokens = problem.seq if m.tokens == "positions" else b_loc * problem.seq
         out += _module_collectives(m, g, coords, tokens, e)
+        if problem.activation_checkpointing == "full" and m.name.startswith("blocks."):
+            again = _module_collectives(m, g, coords, tokens, e, forward_only=True)
+            out += [dataclasses.replace(c, what=f"recompute: {c.what}") for c in again]
     head = next(m for m in mods if m.name == "lm_head")
     p = head.layout.row_parts
     ce = max(e, 4)  # the loss works in float32 at least

@@ -1,0 +1,211 @@
+"""Activation checkpointing (:mod:`gnnpar.recompute`): GPT training with full and selective
+recompute equals the plain run, composed with 3D tensor parallelism and ZeRO-3 over data, and
+the recompute's extra bytes equal formulas written here; a full-graph 3D GCN/SAGE with
+recompute equals the serial model and moves, in backward, its forward's bytes once more (one
+world of 8 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gnnpar.nn.gpt import GPT, GPTConfig, set_activation_checkpointing
+from gnnpar.testing import run_distributed
+from tests.byte_formulas import Bytes, gather_bytes, plexus_bytes
+from tests.fullgraph_utils import (
+    check_schedule,
+    make_source,
+    normalise,
+    serial_adj,
+    serial_model,
+    small_graph,
+)
+
+# dropout on: the recompute must draw the forward's masks again
+CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.1)
+BATCH, STEPS, LR = 8, 3, 1e-2
+SPEC = {"data": 2, "x": 2, "z": 2}
+STAGES = (0, 3)
+MODES = ("none", "full", "selective")
+TOL = 1e-12
+# full-graph: odd sizes, nothing divides the 2×2×2 grid
+N, DIMS = 23, {"gcn": [7, 5, 3], "sage": [7, 4, 3]}
+
+
+def _batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, CFG["vocab_size"], (BATCH, CFG["block_size"] + 1), generator=g)
+
+
+def _gpt_run(grid, stage: int, mode: str) -> dict:
+    """Three AdamW steps of the GPT on ``grid``: the final parameters, the bytes per axis of
+    the steps, and the data-axis bytes ZeRO-3's units should gather (their padded size)."""
+    from gnnpar import comm, tensor
+    from gnnpar.nn.gpt import Block
+    from gnnpar.shard import by_type, shard
+
+    torch.manual_seed(0)
+    par = tensor.parallelize(GPT(GPTConfig(**CFG)).double(), grid)
+    set_activation_checkpointing(par, mode)
+    dp = shard(par, grid, stage, units=by_type(Block))
+    opt = dp.attach(torch.optim.AdamW(dp.parameters(), lr=LR))
+    shards = grid.size("data") * grid.size("z")
+    index = grid.rank("z") + grid.size("z") * grid.rank("data")
+    rows = slice(index * BATCH // shards, (index + 1) * BATCH // shards)
+    torch.manual_seed(1)  # the dropout masks
+    with comm.record(grid) as traffic:
+        for step in range(STEPS):
+            ids = _batch(step)[rows]
+            tensor.cross_entropy(par(ids[:, :-1]), ids[:, 1:], par.lm_head).backward()
+            opt.step()
+            opt.zero_grad()
+    padded = sum(g.padded for u in dp.stage3.units for g in u.groups.values()) if stage else 0
+    return {
+        "params": {k: v.detach().numpy().copy() for k, v in dp.full_state_dict().items()},
+        "bytes": traffic.as_dict(),
+        "gathers": traffic.calls(axis="data", kind="all_gather"),
+        "padded": padded,
+    }
+
+
+def _recompute_bytes() -> Bytes:
+    """The forward collectives of every block once more per step (x = 2, z = 2, y = 1: each
+    projection's weight piece all-gathered over z; attention's and the MLP's output
+    projections all-reduce their output, tokens × h, over x), float64."""
+    h, layers, e = CFG["n_embd"], CFG["n_layer"], 8
+    tokens = BATCH // (SPEC["data"] * SPEC["z"]) * CFG["block_size"]
+    x, z = SPEC["x"], SPEC["z"]
+    out = Bytes()
+    for _ in range(STEPS * layers):
+        for rows, cols in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)):
+            out.add("z", "all_gather", z, rows * cols * e // x)  # z pieces of the x·y block
+        for _ in range(2):
+            out.add("x", "all_reduce", x, tokens * h * e)
+    return out
+
+
+def _minus(a: dict, b: dict) -> dict:
+    """``a − b`` of two ``Traffic.as_dict()`` results (zeros left out)."""
+    out: dict = {}
+    for axis in set(a) | set(b):
+        for kind in set(a.get(axis, {})) | set(b.get(axis, {})):
+            d = a.get(axis, {}).get(kind, 0) - b.get(axis, {}).get(kind, 0)
+            if d:
+                out.setdefault(axis, {})[kind] = d
+    return out
+
+
+def _gcn_check(grid, kind: str) -> dict:
+    """The 3D full-graph model with full recompute: logits and gradients equal the serial
+    model's; forward bytes equal plain forward's, backward bytes plain backward's plus the
+    forward's (measured, formula and the model's own schedule)."""
+    from gnnpar import comm
+    from gnnpar.sparse import parallelize_fullgraph
+
+    a, x, y, train = small_graph(n=N)
+    a_hat = normalise(a, kind)
+    ref = serial_model(kind, DIMS[kind], dropout=0.5)
+    ref.train()
+    logits = ref(serial_adj(a_hat), x, dropout_seed=11)
+    F.cross_entropy(logits[train], y[train]).backward()
+    source = make_source(a_hat, x, y, train, True)
+    traffic, grads = {}, {}
+    for mode in ("none", "full"):
+        par = parallelize_fullgraph(ref, grid, source)
+        par.activation_checkpointing = mode
+        par.train()
+        with comm.record(grid) as fwd:
+            out = par(par.input_features(), dropout_seed=11)
+        loss = par.loss(out)
+        with comm.record(grid) as bwd:
+            loss.backward()
+        traffic[mode] = (fwd, bwd)
+        grads[mode] = par.full_weights(grads=True)
+        check_schedule(fwd, bwd, par.expected_bytes(), f"{kind} {mode}")
+    ids = source.node_ids(par.output_order, par.logits_rows)
+    c0, c1 = par.logits_cols
+    errs = [_rel(out.detach(), logits.detach()[ids][:, c0:c1])]
+    for i, layer in enumerate(ref.layers):
+        errs.append(_rel(grads["full"][i]["weight"], layer.stacked_weight_grad()))
+        errs.append(_rel(grads["full"][i]["bias"], layer.bias.grad))
+    f, b = plexus_bytes(grid.shape, grid.coords(), N, DIMS[kind], 2 if kind == "sage" else 1,
+                        8, False, True)  # fmt: skip
+    f.check(traffic["full"][0].as_dict(), f"{kind} forward")
+    for axis, kinds in f.bytes.items():  # backward: its own, then the recompute's forward
+        for k, v in kinds.items():
+            b.bytes[axis][k] += v
+            b.calls[axis][k] += f.calls[axis][k]
+    b.check(traffic["full"][1].as_dict(), f"{kind} backward with recompute")
+    extra = _minus(traffic["full"][1].as_dict(), traffic["none"][1].as_dict())
+    assert extra == traffic["none"][0].as_dict(), (kind, extra)
+    return {"err": max(errs)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+def _world() -> dict:
+    import gnnpar
+
+    world = gnnpar.init()
+    grid = gnnpar.reshape(world, **SPEC)
+    out = {"gpt": {}, "gcn": {}}
+    for stage in STAGES:
+        for mode in MODES:
+            out["gpt"][(stage, mode)] = _gpt_run(grid, stage, mode)
+    grid = gnnpar.reshape(grid, x=2, y=2, z=2)
+    for kind in ("gcn", "sage"):
+        out["gcn"][kind] = _gcn_check(grid, kind)
+    gnnpar.shutdown(grid)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_distributed(_world, 8, timeout=600)
+
+
+def test_checkpointed_gpt_trains_as_the_plain_one(world):
+    for rank in world:
+        for stage in STAGES:
+            plain = rank["gpt"][(stage, "none")]["params"]
+            for mode in ("full", "selective"):
+                got = rank["gpt"][(stage, mode)]["params"]
+                assert list(got) == list(plain)
+                for key, want in plain.items():
+                    assert _rel(torch.from_numpy(got[key]), torch.from_numpy(want)) <= TOL, (
+                        stage, mode, key)  # fmt: skip
+
+
+def test_recompute_bytes_equal_their_formulas(world):
+    want = _recompute_bytes()
+    for rank in world:
+        for stage in STAGES:
+            plain = rank["gpt"][(stage, "none")]
+            # selective recomputes only the attention core: nothing moves again
+            assert rank["gpt"][(stage, "selective")]["bytes"] == plain["bytes"]
+            full = rank["gpt"][(stage, "full")]
+            want.check(_minus(full["bytes"], plain["bytes"]), f"stage {stage} full recompute")
+        # ZeRO-3: the recompute's gather of a block is the backward gather it had anyway:
+        # each unit's padded chunks gathered twice a step (forward, backward), float64
+        for mode in MODES:
+            run = rank["gpt"][(3, mode)]
+            gathered = run["bytes"]["data"]["all_gather"]
+            formula = STEPS * 2 * gather_bytes(SPEC["data"], run["padded"] * 8)
+            assert abs(gathered - formula) <= run["gathers"], (mode, gathered, formula)
+
+
+def test_fullgraph_recompute_equals_the_serial_model_and_moves_the_forward_again(world):
+    for rank in world:
+        for kind, res in rank["gcn"].items():
+            assert res["err"] <= TOL, (kind, res)
+
+
+def test_modes_are_checked():
+    model = GPT(GPTConfig(**CFG))
+    with pytest.raises(ValueError, match="must be one of none, full, selective"):
+        set_activation_checkpointing(model, "partial")
+    with pytest.raises(ValueError, match="has no GPT Block"):
+        set_activation_checkpointing(torch.nn.Linear(2, 2), "full")
