@@ -95,7 +95,7 @@ class Tokens:
     def split(self, val_fraction: float):
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, self.vocab_size, (100_000,), generator=gen)
-        return ids, ids[:2000]
+        return ids, ids[:20_000]  # a validation batch of long sequences fits too
 
 
 # ------------------------------------------------------------------------ one rank's run

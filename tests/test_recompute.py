@@ -209,3 +209,62 @@ def test_modes_are_checked():
         set_activation_checkpointing(model, "partial")
     with pytest.raises(ValueError, match="has no GPT Block"):
         set_activation_checkpointing(torch.nn.Linear(2, 2), "full")
+
+
+def test_the_option_is_checked_per_task_and_counted_by_the_planner():
+    """One spelling as TOML key and flag; gcn refuses selective and gpt refuses it on GPT-2
+    in one line; the planner keeps less with full recompute and adds its forward again."""
+    from gnnpar.nn.gpt import GPTConfig as Sizes
+    from gnnpar.plan import GPTProblem
+    from gnnpar.plan.comm_model import gcn_collectives, gpt_collectives
+    from gnnpar.plan.compute import gpt_compute_seconds
+    from gnnpar.plan.machines import get_machine
+    from gnnpar.plan.memory import gcn_memory, gpt_memory
+    from gnnpar.plan.problems import GCNProblem, PlanError
+    from gnnpar.train.config import ConfigError, from_mapping
+    from gnnpar.train.fullgraph import FullGraphConfig
+    from gnnpar.train.gpt import GPTTaskConfig
+
+    key = "activation_checkpointing"
+    assert from_mapping(GPTTaskConfig, {key: "selective"}).activation_checkpointing == "selective"
+    from_mapping(FullGraphConfig, {key: "full"}).check()
+    with pytest.raises(ConfigError, match="full-graph layers take none or full"):
+        from_mapping(FullGraphConfig, {key: "selective"}).check()
+    with pytest.raises(ConfigError, match="needs model = gpt"):
+        from_mapping(GPTTaskConfig, {key: "full", "model": "hf-gpt2"}).check()
+    with pytest.raises(ConfigError, match="must be one of none, full, selective"):
+        from_mapping(GPTTaskConfig, {key: "some"}).check()
+    with pytest.raises(PlanError, match="activation_checkpointing"):
+        GCNProblem(100, 300, 8, 3, activation_checkpointing="selective")
+
+    # the planner, on the tested run: the recompute's collectives are the formula's
+    def gpt(mode):
+        return GPTProblem(Sizes(**CFG), batch=BATCH, element_size=8, stage=3,
+                          activation_checkpointing=mode)  # fmt: skip
+
+    extra: dict = {}
+    for c in gpt_collectives(gpt("full"), SPEC):
+        if c.what.startswith("recompute: "):
+            extra.setdefault(c.axis, {}).setdefault(c.kind, 0)
+            extra[c.axis][c.kind] += c.total * STEPS
+    _recompute_bytes().check(extra, "planner's recompute collectives")
+    assert not any(c.what.startswith("recompute") for c in gpt_collectives(gpt("selective"), SPEC))
+    mem = {m: gpt_memory(gpt(m), SPEC)["activations"] for m in MODES}
+    # full: the logits, each block's input (tokens × h) and one block's activations
+    tokens = BATCH // (SPEC["data"] * SPEC["z"]) * CFG["block_size"]
+    logits = 2 * tokens * CFG["vocab_size"] // SPEC["x"] * 4  # float32, and their softmax
+    one_block = (mem["none"] - logits) / CFG["n_layer"]
+    assert mem["selective"] == mem["none"] and one_block > tokens * CFG["n_embd"] * 8
+    want = logits + CFG["n_layer"] * tokens * CFG["n_embd"] * 8 + one_block
+    assert mem["full"] == pytest.approx(want)
+    machine = get_machine("cpu", None)
+    t = {m: sum(gpt_compute_seconds(gpt(m), SPEC, machine).values()) for m in MODES}
+    assert t["none"] < t["selective"] < t["full"]
+    gcn = {m: GCNProblem(1000, 5000, 16, 4, hidden=32, activation_checkpointing=m)
+           for m in ("none", "full")}  # fmt: skip
+    shape = {"x": 2, "y": 2, "z": 2}
+    assert gcn_memory(gcn["full"], shape)["activations"] < gcn_memory(gcn["none"], shape)[
+        "activations"]  # fmt: skip
+    plain, again = (gcn_collectives(gcn[m], shape) for m in ("none", "full"))
+    recomputed = [c for c in again if c.what.startswith("recompute: ")]
+    assert len(again) == len(plain) + len(recomputed) and recomputed
