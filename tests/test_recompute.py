@@ -69,6 +69,40 @@ def _gpt_run(grid, stage: int, mode: str) -> dict:
     }
 
 
+def _pipeline_run(world, mode: str) -> dict:
+    """Three steps of the GPT as a 1F1B pipeline of 2 stages on ``pipe=2,data=2,x=2``,
+    ZeRO-3 (the chunks run their blocks with the recompute too)."""
+    import gnnpar
+    from gnnpar import tensor
+    from gnnpar.nn.gpt import Block
+    from gnnpar.pipeline.gpt import gpt_pipeline
+    from gnnpar.shard import by_type, shard
+
+    grid = gnnpar.reshape(world, pipe=2, data=2, x=2)
+    torch.manual_seed(0)
+    model = tensor.parallelize(GPT(GPTConfig(**CFG)).double(), grid)
+    set_activation_checkpointing(model, mode)
+    head = model.lm_head
+    pipe = gpt_pipeline(model, grid, "1f1b", 2,
+                        shard_fn=lambda c: shard(c, grid, 3, units=by_type(Block)))  # fmt: skip
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    rows = slice(grid.rank("data") * BATCH // 2, (grid.rank("data") + 1) * BATCH // 2)
+    def loss_fn(logits, y):
+        return tensor.cross_entropy(logits, y, head) / 2, 0.0
+
+    torch.manual_seed(1)
+    for step in range(STEPS):
+        ids = _batch(step)[rows]
+        pipe.step(list(ids[:, :-1].chunk(2)), list(ids[:, 1:].chunk(2)), loss_fn, torch.float64)
+        opt.step()
+        opt.zero_grad()
+        pipe.sync_params()
+    params = {}
+    for dp in pipe.dps:
+        params.update({k: v.detach().numpy().copy() for k, v in dp.full_state_dict().items()})
+    return {"params": params}, grid
+
+
 def _recompute_bytes() -> Bytes:
     """The forward collectives of every block once more per step (x = 2, z = 2, y = 1: each
     projection's weight piece all-gathered over z; attention's and the MLP's output
@@ -151,10 +185,12 @@ def _world() -> dict:
 
     world = gnnpar.init()
     grid = gnnpar.reshape(world, **SPEC)
-    out = {"gpt": {}, "gcn": {}}
+    out = {"gpt": {}, "gcn": {}, "pipeline": {}}
     for stage in STAGES:
         for mode in MODES:
             out["gpt"][(stage, mode)] = _gpt_run(grid, stage, mode)
+    for mode in ("none", "full"):
+        out["pipeline"][mode], grid = _pipeline_run(grid, mode)
     grid = gnnpar.reshape(grid, x=2, y=2, z=2)
     for kind in ("gcn", "sage"):
         out["gcn"][kind] = _gcn_check(grid, kind)
@@ -177,6 +213,14 @@ def test_checkpointed_gpt_trains_as_the_plain_one(world):
                 for key, want in plain.items():
                     assert _rel(torch.from_numpy(got[key]), torch.from_numpy(want)) <= TOL, (
                         stage, mode, key)  # fmt: skip
+
+
+def test_checkpointed_pipeline_chunks_train_as_the_plain_ones(world):
+    for rank in world:
+        plain, got = rank["pipeline"]["none"]["params"], rank["pipeline"]["full"]["params"]
+        assert list(got) == list(plain) and plain
+        for key, want in plain.items():
+            assert _rel(torch.from_numpy(got[key]), torch.from_numpy(want)) <= TOL, key
 
 
 def test_recompute_bytes_equal_their_formulas(world):
