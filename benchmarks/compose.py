@@ -36,14 +36,16 @@ shape with data ≥ 2 and every ZeRO stage.
 ``--checkpointing`` instead runs the step with each ``activation_checkpointing`` mode
 (none, full, selective; :mod:`gnnpar.recompute`) on ``--ckpt-grid`` (default ``data=2,x=2``,
 ZeRO-3, 4 ranks), the modes alternating in fresh worlds, ``--repeats`` runs each, with
-``--seq`` tokens per sequence (positions grown to fit): step time, peak RSS minus the idle
-baseline and the baseline, beside the planner's predicted memory and step time for the same
-run, and each mode's ratio to none, measured and predicted.
+``--seq`` tokens per sequence (positions grown to fit) and ``--dropout`` (with dropout the
+host's attention runs unfused and keeps its scores, what selective recompute drops): step
+time, peak RSS minus the idle baseline and the baseline, beside the planner's predicted
+memory and step time for the same run, and each mode's ratio to none, measured and predicted.
 
     python benchmarks/compose.py                  # the three pairs (about 30 min on 2 cores)
     python benchmarks/compose.py --planner-memory # 40 runs of 8 ranks
     python benchmarks/compose.py --quick          # a small model, 2 runs each
     python benchmarks/compose.py --checkpointing --seq 256 --repeats 2   # recompute modes
+    python benchmarks/compose.py --checkpointing --seq 256 --repeats 2 --dropout 0.1
     python benchmarks/compose.py --pairs d2x2-zero0 --peer-fused   # one pair, fused peers
 """
 
@@ -473,6 +475,7 @@ def main() -> int:
     p.add_argument("--ckpt-grid", default="data=2,x=2", help="grid of --checkpointing")
     p.add_argument("--ckpt-stage", type=int, default=3, help="ZeRO stage of --checkpointing")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (--checkpointing)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout (--checkpointing)")
     p.add_argument(
         "--peer-fused", action="store_true",
         help="give the peers torch's fused AdamW too (ours uses it; the peers' recipes keep "
@@ -490,6 +493,8 @@ def main() -> int:
     sizes = model_sizes(args.quick)
     if args.seq:
         sizes["block_size"] = args.seq
+    if args.dropout:
+        sizes["dropout"] = args.dropout
     from gnnpar.nn.gpt import GPT, GPTConfig
 
     with torch.device("meta"):
@@ -511,7 +516,8 @@ def main() -> int:
         res = checkpointing(cfg, args.ckpt_grid, args.ckpt_stage, cfg["repeats"])
         res["load_average"] = os.getloadavg()
         res["config"] = cfg
-        name = f"compose-checkpointing{tag}-seq{sizes['block_size']}.json"
+        name = f"compose-checkpointing{tag}-seq{sizes['block_size']}"
+        name += f"-dropout{args.dropout:g}.json" if args.dropout else ".json"
         (OUT / name).write_text(json.dumps(res, indent=1))
         print(checkpointing_table(res, cfg))
         print(f"load average {os.getloadavg()[0]:.1f}")
