@@ -298,6 +298,11 @@ def pairs(cfg: dict[str, Any], repeats: int, names: list[str]) -> dict[str, Any]
     return results
 
 
+def _cell(d: dict[str, float], fmt: str) -> str:
+    """``median (min–max)`` of a spread."""
+    return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
+
+
 def pairs_table(results: dict[str, Any], cfg: dict[str, Any]) -> str:
     lines = [
         f"GPT of {cfg['params'] / 1e6:.1f}M parameters, global batch {cfg['batch']} x "
@@ -314,17 +319,14 @@ def pairs_table(results: dict[str, Any], cfg: dict[str, Any]) -> str:
             continue
         o, p = row["ours"], row["peer"]
 
-        def cell(d: dict[str, float], fmt: str) -> str:
-            return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
-
         lines.append(
             f"| {row['parallel']['grid']}, ZeRO-{row['parallel']['zero_stage']} "
             f"| {row['peer_name']} "
-            f"| {cell(o['step_s'], '.2f')} / {cell(p['step_s'], '.2f')} | "
+            f"| {_cell(o['step_s'], '.2f')} / {_cell(p['step_s'], '.2f')} | "
             f"**{row['time_ratio']:.2f}×** | {o['cpu_s']['median']:.2f} / "
             f"{p['cpu_s']['median']:.2f} | {row['cpu_ratio']:.2f}× | "
-            f"{cell(o['memory_mb'], '.0f')} / "
-            f"{cell(p['memory_mb'], '.0f')} | **{row['memory_ratio']:.2f}×** | "
+            f"{_cell(o['memory_mb'], '.0f')} / "
+            f"{_cell(p['memory_mb'], '.0f')} | **{row['memory_ratio']:.2f}×** | "
             f"{o['baseline_mb']['median']:.0f} / {p['baseline_mb']['median']:.0f} |"
         )
     lines.append(f"\ntargets: step time ≤ {TARGETS['time']}× the peer's, memory ≤ "
@@ -434,12 +436,9 @@ def checkpointing_table(res: dict[str, Any], cfg: dict[str, Any]) -> str:
             lines.append(f"| {mode} | failed: see JSON | | | | | | | | |")
             continue
 
-        def cell(d: dict[str, float], fmt: str) -> str:
-            return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
-
         lines.append(
-            f"| {mode} | {cell(r['step_s'], '.2f')} | {r.get('step_vs_none', float('nan')):.2f} "
-            f"| {cell(r['memory_mb'], '.0f')} | {r.get('memory_vs_none', float('nan')):.2f} "
+            f"| {mode} | {_cell(r['step_s'], '.2f')} | {r.get('step_vs_none', float('nan')):.2f} "
+            f"| {_cell(r['memory_mb'], '.0f')} | {r.get('memory_vs_none', float('nan')):.2f} "
             f"| {r['baseline_mb']['median']:.0f} | {r['predicted_mb']:.0f} "
             f"| {r['predicted_memory_vs_none']:.2f} | {r['predicted_step_s']:.3f} "
             f"| {r['predicted_step_vs_none']:.2f} |"

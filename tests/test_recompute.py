@@ -12,15 +12,8 @@ import torch.nn.functional as F
 
 from gnnpar.nn.gpt import GPT, GPTConfig, set_activation_checkpointing
 from gnnpar.testing import run_distributed
+from tests import fullgraph_utils as fg
 from tests.byte_formulas import Bytes, gather_bytes, plexus_bytes
-from tests.fullgraph_utils import (
-    check_schedule,
-    make_source,
-    normalise,
-    serial_adj,
-    serial_model,
-    small_graph,
-)
 
 # dropout on: the recompute must draw the forward's masks again
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.1)
@@ -137,13 +130,13 @@ def _gcn_check(grid, kind: str) -> dict:
     from gnnpar import comm
     from gnnpar.sparse import parallelize_fullgraph
 
-    a, x, y, train = small_graph(n=N)
-    a_hat = normalise(a, kind)
-    ref = serial_model(kind, DIMS[kind], dropout=0.5)
+    a, x, y, train = fg.small_graph(n=N)
+    a_hat = fg.normalise(a, kind)
+    ref = fg.serial_model(kind, DIMS[kind], dropout=0.5)
     ref.train()
-    logits = ref(serial_adj(a_hat), x, dropout_seed=11)
+    logits = ref(fg.serial_adj(a_hat), x, dropout_seed=11)
     F.cross_entropy(logits[train], y[train]).backward()
-    source = make_source(a_hat, x, y, train, True)
+    source = fg.make_source(a_hat, x, y, train, True)
     traffic, grads = {}, {}
     for mode in ("none", "full"):
         par = parallelize_fullgraph(ref, grid, source)
@@ -156,7 +149,7 @@ def _gcn_check(grid, kind: str) -> dict:
             loss.backward()
         traffic[mode] = (fwd, bwd)
         grads[mode] = par.full_weights(grads=True)
-        check_schedule(fwd, bwd, par.expected_bytes(), f"{kind} {mode}")
+        fg.check_schedule(fwd, bwd, par.expected_bytes(), f"{kind} {mode}")
     ids = source.node_ids(par.output_order, par.logits_rows)
     c0, c1 = par.logits_cols
     errs = [_rel(out.detach(), logits.detach()[ids][:, c0:c1])]
