@@ -31,17 +31,17 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, CFG["vocab_size"], (BATCH, CFG["block_size"] + 1), generator=g)
 
 
-def _gpt_run(grid, stage: int, mode: str) -> dict:
+def _gpt_run(grid, stage: int, mode: str, fcdp: bool = False) -> dict:
     """Three AdamW steps of the GPT on ``grid``: the final parameters, the bytes per axis of
     the steps, and the data-axis bytes ZeRO-3's units should gather (their padded size)."""
     from gnnpar import comm, tensor
     from gnnpar.nn.gpt import Block
-    from gnnpar.shard import by_type, shard
+    from gnnpar.shard import FCDP, by_type, shard
 
     torch.manual_seed(0)
     par = tensor.parallelize(GPT(GPTConfig(**CFG)).double(), grid)
     set_activation_checkpointing(par, mode)
-    dp = shard(par, grid, stage, units=by_type(Block))
+    dp = shard(par, grid, stage, units=by_type(Block), fcdp=FCDP() if fcdp else None)
     opt = dp.attach(torch.optim.AdamW(dp.parameters(), lr=LR))
     shards = grid.size("data") * grid.size("z")
     index = grid.rank("z") + grid.size("z") * grid.rank("data")
@@ -182,6 +182,8 @@ def _world() -> dict:
     for stage in STAGES:
         for mode in MODES:
             out["gpt"][(stage, mode)] = _gpt_run(grid, stage, mode)
+    # FCDP: the recompute's gather is served from the forward's cache
+    out["gpt"][("fcdp", "full")] = _gpt_run(grid, 3, "full", fcdp=True)
     for mode in ("none", "full"):
         out["pipeline"][mode], grid = _pipeline_run(grid, mode)
     grid = gnnpar.reshape(grid, x=2, y=2, z=2)
@@ -198,9 +200,9 @@ def world():
 
 def test_checkpointed_gpt_trains_as_the_plain_one(world):
     for rank in world:
-        for stage in STAGES:
-            plain = rank["gpt"][(stage, "none")]["params"]
-            for mode in ("full", "selective"):
+        for stage in (*STAGES, "fcdp"):
+            plain = rank["gpt"][(3 if stage == "fcdp" else stage, "none")]["params"]
+            for mode in ("full",) if stage == "fcdp" else ("full", "selective"):
                 got = rank["gpt"][(stage, mode)]["params"]
                 assert list(got) == list(plain)
                 for key, want in plain.items():
@@ -232,6 +234,12 @@ def test_recompute_bytes_equal_their_formulas(world):
             gathered = run["bytes"]["data"]["all_gather"]
             formula = STEPS * 2 * gather_bytes(SPEC["data"], run["padded"] * 8)
             assert abs(gathered - formula) <= run["gathers"], (mode, gathered, formula)
+        # FCDP: the recompute rebuilds each unit from the forward's cache: one data-axis
+        # gather a step, none in backward
+        run = rank["gpt"][("fcdp", "full")]
+        gathered = run["bytes"]["data"]["all_gather"]
+        formula = STEPS * gather_bytes(SPEC["data"], run["padded"] * 8)
+        assert abs(gathered - formula) <= run["gathers"], ("fcdp", gathered, formula)
 
 
 def test_fullgraph_recompute_equals_the_serial_model_and_moves_the_forward_again(world):
