@@ -261,7 +261,7 @@ def test_the_option_is_checked_per_task_and_counted_by_the_planner():
     in one line; the planner keeps less with full recompute and adds its forward again."""
     from gnnpar.nn.gpt import GPTConfig as Sizes
     from gnnpar.plan import GPTProblem
-    from gnnpar.plan.comm_model import gcn_collectives, gpt_collectives
+    from gnnpar.plan.comm_model import gcn_collectives, gpt_collectives, gpt_layout
     from gnnpar.plan.compute import gpt_compute_seconds
     from gnnpar.plan.machines import get_machine
     from gnnpar.plan.memory import gcn_memory, gpt_memory
@@ -287,14 +287,16 @@ def test_the_option_is_checked_per_task_and_counted_by_the_planner():
         return GPTProblem(Sizes(**CFG), batch=BATCH, element_size=8, stage=3,
                           activation_checkpointing=mode)  # fmt: skip
 
+    layout = gpt_layout(gpt("none"), SPEC)  # the modes share it (a meta model is slow)
     extra: dict = {}
-    for c in gpt_collectives(gpt("full"), SPEC):
+    for c in gpt_collectives(gpt("full"), SPEC, layout=layout):
         if c.what.startswith("recompute: "):
             extra.setdefault(c.axis, {}).setdefault(c.kind, 0)
             extra[c.axis][c.kind] += c.total * STEPS
     _recompute_bytes().check(extra, "planner's recompute collectives")
-    assert not any(c.what.startswith("recompute") for c in gpt_collectives(gpt("selective"), SPEC))
-    mem = {m: gpt_memory(gpt(m), SPEC)["activations"] for m in MODES}
+    selective = gpt_collectives(gpt("selective"), SPEC, layout=layout)
+    assert not any(c.what.startswith("recompute") for c in selective)
+    mem = {m: gpt_memory(gpt(m), SPEC, layout)["activations"] for m in MODES}
     # full: the logits, each block's input (tokens × h) and one block's activations
     tokens = BATCH // (SPEC["data"] * SPEC["z"]) * CFG["block_size"]
     logits = 2 * tokens * CFG["vocab_size"] // SPEC["x"] * 4  # float32, and their softmax
@@ -303,7 +305,7 @@ def test_the_option_is_checked_per_task_and_counted_by_the_planner():
     want = logits + CFG["n_layer"] * tokens * CFG["n_embd"] * 8 + one_block
     assert mem["full"] == pytest.approx(want)
     machine = get_machine("cpu", None)
-    t = {m: sum(gpt_compute_seconds(gpt(m), SPEC, machine).values()) for m in MODES}
+    t = {m: sum(gpt_compute_seconds(gpt(m), SPEC, machine, layout).values()) for m in MODES}
     assert t["none"] < t["selective"] < t["full"]
     gcn = {m: GCNProblem(1000, 5000, 16, 4, hidden=32, activation_checkpointing=m)
            for m in ("none", "full")}  # fmt: skip
