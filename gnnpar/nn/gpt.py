@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +139,7 @@ def set_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def run_blocks(blocks, x: torch.Tensor) -> torch.Tensor:
+def run_blocks(blocks: Iterable[Block], x: torch.Tensor) -> torch.Tensor:
     """``x`` through ``blocks`` in order; a block with ``recompute_all`` is called (hooks
     and all, so that a sharded block is gathered again) once more in backward."""
     for block in blocks:
