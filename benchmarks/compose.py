@@ -418,6 +418,7 @@ def checkpointing(cfg: dict[str, Any], grid: str, stage: int, repeats: int) -> d
         if "memory_mb" in row and "memory_mb" in base:
             row["memory_vs_none"] = row["memory_mb"]["median"] / base["memory_mb"]["median"]
             row["step_vs_none"] = row["step_s"]["median"] / base["step_s"]["median"]
+            row["cpu_vs_none"] = row["cpu_s"]["median"] / base["cpu_s"]["median"]
     return {"grid": grid, "stage": stage, "world": world, "modes": rows}
 
 
@@ -427,17 +428,19 @@ def checkpointing_table(res: dict[str, Any], cfg: dict[str, Any]) -> str:
         f"{cfg['sizes']['block_size']} tokens, {res['grid']} ZeRO-{res['stage']}; medians of "
         f"{cfg['repeats']} runs (min-max)",
         "",
-        "| activation checkpointing | step (s) | × none | memory: peak − baseline (MB) | "
-        "× none | baseline (MB) | planner: memory (MB) | × none | planner: step (s) | × none |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| activation checkpointing | step (s) | × none | CPU s/step/rank | × none | memory: peak "
+        "− baseline (MB) | × none | baseline (MB) | planner: memory (MB) | × none | planner: "
+        "step (s) | × none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in res["modes"].items():
         if "memory_mb" not in r:
-            lines.append(f"| {mode} | failed: see JSON | | | | | | | | |")
+            lines.append(f"| {mode} | failed: see JSON | | | | | | | | | | |")
             continue
 
         lines.append(
             f"| {mode} | {_cell(r['step_s'], '.2f')} | {r.get('step_vs_none', float('nan')):.2f} "
+            f"| {r['cpu_s']['median']:.2f} | {r.get('cpu_vs_none', float('nan')):.2f} "
             f"| {_cell(r['memory_mb'], '.0f')} | {r.get('memory_vs_none', float('nan')):.2f} "
             f"| {r['baseline_mb']['median']:.0f} | {r['predicted_mb']:.0f} "
             f"| {r['predicted_memory_vs_none']:.2f} | {r['predicted_step_s']:.3f} "
