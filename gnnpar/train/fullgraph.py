@@ -317,6 +317,7 @@ class FullGraphTask:
                 algorithm=cfg.algorithm,
                 model=cfg.model,
                 heads=(cfg.heads, cfg.out_heads),
+                activation_checkpointing=cfg.activation_checkpointing,
             )
         self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
         #: Who chose the grid, for the start lines.
