@@ -10,6 +10,7 @@
         --gpus 1024 --machine perlmutter --plot plan.png
     gnnpar plan gpt --n-layer 2 --n-embd 64 --n-head 8 --gpus 8 --machine cpu \\
         --bandwidth bw.json
+    gnnpar plan gpt --params 1.3B --grid context=4 --gpus 8 --memory-gb 40 --longest-sequence
     gnnpar plan machines
 
 The model and run options are the trainer's (``gnnpar train gcn|gpt``), with its defaults.
@@ -35,13 +36,24 @@ from gnnpar.plan.problems import (
     gpt_sizes,
     parse_count,
 )
-from gnnpar.plan.rank import Candidate, rank_gcn, rank_gpt_stages, shape_label
+from gnnpar.plan.rank import (
+    Candidate,
+    longest_sequence,
+    rank_gcn,
+    rank_gpt_stages,
+    shape_label,
+)
 
 __all__ = ["add_plan_commands", "format_candidates", "plot_candidates"]
 
 
 def _machine(args: argparse.Namespace) -> Machine:
-    return get_machine(args.machine, args.bandwidth or None)
+    machine = get_machine(args.machine, args.bandwidth or None)
+    if getattr(args, "memory_gb", None) is not None:  # a stated per-rank memory
+        if args.memory_gb <= 0:
+            raise PlanError(f"--memory-gb must be positive, got {args.memory_gb}")
+        machine = dataclasses.replace(machine, memory_gb=args.memory_gb)
+    return machine
 
 
 # The trainer's options that ``gnnpar plan`` takes, spelled and defaulted as the trainer's:
@@ -164,7 +176,9 @@ def _pipeline_cell(c: Candidate) -> str:
 def format_candidates(cands: list[Candidate], top: int) -> str:
     """A plain-text table of the ``top`` best shapes (and how many do not fit)."""
     axes = [
-        a for a in ("x", "y", "z", "data", "tensor", "pipe") if any(c.bytes.get(a) for c in cands)
+        a
+        for a in ("x", "y", "z", "context", "data", "tensor", "pipe")
+        if any(c.bytes.get(a) for c in cands)
     ]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]
     stages = len({c.stage for c in cands}) > 1
@@ -231,11 +245,38 @@ def _cmd_gcn(args: argparse.Namespace) -> int:
     return _report(cands, args, title)
 
 
+def _grid_shape(args: argparse.Namespace) -> dict[str, int]:
+    """The axes ``--grid`` fixes (none without it)."""
+    from gnnpar.grid import GridError, parse_grid_spec
+
+    if not args.grid:
+        return {}
+    try:
+        return parse_grid_spec(args.grid)
+    except GridError as err:
+        raise PlanError(str(err)) from None
+
+
 def _cmd_gpt(args: argparse.Namespace) -> int:
     problem = _gpt_problem(args)
     machine = _machine(args)
     stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
-    cands = rank_gpt_stages(problem, args.gpus, machine, stages)
+    shape = _grid_shape(args)
+    if args.longest_sequence:
+        seq, best = longest_sequence(problem, args.gpus, machine, stages, shape)
+        where = f"{count(args.gpus, 'rank')} of {machine.memory_gb:g} GB"
+        if best is None:
+            print(f"no sequence length fits {where}")
+            return 0
+        print(
+            f"longest sequence: {seq:,} tokens on {where} (shape {shape_label(best.shape)}, "
+            f"ZeRO stage {best.stage}, {best.memory_bytes / 1e9:,.2f} GB per rank, "
+            f"batch {problem.batch})"
+        )
+        return 0
+    cands = rank_gpt_stages(problem, args.gpus, machine, stages, shape.get("context", 1))
+    fixed = {a: v for a, v in shape.items() if a != "context"}
+    cands = [c for c in cands if all(c.shape.get(a, 1) == v for a, v in fixed.items())]
     which = "ZeRO stage 0-3" if args.stage is None else f"ZeRO stage {args.stage}"
     title = (
         f"GPT {format_count(problem.num_params)} ({problem.layers} layers, "
@@ -314,6 +355,22 @@ def add_plan_commands(subparsers: Any) -> None:
         help=f"a built-in size: {', '.join(gpt_sizes())} (sets n_layer, n_embd, n_head)",
     )
     add_flags(t, GPTTaskConfig, GPT_OPTIONS)
+    t.add_argument(
+        "--grid",
+        default=None,
+        help="fix these axes (the trainer's --grid, e.g. context=4 or x=2,data=2)",
+    )
+    t.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory per rank in GB (default: the machine's)",
+    )
+    t.add_argument(
+        "--longest-sequence",
+        action="store_true",
+        help="print the longest block size that fits the memory per rank instead",
+    )
     t.add_argument(
         "--stage",
         type=int,

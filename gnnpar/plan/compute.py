@@ -28,6 +28,7 @@ from gnnpar.plan.comm_model import (
     gcn_local_layers,
     gpt_layout,
     grid_shape,
+    seq_per_rank,
 )
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem
@@ -90,7 +91,8 @@ def gpt_compute_seconds(
     mods = gpt_layout(problem, shape) if layout is None else layout
     b_loc = batch_per_rank(problem, g)
     e, h, t = problem.element_size, problem.hidden, problem.seq
-    tokens = b_loc * t
+    t_loc = seq_per_rank(problem, g)  # with context, each rank's queries meet all T keys
+    tokens = b_loc * t_loc
     out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "optimizer": 0.0}
     full = problem.activation_checkpointing == "full"
     local = 0
@@ -106,14 +108,14 @@ def gpt_compute_seconds(
     # causal attention (flash: the masked half skipped), forward + backward ≈ 3 × forward
     # (full and selective recompute run the forward's third once more)
     passes = 3 if problem.activation_checkpointing == "none" else 4
-    attn_flops = passes * 2.0 * b_loc * t * t * h_heads
+    attn_flops = passes * 2.0 * b_loc * t_loc * t * h_heads
     out["attention"] = problem.layers * attn_flops / (machine.gemm_tflops * 1e12)
     # norms, residuals, dropout: full width on every rank; GELU on this rank's 4h chunk
     # (full recompute: the forward's half once more)
     per_layer = tokens * (24 * h + 16 * 4 * h / fc.layout.row_parts) * e * (1.5 if full else 1)
     loss = tokens * problem.vocab / head.layout.row_parts * 4 * 4
     out["elementwise"] = _stream(problem.layers * per_layer + loss, machine)
-    shard = g.data if problem.stage >= 1 else 1
+    shard = g.data * g.context if problem.stage >= 1 else 1  # context ranks shard too
     out["optimizer"] = _stream(28 * local / shard, machine)
     share = machine.compute_share(g.world_size)
     return {k: v / share for k, v in out.items()}
