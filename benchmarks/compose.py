@@ -33,9 +33,19 @@ memory ≤ 1.0×).
 measured peak (minus the baseline) of ``gnnpar train gpt``'s step on 8 ranks, for every
 shape with data ≥ 2 and every ZeRO stage.
 
+``--checkpointing`` instead runs the step with each ``activation_checkpointing`` mode
+(none, full, selective; :mod:`gnnpar.recompute`) on ``--ckpt-grid`` (default ``data=2,x=2``,
+ZeRO-3, 4 ranks), the modes alternating in fresh worlds, ``--repeats`` runs each, with
+``--seq`` tokens per sequence (positions grown to fit) and ``--dropout`` (with dropout the
+host's attention runs unfused and keeps its scores, what selective recompute drops): step
+time, peak RSS minus the idle baseline and the baseline, beside the planner's predicted
+memory and step time for the same run, and each mode's ratio to none, measured and predicted.
+
     python benchmarks/compose.py                  # the three pairs (about 30 min on 2 cores)
     python benchmarks/compose.py --planner-memory # 40 runs of 8 ranks
     python benchmarks/compose.py --quick          # a small model, 2 runs each
+    python benchmarks/compose.py --checkpointing --seq 256 --repeats 2   # recompute modes
+    python benchmarks/compose.py --checkpointing --seq 256 --repeats 2 --dropout 0.1
     python benchmarks/compose.py --pairs d2x2-zero0 --peer-fused   # one pair, fused peers
 """
 
@@ -87,7 +97,7 @@ class Tokens:
     def split(self, val_fraction: float):
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, self.vocab_size, (100_000,), generator=gen)
-        return ids, ids[:2000]
+        return ids, ids[:20_000]  # a validation batch of long sequences fits too
 
 
 # ------------------------------------------------------------------------ one rank's run
@@ -288,6 +298,11 @@ def pairs(cfg: dict[str, Any], repeats: int, names: list[str]) -> dict[str, Any]
     return results
 
 
+def _cell(d: dict[str, float], fmt: str) -> str:
+    """``median (min–max)`` of a spread."""
+    return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
+
+
 def pairs_table(results: dict[str, Any], cfg: dict[str, Any]) -> str:
     lines = [
         f"GPT of {cfg['params'] / 1e6:.1f}M parameters, global batch {cfg['batch']} x "
@@ -304,17 +319,14 @@ def pairs_table(results: dict[str, Any], cfg: dict[str, Any]) -> str:
             continue
         o, p = row["ours"], row["peer"]
 
-        def cell(d: dict[str, float], fmt: str) -> str:
-            return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
-
         lines.append(
             f"| {row['parallel']['grid']}, ZeRO-{row['parallel']['zero_stage']} "
             f"| {row['peer_name']} "
-            f"| {cell(o['step_s'], '.2f')} / {cell(p['step_s'], '.2f')} | "
+            f"| {_cell(o['step_s'], '.2f')} / {_cell(p['step_s'], '.2f')} | "
             f"**{row['time_ratio']:.2f}×** | {o['cpu_s']['median']:.2f} / "
             f"{p['cpu_s']['median']:.2f} | {row['cpu_ratio']:.2f}× | "
-            f"{cell(o['memory_mb'], '.0f')} / "
-            f"{cell(p['memory_mb'], '.0f')} | **{row['memory_ratio']:.2f}×** | "
+            f"{_cell(o['memory_mb'], '.0f')} / "
+            f"{_cell(p['memory_mb'], '.0f')} | **{row['memory_ratio']:.2f}×** | "
             f"{o['baseline_mb']['median']:.0f} / {p['baseline_mb']['median']:.0f} |"
         )
     lines.append(f"\ntargets: step time ≤ {TARGETS['time']}× the peer's, memory ≤ "
@@ -361,6 +373,82 @@ def planner_memory(cfg: dict[str, Any], stages: tuple[int, ...] = (0, 1, 2, 3)) 
     return rows
 
 
+# ------------------------------------------------------------- activation checkpointing
+CKPT_MODES = ("none", "full", "selective")
+
+
+def checkpointing(cfg: dict[str, Any], grid: str, stage: int, repeats: int) -> dict[str, Any]:
+    """Each mode of :data:`CKPT_MODES` on ``grid``, alternating in fresh worlds, with the
+    planner's prediction for the same run (memory of rank 0, step seconds)."""
+    from gnnpar.grid import parse_grid_spec
+    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.plan import GPTProblem, rank_gpt
+    from gnnpar.plan.machines import local_machine
+
+    shape = {"data": 1, "x": 1, "y": 1, "z": 1, **parse_grid_spec(grid)}
+    world = shape["data"] * shape["x"] * shape["y"] * shape["z"]
+    machine = local_machine("gloo", devices=world)
+    runs: dict[str, list] = {m: [] for m in CKPT_MODES}
+    for r in range(repeats):
+        order = CKPT_MODES if r % 2 == 0 else CKPT_MODES[::-1]
+        for mode in order:
+            parallel = {"grid": grid, "zero_stage": stage, "activation_checkpointing": mode}
+            runs[mode].append(_fresh("ours:" + json.dumps(parallel), world, cfg))
+            print(f"checkpointing {mode} run {r + 1}: {runs[mode][-1]}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+    rows: dict[str, Any] = {}
+    for mode in CKPT_MODES:
+        problem = GPTProblem(GPTConfig(**cfg["sizes"]), batch=cfg["batch"], element_size=4,
+                             stage=stage, grad_clip=True, schedule=None,
+                             activation_checkpointing=mode)  # fmt: skip
+        cand = next(c for c in rank_gpt(problem, world, machine)
+                    if all(c.shape.get(a, 1) == v for a, v in shape.items()))  # fmt: skip
+        row: dict[str, Any] = {"runs": runs[mode], "predicted_mb": cand.memory_bytes / 1e6,
+                               "predicted_parts_mb": {k: v / 1e6 for k, v in cand.memory.items()},
+                               "predicted_step_s": cand.step_seconds}  # fmt: skip
+        ok = [x for x in runs[mode] if isinstance(x, dict)]
+        if ok:
+            for key in ("step_s", "cpu_s", "memory_mb", "peak_mb", "baseline_mb"):
+                row[key] = _spread([x[key] for x in ok])
+        rows[mode] = row
+    for mode in CKPT_MODES:
+        row, base = rows[mode], rows["none"]
+        row["predicted_memory_vs_none"] = row["predicted_mb"] / base["predicted_mb"]
+        row["predicted_step_vs_none"] = row["predicted_step_s"] / base["predicted_step_s"]
+        if "memory_mb" in row and "memory_mb" in base:
+            row["memory_vs_none"] = row["memory_mb"]["median"] / base["memory_mb"]["median"]
+            row["step_vs_none"] = row["step_s"]["median"] / base["step_s"]["median"]
+            row["cpu_vs_none"] = row["cpu_s"]["median"] / base["cpu_s"]["median"]
+    return {"grid": grid, "stage": stage, "world": world, "modes": rows}
+
+
+def checkpointing_table(res: dict[str, Any], cfg: dict[str, Any]) -> str:
+    lines = [
+        f"GPT of {cfg['params'] / 1e6:.1f}M parameters, global batch {cfg['batch']} x "
+        f"{cfg['sizes']['block_size']} tokens, {res['grid']} ZeRO-{res['stage']}; medians of "
+        f"{cfg['repeats']} runs (min-max)",
+        "",
+        "| activation checkpointing | step (s) | × none | CPU s/step/rank | × none | memory: peak "
+        "− baseline (MB) | × none | baseline (MB) | planner: memory (MB) | × none | planner: "
+        "step (s) | × none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in res["modes"].items():
+        if "memory_mb" not in r:
+            lines.append(f"| {mode} | failed: see JSON | | | | | | | | | | |")
+            continue
+
+        lines.append(
+            f"| {mode} | {_cell(r['step_s'], '.2f')} | {r.get('step_vs_none', float('nan')):.2f} "
+            f"| {r['cpu_s']['median']:.2f} | {r.get('cpu_vs_none', float('nan')):.2f} "
+            f"| {_cell(r['memory_mb'], '.0f')} | {r.get('memory_vs_none', float('nan')):.2f} "
+            f"| {r['baseline_mb']['median']:.0f} | {r['predicted_mb']:.0f} "
+            f"| {r['predicted_memory_vs_none']:.2f} | {r['predicted_step_s']:.3f} "
+            f"| {r['predicted_step_vs_none']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def planner_table(rows: list[dict[str, Any]]) -> str:
     head = "| shape | ZeRO | predicted (MB) | measured peak − baseline (MB) | measured / predicted"
     lines = [head + " |", "|---|---|---|---|---|"]
@@ -385,6 +473,11 @@ def main() -> int:
     p.add_argument("--planner-memory", action="store_true", help="planner vs measured memory")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages for --planner-memory")
     p.add_argument("--pairs", default=",".join(PAIRS), help="which pairs to run (comma list)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing modes")
+    p.add_argument("--ckpt-grid", default="data=2,x=2", help="grid of --checkpointing")
+    p.add_argument("--ckpt-stage", type=int, default=3, help="ZeRO stage of --checkpointing")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (--checkpointing)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout (--checkpointing)")
     p.add_argument(
         "--peer-fused", action="store_true",
         help="give the peers torch's fused AdamW too (ours uses it; the peers' recipes keep "
@@ -400,6 +493,10 @@ def main() -> int:
         Path(args.side_out).write_text(json.dumps(out))
         return 0
     sizes = model_sizes(args.quick)
+    if args.seq:
+        sizes["block_size"] = args.seq
+    if args.dropout:
+        sizes["dropout"] = args.dropout
     from gnnpar.nn.gpt import GPT, GPTConfig
 
     with torch.device("meta"):
@@ -416,6 +513,16 @@ def main() -> int:
         part = "" if stages == (0, 1, 2, 3) else "-stages" + "".join(map(str, stages))
         (OUT / f"compose-planner-memory{tag}{part}.json").write_text(json.dumps(rows, indent=1))
         print(planner_table(rows))
+        return 0
+    if args.checkpointing:
+        res = checkpointing(cfg, args.ckpt_grid, args.ckpt_stage, cfg["repeats"])
+        res["load_average"] = os.getloadavg()
+        res["config"] = cfg
+        name = f"compose-checkpointing{tag}-seq{sizes['block_size']}"
+        name += f"-dropout{args.dropout:g}.json" if args.dropout else ".json"
+        (OUT / name).write_text(json.dumps(res, indent=1))
+        print(checkpointing_table(res, cfg))
+        print(f"load average {os.getloadavg()[0]:.1f}")
         return 0
     names = [n for n in args.pairs.split(",") if n]
     unknown = sorted(set(names) - set(PAIRS))

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gnnpar.recompute import MODES, check_mode, recompute
 
 __all__ = [
     "GPT",
@@ -29,6 +31,8 @@ __all__ = [
     "GPTConfig",
     "generate",
     "model_sizes",
+    "run_blocks",
+    "set_activation_checkpointing",
 ]
 
 
@@ -65,7 +69,12 @@ class CausalSelfAttention(nn.Module):
 
     ``attention``, when set, replaces the causal scaled-dot-product attention of
     ``(B, heads, T, head_dim)`` queries, keys and values (context parallelism sets a ring).
+    With ``recompute_core`` that attention core (scores, softmax, dropout, weighted sum)
+    keeps nothing for backward and runs again there (selective activation checkpointing; a
+    ring runs its K/V passes again).
     """
+
+    recompute_core = False
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -83,14 +92,15 @@ class CausalSelfAttention(nn.Module):
             part.view(b, t, -1, self.head_dim).transpose(1, 2)
             for part in self.qkv(x).chunk(3, dim=-1)
         )
-        if self.attention is not None:
-            y = self.attention(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )
+        y = recompute(self._core, q, k, v, enabled=self.recompute_core)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.proj(y))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.attention is not None:
+            return self.attention(q, k, v)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -107,7 +117,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``. With
+    ``recompute_all`` the model that runs it keeps only its input for backward and runs it
+    again there (full activation checkpointing: see :func:`run_blocks`)."""
+
+    recompute_all = False
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -119,6 +133,28 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    """Make every :class:`Block` of ``model`` (plain, parallel or sharded: its modules are
+    the same) recompute its activations in backward: ``"full"`` (the whole block),
+    ``"selective"`` (the attention core) or ``"none"`` (see :mod:`gnnpar.recompute`)."""
+    check_mode(mode, MODES)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if mode != "none" and not blocks:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no GPT Block")
+    for block in blocks:
+        block.recompute_all = mode == "full"
+        block.attn.recompute_core = mode == "selective"
+    return model
+
+
+def run_blocks(blocks: Iterable[Block], x: torch.Tensor) -> torch.Tensor:
+    """``x`` through ``blocks`` in order; a block with ``recompute_all`` is called (hooks
+    and all, so that a sharded block is gathered again) once more in backward."""
+    for block in blocks:
+        x = recompute(block, x, enabled=block.recompute_all)
+    return x
 
 
 def model_sizes(model: nn.Module) -> GPTConfig:
@@ -179,9 +215,7 @@ class GPT(nn.Module):
             )
         if pos is None:
             pos = torch.arange(t, device=ids.device)
-        x = self.drop(self.wte(ids) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, self.drop(self.wte(ids) + self.wpe(pos)))
         return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
@@ -249,8 +283,7 @@ class GPTChunk(nn.Module):
                 self.tie.watch(self.wte.weight)
             pos = torch.arange(t, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))
-        for block in self.blocks.values():
-            x = block(x)
+        x = run_blocks(self.blocks.values(), x)
         if not self.last:
             return x
         if self.tie is not None:

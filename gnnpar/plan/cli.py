@@ -59,10 +59,10 @@ def _machine(args: argparse.Namespace) -> Machine:
 # The trainer's options that ``gnnpar plan`` takes, spelled and defaulted as the trainer's:
 # the same flags describe the same run, so both pick the same grid.
 GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "heads", "out_heads",
-               "layers", "dtype", "mixed_precision")  # fmt: skip
+               "layers", "dtype", "mixed_precision", "activation_checkpointing")  # fmt: skip
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
-               "virtual_stages")  # fmt: skip
+               "virtual_stages", "activation_checkpointing")  # fmt: skip
 
 
 def _task_config(cls: type, args: argparse.Namespace) -> Any:
@@ -90,6 +90,7 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
         "element_size": compute_dtype(cfg).itemsize,
         "heads": cfg.heads,
         "out_heads": cfg.out_heads,
+        "activation_checkpointing": cfg.activation_checkpointing,
     }
     if not sizes_given:
         presets = gcn_datasets()

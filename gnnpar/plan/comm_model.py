@@ -217,6 +217,12 @@ def gcn_collectives(
         else:
             steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias)
         out += [Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), s.what) for s in steps]
+        if problem.activation_checkpointing == "full":  # backward runs the forward again
+            out += [
+                Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), f"recompute: {s.what}")
+                for s in steps
+                if s.phase == "forward"
+            ]
         last = lay
     if loss and last is not None:
         rows = last.rows[1] - last.rows[0]
@@ -358,8 +364,15 @@ def context_collectives(
 
 
 def _module_collectives(
-    m: ShardedLayer, g: GridShape, coords: Mapping[str, int], tokens: int, e: int
+    m: ShardedLayer,
+    g: GridShape,
+    coords: Mapping[str, int],
+    tokens: int,
+    e: int,
+    forward_only: bool = False,
 ) -> list[Collective]:
+    """One sharded layer's collectives, forward and backward (``forward_only``: the forward's,
+    which a recompute runs again)."""
     lay = m.layout
     r, c = coords[lay.row_axis], coords[lay.col_axis]
     rs, cs = lay.row_sizes(), lay.col_sizes()
@@ -379,6 +392,8 @@ def _module_collectives(
     out += _coll(i_ax, "all_reduce", pi, tokens * rs[r] * e, f"{m.name} Y = X·Wᵀ", n)
     if m.gather_output:
         out += _coll(o_ax, "all_gather", po, po * max(rs) * tokens * e, f"{m.name} gather Y", n)
+    if forward_only:
+        return out
     out += _coll(o_ax, "all_reduce", po, tokens * cs[c] * e, f"{m.name} dX", n)
     out += _coll("z", "reduce_scatter", pz, z_full, f"{m.name} dW over z", n)
     if m.scatter_input:
@@ -419,6 +434,9 @@ def gpt_collectives(
     for m in mods:
         tokens = t_loc if m.tokens == "positions" else b_loc * t_loc
         out += _module_collectives(m, g, coords, tokens, e)
+        if problem.activation_checkpointing == "full" and m.name.startswith("blocks."):
+            again = _module_collectives(m, g, coords, tokens, e, forward_only=True)
+            out += [dataclasses.replace(c, what=f"recompute: {c.what}") for c in again]
     qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
     out += context_collectives(problem, g, qkv.layout.row_parts)
     head = next(m for m in mods if m.name == "lm_head")

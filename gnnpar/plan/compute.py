@@ -52,7 +52,8 @@ def gcn_compute_seconds(
     problem: GCNProblem, shape: Mapping[str, int], machine: Machine
 ) -> dict[str, float]:
     """Seconds of one full-graph epoch on rank 0: ``{"spmm", "gemm", "elementwise"}``.
-    Nonzeros are assumed spread evenly over blocks (Plexus's permutation gets within 1%)."""
+    Nonzeros are assumed spread evenly over blocks (Plexus's permutation gets within 1%).
+    Full activation checkpointing runs every layer's forward once more."""
     e, ops = problem.element_size, problem.num_ops
     out = {"spmm": 0.0, "gemm": 0.0, "elementwise": 0.0}
     g = grid_shape(shape)
@@ -61,9 +62,10 @@ def gcn_compute_seconds(
         spmm_bytes = ops * (nnz * (8 + e) + (rows + cols) * fin * e)
         one = max(spmm_flops / (machine.spmm_gflops * 1e9), _stream(spmm_bytes, machine))
         passes = 2 if (i > 0 or problem.input_grad) else 1
-        out["spmm"] += passes * one
-        out["gemm"] += 3 * _gemm(rows, ops * fin, fout, e, machine)
-        out["elementwise"] += _stream(8 * rows * fout * e, machine)
+        again = problem.activation_checkpointing == "full"  # the forward, once more
+        out["spmm"] += (passes + again) * one
+        out["gemm"] += (3 + again) * _gemm(rows, ops * fin, fout, e, machine)
+        out["elementwise"] += _stream((8 + 4 * again) * rows * fout * e, machine)
         out["elementwise"] += _stream(28 * ops * fin * fout / g.size(lay.depth), machine)
     share = machine.compute_share(g.world_size)
     return {k: v / share for k, v in out.items()}
@@ -82,7 +84,9 @@ def gpt_compute_seconds(
     layout: list[ShardedLayer] | None = None,
 ) -> dict[str, float]:
     """Seconds of one GPT optimizer step on rank 0: ``{"gemm", "attention",
-    "elementwise", "optimizer"}`` (``layout``: :func:`gpt_layout` of the shape)."""
+    "elementwise", "optimizer"}`` (``layout``: :func:`gpt_layout` of the shape). Activation
+    checkpointing adds the recompute: the blocks' forward (full) or the attention core's
+    (selective)."""
     g: GridShape = grid_shape(shape, None)
     mods = gpt_layout(problem, shape) if layout is None else layout
     b_loc = batch_per_rank(problem, g)
@@ -90,19 +94,25 @@ def gpt_compute_seconds(
     t_loc = seq_per_rank(problem, g)  # with context, each rank's queries meet all T keys
     tokens = b_loc * t_loc
     out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "optimizer": 0.0}
+    full = problem.activation_checkpointing == "full"
     local = 0
     for m in mods:
         local += m.layout.shard_numel(0, 0) * m.count
         if m.kind == "linear":
-            out["gemm"] += _linear_seconds(m, tokens, e, machine) * m.count
+            # the blocks' forward GEMMs (a third of forward + backward) run again
+            again = 4 / 3 if full and m.name.startswith("blocks.") else 1
+            out["gemm"] += again * _linear_seconds(m, tokens, e, machine) * m.count
     by_name = {m.name.split(".", 2)[-1]: m for m in mods}
     qkv, fc, head = by_name["attn.qkv"], by_name["mlp.fc"], by_name["lm_head"]
     h_heads = h / qkv.layout.row_parts  # features of the heads this rank holds
     # causal attention (flash: the masked half skipped), forward + backward ≈ 3 × forward
-    attn_flops = 3 * 2.0 * b_loc * t_loc * t * h_heads
+    # (full and selective recompute run the forward's third once more)
+    passes = 3 if problem.activation_checkpointing == "none" else 4
+    attn_flops = passes * 2.0 * b_loc * t_loc * t * h_heads
     out["attention"] = problem.layers * attn_flops / (machine.gemm_tflops * 1e12)
     # norms, residuals, dropout: full width on every rank; GELU on this rank's 4h chunk
-    per_layer = tokens * (24 * h + 16 * 4 * h / fc.layout.row_parts) * e
+    # (full recompute: the forward's half once more)
+    per_layer = tokens * (24 * h + 16 * 4 * h / fc.layout.row_parts) * e * (1.5 if full else 1)
     loss = tokens * problem.vocab / head.layout.row_parts * 4 * 4
     out["elementwise"] = _stream(problem.layers * per_layer + loss, machine)
     shard = g.data * g.context if problem.stage >= 1 else 1  # context ranks shard too

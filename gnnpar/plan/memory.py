@@ -47,6 +47,14 @@ GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
   per head and sequence, L = T/(2C), computed a slice of sequences·heads at a time so that
   one tile holds at most ``TILE_BYTES``, or one L × L matrix when that is larger).
 
+Activation checkpointing (``activation_checkpointing`` of the problem, :mod:`gnnpar.recompute`):
+``"full"`` keeps of each layer or block only its input (a GCN layer's input block, rows ×
+width of the previous output; a GPT block's ``tokens · h``), plus, while backward recomputes
+it, one layer's full activations. ``"selective"`` (GPT) drops the attention core's score,
+softmax and dropout tensors, which the count above already leaves out (the fused kernels keep
+none), so it predicts no saving: it pays off where attention runs unfused (the CPU's math
+kernel with dropout) or the sequence is long.
+
 Not counted: allocator fragmentation, communication buffers, the CUDA context (about 0.5–1
 GB per GPU). The planner keeps 10% of device memory free for them (``usable``).
 """
@@ -101,6 +109,8 @@ def gcn_memory(
         seen: set[tuple[int, int, int, int, int]] = set()
     g = grid_shape(shape)
     transient = 0.0
+    kept: list[float] = []  # per layer: what backward keeps without recompute
+    inputs = 0.0  # per layer with recompute: its output, the next layer's input
     for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
         if host:
             key = (i % 2, *lay.rows, *lay.cols)
@@ -122,12 +132,21 @@ def gcn_memory(
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
         w_local = lay.w_part[1] - lay.w_part[0]
         out["weights"] += 4 * (w_local + (fout if problem.bias else 0)) * e
-        out["activations"] += (rows * ops * fin + 2 * rows * fout) * e
+        kept.append((rows * ops * fin + 2 * rows * fout) * e)
+        inputs += rows * fout * e
         transient = max(transient, (cols * fin + ops * fin * fout) * e)
-    out["activations"] += transient
+    out["activations"] = _layer_activations(problem, kept, inputs) + transient
     if host:
         out["buffers"] += float(shm_segments(gcn_collectives(problem, shape)))
     return out
+
+
+def _layer_activations(problem: GCNProblem, kept: list[float], inputs: float) -> float:
+    """What backward keeps over all layers: each layer's ``kept``, or with full recompute the
+    layers' inputs (``inputs``) and one layer's ``kept`` while it is recomputed."""
+    if problem.activation_checkpointing == "full":
+        return inputs + max(kept, default=0.0)
+    return sum(kept)
 
 
 def shm_segments(collectives: list[Collective]) -> int:
@@ -148,6 +167,8 @@ def _gemm_first_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[st
     out = {"adjacency": 0.0, "features": 0.0, "weights": 0.0, "activations": 0.0}
     if gat:
         out["attention"] = 0.0
+    kept: list[float] = []
+    inputs = 0.0
     for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
         heads, head_dim = problem.layer_heads(i) if gat else (1, problem.dims[i + 1])
         width = heads * head_dim
@@ -157,11 +178,20 @@ def _gemm_first_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[st
         # GAT: two attention vectors; GIN: the MLP's second weight rows, ε, a second bias
         extra = 2 * width if gat else fout * width + 1 + (fout if problem.bias else 0)
         out["weights"] += 4 * (fin * width + extra + (fout if problem.bias else 0)) * e
-        out["activations"] += (cols * width + rows * width + 2 * rows * fout) * e
+        layer = (cols * width + rows * width + 2 * rows * fout) * e
+        if not gat:  # the gathered neighbour rows of Z, and the MLP's hidden output
+            layer += (nnz * width + 2 * rows * fout) * e
+        attention = nnz * (5 * heads + width) * e if gat else 0.0
+        kept.append(layer + attention)
+        inputs += rows * fout * e
+        out["activations"] += layer
         if gat:
-            out["attention"] += nnz * (5 * heads + width) * e
-        else:  # the gathered neighbour rows of Z, and the MLP's hidden output
-            out["activations"] += (nnz * width + 2 * rows * fout) * e
+            out["attention"] += attention
+    if problem.activation_checkpointing == "full":
+        # the attention tensors are recomputed too: one layer's worth, inside "activations"
+        out["activations"] = _layer_activations(problem, kept, inputs)
+        if gat:
+            out["attention"] = 0.0
     return out
 
 
@@ -209,7 +239,11 @@ def gpt_memory(
     t = qkv.layout.row_parts
     per_layer = tokens * problem.hidden * (10 + 24 / t) * e / 2
     logits = 2 * tokens * head.layout.row_sizes()[0] * 4
-    out["activations"] = problem.layers * per_layer + logits
+    if problem.activation_checkpointing == "full":
+        # each block's input, and one block's activations while backward recomputes it
+        out["activations"] = problem.layers * tokens * problem.hidden * e + per_layer + logits
+    else:
+        out["activations"] = problem.layers * per_layer + logits
     if g.context > 1:
         heads = problem.heads // t
         keys = tokens * heads * (problem.hidden // problem.heads) * e

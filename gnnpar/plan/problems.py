@@ -29,6 +29,11 @@ def _positive(name: str, value: object) -> None:
         raise PlanError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _checkpointing(mode: object, allowed: tuple[str, ...]) -> None:
+    if mode not in allowed:
+        raise PlanError(f"activation_checkpointing must be {' or '.join(allowed)}, got {mode!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GCNProblem:
     """A full-graph GCN (or GraphSAGE-mean, GAT, GIN) training run of ``layers`` layers.
@@ -39,6 +44,8 @@ class GCNProblem:
     float32, as Plexus trains). ``input_grad`` asks for the gradient of the input features
     (the trainer does not need it). GAT (``model="gat"``): hidden layers have ``heads`` heads
     concatenated (a hidden width splits into them), the output layer ``out_heads`` averaged.
+    ``activation_checkpointing`` ``"full"``: each layer keeps only its input and runs its
+    forward again in backward (:mod:`gnnpar.recompute`).
     """
 
     nodes: int
@@ -55,8 +62,10 @@ class GCNProblem:
     widths: tuple[int, ...] = ()
     heads: int = 8
     out_heads: int = 1
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
+        _checkpointing(self.activation_checkpointing, ("none", "full"))
         keys = ("nodes", "nnz", "features", "classes", "hidden", "layers", "element_size")
         for key in (*keys, "heads", "out_heads"):
             _positive(key, getattr(self, key))
@@ -138,7 +147,9 @@ class GPTProblem:
     ``grad_clip`` includes the gradient-norm all-reduce of the trainer. ``micro_batches``
     (the trainer's ``grad_accum``), ``schedule`` and ``virtual`` describe the pipeline a grid
     with a ``pipe`` axis runs (:mod:`gnnpar.pipeline`; ``virtual`` counts only for the
-    interleaved schedule; ``schedule`` None: no pipelines).
+    interleaved schedule; ``schedule`` None: no pipelines). ``activation_checkpointing``:
+    ``"full"`` recomputes each block in backward, ``"selective"`` its attention core
+    (:mod:`gnnpar.recompute`).
     """
 
     model: GPTConfig
@@ -150,8 +161,10 @@ class GPTProblem:
     micro_batches: int = 1
     schedule: str | None = "1f1b"
     virtual: int = 2
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
+        _checkpointing(self.activation_checkpointing, ("none", "full", "selective"))
         for key in ("batch", "element_size", "micro_batches", "virtual"):
             _positive(key, getattr(self, key))
         if self.stage not in (0, 1, 2, 3):

@@ -303,6 +303,7 @@ def choose_fullgraph_grid(
     algorithm: str = "3d",
     model: str | None = None,
     heads: tuple[int, int] = (8, 1),
+    activation_checkpointing: str = "none",
 ) -> dict[str, int]:
     """The grid shape for a full-graph run of ``algorithm`` on ``world`` ranks.
 
@@ -311,7 +312,8 @@ def choose_fullgraph_grid(
     with the fewest bytes per epoch; ties go to the shape whose busiest axis moves least, then
     to x before y before z. 2D (SUMMA): the squarest x·y; 1D: x = ``world``. ``model``
     (default: gcn, or sage for 2 operators) and GAT's (hidden, output) ``heads`` pick the
-    layers' schedules and memory.
+    layers' schedules and memory, ``activation_checkpointing`` (none or full) the memory,
+    compute and bytes of the recompute.
     """
     model = model or ("sage" if num_ops == 2 else "gcn")
     if algorithm == "2d":
@@ -332,6 +334,7 @@ def choose_fullgraph_grid(
             element_size=element_size,
             heads=heads[0],
             out_heads=heads[1],
+            activation_checkpointing=activation_checkpointing,
         )
         best = _best(rank_gcn(problem, world, machine), "graph")
         return {a: best[a] for a in ("x", "y", "z")}

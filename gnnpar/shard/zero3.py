@@ -20,6 +20,14 @@ again — in backward order, one unit ahead (prefetch). Only units that had some
 gathered again, so a unit whose backward needs no parameter (an embedding lookup) costs no
 second gather.
 
+**Recompute** (activation checkpointing, :mod:`gnnpar.recompute`). A checkpointed unit keeps
+nothing for backward, so it has no saved references; backward calls its module again, and
+the pre-forward hook, seeing that it runs inside backward, gathers the unit then (as a
+backward gather: FCDP's cache serves it) without prefetching the next unit of forward order.
+The post-forward hook of that run keeps the buffer (the recomputed tensors view it) until the
+unit's gradients have all arrived, as a resolved saved reference would. The bytes are those
+of stage 3 without recompute: the recompute's gather is the backward gather.
+
 **Gradients.** As soon as autograd has accumulated a parameter's gradient (a post-accumulate
 hook on its leaf), the hook takes it. When the unit's last one has arrived, the unit is
 released, the gradients are laid end to end in one flat buffer (the freed parameter buffer
@@ -54,6 +62,7 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
+from gnnpar.recompute import in_backward
 from gnnpar.shard.config import FCDP, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import INTRA, NodeGroups
@@ -199,13 +208,20 @@ class Stage3:
         return None
 
     def _pre(self, unit: Unit) -> None:
-        self._recording.append(unit)
+        recompute = in_backward()
+        if not recompute:
+            self._recording.append(unit)
         unit.depth += 1
         if unit.depth > 1:
             return  # re-entered (a module called twice): already installed
+        if recompute:
+            self._begin_backward()
+            self._poll_reductions()
         for kind in unit.groups:
-            self._materialize(unit, kind, backward=False)
+            self._materialize(unit, kind, backward=recompute)
         self._install(unit)
+        if recompute:
+            return
         nxt = self._next_fw.get(id(unit))
         if self.prefetch and nxt is not None and nxt.depth == 0:
             for kind in nxt.groups:
@@ -216,6 +232,8 @@ class Stage3:
         if unit.depth:
             return
         self._uninstall(unit)
+        if in_backward():
+            return  # a recompute: its tensors view the buffer until the gradients arrive
         if self.fcdp is not None:
             self._cache(unit)
         full = unit.full.get("trainable")

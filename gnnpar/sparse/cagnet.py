@@ -107,22 +107,17 @@ class Parallel1DGNN(ShardedGNN):
         self.logits_rows, self.logits_cols = self.rows, (0, self.dims[-1])
         self.row_axis, self.class_axis = axis, None
 
-    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
-        """This rank's rows of the logits (all classes)."""
-        h = x
-        for i, ops in enumerate(self.ops):
-            seed = None if dropout_seed is None else dropout_seed * 1009 + i
-            h = index_dropout(h, self.dropout, seed, self._row_ids[i], 0, self.training)
-            full = comm.gather_from(h, self.grid, self.axis, sizes=self.row_sizes)
-            agg = torch.cat([spmm(op, full) for op in ops], dim=1)
-            w = self.in_compute_dtype(self.params.weights[i])
-            h = agg @ comm.copy_to(w, self.grid, self.axis)
-            if self.has_bias:
-                b = self.in_compute_dtype(self.params.biases[i])
-                h = h + comm.copy_to(b, self.grid, self.axis)
-            if i < self.num_layers - 1:
-                h = torch.relu(h)
-        return h
+    def layer(self, i: int, h: torch.Tensor, seed: int | None) -> torch.Tensor:
+        """Layer ``i`` on this rank's rows (all features)."""
+        h = index_dropout(h, self.dropout, seed, self._row_ids[i], 0, self.training)
+        full = comm.gather_from(h, self.grid, self.axis, sizes=self.row_sizes)
+        agg = torch.cat([spmm(op, full) for op in self.ops[i]], dim=1)
+        w = self.in_compute_dtype(self.params.weights[i])
+        h = agg @ comm.copy_to(w, self.grid, self.axis)
+        if self.has_bias:
+            b = self.in_compute_dtype(self.params.biases[i])
+            h = h + comm.copy_to(b, self.grid, self.axis)
+        return torch.relu(h) if i < self.num_layers - 1 else h
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of one forward and one backward pass, layer by layer (see
@@ -231,33 +226,26 @@ class Parallel2DGNN(ShardedGNN):
             out.append(LocalSpMM(block, autotune=False))
         return out
 
-    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
-        """This rank's block of the logits (rows i, classes j)."""
-        h = x
+    def layer(self, i: int, h: torch.Tensor, seed: int | None) -> torch.Tensor:
+        """Layer ``i`` on this rank's block (rows i, features j)."""
         grid = self.grid
-        for i in range(self.num_layers):
-            seed = None if dropout_seed is None else dropout_seed * 1009 + i
-            h = index_dropout(
-                h, self.dropout, seed, self._row_ids[i], self.fin[i][0], self.training
-            )
-            h_col = comm.gather_from(h, grid, "x", sizes=self.row_sizes)
-            agg = _SummaSpMM.apply(h_col, self, i)  # rows i × (ops · features j)
-            width = self.fin[i][1] - self.fin[i][0]
-            parts = [agg[:, k * width : (k + 1) * width] for k in range(self.num_ops)]
-            full = torch.cat(
-                [comm.gather_from(p, grid, "y", dim=1, sizes=self.fin_sizes[i]) for p in parts],
-                dim=1,
-            )
-            w = self.in_compute_dtype(self.params.weights[i])
-            w = comm.split_to(comm.copy_to(w, grid, "x"), grid, "y", dim=1)
-            h = full @ w
-            if self.has_bias:
-                b = self.in_compute_dtype(self.params.biases[i])
-                b = comm.split_to(comm.copy_to(b, grid, "x"), grid, "y")
-                h = h + b
-            if i < self.num_layers - 1:
-                h = torch.relu(h)
-        return h
+        h = index_dropout(h, self.dropout, seed, self._row_ids[i], self.fin[i][0], self.training)
+        h_col = comm.gather_from(h, grid, "x", sizes=self.row_sizes)
+        agg = _SummaSpMM.apply(h_col, self, i)  # rows i × (ops · features j)
+        width = self.fin[i][1] - self.fin[i][0]
+        parts = [agg[:, k * width : (k + 1) * width] for k in range(self.num_ops)]
+        full = torch.cat(
+            [comm.gather_from(p, grid, "y", dim=1, sizes=self.fin_sizes[i]) for p in parts],
+            dim=1,
+        )
+        w = self.in_compute_dtype(self.params.weights[i])
+        w = comm.split_to(comm.copy_to(w, grid, "x"), grid, "y", dim=1)
+        h = full @ w
+        if self.has_bias:
+            b = self.in_compute_dtype(self.params.biases[i])
+            b = comm.split_to(comm.copy_to(b, grid, "x"), grid, "y")
+            h = h + b
+        return torch.relu(h) if i < self.num_layers - 1 else h
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of one forward and one backward pass, layer by layer (see

@@ -148,19 +148,11 @@ class _GemmFirst(ShardedGNN):
                 t = comm.copy_to(t, self.grid, axis)
         return t
 
-    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
-        """This rank's block of the logits."""
-        h = x
-        for i in range(self.num_layers):
-            seed = None if dropout_seed is None else dropout_seed * 1009 + i
-            h = index_dropout(
-                h, self.dropout, seed, self._row_ids[i], self.fins[i][0], self.training
-            )
-            z_cols, z_root = self._z(i, h)
-            h = self._tail(i, z_cols, z_root, seed)
-            if i < self.num_layers - 1:
-                h = self.act(h)
-        return h
+    def layer(self, i: int, h: torch.Tensor, seed: int | None) -> torch.Tensor:  # noqa: D102
+        h = index_dropout(h, self.dropout, seed, self._row_ids[i], self.fins[i][0], self.training)
+        z_cols, z_root = self._z(i, h)
+        h = self._tail(i, z_cols, z_root, seed)
+        return self.act(h) if i < self.num_layers - 1 else h
 
     def _scatter(self, out: torch.Tensor, i: int) -> torch.Tensor:
         """The row block's output features summed over the part axis, this rank's chunk."""

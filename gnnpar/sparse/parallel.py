@@ -32,6 +32,7 @@ from gnnpar.comm import chunk_sizes
 from gnnpar.graph import is_multilabel
 from gnnpar.grid import ProcessGrid
 from gnnpar.nn.dropout import index_dropout
+from gnnpar.recompute import recompute
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.layout import Layout3D, layout3d
 from gnnpar.sparse.loss import (
@@ -77,6 +78,8 @@ class ShardedGNN(nn.Module):
     logits_cols: tuple[int, int]
     row_axis: str
     class_axis: str | None
+    #: ``"none"`` or ``"full"`` (:mod:`gnnpar.recompute`): what :meth:`forward` keeps.
+    activation_checkpointing = "none"
 
     def __init__(
         self,
@@ -122,8 +125,30 @@ class ShardedGNN(nn.Module):
 
     def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
         """Per-rank bytes by axis of one forward and one backward pass, from
-        :meth:`schedule` (elements of the compute dtype; unrounded)."""
-        return bytes_by_phase(self.schedule(input_grad), self.compute_dtype.itemsize)
+        :meth:`schedule` (elements of the compute dtype; unrounded). With full activation
+        checkpointing backward also runs every forward collective again (the recompute)."""
+        out = bytes_by_phase(self.schedule(input_grad), self.compute_dtype.itemsize)
+        if self.activation_checkpointing == "full":
+            for axis, nbytes in out["forward"].items():
+                out["backward"][axis] = out["backward"].get(axis, 0.0) + nbytes
+        return out
+
+    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
+        """This rank's block of the logits (rows :attr:`logits_rows`, classes
+        :attr:`logits_cols`); ``dropout_seed`` seeds the dropout masks (None: no dropout).
+        With :attr:`activation_checkpointing` ``"full"`` each layer keeps only its input
+        for backward and runs again there, collectives included."""
+        h = x
+        full = self.activation_checkpointing == "full"
+        for i in range(self.num_layers):
+            seed = None if dropout_seed is None else dropout_seed * 1009 + i
+            h = recompute(self.layer, i, h, seed, enabled=full)
+        return h
+
+    def layer(self, i: int, h: torch.Tensor, seed: int | None) -> torch.Tensor:
+        """Layer ``i`` on this rank's blocks: the input's dropout (seeded by ``seed``), the
+        sparse and dense products, the bias and the activation (not after the last)."""
+        raise NotImplementedError
 
     def in_compute_dtype(self, param: torch.Tensor) -> torch.Tensor:
         """``param`` (a master) cast to the compute dtype for this pass (itself when they
@@ -337,20 +362,14 @@ class Parallel3DGNN(ShardedGNN):
         return self.layouts[-1]
 
     # --------------------------------------------------------------------------- compute
-    def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
-        """This rank's block of the logits."""
-        h = x
-        last = len(self.layouts) - 1
-        for i, lay in enumerate(self.layouts):
-            seed = None if dropout_seed is None else dropout_seed * 1009 + i
-            h = index_dropout(h, self.dropout, seed, self._row_ids[i], lay.fin[0], self.training)
-            w = self.in_compute_dtype(self.weights[i])
-            h = plexus_layer(h, w, self.ops[i], self.grid, lay, input_split=i == 0)
-            if self.has_bias:
-                h = h + comm.copy_to(self.in_compute_dtype(self.biases[i]), self.grid, lay.depth)
-            if i < last:
-                h = torch.relu(h)
-        return h
+    def layer(self, i: int, h: torch.Tensor, seed: int | None) -> torch.Tensor:  # noqa: D102
+        lay = self.layouts[i]
+        h = index_dropout(h, self.dropout, seed, self._row_ids[i], lay.fin[0], self.training)
+        w = self.in_compute_dtype(self.weights[i])
+        h = plexus_layer(h, w, self.ops[i], self.grid, lay, input_split=i == 0)
+        if self.has_bias:
+            h = h + comm.copy_to(self.in_compute_dtype(self.biases[i]), self.grid, lay.depth)
+        return torch.relu(h) if i < self.num_layers - 1 else h
 
     # ----------------------------------------------------------------------- checkpoints
     def weight_piece(self, layer: int):

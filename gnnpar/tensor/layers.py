@@ -56,6 +56,7 @@ from torch import nn
 from gnnpar import comm
 from gnnpar.comm import chunk_offsets, chunk_sizes
 from gnnpar.grid import ProcessGrid
+from gnnpar.recompute import in_backward
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
@@ -196,7 +197,8 @@ class ShardedModule(nn.Module):
             else:
                 pending.wait()  # stale: the weight changed since; finish it and gather anew
         full = _GatherDepth.apply(w, self.grid, handle)
-        if self._chain is not None:
+        # a recompute in backward gathers each layer as it comes: layers after it ran already
+        if self._chain is not None and not in_backward():
             nxt = self._chain.next_after(self)
             if nxt is not None:
                 nxt.prefetch()

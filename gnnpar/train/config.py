@@ -221,6 +221,20 @@ class SelectionConfig:
         _at_least(self, 0, "early_stop")
 
 
+@dataclasses.dataclass
+class RecomputeConfig:
+    """Activation checkpointing (gcn, gpt): :mod:`gnnpar.recompute`."""
+
+    activation_checkpointing: str = option(
+        "none", "recompute activations in backward instead of keeping them: none, full "
+        "(each layer or block again from its input) or selective (gpt: the attention core)"
+    )  # fmt: skip
+
+    def check_recompute(self, allowed: tuple[str, ...]) -> None:
+        """Reject a mode that is not one of ``allowed`` (the task's), naming the key."""
+        _one_of(self, "activation_checkpointing", allowed)
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

@@ -46,6 +46,7 @@ from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
+    RecomputeConfig,
     ScheduleConfig,
     SelectionConfig,
     TrainerConfig,
@@ -58,7 +59,7 @@ from gnnpar.train.progress import Progress, graph_sizes
 
 
 @dataclasses.dataclass
-class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
+class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerConfig):
     """Options of ``gnnpar train gcn`` (and ``--config FILE`` keys)."""
 
     dataset: str = option("sbm", "dataset name or path (see `gnnpar data list`)")
@@ -105,6 +106,12 @@ class FullGraphConfig(SelectionConfig, ScheduleConfig, TrainerConfig):
         self.check_trainer()
         self.check_schedule()
         self.check_selection()
+        if self.activation_checkpointing == "selective":
+            raise ConfigError(
+                "config key 'activation_checkpointing': selective recomputes a transformer's "
+                "attention core; full-graph layers take none or full"
+            )
+        self.check_recompute(("none", "full"))
         if self.model not in MODELS:
             raise ConfigError(
                 f"config key 'model' must be one of {', '.join(MODELS)}, got {self.model!r}"
@@ -310,6 +317,7 @@ class FullGraphTask:
                 algorithm=cfg.algorithm,
                 model=cfg.model,
                 heads=(cfg.heads, cfg.out_heads),
+                activation_checkpointing=cfg.activation_checkpointing,
             )
         self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
         #: Who chose the grid, for the start lines.
@@ -336,6 +344,7 @@ class FullGraphTask:
             dtype,
             compute_dtype=compute_dtype(cfg),
         )
+        self.model.activation_checkpointing = cfg.activation_checkpointing
         self.features = self.model.input_features()
         #: The score evaluation reports (``acc``, or ``rocauc`` for multi-label labels).
         self.metric = metric_for(self.model.node_data("label"))

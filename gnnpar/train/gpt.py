@@ -33,11 +33,13 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
-from gnnpar.nn.gpt import GPTConfig, generate, model_sizes
+from gnnpar.nn.gpt import GPTConfig, generate, model_sizes, set_activation_checkpointing
+from gnnpar.recompute import MODES
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
     DataParallelConfig,
+    RecomputeConfig,
     ScheduleConfig,
     TrainerConfig,
     option,
@@ -59,7 +61,9 @@ MODELS = ("gpt", "hf-gpt2")
 
 
 @dataclasses.dataclass
-class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig):
+class GPTTaskConfig(
+    RecomputeConfig, ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
+):
     """Options of ``gnnpar train gpt`` (and ``--config FILE`` keys)."""
 
     model: str = option("gpt", "gpt (ours) or hf-gpt2 (transformers' GPT2LMHeadModel)")
@@ -114,8 +118,14 @@ class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
         self.check_trainer()
         self.check_data_parallel()
         self.check_schedule()
+        self.check_recompute(MODES)
         if self.model not in MODELS:
             raise ConfigError(f"config key 'model' must be one of {', '.join(MODELS)}")
+        if self.activation_checkpointing != "none" and self.model != "gpt":
+            raise ConfigError(
+                "config key 'activation_checkpointing' needs model = gpt (our blocks), not "
+                f"{self.model}"
+            )
         if self.pretrained and self.model != "hf-gpt2":
             raise ConfigError("config key 'pretrained' needs model = hf-gpt2")
         for key in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -323,6 +333,7 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         micro_batches=cfg.grad_accum,
         schedule=cfg.schedule,
         virtual=cfg.virtual_stages,
+        activation_checkpointing=cfg.activation_checkpointing,
     )
 
 
@@ -406,6 +417,8 @@ class GPTTask:
 
         cfg, grid = self.cfg, self.grid
         model = context_parallel(parallel_model(plain, cfg, grid), grid)
+        if cfg.activation_checkpointing != "none":
+            set_activation_checkpointing(model, cfg.activation_checkpointing)
         self.net = model
         self.head = model.lm_head
 
