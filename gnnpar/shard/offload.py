@@ -23,9 +23,10 @@ ended (finished or crashed) is removed when a run starts; one whose owner proces
 alive (this one included: two ``shard()`` calls on one folder), or that another host wrote,
 is refused (:class:`OffloadError`, naming the folder). The folder is removed when the tier
 is closed (:meth:`ShardedModel.remove`, or when it is garbage-collected or the process
-exits normally); the mappings stay valid until their tensors are freed. The data files are scratch space, not artefacts: checkpoints
-(:mod:`gnnpar.checkpoint`) read the masters and state through the mappings and write them
-into the checkpoint folder as usual; loading writes back into the mappings.
+exits normally); the mappings stay valid until their tensors are freed. The data files are
+scratch space, not artefacts: checkpoints (:mod:`gnnpar.checkpoint`) read the masters and
+state through the mappings and write them into the checkpoint folder as usual; loading
+writes into the mappings, and the optimizer state it creates is moved into files.
 """
 
 from __future__ import annotations
