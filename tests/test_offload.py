@@ -19,6 +19,12 @@ the plain run, in one world of 8 ranks.
 - **Resume**: stage 3 with the file tier on data = 4 saves a checkpoint after 2 steps; a new
   model, also on the file tier, loads it (the optimizer state goes back into files) and its
   third step equals 3 uninterrupted plain steps.
+- **The planner** (:func:`gnnpar.plan.rank.largest_gpt`): given the per-rank memory that
+  the device parts of a 4-layer GPT (width 24, 8 heads, 9 positions, vocabulary 37) take at
+  data = 8, stage 3, file tier, the deepest GPT that fits is 4 layers; that model then
+  trains here, and the file tier maps the bytes the memory model moved off the device
+  (12 bytes a parameter: float32 master and two Adam moments, over 8 ranks), plus at most
+  the padding of its 5 units (≤ 7 elements each).
 - **The folder**: a folder in use is refused, a stale one (its process gone) is cleaned,
   a folder that cannot be created is named in one line; options that do not combine are
   refused.
@@ -27,6 +33,7 @@ the plain run, in one world of 8 ranks.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -34,11 +41,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gnnpar
 from gnnpar import checkpoint
-from gnnpar.shard import MixedPrecision, shard
+from gnnpar.nn.gpt import GPT, Block, GPTConfig
+from gnnpar.plan import GPTProblem, local_machine
+from gnnpar.plan.memory import USABLE_FRACTION, device_bytes, gpt_memory
+from gnnpar.plan.rank import largest_gpt
+from gnnpar.shard import MixedPrecision, by_type, shard
 from gnnpar.shard.offload import OffloadError
 from gnnpar.testing import run_distributed
 from tests.test_shard import TOL, _batch, _err, _loss, _net, _opt, _rows, _serial
@@ -46,6 +58,8 @@ from tests.test_shard import TOL, _batch, _err, _loss, _net, _opt, _rows, _seria
 WIDTH, LAYERS, RSS_DATA = 512, 4, 8
 RSS_TOL = 0.15
 M_MMAP_THRESHOLD = -3  # mallopt parameter of glibc's malloc.h
+PLAN_SIZES = {"vocab_size": 37, "block_size": 9, "n_embd": 24, "n_head": 8}
+PLAN_LAYERS = 4
 
 
 def _state_err(state: dict, ref: dict) -> float:
@@ -101,6 +115,34 @@ def _anon_growth(grid, offload: str, folder: str) -> tuple[int, int]:
     return grown, mapped
 
 
+def _planned(grid, folder: str) -> tuple[int, float, int]:
+    """The planner's deepest GPT for the memory of a 4-layer one, trained one step on the
+    file tier: (its layers, the bytes the memory model offloads, the bytes the tier maps)."""
+    shape = {"data": RSS_DATA}
+    problem = GPTProblem(
+        GPTConfig(n_layer=1, **PLAN_SIZES), batch=8, element_size=4, schedule=None, offload="file"
+    )
+
+    def sized(layers: int) -> GPTProblem:
+        model = dataclasses.replace(problem.model, n_layer=layers)
+        return dataclasses.replace(problem, model=model, stage=3)
+
+    budget = device_bytes(gpt_memory(sized(PLAN_LAYERS), shape)) / USABLE_FRACTION
+    machine = dataclasses.replace(local_machine("gloo", RSS_DATA), memory_gb=budget / 1e9)
+    best, cands = largest_gpt(problem, RSS_DATA, machine, (3,), shape)
+    torch.manual_seed(0)
+    net = GPT(best.model)
+    dp = shard(net, grid, 3, units=by_type(Block), offload="file", offload_dir=folder)
+    opt = dp.attach(torch.optim.AdamW(dp.parameters(), lr=1e-3))
+    ids = torch.randint(0, PLAN_SIZES["vocab_size"], (1, PLAN_SIZES["block_size"] + 1))
+    logits = net(ids[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    opt.step()
+    mapped = dp.memory(opt)["file"]
+    dp.remove()
+    return best.layers, cands[0].memory["file"], mapped
+
+
 def _world(folder: str) -> dict:
     out: dict = {}
     rank = int(os.environ["RANK"])
@@ -147,6 +189,7 @@ def _world(folder: str) -> dict:
     # the formula, from the layer sizes alone: 3 tensors (master, 2 Adam moments) per element
     chunk = sum(-(-(WIDTH * WIDTH + WIDTH) // RSS_DATA) for _ in range(LAYERS))
     out["rss"] = (plain - filed, 3 * chunk * 8, mapped)
+    out["plan"] = _planned(grid, folder)
     # the folder: in use by this process, stale (a process that has ended), not creatable
     net = _net()
     dp = shard(net, grid, 1, offload="file", offload_dir=folder)
@@ -201,6 +244,13 @@ def test_file_tier_takes_the_state_out_of_anonymous_memory(world):
         assert abs(drop - formula) <= RSS_TOL * formula, (
             f"rank {rank}: RssAnon dropped by {drop} bytes, formula {formula}"
         )
+
+
+def test_planner_largest_gpt_runs_and_offloads_what_it_predicts(world):
+    for rank, res in enumerate(world):
+        layers, predicted, mapped = res["plan"]
+        assert layers == PLAN_LAYERS, (rank, layers)
+        assert 0 <= mapped - predicted <= 12 * 7 * (PLAN_LAYERS + 1), (rank, mapped, predicted)
 
 
 def test_offload_folder_rules(world):

@@ -10,6 +10,7 @@
         --gpus 1024 --machine perlmutter --plot plan.png
     gnnpar plan gpt --n-layer 2 --n-embd 64 --n-head 8 --gpus 8 --machine cpu \\
         --bandwidth bw.json
+    gnnpar plan gpt --n-embd 1024 --n-head 16 --offload host --gpus 8 --memory 16GB --largest
     gnnpar plan machines
 
 The model and run options are the trainer's (``gnnpar train gcn|gpt``), with its defaults.
@@ -24,7 +25,7 @@ import dataclasses
 from typing import Any
 
 from gnnpar.atomic import write_json
-from gnnpar.fmt import count, format_count
+from gnnpar.fmt import count, format_count, parse_bytes
 from gnnpar.plan.machines import Machine, builtin_machines, get_machine
 from gnnpar.plan.plot import plot_candidates
 from gnnpar.plan.problems import (
@@ -35,13 +36,20 @@ from gnnpar.plan.problems import (
     gpt_sizes,
     parse_count,
 )
-from gnnpar.plan.rank import Candidate, rank_gcn, rank_gpt_stages, shape_label
+from gnnpar.plan.rank import Candidate, largest_gpt, rank_gcn, rank_gpt_stages, shape_label
 
 __all__ = ["add_plan_commands", "format_candidates", "plot_candidates"]
 
 
 def _machine(args: argparse.Namespace) -> Machine:
-    return get_machine(args.machine, args.bandwidth or None)
+    machine = get_machine(args.machine, args.bandwidth or None)
+    if getattr(args, "memory", None) is not None:  # a stated per-rank memory
+        try:
+            gb = parse_bytes(args.memory) / 1e9
+        except ValueError as err:
+            raise PlanError(f"--memory: {err}") from None
+        machine = dataclasses.replace(machine, memory_gb=gb)
+    return machine
 
 
 # The trainer's options that ``gnnpar plan`` takes, spelled and defaulted as the trainer's:
@@ -50,7 +58,7 @@ GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "heads",
                "layers", "dtype", "mixed_precision")  # fmt: skip
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
-               "virtual_stages")  # fmt: skip
+               "virtual_stages", "offload")  # fmt: skip
 
 
 def _task_config(cls: type, args: argparse.Namespace) -> Any:
@@ -166,6 +174,9 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
         a for a in ("x", "y", "z", "data", "tensor", "pipe") if any(c.bytes.get(a) for c in cands)
     ]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]
+    off = next((k for c in cands for k in ("host", "file") if c.memory.get(k)), None)
+    if off:
+        head.append(f"{off} GB")
     stages = len({c.stage for c in cands}) > 1
     if stages:
         head.insert(2, "ZeRO")
@@ -187,6 +198,7 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
                 f"{c.comm_seconds * 1e3:,.2f}",
                 *[_cell(c, a) for a in axes],
                 f"{c.memory_bytes / 1e9:,.2f}",
+                *([f"{c.memory.get(off, 0.0) / 1e9:,.2f}"] if off else []),
             ]
         )
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -233,16 +245,26 @@ def _cmd_gcn(args: argparse.Namespace) -> int:
 def _cmd_gpt(args: argparse.Namespace) -> int:
     problem = _gpt_problem(args)
     machine = _machine(args)
-    stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
-    cands = rank_gpt_stages(problem, args.gpus, machine, stages)
-    which = "ZeRO stage 0-3" if args.stage is None else f"ZeRO stage {args.stage}"
+    low = 1 if problem.offload != "none" else 0
+    if args.stage is not None and args.stage < low:
+        raise PlanError(f"--offload {problem.offload} needs --stage 1, 2 or 3, not 0")
+    stages = tuple(range(low, 4)) if args.stage is None else (args.stage,)
+    if args.largest:
+        problem, cands = largest_gpt(problem, args.gpus, machine, stages)
+    else:
+        cands = rank_gpt_stages(problem, args.gpus, machine, stages)
+    which = f"ZeRO stage {low}-3" if args.stage is None else f"ZeRO stage {args.stage}"
+    if problem.offload != "none":
+        which += f", offload {problem.offload}"
     title = (
         f"GPT {format_count(problem.num_params)} ({problem.layers} layers, "
         f"hidden {problem.hidden}, {problem.heads} heads), "
         f"batch {problem.batch} x {problem.seq} tokens, {which}; "
         f"{count(args.gpus, 'rank')} on {machine.name} "
-        f"({machine.ranks_per_node(args.gpus)} per node)"
+        f"({machine.ranks_per_node(args.gpus)} per node, {machine.memory_gb:g} GB each)"
     )
+    if args.largest:
+        title = f"largest that fits: {title}"
     return _report(cands, args, title)
 
 
@@ -319,6 +341,17 @@ def add_plan_commands(subparsers: Any) -> None:
         default=None,
         choices=(0, 1, 2, 3),
         help="data-axis sharding (ZeRO) stage; default: rank every stage",
+    )
+    t.add_argument(
+        "--memory",
+        default=None,
+        help="per-rank device memory (e.g. 2GB, 512MiB) instead of the machine's",
+    )
+    t.add_argument(
+        "--largest",
+        action="store_true",
+        help="find the most layers (at the given width, heads, sequence and batch) that fit "
+        "the per-rank memory on --gpus ranks, and rank its shapes",
     )
     _common(t, "a100x4")
     t.set_defaults(func=_cmd_gpt)

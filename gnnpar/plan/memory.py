@@ -37,7 +37,12 @@ GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
   attention goes through ``scaled_dot_product_attention``, whose fused kernels keep no
   score matrix): ``tokens · h · (10 + 24/t)`` bytes at 2 bytes per element, ``t`` the
   size of the axis that splits the heads, scaled by e/2; plus float32 logits and their
-  softmax for this rank's vocabulary chunk.
+  softmax for this rank's vocabulary chunk;
+- with ``offload`` (stages 1–3, :mod:`gnnpar.shard.offload`) the ``optimizer`` part (Adam's
+  moments and the float32 master chunk) — and at stage 3 with e = 4 the parameter chunk,
+  which is the master itself — leave the device: ``"host"`` bytes (host memory) or
+  ``"file"`` bytes (memory-mapped files: page cache, not anonymous memory). These parts are
+  not device memory (:func:`device_bytes`).
 
 Not counted: allocator fragmentation, communication buffers, the CUDA context (about 0.5–1
 GB per GPU). The planner keeps 10% of device memory free for them (``usable``).
@@ -61,10 +66,17 @@ from gnnpar.plan.comm_model import (
 )
 from gnnpar.plan.problems import GCNProblem, GPTProblem
 
-__all__ = ["USABLE_FRACTION", "gcn_memory", "gpt_memory"]
+__all__ = ["OFF_DEVICE", "USABLE_FRACTION", "device_bytes", "gcn_memory", "gpt_memory"]
 
 #: Fraction of device memory the planner lets a shape use.
 USABLE_FRACTION = 0.9
+#: Parts of a memory breakdown that are not device memory (the offload tiers).
+OFF_DEVICE = ("host", "file")
+
+
+def device_bytes(parts: Mapping[str, float]) -> float:
+    """The device memory of a breakdown: every part but the offloaded ones."""
+    return sum(v for k, v in parts.items() if k not in OFF_DEVICE)
 
 
 def gcn_memory(
@@ -199,4 +211,11 @@ def gpt_memory(
     per_layer = tokens * problem.hidden * (10 + 24 / t) * e / 2
     logits = 2 * tokens * head.layout.row_sizes()[0] * 4
     out["activations"] = problem.layers * per_layer + logits
+    if problem.offload != "none" and problem.stage >= 1:
+        moved = out["optimizer"]
+        if problem.stage >= 3 and e >= 4:  # the parameter chunk is the master
+            moved += n * e / d
+            out["parameters"] -= n * e / d
+        out["optimizer"] = 0.0
+        out[problem.offload] = moved
     return out

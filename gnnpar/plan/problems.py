@@ -138,7 +138,9 @@ class GPTProblem:
     ``grad_clip`` includes the gradient-norm all-reduce of the trainer. ``micro_batches``
     (the trainer's ``grad_accum``), ``schedule`` and ``virtual`` describe the pipeline a grid
     with a ``pipe`` axis runs (:mod:`gnnpar.pipeline`; ``virtual`` counts only for the
-    interleaved schedule; ``schedule`` None: no pipelines).
+    interleaved schedule; ``schedule`` None: no pipelines). ``offload`` (the trainer's option,
+    :mod:`gnnpar.shard.offload`): ``"host"`` or ``"file"`` moves the optimizer's masters and
+    state off the device (stages 1–3 only; the ranking skips stage 0 then).
     """
 
     model: GPTConfig
@@ -150,12 +152,17 @@ class GPTProblem:
     micro_batches: int = 1
     schedule: str | None = "1f1b"
     virtual: int = 2
+    offload: str = "none"
 
     def __post_init__(self) -> None:
+        from gnnpar.shard.config import OFFLOAD_MODES
+
         for key in ("batch", "element_size", "micro_batches", "virtual"):
             _positive(key, getattr(self, key))
         if self.stage not in (0, 1, 2, 3):
             raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.offload not in OFFLOAD_MODES:
+            raise PlanError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
 
     @classmethod
     def sized(

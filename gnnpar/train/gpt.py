@@ -302,6 +302,7 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         micro_batches=cfg.grad_accum,
         schedule=cfg.schedule,
         virtual=cfg.virtual_stages,
+        offload=cfg.offload,
     )
 
 
@@ -394,6 +395,8 @@ class GPTTask:
                 units=by_type(block),
                 mixed_precision=shard_policy(cfg),
                 fcdp=FCDP() if cfg.fcdp else None,
+                offload=cfg.offload,
+                offload_dir=cfg.offload_dir,
             )
 
         self.pipeline = None
@@ -618,8 +621,7 @@ def _has_fused_kernels(params: list[torch.Tensor]) -> bool:
     default there (70.8M parameters: 0.04 s against 0.23 s of CPU time a step, one thread),
     which is a tenth of a tensor-parallel GPT step; other devices keep torch's default."""
     return bool(params) and all(
-        type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda")
-        for p in params
+        type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda") for p in params
     )
 
 
