@@ -18,7 +18,9 @@ each stepped group back (then the working buffers are freed), so at most three g
 worth of master and state are anonymous during a step and none between steps.
 
 Folder rules: ``<offload_dir>/rank<R>/`` holds ``owner.json`` (process id and host, written
-through a temporary name) and the data files. A rank folder left by a run whose process has
+through a temporary name) and, while each is being created and mapped, a data file (unlinked
+once mapped: the mapping keeps its blocks until the tensor is freed, so a run that crashes
+leaves no data behind). A rank folder left by a run whose process has
 ended (finished or crashed) is removed when a run starts; one whose owner process is still
 alive (this one included: two ``shard()`` calls on one folder), or that another host wrote,
 is refused (:class:`OffloadError`, naming the folder). The folder is removed when the tier
@@ -145,6 +147,9 @@ class FileTier(HostTier):
                         raise
                     f.truncate(max(nbytes, 1))
             t = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+            # The mapping keeps the file's blocks; unlinked now, a crashed run leaves no data
+            # behind (only its folder and owner.json, which the next run removes).
+            path.unlink()
         except OSError as err:
             raise OffloadError(f"offload file {os_error_message(err, path)}") from None
         if numel:

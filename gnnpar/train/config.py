@@ -166,8 +166,9 @@ class DataParallelConfig:
         "none (the device), host (host memory) or file (memory-mapped files in offload_dir)"
     )  # fmt: skip
     offload_dir: str | None = option(
-        None, "folder of offload = file (each rank uses rank<R>/ in it; a stale one is removed)"
-    )
+        None, "folder of offload = file (default OUT/offload; each rank uses rank<R>/ in it, "
+        "one left by an ended run is removed)"
+    )  # fmt: skip
 
     def check_data_parallel(self) -> None:
         """Reject data-parallel values that cannot work, naming the key."""
@@ -191,12 +192,14 @@ class DataParallelConfig:
                 f"config key 'offload' = {self.offload} needs zero_stage 1, 2 or 3 (sharded "
                 "optimizer state), not 0"
             )
-        if (self.offload == "file") != (self.offload_dir is not None):
-            raise ConfigError(
-                "config key 'offload' = file needs 'offload_dir' (the folder of its files)"
-                if self.offload == "file"
-                else "config key 'offload_dir' is only used with offload = file"
-            )
+        if self.offload_dir is not None and self.offload != "file":
+            raise ConfigError("config key 'offload_dir' is only used with offload = file")
+
+    def offload_folder(self) -> str | None:
+        """The folder of the file tier: ``offload_dir``, default ``OUT/offload``."""
+        if self.offload != "file":
+            return None
+        return self.offload_dir or str(Path(self.out) / "offload")
 
 
 @dataclasses.dataclass

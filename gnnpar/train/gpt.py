@@ -396,7 +396,7 @@ class GPTTask:
                 mixed_precision=shard_policy(cfg),
                 fcdp=FCDP() if cfg.fcdp else None,
                 offload=cfg.offload,
-                offload_dir=cfg.offload_dir,
+                offload_dir=cfg.offload_folder(),
             )
 
         self.pipeline = None

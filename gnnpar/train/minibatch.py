@@ -385,7 +385,7 @@ class MiniBatchTask:
             mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None,
             offload=cfg.offload,
-            offload_dir=cfg.offload_dir,
+            offload_dir=cfg.offload_folder(),
         )
         self.optimizer = self.model.attach(
             torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
