@@ -25,6 +25,10 @@ the plain run, in one world of 8 ranks.
   trains here, and the file tier maps the bytes the memory model moved off the device
   (12 bytes a parameter: float32 master and two Adam moments, over 8 ranks), plus at most
   the padding of its 5 units (≤ 7 elements each).
+- **On an accelerator** (the simulated device of :mod:`gnnpar.virtual_device`, one
+  process): with either tier the masters and the optimizer state are host tensors while the
+  model computes on the device, no operation mixes the two, and 2 steps equal the plain
+  host run; without offload the masters are on the device.
 - **The folder**: a folder in use is refused, a stale one (its process gone) is cleaned,
   a folder that cannot be created is named in one line; options that do not combine are
   refused.
@@ -53,6 +57,7 @@ from gnnpar.plan.rank import largest_gpt
 from gnnpar.shard import MixedPrecision, by_type, shard
 from gnnpar.shard.offload import OffloadError
 from gnnpar.testing import run_distributed
+from gnnpar.virtual_device import simulated_device
 from tests.test_shard import TOL, _batch, _err, _loss, _net, _opt, _rows, _serial
 
 WIDTH, LAYERS, RSS_DATA = 512, 4, 8
@@ -271,3 +276,34 @@ def test_offload_options_that_do_not_combine():
         shard(_net(), grid, 3, offload="file")
     with pytest.raises(ValueError, match="only used with offload='file'"):
         shard(_net(), grid, 3, offload="host", offload_dir="x")
+
+
+def _device_run(offload: str, folder: str) -> tuple[dict, set[str]]:
+    """2 steps at stage 3 on this process's grid: the state dict (on the host) and the
+    device types of the masters and the optimizer state."""
+    grid = gnnpar.init()
+    net = _net()
+    kw = {"offload_dir": folder} if offload == "file" else {}
+    dp = shard(net, grid, 3, units="blocks.*", offload=offload, **kw)
+    opt = dp.attach(_opt("adamw", dp.parameters()))
+    for step in range(2):
+        x, y = (t.to(grid.device) for t in _batch(step))
+        _loss(net(x), y, grid).backward()
+        opt.step()
+        opt.zero_grad()
+    where = {g.master.device.type for g in dp._groups(("trainable",))}
+    where |= {v.device.type for st in opt.state.values() for v in st.values() if v.dim()}
+    state = {k: v.cpu() for k, v in dp.full_state_dict().items()}
+    dp.remove()
+    return state, where
+
+
+def test_offload_on_an_accelerator_steps_on_the_host(tmp_path):
+    plain, _ = _device_run("none", str(tmp_path))
+    with simulated_device():
+        runs = {o: _device_run(o, str(tmp_path)) for o in ("none", "host", "file")}
+    assert runs["none"][1] == {"lazy"}
+    for offload in ("host", "file"):
+        state, where = runs[offload]
+        assert where == {"cpu"}, (offload, where)
+        assert _state_err(state, plain) <= TOL, offload
