@@ -267,6 +267,20 @@ def test_offload_folder_rules(world):
 
 
 def test_offload_options_that_do_not_combine():
+    from gnnpar.train.config import ConfigError
+    from gnnpar.train.gpt import GPTTaskConfig
+    from gnnpar.train.minibatch import MiniBatchConfig
+
+    with pytest.raises(ConfigError, match="'offload' = host needs zero_stage 1, 2 or 3"):
+        GPTTaskConfig(offload="host", zero_stage=0).check()
+    with pytest.raises(ConfigError, match="'offload' must be one of none, host, file"):
+        GPTTaskConfig(offload="nvme").check()
+    with pytest.raises(ConfigError, match="'offload_dir' is only used with offload = file"):
+        GPTTaskConfig(offload_dir="x").check()
+    with pytest.raises(ConfigError, match="sage runs stage 0 unless told"):
+        MiniBatchConfig(offload="file").check()
+    cfg = GPTTaskConfig(offload="file", out="runs/a")
+    assert cfg.offload_folder() == str(Path("runs/a") / "offload")
     grid = gnnpar.init()
     with pytest.raises(ValueError, match="offload must be one of"):
         shard(_net(), grid, 3, offload="disk")
