@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import json
 import os
 import shutil
@@ -143,7 +144,7 @@ class FileTier(HostTier):
                 try:  # reserve the blocks now: a full disk fails here, not as a fault later
                     os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
                 except OSError as err:
-                    if err.errno not in (95, 22):  # not supported by this file system
+                    if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # not supported here
                         raise
                     f.truncate(max(nbytes, 1))
             t = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
