@@ -23,10 +23,19 @@ FCDP runs with ``ranks_per_node`` = half the ranks (two simulated nodes), so its
 all-gather bytes can be set beside stage 3's (ZeRO-3 moves the same as our stage 3: two
 all-gathers and one reduce-scatter of Ψ per step).
 
+The memory tiers (``--impls tiers``): our stage 3 alone, with ``offload="host"`` and with
+``offload="file"`` (:mod:`gnnpar.shard.offload`), and DeepSpeed ZeRO-3 with
+``offload_optimizer: cpu`` (its DeepSpeedCPUAdam, a C++ op it compiles on first use), with
+per rank the **peak RSS and peak RssAnon over the idle process** (measured after imports
+and the process group, before the model is built; RssAnon sampled every 2 ms during the
+steps, the kernel keeping no high-water mark of it): the file tier's masters and optimizer
+state are file-backed pages, which count in RSS but not in RssAnon.
+
 Run::
 
     python benchmarks/sharding.py              # 2 and 4 ranks, 3 runs each: ~25 min on 2 cores
     python benchmarks/sharding.py --quick      # a smaller model, one run each
+    python benchmarks/sharding.py --impls tiers --repeats 1   # the memory tiers
 
 Writes ``benchmarks/out/sharding.json`` and prints the table with the ratios and targets:
 peak memory ≤ FSDP2's, step time ≤ 1.1× FSDP2's, FCDP inter-node all-gather bytes 0.5× ZeRO-3's.
