@@ -540,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                 res = _fresh(impl, w, cfg)
                 runs[f"{impl}/{w}"].append(res)
                 status = (
-                    f"{res['step_s']:.2f}s/step, {res['peak_rss_mb']:.0f} MB"
+                    f"{res['step_s']:.2f}s/step, {res['peak_rss_mb']:.0f} MB, over idle: RSS "
+                    f"{res['peak_rss_over_idle_mb']:.0f} MB, RssAnon "
+                    f"{res['peak_anon_over_idle_mb']:.0f} MB, loss {res['loss']:.5f}"
                     if isinstance(res, dict)
                     else "failed: " + res.splitlines()[-1]
                     if res
