@@ -23,8 +23,11 @@ demo: $(VENV)/.stamp-dev-llm
 	$(VENV)/bin/gnnpar report runs/demo
 
 # The dgl extra makes the DGL cross-checks run instead of skipping.
+# Two workers (TEST_WORKERS=0 runs in one process): many tests leave a core idle (one
+# process, or ranks waiting for each other); a module's tests stay on one worker.
+TEST_WORKERS ?= 2
 test: $(VENV)/.stamp-dev-llm-dgl
-	$(PY) -m pytest --timeout=1200
+	$(PY) -m pytest --timeout=1200 -n $(TEST_WORKERS) --dist loadgroup
 
 # Not part of `make test`: apply each curated one-line bug in tests/mutants/mutants.toml to a
 # copy of the tree and run the test files of the module it touches (docs/testing.md).

@@ -25,6 +25,15 @@ Run::
     python benchmarks/subgraph_samplers.py --quick    # a smaller graph, fewer runs
 
 Writes ``benchmarks/out/subgraph_samplers.json`` and prints the table.
+
+``--vertex-4d`` compares instead ScaleGNN's 4D training with neighbour sampling, on 4 ranks
+and an R-MAT graph (``scale`` 13: 8,192 nodes, 64 features, 16 classes), GraphSAGE-mean,
+2 layers, hidden 64, at equal output nodes per step: ``gnnpar train sage --sampler vertex
+--grid data=2,x=2 --budget 512`` (two groups of 512 sampled nodes) against ``gnnpar train
+sage --parts 4 --batch-size 1024 --fanouts 10,10`` (1,024 seeds over the 4 ranks). Each run
+trains 2 epochs; the second epoch's seconds and bytes (the trainer's per-axis traffic, plus
+the neighbour sampler's sampling and feature-fetch bytes), per rank, are kept, per epoch and
+per step, with the load average. Writes ``benchmarks/out/vertex_4d.json``.
 """
 
 from __future__ import annotations
@@ -176,12 +185,79 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _train(out: Path, *flags: str) -> dict[str, Any]:
+    """One 4-rank ``gnnpar train sage`` run of 2 epochs; its second epoch's record."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "gnnpar.cli", "train", "sage", "--nprocs", "4",
+            "--dataset", "rmat", "--dataset-options", "scale=13,feat_dim=64",
+            "--root", str(out.parent / "data"), "--hidden", "64", "--epochs", "2",
+            "--eval-every", "0", "--quiet", "--out", str(out), *flags]  # fmt: skip
+    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("epoch") == 2][0]
+
+
+def _epoch_row(name: str, record: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
+    """Seconds and bytes of one rank: the trainer's traffic is rank 0's, the neighbour
+    sampler's sampling and feature bytes are summed over the ``ranks`` data ranks."""
+    traffic = sum(v for kinds in record.get("bytes", {}).values() for v in kinds.values())
+    extra = (record.get("sample_bytes", 0.0) + record.get("feature_bytes", 0.0)) / ranks
+    steps = record["batches"]
+    return {
+        "run": name,
+        "seconds": record["seconds"],
+        "steps": steps,
+        "seconds_per_step": record["seconds"] / steps,
+        "bytes": traffic + extra,
+        "bytes_per_step": (traffic + extra) / steps,
+        "bytes_by_axis": record.get("bytes", {}),
+    }
+
+
+def vertex_4d(json_path: str) -> int:
+    """ScaleGNN's 4D epoch against the neighbour-sampling epoch (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        load = os.getloadavg()
+        vertex = _train(Path(tmp) / "vertex", "--sampler", "vertex", "--grid", "data=2,x=2",
+                        "--budget", "512")  # fmt: skip
+        neighbor = _train(Path(tmp) / "neighbor", "--parts", "4", "--batch-size", "1024",
+                          "--fanouts", "10,10")  # fmt: skip
+        load_after = os.getloadavg()
+    rows = [_epoch_row("vertex 4D (data=2,x=2, 2 x 512)", vertex),
+            _epoch_row("neighbour (4 parts, 1024 seeds)", neighbor)]  # fmt: skip
+    result = {
+        "graph": "rmat scale=13 feat_dim=64",
+        "rows": rows,
+        "step_time_ratio": rows[1]["seconds_per_step"] / rows[0]["seconds_per_step"],
+        "step_bytes_ratio": rows[1]["bytes_per_step"] / max(rows[0]["bytes_per_step"], 1.0),
+        "load_average": [load, load_after],
+    }
+    out = Path(json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print("| run | s / epoch | steps | s / step | MB / step |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['seconds']:.2f} | {r['steps']:.0f} | "
+              f"{r['seconds_per_step']:.3f} | {r['bytes_per_step'] / 1e6:.2f} |")  # fmt: skip
+    print(f"neighbour / vertex per step: time {result['step_time_ratio']:.2f}x, bytes "
+          f"{result['step_bytes_ratio']:.2f}x; load average {load} -> {load_after}")  # fmt: skip
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller graph and fewer runs")
+    p.add_argument(
+        "--vertex-4d", action="store_true", help="ScaleGNN 4D epoch vs neighbour-sampling epoch"
+    )
     p.add_argument("--reps", type=int, default=None, help="interleaved runs (median is kept)")
     p.add_argument("--json", default=str(OUT / "subgraph_samplers.json"), help="JSON to write")
     args = p.parse_args(argv)
+    if args.vertex_4d:
+        default = str(OUT / "subgraph_samplers.json")
+        return vertex_4d(str(OUT / "vertex_4d.json") if args.json == default else args.json)
     torch.set_num_threads(1)
     reps = args.reps or (2 if args.quick else 3)
     nodes, edges = (20_000, 200_000) if args.quick else (100_000, 1_000_000)

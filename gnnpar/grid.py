@@ -1,11 +1,15 @@
-"""The process grid: pipe × data × x × y × z, rank order, and every sub-group.
+"""The process grid: pipe × data × context × x × y × z, rank order, and every sub-group.
 
-Rank order follows AxoNN: x varies fastest, then y, then z, then data, then pipe::
+Rank order follows AxoNN: x varies fastest, then y, then z, then context, then data, then
+pipe::
 
-    rank = x + X * (y + Y * (z + Z * (data + D * pipe)))
+    rank = x + X * (y + Y * (z + Z * (context + C * (data + D * pipe))))
 
-so a grid without a pipe axis (pipe = 1) numbers its ranks as the 4D grid always did, and each
-pipeline stage is a block of consecutive ranks (its tensor and data groups stay inside it).
+so a grid without a pipe or context axis (size 1) numbers its ranks as the 4D grid always did,
+and each pipeline stage is a block of consecutive ranks (its tensor and data groups stay inside
+it). The context axis (:mod:`gnnpar.tensor.context`: the sequence split over ranks) sits just
+below data, so ``context + C·data`` is a data coordinate of size C·D in the same rank order:
+:func:`fold_context` gives that view, over which sharded data parallelism reduces gradients.
 
 Every sub-group along every axis (and the combined ``"tensor"`` axis, x·y·z) is created once,
 on every rank, in the same order, because ``torch.distributed.new_group`` is collective. The
@@ -32,13 +36,15 @@ from gnnpar import shm
 from gnnpar.fmt import count
 from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
-#: The grid axes, fastest-varying first (a context axis would slot in between z and data).
-AXES: tuple[str, ...] = ("x", "y", "z", "data", "pipe")
+#: The grid axes, fastest-varying first.
+AXES: tuple[str, ...] = ("x", "y", "z", "context", "data", "pipe")
 #: Axis names that denote a combination of axes.
 COMBINED_AXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "tensor": ("x", "y", "z"),
-        "world": ("x", "y", "z", "data", "pipe"),
+        "world": ("x", "y", "z", "context", "data", "pipe"),
+        # the ranks that hold the same parameters and see different tokens (fold_context)
+        "context_data": ("context", "data"),
         "xy": ("x", "y"),
         "xz": ("x", "z"),
         "yz": ("y", "z"),
@@ -107,20 +113,22 @@ class GridShape:
     data: int = 1
     global_rank: int = 0
     pipe: int = 1
+    context: int = 1
 
     @property
     def shape(self) -> dict[str, int]:
-        """Sizes of the axes, by name (``pipe`` only when it is above 1, so a grid without
-        pipelining describes itself as it always did)."""
+        """Sizes of the axes, by name (``pipe`` and ``context`` only when above 1, so a grid
+        without them describes itself as it always did)."""
         out = {"x": self.x, "y": self.y, "z": self.z, "data": self.data}
-        if self.pipe > 1:
-            out["pipe"] = self.pipe
+        for a in ("context", "pipe"):
+            if getattr(self, a) > 1:
+                out[a] = getattr(self, a)
         return out
 
     @property
     def world_size(self) -> int:
         """Number of processes in the grid."""
-        return self.x * self.y * self.z * self.data * self.pipe
+        return self.x * self.y * self.z * self.context * self.data * self.pipe
 
     def _size_of(self, axis: str) -> int:
         return getattr(self, axis)
@@ -144,17 +152,18 @@ class GridShape:
         return out
 
     def sizes(self) -> dict[str, int]:
-        """Sizes of every axis, by name, pipe included (1 when absent)."""
+        """Sizes of every axis, by name, pipe and context included (1 when absent)."""
         return {a: self._size_of(a) for a in AXES}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProcessGrid(GridShape):
-    """An immutable pipe × data × x × y × z grid of processes with one group per axis.
+    """An immutable pipe × data × context × x × y × z grid of processes with one group per axis.
 
     Build one with :func:`gnnpar.init`. Query it by axis name (``"x"``, ``"y"``, ``"z"``,
-    ``"data"``, ``"pipe"``, or the combinations ``"tensor"`` = x·y·z, ``"world"``, ``"xy"``,
-    ``"xz"``, ``"yz"``): :meth:`group`, :meth:`rank`, :meth:`size`, :meth:`ranks`. Shape and rank
+    ``"context"``, ``"data"``, ``"pipe"``, or the combinations ``"tensor"`` = x·y·z,
+    ``"world"``, ``"context_data"``, ``"xy"``, ``"xz"``, ``"yz"``): :meth:`group`,
+    :meth:`rank`, :meth:`size`, :meth:`ranks`. Shape and rank
     arithmetic (``shape``, ``world_size``, ``size``, ``coords``) come from
     :class:`GridShape`.
     """
@@ -222,8 +231,9 @@ class ProcessGrid(GridShape):
     def describe(self) -> str:
         """One line naming the shape, backend and device."""
         pipe = f"pipe={self.pipe} " if self.pipe > 1 else ""
+        context = f"context={self.context} " if self.context > 1 else ""
         return (
-            f"grid {pipe}data={self.data} x={self.x} y={self.y} z={self.z} "
+            f"grid {pipe}data={self.data} {context}x={self.x} y={self.y} z={self.z} "
             f"({count(self.world_size, 'rank')}, {self.backend}, {self.device}, "
             f"{count(self.ranks_per_node, 'rank')}/node)"
         )
@@ -264,26 +274,35 @@ def _all_group_rank_lists(shape: Mapping[str, int], axes: Sequence[str]) -> list
     return out
 
 
+#: The order of :func:`_resolve_sizes`' result.
+_SIZE_ORDER = ("data", "x", "y", "z", "pipe", "context")
+
+
 def _resolve_sizes(
-    world: int, data: int | None, x: int, y: int, z: int, pipe: int = 1
+    world: int, data: int | None, x: int, y: int, z: int, pipe: int = 1, context: int = 1
 ) -> tuple[int, ...]:
-    for name, v in (("x", x), ("y", y), ("z", z), ("data", data), ("pipe", pipe)):
+    named_sizes = (("x", x), ("y", y), ("z", z), ("data", data), ("pipe", pipe))
+    for name, v in (*named_sizes, ("context", context)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise GridError(f"grid axis {name} must be a positive integer, got {v!r}")
-    tensor = x * y * z
-    fixed, named = tensor * pipe, f"x*y*z = {x}*{y}*{z}"
-    if pipe > 1:
-        named = f"pipe*x*y*z = {pipe}*{x}*{y}*{z}"
+    # the axes other than data, slowest first, naming pipe and context only when present
+    others = [(n, v) for n, v in (("pipe", pipe), ("context", context)) if v > 1]
+    others += [("x", x), ("y", y), ("z", z)]
+    fixed = x * y * z * pipe * context
+    names = "*".join(n for n, _ in others)
+    values = "*".join(str(v) for _, v in others)
     if data is None:
         if world % fixed:
-            raise GridError(f"{named} = {fixed} does not divide the world size {world}")
+            raise GridError(f"{names} = {values} = {fixed} does not divide the world size {world}")
         data = world // fixed
     if data * fixed != world:
-        lead = f"pipe*data*x*y*z = {pipe}*{data}" if pipe > 1 else f"data*x*y*z = {data}"
+        lead = [n for n, _ in others[:-3]]
+        label = "*".join([*lead, "data", "x", "y", "z"])
+        nums = "*".join([*(str(v) for _, v in others[:-3]), str(data), str(x), str(y), str(z)])
         raise GridError(
-            f"grid {lead}*{x}*{y}*{z} = {data * fixed} does not match the world size {world}"
+            f"grid {label} = {nums} = {data * fixed} does not match the world size {world}"
         )
-    return data, x, y, z, pipe
+    return data, x, y, z, pipe, context
 
 
 def fit_shape(world: int, shape: Mapping[str, int]) -> dict[str, int]:
@@ -300,8 +319,9 @@ def fit_shape(world: int, shape: Mapping[str, int]) -> dict[str, int]:
         shape.get("y", 1),
         shape.get("z", 1),
         shape.get("pipe", 1),
+        shape.get("context", 1),
     )
-    return dict(zip(("data", "x", "y", "z", "pipe"), sizes, strict=True))
+    return dict(zip(_SIZE_ORDER, sizes, strict=True))
 
 
 def _restart_safe_store(timeout: timedelta) -> dict:
@@ -446,6 +466,7 @@ def init(
     z: int = 1,
     *,
     pipe: int = 1,
+    context: int = 1,
     backend: str | None = None,
     device: torch.device | str | None = None,
     ranks_per_node: int | None = None,
@@ -456,8 +477,9 @@ def init(
     The launcher is recognised from the environment (:func:`gnnpar.launch.detect_launch`):
     torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``: its env rendezvous), a Slurm step
     (``srun``) or an MPI launch (Open MPI, MPICH/PMI); in a plain process it returns a world
-    of one. ``data`` defaults to ``world // (pipe*x*y*z)``; ``pipe`` is the number of
-    pipeline stages (:mod:`gnnpar.pipeline`). Backend and device follow each other:
+    of one. ``data`` defaults to ``world // (pipe*context*x*y*z)``; ``pipe`` is the number of
+    pipeline stages (:mod:`gnnpar.pipeline`), ``context`` the number of ranks a sequence is
+    split over (:mod:`gnnpar.tensor.context`). Backend and device follow each other:
     gloo ↔ CPU, NCCL ↔ CUDA; with neither given, CUDA and NCCL are used when a GPU is present,
     the local rank's GPU. ``ranks_per_node`` (default: the launcher's, e.g.
     ``LOCAL_WORLD_SIZE`` or Slurm's tasks per node, else the world size) tells which groups
@@ -487,12 +509,12 @@ def init(
         world, rank = 1, 0
 
     try:
-        sizes = _resolve_sizes(world, data, x, y, z, pipe)
+        sizes = _resolve_sizes(world, data, x, y, z, pipe, context)
     except GridError as e:
         if launch is None:
             raise
         raise GridError(f"{e} (launched by {LAUNCHER_NAMES[launch.launcher]})") from None
-    shape = dict(zip(("data", "x", "y", "z", "pipe"), sizes, strict=True))
+    shape = dict(zip(_SIZE_ORDER, sizes, strict=True))
     if ranks_per_node is None:
         if launched_per_node is not None:
             ranks_per_node = launched_per_node
@@ -524,6 +546,7 @@ def init(
         z=shape["z"],
         data=shape["data"],
         pipe=shape["pipe"],
+        context=shape["context"],
         global_rank=rank,
         backend=backend,
         device=device,
@@ -531,6 +554,31 @@ def init(
         timeout=timeout,
         groups=MappingProxyType(groups),
         owns_process_group=owns,
+    )
+
+
+def fold_context(grid: ProcessGrid) -> ProcessGrid:
+    """``grid`` as sharded data parallelism sees it: the context axis folded into data.
+
+    Context ranks hold the same parameters and see different tokens of the same sequences,
+    so their gradients are averaged like those of data ranks. The view has ``data = C·D`` and
+    no context axis; because context sits just below data in the rank order, its data
+    coordinate ``context + C·data`` names the same ranks, and its data groups are the grid's
+    ``context_data`` groups. It shares the grid's groups, traffic recorders (bytes count under
+    ``"data"``) and channels, and does not own torch.distributed. A grid without a context
+    axis is its own view.
+    """
+    if grid.context == 1:
+        return grid
+    groups = {a: g for a, g in grid.groups.items() if a not in ("context", "data")}
+    if "context_data" in grid.groups:
+        groups["data"] = grid.groups["context_data"]
+    return dataclasses.replace(
+        grid,
+        data=grid.data * grid.context,
+        context=1,
+        groups=MappingProxyType(groups),
+        owns_process_group=False,
     )
 
 
@@ -561,6 +609,7 @@ def reshape(
     y: int = 1,
     z: int = 1,
     pipe: int = 1,
+    context: int = 1,
     ranks_per_node: int | None = None,
 ) -> ProcessGrid:
     """Release ``grid``'s sub-groups and build a grid of another shape over the same world.
@@ -576,6 +625,7 @@ def reshape(
         y=y,
         z=z,
         pipe=pipe,
+        context=context,
         backend=grid.backend,
         device=grid.device,
         ranks_per_node=ranks_per_node,
@@ -599,8 +649,8 @@ def shutdown(grid: ProcessGrid) -> None:
 
 
 def parse_grid_spec(spec: str) -> dict[str, int]:
-    """Parse ``"data=2,x=2,y=1,z=2"`` or ``"pipe=2,data=2,x=2"`` (any subset of the axes) into
-    keyword arguments of :func:`init`."""
+    """Parse ``"data=2,x=2,y=1,z=2"``, ``"pipe=2,data=2,x=2"`` or ``"context=2,x=2"`` (any
+    subset of the axes) into keyword arguments of :func:`init`."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, value = part.partition("=")

@@ -42,6 +42,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "dataset(*files): the test reads these files under the shared datasets"
     )
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # the workers share the cores: each takes its part of them
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+#: Modules whose tests are independent of each other and cheap to set up, so that under
+#: ``pytest -n`` each test may go to any worker (the documentation pages run for minutes each).
+SPREAD_MODULES = ("test_docs.py",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs two workers): the tests of one module stay on one
+    worker, in order, so a module's shared world (a module-scoped fixture that starts 8
+    ranks) starts once, not once per worker; only :data:`SPREAD_MODULES` spread."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        name = item.path.name
+        if name not in SPREAD_MODULES:
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gnnpar.cli import main
@@ -123,6 +123,7 @@ _PAIR = st.tuples(
     dataset=st.sampled_from(["sbm", "rmat", "karate", "citeseer", "no-such-dataset"]),
     pairs=st.lists(_PAIR, max_size=3),
 )
+@example(dataset="sbm", pairs=[("a\nb", "1")])  # a key with a line break (found by the search)
 def test_random_dataset_options(dataset, pairs):
     from gnnpar.train.loop import check_dataset_options
 

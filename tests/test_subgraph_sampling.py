@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from gnnpar import checkpoint
-from gnnpar.cli import main
 from gnnpar.sampling import (
     ClusterSampler,
     SaintEdgeSampler,
@@ -35,15 +34,6 @@ from gnnpar.sampling import (
 from tests.cli_world import run_commands
 
 Z = 5.0  # standard errors of the confidence bounds (over ~100 checks: no false alarms)
-
-
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny-tensor operations: one intra-op thread (no pool hand-offs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _graph(n: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,13 +219,6 @@ def test_saint_normalisation_is_unbiased(kind, one_thread):
     se = math.sqrt(float(loss_draws.var()) / draws + est_var)
     gap = abs(float(loss_draws.mean()) - full_loss)
     assert gap <= Z * se, f"{kind}: loss mean off by {gap:.4g} (bound {Z * se:.4g})"
-
-
-def test_sage_cli_refuses_the_vertex_sampler_in_one_line(tmp_path, capsys):
-    argv = ["train", "sage", "--sampler", "vertex", "--out", str(tmp_path / "v")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not available yet" in err[0]
 
 
 def _saint_argv(out: Path, epochs: int, *extra: str) -> list[str]:

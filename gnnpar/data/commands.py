@@ -79,6 +79,8 @@ def parse_options(pairs: Sequence[str], defaults: Mapping[str, Any] | None = Non
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise ValueError(f"expected KEY=VALUE, got {pair!r}")
+        if not key.isidentifier():  # also keeps every message that names the key one line
+            raise ValueError(f"option names are letters, digits and _, got {key!r}")
         default = None if defaults is None else defaults.get(key)
         try:
             if isinstance(default, bool):

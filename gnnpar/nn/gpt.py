@@ -6,6 +6,8 @@ outside. Two habits make that possible: attention splits its fused projection wi
 ``chunk(3, dim=-1)`` and counts heads from the tensor (``view(B, T, -1, head_dim)``), so the
 same code runs on a rank that holds only some of the heads; and ``forward`` returns logits,
 leaving the loss to the caller (which may hold the logits split over the vocabulary).
+Context parallelism (:mod:`gnnpar.tensor.context`) likewise only sets each attention's
+``attention`` function and calls ``forward`` with the global positions of a rank's tokens.
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused q/k/v projection."""
+    """Multi-head causal self-attention with a fused q/k/v projection.
+
+    ``attention``, when set, replaces the causal scaled-dot-product attention of
+    ``(B, heads, T, head_dim)`` queries, keys and values (context parallelism sets a ring).
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -69,6 +75,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.attention: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         b, t, _ = x.shape
@@ -76,9 +83,12 @@ class CausalSelfAttention(nn.Module):
             part.view(b, t, -1, self.head_dim).transpose(1, 2)
             for part in self.qkv(x).chunk(3, dim=-1)
         )
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.attention is not None:
+            y = self.attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.proj(y))
 
@@ -159,13 +169,16 @@ class GPT(nn.Module):
         """Number of parameters (tied ones once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``ids (B, T)``; ``pos`` are the tokens' positions in their sequences
+        (default 0..T−1; a context-parallel rank passes those of the chunks it holds)."""
         t = ids.shape[-1]
         if t > self.config.block_size:
             raise ValueError(
                 f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
             )
-        pos = torch.arange(t, device=ids.device)
+        if pos is None:
+            pos = torch.arange(t, device=ids.device)
         x = self.drop(self.wte(ids) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

@@ -10,7 +10,8 @@
         --gpus 1024 --machine perlmutter --plot plan.png
     gnnpar plan gpt --n-layer 2 --n-embd 64 --n-head 8 --gpus 8 --machine cpu \\
         --bandwidth bw.json
-    gnnpar plan gpt --n-embd 1024 --n-head 16 --offload host --gpus 8 --memory 16GB --largest
+    gnnpar plan gpt --params 1.3B --grid context=4 --gpus 8 --memory-gb 40 --longest-sequence
+    gnnpar plan gpt --n-embd 1024 --n-head 16 --offload host --gpus 8 --memory-gb 16 --largest
     gnnpar plan machines
 
 The model and run options are the trainer's (``gnnpar train gcn|gpt``), with its defaults.
@@ -25,7 +26,7 @@ import dataclasses
 from typing import Any
 
 from gnnpar.atomic import write_json
-from gnnpar.fmt import count, format_count, parse_bytes
+from gnnpar.fmt import count, format_count
 from gnnpar.plan.machines import Machine, builtin_machines, get_machine
 from gnnpar.plan.plot import plot_candidates
 from gnnpar.plan.problems import (
@@ -36,19 +37,24 @@ from gnnpar.plan.problems import (
     gpt_sizes,
     parse_count,
 )
-from gnnpar.plan.rank import Candidate, largest_gpt, rank_gcn, rank_gpt_stages, shape_label
+from gnnpar.plan.rank import (
+    Candidate,
+    largest_gpt,
+    longest_sequence,
+    rank_gcn,
+    rank_gpt_stages,
+    shape_label,
+)
 
 __all__ = ["add_plan_commands", "format_candidates", "plot_candidates"]
 
 
 def _machine(args: argparse.Namespace) -> Machine:
     machine = get_machine(args.machine, args.bandwidth or None)
-    if getattr(args, "memory", None) is not None:  # a stated per-rank memory
-        try:
-            gb = parse_bytes(args.memory) / 1e9
-        except ValueError as err:
-            raise PlanError(f"--memory: {err}") from None
-        machine = dataclasses.replace(machine, memory_gb=gb)
+    if getattr(args, "memory_gb", None) is not None:  # a stated per-rank memory
+        if args.memory_gb <= 0:
+            raise PlanError(f"--memory-gb must be positive, got {args.memory_gb}")
+        machine = dataclasses.replace(machine, memory_gb=args.memory_gb)
     return machine
 
 
@@ -171,7 +177,9 @@ def _pipeline_cell(c: Candidate) -> str:
 def format_candidates(cands: list[Candidate], top: int) -> str:
     """A plain-text table of the ``top`` best shapes (and how many do not fit)."""
     axes = [
-        a for a in ("x", "y", "z", "data", "tensor", "pipe") if any(c.bytes.get(a) for c in cands)
+        a
+        for a in ("x", "y", "z", "context", "data", "tensor", "pipe")
+        if any(c.bytes.get(a) for c in cands)
     ]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]
     off = next((k for c in cands for k in ("host", "file") if c.memory.get(k)), None)
@@ -242,6 +250,18 @@ def _cmd_gcn(args: argparse.Namespace) -> int:
     return _report(cands, args, title)
 
 
+def _grid_shape(args: argparse.Namespace) -> dict[str, int]:
+    """The axes ``--grid`` fixes (none without it)."""
+    from gnnpar.grid import GridError, parse_grid_spec
+
+    if not args.grid:
+        return {}
+    try:
+        return parse_grid_spec(args.grid)
+    except GridError as err:
+        raise PlanError(str(err)) from None
+
+
 def _cmd_gpt(args: argparse.Namespace) -> int:
     problem = _gpt_problem(args)
     machine = _machine(args)
@@ -249,10 +269,25 @@ def _cmd_gpt(args: argparse.Namespace) -> int:
     if args.stage is not None and args.stage < low:
         raise PlanError(f"--offload {problem.offload} needs --stage 1, 2 or 3, not 0")
     stages = tuple(range(low, 4)) if args.stage is None else (args.stage,)
+    shape = _grid_shape(args)
+    if args.longest_sequence:
+        seq, best = longest_sequence(problem, args.gpus, machine, stages, shape)
+        where = f"{count(args.gpus, 'rank')} of {machine.memory_gb:g} GB"
+        if best is None:
+            print(f"no sequence length fits {where}")
+            return 0
+        print(
+            f"longest sequence: {seq:,} tokens on {where} (shape {shape_label(best.shape)}, "
+            f"ZeRO stage {best.stage}, {best.memory_bytes / 1e9:,.2f} GB per rank, "
+            f"batch {problem.batch})"
+        )
+        return 0
     if args.largest:
-        problem, cands = largest_gpt(problem, args.gpus, machine, stages)
+        problem, cands = largest_gpt(problem, args.gpus, machine, stages, shape or None)
     else:
-        cands = rank_gpt_stages(problem, args.gpus, machine, stages)
+        cands = rank_gpt_stages(problem, args.gpus, machine, stages, shape.get("context", 1))
+    fixed = {a: v for a, v in shape.items() if a != "context"}
+    cands = [c for c in cands if all(c.shape.get(a, 1) == v for a, v in fixed.items())]
     which = f"ZeRO stage {low}-3" if args.stage is None else f"ZeRO stage {args.stage}"
     if problem.offload != "none":
         which += f", offload {problem.offload}"
@@ -336,16 +371,27 @@ def add_plan_commands(subparsers: Any) -> None:
     )
     add_flags(t, GPTTaskConfig, GPT_OPTIONS)
     t.add_argument(
+        "--grid",
+        default=None,
+        help="fix these axes (the trainer's --grid, e.g. context=4 or x=2,data=2)",
+    )
+    t.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory per rank in GB (default: the machine's)",
+    )
+    t.add_argument(
+        "--longest-sequence",
+        action="store_true",
+        help="print the longest block size that fits the memory per rank instead",
+    )
+    t.add_argument(
         "--stage",
         type=int,
         default=None,
         choices=(0, 1, 2, 3),
         help="data-axis sharding (ZeRO) stage; default: rank every stage",
-    )
-    t.add_argument(
-        "--memory",
-        default=None,
-        help="per-rank device memory (e.g. 2GB, 512MiB) instead of the machine's",
     )
     t.add_argument(
         "--largest",

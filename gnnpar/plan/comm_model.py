@@ -6,14 +6,16 @@ from the layer's own schedule (:func:`gnnpar.sparse.plexus.layer_schedule`); :fu
 what one optimizer step of :func:`gnnpar.tensor.train.train_step` sends (embeddings, every
 3D tensor-parallel ``Linear`` as :func:`gnnpar.tensor.parallelize` lays it out, the
 vocabulary-parallel loss, the data/z gradient reduction, the gradient-norm and loss
-all-reduces). Each :class:`Collective` carries the per-rank ring bytes exactly as
-:mod:`gnnpar.comm` records them (pieces padded to the largest, rounded once per call), so the
-sums equal measured traffic byte for byte; tests check this for every grid of 8 ranks.
+all-reduces, and with a context axis the ring attention's point-to-point sends). Each
+:class:`Collective` carries the per-rank ring bytes exactly as :mod:`gnnpar.comm` records them
+(pieces padded to the largest, rounded once per call), so the sums equal measured traffic byte
+for byte; tests check this for every grid of 8 ranks.
 
-Placement (:func:`intra_node_axes`): ranks are numbered x fastest, then y, z, data; a node
-holds ``ranks_per_node`` consecutive ranks; a group is intra-node when every group along
-that axis lies inside one node (for a single axis: stride × size divides ranks_per_node).
-:func:`comm_seconds` prices each collective with the machine's α–β model for its placement.
+Placement (:func:`intra_node_axes`): ranks are numbered x fastest, then y, z, context, data,
+pipe; a node holds ``ranks_per_node`` consecutive ranks; a group is intra-node when every
+group along that axis lies inside one node (for a single axis: stride × size divides
+ranks_per_node). :func:`comm_seconds` prices each collective with the machine's α–β model for
+its placement.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gnnpar.comm import ring_bytes
-from gnnpar.grid import AXES, COMBINED_AXES, GridShape, axes_of
+from gnnpar.grid import AXES, COMBINED_AXES, GridShape, _rank_at, axes_of
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
 from gnnpar.sparse.gat import gat3d_layer_schedule, gin3d_layer_schedule
@@ -38,6 +40,8 @@ __all__ = [
     "Collective",
     "ShardedLayer",
     "batch_per_rank",
+    "context_collectives",
+    "seq_per_rank",
     "bytes_by_axis_kind",
     "grid_shape",
     "Infeasible",
@@ -152,8 +156,7 @@ def grid_shape(shape: Mapping[str, int], coords: Mapping[str, int] | None = None
     g = GridShape(**{a: int(shape.get(a, 1)) for a in AXES})
     if coords is None:
         return g
-    rank = coords["x"] + g.x * (coords["y"] + g.y * (coords["z"] + g.z * coords["data"]))
-    return dataclasses.replace(g, global_rank=rank)
+    return dataclasses.replace(g, global_rank=_rank_at(g.sizes(), coords))
 
 
 class LocalLayer(NamedTuple):
@@ -312,6 +315,48 @@ def batch_per_rank(problem: GPTProblem, g: GridShape) -> int:
     return problem.batch // shards
 
 
+def seq_per_rank(problem: GPTProblem, g: GridShape) -> int:
+    """Tokens of each sequence a rank holds (the sequence is split over context)."""
+    if g.context > 1 and problem.seq % (2 * g.context):
+        raise Infeasible(
+            f"sequence of {problem.seq} does not cut into 2·context = {2 * g.context} chunks"
+        )
+    return problem.seq // g.context
+
+
+def _folded(g: GridShape, coords: Mapping[str, int]) -> tuple[GridShape, dict[str, int]]:
+    """The grid and coordinates :mod:`gnnpar.shard` sees (:func:`gnnpar.grid.fold_context`)."""
+    if g.context == 1:
+        return g, dict(coords)
+    folded = dataclasses.replace(g, data=g.data * g.context, context=1)
+    c = dict(coords)
+    c["data"], c["context"] = c["context"] + g.context * c["data"], 0
+    return folded, c
+
+
+def context_collectives(
+    problem: GPTProblem, g: GridShape, heads_parts: int
+) -> list[Collective]:
+    """The ring attention's point-to-point sends of one step (:mod:`gnnpar.tensor.context`):
+    per layer, forward (C−1) hops of this rank's keys and values, backward (C−1) hops of them
+    and C hops of their gradients; ``heads_parts`` ranks split the heads."""
+    from gnnpar.tensor.context import ring_bytes as context_ring_bytes
+
+    c = g.context
+    if c == 1:
+        return []
+    keys = (
+        batch_per_rank(problem, g) * (problem.heads // heads_parts) * seq_per_rank(problem, g)
+        * (problem.hidden // problem.heads) * problem.element_size
+    )  # fmt: skip
+    forward, backward = context_ring_bytes(keys, c)
+    return [
+        Collective("context", "p2p", c, forward, "ring attention: keys and values", problem.layers),
+        Collective("context", "p2p", c, backward, "ring attention backward: keys, values and "
+                   "their gradients", problem.layers),
+    ]  # fmt: skip
+
+
 def _module_collectives(
     m: ShardedLayer, g: GridShape, coords: Mapping[str, int], tokens: int, e: int
 ) -> list[Collective]:
@@ -368,24 +413,29 @@ def gpt_collectives(
     g = grid_shape(shape, None)
     coords = g.coords(0) if coords is None else dict(coords)
     mods = gpt_layout(problem, shape) if layout is None else layout
-    b_loc = batch_per_rank(problem, g)
+    b_loc, t_loc = batch_per_rank(problem, g), seq_per_rank(problem, g)
     e = problem.element_size
     out: list[Collective] = []
     for m in mods:
-        tokens = problem.seq if m.tokens == "positions" else b_loc * problem.seq
+        tokens = t_loc if m.tokens == "positions" else b_loc * t_loc
         out += _module_collectives(m, g, coords, tokens, e)
+    qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
+    out += context_collectives(problem, g, qkv.layout.row_parts)
     head = next(m for m in mods if m.name == "lm_head")
     p = head.layout.row_parts
     ce = max(e, 4)  # the loss works in float32 at least
-    tokens = b_loc * problem.seq
+    tokens = b_loc * t_loc
     out += _coll(head.layout.row_axis, "all_reduce", p, tokens * ce, "loss max")
     out += _coll(head.layout.row_axis, "all_reduce", p, 2 * tokens * ce, "loss sums")
-    out += _gradient_sync(problem, mods, g, coords)
+    # context ranks reduce their gradients with the data ranks (bytes count under "data")
+    fg, fcoords = _folded(g, coords)
+    out += _gradient_sync(problem, mods, fg, fcoords)
     if problem.grad_clip:
         if problem.stage > 0:  # each data rank holds part of every gradient
-            out += _coll("data", "all_reduce", g.data, 8, "grad norm over data (float64)")
+            out += _coll("data", "all_reduce", fg.data, 8, "grad norm over data (float64)")
         out += _coll("tensor", "all_reduce", g.size("tensor"), 8, "grad norm (float64)")
     out += _coll("z", "all_reduce", g.z, 8, "loss mean over z (float64)")
+    out += _coll("context", "all_reduce", g.context, 8, "loss mean over context (float64)")
     out += _coll("data", "all_reduce", g.data, 8, "loss mean over data (float64)")
     return out
 

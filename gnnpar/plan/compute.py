@@ -28,6 +28,7 @@ from gnnpar.plan.comm_model import (
     gcn_local_layers,
     gpt_layout,
     grid_shape,
+    seq_per_rank,
 )
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem
@@ -86,7 +87,8 @@ def gpt_compute_seconds(
     mods = gpt_layout(problem, shape) if layout is None else layout
     b_loc = batch_per_rank(problem, g)
     e, h, t = problem.element_size, problem.hidden, problem.seq
-    tokens = b_loc * t
+    t_loc = seq_per_rank(problem, g)  # with context, each rank's queries meet all T keys
+    tokens = b_loc * t_loc
     out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "optimizer": 0.0}
     local = 0
     for m in mods:
@@ -97,13 +99,13 @@ def gpt_compute_seconds(
     qkv, fc, head = by_name["attn.qkv"], by_name["mlp.fc"], by_name["lm_head"]
     h_heads = h / qkv.layout.row_parts  # features of the heads this rank holds
     # causal attention (flash: the masked half skipped), forward + backward ≈ 3 × forward
-    attn_flops = 3 * 2.0 * b_loc * t * t * h_heads
+    attn_flops = 3 * 2.0 * b_loc * t_loc * t * h_heads
     out["attention"] = problem.layers * attn_flops / (machine.gemm_tflops * 1e12)
     # norms, residuals, dropout: full width on every rank; GELU on this rank's 4h chunk
     per_layer = tokens * (24 * h + 16 * 4 * h / fc.layout.row_parts) * e
     loss = tokens * problem.vocab / head.layout.row_parts * 4 * 4
     out["elementwise"] = _stream(problem.layers * per_layer + loss, machine)
-    shard = g.data if problem.stage >= 1 else 1
+    shard = g.data * g.context if problem.stage >= 1 else 1  # context ranks shard too
     out["optimizer"] = _stream(28 * local / shard, machine)
     share = machine.compute_share(g.world_size)
     return {k: v / share for k, v in out.items()}

@@ -33,16 +33,24 @@ GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
 - ``gathered``: with z > 1, every matrix's z-gathered block (``z`` times the local piece),
   which autograd keeps from the layer's forward to its backward;
 - ``activations``: Megatron's per-layer count (Korthikanti et al., 2022) for tensor
-  parallelism without sequence parallelism and without the attention-score term (our
-  attention goes through ``scaled_dot_product_attention``, whose fused kernels keep no
-  score matrix): ``tokens · h · (10 + 24/t)`` bytes at 2 bytes per element, ``t`` the
-  size of the axis that splits the heads, scaled by e/2; plus float32 logits and their
-  softmax for this rank's vocabulary chunk;
+  parallelism without the attention-score term (our attention goes through
+  ``scaled_dot_product_attention``, whose fused kernels keep no score matrix):
+  ``tokens · h · (10 + 24/t)`` bytes at 2 bytes per element, ``t`` the size of the axis that
+  splits the heads, scaled by e/2; plus float32 logits and their softmax for this rank's
+  vocabulary chunk. ``tokens`` are this rank's: its sequences (the batch over data and z)
+  times its part of each (the sequence over context: context parallelism is this model's
+  sequence parallelism, every activation split, the tensor-parallel ones not);
 - with ``offload`` (stages 1–3, :mod:`gnnpar.shard.offload`) the ``optimizer`` part (Adam's
   moments and the float32 master chunk) — and at stage 3 with e = 4 the parameter chunk,
   which is the master itself — leave the device: ``"host"`` bytes (host memory) or
   ``"file"`` bytes (memory-mapped files: page cache, not anonymous memory). These parts are
   not device memory (:func:`device_bytes`).
+- ``ring`` (context > 1): what ring attention holds beyond that in the busiest layer's
+  backward: the travelling key/value block, its gradients and the received copies (8 blocks
+  of this rank's keys' size), the saved log-sum-exp (one float per query and head), and one
+  tile of a chunk pair's score matrices (scores, probabilities and their gradient: 3 · L²
+  per head and sequence, L = T/(2C), computed a slice of sequences·heads at a time so that
+  one tile holds at most ``TILE_BYTES``, or one L × L matrix when that is larger).
 
 Not counted: allocator fragmentation, communication buffers, the CUDA context (about 0.5–1
 GB per GPU). The planner keeps 10% of device memory free for them (``usable``).
@@ -63,8 +71,10 @@ from gnnpar.plan.comm_model import (
     gpt_layout,
     grid_shape,
     local_params,
+    seq_per_rank,
 )
 from gnnpar.plan.problems import GCNProblem, GPTProblem
+from gnnpar.tensor.context import TILE_BYTES
 
 __all__ = ["OFF_DEVICE", "USABLE_FRACTION", "device_bytes", "gcn_memory", "gpt_memory"]
 
@@ -178,7 +188,7 @@ def gpt_memory(
     matrix, other = local_params(problem, mods, coords)
     n = matrix + other
     e = problem.element_size
-    d = g.data
+    d = g.data * g.context  # context ranks shard with the data ranks (fold_context)
     opt_per = 8 + (4 if e < 4 else 0)
     out = {
         "parameters": float(n * e),
@@ -204,13 +214,20 @@ def gpt_memory(
     if g.z > 1:
         # every matrix's z-gathered block, saved by autograd from its forward to its backward
         out["gathered"] = matrix * g.z * e
-    tokens = batch_per_rank(problem, g) * problem.seq
+    rows, t_loc = batch_per_rank(problem, g), seq_per_rank(problem, g)
+    tokens = rows * t_loc
     qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
     head = next(m for m in mods if m.name == "lm_head")
     t = qkv.layout.row_parts
     per_layer = tokens * problem.hidden * (10 + 24 / t) * e / 2
     logits = 2 * tokens * head.layout.row_sizes()[0] * 4
     out["activations"] = problem.layers * per_layer + logits
+    if g.context > 1:
+        heads = problem.heads // t
+        keys = tokens * heads * (problem.hidden // problem.heads) * e
+        square = (t_loc // 2) ** 2 * e
+        tile = min(rows * heads * square, max(TILE_BYTES // square, 1) * square)
+        out["ring"] = float(8 * keys + tokens * heads * e + 3 * tile)
     if problem.offload != "none" and problem.stage >= 1:
         moved = out["optimizer"]
         if problem.stage >= 3 and e >= 4:  # the parameter chunk is the master

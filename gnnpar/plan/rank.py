@@ -105,8 +105,10 @@ class Candidate:
 
 
 def shape_label(shape: Mapping[str, int]) -> str:
-    """``"d1 x2 y2 z2"`` (``"p4 d1 x2 y2 z2"`` with a pipe axis)."""
-    label = " ".join(f"{'d' if a == 'data' else a}{shape.get(a, 1)}" for a in ("data", *AXES[:3]))
+    """``"d1 x2 y2 z2"`` (``"p4 d1 x2 y2 z2"`` with a pipe axis, ``"d1 c4 x2 y1 z1"`` with a
+    context axis)."""
+    axes = ("data", *(("context",) if shape.get("context", 1) > 1 else ()), *AXES[:3])
+    label = " ".join(f"{'d' if a == 'data' else a[0]}{shape.get(a, 1)}" for a in axes)
     return f"p{shape['pipe']} {label}" if shape.get("pipe", 1) > 1 else label
 
 
@@ -187,17 +189,24 @@ def rank_gcn(problem: GCNProblem, world: int, machine: Machine) -> list[Candidat
     )
 
 
-def rank_gpt(problem: GPTProblem, world: int, machine: Machine) -> list[Candidate]:
+def rank_gpt(
+    problem: GPTProblem, world: int, machine: Machine, context: int = 1
+) -> list[Candidate]:
     """Every data·x·y·z shape of ``world`` ranks for a GPT step, and with ``problem.schedule``
-    every pipe·data·x·y·z shape with pipe > 1 (pipelines of that schedule), best first."""
+    every pipe·data·x·y·z shape with pipe > 1 (pipelines of that schedule), best first; with
+    ``context`` > 1, the shapes with that context axis (sequences split over it; no pipe)."""
     model = meta_gpt(problem)
     out = []
+    if context < 1 or world % context:
+        raise PlanError(f"context={context} does not divide {world} ranks")
     pipes = [1]
-    if problem.schedule:
+    if problem.schedule and context == 1:
         pipes += [p for p in range(2, min(world, problem.layers) + 1) if world % p == 0]
     for pipe in pipes:
-        for s in _shapes(world // pipe, data=True):
+        for s in _shapes(world // pipe // context, data=True):
             shape = {**s, "pipe": pipe} if pipe > 1 else s
+            if context > 1:
+                shape = {**shape, "context": context}
             out.append(_gpt_candidate(problem, shape, machine, model))
     return _order(out)
 
@@ -338,7 +347,11 @@ def choose_fullgraph_grid(
 
 
 def rank_gpt_stages(
-    problem: GPTProblem, world: int, machine: Machine, stages: Iterable[int] = (0, 1, 2, 3)
+    problem: GPTProblem,
+    world: int,
+    machine: Machine,
+    stages: Iterable[int] = (0, 1, 2, 3),
+    context: int = 1,
 ) -> list[Candidate]:
     """Every (shape, ZeRO stage) for a GPT step, best first: :func:`rank_gpt` for each stage,
     merged (at equal predicted time the lower stage first). With ``problem.offload`` stage 0
@@ -348,7 +361,7 @@ def rank_gpt_stages(
     cands = [
         c
         for stage in stages
-        for c in rank_gpt(dataclasses.replace(problem, stage=stage), world, machine)
+        for c in rank_gpt(dataclasses.replace(problem, stage=stage), world, machine, context)
     ]
     return _order(cands)
 
@@ -359,6 +372,40 @@ def _of_shape(cands: list[Candidate], shape: Mapping[str, int] | None) -> list[C
         return cands
     want = {a: shape.get(a, 1) for a in ("pipe", "data", *AXES[:3])}
     return [c for c in cands if {a: c.shape.get(a, 1) for a in want} == want]
+
+
+def longest_sequence(
+    problem: GPTProblem,
+    world: int,
+    machine: Machine,
+    stages: Iterable[int] = (0, 1, 2, 3),
+    shape: Mapping[str, int] | None = None,
+) -> tuple[int, Candidate | None]:
+    """The longest sequence (a multiple of 2·context, at most ``1 << 24``) for which some
+    shape (``shape``'s when given: its context axis and the axes it names) and stage fit
+    ``machine``'s memory, with the best such candidate; (0, None) when none does. Memory grows
+    with the sequence, so a bisection over multiples of 2·context finds it."""
+    stages = tuple(stages)
+    context = (shape or {}).get("context", 1)
+    want = {a: v for a, v in (shape or {}).items() if a != "context"}
+
+    def best(seq: int) -> Candidate | None:
+        p = dataclasses.replace(problem, model=dataclasses.replace(problem.model, block_size=seq))
+        for c in rank_gpt_stages(p, world, machine, stages, context):
+            if c.fits and all(c.shape.get(a, 1) == v for a, v in want.items()):
+                return c
+        return None
+
+    unit = 2 * context
+    lo, hi = 0, 1
+    while best(hi * unit) is not None:  # grow until it does not fit
+        lo, hi = hi, hi * 2
+        if hi * unit > 1 << 24:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if best(mid * unit) is not None else (lo, mid)
+    return lo * unit, best(lo * unit) if lo else None
 
 
 def choose_gpt_plan(
@@ -372,7 +419,8 @@ def choose_gpt_plan(
     ``shape`` or ``stage`` fix one of them (what ``gnnpar train gpt`` runs when it is given
     no grid or no stage, and ``gnnpar plan gpt`` recommends)."""
     stages = (0, 1, 2, 3) if stage is None else (stage,)
-    cands = _of_shape(rank_gpt_stages(problem, world, machine, stages), shape)
+    context = 1 if shape is None else shape.get("context", 1)
+    cands = _of_shape(rank_gpt_stages(problem, world, machine, stages, context), shape)
     fitting = [c for c in cands if c.fits]
     if not fitting:
         reasons = sorted({c.reason for c in cands})[:3]
@@ -394,12 +442,13 @@ def largest_gpt(
     the layers, so a doubling search and a bisection find it; PlanError when even one layer
     does not fit."""
     stages = tuple(stages)
+    context = (shape or {}).get("context", 1)
 
     def ranked(layers: int) -> list[Candidate]:
         sized = dataclasses.replace(
             problem, model=dataclasses.replace(problem.model, n_layer=layers)
         )
-        return _of_shape(rank_gpt_stages(sized, world, machine, stages), shape)
+        return _of_shape(rank_gpt_stages(sized, world, machine, stages, context), shape)
 
     def fits(layers: int) -> bool:
         return any(c.fits for c in ranked(layers))
@@ -415,4 +464,4 @@ def largest_gpt(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     best = dataclasses.replace(problem, model=dataclasses.replace(problem.model, n_layer=lo))
-    return best, _of_shape(rank_gpt_stages(best, world, machine, stages), shape)
+    return best, _of_shape(rank_gpt_stages(best, world, machine, stages, context), shape)

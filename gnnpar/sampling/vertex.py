@@ -15,8 +15,31 @@ own share of the rows of the induced adjacency:
 A share is a :class:`~gnnpar.sampling.Block` whose destinations are the share's vertices and
 whose sources are all sampled vertices (the share first, then the others in id order). In a
 single process the share is everything and the block is square, so a multi-layer model runs
-on it directly; with several shares, each layer's outputs must be exchanged between shares
-(ScaleGNN does that inside its 3D matrix products).
+on it directly.
+
+**ScaleGNN 4D.** With several processes, the subgraph is a smaller Â trained by the
+full-graph 3D layer (:class:`~gnnpar.sparse.parallel.Parallel3DGNN`): a
+:class:`SubgraphSource` presents the sample as a :class:`~gnnpar.sparse.source.ShardSource`,
+from which every rank of the x × y × z group reads only its own blocks of Â (built from the
+rows of its row range, no communication) and only the feature rows its first layer needs;
+:meth:`Parallel3DGNN.set_source` swaps it in every step. Data groups draw different samples
+(batch ``index = step * data + data_rank``) and their gradients are averaged by
+:func:`gnnpar.shard.shard`.
+
+**Normalisation** (unbiased for uniform sampling of ``b`` of ``N`` vertices without
+replacement, GraphSAINT's estimators with the exact inclusion probabilities
+``P(v ∈ S) = b / N`` and ``P(u ∈ S | v ∈ S) = (b − 1) / (N − 1)``, so no pre-sampling):
+
+- aggregation: the subgraph keeps the **full graph's** normalised entries ``Â_vu`` (degrees
+  of the whole graph, known to every rank), each edge between two distinct sampled vertices
+  scaled by ``(N − 1) / (b − 1)`` and self loops unscaled, so that for a sampled ``v``
+  ``E[Σ_{u ∈ S} Â'_vu x_u | v ∈ S] = Σ_u Â_vu x_u`` (:func:`edge_scale`);
+- loss: a sampled training node weighs ``N / (b · |V_train|)``, so the weighted sum of the
+  subgraph's losses is, in expectation, the mean loss over all training nodes
+  (:func:`loss_scale`).
+
+Together the gradient of a linear aggregation layer is unbiased; through nonlinear layers,
+as in GraphSAINT, only approximately.
 """
 
 from __future__ import annotations
@@ -27,9 +50,34 @@ from gnnpar.graph import Graph
 from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.neighbor import _all_positions, _use_numba
-from gnnpar.sampling.rng import random_bits, uniform_below
+from gnnpar.sampling.rng import derive_key, random_bits, uniform_below
+from gnnpar.sparse import csr
+from gnnpar.sparse.csr import CSRBlock
+from gnnpar.sparse.source import num_classes_of, root_block
 
-__all__ = ["VertexSampler", "induced_block", "uniform_subset"]
+__all__ = [
+    "SubgraphSource",
+    "VertexSampler",
+    "edge_scale",
+    "induced_block",
+    "loss_scale",
+    "uniform_subset",
+]
+
+_TRAIN = 0x5CA1E  # salt of the training draws
+
+
+def edge_scale(num_nodes: int, size: int) -> float:
+    """``(N − 1) / (b − 1)``: the factor of an edge between two distinct vertices of a
+    uniform ``b``-subset of ``N`` (1 over the whole graph)."""
+    if size < 2 or size > num_nodes:
+        raise ValueError(f"a vertex sample needs 2..{num_nodes} vertices, got {size}")
+    return (num_nodes - 1) / (size - 1)
+
+
+def loss_scale(num_nodes: int, size: int, num_train: int) -> float:
+    """``N / (b · |V_train|)``: the weight of a sampled training node's loss."""
+    return num_nodes / (size * max(int(num_train), 1))
 
 
 def uniform_subset(key: int, num_nodes: int, size: int) -> torch.Tensor:
@@ -171,6 +219,20 @@ class VertexSampler:
         """The sampled vertices of ``key`` (sorted global ids), identical on every rank."""
         return uniform_subset(key, self.num_nodes, self.batch_size)
 
+    @property
+    def batches_per_epoch(self) -> int:
+        """Samples per epoch: about as many as cover the graph's nodes once."""
+        return max(1, round(self.num_nodes / self.batch_size))
+
+    def batch(self, epoch: int, index: int) -> MiniBatch:
+        """Sample ``index`` of ``epoch``: its vertices as the seeds, no blocks (the 4D model
+        builds its own from a :class:`SubgraphSource`). A function of the seed, epoch and
+        index only, so every rank that asks for the same index gets the same vertices."""
+        nodes = self.nodes(derive_key(self.seed, _TRAIN, epoch, index))
+        batch = MiniBatch(nodes, [])
+        batch.stats["subgraph_nodes"] = float(nodes.numel())
+        return batch
+
     def sample(
         self,
         key: int,
@@ -211,3 +273,82 @@ class VertexSampler:
 
     def __repr__(self) -> str:
         return f"VertexSampler(num_nodes={self.num_nodes}, batch_size={self.batch_size})"
+
+
+class SubgraphSource:
+    """A uniform vertex sample as a :class:`~gnnpar.sparse.source.ShardSource`: the smaller
+    Â the full-graph layers train on (positions are the sample's sorted ids, one order).
+
+    Each request reads only what it names: :meth:`adjacency` builds the block from the
+    sampled rows of its row range (:func:`induced_block`) with the full graph's normalised
+    values scaled by :func:`edge_scale`; :meth:`features` gathers the block's feature rows.
+
+    Args:
+        indptr, indices, values: the whole graph's normalised adjacency (CSR, row ``v``
+            holds ``Â_{v,:}``; self loops, if the normalisation has them, included).
+        features: every node's input features (``N × F``).
+        node_data: ``label`` and masks of every node.
+        nodes: the sample (sorted global ids); all nodes give the full graph, unscaled.
+        num_classes: classes of the task (default: from the labels).
+    """
+
+    def __init__(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        features: torch.Tensor,
+        node_data: dict[str, torch.Tensor],
+        nodes: torch.Tensor,
+        num_classes: int | None = None,
+    ):
+        self.indptr, self.indices, self.values = indptr, indices, values
+        total = indptr.numel() - 1
+        self.nodes = torch.as_tensor(nodes, dtype=torch.int64)
+        self.num_nodes = int(self.nodes.numel())
+        self.scale = edge_scale(total, self.num_nodes)
+        self._features, self._node_data = features, node_data
+        self.feat_dim = int(features.shape[1])
+        if num_classes is None:
+            num_classes = num_classes_of(node_data.get("label"))
+        self.num_classes = int(num_classes)
+
+    def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
+        """Block ``rows × cols`` (sample positions) of the scaled induced Â (both parities
+        are the same order)."""
+        lo, hi = rows
+        blk = induced_block(self.indptr, self.indices, self.nodes, lo, hi)
+        # local source ids (the share first, then the sample before it, then after) back to
+        # positions in the sample
+        local, width = blk.indices, hi - lo
+        pos = torch.where(local < width, local + lo, torch.where(local < hi, local - width, local))
+        dst = torch.repeat_interleave(
+            torch.arange(width), blk.indptr[1:] - blk.indptr[:-1], output_size=local.numel()
+        )
+        keep = (pos >= cols[0]) & (pos < cols[1])
+        dst, pos, eids = dst[keep], pos[keep], blk.edge_ids[keep]
+        loops = pos == dst + lo
+        vals = self.values.index_select(0, eids)
+        vals = torch.where(loops, vals, vals * self.scale)
+        shape = (width, cols[1] - cols[0])
+        return csr.from_coo(dst, pos - cols[0], vals, shape, lo, cols[0])
+
+    def root(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
+        """Block of the identity (the root operator; the sample has one order)."""
+        ident = torch.arange(self.num_nodes)
+        return root_block(ident, ident, rows, cols, self.values.dtype)
+
+    def features(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """Features of the sampled nodes at ``rows``, columns ``cols`` (only those rows)."""
+        ids = self.nodes[rows[0] : rows[1]]
+        return self._features.index_select(0, ids)[:, cols[0] : cols[1]].clone()
+
+    def node_ids(self, order: int, rows: tuple[int, int]) -> torch.Tensor:
+        """Global ids of the sampled nodes at ``rows``."""
+        return self.nodes[rows[0] : rows[1]].clone()
+
+    def node_data(self, name: str, order: int, rows: tuple[int, int]) -> torch.Tensor:
+        """Labels or a mask of the sampled nodes at ``rows``."""
+        if name not in self._node_data:
+            raise KeyError(f"the graph has no node data {name!r}")
+        return self._node_data[name].index_select(0, self.nodes[rows[0] : rows[1]])

@@ -131,8 +131,11 @@ def _common_unit(names: list[str], unit_names: list[str]) -> str:
     return best
 
 
-def _collect_slots(model: nn.Module, grid: ProcessGrid) -> tuple[list[Slot], dict[int, list]]:
-    """Every parameter once (in registration order), and the module names holding each."""
+def _collect_slots(
+    model: nn.Module, grid: ProcessGrid, z_reduce: bool = True
+) -> tuple[list[Slot], dict[int, list]]:
+    """Every parameter once (in registration order), and the module names holding each
+    (``z_reduce``: whether gradients the tensor layers leave partial are summed over z)."""
     layouts: dict[int, tuple[Any, nn.Module, str]] = {}
     from gnnpar.tensor.state import sharded_parameters
 
@@ -149,14 +152,14 @@ def _collect_slots(model: nn.Module, grid: ProcessGrid) -> tuple[list[Slot], dic
             if slot is None:
                 lay = layouts.get(id(p))
                 layout, owner, attr = lay if lay is not None else (None, None, "")
-                z_reduce = grid.size("z") > 1 and (layout is None or layout.kind != "matrix")
+                partial = layout is None or layout.kind != "matrix"
                 slot = Slot(
                     key,
                     [],
                     p.shape,
                     p.dtype,
                     p.requires_grad,
-                    z_reduce=z_reduce,
+                    z_reduce=z_reduce and grid.size("z") > 1 and partial,
                     param=p,
                     layout=layout,
                     owner=owner,
@@ -497,6 +500,9 @@ class ShardedModel:
             writes,
         )
 
+        if getattr(self.module, "tensor_grads_complete", False):
+            # stage 0 without masters: the model's own parameters, described by the model
+            return self.module.checkpoint_layout()
         grid = self.grid
         tensors: dict[str, TensorSpec] = {}
         slot_chunks = {}
@@ -727,11 +733,20 @@ def shard(
         )
     if getattr(model, "_gnnpar_sharded", False):
         raise ValueError("this model is already sharded; call shard() once per model")
+    # A model whose tensor-parallel layers deliver complete gradients (the full-graph 3D
+    # layers reduce over x, y and z themselves) is only averaged over data, at stage 0: its
+    # pieces are no ShardLayout that the other stages and full state dicts could cut.
+    complete = bool(getattr(model, "tensor_grads_complete", False))
+    if complete and (stage != 0 or mixed_precision is not None):
+        raise ValueError(
+            f"{type(model).__name__} reduces its gradients over x, y and z itself: shard it "
+            f"at stage 0 without a mixed-precision policy, not stage {stage}"
+        )
     mp = mixed_precision
     unit_list = _select_units(model, units)
     unit_names = [n for n, _ in unit_list]
     keys = list(model.state_dict().keys())
-    slots, holders = _collect_slots(model, grid)
+    slots, holders = _collect_slots(model, grid, z_reduce=not complete)
     unit_of_slot = {id(s.param): _common_unit(holders[id(s.param)], unit_names) for s in slots}
     trainable = [s for s in slots if s.trainable]
     nodes = node_groups(grid) if fcdp is not None else None
@@ -764,7 +779,8 @@ def shard(
             with torch.no_grad():
                 for s in slots:
                     s.param.data = s.param.data.to(param_dtype)
-        dp.buckets = GradBuckets(grid, stage, buckets, grid.size("data") * grid.size("z"))
+        scale = grid.size("data") * (1 if complete else grid.size("z"))
+        dp.buckets = GradBuckets(grid, stage, buckets, scale)
 
         def pre(module, args, kwargs):
             dp._sync_before_forward()

@@ -85,6 +85,7 @@ class ShardedGNN(nn.Module):
         source: ShardSource,
         dtype: torch.dtype | None,
         compute_dtype: torch.dtype | None = None,
+        data_parallel: bool = False,
     ) -> None:
         super().__init__()
         if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
@@ -92,7 +93,7 @@ class ShardedGNN(nn.Module):
                 f"compute_dtype {compute_dtype} is not supported for full-graph training "
                 "(the local SpMM has kernels for float32, float64 and bfloat16)"
             )
-        if grid.data != 1:
+        if grid.data != 1 and not data_parallel:
             raise ValueError(
                 f"full-graph training has no batch to split over data={grid.data}; "
                 "use a grid with data=1"
@@ -258,6 +259,10 @@ class ShardedGNN(nn.Module):
 class Parallel3DGNN(ShardedGNN):
     """A full-graph GNN whose Â, H and W are sharded over the x × y × z grid."""
 
+    #: Each layer reduces its weight and bias gradients over x, y and z itself: a data-axis
+    #: reduction (:func:`gnnpar.shard.shard`) only averages them over data.
+    tensor_grads_complete = True
+
     def __init__(
         self,
         model: FullGraphGNN,
@@ -266,44 +271,60 @@ class Parallel3DGNN(ShardedGNN):
         overlap_chunks: int = 1,
         dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype | None = None,
+        data_parallel: bool = False,
     ):
-        super().__init__(model, grid, source, dtype, compute_dtype)
+        super().__init__(model, grid, source, dtype, compute_dtype, data_parallel)
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be at least 1, got {overlap_chunks}")
         dtype = self.dtype
         dims = self.dims
         self.overlap_chunks = overlap_chunks
-        self.layouts: list[Layout3D] = []
-        self.ops: list[list[list[tuple[int, int, LocalSpMM]]]] = []
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
-        self._row_ids: list[torch.Tensor] = []
-        n = source.num_nodes
+        self._num_ops = [layer.num_ops for layer in model.layers]
         for i, layer in enumerate(model.layers):
-            num_ops = layer.num_ops
-            lay = layout3d(grid, i, n, dims[i], dims[i + 1], num_ops=num_ops)
+            # the weight and bias pieces depend on the widths only, not on the graph
+            lay = layout3d(grid, i, source.num_nodes, dims[i], dims[i + 1], layer.num_ops)
+            with torch.no_grad():
+                stacked = layer.stacked_weight().detach().to(dtype)
+                piece = _weight_piece(stacked, lay, layer.num_ops).to(self.device)
+                self.weights.append(nn.Parameter(piece))
+                if layer.bias is not None:
+                    b = layer.bias.detach().to(dtype)[lay.fout[0] : lay.fout[1]]
+                    self.biases.append(nn.Parameter(b.to(self.device, copy=True)))
+        self.has_bias = len(self.biases) == len(model.layers)
+        self.set_source(source)
+
+    def set_source(self, source: ShardSource) -> None:
+        """Read this rank's blocks of Â (and of the root operator), its node ids and data
+        from ``source``: the graph the next passes run on, of any number of nodes. The
+        weights stay; a mini-batch sampler (ScaleGNN's vertex sampling,
+        :mod:`gnnpar.sampling.vertex`) calls it with every step's subgraph."""
+        if source.feat_dim != self.dims[0]:
+            raise ValueError(
+                f"model expects {self.dims[0]} input features, the graph has {source.feat_dim}"
+            )
+        dims, n = self.dims, source.num_nodes
+        self.source, self.num_nodes = source, n
+        self.layouts: list[Layout3D] = []
+        self.ops: list[list[list[tuple[int, int, LocalSpMM]]]] = []
+        self._row_ids: list[torch.Tensor] = []
+        for i, num_ops in enumerate(self._num_ops):
+            lay = layout3d(self.grid, i, n, dims[i], dims[i + 1], num_ops=num_ops)
             parity = i % 2
             blocks = [source.adjacency(parity, lay.rows, lay.cols)]
             if num_ops == 2:
                 blocks.append(source.root(parity, lay.rows, lay.cols))
             ops = [
                 LocalSpMM(b.to(dtype=self.compute_dtype, device=self.device)).row_chunks(
-                    overlap_chunks
+                    self.overlap_chunks
                 )
                 for b in blocks
             ]
-            with torch.no_grad():
-                stacked = layer.stacked_weight().detach().to(dtype)
-                piece = _weight_piece(stacked, lay, num_ops).to(self.device)
-                self.weights.append(nn.Parameter(piece))
-                if layer.bias is not None:
-                    b = layer.bias.detach().to(dtype)[lay.fout[0] : lay.fout[1]]
-                    self.biases.append(nn.Parameter(b.to(self.device, copy=True)))
             in_rows = lay.h_sub if i == 0 else lay.cols
             self._row_ids.append(source.node_ids(parity, in_rows).to(self.device))
             self.layouts.append(lay)
             self.ops.append(ops)
-        self.has_bias = len(self.biases) == len(self.layouts)
         last = self.layouts[-1]
         self.input_block = (self.layouts[0].h_sub, self.layouts[0].fin)
         self.logits_rows, self.logits_cols = last.rows, last.fout
@@ -429,11 +450,22 @@ def parallelize_fullgraph(
     overlap_chunks: int = 1,
     dtype: torch.dtype | None = None,
     compute_dtype: torch.dtype | None = None,
+    data_parallel: bool = False,
 ) -> ShardedGNN:
     """Shard ``model`` over ``grid`` reading graph blocks from ``source``: ``"3d"`` (Plexus,
     the default), or CAGNET's ``"2d"`` (SUMMA over x × y) and ``"1d"`` (rows over all ranks)
     baselines. Parameters are kept in ``dtype`` (default: the model's), forward and backward
-    run in ``compute_dtype`` (default: ``dtype``; ``torch.bfloat16`` for mixed precision)."""
+    run in ``compute_dtype`` (default: ``dtype``; ``torch.bfloat16`` for mixed precision).
+
+    ``data_parallel`` (3D only): the grid may have a data axis, each data group training on a
+    graph of its own (a sampled subgraph, :meth:`Parallel3DGNN.set_source`); the gradients
+    are then averaged over data by :func:`gnnpar.shard.shard`. A full graph has no batch to
+    split over data, so it is refused by default."""
+    if data_parallel and (algorithm != "3d" or model.kind not in ("gcn", "sage")):
+        raise ValueError(
+            f"data_parallel takes the 3d algorithm and a gcn or sage model, not "
+            f"{algorithm!r} with {model.kind!r}"
+        )
     if model.kind in ("gat", "gin"):
         from gnnpar.sparse.gat import parallel_gemm_first
 
@@ -442,7 +474,9 @@ def parallelize_fullgraph(
         cls = parallel_gemm_first(model, algorithm)
         return cls(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
     if algorithm == "3d":
-        return Parallel3DGNN(model, grid, source, overlap_chunks, dtype, compute_dtype)
+        return Parallel3DGNN(
+            model, grid, source, overlap_chunks, dtype, compute_dtype, data_parallel
+        )
     from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN
 
     if algorithm == "2d":

@@ -109,11 +109,7 @@ class MemorySource:
         p, p2 = permutations
         self.num_nodes = n
         self.feat_dim = int(features.shape[1])
-        label = node_data.get("label")
-        if is_multilabel(label):
-            self.num_classes = int(label.shape[1])  # multi-label: one binary task per column
-        else:
-            self.num_classes = int(label.max()) + 1 if label is not None and label.numel() else 0
+        self.num_classes = num_classes_of(node_data.get("label"))
         # order o: inv[o][position] = node, perm[o][node] = position (order 0 uses P₂)
         self.inv = (p2, p)
         self.perm = (inverse(p2), inverse(p))
@@ -149,6 +145,14 @@ class MemorySource:
         if name not in self._node_data:
             raise KeyError(f"the graph has no node data {name!r}")
         return self._node_data[name][order][rows[0] : rows[1]].clone()
+
+
+def num_classes_of(label: torch.Tensor | None) -> int:
+    """Classes of a label vector (its largest id + 1), or tasks of a multi-label (N × C)
+    one (one binary task per column); 0 without labels."""
+    if is_multilabel(label):
+        return int(label.shape[1])
+    return int(label.max()) + 1 if label is not None and label.numel() else 0
 
 
 def root_block(

@@ -380,18 +380,7 @@ class FullGraphTask:
         every rank once; accuracy needs only per-row statistics."""
         self.model.eval()
         logits = self.model(self.features)
-        out = {}
-        for name in ("train", "val", "test"):
-            key = f"{name}_mask"
-            if key not in self.source.meta["node_data"]:
-                continue
-            if self.metric == "acc":
-                out[f"{name}_acc"] = self.model.accuracy(logits, key)
-                continue
-            scores, labels = self.model.gather_masked(logits, key)
-            with contextlib.suppress(UndefinedScoreError):  # the same outcome on every rank
-                out[f"{name}_{self.metric}"] = SCORES[self.metric](scores, labels)
-        return out
+        return sharded_scores(self.model, logits, self.metric, self.source.meta["node_data"])
 
     @torch.no_grad()
     def predict(self) -> torch.Tensor:
@@ -418,6 +407,26 @@ class FullGraphTask:
             "dataset": cfg.dataset,
             "mixed_precision": cfg.mixed_precision,
         }
+
+
+def sharded_scores(
+    model: Any, logits: torch.Tensor, metric: str, node_data: Any
+) -> dict[str, float]:
+    """``metric`` on the train, validation and test nodes of a parallel full-graph model's
+    logits (``train_acc``, ... or ``train_rocauc``, ...; masks not in ``node_data`` are
+    skipped, and so is a ROC-AUC that no task defines; collective)."""
+    out = {}
+    for name in ("train", "val", "test"):
+        key = f"{name}_mask"
+        if key not in node_data:
+            continue
+        if metric == "acc":
+            out[f"{name}_acc"] = model.accuracy(logits, key)
+            continue
+        scores, labels = model.gather_masked(logits, key)
+        with contextlib.suppress(UndefinedScoreError):  # the same outcome on every rank
+            out[f"{name}_{metric}"] = SCORES[metric](scores, labels)
+    return out
 
 
 def _layer_of(param_name: str) -> int:

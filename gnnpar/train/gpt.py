@@ -3,7 +3,9 @@ task): our GPT or Hugging Face's GPT-2, :func:`gnnpar.tensor.parallelize` over x
 then :func:`gnnpar.shard.shard` over the data axis (ZeRO stage 0–3, FCDP, mixed precision);
 with a ``pipe`` axis in the grid, the model (ours or GPT-2) runs as a pipeline of that many stages
 (:mod:`gnnpar.pipeline`; ``schedule`` gpipe, 1f1b or interleaved, the ``grad_accum``
-micro-batches pushed through it), each stage tensor-parallel and sharded as above.
+micro-batches pushed through it), each stage tensor-parallel and sharded as above; with a
+``context`` axis (our GPT only), each sequence is split over that many ranks and attention runs
+as a ring (:mod:`gnnpar.tensor.context`), gradients averaged over context and data together.
 
 The global batch of ``batch_size`` sequences of a step is split over the data and z axes
 (each (data, z) coordinate holds ``batch_size / (data·z)`` of them; the x and y ranks of a
@@ -84,8 +86,8 @@ class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
     grid: str | None = option(
         None,
-        "grid such as data=2,x=2 or pipe=2,data=2,x=2 (default: the planner's pick with "
-        "zero_stage)",
+        "grid such as data=2,x=2, pipe=2,data=2,x=2 or context=2,x=2 (default: the "
+        "planner's pick with zero_stage)",
     )
     schedule: str = option(
         "1f1b",
@@ -126,7 +128,26 @@ class GPTTaskConfig(ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("config key 'dropout' must be in [0, 1)")
         if self.grid is not None:
-            self.check_pipeline(parse_grid_spec(self.grid).get("pipe", 1))
+            shape = parse_grid_spec(self.grid)
+            self.check_pipeline(shape.get("pipe", 1))
+            self.check_context(shape)
+
+    def check_context(self, shape: dict[str, int]) -> None:
+        """Reject a context axis that cannot work, naming the key."""
+        c = shape.get("context", 1)
+        if c == 1:
+            return
+        if self.model != "gpt":
+            raise ConfigError("config key 'grid': a context axis needs model = gpt")
+        if shape.get("pipe", 1) > 1:
+            raise ConfigError("config key 'grid': a context axis does not combine with pipe")
+        if self.dropout > 0:
+            raise ConfigError("config key 'dropout' must be 0 with a context axis")
+        if self.block_size % (2 * c):
+            raise ConfigError(
+                f"config key 'block_size' ({self.block_size}) must be a multiple of "
+                f"2·context = {2 * c} (each context rank holds two equal chunks)"
+            )
 
     def check_pipeline(self, pipe: int) -> None:
         """Reject pipeline options that cannot work with ``pipe`` stages, naming the key."""
@@ -380,17 +401,19 @@ class GPTTask:
     def _build_model(self, plain: nn.Module, block: type) -> None:
         """This rank's pieces of the parallel model, sharded over the data axis, and AdamW;
         with a pipe axis, only this rank's stage (:mod:`gnnpar.pipeline`)."""
+        from gnnpar.grid import fold_context
         from gnnpar.shard import FCDP, by_type, shard
+        from gnnpar.tensor.context import context_parallel
 
         cfg, grid = self.cfg, self.grid
-        model = parallel_model(plain, cfg, grid)
+        model = context_parallel(parallel_model(plain, cfg, grid), grid)
         self.net = model
         self.head = model.lm_head
 
         def shard_fn(module: nn.Module):
-            return shard(
+            return shard(  # context ranks hold the same parameters: they reduce like data ranks
                 module,
-                grid,
+                fold_context(grid),
                 self.stage,
                 units=by_type(block),
                 mixed_precision=shard_policy(cfg),
@@ -440,7 +463,7 @@ class GPTTask:
         )
 
     # ------------------------------------------------------------------------ training
-    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         if self.pipeline is not None:  # the last position, on every pipe rank
             grid = self.grid
             last = torch.empty(
@@ -452,13 +475,25 @@ class GPTTask:
             if outs:
                 last.copy_(outs[0][:, -1:, :])
             return comm.broadcast(last, grid, "pipe", src=grid.size("pipe") - 1)
+        if pos is not None:
+            return self.net(ids.to(self.grid.device), pos=pos.to(self.grid.device))
         out = self.net(ids.to(self.grid.device))
         return out if isinstance(out, torch.Tensor) else out.logits
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss over this rank's tokens of the sequences ``x`` (targets ``y``): with a
+        context axis, over the two chunks it holds (each rank holds as many tokens, so the
+        mean over context and data ranks is the mean over the batch)."""
         from gnnpar.tensor import cross_entropy
+        from gnnpar.tensor.context import positions, split_sequence
 
-        logits = full_precision(self._logits(x))
+        pos = None
+        c = self.grid.size("context")
+        if c > 1:
+            r = self.grid.rank("context")
+            pos = positions(x.shape[1], c, r)
+            x, y = split_sequence(x, c, r), split_sequence(y, c, r)
+        logits = full_precision(self._logits(x, pos))
         return cross_entropy(logits, y.to(self.grid.device), self.head)
 
     def _pipelined(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -537,8 +572,17 @@ class GPTTask:
             full = lambda lg: comm.all_gather(  # noqa: E731
                 lg.contiguous(), grid, head.out_axis, dim=-1, sizes=head.out_sizes
             )
+        from gnnpar.tensor.context import plain_attention
+
         self._train_mode(False)
-        out = generate(
+        plain = contextlib.nullcontext() if self.net is None else plain_attention(self.net)
+        with plain:  # every rank generates from whole sequences
+            out = self._generate(ids, full)
+        return self.corpus.decode(out[0])
+
+    def _generate(self, ids: torch.Tensor, full: Any) -> torch.Tensor:
+        cfg = self.cfg
+        return generate(
             self._logits,
             ids,
             cfg.sample_tokens,
@@ -548,7 +592,6 @@ class GPTTask:
             torch.Generator().manual_seed(cfg.seed),
             full,
         )
-        return self.corpus.decode(out[0])
 
     def _train_mode(self, on: bool) -> None:
         for module in self.pipeline.chunks if self.pipeline is not None else [self.net]:

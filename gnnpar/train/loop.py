@@ -138,13 +138,15 @@ def check_run_folder(cfg: Any) -> None:
 
 
 def check_world(cfg: Any, world_size: int) -> None:
-    """A ``grid`` option must fit ``world_size`` processes (and have a pipe axis only for a
-    task that pipelines), and so must ``parts`` (one part per process)."""
+    """A ``grid`` option must fit ``world_size`` processes (and have a pipe or context axis
+    only for the gpt task), and so must ``parts`` (one part per process)."""
     spec = getattr(cfg, "grid", None)
     if spec:
         shape = fit_shape(world_size, parse_grid_spec(spec))
         if shape["pipe"] > 1 and not hasattr(cfg, "schedule"):  # only gpt pipelines
             raise ConfigError(f"config key 'grid' ({spec}): a pipe axis needs the gpt task")
+        if shape["context"] > 1 and not hasattr(cfg, "schedule"):  # only gpt splits sequences
+            raise ConfigError(f"config key 'grid' ({spec}): a context axis needs the gpt task")
     parts = getattr(cfg, "parts", None)
     if parts is not None and parts != world_size:
         raise ConfigError(

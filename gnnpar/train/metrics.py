@@ -127,7 +127,9 @@ SCORES: Mapping[str, Callable[[torch.Tensor, torch.Tensor], float]] = MappingPro
 )
 
 
-def global_mean(value: Any, grid: Any, axes: tuple[str, ...] = ("z", "data")) -> float:
+def global_mean(
+    value: Any, grid: Any, axes: tuple[str, ...] = ("z", "context", "data")
+) -> float:
     """Mean of a per-rank scalar tensor over the grid ``axes`` (the batch axes: every rank
     gets the mean over the global batch)."""
     from gnnpar import comm

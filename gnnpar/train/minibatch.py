@@ -87,8 +87,8 @@ from gnnpar.train.precision import (
 from gnnpar.train.progress import Progress, graph_sizes
 
 _MODELS = ("sage", "gcn", "gat")
-#: ``--sampler`` choices (``vertex``, ScaleGNN's, is refused with its own message).
-SAMPLERS = ("neighbor", "saint-node", "saint-edge", "saint-rw", "cluster")
+#: ``--sampler`` choices (``vertex``: ScaleGNN's 4D training, :mod:`gnnpar.train.scalegnn`).
+SAMPLERS = ("neighbor", "vertex", "saint-node", "saint-edge", "saint-rw", "cluster")
 _MASKS = ("train", "val", "test")
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
 _LOW31 = (1 << 31) - 1
@@ -111,14 +111,19 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
     )
     sampler: str = option(
         "neighbor",
-        "neighbor (fan-outs per seed), saint-node, saint-edge, saint-rw (GraphSAINT subgraphs) "
-        "or cluster (ClusterGCN)",
+        "neighbor (fan-outs per seed), vertex (ScaleGNN: uniform vertex samples on a 4D grid), "
+        "saint-node, saint-edge, saint-rw (GraphSAINT subgraphs) or cluster (ClusterGCN)",
+    )
+    grid: str | None = option(
+        None, "vertex sampler's grid such as data=2,x=2,y=1,z=2 (default: data = all ranks)"
     )
     fanouts: str = option("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
     replace: bool = option(False, "sample neighbours with replacement")
     batch_size: int = option(32, "seeds per step over all ranks (the global batch)")
     budget: int = option(
-        1000, "GraphSAINT draws per subgraph: nodes (saint-node), edges (saint-edge), roots (rw)"
+        1000,
+        "nodes per vertex sample (vertex); GraphSAINT draws per subgraph: nodes (saint-node), "
+        "edges (saint-edge), roots (saint-rw)",
     )
     walk_length: int = option(2, "steps of every saint-rw random walk")
     presample: int = option(50, "subgraphs pre-sampled to estimate GraphSAINT's normalisation")
@@ -183,11 +188,6 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
             raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
 
     def _check_sampler(self) -> None:
-        if self.sampler == "vertex":
-            raise ConfigError(
-                "config key 'sampler': 'vertex' (ScaleGNN's 4D vertex sampling) is not "
-                f"available yet; use one of {', '.join(SAMPLERS)}"
-            )
         if self.sampler not in SAMPLERS:
             raise ConfigError(
                 f"config key 'sampler' must be one of {SAMPLERS}, got {self.sampler!r}"
@@ -207,10 +207,44 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
                 f"config key 'model': GraphSAINT's aggregation normalisation is a weighted "
                 f"mean, which the sage model uses; {self.model!r} cannot take it"
             )
+        self._check_vertex()
         if self.sampler != "neighbor" and self.grad_accum != 1:
             raise ConfigError(
                 "config key 'grad_accum' must be 1 with a subgraph sampler (one subgraph per "
                 "step and rank)"
+            )
+
+    def _check_vertex(self) -> None:
+        """The options of ScaleGNN's 4D training, or ``grid`` given without it."""
+        if self.sampler != "vertex":
+            if self.grid is not None:
+                raise ConfigError(
+                    "config key 'grid' is for the vertex sampler (4D); the other samplers are "
+                    "data parallel over every rank"
+                )
+            return
+        if self.grid is not None:
+            from gnnpar.grid import GridError, parse_grid_spec
+
+            try:
+                shape = parse_grid_spec(self.grid)
+            except GridError as err:
+                raise ConfigError(f"config key 'grid': {err}") from None
+            if shape.get("pipe", 1) > 1:
+                raise ConfigError("config key 'grid': the vertex sampler has no pipe axis")
+        if self.model not in ("sage", "gcn"):
+            raise ConfigError(
+                f"config key 'model': the vertex sampler trains the 3D sage or gcn layers, "
+                f"not {self.model!r}"
+            )
+        if self.budget < 2:
+            raise ConfigError(
+                f"config key 'budget' must be >= 2 with sampler vertex, got {self.budget}"
+            )
+        if (self.zero_stage or 0) != 0 or self.fcdp or self.mixed_precision != "none":
+            raise ConfigError(
+                "the vertex sampler reduces its 3D gradients at zero_stage 0, without fcdp or "
+                "mixed_precision"
             )
 
 
@@ -310,6 +344,15 @@ class MiniBatchTask:
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
     unit = "epoch"
+
+    def __new__(cls, cfg: MiniBatchConfig, progress: Progress | None = None) -> Any:
+        """The task of ``cfg.sampler``: ScaleGNN's 4D training is a task of its own
+        (:class:`gnnpar.train.scalegnn.VertexTask`) behind the one ``sage`` name."""
+        if cls is MiniBatchTask and cfg.sampler == "vertex":
+            from gnnpar.train.scalegnn import VertexTask
+
+            return VertexTask(cfg, progress)
+        return super().__new__(cls)
 
     @property
     def selection(self) -> tuple[str, str]:

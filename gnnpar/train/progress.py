@@ -111,9 +111,10 @@ def start_lines(task: Any, out: str | Path) -> list[str]:
     grid = task.grid
     summary = task.summary() if callable(getattr(task, "summary", None)) else type(task).__name__
     choice = getattr(task, "grid_choice", None)
-    shape = f"grid data={grid.data} x={grid.x} y={grid.y} z={grid.z}"
+    context = f" context={grid.context}" if getattr(grid, "context", 1) > 1 else ""
+    shape = f"grid data={grid.data}{context} x={grid.x} y={grid.y} z={grid.z}"
     if getattr(grid, "pipe", 1) > 1:
-        shape = f"grid pipe={grid.pipe} data={grid.data} x={grid.x} y={grid.y} z={grid.z}"
+        shape = f"grid pipe={grid.pipe} {shape.removeprefix('grid ')}"
     where = f"{count(grid.world_size, 'rank')} ({grid.backend}, {grid.device})"
     return [
         f"{summary}; run folder {out}",
