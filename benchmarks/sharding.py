@@ -23,10 +23,19 @@ FCDP runs with ``ranks_per_node`` = half the ranks (two simulated nodes), so its
 all-gather bytes can be set beside stage 3's (ZeRO-3 moves the same as our stage 3: two
 all-gathers and one reduce-scatter of Ψ per step).
 
+The memory tiers (``--impls tiers``): our stage 3 alone, with ``offload="host"`` and with
+``offload="file"`` (:mod:`gnnpar.shard.offload`), and DeepSpeed ZeRO-3 with
+``offload_optimizer: cpu`` (its DeepSpeedCPUAdam, a C++ op it compiles on first use), with
+per rank the **peak RSS and peak RssAnon over the idle process** (measured after imports
+and the process group, before the model is built; RssAnon sampled every 2 ms during the
+steps, the kernel keeping no high-water mark of it): the file tier's masters and optimizer
+state are file-backed pages, which count in RSS but not in RssAnon.
+
 Run::
 
     python benchmarks/sharding.py              # 2 and 4 ranks, 3 runs each: ~25 min on 2 cores
     python benchmarks/sharding.py --quick      # a smaller model, one run each
+    python benchmarks/sharding.py --impls tiers --repeats 1   # the memory tiers
 
 Writes ``benchmarks/out/sharding.json`` and prints the table with the ratios and targets:
 peak memory ≤ FSDP2's, step time ≤ 1.1× FSDP2's, FCDP inter-node all-gather bytes 0.5× ZeRO-3's.
@@ -63,7 +72,10 @@ from gnnpar.testing import run_distributed  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 TARGETS = {"memory_vs_fsdp2": 1.0, "time_vs_fsdp2": 1.1, "fcdp_inter_node_bytes": 0.5}
-IMPLS = ("ours", "fcdp", "fsdp2", "deepspeed")
+IMPLS = ("ours", "fcdp", "fsdp2", "deepspeed", "host", "file", "deepspeed-offload")
+#: The memory-tier comparison (``--impls tiers``): stage 3, + offload to host, + file tier,
+#: DeepSpeed ZeRO-3 with its optimizer offloaded to the CPU.
+TIERS = ("ours", "host", "file", "deepspeed-offload")
 # A fixed mmap threshold (glibc's initial one) stops glibc from raising it after the first
 # large free, so freed tensors go back to the system and RSS follows the live tensors instead
 # of the allocator's retained heap. The same for every implementation.
@@ -93,6 +105,33 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+class _AnonPeak:
+    """The largest RssAnon seen while it runs: a thread samples ``/proc/self/status`` every
+    ``every`` seconds (the kernel keeps a high-water mark of RSS, ``VmHWM``, but not of its
+    anonymous part, which is what the file tier lowers: mapped file pages count in RSS)."""
+
+    def __init__(self, every: float = 0.002):
+        import threading
+
+        self.every = every
+        self.peak = _rss_kb("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.peak = max(self.peak, _rss_kb("RssAnon"))
+
+    def __enter__(self) -> _AnonPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_kb("RssAnon"))
+
+
 def _rss_kb(field: str) -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -106,12 +145,20 @@ def _rss_kb(field: str) -> int:
 
 
 # ------------------------------------------------------------------------ one rank's run
-def _setup_ours(model: nn.Module, fcdp: bool, rpn: int):
+def _setup_ours(model: nn.Module, fcdp: bool, rpn: int, offload: str = "none", folder=None):
     import gnnpar
     from gnnpar.shard import FCDP, by_type, shard
 
     grid = gnnpar.init(ranks_per_node=rpn)
-    dp = shard(model, grid, 3, units=by_type(Block), fcdp=FCDP() if fcdp else None)
+    dp = shard(
+        model,
+        grid,
+        3,
+        units=by_type(Block),
+        fcdp=FCDP() if fcdp else None,
+        offload=offload,
+        offload_dir=folder if offload == "file" else None,
+    )
     opt = dp.attach(torch.optim.AdamW(dp.parameters(), lr=1e-4))
 
     def step(x, y):
@@ -146,19 +193,29 @@ def _setup_fsdp2(model: nn.Module):
     return step
 
 
-def _setup_deepspeed(model: nn.Module, micro_batch: int):
+def _setup_deepspeed(model: nn.Module, micro_batch: int, offload: bool = False):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    config = {
+    zero: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
-        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
+        "zero_optimization": zero,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    if offload:
+        # ZeRO-Offload: optimizer state and step on the CPU, with DeepSpeed's own CPU Adam
+        # (DeepSpeedCPUAdam, a C++ op it builds on first use), as its documentation runs it
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
     def step(x, y):
         loss = F.mse_loss(engine(x), y)
@@ -172,17 +229,20 @@ def _setup_deepspeed(model: nn.Module, micro_batch: int):
 def _rank(impl: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of one run: build, shard, train, measure."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gc.collect()
+    idle_rss, idle_anon = _rss_kb("VmRSS"), _rss_kb("RssAnon")  # before anything is built
     torch.manual_seed(0)
     model = BlockStack(cfg["width"], cfg["blocks"], cfg["heads"], cfg["seq"])
     numel = sum(p.numel() for p in model.parameters())
     grid = dp = None
-    if impl in ("ours", "fcdp"):
+    if impl in ("ours", "fcdp", "host", "file"):
         rpn = max(1, world // 2) if impl == "fcdp" else world
-        step, grid, dp = _setup_ours(model, impl == "fcdp", rpn)
+        offload = impl if impl in ("host", "file") else "none"
+        step, grid, dp = _setup_ours(model, impl == "fcdp", rpn, offload, cfg.get("offload_dir"))
     elif impl == "fsdp2":
         step = _setup_fsdp2(model)
-    elif impl == "deepspeed":
-        step = _setup_deepspeed(model, cfg["batch"])
+    elif impl in ("deepspeed", "deepspeed-offload"):
+        step = _setup_deepspeed(model, cfg["batch"], offload=impl == "deepspeed-offload")
     else:
         raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
     g = torch.Generator().manual_seed(1000 + rank)
@@ -194,13 +254,14 @@ def _rank(impl: str, cfg: dict[str, Any]) -> dict[str, Any]:
     reset = _reset_peak_rss()
     times, cpu = [], []
     loss = None
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = step(xs[i % 2], ys[i % 2])
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        if i >= cfg["warmup"]:
-            times.append(dt)
-            cpu.append(dc)
+    with _AnonPeak() as anon:
+        for i in range(cfg["warmup"] + cfg["steps"]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = step(xs[i % 2], ys[i % 2])
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if i >= cfg["warmup"]:
+                times.append(dt)
+                cpu.append(dc)
     peak = _rss_kb("VmHWM")
     out: dict[str, Any] = {
         "rank": rank,
@@ -209,6 +270,9 @@ def _rank(impl: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "cpu_s": statistics.median(cpu),
         "peak_rss_mb": peak / 1024,
         "rss_start_mb": rss_start / 1024,
+        # over the idle process (imports and process group only), during the training steps
+        "peak_rss_over_idle_mb": (peak - idle_rss) / 1024,
+        "peak_anon_over_idle_mb": (anon.peak - idle_anon) / 1024,
         "peak_reset": reset,
         "loss": float(loss.detach()),
         "numel": numel,
@@ -226,7 +290,9 @@ def _rank(impl: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def run_case(impl: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One run of ``impl`` on ``world`` ranks (in this process's children)."""
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    ranks = run_distributed(_rank, world, impl, cfg, timeout=cfg["timeout"], env=env)
+    with tempfile.TemporaryDirectory(prefix="offload-") as folder:  # the file tier's
+        cfg = {**cfg, "offload_dir": folder}
+        ranks = run_distributed(_rank, world, impl, cfg, timeout=cfg["timeout"], env=env)
     return {
         "impl": impl,
         "world": world,
@@ -234,6 +300,8 @@ def run_case(impl: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "cpu_s": sum(r["cpu_s"] for r in ranks) / len(ranks),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "rss_start_mb": max(r["rss_start_mb"] for r in ranks),
+        "peak_rss_over_idle_mb": max(r["peak_rss_over_idle_mb"] for r in ranks),
+        "peak_anon_over_idle_mb": max(r["peak_anon_over_idle_mb"] for r in ranks),
         "loss": ranks[0]["loss"],
         "numel": ranks[0]["numel"],
         "bytes": ranks[0].get("bytes"),
@@ -287,6 +355,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "cpu_s": min(r["cpu_s"] for r in ok),
             "peak_rss_mb": min(r["peak_rss_mb"] for r in ok),
             "rss_start_mb": min(r["rss_start_mb"] for r in ok),
+            "peak_rss_over_idle_mb": min(r["peak_rss_over_idle_mb"] for r in ok),
+            "peak_anon_over_idle_mb": min(r["peak_anon_over_idle_mb"] for r in ok),
             "loss": fastest["loss"],
             "bytes": fastest.get("bytes"),
             "tensor_bytes": fastest.get("tensor_bytes"),
@@ -322,13 +392,10 @@ def table(summary: dict[str, Any]) -> str:
         "| peak RSS (MB) | × FSDP2 | data all-gather (MB) | intra-node all-gather (MB) | loss |"
     )
     lines = [head, "|" + "---|" * 11]
-    names = {
-        "ours": "gnnpar stage 3",
-        "fcdp": "gnnpar FCDP",
-        "fsdp2": "FSDP2 fully_shard",
-        "deepspeed": "DeepSpeed ZeRO-3",
-    }
+    names = NAMES
     for r in summary["rows"]:
+        if r["impl"] not in ("ours", "fcdp", "fsdp2", "deepspeed"):
+            continue  # the memory tiers have their own table
         if "error" in r:
             msg = r["error"].splitlines()[-1] if r["error"] else "failed"
             lines.append(f"| {r['world']} | {names[r['impl']]} | failed: {msg[:80]} |||||||||")
@@ -343,6 +410,45 @@ def table(summary: dict[str, Any]) -> str:
             f"| {_fmt(r['memory_vs_fsdp2'], '.2f')} "
             f"| {_fmt(ag / 1e6 if ag else None, '.1f')} "
             f"| {_fmt(intra / 1e6 if intra else None, '.1f')} | {r['loss']:.5f} |"
+        )
+    return "\n".join(lines)
+
+
+NAMES = {
+    "ours": "gnnpar stage 3",
+    "fcdp": "gnnpar FCDP",
+    "fsdp2": "FSDP2 fully_shard",
+    "deepspeed": "DeepSpeed ZeRO-3",
+    "host": "gnnpar stage 3 + offload host",
+    "file": "gnnpar stage 3 + offload file",
+    "deepspeed-offload": "DeepSpeed ZeRO-3 + CPU offload",
+}
+
+
+def tiers_table(summary: dict[str, Any]) -> str:
+    """The memory tiers: per-rank peak RSS and RssAnon over the idle process during the
+    training steps (largest over ranks), step time, each against our stage 3."""
+    lines = [
+        "| ranks | implementation | step (s) | × stage 3 | CPU s/step/rank | peak RSS − idle (MB) "
+        "| peak RssAnon − idle (MB) | × stage 3 | loss |",
+        "|" + "---|" * 9,
+    ]
+    base = {r["world"]: r for r in summary["rows"] if r["impl"] == "ours" and "error" not in r}
+    for r in summary["rows"]:
+        if r["impl"] not in TIERS:
+            continue
+        if "error" in r:
+            msg = r["error"].splitlines()[-1] if r["error"] else "failed"
+            lines.append(f"| {r['world']} | {NAMES[r['impl']]} | failed: {msg[:100]} |||||||")
+            continue
+        b = base.get(r["world"], {})
+        anon = _ratio(r["peak_anon_over_idle_mb"], b.get("peak_anon_over_idle_mb"))
+        lines.append(
+            f"| {r['world']} | {NAMES[r['impl']]} | {r['step_s']:.2f} "
+            f"| {_fmt(_ratio(r['step_s'], b.get('step_s')), '.2f')} | {r['cpu_s']:.2f} "
+            f"| {r['peak_rss_over_idle_mb']:.0f} | {r['peak_anon_over_idle_mb']:.0f} "
+            f"| {_fmt(anon, '.2f')} "
+            f"| {r['loss']:.5f} |"
         )
     return "\n".join(lines)
 
@@ -375,7 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small model, one run per case")
     ap.add_argument("--worlds", default="2,4", help="rank counts, e.g. 2,4")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="which implementations")
+    ap.add_argument(
+        "--impls",
+        default=",".join(IMPLS[:4]),
+        help=f"which implementations, of {', '.join(IMPLS)}; 'tiers' for {', '.join(TIERS)}",
+    )
     ap.add_argument("--repeats", type=int, default=None, help="runs per case (best counts)")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--blocks", type=int, default=10)
@@ -410,14 +520,18 @@ def main(argv: list[str] | None = None) -> int:
         "timeout": 900,
     }
     worlds = [int(w) for w in args.worlds.split(",")]
-    impls = [i for i in args.impls.split(",") if i]
+    impls = list(TIERS) if args.impls == "tiers" else [i for i in args.impls.split(",") if i]
     for i in impls:
         if i not in IMPLS:
             raise SystemExit(f"unknown implementation {i!r}; choose from {', '.join(IMPLS)}")
     skipped = {}
-    if "deepspeed" in impls and importlib.util.find_spec("deepspeed") is None:
-        impls.remove("deepspeed")
-        skipped["deepspeed"] = "not installed"
+    if importlib.util.find_spec("deepspeed") is None:
+        for name in ("deepspeed", "deepspeed-offload"):
+            if name in impls:
+                impls.remove(name)
+                skipped[name] = (
+                    "not installed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)"
+                )
     runs: dict[str, list] = {f"{i}/{w}": [] for w in worlds for i in impls}
     for rep in range(repeats):  # interleave implementations so load drifts hit all alike
         for w in worlds:
@@ -426,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                 res = _fresh(impl, w, cfg)
                 runs[f"{impl}/{w}"].append(res)
                 status = (
-                    f"{res['step_s']:.2f}s/step, {res['peak_rss_mb']:.0f} MB"
+                    f"{res['step_s']:.2f}s/step, {res['peak_rss_mb']:.0f} MB, over idle: RSS "
+                    f"{res['peak_rss_over_idle_mb']:.0f} MB, RssAnon "
+                    f"{res['peak_anon_over_idle_mb']:.0f} MB, loss {res['loss']:.5f}"
                     if isinstance(res, dict)
                     else "failed: " + res.splitlines()[-1]
                     if res
@@ -465,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.batch}×{args.seq} tokens per rank, AdamW float32, best of {repeats}\n"
     )
     print(table(summary))
+    if any(i in TIERS[1:] for i in impls):
+        print()
+        print(tiers_table(summary))
     print()
     for line in results["verdicts"]:
         print(line)

@@ -11,6 +11,7 @@
     gnnpar plan gpt --n-layer 2 --n-embd 64 --n-head 8 --gpus 8 --machine cpu \\
         --bandwidth bw.json
     gnnpar plan gpt --params 1.3B --grid context=4 --gpus 8 --memory-gb 40 --longest-sequence
+    gnnpar plan gpt --n-embd 1024 --n-head 16 --offload host --gpus 8 --memory-gb 16 --largest
     gnnpar plan machines
 
 The model and run options are the trainer's (``gnnpar train gcn|gpt``), with its defaults.
@@ -38,6 +39,7 @@ from gnnpar.plan.problems import (
 )
 from gnnpar.plan.rank import (
     Candidate,
+    largest_gpt,
     longest_sequence,
     rank_gcn,
     rank_gpt_stages,
@@ -62,7 +64,7 @@ GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "heads",
                "layers", "dtype", "mixed_precision", "activation_checkpointing")  # fmt: skip
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
-               "virtual_stages", "activation_checkpointing")  # fmt: skip
+               "virtual_stages", "activation_checkpointing", "offload")  # fmt: skip
 
 
 def _task_config(cls: type, args: argparse.Namespace) -> Any:
@@ -181,6 +183,9 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
         if any(c.bytes.get(a) for c in cands)
     ]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]
+    off = next((k for c in cands for k in ("host", "file") if c.memory.get(k)), None)
+    if off:
+        head.append(f"{off} GB")
     stages = len({c.stage for c in cands}) > 1
     if stages:
         head.insert(2, "ZeRO")
@@ -202,6 +207,7 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
                 f"{c.comm_seconds * 1e3:,.2f}",
                 *[_cell(c, a) for a in axes],
                 f"{c.memory_bytes / 1e9:,.2f}",
+                *([f"{c.memory.get(off, 0.0) / 1e9:,.2f}"] if off else []),
             ]
         )
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -260,7 +266,10 @@ def _grid_shape(args: argparse.Namespace) -> dict[str, int]:
 def _cmd_gpt(args: argparse.Namespace) -> int:
     problem = _gpt_problem(args)
     machine = _machine(args)
-    stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
+    low = 1 if problem.offload != "none" else 0
+    if args.stage is not None and args.stage < low:
+        raise PlanError(f"--offload {problem.offload} needs --stage 1, 2 or 3, not 0")
+    stages = tuple(range(low, 4)) if args.stage is None else (args.stage,)
     shape = _grid_shape(args)
     if args.longest_sequence:
         seq, best = longest_sequence(problem, args.gpus, machine, stages, shape)
@@ -274,17 +283,24 @@ def _cmd_gpt(args: argparse.Namespace) -> int:
             f"batch {problem.batch})"
         )
         return 0
-    cands = rank_gpt_stages(problem, args.gpus, machine, stages, shape.get("context", 1))
+    if args.largest:
+        problem, cands = largest_gpt(problem, args.gpus, machine, stages, shape or None)
+    else:
+        cands = rank_gpt_stages(problem, args.gpus, machine, stages, shape.get("context", 1))
     fixed = {a: v for a, v in shape.items() if a != "context"}
     cands = [c for c in cands if all(c.shape.get(a, 1) == v for a, v in fixed.items())]
-    which = "ZeRO stage 0-3" if args.stage is None else f"ZeRO stage {args.stage}"
+    which = f"ZeRO stage {low}-3" if args.stage is None else f"ZeRO stage {args.stage}"
+    if problem.offload != "none":
+        which += f", offload {problem.offload}"
     title = (
         f"GPT {format_count(problem.num_params)} ({problem.layers} layers, "
         f"hidden {problem.hidden}, {problem.heads} heads), "
         f"batch {problem.batch} x {problem.seq} tokens, {which}; "
         f"{count(args.gpus, 'rank')} on {machine.name} "
-        f"({machine.ranks_per_node(args.gpus)} per node)"
+        f"({machine.ranks_per_node(args.gpus)} per node, {machine.memory_gb:g} GB each)"
     )
+    if args.largest:
+        title = f"largest that fits: {title}"
     return _report(cands, args, title)
 
 
@@ -377,6 +393,12 @@ def add_plan_commands(subparsers: Any) -> None:
         default=None,
         choices=(0, 1, 2, 3),
         help="data-axis sharding (ZeRO) stage; default: rank every stage",
+    )
+    t.add_argument(
+        "--largest",
+        action="store_true",
+        help="find the most layers (at the given width, heads, sequence and batch) that fit "
+        "the per-rank memory on --gpus ranks, and rank its shapes",
     )
     _common(t, "a100x4")
     t.set_defaults(func=_cmd_gpt)

@@ -40,6 +40,11 @@ GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
   vocabulary chunk. ``tokens`` are this rank's: its sequences (the batch over data and z)
   times its part of each (the sequence over context: context parallelism is this model's
   sequence parallelism, every activation split, the tensor-parallel ones not);
+- with ``offload`` (stages 1–3, :mod:`gnnpar.shard.offload`) the ``optimizer`` part (Adam's
+  moments and the float32 master chunk) — and at stage 3 with e = 4 the parameter chunk,
+  which is the master itself — leave the device: ``"host"`` bytes (host memory) or
+  ``"file"`` bytes (memory-mapped files: page cache, not anonymous memory). These parts are
+  not device memory (:func:`device_bytes`).
 - ``ring`` (context > 1): what ring attention holds beyond that in the busiest layer's
   backward: the travelling key/value block, its gradients and the received copies (8 blocks
   of this rank's keys' size), the saved log-sum-exp (one float per query and head), and one
@@ -79,10 +84,17 @@ from gnnpar.plan.comm_model import (
 from gnnpar.plan.problems import GCNProblem, GPTProblem
 from gnnpar.tensor.context import TILE_BYTES
 
-__all__ = ["USABLE_FRACTION", "gcn_memory", "gpt_memory"]
+__all__ = ["OFF_DEVICE", "USABLE_FRACTION", "device_bytes", "gcn_memory", "gpt_memory"]
 
 #: Fraction of device memory the planner lets a shape use.
 USABLE_FRACTION = 0.9
+#: Parts of a memory breakdown that are not device memory (the offload tiers).
+OFF_DEVICE = ("host", "file")
+
+
+def device_bytes(parts: Mapping[str, float]) -> float:
+    """The device memory of a breakdown: every part but the offloaded ones."""
+    return sum(v for k, v in parts.items() if k not in OFF_DEVICE)
 
 
 def gcn_memory(
@@ -250,4 +262,11 @@ def gpt_memory(
         square = (t_loc // 2) ** 2 * e
         tile = min(rows * heads * square, max(TILE_BYTES // square, 1) * square)
         out["ring"] = float(8 * keys + tokens * heads * e + 3 * tile)
+    if problem.offload != "none" and problem.stage >= 1:
+        moved = out["optimizer"]
+        if problem.stage >= 3 and e >= 4:  # the parameter chunk is the master
+            moved += n * e / d
+            out["parameters"] -= n * e / d
+        out["optimizer"] = 0.0
+        out[problem.offload] = moved
     return out

@@ -149,7 +149,9 @@ class GPTProblem:
     with a ``pipe`` axis runs (:mod:`gnnpar.pipeline`; ``virtual`` counts only for the
     interleaved schedule; ``schedule`` None: no pipelines). ``activation_checkpointing``:
     ``"full"`` recomputes each block in backward, ``"selective"`` its attention core
-    (:mod:`gnnpar.recompute`).
+    (:mod:`gnnpar.recompute`). ``offload`` (the trainer's option,
+    :mod:`gnnpar.shard.offload`): ``"host"`` or ``"file"`` moves the optimizer's masters and
+    state off the device (stages 1–3 only; the ranking skips stage 0 then).
     """
 
     model: GPTConfig
@@ -162,13 +164,18 @@ class GPTProblem:
     schedule: str | None = "1f1b"
     virtual: int = 2
     activation_checkpointing: str = "none"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
+        from gnnpar.shard.config import OFFLOAD_MODES
+
         _checkpointing(self.activation_checkpointing, ("none", "full", "selective"))
         for key in ("batch", "element_size", "micro_batches", "virtual"):
             _positive(key, getattr(self, key))
         if self.stage not in (0, 1, 2, 3):
             raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.offload not in OFFLOAD_MODES:
+            raise PlanError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
 
     @classmethod
     def sized(

@@ -28,7 +28,7 @@ from gnnpar.plan.comm_model import (
 )
 from gnnpar.plan.compute import gcn_compute_seconds, gpt_compute_seconds
 from gnnpar.plan.machines import Machine
-from gnnpar.plan.memory import USABLE_FRACTION, gcn_memory, gpt_memory
+from gnnpar.plan.memory import USABLE_FRACTION, device_bytes, gcn_memory, gpt_memory
 from gnnpar.plan.pipeline import PipelinePlan, p2p_collectives, pipeline_plan
 from gnnpar.plan.pipeline import stage_problem as pipeline_stage
 from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
@@ -38,6 +38,7 @@ __all__ = [
     "choose_fullgraph_grid",
     "choose_gpt_plan",
     "fullgraph_epoch_bytes",
+    "largest_gpt",
     "rank_gcn",
     "rank_gpt",
     "rank_gpt_stages",
@@ -83,8 +84,8 @@ class Candidate:
 
     @property
     def memory_bytes(self) -> float:
-        """Device memory this rank needs."""
-        return sum(self.memory.values())
+        """Device memory this rank needs (offloaded parts are not)."""
+        return device_bytes(self.memory)
 
     def as_dict(self) -> dict:
         """JSON-ready summary (without the collective list)."""
@@ -140,9 +141,9 @@ def _evaluate(
     intra = intra_node_axes(shape, machine.ranks_per_node(world))
     fits, reason = True, ""
     usable = USABLE_FRACTION * machine.memory_gb * 1e9
-    if sum(mem.values()) > usable:
+    if device_bytes(mem) > usable:
         fits = False
-        reason = f"needs {sum(mem.values()) / 1e9:.1f} GB of {machine.memory_gb:g} GB"
+        reason = f"needs {device_bytes(mem) / 1e9:.1f} GB of {machine.memory_gb:g} GB"
     return Candidate(
         shape=shape,
         fits=fits,
@@ -356,13 +357,24 @@ def rank_gpt_stages(
     context: int = 1,
 ) -> list[Candidate]:
     """Every (shape, ZeRO stage) for a GPT step, best first: :func:`rank_gpt` for each stage,
-    merged (at equal predicted time the lower stage first)."""
+    merged (at equal predicted time the lower stage first). With ``problem.offload`` stage 0
+    (nothing sharded to offload) is left out."""
+    if problem.offload != "none":
+        stages = [s for s in stages if s >= 1]
     cands = [
         c
         for stage in stages
         for c in rank_gpt(dataclasses.replace(problem, stage=stage), world, machine, context)
     ]
     return _order(cands)
+
+
+def _of_shape(cands: list[Candidate], shape: Mapping[str, int] | None) -> list[Candidate]:
+    """The candidates of grid ``shape`` (all of them for None)."""
+    if shape is None:
+        return cands
+    want = {a: shape.get(a, 1) for a in ("pipe", "data", *AXES[:3])}
+    return [c for c in cands if {a: c.shape.get(a, 1) for a in want} == want]
 
 
 def longest_sequence(
@@ -410,15 +422,49 @@ def choose_gpt_plan(
     ``shape`` or ``stage`` fix one of them (what ``gnnpar train gpt`` runs when it is given
     no grid or no stage, and ``gnnpar plan gpt`` recommends)."""
     stages = (0, 1, 2, 3) if stage is None else (stage,)
-    want = None if shape is None else {a: shape.get(a, 1) for a in ("pipe", "data", *AXES[:3])}
     context = 1 if shape is None else shape.get("context", 1)
-    cands = [
-        c
-        for c in rank_gpt_stages(problem, world, machine, stages, context)
-        if want is None or {a: c.shape.get(a, 1) for a in want} == want
-    ]
+    cands = _of_shape(rank_gpt_stages(problem, world, machine, stages, context), shape)
     fitting = [c for c in cands if c.fits]
     if not fitting:
         reasons = sorted({c.reason for c in cands})[:3]
         raise PlanError(f"no grid shape and stage can run this model: {'; '.join(reasons)}")
     return dict(fitting[0].shape), fitting[0].stage
+
+
+def largest_gpt(
+    problem: GPTProblem,
+    world: int,
+    machine: Machine,
+    stages: Iterable[int] = (0, 1, 2, 3),
+    shape: Mapping[str, int] | None = None,
+    limit: int = 4096,
+) -> tuple[GPTProblem, list[Candidate]]:
+    """The deepest GPT of ``problem``'s width, heads, sequence and batch (its ``n_layer``
+    grown, at most ``limit``) for which some shape (``shape``: that one) and stage fits
+    ``machine``'s per-device memory on ``world`` ranks, and its ranking. Memory grows with
+    the layers, so a doubling search and a bisection find it; PlanError when even one layer
+    does not fit."""
+    stages = tuple(stages)
+    context = (shape or {}).get("context", 1)
+
+    def ranked(layers: int) -> list[Candidate]:
+        sized = dataclasses.replace(
+            problem, model=dataclasses.replace(problem.model, n_layer=layers)
+        )
+        return _of_shape(rank_gpt_stages(sized, world, machine, stages, context), shape)
+
+    def fits(layers: int) -> bool:
+        return any(c.fits for c in ranked(layers))
+
+    if not fits(1):
+        reasons = sorted({c.reason for c in ranked(1)})[:3]
+        raise PlanError(f"not even a 1-layer GPT of this width fits: {'; '.join(reasons)}")
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # lo fits, hi does not (or is past the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    best = dataclasses.replace(problem, model=dataclasses.replace(problem.model, n_layer=lo))
+    return best, _of_shape(rank_gpt_stages(best, world, machine, stages, context), shape)

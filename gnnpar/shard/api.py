@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -42,9 +43,10 @@ from torch import nn
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.buckets import GradBuckets, build_buckets
-from gnnpar.shard.config import FCDP, STAGES, MixedPrecision
+from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import NodeGroups, node_groups
+from gnnpar.shard.offload import HostTier, make_tier
 from gnnpar.shard.zero3 import Stage3, Unit, _cast_floats
 
 __all__ = ["ShardedModel", "UnitSpec", "by_numel", "by_type", "shard"]
@@ -209,6 +211,7 @@ class ShardedModel:
         mp: MixedPrecision | None,
         fcdp: FCDP | None,
         nodes: NodeGroups | None,
+        offload: HostTier | None = None,
     ):
         self.module = module
         self.grid = grid
@@ -221,8 +224,11 @@ class ShardedModel:
         self._keys = keys
         self.buckets: GradBuckets | None = None
         self.stage3: Stage3 | None = None
+        self.offload = offload
         self._hooks: list = []
         self._attached = 0
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._stepping = False  # inside an offload tier's chunked step
 
     # ---------------------------------------------------------------------- basics
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -233,6 +239,7 @@ class ShardedModel:
             f"ShardedModel(stage={self.stage}, units={len(self.unit_names)}, "
             f"params={self.numel:,}, data={self.grid.size('data')}"
             + (", fcdp" if self.fcdp else "")
+            + (f", offload={self.offload.kind}" if self.offload else "")
             + ")"
         )
 
@@ -306,10 +313,32 @@ class ShardedModel:
                         "ShardedModel's parameters(); build it from dp.parameters()"
                     )
         self._hooks.append(
-            optimizer.register_step_post_hook(lambda *a: self.sync_params(force=True))
+            optimizer.register_step_post_hook(
+                lambda *a: None if self._stepping else self.sync_params(force=True)
+            )
         )
+        if self.offload is not None and self.offload.chunked_step:
+            self._chunk_steps(optimizer)
         self._attached += 1
+        self._optimizers.append(optimizer)
         return optimizer
+
+    def _chunk_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Route ``optimizer.step`` through the offload tier, one flat group at a time; the
+        parameters are brought up to date once, after the last group."""
+        inner = optimizer.step
+        tier = self.offload
+
+        def step(closure=None):
+            self._stepping = True
+            try:
+                loss = tier.step(optimizer, inner, self._groups(("trainable",)), closure)
+            finally:
+                self._stepping = False
+            self.sync_params(force=True)
+            return loss
+
+        optimizer.step = step
 
     def sync_params(self, force: bool = False) -> None:
         """Bring the model's parameters up to date with the masters (collective at stages
@@ -370,7 +399,8 @@ class ShardedModel:
                 continue
             # each piece's norm in its own dtype (as torch's clip_grad_norm_; a float64 copy of
             # every gradient cost a quarter of a 70M-parameter step), summed in float64
-            piece = torch.linalg.vector_norm(p.grad.detach(), norm_type).to(torch.float64)
+            piece = torch.linalg.vector_norm(p.grad.detach(), norm_type)
+            piece = piece.to(total.device, torch.float64)  # host-offloaded gradients
             if inf:
                 total = torch.maximum(total, piece)
             else:
@@ -389,7 +419,7 @@ class ShardedModel:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
         return norm
 
     # --------------------------------------------------------------------- state dicts
@@ -401,9 +431,7 @@ class ShardedModel:
         for g in groups:
             if g.master.numel() == 0:
                 continue
-            full = (
-                comm.all_gather(g.master.detach(), self.grid, "data") if g.world > 1 else g.master
-            )
+            full = comm.all_gather(g.send(), self.grid, "data") if g.world > 1 else g.master
             for s, v in zip(g.slots, g.views(full.detach()), strict=False):
                 out[s.name] = v.clone()
                 covered.add(s.name)
@@ -516,6 +544,9 @@ class ShardedModel:
     def _refresh(self) -> None:
         """Bring the model's parameters up to date with the masters after they were written
         (a checkpoint load): all-gather at stages 1–2, drop stage 3's caches."""
+        if self.offload is not None:  # loaded optimizer state goes where the tier keeps it
+            for opt in self._optimizers:
+                self.offload.adopt(opt, self._groups(("trainable",)))
         if self.stage3 is not None:
             for unit in self.stage3.units:
                 self.stage3._uncache(unit, "frozen")
@@ -615,10 +646,13 @@ class ShardedModel:
             out["cache_device"] = self.stage3.cache_bytes["device"]
             out["cache_host"] = self.stage3.cache_bytes["host"]
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        # of which in memory-mapped files (the file offload tier): not anonymous memory
+        out["file"] = self.offload.file_bytes() if self.offload is not None else 0
         return out
 
     def remove(self) -> None:
-        """Detach every hook this handle installed (the model keeps its current form)."""
+        """Detach every hook this handle installed (the model keeps its current form) and
+        close the offload tier (its folder is removed; what is mapped stays readable)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -626,6 +660,11 @@ class ShardedModel:
             self.buckets.remove_hooks()
         if self.stage3 is not None:
             self.stage3.remove_hooks()
+        if self.offload is not None:
+            for opt in self._optimizers:
+                opt.__dict__.pop("step", None)  # the optimizer's own step again
+            if self.offload.kind == "file":
+                self.offload.close()
 
 
 def shard(
@@ -638,6 +677,8 @@ def shard(
     fcdp: FCDP | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     prefetch: bool = True,
+    offload: str = "none",
+    offload_dir: str | os.PathLike | None = None,
 ) -> ShardedModel:
     """Make ``model`` data-parallel over ``grid``'s data axis, in place.
 
@@ -655,6 +696,11 @@ def shard(
         fcdp: an :class:`FCDP` configuration (stage 3 only).
         bucket_bytes: size of a gradient bucket at stages 0–2.
         prefetch: gather the next unit during the current one (stage 3).
+        offload: where the trainable master chunks, the optimizer's state and its step live
+            (stages 1–3): ``"none"`` (the device), ``"host"`` (host memory, ZeRO-Offload) or
+            ``"file"`` (memory-mapped files in ``offload_dir``; see
+            :mod:`gnnpar.shard.offload`).
+        offload_dir: the folder of the file tier (each rank uses ``rank<R>/`` in it).
 
     Every rank must call it (it creates process groups for FCDP). Returns the
     :class:`ShardedModel` handle.
@@ -673,6 +719,18 @@ def shard(
         )
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+    if offload != "none" and stage == 0:
+        raise ValueError(
+            f"offload={offload!r} needs stage 1, 2 or 3 (sharded masters); stage 0 has none"
+        )
+    if (offload == "file") != (offload_dir is not None):
+        raise ValueError(
+            "offload='file' needs offload_dir (the folder of its files)"
+            if offload == "file"
+            else f"offload_dir is only used with offload='file', not offload={offload!r}"
+        )
     if getattr(model, "_gnnpar_sharded", False):
         raise ValueError("this model is already sharded; call shard() once per model")
     # A model whose tensor-parallel layers deliver complete gradients (the full-graph 3D
@@ -692,8 +750,10 @@ def shard(
     unit_of_slot = {id(s.param): _common_unit(holders[id(s.param)], unit_names) for s in slots}
     trainable = [s for s in slots if s.trainable]
     nodes = node_groups(grid) if fcdp is not None else None
+    tier = make_tier(offload, offload_dir, grid.device, grid.global_rank)
+    alloc = tier.master if tier is not None else None
 
-    dp = ShardedModel(model, grid, stage, slots, unit_names, keys, mp, fcdp, nodes)
+    dp = ShardedModel(model, grid, stage, slots, unit_names, keys, mp, fcdp, nodes, tier)
     if stage < 3:
         if mp is None and trainable:
             _uniform_dtype(trainable, "the model")
@@ -713,6 +773,7 @@ def shard(
             master,
             reduce_dtype,
             param_dtype or (trainable[0].dtype if trainable else reduce_dtype),
+            alloc,
         )
         if param_dtype is not None:  # after the masters took the full-precision values
             with torch.no_grad():
@@ -762,8 +823,9 @@ def shard(
                     if kind == "frozen":
                         dtype = _uniform_dtype(members, f"frozen part of unit {name or '<root>'}")
                 values = [s.param.detach() for s in members]
+                train = kind == "trainable"
                 unit.groups[kind] = FlatGroup(
-                    members, p, r, dtype, grid.device, values, trainable=kind == "trainable"
+                    members, p, r, dtype, grid.device, values, train, alloc if train else None
                 )
             rt.units.append(unit)
         # The model's parameters now live in the chunks: take them off the modules.

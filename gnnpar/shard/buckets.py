@@ -222,7 +222,7 @@ class GradBuckets:
             if not g.pieces and self.stage == 0:
                 continue
             dtype = g.slots[0].param.dtype
-            send = g.master.to(dtype)
+            send = g.send(dtype)
             if self.stage == 0:
                 pending.append((b, comm.Handle(None, lambda s=send: s, "local")))
             else:
@@ -249,11 +249,13 @@ def build_buckets(
     master_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype,
     param_dtype: torch.dtype,
+    alloc=None,
 ) -> list[Bucket]:
     """Trainable ``slots`` cut into buckets (reverse registration order; a new bucket at each
     unit boundary and after ``bucket_bytes``). ``master_dtype`` None (stage 0 without mixed
     precision) creates no master copies: the model's parameters are the optimizer's.
-    ``param_dtype`` is the dtype the model's parameters have during training."""
+    ``param_dtype`` is the dtype the model's parameters have during training; ``alloc`` places
+    the master chunks (an offload tier's)."""
     world = grid.size("data") if stage > 0 else 1
     rank = grid.rank("data") if stage > 0 else 0
     chosen: list[list[Slot]] = []
@@ -270,8 +272,6 @@ def build_buckets(
     out = []
     for i, group_slots in enumerate(chosen):
         values = [s.param.detach() for s in group_slots]
-        group = FlatGroup(
-            group_slots, world, rank, master_dtype, grid.device, values, trainable=True
-        )
+        group = FlatGroup(group_slots, world, rank, master_dtype, grid.device, values, True, alloc)
         out.append(Bucket(i, group, stage, reduce_dtype, param_dtype))
     return out

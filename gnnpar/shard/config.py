@@ -6,12 +6,15 @@ import dataclasses
 
 import torch
 
-__all__ = ["FCDP", "STAGES", "MixedPrecision"]
+__all__ = ["FCDP", "OFFLOAD_MODES", "STAGES", "MixedPrecision"]
 
 #: The sharding stages: 0 = bucketed all-reduce (DDP), 1 = optimizer state sharded (ZeRO-1),
 #: 2 = + gradients (ZeRO-2), 3 = + parameters (ZeRO-3 / FSDP).
 STAGES = (0, 1, 2, 3)
 CACHE_MODES = ("slice", "full")
+#: Where the optimizer's masters, state and step live (:mod:`gnnpar.shard.offload`): on the
+#: device, in host memory (ZeRO-Offload), or in memory-mapped files (ZeRO-Infinity style).
+OFFLOAD_MODES = ("none", "host", "file")
 
 
 def _check_dtype(name: str, value: object, *, optional: bool = True) -> None:

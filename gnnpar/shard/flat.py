@@ -17,6 +17,7 @@ are placed last, so that their gradients form one contiguous tail.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class FlatGroup:
 
     ``values`` (the current value of every slot, in slot order) initialises the master chunk.
     With ``master_dtype`` None the group is a layout only (no master chunk, no pieces).
+    ``alloc(numel, dtype)`` gives a zeroed master chunk somewhere other than ``device`` (an
+    offload tier, :mod:`gnnpar.shard.offload`).
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class FlatGroup:
         device: torch.device,
         values: list[torch.Tensor],
         trainable: bool,
+        alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None,
     ):
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"bad shard rank {rank} of {world}")
@@ -115,14 +119,18 @@ class FlatGroup:
         if master_dtype is None:
             self.master = torch.zeros(0, device=device)
             return
-        self.master = torch.zeros(self.chunk, dtype=master_dtype, device=device)
+        if alloc is None:
+            self.master = torch.zeros(self.chunk, dtype=master_dtype, device=device)
+        else:
+            self.master = alloc(self.chunk, master_dtype)
         with torch.no_grad():
             for s, v in zip(self.slots, values, strict=True):
                 a, b = max(self.lo, s.offset), min(self.hi, s.offset + s.numel)
                 if a >= b:
                     continue
                 flat = v.detach().reshape(-1)
-                self.master[a - self.lo : b - self.lo].copy_(flat[a - s.offset : b - s.offset])
+                part = flat[a - s.offset : b - s.offset]
+                self.master[a - self.lo : b - self.lo].copy_(part)
                 param = nn.Parameter(self.master[a - self.lo : b - self.lo], trainable)
                 self.pieces.append(Piece(s, a - s.offset, b - s.offset, a - self.lo, param))
 
@@ -152,6 +160,11 @@ class FlatGroup:
             out[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
         return out
 
+    def send(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The master chunk as the parameter all-gather sends it: on the group's device, in
+        ``dtype`` (default the master's); the chunk itself when nothing changes."""
+        return self.master.to(self.device, dtype or self.master.dtype)
+
     @property
     def version(self) -> int:
         """Version counter of the master chunk (changes whenever an optimizer writes it)."""
@@ -162,7 +175,8 @@ class FlatGroup:
         """Add this rank's reduced gradient chunk to the pieces' gradients (assigning views of
         one buffer where the optimizer has set them to ``None``). ``owned``: nobody else uses
         ``shard_grad``, so it may become that buffer."""
-        g = shard_grad.to(self.master.dtype)
+        # to the master's memory: the host with an offload tier, else a no-op
+        g = shard_grad.to(self.master.device, self.master.dtype)
         if all(p.param.grad is None for p in self.pieces):
             # The pieces' gradients are views of one buffer, which lives as long as they do
             # (an optimizer's zero_grad frees it).

@@ -263,7 +263,7 @@ class Stage3:
                 unit.pending[kind] = _Ready(tensor)
             return
         group = unit.groups[kind]
-        send = group.master.to(self.compute_dtype or group.master.dtype)
+        send = group.send(self.compute_dtype)
         unit.pending[kind] = comm.all_gather(send, self.grid, "data", async_op=True)
 
     def _materialize(self, unit: Unit, kind: str, backward: bool) -> torch.Tensor:

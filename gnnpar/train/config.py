@@ -161,6 +161,14 @@ class DataParallelConfig:
     grad_accum: int = option(
         1, "micro-batches per step: the batch is split and gradients accumulated"
     )
+    offload: str = option(
+        "none", "where the optimizer's master weights, state and step live (ZeRO stage 1-3): "
+        "none (the device), host (host memory) or file (memory-mapped files in offload_dir)"
+    )  # fmt: skip
+    offload_dir: str | None = option(
+        None, "folder of offload = file (default OUT/offload; each rank uses rank<R>/ in it, "
+        "one left by an ended run is removed)"
+    )  # fmt: skip
 
     def check_data_parallel(self) -> None:
         """Reject data-parallel values that cannot work, naming the key."""
@@ -176,6 +184,22 @@ class DataParallelConfig:
         if self.reduce_dtype is not None:
             _one_of(self, "reduce_dtype", REDUCE_DTYPES)
         _at_least(self, 1, "grad_accum")
+        from gnnpar.shard.config import OFFLOAD_MODES
+
+        _one_of(self, "offload", OFFLOAD_MODES)
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ConfigError(
+                f"config key 'offload' = {self.offload} needs zero_stage 1, 2 or 3 (sharded "
+                "optimizer state), not 0"
+            )
+        if self.offload_dir is not None and self.offload != "file":
+            raise ConfigError("config key 'offload_dir' is only used with offload = file")
+
+    def offload_folder(self) -> str | None:
+        """The folder of the file tier: ``offload_dir``, default ``OUT/offload``."""
+        if self.offload != "file":
+            return None
+        return self.offload_dir or str(Path(self.out) / "offload")
 
 
 @dataclasses.dataclass

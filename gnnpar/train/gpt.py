@@ -334,6 +334,7 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         schedule=cfg.schedule,
         virtual=cfg.virtual_stages,
         activation_checkpointing=cfg.activation_checkpointing,
+        offload=cfg.offload,
     )
 
 
@@ -430,6 +431,8 @@ class GPTTask:
                 units=by_type(block),
                 mixed_precision=shard_policy(cfg),
                 fcdp=FCDP() if cfg.fcdp else None,
+                offload=cfg.offload,
+                offload_dir=cfg.offload_folder(),
             )
 
         self.pipeline = None
@@ -674,8 +677,7 @@ def _has_fused_kernels(params: list[torch.Tensor]) -> bool:
     default there (70.8M parameters: 0.04 s against 0.23 s of CPU time a step, one thread),
     which is a tenth of a tensor-parallel GPT step; other devices keep torch's default."""
     return bool(params) and all(
-        type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda")
-        for p in params
+        type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda") for p in params
     )
 
 

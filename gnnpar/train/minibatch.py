@@ -147,6 +147,11 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         self.check_data_parallel()
         self.check_schedule()
         self.check_selection()
+        if self.offload != "none" and self.zero_stage is None:
+            raise ConfigError(
+                f"config key 'offload' = {self.offload} needs zero_stage 1, 2 or 3 (sage runs "
+                "stage 0 unless told)"
+            )
         if self.model not in _MODELS:
             raise ConfigError(f"config key 'model' must be one of {_MODELS}, got {self.model!r}")
         self._check_sampler()
@@ -422,6 +427,8 @@ class MiniBatchTask:
             units=by_type(SAGEConv, GCNConv, GATConv),
             mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None,
+            offload=cfg.offload,
+            offload_dir=cfg.offload_folder(),
         )
         self.optimizer = self.model.attach(
             torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
