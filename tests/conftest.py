@@ -55,6 +55,12 @@ def pytest_configure(config: pytest.Config) -> None:
 SPREAD_MODULES = ("test_docs.py",)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The documentation pages first (stable otherwise): they are the longest tests, and two
+    workers finish together when the long work starts early and short modules fill the end."""
+    items.sort(key=lambda item: item.path.name not in SPREAD_MODULES)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist (``make test`` runs two workers): the tests of one module go to one
