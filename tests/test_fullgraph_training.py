@@ -62,8 +62,12 @@ def _losses_per_grid(shards: str, grids: list[str], epochs: int, dtype: str) -> 
 @needs_citeseer
 def test_citeseer_gcn_single_process_reaches_kipf(citeseer_shards, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    out = _losses(citeseer_shards, None, 200, "float32")
+    try:
+        out = _losses(citeseer_shards, None, 200, "float32")
+    finally:  # the process runs other tests after this one
+        torch.set_num_threads(threads)
     # Kipf & Welling report 70.3%; the issue asks for at least 68%.
     assert out["test_acc"] >= 0.68, out["test_acc"]
 
