@@ -185,6 +185,17 @@ def dataset_options(cfg: Any) -> dict[str, Any]:
     return check_dataset(cfg.dataset, dataset_option_pairs(cfg))
 
 
+def load_trainable(cfg: Any) -> Any:
+    """:func:`load_dataset`, refused in one line naming the dataset when it cannot be
+    trained on (:meth:`~gnnpar.graph.Graph.check_trainable`)."""
+    graph = load_dataset(cfg)
+    try:
+        graph.check_trainable()
+    except ValueError as err:
+        raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
+    return graph
+
+
 def load_dataset(cfg: Any, warn_directed: bool = False) -> Any:
     """The graph a task's ``dataset``, ``root`` and ``dataset_options`` name (a catalogue
     entry prepared under ``root``, or a graph folder), with the structure options

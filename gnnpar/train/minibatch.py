@@ -75,7 +75,7 @@ from gnnpar.train.config import (
     TrainerConfig,
     option,
 )
-from gnnpar.train.loop import dataset_options, load_dataset
+from gnnpar.train.loop import dataset_options, load_dataset, load_trainable
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import (
     LossScaler,
@@ -453,11 +453,7 @@ class MiniBatchTask:
     # ------------------------------------------------------------------ setup
     def _setup_graph(self) -> None:
         cfg = self.cfg
-        graph = load_dataset(cfg)
-        try:
-            graph.check_trainable()
-        except ValueError as err:
-            raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
+        graph = load_trainable(cfg)
         if cfg.partitions:  # one process trains on the whole graph: only check provenance
             import partitioners.format as pformat
 

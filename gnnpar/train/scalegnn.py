@@ -37,7 +37,7 @@ from gnnpar.sparse.parallel import parallelize_fullgraph
 from gnnpar.train import schedule
 from gnnpar.train.config import ConfigError
 from gnnpar.train.fullgraph import sharded_scores
-from gnnpar.train.loop import load_dataset
+from gnnpar.train.loop import load_trainable
 from gnnpar.train.metrics import metric_for
 from gnnpar.train.minibatch import MiniBatchTask
 from gnnpar.train.precision import compute_dtype, master_dtype
@@ -75,11 +75,7 @@ class VertexTask:
 
     def _setup_graph(self) -> None:
         cfg = self.cfg
-        graph = load_dataset(cfg)
-        try:
-            graph.check_trainable()
-        except ValueError as err:
-            raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
+        graph = load_trainable(cfg)
         if cfg.budget > graph.num_nodes:
             raise ConfigError(
                 f"config key 'budget' ({cfg.budget}) exceeds the graph's {graph.num_nodes} nodes"
