@@ -55,10 +55,30 @@ def pytest_configure(config: pytest.Config) -> None:
 SPREAD_MODULES = ("test_docs.py",)
 
 
+#: Modules of a minute or more of CPU (measured with both workers busy), longest first: they
+#: start right after the documentation pages so that short modules fill the end.
+LONG_MODULES = (
+    "test_plan_measured.py",
+    "test_fullgraph_training.py",
+    "test_launchers.py",
+    "test_pipeline_train.py",
+    "test_fullgraph.py",
+    "test_shard.py",
+    "test_offload.py",
+)
+
+
+def _start_order(item: pytest.Item) -> int:
+    name = item.path.name
+    if name in SPREAD_MODULES:
+        return 0
+    return 1 + LONG_MODULES.index(name) if name in LONG_MODULES else 1 + len(LONG_MODULES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The documentation pages first (stable otherwise): they are the longest tests, and two
-    workers finish together when the long work starts early and short modules fill the end."""
-    items.sort(key=lambda item: item.path.name not in SPREAD_MODULES)
+    """The documentation pages first, then the long modules (stable otherwise): two workers
+    finish together when the long work starts early and short modules fill the end."""
+    items.sort(key=_start_order)
 
 
 @pytest.hookimpl(optionalhook=True)

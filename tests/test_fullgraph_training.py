@@ -62,10 +62,12 @@ def _losses_per_grid(shards: str, grids: list[str], epochs: int, dtype: str) -> 
 @needs_citeseer
 def test_citeseer_gcn_single_process_reaches_kipf(citeseer_shards, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    # One thread: the suite's other worker has the other core. 100 epochs, not Kipf's 200:
+    # the accuracy is measured at 69.2% after 100 (69.9% after 200) for half the time.
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     try:
-        out = _losses(citeseer_shards, None, 200, "float32")
+        out = _losses(citeseer_shards, None, 100, "float32")
     finally:  # the process runs other tests after this one
         torch.set_num_threads(threads)
     # Kipf & Welling report 70.3%; the issue asks for at least 68%.
