@@ -179,10 +179,28 @@ def _sage_cfg(root: str, out: str, **kw) -> MiniBatchConfig:
     return MiniBatchConfig(**{**base, **kw})
 
 
-def _sage_run(cfg: MiniBatchConfig) -> dict:
+def _sage_run(cfg: MiniBatchConfig, fetches: list | None = None) -> dict:
+    """The trained parameters; ``fetches`` (distributed) gets, per epoch, the record's
+    feature bytes and cache hit rate, the same from the fetchers' own counters summed over
+    the ranks, the rows fetched and the batches."""
     task = MiniBatchTask(cfg)
     for epoch in range(cfg.epochs):
-        task.train_step(epoch)
+        before = dict(task.fetcher.stats) if fetches is not None else {}
+        record = task.train_step(epoch)
+        if fetches is not None:
+            keys = ("bytes", "remote", "hits", "fetched")
+            own = torch.tensor(
+                [task.fetcher.stats[k] - before[k] for k in keys], dtype=torch.float64
+            )
+            comm.all_reduce(own, task.grid, "data")
+            nbytes, remote, hits, rows = own.tolist()
+            fetches.append(
+                (
+                    (record["feature_bytes"], record["cache_hit_rate"]),
+                    (nbytes, hits / remote),
+                    (rows, record["batches"]),
+                )
+            )
     return {k: v.tolist() for k, v in task.model.full_state_dict().items()}
 
 
@@ -193,7 +211,9 @@ def _sage_world(root: str, out: str) -> dict:
     results["stage 3 fcdp accum 2"] = _sage_run(
         _sage_cfg(root, out, zero_stage=3, fcdp=True, grad_accum=2)
     )
-    return results
+    fetches: list = []
+    results["stage 0 cache 8"] = _sage_run(_sage_cfg(root, out, feature_cache=8), fetches)
+    return {"states": results, "fetches": fetches}
 
 
 def test_sage_on_two_data_ranks_every_stage_equals_one_process(tmp_path):
@@ -201,9 +221,16 @@ def test_sage_on_two_data_ranks_every_stage_equals_one_process(tmp_path):
     want = _as_tensors(_sage_run(_sage_cfg(root, out)))
     accum = _as_tensors(_sage_run(_sage_cfg(root, out, grad_accum=2)))
     assert _rel(accum, want) <= REL
-    for name, state in run_distributed(_sage_world, 2, root, out, timeout=600)[0].items():
+    world = run_distributed(_sage_world, 2, root, out, timeout=600)[0]
+    for name, state in world["states"].items():
         err = _rel(_as_tensors(state), want)
         assert err <= REL, f"sage on 2 ranks, {name}: {err:.3g}"
+    # the epoch record's feature traffic and hit rate are the fetchers' (remote rows are
+    # fetched, some from the cache); per batch each of the 2 ranks sends its count (8 bytes)
+    # and each row missed costs its id (8 bytes) and 6 float64 features back
+    for (nbytes, rate), (want_bytes, want_rate), (rows, batches) in world["fetches"]:
+        assert nbytes == want_bytes == 2 * 8 * batches + (8 + 6 * 8) * rows and rows > 0
+        assert rate == want_rate and 0 < rate < 1
 
 
 def test_task_configs_share_the_trainer_options():

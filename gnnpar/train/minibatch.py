@@ -646,9 +646,10 @@ class MiniBatchTask:
         if self.subgraph:
             record["subgraph_nodes"] = float(both[4]) / subgraphs
         if self.distributed:
+            fetch_bytes, remote, hits = (float(v) for v in both[sums.numel() :])
             record["sample_bytes"] = float(both[3])
-            record["feature_bytes"] = float(both[4])
-            record["cache_hit_rate"] = float(both[6]) / float(both[5]) if both[5] else 0.0
+            record["feature_bytes"] = fetch_bytes
+            record["cache_hit_rate"] = hits / remote if remote else 0.0
         return record
 
     def _subgraph_update(self, batch: Any, sums: torch.Tensor) -> None:
