@@ -3,15 +3,20 @@ x × y × z, data groups on top (gnnpar.sampling.vertex, gnnpar.train.scalegnn).
 
 One 8-rank world runs every case:
 
-- every x·y·z shape of 4 ranks (data = 2), x = y = z = 2 (data = 1) and z = 2 (data = 4):
-  the vertex set of a step is identical on every rank of a data group and
-  differs between groups; the 3D forward (logits block, loss) and the gradients, after
+- every x·y·z shape of 1, 2, 4 and 8 ranks with data = 1, of 1, 2 and 4 ranks with
+  data = 2, and z = 2 with data = 4 (a shape of fewer than 8 ranks repeated over the pipe
+  axis, see ``_shapes``): the vertex set of a step is identical on every rank of a data
+  group and differs between groups; the 3D forward (logits block, loss) and the gradients, after
   the data-axis average of :func:`gnnpar.shard.shard`, equal the plain float64 model's on
   the same samples, averaged over the groups (≤ 1e-12); the bytes of each pass per axis
   equal the layer's schedule and the formula of ``tests/byte_formulas.py`` (written out
   there), with the data axis's all-reduce of every local parameter added;
 - ``gnnpar train sage --sampler vertex --grid data=2,x=2,y=2`` resumed from a checkpoint
-  ends where an uninterrupted run does.
+  ends where an uninterrupted run does;
+- ``gnnpar predict`` of that run on another 4D grid of the world: the arg-max of the plain
+  float64 model's logits on the whole graph (consolidated checkpoint, no gnnpar
+  parallelism), whose test accuracy is the run's; and after the world ``gnnpar evaluate``
+  in one process: the run's final test accuracy.
 
 In one process: options the vertex sampler cannot take are refused in one line; the
 normalisation is unbiased for one linear aggregation layer with the
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 
 import pytest
 import torch
@@ -145,9 +151,19 @@ def _check_shape(shape: dict[str, int], kind: str) -> None:
 
 
 def _shapes() -> list[dict[str, int]]:
-    """Every x·y·z shape of 4 ranks (data = 2), and x=y=z=2 (data = 1) and z=2 (data = 4):
-    the set that fits the test's time budget (each shape builds a grid of 8 ranks)."""
-    return grid_shapes(4) + [{"x": 2, "y": 2, "z": 2}, {"x": 1, "y": 1, "z": 2}]
+    """Every x·y·z shape of up to 8 ranks with data = 1 or 2, and z = 2 with data = 4. A
+    shape of fewer than 8 ranks takes the rest of the world on the pipe axis: the pipe
+    blocks are consecutive ranks, independent copies of the shape (the 3D layer and
+    :func:`gnnpar.shard.shard` use only x, y, z and data groups, which stay inside a block;
+    bytes on any other axis would fail the byte checks)."""
+    shapes = [
+        {**s, "data": data, "pipe": 8 // (data * group)}
+        for data in (1, 2)
+        for group in (1, 2, 4, 8)
+        if data * group <= 8
+        for s in grid_shapes(group)
+    ]
+    return [*shapes, {"x": 1, "y": 1, "z": 2, "data": 4}]
 
 
 def _argv(out, epochs: int, *extra: str) -> list[str]:
@@ -157,9 +173,11 @@ def _argv(out, epochs: int, *extra: str) -> list[str]:
             "--hidden", "8", "--out", str(out), "--eval-every", "0", "--quiet", *extra]  # fmt: skip
 
 
-def _world(tmp) -> int:
-    import shutil
+#: The grid predict puts the run (trained on data=2,x=2,y=2) on.
+PREDICT_GRID = "data=2,x=2,z=2"
 
+
+def _world(tmp) -> int:
     from gnnpar.cli import main
 
     dist.init_process_group("gloo")  # the world every grid and command joins
@@ -175,7 +193,11 @@ def _world(tmp) -> int:
     dist.barrier()
     codes += [main(_argv(resumed, 3, "--resume")), main(_argv(straight, 3))]
     dist.barrier()
-    if codes != [0, 0, 0]:
+    # the trained model on another 4D grid of the 8 ranks (the checkpoint resharded on load)
+    codes.append(main(["predict", str(straight), "--grid", PREDICT_GRID, "--out",
+                       str(tmp / "pred-8")]))  # fmt: skip
+    dist.barrier()
+    if codes != [0] * 4:
         raise AssertionError(f"exit codes {codes}")
     return count
 
@@ -201,6 +223,68 @@ def test_vertex_run_resumes_exactly(world):
         assert torch.equal(a[k], v), k
     s = checkpoint.consolidate(tmp / "saved")
     assert any(not torch.equal(s[k], v) for k, v in b.items())  # it did train on
+
+
+def _plain_predictions(run, graph) -> torch.Tensor:
+    """The arg-max of the plain float64 GraphSAGE's logits on the whole graph (mean Â), in
+    original node order: the run's consolidated best checkpoint, no gnnpar parallelism."""
+    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.sparse.csr import CSRBlock
+    from gnnpar.sparse.kernels import LocalSpMM
+
+    model = FullGraphGNN(6, 8, graph.num_classes, 2, 0.0, kind="sage").double()
+    model.load_state_dict(checkpoint.consolidate(run / "checkpoints" / "best"))
+    a, n = graph.row_normalize(), graph.num_nodes
+    adj = LocalSpMM(CSRBlock(a.indptr, a.indices, a.edge_weight.double(), (n, n)))
+    model.eval()
+    with torch.no_grad():
+        return model(adj, graph.feat.double()).argmax(1)
+
+
+def test_evaluate_and_predict_a_vertex_run_on_any_grid(world, tmp_path, monkeypatch):
+    """predict on 8 ranks (data=2,x=2,z=2) gives the plain model's predictions, whose test
+    accuracy is the run's; evaluate in one process gives that accuracy too."""
+    import json
+
+    import numpy as np
+
+    from gnnpar.cli import main
+    from gnnpar.data import load
+    from gnnpar.train.metrics import read_metrics
+
+    tmp, _ = world
+    run = tmp / "straight"
+    end = read_metrics(run / "metrics.jsonl")[-1]
+    assert end["event"] == "end"
+    graph = load("sbm", root=tmp / "data", num_nodes=90, feat_dim=6)
+    want = _plain_predictions(run, graph).numpy()
+    got = np.load(tmp / "pred-8" / "predictions.npy", allow_pickle=False)
+    assert np.array_equal(got, want)
+    test = graph.ndata["test_mask"].numpy().astype(bool)
+    assert (want[test] == graph.label.numpy()[test]).mean() == pytest.approx(end["test_acc"])
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    one = tmp_path / "eval-1.json"
+    assert main(["evaluate", str(run), "--json", str(one)]) == 0
+    result = json.loads(one.read_text())
+    assert (result["value"], result["step"]) == (end["test_acc"], end["best_step"])
+    assert result["grid"] == {"data": 1, "x": 1, "y": 1, "z": 1}
+
+
+def test_evaluate_refuses_a_grid_for_a_data_parallel_sage_run(world, tmp_path, capsys):
+    """--grid places a gcn or vertex run; another sampler's run says so in one line."""
+    from gnnpar.cli import main
+
+    tmp, _ = world
+    other = tmp_path / "neighbor"
+    other.mkdir()
+    text = (tmp / "straight" / "config.toml").read_text()
+    (other / "config.toml").write_text(text.replace('sampler = "vertex"', 'sampler = "neighbor"')
+                                       .replace('grid = "data=2,x=2,y=2"\n', ""))  # fmt: skip
+    shutil.copytree(tmp / "straight" / "checkpoints", other / "checkpoints")
+    assert main(["evaluate", str(other), "--grid", "x=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--grid is for gcn runs and sage runs of the vertex sampler" in err[0]
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn"])

@@ -193,9 +193,7 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, Any]:
                 else "no checkpoint"
             )
             raise ConfigError(f"run folder {args.run} holds {why}")
-        # this command's grid (default: the planner's for this many processes), not the run's
-        changes = {"grid": args.grid} if name == "gcn" else {"parts": None}
-        cfg = dataclasses.replace(cfg, **changes, quiet=True)
+        cfg = dataclasses.replace(cfg, **_grid_changes(args, name, cfg), quiet=True)
         launching = args.nprocs > 1 and not under_launcher()
         if launching or os.environ.get(PREFLIGHT_DONE_ENV) != "1":
             world = _world_size(args, launching)
@@ -206,6 +204,21 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, Any]:
         err.same_on_every_rank = True
         raise
     return name, cfg, tasks[name][1]
+
+
+def _grid_changes(args: argparse.Namespace, name: str, cfg: Any) -> dict[str, Any]:
+    """The config changes that put the saved model on this command's ranks, not the run's:
+    ``--grid`` (default: the task's own for this many processes) for gcn runs and sage runs
+    of the vertex sampler (ScaleGNN's 4D grid); no ``parts`` (one per process, made for this
+    many) for the other sage runs, which are data parallel over every rank."""
+    if name == "gcn" or getattr(cfg, "sampler", None) == "vertex":
+        return {"grid": args.grid}
+    if args.grid is not None:
+        raise ConfigError(
+            f"--grid is for gcn runs and sage runs of the vertex sampler; {args.run} is a sage "
+            f"run of sampler {cfg.sampler}, data parallel over every rank (use --nprocs)"
+        )
+    return {"parts": None}
 
 
 def _launch_ranks(args: argparse.Namespace) -> int:
@@ -351,8 +364,8 @@ def _saved_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grid",
         default=None,
-        help="gcn: grid such as x=2 (default: the planner's for --nprocs; any grid, the "
-        "checkpoint is resharded on load)",
+        help="gcn, or sage with sampler vertex: grid such as x=2 or data=2,x=2 (default: "
+        "the task's for --nprocs; any grid, the checkpoint is resharded on load)",
     )
 
 
