@@ -19,6 +19,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from gnnpar.launch import _AGENT
 from tests.conftest import DATASETS, REQUIRE
 from tests.doc_blocks import (
     LINE_NO_RUN,
@@ -158,8 +160,10 @@ def _run_on_processes(block: Block, folder: Path, env: dict[str, str]) -> tuple[
     """A Python block saved as a script and started on ``block.nprocs`` processes."""
     script = folder / f"block_{block.line}.py"
     script.write_text(block.to_run())
+    # torchrun's launcher, in gnnpar's launch agent: the ranks are forked after one import of
+    # torch instead of each starting an interpreter (seconds of CPU per rank).
     command = (
-        f"{sys.executable} -m torch.distributed.run --standalone "
+        f"{sys.executable} -c {shlex.quote(_AGENT)} --standalone "
         f"--nproc-per-node {block.nprocs} {script.name}"
     )
     return _run_shell(block, folder, env, command)
