@@ -31,7 +31,7 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import parse_bytes
 from gnnpar.grid import backend_for_choice, parse_grid_spec
-from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.nn.gcn import NORMS, FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid, local_machine
 from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
 from gnnpar.sparse.shards import (
@@ -166,9 +166,9 @@ MODELS = ("gcn", "sage", "gat", "gin")
 
 
 def _norm(cfg: FullGraphConfig) -> str:
-    """The adjacency's normalisation each model reads (GAT and GIN: the structure of the GCN
-    one, whose self loops GAT attends over and GIN replaces with its ε term)."""
-    return "mean" if cfg.model == "sage" else "gcn"
+    """The adjacency the model reads (:data:`~gnnpar.nn.gcn.NORMS`: GAT and GIN the ``raw``
+    one, whose values are the edge weights)."""
+    return NORMS[cfg.model]
 
 
 def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
