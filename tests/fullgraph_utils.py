@@ -37,8 +37,8 @@ def normalise(a: torch.Tensor, kind: str) -> torch.Tensor:
         a = a + torch.eye(a.shape[0], dtype=a.dtype)
         d = a.sum(1).pow(-0.5)
         return d[:, None] * a * d[None, :]
-    deg = a.sum(1).clamp(min=1)
-    return a / deg[:, None]
+    deg = a.sum(1)
+    return a / torch.where(deg > 0, deg, 1.0)[:, None]  # a weighted row may sum below 1
 
 
 def dense_to_block(a: torch.Tensor) -> CSRBlock:

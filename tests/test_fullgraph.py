@@ -72,12 +72,14 @@ def _formula(par, grid, a_hat, source, kind, algorithm, input_grad, chunks):
     return summa_bytes(shape, coords, N, dims, ops, 8, input_grad, True, nnz)
 
 
-def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm: str, chunks):
+def _check_shape(
+    shape: dict, kind: str, permute: bool, dropout_seed, algorithm: str, chunks, weighted=False
+):
     # The permuted case also checks the pass without an input gradient (raw features), whose
     # backward skips the collectives that only H's gradient needs.
     input_grad = not permute
     grid = gnnpar.init(**shape)
-    a, x, y, train = small_graph(n=N)
+    a, x, y, train = small_graph(n=N, weighted=weighted)
     a_hat = normalise(a, kind)
     ref = serial_model(kind, DIMS[kind], dropout=0.5 if dropout_seed is not None else 0.0)
     xr = x.clone().requires_grad_(True)
@@ -86,7 +88,7 @@ def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm:
     loss_ref = F.cross_entropy(logits[train], y[train])
     loss_ref.backward()
 
-    source = make_source(a_hat, x, y, train, permute)
+    source = make_source(a_hat, x, y, train, permute, norm="mean" if kind == "sage" else "gcn")
     extra = {"overlap_chunks": chunks} if algorithm == "3d" else {}
     par = parallelize_fullgraph(ref, grid, source, algorithm=algorithm, **extra)
     par.train()
@@ -95,7 +97,7 @@ def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm:
         out = par(xl, dropout_seed=dropout_seed)
     rows, cols = par.logits_rows, par.logits_cols
     ids = source.node_ids(par.output_order, rows)
-    tag = f"{grid.describe()} {algorithm} {kind} permute={permute} chunks={chunks}"
+    tag = f"{grid.describe()} {algorithm} {kind} permute={permute} chunks={chunks} w={weighted}"
     _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
     loss = par.loss(out)
     _close(loss.detach(), loss_ref.detach(), f"loss {tag}")
@@ -143,6 +145,10 @@ def _shapes(world: int, algorithm: str) -> list[dict[str, int]]:
     return grid_shapes(world)
 
 
+WEIGHTED_SHAPE = {"3d": {"x": 2, "y": 2, "z": 2}, "2d": {"x": 2, "y": 4, "z": 1},
+                  "1d": {"x": 1, "y": 1, "z": 8}}  # fmt: skip
+
+
 def _check_world(world: int, algorithm: str) -> int:
     n = 0
     for shape in _shapes(world, algorithm):
@@ -151,6 +157,10 @@ def _check_world(world: int, algorithm: str) -> int:
             for permute, seed, chunks in ((False, None, 2), (True, 11, 3)):
                 _check_shape(shape, kind, permute, seed, algorithm, chunks)
                 n += 1
+    if world == 8:  # a weighted graph (weighted degrees and means) on one shape of each
+        for kind in ("gcn", "sage"):
+            _check_shape(WEIGHTED_SHAPE[algorithm], kind, True, 11, algorithm, 3, True)
+            n += 1
     return n
 
 
@@ -230,4 +240,5 @@ def test_every_layer_schedule_equals_the_written_formula_on_every_rank(kind):
 @pytest.mark.parametrize("world", WORLDS)  # small worlds of every algorithm first
 def test_matches_serial_every_grid(world, algorithm):
     counts = run_distributed(_check_world, world, world, algorithm, timeout=600)
-    assert counts == [4 * len(_shapes(world, algorithm))] * world
+    weighted = 2 if world == 8 else 0
+    assert counts == [4 * len(_shapes(world, algorithm)) + weighted] * world

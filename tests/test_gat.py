@@ -125,7 +125,7 @@ def _gin_model(seed: int = 0, dropout: float = 0.0):
     return m
 
 
-def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
+def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted=False) -> None:
     import gnnpar
     from gnnpar import comm
     from gnnpar.sparse import parallelize_fullgraph
@@ -133,7 +133,7 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
     from tests.fullgraph_utils import check_schedule, make_source
 
     grid = gnnpar.init(**shape)
-    a, x, y, train = small_graph(n=N, feat=DDIMS[0])
+    a, x, y, train = small_graph(n=N, feat=DDIMS[0], weighted=weighted)
     a_hat = normalise(a, "raw")
     drop = 0.5 if seed is not None else 0.0
     if kind == "gat":
@@ -154,7 +154,7 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
         out = par(xl, dropout_seed=seed)
     rows, cols = par.logits_rows, par.logits_cols
     ids = source.node_ids(par.output_order, rows)
-    tag = f"{grid.describe()} {kind} {algorithm} permute={permute} seed={seed}"
+    tag = f"{grid.describe()} {kind} {algorithm} permute={permute} seed={seed} w={weighted}"
     _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
     loss = par.loss(out)
     _close(loss.detach(), loss_ref.detach(), f"loss {tag}")
@@ -199,7 +199,16 @@ def _gat_world(world: int) -> int:
         for kind, (permute, seed) in zip(("gat", "gin"), configs, strict=True):
             _check(kind, shape, algorithm, permute, seed)
             n += 1
+    if world == 8:  # a weighted graph on a few shapes, permuted, with both dropouts
+        for algorithm, shape in WEIGHTED_SHAPES:
+            for kind in ("gat", "gin"):
+                _check(kind, shape, algorithm, True, 11, weighted=True)
+                n += 1
     return n
+
+
+WEIGHTED_SHAPES = (("3d", {"x": 2, "y": 2, "z": 2}), ("3d", {"x": 1, "y": 4, "z": 2}),
+                   ("2d", {"x": 4, "y": 2}), ("1d", {"x": 8}))  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -207,12 +216,14 @@ def test_gat_and_gin_match_serial_on_every_grid(world):
     """Every x·y·z shape of the world (3D), every x·y shape (2D) and the 1D rows, GAT and
     GIN: logits, loss and every gradient equal the serial model to 1e-12 in float64 (each
     kind plain on half the shapes, permuted with feature and attention dropout on the
-    others), and the bytes of each pass equal the schedule and the written formulas."""
+    others; at 8 ranks also a weighted graph on 3D, 2D and 1D shapes), and the bytes of each
+    pass equal the schedule and the written formulas."""
     from gnnpar.testing import grid_shapes, run_distributed
 
     counts = run_distributed(_gat_world, world, world, timeout=600)
     shapes = len(grid_shapes(world)) + 1 + len(grid_shapes(world, ("x", "y")))
-    assert counts == [2 * shapes] * world
+    weighted = 2 * len(WEIGHTED_SHAPES) if world == 8 else 0
+    assert counts == [2 * shapes + weighted] * world
 
 
 # -------------------------------------------------------------- the trainer and the planner
