@@ -405,7 +405,10 @@ def _grads(out, train, y, tensors):
 
 
 def test_weighted_serial_gat_equals_the_written_out_attention():
-    """α ∝ w·exp(e) over A + I (self loops weigh 1): logits and every gradient, float64."""
+    """α ∝ w·exp(e) over A + I (self loops weigh 1): logits and every gradient, float64.
+    Against a dense write-out, not a library: PyG's ``GATConv`` adds a linear map of
+    ``edge_attr`` before the LeakyReLU, and DGL's scales the attention after the softmax
+    without renormalising; neither is this definition (the mini-batch GATConv's)."""
     a, x, y, train = small_graph(n=N, feat=DIMS[0], weighted=True)
     a_raw = normalise(a, "raw")
     model = gat_model()
@@ -424,7 +427,8 @@ def test_weighted_serial_gat_equals_the_written_out_attention():
 
 
 def test_weighted_serial_gin_equals_dgl_ginconv_with_edge_weights():
-    """``MLP((1 + ε) h_i + Σ_j w_ij h_j)``: DGL's ``GINConv(edge_weight=...)``, float64."""
+    """``MLP((1 + ε) h_i + Σ_j w_ij h_j)``: DGL's ``GINConv(edge_weight=...)``, float64
+    (PyG's ``GINConv`` takes no weights and ``GINEConv`` sums ``ReLU(h_j + e_ij)``)."""
     dgl = pytest.importorskip("dgl")
     from dgl.nn import GINConv
 
