@@ -1,7 +1,11 @@
 """GAT: the serial model against PyG's ``GATConv`` (same weights, eval mode: logits and every
-gradient), its attention dropout drawn from (seed, edge, head) alone.
+gradient), its attention dropout drawn from (seed, edge, head) alone. GAT and GIN on every
+grid against the serial model, the trainer and the planner. Edge weights: the serial weighted
+GAT against a written-out attention, GIN against DGL's weighted ``GINConv``, the block layers
+against the full-graph ones on a full-neighbourhood sample, all-ones weights against none
+(bit for bit), and a shard folder without the weights refused.
 
-Float64 throughout; tiny graphs (one process here)."""
+Float64 throughout; tiny graphs."""
 
 from __future__ import annotations
 
