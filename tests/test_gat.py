@@ -553,7 +553,9 @@ def test_all_ones_weights_give_exactly_the_unweighted_result():
         ), kind
 
 
-def test_a_shard_folder_without_the_weights_is_refused_for_gat_and_gin(tmp_path, monkeypatch):
+def test_a_shard_folder_without_the_weights_is_refused_for_gat_and_gin(
+    tmp_path, monkeypatch, capsys
+):
     """GCN-normalised shards have lost the raw weights GAT and GIN read: one line naming
     the manifest's field; the raw folder is accepted."""
     import gnnpar
@@ -577,3 +579,13 @@ def test_a_shard_folder_without_the_weights_is_refused_for_gat_and_gin(tmp_path,
         assert f"a {kind} model reads the 'raw' adjacency" in line, line
         parallelize_fullgraph(model, grid, raw)  # accepted
     gnnpar.release(grid)
+    # the trainer given that folder for a gat model: the same line, as a config error
+    from gnnpar.cli import main
+    from gnnpar.data import save_graph
+
+    data = save_graph(graph, tmp_path / "graph")
+    argv = ["train", "gcn", "--model", "gat", "--dataset", str(data), "--shards",
+            str(tmp_path / "gcn"), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "meta field 'norm' is 'gcn'" in err[0], err

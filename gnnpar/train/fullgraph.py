@@ -33,7 +33,7 @@ from gnnpar.fmt import parse_bytes
 from gnnpar.grid import backend_for_choice, parse_grid_spec
 from gnnpar.nn.gcn import NORMS, FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid, local_machine
-from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
+from gnnpar.sparse.parallel import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.sparse.shards import (
     DiskSource,
     OldShardFolderError,
@@ -295,12 +295,10 @@ class FullGraphTask:
         folder, self.num_edges = _prepare(cfg, world, progress)
         self.source = DiskSource(folder, verify=cfg.verify)
         meta = self.source.meta
-        expected_norm = _norm(cfg)
-        if meta["norm"] != expected_norm:
-            raise ConfigError(
-                f"shard folder {folder} holds a '{meta['norm']}'-normalised graph; model "
-                f"{cfg.model} needs '{expected_norm}' (use another shards folder)"
-            )
+        try:  # a given folder cut for another model (a folder the run owns was rebuilt)
+            check_norm(cfg.model, self.source)
+        except ValueError as err:
+            raise ConfigError(f"{err}, or point 'shards' elsewhere") from None
         dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
         if cfg.grid:
             shape = parse_grid_spec(cfg.grid)
