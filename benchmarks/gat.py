@@ -97,14 +97,14 @@ def main() -> None:
     from gnnpar.sparse import MemorySource, parallelize_fullgraph
 
     graph = rmat(scale=args.scale, feat_dim=128, num_classes=16, seed=0)
-    norm = graph.gcn_norm()
+    norm = graph.weighted_self_loops()  # GAT's "raw" adjacency A + I
     x, y = graph.ndata["feat"].float(), graph.ndata["label"]
     train = graph.ndata["train_mask"]
     torch.manual_seed(0)
     model = GAT(128, 64, 16, dropout=0.0, heads=8, attn_dropout=0.0)
     source = MemorySource(
         norm.indptr, norm.indices, norm.edge_weight.float(), x,
-        {"label": y, "train_mask": train},
+        {"label": y, "train_mask": train}, norm="raw",
     )  # fmt: skip
     grid = gnnpar.init()
     par = parallelize_fullgraph(model, grid, source)

@@ -669,6 +669,13 @@ class Graph:
         norm = _take(inv_sqrt, rows) * w * _take(inv_sqrt, g.indices)
         return g._derive(g.indptr, g.indices, norm)
 
+    def weighted_self_loops(self) -> Graph:
+        """``A + I`` with the edge weights as they are (1 on an unweighted graph) and a self
+        loop of weight 1 where a node has none: the adjacency GAT and GIN read (the
+        ``"raw"`` normalisation of :func:`gnnpar.sparse.prepare_shards`)."""
+        g = self.add_self_loops()
+        return g._derive(g.indptr, g.indices, _weights_or_ones(g))
+
     def row_normalize(self) -> Graph:
         """Scale every row to sum to 1 (mean aggregation, ``D^-1 A``); empty rows stay empty."""
         w = _weights_or_ones(self)

@@ -10,8 +10,9 @@ from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.source import MemorySource, make_permutations
 
 
-def small_graph(n: int = 23, feat: int = 7, classes: int = 3, seed: int = 0):
-    """A random undirected graph with features, labels and a train mask (float64)."""
+def small_graph(n: int = 23, feat: int = 7, classes: int = 3, seed: int = 0, weighted=False):
+    """A random undirected graph with features, labels and a train mask (float64); with
+    ``weighted`` its edges weigh 0.25 to 4, the two directions of an edge differently."""
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(0, n, (4 * n,), generator=g)
     dst = torch.randint(0, n, (4 * n,), generator=g)
@@ -19,6 +20,8 @@ def small_graph(n: int = 23, feat: int = 7, classes: int = 3, seed: int = 0):
     a[src, dst] = 1.0
     a[dst, src] = 1.0
     a.fill_diagonal_(0.0)
+    if weighted:
+        a = a * torch.exp2(torch.rand(n, n, generator=g, dtype=torch.float64) * 4 - 2)
     x = torch.randn(n, feat, generator=g, dtype=torch.float64)
     y = torch.randint(0, classes, (n,), generator=g)
     train = torch.rand(n, generator=g) < 0.6
@@ -26,13 +29,16 @@ def small_graph(n: int = 23, feat: int = 7, classes: int = 3, seed: int = 0):
 
 
 def normalise(a: torch.Tensor, kind: str) -> torch.Tensor:
-    """Dense Â = D^-1/2 (A+I) D^-1/2 (gcn) or row-normalised A (sage)."""
+    """Dense Â = D^-1/2 (A+I) D^-1/2 (gcn), A + I (gat and gin: the raw weights, written out
+    here for a graph without self loops) or row-normalised A (sage)."""
+    if kind in ("gat", "gin", "raw"):
+        return a + torch.eye(a.shape[0], dtype=a.dtype)
     if kind == "gcn":
         a = a + torch.eye(a.shape[0], dtype=a.dtype)
         d = a.sum(1).pow(-0.5)
         return d[:, None] * a * d[None, :]
-    deg = a.sum(1).clamp(min=1)
-    return a / deg[:, None]
+    deg = a.sum(1)
+    return a / torch.where(deg > 0, deg, 1.0)[:, None]  # a weighted row may sum below 1
 
 
 def dense_to_block(a: torch.Tensor) -> CSRBlock:
@@ -41,13 +47,16 @@ def dense_to_block(a: torch.Tensor) -> CSRBlock:
     return from_coo(r, c, a[r, c], tuple(a.shape))
 
 
-def make_source(a_hat: torch.Tensor, x, y, train, permute: bool, seed: int = 3) -> MemorySource:
-    """A memory source over the dense normalised adjacency."""
+def make_source(
+    a_hat: torch.Tensor, x, y, train, permute: bool, seed: int = 3, norm: str | None = None
+) -> MemorySource:
+    """A memory source over the dense normalised adjacency (``norm``: which one it is)."""
     blk = dense_to_block(a_hat)
     perms = make_permutations("random" if permute else "none", blk.indptr, blk.indices, seed)
     return MemorySource(
-        blk.indptr, blk.indices, blk.values, x, {"label": y, "train_mask": train}, perms
-    )
+        blk.indptr, blk.indices, blk.values, x, {"label": y, "train_mask": train}, perms,
+        norm=norm,
+    )  # fmt: skip
 
 
 def serial_model(kind: str, dims: list[int], dropout: float = 0.0, seed: int = 0):

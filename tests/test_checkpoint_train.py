@@ -83,9 +83,23 @@ def test_gcn_resumes_on_another_grid_and_on_one_rank(tmp_path):
     assert err <= REL, f"gcn resumed on x=1: {err:.3g}"
 
 
+def _weighted_sbm(root: Path) -> Path:
+    """A graph folder of a small SBM graph whose edges weigh 0.25 to 4: the sage runs train on
+    the weights through the local sampler (1 rank) and the distributed one (2 ranks), so a
+    path that dropped them would break the resumed-equals-straight checks."""
+    import torch
+
+    from gnnpar.data import save_graph, sbm
+
+    g = sbm(num_nodes=120, feat_dim=6, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    g.edge_weight = torch.exp2(torch.rand(g.num_edges, generator=gen) * 4 - 2)
+    return save_graph(g, root / "weighted-sbm")
+
+
 def _sage_argv(out: Path, epochs: int, nprocs: int, *extra: str) -> list[str]:
-    return ["train", "sage", "--dataset", "sbm", "--dataset-options", "num_nodes=120,feat_dim=6",
-            "--root", str(out.parent / "data"), "--dtype", "float64", "--epochs", str(epochs),
+    return ["train", "sage", "--dataset", str(out.parent / "weighted-sbm"),
+            "--dtype", "float64", "--epochs", str(epochs),
             "--batch-size", "16", "--hidden", "8", "--fanouts", "4,3", "--nprocs", str(nprocs),
             "--out", str(out), "--eval-every", "0", "--quiet", "--prefetch", "0",
             *extra]  # fmt: skip
@@ -96,6 +110,7 @@ def test_sage_resumes_on_another_number_of_data_ranks(tmp_path, before, after):
     import shutil
 
     saved, resumed, straight = tmp_path / "saved", tmp_path / "resumed", tmp_path / "straight"
+    _weighted_sbm(tmp_path)
     if before == 2:  # a real --nprocs launch (the one of the sage task in the suite)
         assert main(_sage_argv(saved, 2, before)) == 0
         shutil.copytree(saved, resumed)

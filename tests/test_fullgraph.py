@@ -6,6 +6,8 @@ layers), and (3D) shard sizes.
 
 Float64 throughout: logits, loss, weight, bias and input gradients agree with the serial model
 to 1e-12 (relative and absolute; the largest error measured, |a−b|/(1+|b|), is 6.8e-16).
+At 8 ranks the permuted cases run on a weighted graph (edges weighing 0.25 to 4, the two
+directions apart): the weighted GCN degrees and SAGE means.
 """
 
 from __future__ import annotations
@@ -72,12 +74,14 @@ def _formula(par, grid, a_hat, source, kind, algorithm, input_grad, chunks):
     return summa_bytes(shape, coords, N, dims, ops, 8, input_grad, True, nnz)
 
 
-def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm: str, chunks):
+def _check_shape(
+    shape: dict, kind: str, permute: bool, dropout_seed, algorithm: str, chunks, weighted=False
+):
     # The permuted case also checks the pass without an input gradient (raw features), whose
     # backward skips the collectives that only H's gradient needs.
     input_grad = not permute
     grid = gnnpar.init(**shape)
-    a, x, y, train = small_graph(n=N)
+    a, x, y, train = small_graph(n=N, weighted=weighted)
     a_hat = normalise(a, kind)
     ref = serial_model(kind, DIMS[kind], dropout=0.5 if dropout_seed is not None else 0.0)
     xr = x.clone().requires_grad_(True)
@@ -86,7 +90,7 @@ def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm:
     loss_ref = F.cross_entropy(logits[train], y[train])
     loss_ref.backward()
 
-    source = make_source(a_hat, x, y, train, permute)
+    source = make_source(a_hat, x, y, train, permute, norm="mean" if kind == "sage" else "gcn")
     extra = {"overlap_chunks": chunks} if algorithm == "3d" else {}
     par = parallelize_fullgraph(ref, grid, source, algorithm=algorithm, **extra)
     par.train()
@@ -95,7 +99,7 @@ def _check_shape(shape: dict, kind: str, permute: bool, dropout_seed, algorithm:
         out = par(xl, dropout_seed=dropout_seed)
     rows, cols = par.logits_rows, par.logits_cols
     ids = source.node_ids(par.output_order, rows)
-    tag = f"{grid.describe()} {algorithm} {kind} permute={permute} chunks={chunks}"
+    tag = f"{grid.describe()} {algorithm} {kind} permute={permute} chunks={chunks} w={weighted}"
     _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
     loss = par.loss(out)
     _close(loss.detach(), loss_ref.detach(), f"loss {tag}")
@@ -149,7 +153,10 @@ def _check_world(world: int, algorithm: str) -> int:
         for kind in ("gcn", "sage"):
             # plain, and permuted with dropout (3D: the aggregate in 2 and 3 row chunks)
             for permute, seed, chunks in ((False, None, 2), (True, 11, 3)):
-                _check_shape(shape, kind, permute, seed, algorithm, chunks)
+                # at 8 ranks the permuted case runs on a weighted graph (weighted degrees
+                # and means)
+                weighted = world == 8 and permute
+                _check_shape(shape, kind, permute, seed, algorithm, chunks, weighted)
                 n += 1
     return n
 

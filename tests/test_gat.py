@@ -1,7 +1,11 @@
 """GAT: the serial model against PyG's ``GATConv`` (same weights, eval mode: logits and every
-gradient), its attention dropout drawn from (seed, edge, head) alone.
+gradient), its attention dropout drawn from (seed, edge, head) alone. GAT and GIN on every
+grid against the serial model, the trainer and the planner. Edge weights: the serial weighted
+GAT against a written-out attention, GIN against DGL's weighted ``GINConv``, the block layers
+against the full-graph ones on a full-neighbourhood sample, all-ones weights against none
+(bit for bit), and a shard folder without the weights refused.
 
-Float64 throughout; tiny graphs (one process here)."""
+Float64 throughout; tiny graphs."""
 
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ def test_serial_gat_equals_pyg_gatconv_forward_and_gradients(pieces, monkeypatch
         convs.append(conv)
     edge_index = a.nonzero().T  # (source, target) pairs; GATConv adds the self loops
     xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    ours = model(serial_adj(normalise(a, "gcn")), xr)
+    ours = model(serial_adj(normalise(a, "raw")), xr)
     theirs = F.elu(convs[0](xp, edge_index))
     theirs = convs[1](theirs, edge_index)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
@@ -125,7 +129,7 @@ def _gin_model(seed: int = 0, dropout: float = 0.0):
     return m
 
 
-def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
+def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted=False) -> None:
     import gnnpar
     from gnnpar import comm
     from gnnpar.sparse import parallelize_fullgraph
@@ -133,8 +137,8 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
     from tests.fullgraph_utils import check_schedule, make_source
 
     grid = gnnpar.init(**shape)
-    a, x, y, train = small_graph(n=N, feat=DDIMS[0])
-    a_hat = normalise(a, "gcn")
+    a, x, y, train = small_graph(n=N, feat=DDIMS[0], weighted=weighted)
+    a_hat = normalise(a, "raw")
     drop = 0.5 if seed is not None else 0.0
     if kind == "gat":
         ref = gat_model(DDIMS, DHEADS[0], DHEADS[-1], attn_dropout=drop, dropout=drop)
@@ -146,7 +150,7 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
     loss_ref = F.cross_entropy(logits[train], y[train])
     loss_ref.backward()
 
-    source = make_source(a_hat, x, y, train, permute)
+    source = make_source(a_hat, x, y, train, permute, norm="raw")
     par = parallelize_fullgraph(ref, grid, source, algorithm=algorithm)
     par.train()
     xl = par.input_features().requires_grad_(True)
@@ -154,7 +158,7 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed) -> None:
         out = par(xl, dropout_seed=seed)
     rows, cols = par.logits_rows, par.logits_cols
     ids = source.node_ids(par.output_order, rows)
-    tag = f"{grid.describe()} {kind} {algorithm} permute={permute} seed={seed}"
+    tag = f"{grid.describe()} {kind} {algorithm} permute={permute} seed={seed} w={weighted}"
     _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
     loss = par.loss(out)
     _close(loss.detach(), loss_ref.detach(), f"loss {tag}")
@@ -197,7 +201,8 @@ def _gat_world(world: int) -> int:
         plain, permuted = (False, None), (True, 11)
         configs = (plain, permuted) if k % 2 == 0 else (permuted, plain)
         for kind, (permute, seed) in zip(("gat", "gin"), configs, strict=True):
-            _check(kind, shape, algorithm, permute, seed)
+            # at 8 ranks the permuted cases run on a weighted graph
+            _check(kind, shape, algorithm, permute, seed, weighted=world == 8 and permute)
             n += 1
     return n
 
@@ -207,7 +212,8 @@ def test_gat_and_gin_match_serial_on_every_grid(world):
     """Every x·y·z shape of the world (3D), every x·y shape (2D) and the 1D rows, GAT and
     GIN: logits, loss and every gradient equal the serial model to 1e-12 in float64 (each
     kind plain on half the shapes, permuted with feature and attention dropout on the
-    others), and the bytes of each pass equal the schedule and the written formulas."""
+    others, on a weighted graph at 8 ranks), and the bytes of each pass equal the schedule
+    and the written formulas."""
     from gnnpar.testing import grid_shapes, run_distributed
 
     counts = run_distributed(_gat_world, world, world, timeout=600)
@@ -340,7 +346,7 @@ def test_serial_gin_equals_pyg_ginconv_forward_and_gradients():
         convs.append(conv)
     edge_index = a.nonzero().T
     xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    ours = model(serial_adj(normalise(a, "gcn")), xr)
+    ours = model(serial_adj(normalise(a, "raw")), xr)
     theirs = convs[1](torch.relu(convs[0](xp, edge_index)), edge_index)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     F.cross_entropy(ours[train], y[train]).backward()
@@ -356,3 +362,230 @@ def test_serial_gin_equals_pyg_ginconv_forward_and_gradients():
             torch.testing.assert_close(
                 ours_g, theirs_g.reshape(ours_g.shape), rtol=1e-12, atol=1e-12
             )
+
+
+# ------------------------------------------------------------------------- edge weights
+def _graph_of(a: torch.Tensor, x: torch.Tensor, weighted: bool = True):
+    """The Graph whose row i lists j with weight ``a[i, j]`` (unweighted: the structure)."""
+    from gnnpar.graph import Graph
+
+    i, j = a.nonzero(as_tuple=True)
+    w = a[i, j] if weighted else None
+    return Graph.from_edges(j, i, num_nodes=a.shape[0], edge_weight=w, ndata={"feat": x})
+
+
+def from_csr(graph):
+    """The whole (normalised) graph as one CSR block."""
+    from gnnpar.sparse.csr import CSRBlock
+
+    n = graph.num_nodes
+    return CSRBlock(graph.indptr, graph.indices, graph.edge_weight, (n, n))
+
+
+def _dense_gat(layer, h: torch.Tensor, a_raw: torch.Tensor) -> torch.Tensor:
+    """A GAT layer written out densely: per head ``α_ij = w_ij exp(e_ij) / Σ_k w_ik
+    exp(e_ik)`` over the nonzeros of the raw ``A + I`` (w: its entries)."""
+    n = h.shape[0]
+    z = (h @ layer.weight).view(n, layer.heads, layer.head_dim)
+    s_dst, s_src = (z * layer.att_dst).sum(-1), (z * layer.att_src).sum(-1)
+    e = F.leaky_relu(s_dst[:, None, :] + s_src[None, :, :], layer.negative_slope)
+    num = a_raw[:, :, None] * torch.exp(e)  # 0 off the structure
+    out = torch.einsum("ijk,jkf->ikf", num / num.sum(1, keepdim=True), z)
+    out = out.reshape(n, -1) if layer.concat else out.mean(1)
+    return out + layer.bias
+
+
+def _grads(out, train, y, tensors):
+    return torch.autograd.grad(F.cross_entropy(out[train], y[train]), tensors)
+
+
+def test_weighted_serial_gat_equals_the_written_out_attention():
+    """α ∝ w·exp(e) over A + I (self loops weigh 1): logits and every gradient, float64.
+    Against a dense write-out, not a library: PyG's ``GATConv`` adds a linear map of
+    ``edge_attr`` before the LeakyReLU, and DGL's scales the attention after the softmax
+    without renormalising; neither is this definition (the mini-batch GATConv's)."""
+    a, x, y, train = small_graph(n=N, feat=DIMS[0], weighted=True)
+    a_raw = normalise(a, "raw")
+    model = gat_model()
+    model.eval()
+    xr = x.clone().requires_grad_(True)
+    params = list(model.parameters()) + [xr]
+    ours = model(serial_adj(a_raw), xr)
+    theirs = _dense_gat(model.layers[1], F.elu(_dense_gat(model.layers[0], xr, a_raw)), a_raw)
+    _close(ours, theirs, "weighted GAT logits")
+    unweighted = model(serial_adj(normalise((a != 0).double(), "raw")), xr)
+    assert (ours - unweighted).abs().max() > 1e-3  # the weights change the attention
+    for g_ours, g_theirs in zip(
+        _grads(ours, train, y, params), _grads(theirs, train, y, params), strict=True
+    ):
+        _close(g_ours, g_theirs, "weighted GAT gradient")
+
+
+def test_weighted_serial_gin_equals_dgl_ginconv_with_edge_weights():
+    """``MLP((1 + ε) h_i + Σ_j w_ij h_j)``: DGL's ``GINConv(edge_weight=...)``, float64
+    (PyG's ``GINConv`` takes no weights and ``GINEConv`` sums ``ReLU(h_j + e_ij)``)."""
+    dgl = pytest.importorskip("dgl")
+    from dgl.nn import GINConv
+
+    a, x, y, train = small_graph(n=N, feat=DIMS[0], weighted=True)
+    model = _gin_model()
+    i, j = a.nonzero(as_tuple=True)
+    graph = dgl.graph((j, i), num_nodes=N)  # message j -> i with weight a[i, j]
+    convs = []
+    for k, layer in enumerate(model.layers):
+        d_in, d_out = model.dims[k], model.dims[k + 1]
+        mlp = torch.nn.Sequential(
+            torch.nn.Linear(d_in, d_out), torch.nn.ReLU(), torch.nn.Linear(d_out, d_out)
+        ).double()
+        conv = GINConv(mlp, "sum", learn_eps=True).double()
+        with torch.no_grad():
+            conv.eps.copy_(layer.eps)
+            mlp[0].weight.copy_(layer.weight.T)
+            mlp[0].bias.copy_(layer.hidden_bias)
+            mlp[2].weight.copy_(layer.weight_out.T)
+            mlp[2].bias.copy_(layer.bias)
+        convs.append(conv)
+    xr, xd = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours = model(serial_adj(normalise(a, "raw")), xr)
+    theirs = xd
+    for k, conv in enumerate(convs):
+        theirs = conv(graph, theirs, edge_weight=a[i, j])
+        theirs = torch.relu(theirs) if k < len(convs) - 1 else theirs
+    _close(ours, theirs, "weighted GIN logits")
+    mine = [xr] + [p for layer in model.layers for p in
+                   (layer.weight, layer.hidden_bias, layer.weight_out, layer.bias, layer.eps)]
+    dgls = [xd] + [p for c in convs for p in
+                   (c.apply_func[0].weight, c.apply_func[0].bias, c.apply_func[2].weight,
+                    c.apply_func[2].bias, c.eps)]  # fmt: skip
+    linear = [False] + [True, False, True, False, False] * len(convs)  # nn.Linear: out × in
+    for g_ours, g_dgl, t in zip(
+        _grads(ours, train, y, mine), _grads(theirs, train, y, dgls), linear, strict=True
+    ):
+        _close(g_ours, (g_dgl.T if t else g_dgl).reshape(g_ours.shape), "weighted GIN gradient")
+
+
+def test_minibatch_layers_with_weights_equal_full_graph_on_a_full_neighbourhood_sample():
+    """The sampler records the weights of the edges it samples; BlockGNN (SAGE) on the
+    full-neighbourhood blocks of every node, and a GAT block layer, equal the full-graph
+    layers on the weighted graph (logits and gradients, float64)."""
+    from gnnpar.nn.minibatch import BlockGNN, GATConv
+    from gnnpar.sampling import NeighborSampler
+    from gnnpar.sparse.kernels import LocalSpMM
+
+    a, x, y, train = small_graph(n=N, feat=DIMS[0], weighted=True)
+    graph = _graph_of(a, x)
+    assert torch.equal(graph.to_torch_sparse().to_dense(), a)
+    torch.manual_seed(0)
+    full = FullGraphGNN(DIMS[0], DIMS[1], DIMS[2], 2, 0.0, "sage").double()
+    net = BlockGNN(DIMS[0], DIMS[1], DIMS[2], 2, 0.0, "sage").double()
+    with torch.no_grad():
+        for f, b in zip(full.layers, net.layers, strict=True):
+            f.bias.normal_()
+            b.lin_neigh.weight.copy_(f.weight_neigh.T)
+            b.lin_root.weight.copy_(f.weight_root.T)
+            b.lin_neigh.bias.copy_(f.bias)
+    mean = graph.row_normalize()
+    adj = LocalSpMM(from_csr(mean))
+    batch = NeighborSampler(graph, [-1, -1], backend="torch").sample(torch.arange(N))
+    assert all(blk.weight is not None for blk in batch.blocks)
+    xf, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours_full = full(adj, xf)
+    ours_block = net(batch.blocks, xb[batch.input_nodes])
+    _close(ours_block, ours_full, "SAGE block vs full graph")
+    gf = _grads(ours_full, train, y, [xf, full.layers[0].weight_neigh, full.layers[1].bias])
+    gb = _grads(
+        ours_block, train, y, [xb, net.layers[0].lin_neigh.weight, net.layers[1].lin_neigh.bias]
+    )
+    for f, b, what in zip(gf, gb, ("input", "W_neigh", "bias"), strict=True):
+        _close(b.T if b.shape != f.shape else b, f, f"SAGE block vs full graph: {what} grad")
+
+    gat = gat_model().layers[0]  # 3 heads concatenated
+    conv = GATConv(DIMS[0], DIMS[1], heads=gat.heads).double()
+    with torch.no_grad():
+        conv.lin.weight.copy_(gat.weight.T)
+        conv.att_src.copy_(gat.att_src)
+        conv.att_dst.copy_(gat.att_dst)
+        conv.bias.copy_(gat.bias)
+    block = NeighborSampler(graph, [-1], backend="torch").sample(torch.arange(N)).blocks[0]
+    xf, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours_full = gat(LocalSpMM(from_csr(graph.weighted_self_loops())), xf)
+    ours_block = conv(block, xb[block.src_nodes], block.weight)
+    _close(ours_block, ours_full, "GAT block vs full graph")
+    g = torch.randn_like(ours_full)
+    gf = torch.autograd.grad(ours_full, [xf, gat.att_src], g)
+    gb = torch.autograd.grad(ours_block, [xb, conv.att_src], g)
+    for f, b, what in zip(gf, gb, ("input", "att_src"), strict=True):
+        _close(b, f, f"GAT block vs full graph: {what} grad")
+
+
+def test_all_ones_weights_give_exactly_the_unweighted_result():
+    """Every full-graph kind on its adjacency of the graph with all-ones weights, and every
+    block model on its sample, equal the unweighted graph's bit for bit."""
+    from gnnpar.nn.gcn import NORMS
+    from gnnpar.nn.minibatch import BlockGNN
+    from gnnpar.sampling import NeighborSampler
+    from gnnpar.sparse.kernels import LocalSpMM
+
+    a, x, _, _ = small_graph(n=N, feat=DIMS[0])
+    plain, ones = _graph_of(a, x, weighted=False), _graph_of(a, x)
+    assert plain.edge_weight is None and bool((ones.edge_weight == 1).all())
+
+    def adjacency(graph, kind):
+        norm = NORMS[kind]
+        g = {"gcn": graph.gcn_norm, "mean": graph.row_normalize,
+             "raw": graph.weighted_self_loops}[norm]()  # fmt: skip
+        return LocalSpMM(from_csr(g))
+
+    for kind in NORMS:
+        torch.manual_seed(1)
+        model = FullGraphGNN(DIMS[0], 6, 3, 2, 0.0, kind, heads=3).double().eval()
+        assert torch.equal(model(adjacency(ones, kind), x), model(adjacency(plain, kind), x)), kind
+    for kind in ("sage", "gcn", "gat"):
+        torch.manual_seed(1)
+        net = BlockGNN(DIMS[0], 6, 3, 2, 0.0, kind, heads=3).double().eval()
+        seeds = torch.arange(0, N, 3)
+        with_ones = NeighborSampler(ones, [4, 3], seed=2, backend="torch").sample(seeds)
+        without = NeighborSampler(plain, [4, 3], seed=2, backend="torch").sample(seeds)
+        assert with_ones.blocks[0].weight is not None and without.blocks[0].weight is None
+        assert torch.equal(
+            net(with_ones.blocks, x[with_ones.input_nodes]),
+            net(without.blocks, x[without.input_nodes]),
+        ), kind
+
+
+def test_a_shard_folder_without_the_weights_is_refused_for_gat_and_gin(
+    tmp_path, monkeypatch, capsys
+):
+    """GCN-normalised shards have lost the raw weights GAT and GIN read: one line naming
+    the manifest's field; the raw folder is accepted."""
+    import gnnpar
+    from gnnpar.sparse import parallelize_fullgraph
+    from gnnpar.sparse.shards import DiskSource, prepare_shards
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    a, x, y, train = small_graph(n=11, feat=4, weighted=True)
+    graph = _graph_of(a, x.float())
+    graph.ndata.update(label=y, train_mask=train)
+    gcn = DiskSource(prepare_shards(graph, tmp_path / "gcn", norm="gcn", blocks=(2, 2)))
+    raw = DiskSource(prepare_shards(graph, tmp_path / "raw", norm="raw", blocks=(2, 2)))
+    grid = gnnpar.init()
+    for kind in ("gat", "gin"):
+        model = FullGraphGNN(4, 6, 3, 2, 0.0, kind, heads=3)
+        with pytest.raises(ValueError) as err:
+            parallelize_fullgraph(model, grid, gcn)
+        line = str(err.value)
+        assert "\n" not in line and "manifest.json: meta field 'norm' is 'gcn'" in line, line
+        assert f"a {kind} model reads the 'raw' adjacency" in line, line
+        parallelize_fullgraph(model, grid, raw)  # accepted
+    gnnpar.release(grid)
+    # the trainer given that folder for a gat model: the same line, as a config error
+    from gnnpar.cli import main
+    from gnnpar.data import save_graph
+
+    data = save_graph(graph, tmp_path / "graph")
+    argv = ["train", "gcn", "--model", "gat", "--dataset", str(data), "--shards",
+            str(tmp_path / "gcn"), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "meta field 'norm' is 'gcn'" in err[0], err

@@ -243,6 +243,11 @@ def test_self_loops() -> None:
     assert hl.indptr.tolist() == [0, 2, 4, 5] and hl.indices.tolist() == [1, 0, 2, 1, 2]
     assert dense(hl).diagonal().tolist() == [5.0, 3.0, 3.0]
     assert dense(hl.add_self_loops()).diagonal().tolist() == [5.0, 3.0, 3.0]
+    # GAT's and GIN's "raw" adjacency: the weights as they are, unit loops where missing
+    raw = h.weighted_self_loops()
+    assert torch.equal(dense(raw), dense(h) + torch.diag(torch.tensor([0.0, 1.0, 1.0])).double())
+    plain = Graph.from_edges([1, 2], [0, 1], 3).weighted_self_loops()
+    assert plain.edge_weight.tolist() == [1.0] * 5
 
 
 def test_gcn_norm_matches_dense_reference() -> None:

@@ -1,8 +1,10 @@
 """Distributed sampling, feature fetching, inference and a training step over 2 and 4 parts,
 each against a single-process reference on the whole graph.
 
-One world per size runs every check (starting a world costs seconds). The partition folder
-is written by the test process; ranks return numpy arrays (tensors would need the sender
+One world per size runs every check (starting a world costs seconds); the 2-part world's
+graph is weighted (the sampled edges' weights travel with them, and the weighted mean of
+inference and training equals one process's). The partition folder is written by the test
+process; ranks return numpy arrays (tensors would need the sender
 alive to be unpickled).
 """
 
@@ -31,8 +33,12 @@ CACHE = 25
 VERTICES = 40
 
 
-def graph():
-    return sbm(num_nodes=300, feat_dim=5, num_classes=3, avg_degree=8.0, seed=2)
+def graph(weighted: bool = False):
+    g = sbm(num_nodes=300, feat_dim=5, num_classes=3, avg_degree=8.0, seed=2)
+    if weighted:  # 0.25 to 4, the two directions of an edge apart
+        gen = torch.Generator().manual_seed(5)
+        g.edge_weight = torch.exp2(torch.rand(g.num_edges, generator=gen) * 4 - 2)
+    return g
 
 
 def model_state():
@@ -69,6 +75,8 @@ def _rank_checks(folder: str, seeds_new: list[torch.Tensor], state: dict) -> dic
         sampler = DistNeighborSampler(part, fanouts, sample_grid, replace=replace)
         batch = sampler.sample(seeds_new[r], key=KEY + r)
         out[name] = _np(batch.blocks)
+        out[f"{name} weights"] = [None if b.weight is None else b.weight.numpy()
+                                  for b in batch.blocks]  # fmt: skip
     plain = DistNeighborSampler(part, SAMPLERS["plain"][0], sample_grid).sample(
         seeds_new[r], key=KEY + r
     )
@@ -134,7 +142,7 @@ def _to_torch(blocks) -> list[tuple]:
 
 @pytest.mark.parametrize("num_parts", [2, 4])
 def test_distributed_matches_single_process(tmp_path, num_parts):
-    g = graph()
+    g = graph(weighted=num_parts == 2)
     folder = tmp_path / f"parts-{num_parts}"
     part = partitioners.partition(g, num_parts, method="metis", seed=0)
     partitioners.write(g, part, folder, halo=1)
@@ -153,10 +161,14 @@ def test_distributed_matches_single_process(tmp_path, num_parts):
             want = NeighborSampler(g, fanouts, replace=replace).sample(seeds[r], key=KEY + r)
             got = _to_torch(res[name])
             assert len(got) == len(want.blocks)
-            for (src, num_dst, indptr, indices), b in zip(got, want.blocks, strict=True):
+            for (src, num_dst, indptr, indices), w, b in zip(
+                got, res[f"{name} weights"], want.blocks, strict=True
+            ):
                 assert torch.equal(orig[src], b.src_nodes), (name, r)
                 assert num_dst == b.num_dst
                 assert torch.equal(indptr, b.indptr) and torch.equal(indices, b.indices)
+                assert (w is None) == (g.edge_weight is None) == (b.weight is None)
+                assert w is None or torch.equal(torch.from_numpy(w), b.weight), (name, r)
 
     # features: the true rows; cache accounting
     parts = [LocalPart.load(folder, r) for r in range(num_parts)]

@@ -245,3 +245,26 @@ def test_two_rank_saint_run_resumes_exactly(tmp_path):
         assert torch.equal(a[k], v), k
     s = checkpoint.consolidate(saved)
     assert any(not torch.equal(s[k], v) for k, v in b.items())  # it did train on
+
+
+def test_weighted_graphs_saint_mean_and_cluster_blocks_carry_the_weights():
+    """A weighted graph: GraphSAINT's aggregation is ``Â_vu / α_uv`` with Â the weighted mean
+    ``w_vu / Σ_u w_vu`` (written out here from the pre-sampling counts), and a ClusterGCN
+    block records its edges' weights."""
+    from gnnpar.graph import Graph
+
+    indptr, indices = _graph(n=30, seed=2)
+    rows = torch.repeat_interleave(torch.arange(30), indptr[1:] - indptr[:-1])
+    w = torch.rand(indices.numel(), generator=torch.Generator().manual_seed(4)) * 2 + 0.1
+    graph = Graph(indptr, indices, edge_weight=w)
+    saint = SaintNodeSampler(graph, 2, budget=8, presample=10, seed=1)
+    total = torch.zeros(30, dtype=torch.float64).index_add(0, rows, w.double())
+    c_v = saint.node_count.clamp(min=1.0)
+    want = w.double() / total[rows] / (saint.edge_count.clamp(min=1.0) / c_v[rows])
+    torch.testing.assert_close(saint.edge_weight, want, rtol=1e-12, atol=0)
+    block = saint.sample(5).blocks[0]
+    assert block.weight is None  # the normalisation already holds the weights
+    assert torch.equal(block.edge_weight, saint.edge_weight[block.edge_ids])
+    batch = ClusterSampler(graph, 2, 6, 2, seed=1).batch(0, 0)
+    block = batch.blocks[0]
+    assert torch.equal(block.weight, w.double()[block.edge_ids])

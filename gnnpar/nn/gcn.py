@@ -3,6 +3,17 @@
 They take the (normalised) adjacency as a :class:`~gnnpar.sparse.kernels.LocalSpMM` over the
 whole graph; parallelism is applied from outside by :func:`gnnpar.sparse.parallelize_fullgraph`,
 which reads these modules' parameters. Nothing here imports torch.distributed.
+
+Edge weights w enter through that adjacency, one normalisation per kind (:data:`NORMS`):
+
+- GCN: ``Â = D^-1/2 (A + I) D^-1/2`` with the weighted degrees (``"gcn"``);
+- GraphSAGE: the weighted mean ``Σ_j w_ij h_j / Σ_j w_ij`` (``"mean"``, row-normalised A);
+- GAT: ``α_ij ∝ w_ij · exp(e_ij)`` over ``A + I`` (``"raw"``: the weights as they are, a self
+  loop of weight 1 where a node has none), :func:`gnnpar.sparse.attention.weigh_logits`;
+- GIN: ``(1 + ε) h_i + Σ_{j ≠ i} w_ij h_j`` over the same ``"raw"`` adjacency, its self loops
+  replaced by the ε term.
+
+An unweighted graph is the graph whose weights are all 1: the same results, exactly.
 """
 
 from __future__ import annotations
@@ -75,8 +86,9 @@ class SAGELayer(nn.Module):
 class GATLayer(nn.Module):
     """Multi-head graph attention (Veličković et al.; PyG's ``GATConv`` with its defaults):
     ``Z = H W`` split into ``heads`` heads of ``F`` features, per head
-    ``e_ij = LeakyReLU(a_dstᵀ Z_i + a_srcᵀ Z_j)`` on the adjacency's nonzeros (its structure
-    only; self loops come from the GCN-normalised Â), a softmax over each row's edges,
+    ``e_ij = LeakyReLU(a_dstᵀ Z_i + a_srcᵀ Z_j)`` on the nonzeros of the ``"raw"`` adjacency
+    ``A + I`` (:meth:`~gnnpar.graph.Graph.weighted_self_loops`), whose values are the edge
+    weights: ``α_ij ∝ w_ij · exp(e_ij)``, a softmax over each row's edges,
     attention dropout, then ``out_i = Σ_j att_ij Z_j``; heads concatenated (hidden layers) or
     averaged (``concat=False``, the output layer), plus the bias."""
 
@@ -124,8 +136,9 @@ class GATLayer(nn.Module):
 
 
 class GINLayer(nn.Module):
-    """Graph isomorphism network layer (Xu et al.; PyG's ``GINConv`` with ``train_eps``):
-    ``MLP((1 + ε)·h_i + Σ_j h_j)`` over the adjacency's structure without its self loops,
+    """Graph isomorphism network layer (Xu et al.; PyG's ``GINConv`` with ``train_eps``, DGL's
+    ``GINConv`` with edge weights): ``MLP((1 + ε)·h_i + Σ_{j ≠ i} w_ij h_j)`` over the
+    ``"raw"`` adjacency (values: the edge weights) without its self loops,
     the MLP ``Linear → ReLU → Linear`` of width ``out_dim``, ε learnable (starts at 0)."""
 
     num_ops = 1
@@ -144,10 +157,11 @@ class GINLayer(nn.Module):
 
     def forward(self, adj: LocalSpMM, h: torch.Tensor) -> torch.Tensor:  # noqa: D102
         rows, cols = attention.edges(adj.block)
-        keep = rows != cols  # the self loops of the GCN-normalised Â are GIN's ε term
+        keep = rows != cols  # the self loops of A + I are GIN's ε term
         z = h @ self.weight  # the MLP's first Linear commutes with the (linear) aggregation
         ids = torch.arange(h.shape[0], device=h.device)
-        out = gin_aggregate(z, z, (rows[keep], cols[keep]), (ids, ids), h.shape[0], self.eps)
+        w = adj.block.values[keep].to(z.dtype)
+        out = gin_aggregate(z, z, (rows[keep], cols[keep], w), (ids, ids), h.shape[0], self.eps)
         if self.hidden_bias is not None:
             out = out + self.hidden_bias
         out = torch.relu(out) @ self.weight_out
@@ -157,20 +171,26 @@ class GINLayer(nn.Module):
 def gin_aggregate(
     z: torch.Tensor,
     z_self: torch.Tensor,
-    edges: tuple[torch.Tensor, torch.Tensor],
+    edges: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     root: tuple[torch.Tensor, torch.Tensor],
     num_rows: int,
     eps: torch.Tensor,
 ) -> torch.Tensor:
-    """GIN's sum over one block: ``Σ_j z[j]`` over ``edges`` (row ← column of ``z``:
-    neighbours, no self loops) plus ``(1 + ε)·z_self[c]`` at row r for each ``root`` pair
+    """GIN's sum over one block: ``Σ_j w·z[j]`` over ``edges`` (row ← column of ``z``, weight
+    w: neighbours, no self loops) plus ``(1 + ε)·z_self[c]`` at row r for each ``root`` pair
     (r, c) (row ← column of ``z_self`` holding the same node)."""
-    out = z.new_zeros(num_rows, z.shape[1]).index_add(0, edges[0], z[edges[1]])
+    rows, cols, weight = edges
+    out = z.new_zeros(num_rows, z.shape[1]).index_add(0, rows, z[cols] * weight[:, None])
     return out.index_add(0, root[0], (1 + eps) * z_self[root[1]])
 
 
 ACTIVATIONS = {"gcn": torch.relu, "sage": torch.relu, "gat": F.elu, "gin": torch.relu}
 """The nonlinearity between layers of each kind (ELU for GAT, as in its paper)."""
+
+NORMS = {"gcn": "gcn", "sage": "mean", "gat": "raw", "gin": "raw"}
+"""The adjacency each kind reads (the ``norm`` of :func:`gnnpar.sparse.prepare_shards`):
+``"gcn"`` D^-1/2 (A + I) D^-1/2, ``"mean"`` row-normalised A, ``"raw"`` A + I with the edge
+weights as they are (:meth:`~gnnpar.graph.Graph.weighted_self_loops`)."""
 
 
 class FullGraphGNN(nn.Module):
@@ -269,8 +289,8 @@ def GAT(  # noqa: N802
     attn_dropout: float = 0.6,
 ):
     """Full-graph GAT (Veličković et al.): ``heads`` heads concatenated in hidden layers,
-    ``out_heads`` averaged in the output layer (use with the GCN-normalised adjacency, whose
-    structure holds the self loops)."""
+    ``out_heads`` averaged in the output layer (use with the ``"raw"`` adjacency A + I, whose
+    values are the edge weights)."""
     return FullGraphGNN(
         in_dim, hidden, out_dim, num_layers, dropout, "gat",
         heads=heads, out_heads=out_heads, attn_dropout=attn_dropout,
@@ -280,6 +300,6 @@ def GAT(  # noqa: N802
 def GIN(  # noqa: N802
     in_dim: int, hidden: int, out_dim: int, num_layers: int = 2, dropout: float = 0.5
 ):
-    """Full-graph GIN (Xu et al.; use with the GCN-normalised adjacency, whose structure it
-    sums over, its self loops replaced by the learnable ε term)."""
+    """Full-graph GIN (Xu et al.; use with the ``"raw"`` adjacency A + I, whose weighted
+    neighbours it sums, its self loops replaced by the learnable ε term)."""
     return FullGraphGNN(in_dim, hidden, out_dim, num_layers, dropout, kind="gin")

@@ -10,9 +10,12 @@ source nodes, and returns those of its destinations (the first ``num_dst`` sourc
   block, which a sample does not have);
 - :class:`GATConv`: graph attention with multi-head concatenation and a self loop.
 
-Every layer takes optional edge weights (one per edge of the block): a weighted mean (SAGE),
-a weighted sum with the self loop weighing 1 (GCN), attention scaled by the weight before it
-is normalised (GAT); :meth:`BlockGNN.forward` looks a graph's weights up per block.
+Every layer takes optional edge weights (one per edge of the block): a weighted mean (SAGE,
+as the full-graph layer's ``"mean"`` adjacency), a weighted sum with the self loop weighing 1
+(GCN), attention scaled by the weight before it is normalised (GAT: ``α ∝ w · exp(e)``,
+:func:`gnnpar.sparse.attention.weigh_logits`, as the full-graph layer). :class:`BlockGNN`
+reads them from the blocks (:attr:`~gnnpar.sampling.Block.weight`, which the samplers record
+for a weighted graph) or looks a given weight vector up through the blocks' edge ids.
 
 Aggregation is a CSR sparse-dense product through the project's one local SpMM
 (:func:`gnnpar.sparse.kernels.csr_spmm`, the same kernels as the full-graph layers); its
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnnpar.nn.dropout import index_dropout
+from gnnpar.sparse.attention import log_weights, weigh_logits
 from gnnpar.sparse.kernels import csr_spmm
 
 __all__ = ["BlockGNN", "GATConv", "GCNConv", "SAGEConv", "block_mean", "block_sum"]
@@ -193,7 +197,7 @@ class GATConv(nn.Module):
         e = F.leaky_relu(a_src[src] + a_dst[dst], self.negative_slope)
         if edge_weight is not None:
             ones = torch.ones(nd, dtype=e.dtype, device=e.device)
-            e = e + torch.log(torch.cat([edge_weight.to(e.dtype), ones]))[:, None]
+            e = weigh_logits(e, log_weights(torch.cat([edge_weight.to(e.dtype), ones])))
         e_max = torch.full((nd, heads), float("-inf"), dtype=e.dtype, device=e.device)
         e_max = e_max.scatter_reduce(0, dst[:, None].expand_as(e), e, "amax", include_self=True)
         w = torch.exp(e - e_max[dst])
@@ -269,7 +273,10 @@ class BlockGNN(nn.Module):
         edge_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer ``i`` on ``block``: dropout (in training), the layer, ReLU unless last;
-        ``edge_weight``: the block's edges' weights (aligned with ``block.indices``)."""
+        ``edge_weight``: the block's edges' weights (aligned with ``block.indices``; default:
+        those the block records, :attr:`~gnnpar.sampling.Block.weight`)."""
+        if edge_weight is None:
+            edge_weight = block.weight
         if dropout_seed is None:
             h = F.dropout(h_src, self.dropout, self.training)
         else:
@@ -287,7 +294,7 @@ class BlockGNN(nn.Module):
     ) -> torch.Tensor:
         """Logits of the seeds (``blocks[-1]``'s destinations). ``edge_weight``: the sampled
         graph's weight per edge (its CSR order), looked up through each block's
-        ``edge_ids``."""
+        ``edge_ids``; without it, the weights the blocks record (a weighted graph's)."""
         if len(blocks) != self.num_layers:
             raise ValueError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
         h = x
@@ -297,7 +304,7 @@ class BlockGNN(nn.Module):
                 if block.edge_ids is None:
                     raise ValueError(
                         "edge weights need the blocks' edge ids, which this sampler does not "
-                        "record (distributed sampling)"
+                        "record (distributed sampling: its blocks carry the weights instead)"
                     )
                 w = edge_weight[block.edge_ids]
             h = self.forward_layer(i, block, h, dropout_seed, w)

@@ -43,6 +43,9 @@ class Block:
             Dropout masks keyed by it are the same however the graph is partitioned.
         edge_weight: each edge's coefficient in a mean aggregation, replacing ``1 /
             in-degree`` (a subgraph sampler's normalisation, e.g. GraphSAINT's), or None.
+        weight: the graph's weight of every sampled edge (a weighted graph's, recorded by
+            the samplers), or None for an unweighted graph; the layers of
+            :mod:`gnnpar.nn.minibatch` read it.
     """
 
     src_nodes: torch.Tensor
@@ -52,6 +55,7 @@ class Block:
     edge_ids: torch.Tensor | None = None
     src_keys: torch.Tensor | None = None
     edge_weight: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ sizes and views
     @property
@@ -130,6 +134,7 @@ class Block:
             move(self.edge_ids),
             move(self.src_keys),
             move(self.edge_weight),
+            move(self.weight),
         )
 
     def pin_memory(self) -> Block:
@@ -146,6 +151,7 @@ class Block:
             pin(self.edge_ids),
             pin(self.src_keys),
             pin(self.edge_weight),
+            pin(self.weight),
         )
 
     # ------------------------------------------------------------------ converters

@@ -18,7 +18,7 @@ import torch
 from gnnpar.graph import Graph
 from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits
-from gnnpar.sampling.saint import _csr, _train_mask, subgraph_batch
+from gnnpar.sampling.saint import _csr, _graph_weight, _train_mask, subgraph_batch
 
 __all__ = ["ClusterSampler"]
 
@@ -52,6 +52,7 @@ class ClusterSampler:
         owner: Any = None,
     ):
         self.indptr, self.indices = _csr(graph)
+        self.weight = _graph_weight(graph)  # a weighted graph's: the blocks record them
         self.num_nodes = self.indptr.numel() - 1
         for name, value in (
             ("num_layers", num_layers),
@@ -100,9 +101,11 @@ class ClusterSampler:
         chosen = self.clusters(epoch, index)
         nodes = torch.nonzero(torch.isin(self.owner, chosen), as_tuple=True)[0]
         train = self.train_mask.index_select(0, nodes)
-        weight = torch.zeros(self.num_nodes, dtype=torch.float64)
-        weight[nodes[train]] = 1.0 / max(int(train.sum()), 1)  # mean over its training nodes
-        return subgraph_batch(self.indptr, self.indices, nodes, self.num_layers, weight)
+        seed_weight = torch.zeros(self.num_nodes, dtype=torch.float64)
+        seed_weight[nodes[train]] = 1.0 / max(int(train.sum()), 1)  # mean over training nodes
+        return subgraph_batch(
+            self.indptr, self.indices, nodes, self.num_layers, seed_weight, weight=self.weight
+        )
 
     def __repr__(self) -> str:
         return (

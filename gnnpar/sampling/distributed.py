@@ -10,7 +10,9 @@ key; each owner samples the rows it holds with :func:`~gnnpar.sampling.neighbor.
 hashing each node's *original* id, and replies with the sampled neighbours. Because the draw
 of a node is a function of ``(key, hop, original id)`` and the rows keep the input order of
 in-edges, the blocks are **exactly** those a single process draws on the whole graph for the
-same seeds and key (after mapping ids with the folder's ``node_map``).
+same seeds and key (after mapping ids with the folder's ``node_map``). A weighted graph's
+owners send each sampled edge's weight with it (one more column of the same all-to-all), so
+the blocks record :attr:`~gnnpar.sampling.Block.weight` as a single process's do.
 
 **Features** (:class:`FeatureFetcher`): input nodes owned by this rank are read locally; an
 optional cache holds the rows of the remote nodes with the most edges into this part; the
@@ -74,6 +76,8 @@ class LocalPart:
         orig_ids: original (pre-partition) id of every local node.
         ndata: node data of the owned nodes.
         halo_hops: 1 when owned rows hold every in-edge.
+        edge_weight: the weight of every local edge (aligned with ``indices``), or None for
+            an unweighted graph.
     """
 
     part_id: int
@@ -86,6 +90,7 @@ class LocalPart:
     orig_ids: torch.Tensor
     ndata: dict[str, torch.Tensor]
     halo_hops: int = 1
+    edge_weight: torch.Tensor | None = None
     #: the partition folder's meta (its ``source`` names the graph it was cut from)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -114,6 +119,7 @@ class LocalPart:
             orig_ids=_tensor(p.orig_ids).to(torch.int64),
             ndata={k: _tensor(v) for k, v in p.ndata.items()},
             halo_hops=int(p.meta["halo_hops"]),
+            edge_weight=None if p.edge_weight is None else _tensor(p.edge_weight),
             meta=p.meta,
         )
 
@@ -153,7 +159,10 @@ class LocalPart:
             raise ValueError("the part has no halo (halo_hops = 0): write the folder with halo=1")
         n = self.num_owned
         edges = int(self.indptr[n])
-        return Block(self.local_to_global, n, self.indptr[: n + 1], self.indices[:edges])
+        w = None if self.edge_weight is None else self.edge_weight[:edges]
+        return Block(
+            self.local_to_global, n, self.indptr[: n + 1], self.indices[:edges], weight=w
+        )
 
 
 def _check_group(part: LocalPart, grid: ProcessGrid, axis: str) -> None:
@@ -244,9 +253,10 @@ class DistNeighborSampler:
         return len(self.fanouts)
 
     def _hop(self, frontier: torch.Tensor, fanout: int, key: int) -> tuple[torch.Tensor, ...]:
-        """Counts, original ids of every frontier node, and sampled neighbours (global ids and
-        original ids, row by row). The owners send the original ids with their answers, so
-        every node of a batch is known by its original id (for grid-independent dropout)."""
+        """Counts, original ids of every frontier node, and sampled neighbours (global ids,
+        original ids and, for a weighted graph, the edges' weights (else None), row by row).
+        The owners send the original ids with their answers, so every node of a batch is
+        known by its original id (for grid-independent dropout)."""
         grid, axis, part = self.grid, self.axis, self.part
         p = grid.size(axis)
         order, send, counts = _group_by_owner(frontier, part.owner(frontier), p)
@@ -266,9 +276,13 @@ class DistNeighborSampler:
             row_keys=self._row_keys.index_select(0, rows),
         )
         local = part.indices.index_select(0, pos)
-        nbr = torch.stack(
-            [part.local_to_global.index_select(0, local), part.orig_ids.index_select(0, local)], 1
-        )
+        columns = [
+            part.local_to_global.index_select(0, local),
+            part.orig_ids.index_select(0, local),
+        ]
+        if part.edge_weight is not None:  # the weight's float64 bits ride in an int64 column
+            columns.append(part.edge_weight.index_select(0, pos).double().view(torch.int64))
+        nbr = torch.stack(columns, 1)
         seg = torch.zeros(p, dtype=torch.int64).index_add_(0, by_requester, n_out)
         # Requester side: counts (and original ids) per frontier node, then the lists.
         answer = torch.stack([n_out, self._row_keys.index_select(0, rows)], 1)
@@ -292,7 +306,10 @@ class DistNeighborSampler:
             f_offsets - ptr, f_counts, output_size=total
         )
         got_nbr = got_nbr.index_select(0, positions)
-        return f_counts, f_keys, got_nbr[:, 0].contiguous(), got_nbr[:, 1].contiguous()
+        weight = None
+        if part.edge_weight is not None:
+            weight = got_nbr[:, 2].contiguous().view(torch.float64).to(part.edge_weight.dtype)
+        return f_counts, f_keys, got_nbr[:, 0].contiguous(), got_nbr[:, 1].contiguous(), weight
 
     def sample(self, seeds: Any, key: int | None = None) -> MiniBatch:
         """Blocks of the distinct global ``seeds`` (collective; see the class docstring)."""
@@ -302,14 +319,16 @@ class DistNeighborSampler:
         blocks = []
         with comm.record(self.grid) as traffic:
             for hop, fanout in enumerate(self.fanouts):
-                counts, f_keys, nbr, nbr_keys = self._hop(frontier, fanout, derive_key(key, hop))
+                counts, f_keys, nbr, nbr_keys, w = self._hop(
+                    frontier, fanout, derive_key(key, hop)
+                )
                 src, local = self.relabel(frontier, nbr, check_unique=hop == 0)
                 indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
                 torch.cumsum(counts, 0, out=indptr[1:])
                 keys = torch.empty(src.numel(), dtype=torch.int64)
                 keys[: frontier.numel()] = f_keys
                 keys[local] = nbr_keys
-                blocks.append(Block(src, frontier.numel(), indptr, local, src_keys=keys))
+                blocks.append(Block(src, frontier.numel(), indptr, local, src_keys=keys, weight=w))
                 frontier = src
         blocks.reverse()
         batch = MiniBatch(seeds, blocks)

@@ -311,7 +311,8 @@ class NeighborSampler:
     """Multi-hop uniform neighbour sampler producing message-flow blocks.
 
     Args:
-        graph: a :class:`~gnnpar.graph.Graph`, or ``(indptr, indices)`` of a CSR whose row
+        graph: a :class:`~gnnpar.graph.Graph` (a weighted one's blocks record their edges'
+            weights, :attr:`Block.weight`), or ``(indptr, indices)`` of a CSR whose row
             ``i`` lists the in-neighbours of node ``i``.
         fanouts: one fan-out per layer, **in hop order**: ``fanouts[0]`` neighbours of each
             seed, then ``fanouts[1]`` of each of those, ... (PyG's ``num_neighbors`` order;
@@ -342,10 +343,13 @@ class NeighborSampler:
         node_keys: torch.Tensor | None = None,
         backend: str = "auto",
     ):
+        weight = None
         if isinstance(graph, Graph):
-            indptr, indices = graph.indptr, graph.indices
+            indptr, indices, weight = graph.indptr, graph.indices, graph.edge_weight
         else:
             indptr, indices = graph
+        #: The graph's edge weights (None: unweighted); each block records its edges'.
+        self.weight = weight
         self.indptr = torch.as_tensor(indptr, dtype=torch.int64)
         self.indices = torch.as_tensor(indices, dtype=torch.int64)
         if self.indptr.dim() != 1 or self.indptr.numel() < 1:
@@ -398,7 +402,8 @@ class NeighborSampler:
             torch.index_select(self.indices, 0, pos, out=ids[m:])
             src, local = self.relabel.relabel(ids, m, check_unique=hop == 0)
             keys = None if self.node_keys is None else self.node_keys.index_select(0, src)
-            blocks.append(Block(src, frontier.numel(), _indptr(counts), local, pos, keys))
+            w = None if self.weight is None else self.weight.index_select(0, pos)
+            blocks.append(Block(src, frontier.numel(), _indptr(counts), local, pos, keys, None, w))
             frontier = src
         blocks.reverse()
         return MiniBatch(seeds, blocks)

@@ -57,6 +57,12 @@ def _csr(graph: Graph | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor
     return indptr, indices
 
 
+def _graph_weight(graph: Any) -> torch.Tensor | None:
+    """A weighted :class:`~gnnpar.graph.Graph`'s edge weights (float64), else None."""
+    w = graph.edge_weight if isinstance(graph, Graph) else None
+    return None if w is None else w.to(torch.float64)
+
+
 def _train_mask(graph: Any, train_mask: Any, num_nodes: int) -> torch.Tensor:
     """The training mask (default: the graph's ``train_mask``, else every node)."""
     if train_mask is None and isinstance(graph, Graph):
@@ -83,13 +89,17 @@ def subgraph_batch(
     num_layers: int,
     seed_weight: torch.Tensor,
     edge_weight: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> MiniBatch:
     """The mini-batch of the subgraph induced by ``nodes`` (sorted ids): every node is a
-    seed, the same block serves every layer. ``seed_weight`` and ``edge_weight`` are per
-    node and per CSR edge of the whole graph; the batch gets the subgraph's entries."""
+    seed, the same block serves every layer. ``seed_weight``, ``edge_weight`` (a
+    normalisation) and ``weight`` (the graph's edge weights) are per node and per CSR edge of
+    the whole graph; the batch gets the subgraph's entries."""
     block = induced_block(indptr, indices, nodes)
     if edge_weight is not None:
         block.edge_weight = edge_weight.index_select(0, block.edge_ids)
+    if weight is not None:
+        block.weight = weight.index_select(0, block.edge_ids)
     batch = MiniBatch(nodes, [block] * num_layers)
     batch.seed_weight = seed_weight.index_select(0, nodes)
     batch.stats["subgraph_nodes"] = float(nodes.numel())
@@ -121,6 +131,7 @@ class SaintSampler:
         seed: int = 0,
     ):
         self.indptr, self.indices = _csr(graph)
+        self.weight = _graph_weight(graph)
         self.num_nodes = self.indptr.numel() - 1
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
@@ -157,12 +168,18 @@ class SaintSampler:
         self.loss_weight = torch.where(
             self.train_mask, self.presample / (c_v * num_train), torch.zeros(())
         )
-        # aggregation: Â_vu / α_uv with Â_vu = 1 / deg(v) and α_uv = C_uv / C_v (row v)
+        # aggregation: Â_vu / α_uv with Â_vu = 1 / deg(v) (a weighted graph's: w_vu / Σ_u
+        # w_vu, the full-graph weighted mean) and α_uv = C_uv / C_v (row v)
         row = torch.repeat_interleave(
             torch.arange(self.num_nodes), self.degree, output_size=self.indices.numel()
         )
-        inv_deg = 1.0 / self.degree.clamp(min=1).to(torch.float64)
-        self.edge_weight = (inv_deg * c_v)[row] / edge_count.clamp(min=1.0)
+        if self.weight is None:
+            inv_deg = 1.0 / self.degree.clamp(min=1).to(torch.float64)
+            self.edge_weight = (inv_deg * c_v)[row] / edge_count.clamp(min=1.0)
+        else:
+            total = torch.zeros(self.num_nodes, dtype=torch.float64).index_add(0, row, self.weight)
+            inv = torch.where(total != 0, 1.0 / total, 0.0)
+            self.edge_weight = self.weight * (inv * c_v)[row] / edge_count.clamp(min=1.0)
 
     @property
     def batches_per_epoch(self) -> int:

@@ -9,6 +9,12 @@ structure is read) and per-head node scores ``α_dst`` (rows) and ``α_src`` (co
   per-row maximum and sum over the ranks that hold the row (identity for a whole row);
 - :func:`attend`: ``out[i, k] = Σ_j att_ijk · Z[j, k]`` (the SpMM with the attention values).
 
+Edge weights enter the attention in one way, :func:`weigh_logits`: ``α_ij ∝ w_ij ·
+exp(e_ij)``, i.e. ``log w_ij`` added to every head's logit before the softmax (the self loop
+weighs 1; a weight of 1 leaves a logit exactly as it is, 0 masks the edge). The full-graph
+layers read w from the block's values (the ``"raw"`` adjacency, :data:`gnnpar.nn.gcn.NORMS`),
+the mini-batch :class:`~gnnpar.nn.minibatch.GATConv` from the sampled edges' weights.
+
 The logits and the softmax are plain differentiable torch on the edge list (gathers,
 scatters; E × heads values). The SpMM is the expensive part (E × heads × F): :func:`attend`
 runs it without materialising a message per edge, as one ``embedding_bag`` per head over the
@@ -39,12 +45,30 @@ def edges(block: CSRBlock) -> tuple[torch.Tensor, torch.Tensor]:
     return coo_rows(block), block.indices.long()
 
 
+def log_weights(weight: torch.Tensor) -> torch.Tensor | None:
+    """``log w`` per edge (what :func:`weigh_logits` adds), or None when every weight is 1
+    (nothing to add)."""
+    if bool((weight == 1).all()):
+        return None
+    if bool((weight < 0).any()):
+        raise ValueError("attention edge weights must be non-negative (they scale exp(e))")
+    return torch.log(weight)
+
+
+def weigh_logits(logits: torch.Tensor, log_weight: torch.Tensor | None) -> torch.Tensor:
+    """The logits (E × K) of edges of weights ``exp(log_weight)`` (E, from
+    :func:`log_weights`): ``α ∝ w · exp(e)`` after the softmax."""
+    return logits if log_weight is None else logits + log_weight[:, None].to(logits.dtype)
+
+
 class Edges:
     """A block's nonzeros in CSR order, with the row offsets and the transposed (by column)
-    order that :func:`attend` needs; built once per block."""
+    order that :func:`attend` needs, and the log of its values (the edge weights, None when
+    all are 1); built once per block."""
 
     def __init__(self, block: CSRBlock) -> None:
         self.rows, self.cols = edges(block)
+        self.log_weight = log_weights(block.values)
         self.num_rows, self.num_cols = block.shape
         self.offsets = block.indptr.long()
         self.by_col = torch.argsort(self.cols, stable=True)
@@ -54,8 +78,9 @@ class Edges:
 
     def to(self, device: torch.device) -> Edges:
         """These edges on ``device``."""
-        for name in ("rows", "cols", "offsets", "by_col", "t_rows", "t_offsets"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in ("rows", "cols", "offsets", "by_col", "t_rows", "t_offsets", "log_weight"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         return self
 
 
@@ -169,9 +194,11 @@ def gat_aggregate(
     """GAT's attention over one block (R × K × F): the columns' scores from ``z`` (C × K ×
     F) and ``att_src``, the rows' scores ``alpha_dst`` (R × K), logits, the softmax (its row
     reductions ``row_max`` / ``row_sum`` over the ranks sharing the rows), attention dropout
-    by the edges' global (destination, source) ``edge_ids``, then the SpMM."""
+    by the edges' global (destination, source) ``edge_ids``, then the SpMM. The edges'
+    weights (``e.log_weight``) enter the logits by :func:`weigh_logits`."""
     alpha_src = (z * att_src).sum(-1)
     logits = edge_logits(alpha_dst, alpha_src, e.rows, e.cols, settings.negative_slope)
+    logits = weigh_logits(logits, e.log_weight)
     att = edge_softmax(logits, e.rows, e.num_rows, row_max, row_sum)
     att = edge_dropout(att, settings.attn_dropout, seed, *edge_ids, settings.training)
     return attend(att, z, e)

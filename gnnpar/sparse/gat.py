@@ -14,14 +14,15 @@ then GAT::
 
     α_src = Z·a_src per head on the columns; α_dst = Z·a_dst, moved to the rows' order by
            the permutation block R (rows c × columns a), all-reduce_a
-    e    = LeakyReLU(α_dst[i] + α_src[j]) on the local nonzeros (the SDDMM)
+    e    = LeakyReLU(α_dst[i] + α_src[j]) + log w_ij on the local nonzeros (the SDDMM; w:
+           the ``"raw"`` adjacency's values, the edge weights)
     att  = softmax over each row: row max and row sum all-reduced over a (the ranks holding
            the row's columns); attention dropout by (seed, edge, head)
     OUT  = reduce-scatter_a(att · Z)             (rows c × output features chunk a)
 
 or GIN::
 
-    AGG  = reduce-scatter_a(Σ_neighbours Z + (1 + ε)·R Z)        (rows c × chunk a)
+    AGG  = reduce-scatter_a(Σ_neighbours w·Z + (1 + ε)·R Z)      (rows c × chunk a)
     OUT  = reduce-scatter_a(ReLU(AGG + b₁) W₂[chunk a, :]) + b₂
 
 which is exactly the layout the next layer reads (rows chunk c = its outer chunk, features
@@ -72,16 +73,18 @@ def _all_reduce_both(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Ten
 
 
 class _Block:
-    """One rank's edges of one layer: local (row, column) of each nonzero of Â's block, the
-    edges' global (destination, source) ids, and the permutation block R's edges."""
+    """One rank's edges of one layer: local (row, column) of each nonzero of the ``"raw"``
+    adjacency's block and its weight (the block's value, in ``dtype``), the edges' global
+    (destination, source) ids, and the permutation block R's edges."""
 
-    def __init__(self, source: ShardSource, parity: int, rows, cols, device) -> None:
-        blk = source.adjacency(parity, rows, cols)
+    def __init__(self, source: ShardSource, parity: int, rows, cols, device, dtype) -> None:
+        blk = source.adjacency(parity, rows, cols).to(dtype=dtype)
         self.edges = attention.Edges(blk).to(device)
         self.rows, self.cols = self.edges.rows, self.edges.cols
         self.dst = source.node_ids(1 - parity, rows).to(device)[self.rows]
         self.src = source.node_ids(parity, cols).to(device)[self.cols]
         self.neighbours = self.dst != self.src  # the edges that are not self loops
+        self.weight = blk.values.to(device)[self.neighbours]  # GIN's neighbour weights
         root = source.root(parity, rows, cols)
         self.r_rows, self.r_cols = (t.to(device) for t in attention.edges(root))
         self.num_rows = rows[1] - rows[0]
@@ -286,7 +289,8 @@ class _GINKind:
         blk, ax = self.blocks[i], self.axes(i)
         keep = blk.neighbours
         agg = gin_aggregate(
-            z_cols, z_root, (blk.rows[keep], blk.cols[keep]), (blk.r_rows, blk.r_cols),
+            z_cols, z_root, (blk.rows[keep], blk.cols[keep], blk.weight),
+            (blk.r_rows, blk.r_cols),
             blk.num_rows, self.param("eps", i, ax.part, ax.rows),
         )  # fmt: skip
         h = self._scatter(agg, i)
@@ -368,7 +372,7 @@ class _Layout3D(_GemmFirst):
         self.layouts = [layout3d(grid, i, n, dims[i], dims[i + 1]) for i in range(self.num_layers)]
         self._setup(model, [lay.fin for lay in self.layouts], [lay.fout for lay in self.layouts])
         self.blocks = [
-            _Block(source, i % 2, lay.rows, lay.cols, self.device)
+            _Block(source, i % 2, lay.rows, lay.cols, self.device, self.compute_dtype)
             for i, lay in enumerate(self.layouts)
         ]
         self._row_ids = [
@@ -420,7 +424,8 @@ class _Layout2D(_GemmFirst):
         self.fin = [chunk(d, c, j) for d in self.dims]
         self._setup(model, self.fin[:-1], self.fin[1:])
         self.blocks = [
-            _Block(source, k % 2, self.rows, self.cols, self.device) for k in range(self.num_layers)
+            _Block(source, k % 2, self.rows, self.cols, self.device, self.compute_dtype)
+            for k in range(self.num_layers)
         ]
         self._row_ids = [
             source.node_ids(k % 2, self.rows).to(self.device) for k in range(self.num_layers)
@@ -465,7 +470,8 @@ class _Layout1D(_GemmFirst):
         full = [(0, d) for d in self.dims]
         self._setup(model, full[:-1], full[1:])
         self.blocks = [
-            _Block(source, i % 2, self.rows, (0, n), self.device) for i in range(self.num_layers)
+            _Block(source, i % 2, self.rows, (0, n), self.device, self.compute_dtype)
+            for i in range(self.num_layers)
         ]
         self._row_ids = [
             source.node_ids(i % 2, self.rows).to(self.device) for i in range(self.num_layers)

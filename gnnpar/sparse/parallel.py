@@ -461,6 +461,20 @@ class Parallel3DGNN(ShardedGNN):
 ALGORITHMS = ("3d", "2d", "1d")
 
 
+def check_norm(kind: str, source: ShardSource) -> None:
+    """A model of ``kind`` reads the adjacency :data:`~gnnpar.nn.gcn.NORMS` names; a source
+    recording another is refused in one line naming where it is recorded (e.g. a shard
+    folder of GCN-normalised values, which have lost the edge weights GAT and GIN read)."""
+    from gnnpar.nn.gcn import NORMS
+
+    norm = getattr(source, "norm", None)
+    if norm is not None and norm != NORMS[kind]:
+        raise ValueError(
+            f"{source.norm_where} is {norm!r}, but a {kind} model reads the {NORMS[kind]!r} "
+            f"adjacency: prepare the shards with norm={NORMS[kind]!r}"
+        )
+
+
 def parallelize_fullgraph(
     model: FullGraphGNN,
     grid: ProcessGrid,
@@ -480,6 +494,7 @@ def parallelize_fullgraph(
     graph of its own (a sampled subgraph, :meth:`Parallel3DGNN.set_source`); the gradients
     are then averaged over data by :func:`gnnpar.shard.shard`. A full graph has no batch to
     split over data, so it is refused by default."""
+    check_norm(model.kind, source)
     if data_parallel and (algorithm != "3d" or model.kind not in ("gcn", "sage")):
         raise ValueError(
             f"data_parallel takes the 3d algorithm and a gcn or sage model, not "

@@ -18,7 +18,9 @@ version 2); every array is a ``.npy`` file, memory-mappable::
 
 ``files`` lists every array with its size and XXH3-64 checksum. ``meta`` fields:
 
-- ``name`` (str), ``norm`` (``"gcn"`` or ``"mean"``): the graph and its normalisation.
+- ``name`` (str), ``norm`` (``"gcn"``, ``"mean"`` or ``"raw"``): the graph and the adjacency
+  the values hold (:data:`gnnpar.nn.gcn.NORMS`: the one each model kind reads; ``"raw"`` holds
+  the edge weights themselves, GAT's and GIN's).
 - ``num_nodes``, ``num_edges`` (int), ``feat_dim``, ``num_classes`` (int).
 - ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"`` or ``"none"``) and its
   ``seed`` (int).
@@ -120,12 +122,18 @@ def _save(root: Path, rel: str, array: np.ndarray, files: dict) -> None:
     files[rel] = save_npy(root / rel, array)
 
 
+NORMALISATIONS = ("gcn", "mean", "raw")
+"""The ``norm`` values a shard folder may hold (:data:`gnnpar.nn.gcn.NORMS`)."""
+
+
 def _normalised(graph, norm: str):
     if norm == "gcn":
         return graph.gcn_norm()
     if norm == "mean":
         return graph.row_normalize()
-    raise ValueError(f"unknown normalisation {norm!r}; use 'gcn' or 'mean'")
+    if norm == "raw":
+        return graph.weighted_self_loops()
+    raise ValueError(f"unknown normalisation {norm!r}; use one of {', '.join(NORMALISATIONS)}")
 
 
 def prepare_shards(
@@ -141,12 +149,13 @@ def prepare_shards(
     chunk_edges: int | None = None,
 ) -> Path:
     """Normalise ``graph`` (``norm``: ``"gcn"`` for Â = D^-1/2 (A+I) D^-1/2, ``"mean"`` for
-    row-normalised A), permute it (``permutation``: ``"random"`` as Plexus, ``"balanced"``
-    degree-aware over the file blocks, ``"balanced-local"`` the same blocks with a locality
-    order inside each, or ``"none"``) and write the shard folder ``out``
-    atomically (a temporary sibling renamed at the end). The folder records
-    :func:`shard_provenance` of ``graph`` (``fingerprint``: its
-    :meth:`~gnnpar.graph.Graph.fingerprint` when the caller already has it). Returns ``out``.
+    row-normalised A, ``"raw"`` for A + I with the edge weights as they are), permute it
+    (``permutation``: ``"random"`` as Plexus, ``"balanced"`` degree-aware over the file
+    blocks, ``"balanced-local"`` the same blocks with a locality order inside each, or
+    ``"none"``) and write the shard folder ``out`` atomically (a temporary sibling renamed
+    at the end). The folder records :func:`shard_provenance` of ``graph`` (``fingerprint``:
+    its :meth:`~gnnpar.graph.Graph.fingerprint` when the caller already has it). Returns
+    ``out``.
 
     ``graph`` is a :class:`~gnnpar.graph.Graph` or a graph folder. With a folder, a
     ``memory_limit`` (bytes) or ``chunk_edges``, the edges are streamed (:func:`_fill_streamed`):
@@ -262,8 +271,8 @@ def _prepare_streamed(
         chunk_edges = chunk_edges_for(memory_limit, _STREAM_BYTES_PER_NODE * n, "preparing shards")
     if "feat" not in reader.ndata_keys():
         raise ValueError(f"graph {reader.name!r} has no node features ('feat')")
-    if norm not in ("gcn", "mean"):
-        raise ValueError(f"unknown normalisation {norm!r}; use 'gcn' or 'mean'")
+    if norm not in NORMALISATIONS:
+        raise ValueError(f"unknown normalisation {norm!r}; use one of {', '.join(NORMALISATIONS)}")
     r_parts, c_parts = blocks
     if r_parts < 1 or c_parts < 1:
         raise ValueError(f"file blocks must be positive, got {blocks}")
@@ -341,9 +350,10 @@ def _write_rows(
 
 
 def _norm_factors(reader: Any, norm: str, chunk_edges: int):
-    """Per node: the self loop to add (gcn: 1 where the row has none) and the factors of
-    the normalisation, computed in one pass over the edges with the arithmetic of
-    :meth:`~gnnpar.graph.Graph.gcn_norm` / :meth:`~gnnpar.graph.Graph.row_normalize`."""
+    """Per node: the self loop to add (gcn and raw: 1 where the row has none) and the factors
+    of the normalisation, computed in one pass over the edges with the arithmetic of
+    :meth:`~gnnpar.graph.Graph.gcn_norm` / :meth:`~gnnpar.graph.Graph.row_normalize` (raw:
+    none, the weights are kept)."""
     from gnnpar.data.chunked import entry_chunks
 
     n = reader.num_nodes
@@ -360,12 +370,12 @@ def _norm_factors(reader: Any, norm: str, chunk_edges: int):
     for rows, offset in entry_chunks(lengths, chunk_edges):
         pos = indptr[rows] + offset
         cols = reader.indices(pos)
-        if norm == "gcn":
+        if norm != "mean":
             has_loop[rows[cols == rows]] = True
         w = reader.weights(pos)
         w = torch.ones(rows.shape[0], dtype=wdtype) if w is None else torch.from_numpy(w)
         deg.index_add_(0, torch.from_numpy(rows), w)
-    add = ~has_loop if norm == "gcn" else np.zeros(n, dtype=bool)
+    add = ~has_loop if norm != "mean" else np.zeros(n, dtype=bool)
     if norm == "gcn":
         deg[torch.from_numpy(add)] += 1.0
         factor = deg.pow(-0.5)
@@ -449,6 +459,8 @@ class _Entries:
         r, c = torch.from_numpy(node), torch.from_numpy(cols)
         if self.norm == "gcn":
             val = self.factor.index_select(0, r) * w * self.factor.index_select(0, c)
+        elif self.norm == "raw":
+            val = w
         else:
             val = w * self.factor.index_select(0, r)
         return loc, self.cp[cols], val.to(torch.float32).numpy()
@@ -585,6 +597,11 @@ def _check_meta(meta: dict[str, Any], where: Path) -> None:
     for key in _STR_FIELDS:
         if not isinstance(meta.get(key), str):
             raise ShardFormatError(f"{where}: meta field {key!r} must be a string")
+    if meta["norm"] not in NORMALISATIONS:
+        raise ShardFormatError(
+            f"{where}: meta field 'norm' is {meta['norm']!r}, not one of "
+            f"{', '.join(NORMALISATIONS)}"
+        )
     for key in ("row_bounds", "col_bounds"):
         if not _check_bounds(meta.get(key), meta["num_nodes"]):
             raise ShardFormatError(f"{where}: meta field {key!r} is not a list of block bounds")
@@ -635,6 +652,10 @@ class DiskSource:
         self.num_classes = int(meta["num_classes"])
         self.name = meta["name"]
         self.provenance: dict[str, Any] = meta["source"]
+        #: The adjacency the values hold (``"gcn"``, ``"mean"``, ``"raw"``).
+        self.norm: str = meta["norm"]
+        #: Where :attr:`norm` is recorded, for errors that name it.
+        self.norm_where = f"{self.path / MANIFEST}: meta field 'norm'"
         self._arrays: dict[str, np.ndarray] = {}
 
     def _array(self, rel: str, length: int | None = None) -> np.ndarray:

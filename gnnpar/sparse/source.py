@@ -32,6 +32,11 @@ class ShardSource(Protocol):
     num_nodes: int
     feat_dim: int
     num_classes: int
+    #: The adjacency the blocks hold (``"gcn"``, ``"mean"``, ``"raw"``;
+    #: :data:`gnnpar.nn.gcn.NORMS`), or None where the source does not record it.
+    norm: str | None
+    #: Where :attr:`norm` comes from, for the error of a model that needs another.
+    norm_where: str
 
     def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
         """Block of Â₁ (parity 0) or Â₂ (parity 1)."""
@@ -87,7 +92,9 @@ def inverse(perm: torch.Tensor) -> torch.Tensor:
 
 
 class MemorySource:
-    """All shards cut from an in-memory normalised adjacency and node data."""
+    """All shards cut from an in-memory normalised adjacency and node data. ``norm``: which
+    adjacency ``values`` hold (``"gcn"``, ``"mean"``, ``"raw"``), checked against the model
+    by :func:`~gnnpar.sparse.parallelize_fullgraph` (None: not recorded, not checked)."""
 
     def __init__(
         self,
@@ -98,8 +105,10 @@ class MemorySource:
         node_data: dict[str, torch.Tensor],
         permutations: tuple[torch.Tensor, torch.Tensor] | None = None,
         dtype: torch.dtype | None = None,
+        norm: str | None = None,
     ):
         n = indptr.numel() - 1
+        self.norm, self.norm_where = norm, "MemorySource(norm=...)"
         if features.shape[0] != n:
             raise ValueError(f"features have {features.shape[0]} rows for {n} nodes")
         dtype = dtype or features.dtype

@@ -31,9 +31,9 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import parse_bytes
 from gnnpar.grid import backend_for_choice, parse_grid_spec
-from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.nn.gcn import NORMS, FullGraphGNN
 from gnnpar.plan import choose_fullgraph_grid, local_machine
-from gnnpar.sparse.parallel import ALGORITHMS, parallelize_fullgraph
+from gnnpar.sparse.parallel import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.sparse.shards import (
     DiskSource,
     OldShardFolderError,
@@ -166,9 +166,9 @@ MODELS = ("gcn", "sage", "gat", "gin")
 
 
 def _norm(cfg: FullGraphConfig) -> str:
-    """The adjacency's normalisation each model reads (GAT and GIN: the structure of the GCN
-    one, whose self loops GAT attends over and GIN replaces with its ε term)."""
-    return "mean" if cfg.model == "sage" else "gcn"
+    """The adjacency the model reads (:data:`~gnnpar.nn.gcn.NORMS`: GAT and GIN the ``raw``
+    one, whose values are the edge weights)."""
+    return NORMS[cfg.model]
 
 
 def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
@@ -295,12 +295,10 @@ class FullGraphTask:
         folder, self.num_edges = _prepare(cfg, world, progress)
         self.source = DiskSource(folder, verify=cfg.verify)
         meta = self.source.meta
-        expected_norm = _norm(cfg)
-        if meta["norm"] != expected_norm:
-            raise ConfigError(
-                f"shard folder {folder} holds a '{meta['norm']}'-normalised graph; model "
-                f"{cfg.model} needs '{expected_norm}' (use another shards folder)"
-            )
+        try:  # a given folder cut for another model (a folder the run owns was rebuilt)
+            check_norm(cfg.model, self.source)
+        except ValueError as err:
+            raise ConfigError(f"{err}, or point 'shards' elsewhere") from None
         dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
         if cfg.grid:
             shape = parse_grid_spec(cfg.grid)

@@ -15,6 +15,11 @@ only its own part): it samples across parts and fetches remote features with all
 (:mod:`gnnpar.sampling.distributed`), and the gradients are reduced over the data axis by
 :mod:`gnnpar.shard` (stages 0-3, FCDP, mixed precision), overlapped with backward.
 
+A weighted graph's edge weights ride on the blocks (every sampler records its edges' weights,
+:attr:`~gnnpar.sampling.Block.weight`; the distributed one sends them with the sampled
+neighbours), so the model aggregates with them in training and in evaluation, on one rank or
+many (:mod:`gnnpar.nn.minibatch` says how each layer uses them).
+
 Sampling, the parts' features and the all-to-alls that serve them stay on the host, over gloo
 groups of their own; the model, its gradients and their reduction live on ``grid.device``
 (a GPU under NCCL): the loader pins each batch and copies it there without blocking.
