@@ -33,7 +33,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.check and args.nprocs > 1 and not _launched():
         from gnnpar.launch import launch_local, strip_nprocs
 
-        return launch_local(args.nprocs, strip_nprocs(args.argv))
+        return launch_local(args.nprocs, strip_nprocs(args.argv), agent=args.launch_agent)
     if not args.check:
         for title, table in (("versions", info.versions()), ("environment", info.environment())):
             print(f"{title}:")
@@ -175,14 +175,40 @@ def _fail(args: argparse.Namespace, err: BaseException, code: int) -> int:
     return code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gnnpar`` console script."""
-    from gnnpar.train.loop import NonFiniteLossError
+def console() -> int:
+    """Entry point of the ``gnnpar`` console script (and ``python -m gnnpar.cli``):
+    :func:`main`, with a local launch's agent forked before the command does any work."""
+    return main(fork_agent=True)
 
+
+def _will_launch(args: argparse.Namespace) -> bool:
+    """Whether the command may start ranks here (``--nprocs`` above 1 outside a launcher)."""
+    return getattr(args, "nprocs", 1) > 1 and not _launched()
+
+
+def main(argv: Sequence[str] | None = None, fork_agent: bool = False) -> int:
+    """Run one ``gnnpar`` command; return its exit code. ``fork_agent``: a command that may
+    launch local ranks forks their launch agent first (:class:`gnnpar.launch.ForkedAgent`;
+    only in a process that has done nothing else yet, as the console script has)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv  # what a local launch hands to each rank
+    args.launch_agent = None
+    if fork_agent and _will_launch(args):
+        from gnnpar.launch import ForkedAgent
+
+        args.launch_agent = ForkedAgent.start()
+    try:
+        return _main(args)
+    finally:
+        if args.launch_agent is not None:
+            args.launch_agent.close()
+
+
+def _main(args: argparse.Namespace) -> int:
+    from gnnpar.train.loop import NonFiniteLossError
+
     try:
         if args.master_addr:
             from gnnpar.launch import apply_master_addr
@@ -216,4 +242,4 @@ def is_rank_echo(err: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

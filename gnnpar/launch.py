@@ -20,7 +20,8 @@ inconsistent environment is a :class:`LaunchError` of one line. :func:`launch_lo
 N local processes under PyTorch's own launcher (the code behind torchrun).
 
 **Failures of a local launch.** :func:`launch_local` runs the launcher in a small agent
-process (:func:`agent`) that gives every rank a folder
+process (:func:`agent`; the ``gnnpar`` command forks it before its own work,
+:class:`ForkedAgent`, instead of starting an interpreter) that gives every rank a folder
 (``GNNPAR_ERROR_DIR``) for one failure record (:func:`record_failure`) instead of a
 printout. When the launcher reports a failed rank, the agent prints one line naming the rank
 and the root cause (the first failure that is not a peer's lost connection; a crash's
@@ -59,6 +60,8 @@ MAX_HOSTS = 1 << 16
 _AGENT = "import sys; from gnnpar.launch import agent; sys.exit(agent(sys.argv[1:]))"
 #: Where the ranks of a local launch record their failure (set by the launch agent).
 ERROR_DIR_ENV = "GNNPAR_ERROR_DIR"
+#: Seconds an interrupted command waits for its forked agent to stop the ranks and exit.
+AGENT_GRACE_S = 30.0
 #: ``0`` makes a local launch start each rank as a new interpreter instead of forking it.
 FORK_ENV = "GNNPAR_LAUNCH_FORK"
 #: Set for the ranks of a local launch: the launching process ran the checks before launch.
@@ -416,12 +419,14 @@ def launch_local(
     module: str = "gnnpar.cli",
     script: str | None = None,
     env: Mapping[str, str] | None = None,
+    agent: ForkedAgent | None = None,
 ) -> int:
     """Run ``python -m module *module_argv`` (or ``python script *module_argv``) on
     ``nprocs`` local processes under ``torch.distributed.run --standalone`` (in gnnpar's
     launch agent, which condenses a failure to one line: see the module docstring); return
     the exit code (a failed rank's own, e.g. 2 for a user error). ``env``: more variables for
-    the ranks."""
+    the ranks. ``agent``: a :class:`ForkedAgent` to run the launch in (else the agent starts
+    as a new interpreter)."""
     if nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1, got {nprocs}")
     target = [script] if script is not None else ["-m", module]
@@ -441,7 +446,113 @@ def launch_local(
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The launcher logs a warning per rank about OMP_NUM_THREADS; keep the console readable.
     env.setdefault("LOGLEVEL", "ERROR")
+    if agent is not None:
+        return agent.launch(cmd[3:], env)
     return subprocess.call(cmd, env=env)
+
+
+class ForkedAgent:
+    """The launch agent as a fork of the launching command, made before the command does any
+    work, so a local launch costs no new interpreter (about a second and a half of CPU: Python,
+    torch and gnnpar imported again).
+
+    :meth:`start` forks while the process holds only its imports: no data of the checks before
+    launch (a fork shares every page, and each rank's resident memory would count them) and no
+    OpenMP thread pool (GNU OpenMP's does not survive a fork: the child's first parallel region
+    waits forever). The fork waits on a pipe; :meth:`launch` hands it the agent's arguments and
+    environment and waits for its exit code, :meth:`close` (the command ended without
+    launching) lets it exit."""
+
+    def __init__(self, pid: int, pipe: int):
+        self.pid = pid
+        self._pipe: int | None = pipe
+
+    @classmethod
+    def start(cls) -> ForkedAgent | None:
+        """Fork the waiting agent, or None where ranks are not forked (:func:`_forks`) or
+        this process already runs other threads."""
+        import threading
+
+        if threading.active_count() > 1 or not _forks():
+            return None
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # or the child would print the parent's buffered text again
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write)
+            _serve_launch(read)
+        os.close(read)
+        return cls(pid, write)
+
+    def launch(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        """Run :func:`agent` with ``argv`` and ``env`` in the fork; its exit code (negative:
+        the signal that ended it, as :func:`subprocess.call` returns it)."""
+        if self._pipe is None:
+            raise RuntimeError("this forked agent has launched or been closed already")
+        job = json.dumps({"argv": list(argv), "env": dict(env)}).encode()
+        with os.fdopen(self._pipe, "wb") as pipe:
+            self._pipe = None
+            pipe.write(job)
+        return self._wait()
+
+    def close(self) -> None:
+        """Let an agent that was not used exit (no-op after :meth:`launch`)."""
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+            self._wait()
+
+    def _wait(self) -> int:
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except BaseException:
+            # Interrupted (Ctrl-C reaches the agent too): give it the time to stop its ranks,
+            # then do not leave it behind.
+            self._reap(grace=AGENT_GRACE_S)
+            raise
+        return os.waitstatus_to_exitcode(status)
+
+    def _reap(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if os.waitpid(self.pid, os.WNOHANG)[0]:
+                return
+            time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+
+def _serve_launch(pipe: int) -> None:
+    """The forked agent: wait for a job on ``pipe``, run it, exit (never returns)."""
+    code = 1
+    try:
+        with os.fdopen(pipe, "rb") as source:
+            job = source.read()
+        if not job:
+            code = 0
+        else:
+            request = json.loads(job)
+            os.environ.clear()
+            os.environ.update(request["env"])
+            import torch
+
+            # the environment came after torch's import: its thread count, set for the ranks
+            threads = os.environ.get("OMP_NUM_THREADS", "")
+            torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) else 1)
+            code = agent(request["argv"])
+    except KeyboardInterrupt:
+        code = 130
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
 
 def strip_nprocs(argv: Sequence[str]) -> list[str]:
@@ -552,6 +663,7 @@ def agent(argv: Sequence[str]) -> int:
     forked (:func:`_forks`: Linux, no accelerator), they are forked from this process after
     it has imported what every rank imports (see :func:`run_rank`), instead of each starting
     a new interpreter."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -572,6 +684,11 @@ def agent(argv: Sequence[str]) -> int:
         command = _command_name(args.training_script_args)
         print(f"{command}: error: {line}", file=sys.stderr, flush=True)
         return code
+    except SignalException as stop:  # Ctrl-C or a kill: the launcher stopped the ranks
+        command = _command_name(args.training_script_args)
+        name = getattr(stop.sigval, "name", stop.sigval)
+        print(f"{command}: interrupted by {name}; the ranks were stopped", file=sys.stderr)
+        return 128 + int(stop.sigval)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -640,4 +757,3 @@ def _command_name(argv: Sequence[str]) -> str:
     """``gnnpar train`` for the ranks' ``train gcn ...`` (the prefix of their errors)."""
     words = [a for a in argv if not a.startswith("-")][:1]
     return " ".join(["gnnpar", *words])
-

@@ -93,20 +93,23 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress.for_this_process(quiet=cfg.quiet)
     if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
-        return launch_ranks(args.nprocs, argv, args.max_restarts, progress)
+        return launch_ranks(args.nprocs, argv, args.max_restarts, progress, args.launch_agent)
     train_here(factory, cfg, progress)
     return 0
 
 
-def launch_ranks(nprocs: int, argv: list[str], max_restarts: int, progress: Any) -> int:
-    """Start ``gnnpar ARGV`` on ``nprocs`` local ranks (:func:`gnnpar.launch.launch_local`),
-    the checks before launch marked as done (the caller ran them); return the exit code."""
+def launch_ranks(
+    nprocs: int, argv: list[str], max_restarts: int, progress: Any, agent: Any = None
+) -> int:
+    """Start ``gnnpar ARGV`` on ``nprocs`` local ranks (:func:`gnnpar.launch.launch_local`,
+    in ``agent``, a :class:`~gnnpar.launch.ForkedAgent`, when given), the checks before
+    launch marked as done (the caller ran them); return the exit code."""
     from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local
 
     # the ranks can take seconds to start (where each is a new interpreter importing
     # torch): say what is happening
     env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(nprocs)}
-    return launch_local(nprocs, argv, max_restarts=max_restarts, env=env)
+    return launch_local(nprocs, argv, max_restarts=max_restarts, env=env, agent=agent)
 
 
 def train_here(factory: Callable[..., Any], cfg: Any, progress: Any) -> dict[str, float]:
@@ -226,7 +229,9 @@ def _launch_ranks(args: argparse.Namespace) -> int:
     from gnnpar.launch import strip_nprocs
     from gnnpar.train.progress import Progress
 
-    return launch_ranks(args.nprocs, strip_nprocs(args.argv), 0, Progress(enabled=False))
+    return launch_ranks(
+        args.nprocs, strip_nprocs(args.argv), 0, Progress(enabled=False), args.launch_agent
+    )
 
 
 def _loaded(args: argparse.Namespace, cfg: Any, factory: Any) -> tuple[Any, Any]:

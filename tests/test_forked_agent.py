@@ -1,0 +1,86 @@
+"""The ``gnnpar`` command's launch agent forked before the command's work
+(:class:`gnnpar.launch.ForkedAgent`): a launch through it hands the ranks the environment and
+thread count a new interpreter would have had, reports a failed rank's exit code, and an
+agent that was not used exits; a process already running other threads does not fork."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gnnpar.launch import ForkedAgent, _forks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RANK = """
+import json, os, sys
+import torch
+rank = int(os.environ["RANK"])
+agent = os.getppid()
+with open(f"/proc/{agent}/stat") as f:
+    caller = int(f.read().rsplit(")", 1)[1].split()[1])
+with open(f"/proc/{agent}/cmdline", "rb") as f:
+    agent_cmdline = f.read().decode()
+Path = __import__("pathlib").Path
+Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({
+    "threads": torch.get_num_threads(), "probe": os.environ.get("PROBE"),
+    "caller": caller, "agent_cmdline": agent_cmdline,
+}))
+sys.exit(3 if rank == 1 else 0)
+"""
+
+CALLER = """
+import json, os, sys
+from gnnpar.launch import ForkedAgent, launch_local
+unused = ForkedAgent.start()
+unused.close()
+agent = ForkedAgent.start()
+code = launch_local(2, [sys.argv[1]], script="rank.py", env={"PROBE": "yes"}, agent=agent)
+print(json.dumps({"me": os.getpid(), "code": code, "unused": unused.pid,
+                  "unused_gone": not os.path.exists(f"/proc/{unused.pid}"),
+                  "cmdline": open("/proc/self/cmdline", "rb").read().decode()}))
+"""
+
+
+@pytest.mark.skipif(not _forks(), reason="ranks are not forked here (no Linux fork, or a GPU)")
+def test_a_launch_in_the_forked_agent_sets_up_the_ranks_like_a_new_interpreter(tmp_path):
+    (tmp_path / "rank.py").write_text(RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", CALLER, str(tmp_path)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    caller = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert caller["code"] == 3, proc.stderr  # rank 1's own exit code, as from a new agent
+    assert "rank 1 of 2 exited with status 3" in proc.stderr
+    assert caller["unused_gone"], "the agent that was not used is still running"
+    # the thread count launch_local gives each rank (torch's default here is every core)
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["probe"] == "yes"
+        assert got["threads"] == threads, got
+        # the ranks' agent is a fork of the caller, not a new interpreter
+        assert got["caller"] == caller["me"]
+        assert got["agent_cmdline"] == caller["cmdline"]
+
+
+def test_a_process_running_other_threads_does_not_fork_an_agent():
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        agent = ForkedAgent.start()
+        if agent is not None:  # a wrong fork: let it go before failing
+            agent.close()
+        assert agent is None
+    finally:
+        release.set()
+        other.join()
