@@ -89,6 +89,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     test."""
     from xdist.scheduler import LoadScopeScheduling
 
+    # xdist would hand out the scopes with the most tests first, which puts the documentation
+    # pages (one test each, the longest) last: keep the order of the collection instead.
+    config.option.loadscopereorder = False
+
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
