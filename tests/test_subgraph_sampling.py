@@ -31,6 +31,8 @@ from gnnpar.sampling import (
     SubgraphLoader,
     induced_block,
 )
+from gnnpar.train.config import ConfigError
+from gnnpar.train.minibatch import MiniBatchConfig
 from tests.cli_world import run_commands
 
 Z = 5.0  # standard errors of the confidence bounds (over ~100 checks: no false alarms)
@@ -268,3 +270,30 @@ def test_weighted_graphs_saint_mean_and_cluster_blocks_carry_the_weights():
     batch = ClusterSampler(graph, 2, 6, 2, seed=1).batch(0, 0)
     block = batch.blocks[0]
     assert torch.equal(block.weight, w.double()[block.edge_ids])
+
+
+@pytest.mark.parametrize("probability", ["norm", "degree"])
+def test_node_sampler_draws_by_its_probability(probability, one_thread):
+    """Every node's share of the pre-sampling subgraphs is its inclusion probability
+    1 - (1 - P(u))^budget, with P(u) written out here: ``norm`` sums 1 / deg(v)² over the
+    nodes v that aggregate u (the paper's ||Â_{:,u}||²), ``degree`` is deg(u) (the
+    authors' code); the two differ on this graph's hubs and their neighbours."""
+    indptr, indices = _graph()
+    n, budget, rounds = indptr.numel() - 1, 8, 3000
+    sampler = SaintNodeSampler((indptr, indices), 2, budget, probability, presample=rounds, seed=5)
+    weight = torch.zeros(n, dtype=torch.float64)
+    for v in range(n):
+        for u in indices[indptr[v] : indptr[v + 1]].tolist():
+            weight[u] += (
+                1.0 / float(indptr[v + 1] - indptr[v]) ** 2 if probability == "norm" else 1.0
+            )
+    p = weight / weight.sum()
+    inclusion = 1 - (1 - p) ** budget
+    share = sampler.node_count / rounds
+    se = torch.sqrt(inclusion * (1 - inclusion) / rounds)
+    worst = float(((share - inclusion).abs() / (Z * se)).max())
+    assert worst <= 1.0, f"{probability}: a node's share is off by {worst:.2f} of its bound"
+    with pytest.raises(ValueError, match="probability must be one of"):
+        SaintNodeSampler((indptr, indices), 2, budget, "uniform")
+    with pytest.raises(ConfigError, match="'node_probability' must be one of"):
+        MiniBatchConfig(sampler="saint-node", node_probability="uniform").check()

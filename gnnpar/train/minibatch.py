@@ -70,6 +70,7 @@ from gnnpar.sampling import (
     parse_fanouts,
 )
 from gnnpar.sampling.rng import derive_key
+from gnnpar.sampling.saint import NODE_PROBABILITIES
 from gnnpar.shard import FCDP, by_type, shard
 from gnnpar.train import schedule
 from gnnpar.train.config import (
@@ -132,6 +133,11 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
     )
     walk_length: int = option(2, "steps of every saint-rw random walk")
     presample: int = option(50, "subgraphs pre-sampled to estimate GraphSAINT's normalisation")
+    node_probability: str = option(
+        "norm",
+        "saint-node's draw probability: norm (||Â[:,v]||², the paper) or degree (deg(v), "
+        "the authors' code)",
+    )
     clusters: int = option(32, "parts of the ClusterGCN partition (by partition_method)")
     clusters_per_batch: int = option(8, "ClusterGCN parts per subgraph")
     hidden: int = option(64, "hidden width")
@@ -200,6 +206,11 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         for key in ("budget", "presample", "clusters", "clusters_per_batch"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.node_probability not in NODE_PROBABILITIES:
+            raise ConfigError(
+                f"config key 'node_probability' must be one of {', '.join(NODE_PROBABILITIES)}, "
+                f"got {self.node_probability!r}"
+            )
         if self.walk_length < 0:
             raise ConfigError(f"config key 'walk_length' must be >= 0, got {self.walk_length}")
         if self.clusters_per_batch > self.clusters:
@@ -491,7 +502,9 @@ class MiniBatchTask:
         common: dict[str, Any] = {"train_mask": graph.train_mask, "seed": cfg.seed}
         saint = {**common, "presample": cfg.presample}
         if cfg.sampler == "saint-node":
-            sampler: Any = SaintNodeSampler(graph, cfg.layers, cfg.budget, **saint)
+            sampler: Any = SaintNodeSampler(
+                graph, cfg.layers, cfg.budget, cfg.node_probability, **saint
+            )
         elif cfg.sampler == "saint-edge":
             sampler = SaintEdgeSampler(graph, cfg.layers, cfg.budget, **saint)
         elif cfg.sampler == "saint-rw":
