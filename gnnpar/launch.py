@@ -430,10 +430,7 @@ def launch_local(
     if nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1, got {nprocs}")
     target = [script] if script is not None else ["-m", module]
-    cmd = [
-        sys.executable,
-        "-c",
-        _AGENT,
+    agent_argv = [
         "--standalone",
         f"--nproc-per-node={nprocs}",
         f"--max-restarts={max_restarts}",
@@ -447,8 +444,8 @@ def launch_local(
     # The launcher logs a warning per rank about OMP_NUM_THREADS; keep the console readable.
     env.setdefault("LOGLEVEL", "ERROR")
     if agent is not None:
-        return agent.launch(cmd[3:], env)
-    return subprocess.call(cmd, env=env)
+        return agent.launch(agent_argv, env)
+    return subprocess.call([sys.executable, "-c", _AGENT, *agent_argv], env=env)
 
 
 class ForkedAgent:
