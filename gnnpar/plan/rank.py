@@ -400,15 +400,22 @@ def longest_sequence(
         return None
 
     unit = 2 * context
+    units = _largest_fitting(lambda n: best(n * unit) is not None, (1 << 24) // unit)
+    return units * unit, best(units * unit) if units else None
+
+
+def _largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest n in 1..``limit`` with ``fits(n)``, 0 when ``fits(1)`` is false, for a
+    ``fits`` that holds up to some n and not beyond (memory grows with n): doubling until
+    it does not fit, then a bisection."""
     lo, hi = 0, 1
-    while best(hi * unit) is not None:  # grow until it does not fit
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-        if hi * unit > 1 << 24:
-            break
-    while hi - lo > 1:
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # lo fits (or is 0), hi does not (or is past the limit)
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if best(mid * unit) is not None else (lo, mid)
-    return lo * unit, best(lo * unit) if lo else None
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def choose_gpt_plan(
@@ -456,15 +463,9 @@ def largest_gpt(
     def fits(layers: int) -> bool:
         return any(c.fits for c in ranked(layers))
 
-    if not fits(1):
+    layers = _largest_fitting(fits, limit)
+    if not layers:
         reasons = sorted({c.reason for c in ranked(1)})[:3]
         raise PlanError(f"not even a 1-layer GPT of this width fits: {'; '.join(reasons)}")
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:  # lo fits, hi does not (or is past the limit)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    best = dataclasses.replace(problem, model=dataclasses.replace(problem.model, n_layer=lo))
+    best = dataclasses.replace(problem, model=dataclasses.replace(problem.model, n_layer=layers))
     return best, _of_shape(rank_gpt_stages(best, world, machine, stages, context), shape)
