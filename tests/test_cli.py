@@ -318,6 +318,8 @@ def test_rates_and_times_are_shown_to_three_significant_digits():
 
 
 def test_a_run_says_what_it_trains_on_which_grid_before_the_first_epoch(tmp_path, capsys):
+    from gnnpar.train.metrics import read_metrics
+
     out = tmp_path / "run"
     assert _train(out, 2) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -330,7 +332,12 @@ def test_a_run_says_what_it_trains_on_which_grid_before_the_first_epoch(tmp_path
     assert "gcn on sbm: 300 nodes, " in before and " edges, 8 features, 4 classes" in before
     assert f"; run folder {out}" in before
     assert "grid data=1 x=1 y=1 z=1 (chosen by the planner) on 1 rank (gloo, cpu)" in before
-    assert lines[-1].startswith("done: grid data=1 x=1 y=1 z=1 (1 rank, gloo, cpu, 1 rank/node)")
+    assert lines[-2].startswith("done: grid data=1 x=1 y=1 z=1 (1 rank, gloo, cpu, 1 rank/node)")
+    # the last line: the peak resident memory over the process before it loaded anything
+    memory = next(r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "memory")
+    (peak,), (baseline,) = memory["peak_rss_mb"], memory["baseline_rss_mb"]
+    assert 0 < baseline < peak
+    assert lines[-1] == f"peak memory: {peak:,.0f} MiB over an idle baseline of {baseline:,.0f} MiB"
 
 
 def test_the_launching_process_says_that_ranks_are_starting(tmp_path, monkeypatch, capsys):

@@ -292,6 +292,13 @@ def _check_training(outputs: list[tuple[int, str]], run: Path, shape: str, ranks
     assert describe in outputs[0][1], outputs[0][1]
     records = read_metrics(run / "metrics.jsonl")
     assert records[-1]["event"] == "end" and max(r.get("epoch", 0) for r in records) == 2
+    # every rank's peak and idle baseline, in rank order, and the line that sums them up
+    memory = records[-2]
+    assert memory["event"] == "memory" and len(memory["peak_rss_mb"]) == ranks
+    peaks, baselines = memory["peak_rss_mb"], memory["baseline_rss_mb"]
+    assert all(0 < b < p for b, p in zip(baselines, peaks, strict=True))
+    top = max(range(ranks), key=peaks.__getitem__)
+    assert f"peak memory: {peaks[top]:,.0f} MiB (rank {top}; ranks " in outputs[0][1]
 
 
 def _info_args(tmp_path: Path, grid: str) -> list[str]:

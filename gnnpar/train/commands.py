@@ -118,11 +118,13 @@ def train_here(factory: Callable[..., Any], cfg: Any, progress: Any) -> dict[str
     and shut the grid down; return the final evaluation."""
     import gnnpar
     from gnnpar.train.loop import Trainer
+    from gnnpar.train.metrics import memory_text, rss_mb
     from gnnpar.train.progress import metrics_text
 
     progress.ranks_started()
+    baseline = rss_mb()  # the idle process: interpreter, torch and gnnpar, no data yet
     task = factory(cfg, progress=progress)
-    trainer = Trainer.from_config(task, cfg, progress=progress)
+    trainer = Trainer.from_config(task, cfg, progress=progress, baseline_rss_mb=baseline)
     result = trainer.run()
     if trainer.preempted_at is not None:
         # Exit 0: the checkpoint is written and every rank stopped cleanly; requeueing is
@@ -140,6 +142,8 @@ def train_here(factory: Callable[..., Any], cfg: Any, progress: Any) -> dict[str
             print(f"sample:\n{sample}")
         summary = metrics_text(result)
         print(f"done: {task.grid.describe()} {summary}; metrics in {cfg.out}/metrics.jsonl")
+        if trainer.memory is not None:
+            print(memory_text(trainer.memory))
     gnnpar.shutdown(task.grid)
     return result
 

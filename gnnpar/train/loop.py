@@ -278,13 +278,19 @@ class Trainer:
         progress: Progress | None = None,
         early_stop: int = 0,
         config: tuple[str, Any] | None = None,
+        baseline_rss_mb: float | None = None,
     ):
         """``progress``: the run's console (the one its task printed its preparation on);
         by default one of its own. It prints on rank 0 only, whatever it is given.
         ``early_stop``: evaluations without a better selection metric before the run stops
         (0: never; for tasks with a ``selection``). ``config``: (task name, config) written
-        to the run folder's ``config.toml`` at the start (what evaluate and predict read)."""
+        to the run folder's ``config.toml`` at the start (what evaluate and predict read).
+        ``baseline_rss_mb``: this process's resident memory before the task was built (its
+        idle baseline), reported beside each rank's peak at the end (:meth:`rank_memory`)."""
         self.task = task
+        self.baseline_rss_mb = baseline_rss_mb
+        #: Every rank's peak and baseline resident memory, set at the end of :meth:`run`.
+        self.memory: dict[str, list[float]] | None = None
         self.grid = task.grid
         self.out = Path(out)
         self.eval_every = eval_every
@@ -320,7 +326,13 @@ class Trainer:
         )
 
     @classmethod
-    def from_config(cls, task: Task, cfg: Any, progress: Progress | None = None) -> Trainer:
+    def from_config(
+        cls,
+        task: Task,
+        cfg: Any,
+        progress: Progress | None = None,
+        baseline_rss_mb: float | None = None,
+    ) -> Trainer:
         """A trainer with the options of a task's config (a
         :class:`~gnnpar.train.config.TrainerConfig`), printing on ``progress``."""
         return cls(
@@ -337,6 +349,7 @@ class Trainer:
             progress=progress,
             early_stop=getattr(cfg, "early_stop", 0),
             config=(task.describe()["task"], cfg),
+            baseline_rss_mb=baseline_rss_mb,
         )
 
     def _check_run_folder(self, overwrite: bool) -> None:
@@ -539,10 +552,24 @@ class Trainer:
         if saved_at < end_step:
             self._save(end_step)  # every run ends with its trained model on disk
         result = self._final(last_eval, end_step)
+        self.memory = self.rank_memory()
+        self.metrics.write({"event": "memory", **self.memory})
         end = {"skipped_steps": self.skipped_steps} if self.skip_nonfinite else {}
         self.metrics.write({"event": "end", **result, **end})
         self.metrics.close()
         return result
+
+    def rank_memory(self) -> dict[str, list[float]]:
+        """Every rank's peak resident memory and idle baseline in MiB, in rank order (one
+        small all-gather; a baseline nobody measured is NaN)."""
+        baseline = self.baseline_rss_mb
+        mine = torch.tensor(
+            [peak_rss_mb(), math.nan if baseline is None else baseline],
+            dtype=torch.float64,
+            device=self.grid.device,
+        )
+        every = comm.all_gather(mine, self.grid, "world").reshape(-1, 2).cpu()
+        return {"peak_rss_mb": every[:, 0].tolist(), "baseline_rss_mb": every[:, 1].tolist()}
 
     def _final(self, last_eval: dict[str, float], end_step: int) -> dict[str, float]:
         """The run's final evaluation: the best model's when the task selects one (with

@@ -147,6 +147,27 @@ def peak_rss_mb() -> float:
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
+def rss_mb() -> float | None:
+    """Resident memory of this process now, in MiB (None where ``/proc`` is missing)."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * resource.getpagesize() / (1 << 20)
+
+
+def memory_text(memory: Mapping[str, list[float]]) -> str:
+    """``peak memory: 3,500 MiB (rank 1; ranks 3,356-3,500) over an idle baseline of 358
+    MiB``: a :meth:`~gnnpar.train.loop.Trainer.rank_memory` record in one line."""
+    peaks, baselines = memory["peak_rss_mb"], memory["baseline_rss_mb"]
+    top = max(range(len(peaks)), key=peaks.__getitem__)
+    spread = f"; ranks {min(peaks):,.0f}-{max(peaks):,.0f}" if len(peaks) > 1 else ""
+    where = f" (rank {top}{spread})" if len(peaks) > 1 else ""
+    known = [b for b in baselines if b == b]  # NaN: not measured
+    base = f" over an idle baseline of {max(known):,.0f} MiB" if known else ""
+    return f"peak memory: {peaks[top]:,.0f} MiB{where}{base}"
+
+
 class MetricsLog:
     """Append-only JSONL log; each record gets a wall-clock time stamp. With
     ``tensorboard_dir``, the numbers of every step record also go to TensorBoard."""
