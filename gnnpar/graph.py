@@ -333,21 +333,7 @@ class Graph:
         """What a node-classification trainer needs, one ValueError naming what is missing:
         ``feat``, ``label`` and ``train_mask``, at least one training node, and a class id
         (not "unlabelled") for every training node."""
-        for key in ("feat", "label", "train_mask"):
-            if key not in self.ndata:
-                raise ValueError(f"graph {self.name!r} has no node data {key!r}")
-        train = self.ndata["train_mask"].to(torch.bool)
-        if not bool(train.any()):
-            raise ValueError(
-                f"graph {self.name!r} has no training nodes (train_mask is all False): "
-                "nothing to train on"
-            )
-        y = self.ndata["label"]
-        if y.dim() == 1 and bool((y[train] < 0).any()):
-            node = int(torch.nonzero(train & (y < 0))[0, 0])
-            raise ValueError(
-                f"graph {self.name!r}: training node {node} is unlabelled (label {int(y[node])})"
-            )
+        check_trainable_data(self.name, self.ndata)
 
     def fingerprint(self) -> str:
         """Digest of the graph's content (structure, weights and every node-data array with
@@ -894,3 +880,21 @@ class Graph:
         from gnnpar import convert
 
         return convert.from_edge_list(edges, num_nodes, edge_weight, ndata, name)
+
+
+def check_trainable_data(name: str, ndata: Mapping[str, torch.Tensor]) -> None:
+    """:meth:`Graph.check_trainable` on node data alone (``feat`` need only be present):
+    what a check of a graph folder too large to load reads."""
+    for key in ("feat", "label", "train_mask"):
+        if key not in ndata:
+            raise ValueError(f"graph {name!r} has no node data {key!r}")
+    train = ndata["train_mask"].to(torch.bool)
+    if not bool(train.any()):
+        raise ValueError(
+            f"graph {name!r} has no training nodes (train_mask is all False): nothing to train on"
+        )
+    y = ndata["label"]
+    if y.dim() == 1 and bool((y[train] < 0).any()):
+        node = int(torch.nonzero(train & (y < 0))[0, 0])
+        label = int(y[node])
+        raise ValueError(f"graph {name!r}: training node {node} is unlabelled (label {label})")

@@ -5,6 +5,7 @@ structure options and the directed-graph warning, and ``gnnpar.train.fit`` again
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 from collections.abc import Callable
@@ -210,6 +211,63 @@ def test_structure_options_and_the_directed_warning(tmp_path: Path, capsys) -> N
     assert capsys.readouterr().err == ""  # directed on purpose
     with pytest.raises(ValueError, match="option self_loops: expected one of keep, add, remove"):
         load_dataset(FullGraphConfig(dataset=str(folder), dataset_options="self_loops=twice"))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 20])
+def test_the_streamed_symmetry_check_of_a_folder_equals_the_graphs(tmp_path: Path, chunk) -> None:
+    """Pieces smaller than a row, of odd sizes, and one piece: the same answer as the
+    in-memory check, on graphs with self loops, an isolated node, and one edge whose reverse
+    is missing (a graph that is symmetric but for one edge)."""
+    from gnnpar.data.storage import is_symmetric_folder
+
+    undirected = labelled().add_self_loops()
+    u, v = undirected.edges()
+    keep = torch.ones(u.numel(), dtype=torch.bool)
+    keep[int(torch.nonzero(u != v)[0, 0])] = False  # drop one direction of one edge
+    one_way = Graph.from_edges(u[keep], v[keep], undirected.num_nodes, ndata=undirected.ndata)
+    for i, g in enumerate([undirected, labelled(directed=True), one_way]):
+        folder = save_graph(g, tmp_path / str(i))
+        assert is_symmetric_folder(folder, chunk_edges=chunk) == g.is_symmetric()
+    assert [g.is_symmetric() for g in (undirected, one_way)] == [True, False]
+
+
+def test_a_launch_from_a_partition_checks_the_dataset_folder_without_loading_it(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Neighbour sampling on several ranks reads only the partition: the check before
+    launch reads the folder's node data and its edges in pieces, never the whole graph
+    (here: loading it raises), and says the same things as the loading check."""
+    import partitioners
+    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+
+    graph = labelled(directed=True)
+    folder = save_graph(graph, tmp_path / "g")
+    parts = tmp_path / "parts"
+    partitioners.write(graph, partitioners.partition(graph, 2, method="random", seed=0), parts)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the graph was loaded")
+
+    monkeypatch.setattr("gnnpar.data.load", refuse)
+    monkeypatch.setattr("gnnpar.data.storage.load_graph", refuse)
+    monkeypatch.setattr("gnnpar.train.minibatch.load_dataset", refuse)
+    cfg = MiniBatchConfig(dataset=str(folder), partitions=str(parts))
+    MiniBatchTask.preflight(cfg, 2)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "graph 'mine' is directed" in err[0]
+    # no training node: the same one-line error as the loading check's
+    untrainable = labelled(directed=True)
+    untrainable.ndata["train_mask"] = torch.zeros(graph.num_nodes, dtype=torch.bool)
+    other = save_graph(untrainable, tmp_path / "u")
+    other_parts = tmp_path / "u-parts"
+    cut = partitioners.partition(untrainable, 2, method="random", seed=0)
+    partitioners.write(untrainable, cut, other_parts)
+    bad = MiniBatchConfig(dataset=str(other), partitions=str(other_parts))
+    with pytest.raises(ConfigError, match=r"dataset '.*u': graph 'mine' has no training nodes"):
+        MiniBatchTask.preflight(bad, 2)
+    # a partition of another graph
+    with pytest.raises(ValueError, match=r"partition .*u-parts was cut from graph"):
+        MiniBatchTask.preflight(dataclasses.replace(cfg, partitions=str(other_parts)), 2)
 
 
 # ---------------------------------------------------------------------- fit

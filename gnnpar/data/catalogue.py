@@ -295,13 +295,20 @@ def graph_record(name_or_path: str, root: str | Path | None = None, **kwargs: An
     when there is one (a folder given without structure options, or a prepared copy made
     with these options) and otherwise computed from the loaded graph.
     FileNotFoundError/ValueError as :func:`load` for a missing dataset."""
-    folder: Path | None = None
-    entry = get_entry(name_or_path)
-    if entry is not None:
-        root_path = default_root() if root is None else Path(root)
-        folder = _prepared_copy(root_path / entry.name, entry.name, kwargs)
-    elif is_graph_folder(name_or_path) and not split_structure(kwargs)[1]:
-        folder = Path(name_or_path)
+    folder = stored_folder(name_or_path, root, **kwargs)
     if folder is not None:
         return read_source(folder)
     return load(name_or_path, root, **kwargs).record()
+
+
+def stored_folder(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> Path | None:
+    """The graph folder that holds the dataset exactly as ``kwargs`` make it (a folder given
+    without structure options, or a catalogue entry's copy prepared with these options), or
+    None when the dataset must be built or transformed to get it."""
+    entry = get_entry(name_or_path)
+    if entry is not None:
+        root_path = default_root() if root is None else Path(root)
+        return _prepared_copy(root_path / entry.name, entry.name, kwargs)
+    if is_graph_folder(name_or_path) and not split_structure(kwargs)[1]:
+        return Path(name_or_path)
+    return None

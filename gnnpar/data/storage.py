@@ -53,7 +53,9 @@ __all__ = [
     "FORMAT",
     "SCHEMA_VERSION",
     "is_graph_folder",
+    "is_symmetric_folder",
     "load_graph",
+    "load_node_data",
     "read_manifest_of",
     "read_meta",
     "read_source",
@@ -192,6 +194,69 @@ def _load_array(manifest: Manifest, name: str, level: str, mmap: bool) -> np.nda
             f"{record['dtype']!r}"
         ) from None
     return load_npy(manifest, record["file"], level, mmap, dtype.name, record["shape"])
+
+
+def load_node_data(
+    path: str | Path, keys: list[str], verify: str = "checksum"
+) -> dict[str, torch.Tensor]:
+    """The node-data arrays ``keys`` of a graph folder, memory-mapped and checked like
+    :func:`load_graph` checks them, without reading the structure or any other array (what
+    a check before launch needs of a graph larger than memory). FormatError naming the
+    folder for a key it does not hold."""
+    level = check_level(verify)
+    manifest = read_manifest_of(path)
+    out = {}
+    for key in keys:
+        if f"ndata/{key}" not in manifest.meta["arrays"]:
+            raise FormatError(f"{manifest.folder}: the graph has no node data {key!r}")
+        out[key] = torch.from_numpy(_load_array(manifest, f"ndata/{key}", level, True))
+    return out
+
+
+#: Edges a streamed pass over a graph folder reads at a time (64 MiB of int64 ids).
+SYMMETRY_CHUNK_EDGES = 1 << 23
+
+
+def _edge_hash(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each ordered pair (splitmix64's finaliser over both ids), so that
+    ``(u, v)`` and ``(v, u)`` hash differently."""
+    with np.errstate(over="ignore"):
+        h = src.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + dst.astype(np.uint64)
+        h ^= h >> np.uint64(30)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(27)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    return h
+
+
+def is_symmetric_folder(path: str | Path, chunk_edges: int = SYMMETRY_CHUNK_EDGES) -> bool:
+    """Whether the graph folder's edges, as a multiset, equal their reverses, read in pieces
+    of ``chunk_edges`` edges (memory-mapped; memory O(chunk), not O(edges)): the sum of a
+    64-bit hash of every edge ``(u, v)`` equals that of every ``(v, u)``. For a graph
+    without repeated edges this is :meth:`Graph.is_symmetric`; a directed graph passes
+    with probability about 2⁻⁶⁴. The arrays are checked by size only (a check before launch
+    needs no checksum pass over the structure)."""
+    if chunk_edges < 1:
+        raise ValueError(f"chunk_edges must be at least 1, got {chunk_edges}")
+    manifest = read_manifest_of(path)
+    indptr = _load_array(manifest, "indptr", "size", True)
+    indices = _load_array(manifest, "indices", "size", True)
+    forward = backward = np.uint64(0)
+    start = 0
+    with np.errstate(over="ignore"):
+        while start < indices.size:
+            stop = min(start + chunk_edges, indices.size)
+            # the source of each edge of [start, stop): the rows whose ranges overlap it,
+            # each repeated for its edges inside the piece
+            first, last = np.searchsorted(indptr, [start, stop - 1], side="right") - 1
+            counts = np.diff(np.clip(indptr[first : last + 2], start, stop))
+            rows = np.repeat(np.arange(first, last + 1, dtype=np.int64), counts)
+            cols = np.asarray(indices[start:stop])
+            forward += _edge_hash(rows, cols).sum(dtype=np.uint64)
+            backward += _edge_hash(cols, rows).sum(dtype=np.uint64)
+            start = stop
+    return bool(forward == backward)
 
 
 def load_graph(

@@ -19,6 +19,7 @@ messages then flow one way, which is rarely what a user of an undirected dataset
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "STRUCTURE_DEFAULTS",
     "apply_structure",
     "check_structure",
+    "directed_folder_warning",
     "directed_warning",
     "split_structure",
 ]
@@ -80,8 +82,22 @@ def directed_warning(graph: Graph, structure: Mapping[str, Any]) -> str | None:
     purpose)."""
     if "to_undirected" in structure or graph.is_symmetric():
         return None
+    return _directed_message(graph.name)
+
+
+def directed_folder_warning(folder: str | Path, structure: Mapping[str, Any]) -> str | None:
+    """:func:`directed_warning` for a graph folder, read in pieces
+    (:func:`~gnnpar.data.storage.is_symmetric_folder`): for a graph too large to load."""
+    from gnnpar.data.storage import is_symmetric_folder, read_meta
+
+    if "to_undirected" in structure or is_symmetric_folder(folder):
+        return None
+    return _directed_message(read_meta(folder)["name"])
+
+
+def _directed_message(name: str) -> str:
     return (
-        f"graph {graph.name!r} is directed and layers aggregate over in-edges only; pass "
+        f"graph {name!r} is directed and layers aggregate over in-edges only; pass "
         "--dataset-options to_undirected=true to symmetrise it (to_undirected=false to keep "
         "it directed without this warning)"
     )

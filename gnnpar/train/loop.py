@@ -196,6 +196,29 @@ def load_trainable(cfg: Any) -> Any:
     return graph
 
 
+def check_stored_dataset(cfg: Any, folder: str | Path) -> None:
+    """The checks before launch of :func:`load_trainable` and ``load_dataset(cfg,
+    warn_directed=True)`` for a dataset stored as the graph folder ``folder``, without
+    loading it (for ranks that read only what was derived from it, such as a partition):
+    its training node data, memory-mapped, and whether it is directed, read in pieces.
+    ConfigError naming the dataset as :func:`load_trainable`'s."""
+    from gnnpar.data.storage import load_node_data, read_meta
+    from gnnpar.data.structure import directed_folder_warning, split_structure
+    from gnnpar.graph import check_trainable_data
+    from gnnpar.launch import rank_and_world
+
+    try:
+        present = read_meta(folder)["arrays"]
+        keys = [k for k in ("feat", "label", "train_mask") if f"ndata/{k}" in present]
+        check_trainable_data(read_meta(folder)["name"], load_node_data(folder, keys, "size"))
+    except ValueError as err:
+        raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
+    if rank_and_world()[0] == 0:
+        message = directed_folder_warning(folder, split_structure(dataset_options(cfg))[1])
+        if message:
+            print(f"gnnpar train: warning: {message}", file=sys.stderr, flush=True)
+
+
 def load_dataset(cfg: Any, warn_directed: bool = False) -> Any:
     """The graph a task's ``dataset``, ``root`` and ``dataset_options`` name (a catalogue
     entry prepared under ``root``, or a graph folder), with the structure options

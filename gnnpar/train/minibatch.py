@@ -81,7 +81,7 @@ from gnnpar.train.config import (
     TrainerConfig,
     option,
 )
-from gnnpar.train.loop import dataset_options, load_dataset, load_trainable
+from gnnpar.train.loop import check_stored_dataset, dataset_options, load_dataset, load_trainable
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import (
     LossScaler,
@@ -379,9 +379,22 @@ class MiniBatchTask:
     @staticmethod
     def preflight(cfg: MiniBatchConfig, world_size: int) -> None:
         """Before launch: the dataset loads and has training nodes, and a given
-        ``partitions`` folder that exists was cut from it (:func:`check_partitions`)."""
-        load_dataset(cfg, warn_directed=True).check_trainable()
-        if cfg.partitions and Path(cfg.partitions).exists():
+        ``partitions`` folder that exists was cut from it (:func:`check_partitions`).
+        Ranks that will read only that partition (neighbour sampling on several ranks) and a
+        dataset stored as a graph folder: the folder is checked without loading it
+        (:func:`~gnnpar.train.loop.check_stored_dataset`), so that a graph larger than one
+        process's memory can be trained from its partition."""
+        from gnnpar.data.catalogue import stored_folder
+
+        given = cfg.partitions and Path(cfg.partitions).exists()
+        folder = None
+        if given and world_size > 1 and cfg.sampler == "neighbor":
+            folder = stored_folder(cfg.dataset, cfg.root, **dataset_options(cfg))
+        if folder is not None:
+            check_stored_dataset(cfg, folder)
+        else:
+            load_dataset(cfg, warn_directed=True).check_trainable()
+        if given:
             check_partitions(cfg)
 
     def __init__(self, cfg: MiniBatchConfig, progress: Progress | None = None):
