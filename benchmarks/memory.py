@@ -10,6 +10,14 @@
     ``--big-scale`` (default 22) generated to disk in chunks, partitioned with Fennel
     streaming from disk, cut into full-graph shards streaming, each stage in its own process
     under ``--memory-limit`` with its peak and time.
+(c) With ``--minibatch``: the ``sage`` task (GraphSAGE, its default model and fan-outs,
+    global batch ``--batch-size``, default 1024) on R-MAT ``--scale`` for D = 1, 2, 4 data
+    ranks (``--data-ranks``; D > 1 partitioned with METIS as ``gnnpar train sage --nprocs D
+    --parts D`` writes it): each rank's peak over its setup, one training epoch and one
+    layer-wise evaluation, minus its idle baseline, beside
+    :func:`gnnpar.plan.memory.minibatch_memory` for its part; run twice, the second time with
+    glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``), which returns large freed
+    blocks to the system instead of keeping them in the heap.
 
 Every figure is a process's resident-set high-water mark (``VmHWM``) from
 :func:`partitioners.metrics.measure`; ranks are one-threaded processes on one machine.
@@ -19,6 +27,7 @@ Run::
     python benchmarks/memory.py                   # (a) at scale 18 (a few minutes on 2 cores)
     python benchmarks/memory.py --quick           # scale 12, 1 and 2 ranks (a smoke run)
     python benchmarks/memory.py --scale-pipeline  # also (b) (tens of minutes)
+    python benchmarks/memory.py --skip-fullgraph --minibatch  # only (c) (about 5 minutes)
 
 Writes ``benchmarks/out/memory.json`` and prints the tables.
 """
@@ -150,6 +159,123 @@ HEADER = (
 )
 
 
+# ------------------------------------------------------------------ (c) mini-batch
+def _minibatch_worker(graph: str, parts: str | None, batch_size: int) -> dict:
+    """One data rank of ``gnnpar train sage`` (default model and fan-outs): peak memory of
+    its setup (loading its part or the graph, sampler, model), one training epoch and one
+    layer-wise evaluation, over the idle baseline (this process with its process group,
+    just before); and the peak of each phase."""
+    import gc
+
+    import gnnpar
+    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+    from partitioners.metrics import _reset_peak_rss, measure
+
+    grid = gnnpar.init()
+    world = grid.world_size
+    cfg = MiniBatchConfig(
+        dataset=graph, parts=world, partitions=parts, batch_size=batch_size, epochs=1,
+        out=str(Path(graph).parent / "run"), device="cpu",
+    )  # fmt: skip
+    gc.collect()
+    baseline = _rss_kib("VmRSS") * 1024
+    phases = {}
+    with measure() as m:
+        task = MiniBatchTask(cfg)
+        for name, run in (("setup", None), ("train", task.train_step), ("eval", task.evaluate)):
+            if run is not None:
+                run(0)
+            phases[name] = _rss_kib("VmHWM") * 1024 - baseline
+            _reset_peak_rss()  # the next phase's own peak
+    out = {
+        "rank": grid.global_rank,
+        "baseline": baseline,
+        "peak_over_baseline": max(m.peak_bytes, *phases.values()),
+        "phase_peaks": phases,
+        "batches": len(task.loader),
+        "time_s": m.time_s,
+    }
+    gnnpar.release(grid)
+    return out
+
+
+def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) -> dict:
+    """(c): each data rank's measured peak beside :func:`minibatch_memory`, for each D."""
+    from gnnpar.data.rmat import rmat
+    from gnnpar.data.storage import load_graph, save_graph
+    from gnnpar.plan.memory import degree_histogram, minibatch_memory
+    from gnnpar.plan.problems import MiniBatchProblem
+    from gnnpar.testing import run_distributed
+    from gnnpar.train.minibatch import MiniBatchConfig, _write_parts
+    from gnnpar.train.progress import Progress
+    from partitioners import load_meta
+
+    folder = tmp / f"rmat{scale}"
+    save_graph(rmat(scale=scale, feat_dim=128, num_classes=16), folder)
+    g = load_graph(folder)
+    cfg = MiniBatchConfig(dataset=str(folder), batch_size=batch_size)
+    problem = MiniBatchProblem(
+        nodes=g.num_nodes, edges=g.num_edges, features=g.feat.shape[1], classes=16,
+        hidden=cfg.hidden, layers=cfg.layers, fanouts=tuple(int(f) for f in cfg.fanouts.split(",")),
+        batch_size=batch_size, train_nodes=int(g.train_mask.sum()), prefetch=cfg.prefetch,
+        feature_cache=cfg.feature_cache, degrees=degree_histogram(g.indptr.numpy()),
+    )  # fmt: skip
+    del g
+    rows = []
+    for d in ranks:
+        parts = None
+        if d > 1:  # what `gnnpar train sage --nprocs D --parts D` writes once (METIS, halo 1)
+            parts = tmp / f"parts{d}"
+            _write_parts(MiniBatchConfig(dataset=str(folder), parts=d), parts, d, Progress(False))
+        res = run_distributed(_minibatch_worker, d, str(folder), parts and str(parts), batch_size,
+                              timeout=3600)  # fmt: skip
+        # again with glibc's mmap threshold fixed at its default (128 KiB): large freed
+        # blocks then go back to the system instead of staying in the heap
+        fixed = run_distributed(_minibatch_worker, d, str(folder), parts and str(parts),
+                                batch_size, timeout=3600, env=FIXED_MMAP)  # fmt: skip
+        records = load_meta(parts)["parts"] if parts else [None]
+        for r, f, rec in zip(res, fixed, records, strict=True):
+            r["fixed_mmap"] = f
+            model = minibatch_memory(problem, d, rec)
+            r.update(model_parts=model, model=sum(model.values()))
+            r["ratio"] = r["peak_over_baseline"] / r["model"]
+            r["ratio_fixed_mmap"] = f["peak_over_baseline"] / r["model"]
+            if rec:
+                r["part"] = {k: rec[k] for k in ("num_owned", "num_halo", "num_local_edges")}
+        rows.append({"ranks": d, "per_rank": res})
+        for r in res:
+            print(_minibatch_line(d, r), flush=True)
+    return {"scale": scale, "batch_size": batch_size, "problem": {
+        k: v for k, v in vars(problem).items() if k != "degrees"}, "rows": rows}  # fmt: skip
+
+
+def _minibatch_line(d: int, r: dict) -> str:
+    p = {k: v / MIB for k, v in r["model_parts"].items()}
+    ph = r["phase_peaks"]
+    return (
+        f"| {d} | {r['rank']} | {r['peak_over_baseline'] / MIB:,.0f} | "
+        f"{ph['setup'] / MIB:,.0f} / {ph['train'] / MIB:,.0f} / {ph['eval'] / MIB:,.0f} | "
+        f"{r['model'] / MIB:,.0f} | {p['graph']:,.0f} / {p['features']:,.0f} / "
+        f"{p['node_data']:,.0f} / {p['sampler']:,.0f} / {p['batches']:,.0f} / "
+        f"{p['activations']:,.0f} / {p['buffers']:,.0f} / {p['weights']:,.1f} / "
+        f"{p['inference']:,.0f} / {p['staging']:,.0f} / {p['kernels']:,.0f} | "
+        f"{r['fixed_mmap']['peak_over_baseline'] / MIB:,.0f} | "
+        f"{r['ratio']:.2f}, {r['ratio_fixed_mmap']:.2f} |"
+    )
+
+
+#: glibc's mmap threshold pinned at its default (no dynamic raise): the allocator then
+#: returns large freed blocks, so peaks count the working set, not the retained heap.
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+MINIBATCH_HEADER = (
+    "| D | rank | measured MiB | phases setup / train / eval MiB | model MiB | model graph / "
+    "features / node data / sampler / batches / act / buffers / W / inference / staging / "
+    "kernels MiB | measured, fixed mmap threshold MiB | measured / model (default, fixed) |"
+    "\n|--:|--:|--:|------|--:|------|--:|--:|"
+)
+
+
 # ------------------------------------------------------------------ (b) scale pipeline
 def _stage(name: str, code: str, log: Path) -> dict:
     """Run ``code`` in a fresh Python under ``/usr/bin/time -v``: its wall time and peak."""
@@ -219,12 +345,17 @@ def main() -> None:
     )
     parser.add_argument("--big-scale", type=int, default=22, help="R-MAT scale of (b)")
     parser.add_argument("--memory-limit", default="3GB", help="per-stage budget of (b)")
-    parser.add_argument("--skip-fullgraph", action="store_true", help="run only (b)")
+    parser.add_argument("--skip-fullgraph", action="store_true", help="skip (a)")
+    parser.add_argument(
+        "--minibatch", action="store_true", help="also run (c), the mini-batch task per data rank"
+    )
+    parser.add_argument("--data-ranks", default="1,2,4", help="data ranks of table (c)")
+    parser.add_argument("--batch-size", type=int, default=1024, help="global batch of (c)")
     parser.add_argument("--tmp", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", default=str(OUT / "memory.json"), help="JSON results file")
     args = parser.parse_args()
     if args.quick:
-        args.scale, args.ranks, args.big_scale = 12, "1,2", 12
+        args.scale, args.ranks, args.big_scale, args.data_ranks = 12, "1,2", 12, "1,2"
     ranks = [int(r) for r in args.ranks.split(",")]
     doc: dict = {}
     with tempfile.TemporaryDirectory(dir=args.tmp) as scratch:
@@ -233,6 +364,15 @@ def main() -> None:
             print(f"Full-graph GCN, R-MAT {args.scale}, 3 layers x 128: peak minus idle baseline")
             print(HEADER, flush=True)
             doc["fullgraph"] = fullgraph_table(args.scale, ranks, tmp)
+        if args.minibatch:
+            print(
+                f"\nMini-batch GraphSAGE (sage task), R-MAT {args.scale}, batch "
+                f"{args.batch_size}: peak minus idle baseline per data rank"
+            )
+            print(MINIBATCH_HEADER, flush=True)
+            doc["minibatch"] = minibatch_table(
+                args.scale, [int(r) for r in args.data_ranks.split(",")], args.batch_size, tmp
+            )
         if args.scale_pipeline:
             print(
                 f"\nR-MAT {args.big_scale} to disk and shards, every stage under "

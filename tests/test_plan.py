@@ -434,3 +434,113 @@ def test_gcn_memory_host_parts():
     big = GCNProblem.from_widths(4000, 36000, [feats, 16, 16, 4])
     buffers = gcn_memory(big, {"x": 1, "y": 1, "z": 2}, host=True)["buffers"]
     assert buffers == 2 * 256_000 + 256_000
+
+
+# ------------------------------------------------------------------ mini-batch memory
+def _mb_problem(**kw):
+    from gnnpar.plan.problems import MiniBatchProblem
+
+    args = dict(nodes=1000, edges=8000, features=16, classes=4, hidden=8, layers=2,
+                fanouts=(3, 2), batch_size=20, train_nodes=600, feature_cache=5)  # fmt: skip
+    return MiniBatchProblem(**{**args, **kw})
+
+
+def test_minibatch_memory_parts_by_hand():
+    """Every part of a data rank's bytes from the formulas, written out here: two data
+    ranks, a given part (500 owned, 100 halo nodes, 4,000 in-edges), every node of degree 8
+    (no histogram), 10 seeds per rank and batch (20 over two ranks), fan-outs 3 then 2."""
+    import math
+
+    from gnnpar.plan.memory import expected_blocks, minibatch_memory
+
+    p = _mb_problem()
+    part = {"num_owned": 500, "num_halo": 100, "num_local_edges": 4000}
+    got = minibatch_memory(p, 2, part)
+    assert got["graph"] == 601 * 8 + 4000 * 8 + 2 * 600 * 8
+    assert got["features"] == (500 + 5) * 16 * 4
+    assert got["node_data"] == 500 * 11
+    assert got["sampler"] == 1000 * 8 + (3 * 300 + 600) * 8
+    # hop 0: the 10 seeds, 3 draws each; hop 1: every node with probability
+    # 1 - (1 - 10/1000)·exp(-drawn·8/8000) in the frontier, 2 draws each
+    miss = 1 - 10 / 1000
+    src0 = 1000 * (1 - miss * math.exp(-30 * 8 / 8000))
+    m1 = src0 * 2
+    src1 = 1000 * (1 - miss * math.exp(-(30 + m1) * 8 / 8000))
+    want = [(10, src0, 30), (src0, src1, m1)]
+    for a, b in zip(expected_blocks(p, 10), want, strict=True):
+        assert a == pytest.approx(b)
+    batch = (src0 + 10 + 1 + src1 + src0 + 1) * 8 + 2 * (30 + m1) * 8 + src1 * 16 * 4 + 10 * 8
+    assert got["batches"] == pytest.approx(3 * batch)  # prefetch 1: 3 batches alive
+    assert got["buffers"] == pytest.approx(2 * src1 / 2 * (16 * 4 + 8))
+    params = (16 * 8 * 2 + 8) + (8 * 4 * 2 + 4)
+    assert got["weights"] == 4 * params * 4  # stage 0: parameters, gradients, two moments
+    assert got["staging"] == 0
+    # one rank: the mapped graph folder (CSR, features, labels and masks) and the kept
+    # full-neighbour evaluation block
+    one = minibatch_memory(p, 1)
+    assert one["staging"] == 1001 * 8 + 8000 * 8 + 1000 * 16 * 4 + 1000 * 11
+    assert one["graph"] == 2001 * 8 + 2 * 8000 * 8
+    assert one["features"] == one["node_data"] == one["buffers"] == 0
+    assert "staging" not in minibatch_memory(p, 1, host=False)
+
+
+def test_minibatch_expected_blocks_match_the_sampler():
+    """The expected sources and edges of each hop, from the degree histogram, within 10%
+    of the mean over batches that the neighbour sampler really draws."""
+    import torch
+
+    from gnnpar.graph import Graph
+    from gnnpar.plan.memory import degree_histogram, expected_blocks
+    from gnnpar.sampling import NeighborSampler
+
+    gen = torch.Generator().manual_seed(0)
+    n = 3000
+    deg = torch.randint(0, 30, (n,), generator=gen)
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(deg, 0)
+    indices = torch.randint(0, n, (int(indptr[-1]),), generator=gen)
+    g = Graph(indptr, indices, n)
+    p = _mb_problem(nodes=n, edges=int(indptr[-1]), batch_size=64, train_nodes=n,
+                    fanouts=(5, 5), degrees=degree_histogram(indptr))  # fmt: skip
+    sampler = NeighborSampler(g, [5, 5])
+    runs = [sampler.sample(torch.randperm(n, generator=gen)[:64], key=k) for k in range(20)]
+    src = [sum(b.blocks[-1 - h].num_src for b in runs) / 20 for h in range(2)]
+    edges = [sum(b.blocks[-1 - h].num_edges for b in runs) / 20 for h in range(2)]
+    for h, (_, s, m) in enumerate(expected_blocks(p, 64)):
+        assert s == pytest.approx(src[h], rel=0.1)
+        assert m == pytest.approx(edges[h], rel=0.1)
+
+
+def test_minibatch_memory_monotone():
+    """More data ranks at ZeRO-3 hold fewer weight bytes; a bigger batch more batch and
+    activation bytes; the estimated part shrinks with the data size."""
+    from gnnpar.plan.memory import estimated_part, minibatch_memory
+
+    part = {"num_owned": 500, "num_halo": 100, "num_local_edges": 4000}
+    big = _mb_problem(hidden=256, stage=3)
+    w = [minibatch_memory(big, d, part)["weights"] for d in (2, 4, 8)]
+    assert w[0] > w[1] > w[2]
+    small, large = (minibatch_memory(_mb_problem(batch_size=b), 2, part) for b in (20, 200))
+    for key in ("batches", "activations", "buffers"):
+        assert large[key] > small[key]
+    est = [estimated_part(_mb_problem(), d) for d in (2, 4)]
+    assert est[0]["num_owned"] > est[1]["num_owned"]
+    assert est[0]["num_local_edges"] > est[1]["num_local_edges"]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda mm, P: mm(P(), 0), "data must be a positive integer, got 0"),
+        (lambda mm, P: mm(P(), 2, {"num_owned": 5}), "part lacks num_halo, num_local_edges"),
+        (lambda mm, P: P(fanouts=(3,)), "fanouts [3] give 1 fan-outs for 2 layers"),
+        (lambda mm, P: P(degrees=((8, 999),)), "the degree histogram counts 999 nodes"),
+        (lambda mm, P: P(train_nodes=0), "train_nodes must be in 1..1000, got 0"),
+    ],
+)
+def test_minibatch_memory_errors(call, message):
+    from gnnpar.plan.memory import minibatch_memory
+
+    with pytest.raises(PlanError) as err:
+        call(minibatch_memory, _mb_problem)
+    assert message in str(err.value) and "\n" not in str(err.value)

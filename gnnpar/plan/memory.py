@@ -66,6 +66,7 @@ GB per GPU). The planner keeps 10% of device memory free for them (``usable``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from gnnpar import shm
@@ -81,10 +82,23 @@ from gnnpar.plan.comm_model import (
     local_params,
     seq_per_rank,
 )
-from gnnpar.plan.problems import GCNProblem, GPTProblem
+from gnnpar.plan.problems import GCNProblem, GPTProblem, MiniBatchProblem, PlanError
 from gnnpar.tensor.context import TILE_BYTES
 
-__all__ = ["OFF_DEVICE", "USABLE_FRACTION", "device_bytes", "gcn_memory", "gpt_memory"]
+__all__ = [
+    "KERNEL_BYTES",
+    "MINIBATCH_PARTS",
+    "OFF_DEVICE",
+    "USABLE_FRACTION",
+    "degree_histogram",
+    "device_bytes",
+    "estimated_part",
+    "expected_blocks",
+    "gcn_memory",
+    "gpt_memory",
+    "minibatch_memory",
+    "sharded_state",
+]
 
 #: Fraction of device memory the planner lets a shape use.
 USABLE_FRACTION = 0.9
@@ -207,6 +221,28 @@ def _gemm_first_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[st
     return out
 
 
+def sharded_state(n: float, e: int, stage: int, d: int, per_unit: float) -> dict[str, float]:
+    """``parameters``, ``gradients`` and ``optimizer`` bytes of ``n`` parameters of ``e``
+    bytes trained with Adam on ``d`` data ranks at ZeRO ``stage`` (:mod:`gnnpar.shard`; see
+    the module docstring); ``per_unit``: the parameters of the largest unit stage 3 gathers."""
+    out = {"parameters": float(n * e), "gradients": float(n * e)}
+    out["optimizer"] = float(n * (8 + (4 if e < 4 else 0)))
+    if stage >= 1:
+        out["optimizer"] /= d
+    if stage in (1, 2):
+        # the master chunk the optimizer steps (a separate float32 copy even when the
+        # parameters are float32) and the reduced float32 gradient chunk it reads
+        if e >= 4:
+            out["optimizer"] += n * 4 / d
+        out["gradients"] = (n * e if stage == 1 else 0.0) + n * 4 / d
+    if stage >= 3:
+        # the chunk plus two gathered units (the one running and the next, prefetched); in
+        # backward a unit's full gradient lives until its reduce-scatter
+        out["parameters"] = n * e / d + 2 * per_unit * e
+        out["gradients"] = n * e / d + per_unit * e
+    return out
+
+
 def gpt_memory(
     problem: GPTProblem, shape: Mapping[str, int], layout: list[ShardedLayer] | None = None
 ) -> dict[str, float]:
@@ -219,28 +255,8 @@ def gpt_memory(
     n = matrix + other
     e = problem.element_size
     d = g.data * g.context  # context ranks shard with the data ranks (fold_context)
-    opt_per = 8 + (4 if e < 4 else 0)
-    out = {
-        "parameters": float(n * e),
-        "gradients": float(n * e),
-        "optimizer": float(n * opt_per),
-        "gathered": 0.0,
-        "activations": 0.0,
-    }
-    if problem.stage >= 1:
-        out["optimizer"] /= d
-    if problem.stage in (1, 2):
-        # the master chunk the optimizer steps (a separate float32 copy even when the
-        # parameters are float32) and the reduced float32 gradient chunk it reads
-        if e >= 4:
-            out["optimizer"] += n * 4 / d
-        out["gradients"] = (n * e if problem.stage == 1 else 0.0) + n * 4 / d
-    if problem.stage >= 3:
-        # the chunk plus two gathered blocks (the one running and the next, prefetched); in
-        # backward a block's full gradient lives until its reduce-scatter
-        per_block = (n - other) / max(1, problem.layers)
-        out["parameters"] = n * e / d + 2 * per_block * e
-        out["gradients"] = n * e / d + per_block * e
+    per_block = (n - other) / max(1, problem.layers)
+    out = {**sharded_state(n, e, problem.stage, d, per_block), "gathered": 0.0, "activations": 0.0}
     if g.z > 1:
         # every matrix's z-gathered block, saved by autograd from its forward to its backward
         out["gathered"] = matrix * g.z * e
@@ -270,3 +286,179 @@ def gpt_memory(
         out["optimizer"] = 0.0
         out[problem.offload] = moved
     return out
+
+
+# ---------------------------------------------------------------------- mini-batch (sage)
+#: What importing numba and compiling the sampler's kernels adds to a process (measured on
+#: x86-64 Linux with numba 0.68: 45 MiB anonymous, 83 MiB of mapped libraries), counted by
+#: :func:`minibatch_memory` with ``host=True`` when numba is installed.
+KERNEL_BYTES = 128 * 2**20
+#: Bytes a node's label (int64) and its train, validation and test masks (bool) take.
+NODE_DATA_BYTES = 8 + 3
+
+
+def degree_histogram(indptr: object) -> tuple[tuple[int, int], ...]:
+    """The ``(degree, nodes)`` pairs of a CSR's rows (``indptr``: N + 1 offsets), the
+    ``degrees`` of a :class:`~gnnpar.plan.problems.MiniBatchProblem` (one pass over N)."""
+    import numpy as np
+
+    ptr = np.asarray(indptr, dtype=np.int64)
+    counts = np.bincount(np.diff(ptr))
+    return tuple((int(d), int(c)) for d, c in enumerate(counts) if c)
+
+
+def _histogram(problem: MiniBatchProblem) -> list[tuple[float, float]]:
+    if problem.degrees:
+        return [(float(d), float(c)) for d, c in problem.degrees]
+    return [(problem.edges / problem.nodes, float(problem.nodes))]
+
+
+def expected_blocks(problem: MiniBatchProblem, seeds: float) -> list[tuple[float, float, float]]:
+    """Expected ``(destinations, sources, edges)`` of every hop's block (seeds' hop first)
+    for ``seeds`` seeds drawn uniformly (see :func:`minibatch_memory`)."""
+    hist, n, e = _histogram(problem), problem.nodes, max(problem.edges, 1)
+    miss = 1.0 - min(seeds, n) / n  # a node is not a seed
+    drawn = 0.0  # neighbours drawn so far, over all hops
+    dst, out = float(seeds), []
+    for k in problem.fanouts:
+        # a node is in the frontier unless it is no seed and no draw has hit it yet
+        edges = sum(c * (1 - miss * math.exp(-drawn * d / e)) * (d if k < 0 else min(k, d))
+                    for d, c in hist)  # fmt: skip
+        drawn += edges
+        src = sum(c * (1 - miss * math.exp(-drawn * d / e)) for d, c in hist)
+        out.append((dst, max(src, dst), edges))
+        dst = max(src, dst)
+    return out
+
+
+def estimated_part(problem: MiniBatchProblem, data: int) -> dict[str, float]:
+    """A part's ``num_owned``, ``num_halo`` and ``num_local_edges`` (the keys of a partition
+    folder's per-part record) when none is given: ``N/D`` nodes, ``E/D`` in-edges, and as
+    halo the expected distinct sources of those edges that other parts own, edges falling on
+    sources in proportion to their degree and sources on parts at random (a partitioner
+    that cuts fewer edges, such as METIS, has a smaller halo)."""
+    n, e = problem.nodes, max(problem.edges, 1)
+    local = problem.edges / data
+    halo = (1 - 1 / data) * sum(c * (1 - math.exp(-local * d / e)) for d, c in _histogram(problem))
+    return {"num_owned": n / data, "num_halo": halo, "num_local_edges": local}
+
+
+def minibatch_memory(
+    problem: MiniBatchProblem,
+    data: int = 1,
+    part: Mapping[str, float] | None = None,
+    host: bool = True,
+) -> dict[str, float]:
+    """Bytes one data rank of the ``sage`` task holds at its peak, by part (see
+    :func:`_minibatch_parts`); ``data`` ranks (more than one: partitioned, one part each),
+    ``part`` this rank's record of the partition folder's meta (``num_owned``, ``num_halo``,
+    ``num_local_edges``; default :func:`estimated_part`). ``host=False`` leaves out the
+    host-only parts (``staging``, ``kernels``)."""
+    if not isinstance(data, int) or isinstance(data, bool) or data < 1:
+        raise PlanError(f"data must be a positive integer, got {data!r}")
+    if part is not None:
+        missing = {"num_owned", "num_halo", "num_local_edges"} - set(part)
+        if missing:
+            raise PlanError(f"part lacks {', '.join(sorted(missing))}")
+    out = _minibatch_parts(problem, data, part)
+    if not host:
+        out.pop("staging")
+        out.pop("kernels")
+    return out
+
+
+def _minibatch_parts(
+    problem: MiniBatchProblem, data: int, part: Mapping[str, float] | None
+) -> dict[str, float]:
+    e, f, n = problem.element_size, problem.features, problem.nodes
+    dims = problem.dims
+    out = dict.fromkeys(MINIBATCH_PARTS, 0.0)
+    seeds = problem.seeds / data  # this rank's training seeds
+    batch = min(problem.batch_size, problem.seeds) / data  # its seeds of a global batch
+    if data == 1:
+        # the graph folder is memory-mapped: the CSR, features and node data are its pages
+        rows, owned, edges = float(n), float(n), float(problem.edges)
+        out["staging"] = (n + 1) * 8 + edges * 8 + n * f * 4 + n * NODE_DATA_BYTES
+        # the full-neighbour block layer-wise evaluation reuses (its sources, CSR, edge ids)
+        out["graph"] = (2 * n + 1) * 8 + 2 * edges * 8
+    else:
+        p = estimated_part(problem, data) if part is None else part
+        owned, halo = float(p["num_owned"]), float(p["num_halo"])
+        edges = float(p["num_local_edges"])
+        rows = owned + halo
+        # local CSR over owned then halo rows, each local node's global and original id
+        out["graph"] = (rows + 1) * 8 + edges * 8 + 2 * rows * 8
+        out["features"] = (owned + problem.feature_cache) * f * e
+        out["node_data"] = owned * NODE_DATA_BYTES
+    # the relabeler's scratch (one int64 per node of the graph), the seeds and their keys
+    out["sampler"] = n * 8 + (3 * seeds + problem.seeds) * 8
+    blocks = expected_blocks(problem, batch)
+    inputs = blocks[-1][1]
+    # per hop: sources, CSR offsets, local sources and edge ids (or the sources' keys);
+    # the input rows' features and the seeds' labels
+    per_batch = sum((s + d + 1) * 8 + 2 * m * 8 for d, s, m in blocks) + inputs * f * e
+    per_batch += batch * 8
+    out["batches"] = (problem.prefetch + 2) * per_batch
+    out["activations"] = _step_activations(problem, blocks)
+    if data > 1:
+        # the feature fetch of a batch: the remote rows received and the rows served to the
+        # other ranks (as many, on average), with their ids
+        remote = inputs * (1 - 1 / data)
+        out["buffers"] = 2 * remote * (f * e + 8)
+    n_p = sum(d * w + w for d, w in zip(dims[:-1], dims[1:], strict=True))  # neigh + bias
+    n_p += sum(d * w for d, w in zip(dims[:-1], dims[1:], strict=True))  # root
+    per_unit = max(2 * d * w + w for d, w in zip(dims[:-1], dims[1:], strict=True))
+    out["weights"] = sum(sharded_state(n_p, e, problem.stage, data, per_unit).values())
+    train = out["batches"] + out["activations"] + out["buffers"]
+    evaluation = _inference_peak(problem, owned, rows, edges, data)
+    out["inference"] = max(0.0, evaluation - train)
+    if compiled_sampling():
+        out["kernels"] = float(KERNEL_BYTES)
+    return out
+
+
+#: The parts of :func:`minibatch_memory`, in order.
+MINIBATCH_PARTS = ("graph", "features", "node_data", "sampler", "batches", "activations",
+                   "buffers", "weights", "inference", "staging", "kernels")  # fmt: skip
+
+
+def compiled_sampling() -> bool:
+    """Whether the sampler runs numba's compiled kernels (numba is installed)."""
+    from gnnpar.sampling import compiled
+
+    return compiled.available()
+
+
+def _step_activations(problem: MiniBatchProblem, blocks: list[tuple[float, float, float]]) -> float:
+    """What one training step's forward keeps for backward, plus backward's transient."""
+    e, dims = problem.element_size, problem.dims
+    kept, transient = 0.0, 0.0
+    for (dst, src, m), fin, w in zip(reversed(blocks), dims[:-1], dims[1:], strict=True):
+        narrow = min(fin, w)  # SAGE aggregates after the transform when that is narrower
+        # dropout: its mask (a byte) and output; the aggregated rows, the per-edge mean
+        # weights, and the destinations' neighbour, root, sum and ReLU outputs
+        kept += src * fin * (e + 1) + src * narrow * e + m * e + 4 * dst * w * e
+        # dropout's int32 hash, and backward's transposed block (CSR and edge order)
+        transient = max(transient, src * fin * 4, 2 * m * 8 + src * 8 + src * fin * e)
+    return kept + transient
+
+
+def _inference_peak(
+    problem: MiniBatchProblem, owned: float, rows: float, edges: float, data: int
+) -> float:
+    """The largest layer of layer-wise evaluation over this rank's rows (all of them in one
+    block): its gathered input (sources × in; on D > 1 ranks the halo's rows fetched and
+    concatenated with the owned ones), the previous layer's output, and the layer's
+    temporaries, the larger of (transformed sources, per-edge weights, aggregate) and
+    (aggregate, root, sum), each destinations × out."""
+    e, dims = problem.element_size, problem.dims
+    peak, previous = 0.0, 0.0
+    for fin, w in zip(dims[:-1], dims[1:], strict=True):
+        gathered = rows * fin * e
+        if data > 1:
+            gathered += (rows - owned) * fin * e * 2  # the fetched halo rows, and the served
+        narrow = min(fin, w)
+        layer = max(rows * narrow * e + edges * e + owned * w * e, 3 * owned * w * e)
+        peak = max(peak, previous + gathered + layer)
+        previous = owned * w * e
+    return peak

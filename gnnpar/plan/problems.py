@@ -13,6 +13,7 @@ from gnnpar.nn.gpt import GPTConfig
 __all__ = [
     "GCNProblem",
     "GPTProblem",
+    "MiniBatchProblem",
     "PlanError",
     "gcn_datasets",
     "gpt_sizes",
@@ -237,6 +238,71 @@ class GPTProblem:
         head = 0 if self.tie else v * h
         final_norm = (2 if self.bias else 1) * h
         return self.layers * block + v * h + self.seq * h + head + final_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniBatchProblem:
+    """A mini-batch GraphSAGE run (the ``sage`` task with the neighbour sampler), in the
+    task's words and with its defaults: ``batch_size`` seeds per global batch, one fan-out
+    per layer (``fanouts``, seeds' hop first), ``prefetch`` batches sampled ahead,
+    ``feature_cache`` remote feature rows cached per rank, ``stage`` the ZeRO stage of
+    :mod:`gnnpar.shard`. ``edges`` is the stored CSR entries (in-edges; both directions of an
+    undirected edge), ``train_nodes`` the training seeds (default: all nodes).
+    ``degrees``: the graph's in-degree histogram as ``(degree, nodes)`` pairs, which the
+    expected batch sizes read (:func:`degree_histogram`; default: every node of the mean
+    degree, which over-counts the distinct nodes of a batch on a skewed graph)."""
+
+    nodes: int
+    edges: int
+    features: int
+    classes: int
+    hidden: int = 64
+    layers: int = 2
+    fanouts: tuple[int, ...] = (10, 10)
+    batch_size: int = 32
+    train_nodes: int | None = None
+    element_size: int = 4
+    stage: int = 0
+    prefetch: int = 1
+    feature_cache: int = 0
+    degrees: tuple[tuple[int, int], ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "features", "classes", "hidden", "layers", "batch_size"):
+            _positive(key, getattr(self, key))
+        _positive("element_size", self.element_size)
+        for key in ("edges", "prefetch", "feature_cache"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PlanError(f"{key} must be an integer >= 0, got {value!r}")
+        if len(self.fanouts) != self.layers:
+            raise PlanError(
+                f"fanouts {list(self.fanouts)} give {len(self.fanouts)} fan-outs for "
+                f"{self.layers} layers: give one per layer"
+            )
+        for f in self.fanouts:
+            if not isinstance(f, int) or isinstance(f, bool) or (f < 1 and f != -1):
+                raise PlanError(f"a fan-out must be a positive integer or -1, got {f!r}")
+        if self.stage not in (0, 1, 2, 3):
+            raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.train_nodes is not None and not 1 <= self.train_nodes <= self.nodes:
+            raise PlanError(f"train_nodes must be in 1..{self.nodes}, got {self.train_nodes}")
+        if self.degrees and sum(c for _, c in self.degrees) != self.nodes:
+            raise PlanError(
+                f"the degree histogram counts {sum(c for _, c in self.degrees)} nodes, "
+                f"the problem has {self.nodes}"
+            )
+
+    @property
+    def dims(self) -> list[int]:
+        """Widths of every layer boundary: features, hidden…, classes."""
+        return [self.features] + [self.hidden] * (self.layers - 1) + [self.classes]
+
+    @property
+    def seeds(self) -> int:
+        """Training seeds over all ranks."""
+        return self.nodes if self.train_nodes is None else self.train_nodes
 
 
 def gcn_datasets() -> Mapping[str, dict[str, int]]:
