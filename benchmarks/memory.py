@@ -300,6 +300,7 @@ def scale_pipeline(scale: int, limit: str, parts: int, tmp: Path) -> dict:
     """(b): generate, partition (Fennel, streamed) and cut shards (streamed), each stage a
     process under ``limit``."""
     graph, part, shards = tmp / f"rmat{scale}", tmp / f"rmat{scale}-fennel{parts}", tmp / "shards"
+    run = tmp / "sage"
     stages = [
         (
             "generate",
@@ -312,6 +313,14 @@ def scale_pipeline(scale: int, limit: str, parts: int, tmp: Path) -> dict:
             "from partitioners.cli import main; import sys; "
             f"sys.exit(main([{str(graph)!r}, '--parts', '{parts}', '--method', 'fennel', "
             f"'--out', {str(part)!r}, '--memory-limit', {limit!r}, '--no-progress']))",
+        ),
+        (
+            "train sage (1 epoch, 4 ranks)",
+            "from gnnpar.cli import main; import sys; "
+            f"sys.exit(main(['train', 'sage', '--dataset', {str(graph)!r}, '--partitions', "
+            f"{str(part)!r}, '--parts', '{parts}', '--nprocs', '{parts}', '--epochs', '1', "
+            f"'--batch-size', '{MINIBATCH_SCALE_BATCH}', '--eval-every', '0', '--quiet', "
+            f"'--out', {str(run)!r}]))",
         ),
         (
             "shards (8x8)",
@@ -332,7 +341,79 @@ def scale_pipeline(scale: int, limit: str, parts: int, tmp: Path) -> dict:
             print(
                 f"| (R-MAT {scale}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges) | | |"
             )
-    return {"scale": scale, "memory_limit": limit, "stages": out, "edges": meta["num_edges"]}
+        if name.startswith("train"):
+            ranks = minibatch_scale_ranks(graph, part, run)
+    print(MINIBATCH_SCALE_HEADER)
+    for r in ranks:
+        print(_scale_rank_line(r))
+    return {
+        "scale": scale,
+        "memory_limit": limit,
+        "stages": out,
+        "edges": meta["num_edges"],
+        "minibatch_ranks": ranks,
+    }
+
+
+#: Global batch of the scale pipeline's mini-batch epoch (1,024 seeds a rank on 4 ranks).
+MINIBATCH_SCALE_BATCH = 4096
+
+MINIBATCH_SCALE_HEADER = (
+    "\n| rank | owned / halo nodes | local edges | measured MiB | model MiB | "
+    "model graph / features / inference / other MiB | measured / model |\n"
+    "|--:|--:|--:|--:|--:|------|--:|"
+)
+
+
+def minibatch_scale_ranks(graph: Path, part: Path, run: Path) -> list[dict]:
+    """Each rank's peak over its idle baseline (the run's ``memory`` record) beside
+    :func:`~gnnpar.plan.memory.minibatch_memory` for its part of the partition, with the
+    graph's degree histogram."""
+    import numpy as np
+
+    from gnnpar.plan.memory import degree_histogram, minibatch_memory
+    from gnnpar.plan.problems import MiniBatchProblem
+    from gnnpar.train.metrics import read_metrics
+    from partitioners import load_meta
+
+    meta = load_meta(part)
+    record = next(r for r in read_metrics(run / "metrics.jsonl") if r.get("event") == "memory")
+    problem = MiniBatchProblem(
+        nodes=meta["num_nodes"],
+        edges=meta["num_edges"],
+        features=int(meta["ndata"]["feat"]["shape"][1]),
+        classes=16,
+        batch_size=MINIBATCH_SCALE_BATCH,
+        train_nodes=sum(p["num_train"] for p in meta["parts"]),
+        degrees=degree_histogram(np.load(graph / "indptr.npy", mmap_mode="r")),
+    )
+    rows = []
+    for k, rec in enumerate(meta["parts"]):
+        model = minibatch_memory(problem, data=meta["num_parts"], part=rec)
+        measured = (record["peak_rss_mb"][k] - record["baseline_rss_mb"][k]) * MIB
+        rows.append(
+            {
+                "rank": k,
+                "part": rec,
+                "measured": measured,
+                "baseline": record["baseline_rss_mb"][k] * MIB,
+                "model": sum(model.values()),
+                "model_parts": model,
+                "ratio": measured / sum(model.values()),
+            }
+        )
+    return rows
+
+
+def _scale_rank_line(r: dict) -> str:
+    part, parts = r["part"], r["model_parts"]
+    other = sum(v for k, v in parts.items() if k not in ("graph", "features", "inference"))
+    return (
+        f"| {r['rank']} | {part['num_owned']:,} / {part['num_halo']:,} | "
+        f"{part['num_local_edges']:,} | {r['measured'] / MIB:,.0f} | {r['model'] / MIB:,.0f} | "
+        f"{parts['graph'] / MIB:,.0f} / {parts['features'] / MIB:,.0f} / "
+        f"{parts['inference'] / MIB:,.0f} / {other / MIB:,.0f} | {r['ratio']:.2f} |"
+    )
 
 
 def main() -> None:
