@@ -276,6 +276,10 @@ def test_subgraph_loader_steps_take_the_same_subgraphs_on_any_number_of_ranks():
         }
     with pytest.raises(ValueError, match="multiple of the 2 ranks"):
         SubgraphLoader(sampler, rank=0, ranks=2, per_step=3)
+    with pytest.raises(ConfigError, match="'subgraphs_per_step' is for the saint"):
+        MiniBatchConfig(subgraphs_per_step=4).check()
+    with pytest.raises(ConfigError, match="'subgraphs_per_step' must be >= 0"):
+        MiniBatchConfig(sampler="saint-rw", subgraphs_per_step=-1).check()
 
 
 def test_weighted_graphs_saint_mean_and_cluster_blocks_carry_the_weights():
