@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from gnnpar import checkpoint
+from gnnpar.cli import main
 from gnnpar.sampling import (
     ClusterSampler,
     SaintEdgeSampler,
@@ -247,6 +248,38 @@ def test_two_rank_saint_run_resumes_exactly(tmp_path):
         assert torch.equal(a[k], v), k
     s = checkpoint.consolidate(saved)
     assert any(not torch.equal(s[k], v) for k, v in b.items())  # it did train on
+    # one process taking both subgraphs of every step (--subgraphs-per-step 2, accumulated)
+    # trains as the 2 ranks do: the same subgraphs, dropout masks and averaged gradients
+    one = tmp_path / "one"
+    argv = _saint_argv(one, 4, "--subgraphs-per-step", "2")
+    i = argv.index("--nprocs")
+    assert main(argv[:i] + argv[i + 2 :]) == 0
+    c = checkpoint.consolidate(one)
+    for k, v in b.items():
+        assert float((c[k] - v).abs().max()) <= 1e-12 * max(float(v.abs().max()), 1.0), k
+
+
+def test_subgraph_loader_steps_take_the_same_subgraphs_on_any_number_of_ranks():
+    sampler = SaintWalkSampler(_graph(), 2, budget=3, presample=2)
+    steps = {}
+    for ranks in (1, 2, 4):
+        for rank in range(ranks):
+            loader = SubgraphLoader(sampler, rank=rank, ranks=ranks, batches=9, per_step=4)
+            batches = list(loader)
+            assert len(loader) == len(batches) == 3 * 4 // ranks  # ceil(9 / 4) steps
+            assert [b.micro for b in batches] == list(range(4 // ranks)) * 3
+            for i, b in enumerate(batches):
+                steps.setdefault(ranks, {}).setdefault(i * ranks // 4, []).append(b.index)
+    for ranks in (1, 2, 4):
+        assert {k: sorted(v) for k, v in steps[ranks].items()} == {
+            s: list(range(4 * s, 4 * s + 4)) for s in range(3)
+        }
+    with pytest.raises(ValueError, match="multiple of the 2 ranks"):
+        SubgraphLoader(sampler, rank=0, ranks=2, per_step=3)
+    with pytest.raises(ConfigError, match="'subgraphs_per_step' is for the saint"):
+        MiniBatchConfig(subgraphs_per_step=4).check()
+    with pytest.raises(ConfigError, match="'subgraphs_per_step' must be >= 0"):
+        MiniBatchConfig(sampler="saint-rw", subgraphs_per_step=-1).check()
 
 
 def test_weighted_graphs_saint_mean_and_cluster_blocks_carry_the_weights():

@@ -353,19 +353,25 @@ class SubgraphSampler(Protocol):
 
 
 class SubgraphLoader:
-    """Iterate a subgraph sampler's mini-batches, one subgraph per step and data rank.
+    """Iterate a subgraph sampler's mini-batches: ``per_step`` subgraphs per step over all
+    data ranks (default: one per rank), each rank taking ``per_step / ranks`` of them in a row.
 
-    An epoch has ``ceil(batches / ranks)`` steps (``batches``: default the sampler's
-    ``batches_per_epoch``); at step ``s`` rank ``r`` takes subgraph ``s * ranks + r`` of the
-    epoch, so every rank trains on a sample of its own. Features and labels are gathered for
-    the subgraph's nodes. Like :class:`NodeLoader`, everything is a function of (seed,
-    epoch, index): :meth:`state_dict` resumes exactly, prefetched or not.
+    An epoch has ``ceil(batches / per_step)`` steps (``batches``: default the sampler's
+    ``batches_per_epoch``); at step ``s`` rank ``r`` takes subgraphs ``s * per_step + r * k
+    + j`` of the epoch for ``j < k = per_step / ranks`` (``batch.micro = j``: the trainer
+    accumulates the ``k`` gradients before it steps), so every rank trains on samples of its
+    own, and a step takes the same subgraphs on any number of ranks that divides
+    ``per_step``. Features and labels are gathered for the subgraph's nodes. Like
+    :class:`NodeLoader`, everything is a function of (seed, epoch, index): :meth:`state_dict`
+    resumes exactly, prefetched or not.
 
     Args:
         sampler: has ``batch(epoch, index)``, ``num_nodes`` and ``batches_per_epoch``.
         features, labels: ``(N, ...)`` tensors or functions of the ids.
         rank, ranks: this data rank and the data ranks.
         batches: subgraphs per epoch over all ranks (default: the sampler's).
+        per_step: subgraphs per step over all ranks, a multiple of ``ranks`` (default:
+            ``ranks``, one per rank).
         prefetch: batches prepared ahead by a background thread (0: none).
         device: where batches go; ``None`` keeps them on the CPU.
         pin_memory: pin batches before the copy (default: when ``device`` is CUDA).
@@ -380,12 +386,18 @@ class SubgraphLoader:
         rank: int = 0,
         ranks: int = 1,
         batches: int | None = None,
+        per_step: int | None = None,
         prefetch: int = 1,
         device: torch.device | str | None = None,
         pin_memory: bool | None = None,
     ):
         if not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
+        per_step = ranks if per_step is None else per_step
+        if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
+            raise ValueError(f"per_step must be an integer >= 1, got {per_step!r}")
+        if per_step % ranks:
+            raise ValueError(f"per_step ({per_step}) must be a multiple of the {ranks} ranks")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         batches = sampler.batches_per_epoch if batches is None else batches
@@ -393,7 +405,9 @@ class SubgraphLoader:
             raise ValueError(f"batches must be >= 1, got {batches}")
         self.sampler, self.features, self.labels = sampler, features, labels
         self.rank, self.ranks, self.prefetch = rank, ranks, prefetch
-        self.steps = -(-batches // ranks)
+        #: Subgraphs per step over all ranks, and this rank's share of them.
+        self.per_step, self.micro_batches = per_step, per_step // ranks
+        self.steps = -(-batches // per_step) * self.micro_batches
         self.seed = int(getattr(sampler, "seed", 0))
         self.device = None if device is None else torch.device(device)
         if pin_memory is None:
@@ -403,7 +417,8 @@ class SubgraphLoader:
         self.position = 0
 
     def __len__(self) -> int:
-        """Steps per epoch, the same on every rank."""
+        """Subgraphs per epoch on this rank (steps times its share), the same on every
+        rank."""
         return self.steps
 
     set_epoch = NodeLoader.set_epoch
@@ -411,15 +426,17 @@ class SubgraphLoader:
     load_state_dict = NodeLoader.load_state_dict
     _deliver = NodeLoader._deliver
 
-    def make_batch(self, epoch: int, step: int) -> MiniBatch:
-        """This rank's subgraph at ``step`` of ``epoch``, with its data gathered."""
+    def make_batch(self, epoch: int, position: int) -> MiniBatch:
+        """This rank's subgraph at ``position`` of ``epoch`` (step ``position // k``, its
+        ``position % k``-th of ``k``), with its data gathered."""
         t0 = time.perf_counter()
-        index = step * self.ranks + self.rank
+        step, micro = divmod(position, self.micro_batches)
+        index = step * self.per_step + self.rank * self.micro_batches + micro
         batch = self.sampler.batch(epoch, index)
         t1 = time.perf_counter()
         batch.x = _gather(self.features, batch.input_nodes)
         batch.y = _gather(self.labels, batch.seeds)
-        batch.epoch, batch.index = epoch, index
+        batch.epoch, batch.index, batch.micro = epoch, index, micro
         batch.stats.setdefault("sample_s", t1 - t0)
         batch.stats.setdefault("gather_s", time.perf_counter() - t1)
         return batch.pin_memory() if self.pin_memory else batch
@@ -440,6 +457,7 @@ class SubgraphLoader:
 
     def __repr__(self) -> str:
         return (
-            f"SubgraphLoader({self.sampler!r}, steps={self.steps}, rank={self.rank} of "
-            f"{self.ranks}, prefetch={self.prefetch})"
+            f"SubgraphLoader({self.sampler!r}, steps={self.steps // self.micro_batches}, "
+            f"per_step={self.per_step}, rank={self.rank} of {self.ranks}, "
+            f"prefetch={self.prefetch})"
         )

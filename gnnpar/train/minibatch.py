@@ -138,6 +138,11 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         "saint-node's draw probability: norm (||Â[:,v]||², the paper) or degree (deg(v), "
         "the authors' code)",
     )
+    subgraphs_per_step: int = option(
+        0,
+        "subgraph samplers (saint-*, cluster): subgraphs per optimizer step over all ranks, a "
+        "multiple of the ranks, each rank accumulating its share (0: one per rank)",
+    )
     clusters: int = option(32, "parts of the ClusterGCN partition (by partition_method)")
     clusters_per_batch: int = option(8, "ClusterGCN parts per subgraph")
     hidden: int = option(64, "hidden width")
@@ -224,6 +229,15 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
                 f"mean, which the sage model uses; {self.model!r} cannot take it"
             )
         self._check_vertex()
+        if self.subgraphs_per_step < 0:
+            raise ConfigError(
+                f"config key 'subgraphs_per_step' must be >= 0, got {self.subgraphs_per_step}"
+            )
+        if self.subgraphs_per_step and self.sampler in ("neighbor", "vertex"):
+            raise ConfigError(
+                "config key 'subgraphs_per_step' is for the saint-* and cluster samplers, not "
+                f"{self.sampler}"
+            )
         if self.sampler != "neighbor" and self.grad_accum != 1:
             raise ConfigError(
                 "config key 'grad_accum' must be 1 with a subgraph sampler (one subgraph per "
@@ -536,12 +550,19 @@ class MiniBatchTask:
                 method=cfg.partition_method,
                 **common,
             )
+        data = self.grid.size("data")
+        if cfg.subgraphs_per_step % data:
+            raise ConfigError(
+                f"config key 'subgraphs_per_step' ({cfg.subgraphs_per_step}) must be a multiple "
+                f"of the {data} data ranks"
+            )
         self.loader = SubgraphLoader(
             sampler,
             features=graph.feat,
             labels=graph.label,
             rank=self.rank,
-            ranks=self.grid.size("data"),
+            ranks=data,
+            per_step=cfg.subgraphs_per_step or None,
             prefetch=cfg.prefetch,
             device=self.device,
         )
@@ -684,19 +705,25 @@ class MiniBatchTask:
         return record
 
     def _subgraph_update(self, batch: Any, sums: torch.Tensor) -> None:
-        """One optimizer step on this rank's subgraph: the sum of its seeds' losses weighted
-        by the sampler's ``seed_weight`` (an estimate of the mean training loss), averaged
-        over the data axis by the gradient reduction. Adds to ``sums`` (see train_step)."""
+        """One subgraph of this rank's share of a step: the sum of its seeds' losses
+        weighted by the sampler's ``seed_weight`` (an estimate of the mean training loss),
+        averaged over the rank's share (accumulated) and over the data axis (the gradient
+        reduction); the last subgraph of the share steps the optimizer. Adds to ``sums``
+        (see train_step)."""
         cfg, net, dp = self.cfg, self.net, self.model
+        share = self.loader.micro_batches
+        last = batch.micro == share - 1
         dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
-        logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
-        weight = batch.seed_weight.to(logits.dtype)
-        loss = (self._loss_terms(logits, batch.y) * weight).sum()
-        self.scaler.scale_loss(loss).backward()
-        self.scaler.unscale(dp.parameters())
-        if self.scaler.update(float(dp.grad_norm()) if self.scaler.enabled else 0.0):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with contextlib.nullcontext() if last else dp.no_sync():
+            logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
+            weight = batch.seed_weight.to(logits.dtype)
+            loss = (self._loss_terms(logits, batch.y) * weight).sum()
+            self.scaler.scale_loss(loss / share if share > 1 else loss).backward()
+        if last:
+            self.scaler.unscale(dp.parameters())
+            if self.scaler.update(float(dp.grad_norm()) if self.scaler.enabled else 0.0):
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         train = weight > 0
         sums[0] += float(loss.detach())
         if self.metric == "acc":
