@@ -417,7 +417,9 @@ def test_sbatch_gcn_preempted_by_sigterm_is_requeued_and_resumes(tmp_path):
     records = read_metrics(metrics)
     resumes = [r for r in records if r.get("event") == "resume"]
     assert [(r["step"], r["attempt"]) for r in resumes] == [(stopped, 1)]
-    assert [r.get("epoch") for r in records[-3:-1]] == [stopped + 1, stopped + 2]
+    steps = [r for r in records if "epoch" in r and "event" not in r]
+    assert [r["epoch"] for r in steps[-3:]] == [stopped, stopped + 1, stopped + 2]
+    assert records[-1]["event"] == "end" and "epoch" in records[-3]  # then memory, then end
     assert records[-1]["event"] == "end"
     assert len((tmp_path / "scontrol.log").read_text().splitlines()) == 1  # not requeued again
 
