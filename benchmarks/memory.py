@@ -16,8 +16,9 @@
     --parts D`` writes it): each rank's peak over its setup, one training epoch and one
     layer-wise evaluation, minus its idle baseline, beside
     :func:`gnnpar.plan.memory.minibatch_memory` for its part; run twice, the second time with
-    glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``), which returns large freed
-    blocks to the system instead of keeping them in the heap.
+    glibc's mmap threshold fixed (``mallopt(M_MMAP_THRESHOLD)`` in each rank), which returns
+    large freed blocks to the system instead of keeping them in the heap (the model's
+    ``heap`` part), at a cost in time (each phase's seconds are in the JSON).
 
 Every figure is a process's resident-set high-water mark (``VmHWM``) from
 :func:`partitioners.metrics.measure`; ranks are one-threaded processes on one machine.
@@ -27,7 +28,7 @@ Run::
     python benchmarks/memory.py                   # (a) at scale 18 (a few minutes on 2 cores)
     python benchmarks/memory.py --quick           # scale 12, 1 and 2 ranks (a smoke run)
     python benchmarks/memory.py --scale-pipeline  # also (b) (tens of minutes)
-    python benchmarks/memory.py --skip-fullgraph --minibatch  # only (c) (about 5 minutes)
+    python benchmarks/memory.py --skip-fullgraph --minibatch  # only (c) (about 12 minutes)
 
 Writes ``benchmarks/out/memory.json`` and prints the tables.
 """
@@ -160,17 +161,44 @@ HEADER = (
 
 
 # ------------------------------------------------------------------ (c) mini-batch
-def _minibatch_worker(graph: str, parts: str | None, batch_size: int) -> dict:
+def _malloc_free() -> int:
+    """Bytes free in glibc's heaps (``mallinfo2().fordblks``, every arena): what the
+    allocator keeps resident after the program freed it; 0 where it cannot be read."""
+    import ctypes
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]  # fmt: skip
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    fn.restype = _Mallinfo2
+    return int(fn().fordblks)
+
+
+def _minibatch_worker(
+    graph: str, parts: str | None, batch_size: int, mmap_threshold: int | None = None
+) -> dict:
     """One data rank of ``gnnpar train sage`` (default model and fan-outs): peak memory of
     its setup (loading its part or the graph, sampler, model), one training epoch and one
     layer-wise evaluation, over the idle baseline (this process with its process group,
-    just before); and the peak of each phase."""
+    just before); and the peak of each phase. ``mmap_threshold``: glibc's mmap threshold set
+    with ``mallopt`` before anything runs (an environment variable would come too late:
+    glibc reads ``MALLOC_MMAP_THRESHOLD_`` once, when the parent started, not in a forked
+    rank)."""
+    import ctypes
     import gc
 
     import gnnpar
     from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
     from partitioners.metrics import _reset_peak_rss, measure
 
+    libc = ctypes.CDLL("libc.so.6")
+    if mmap_threshold is not None:
+        libc.mallopt(-3, int(mmap_threshold))  # M_MMAP_THRESHOLD: also ends the dynamic raise
     grid = gnnpar.init()
     world = grid.world_size
     cfg = MiniBatchConfig(
@@ -178,20 +206,29 @@ def _minibatch_worker(graph: str, parts: str | None, batch_size: int) -> dict:
         out=str(Path(graph).parent / "run"), device="cpu",
     )  # fmt: skip
     gc.collect()
+    # The parent's freed heap is inherited resident: reusing it would hide growth
+    libc.malloc_trim(0)
     baseline = _rss_kib("VmRSS") * 1024
-    phases = {}
+    free0 = _malloc_free()
+    phases, retained, seconds = {}, {}, {}
     with measure() as m:
+        t0 = time.perf_counter()
         task = MiniBatchTask(cfg)
         for name, run in (("setup", None), ("train", task.train_step), ("eval", task.evaluate)):
             if run is not None:
                 run(0)
+            seconds[name] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             phases[name] = _rss_kib("VmHWM") * 1024 - baseline
+            retained[name] = _malloc_free() - free0
             _reset_peak_rss()  # the next phase's own peak
     out = {
         "rank": grid.global_rank,
         "baseline": baseline,
         "peak_over_baseline": max(m.peak_bytes, *phases.values()),
         "phase_peaks": phases,
+        "retained_heap": retained,
+        "phase_s": seconds,
         "batches": len(task.loader),
         "time_s": m.time_s,
     }
@@ -232,14 +269,15 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
         # again with glibc's mmap threshold fixed at its default (128 KiB): large freed
         # blocks then go back to the system instead of staying in the heap
         fixed = run_distributed(_minibatch_worker, d, str(folder), parts and str(parts),
-                                batch_size, timeout=3600, env=FIXED_MMAP)  # fmt: skip
+                                batch_size, FIXED_MMAP, timeout=3600)  # fmt: skip
         records = load_meta(parts)["parts"] if parts else [None]
         for r, f, rec in zip(res, fixed, records, strict=True):
             r["fixed_mmap"] = f
             model = minibatch_memory(problem, d, rec)
             r.update(model_parts=model, model=sum(model.values()))
             r["ratio"] = r["peak_over_baseline"] / r["model"]
-            r["ratio_fixed_mmap"] = f["peak_over_baseline"] / r["model"]
+            # with the threshold fixed the allocator keeps no holes: the model less its heap
+            r["ratio_fixed_mmap"] = f["peak_over_baseline"] / (r["model"] - model["heap"])
             if rec:
                 r["part"] = {k: rec[k] for k in ("num_owned", "num_halo", "num_local_edges")}
         rows.append({"ranks": d, "per_rank": res})
@@ -258,20 +296,23 @@ def _minibatch_line(d: int, r: dict) -> str:
         f"{r['model'] / MIB:,.0f} | {p['graph']:,.0f} / {p['features']:,.0f} / "
         f"{p['node_data']:,.0f} / {p['sampler']:,.0f} / {p['batches']:,.0f} / "
         f"{p['activations']:,.0f} / {p['buffers']:,.0f} / {p['weights']:,.1f} / "
-        f"{p['inference']:,.0f} / {p['staging']:,.0f} / {p['kernels']:,.0f} | "
+        f"{p['inference']:,.0f} / {p['staging']:,.0f} / {p['kernels']:,.0f} / "
+        f"{p['runtime']:,.0f} / {p['heap']:,.0f} | "
         f"{r['fixed_mmap']['peak_over_baseline'] / MIB:,.0f} | "
         f"{r['ratio']:.2f}, {r['ratio_fixed_mmap']:.2f} |"
     )
 
 
-#: glibc's mmap threshold pinned at its default (no dynamic raise): the allocator then
-#: returns large freed blocks, so peaks count the working set, not the retained heap.
-FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+#: glibc's mmap threshold pinned at its default, 128 KiB (no dynamic raise): the allocator
+#: then maps every larger block and returns it when freed, so peaks count the working set,
+#: not the retained heap.
+FIXED_MMAP = 131072
 
 MINIBATCH_HEADER = (
     "| D | rank | measured MiB | phases setup / train / eval MiB | model MiB | model graph / "
     "features / node data / sampler / batches / act / buffers / W / inference / staging / "
-    "kernels MiB | measured, fixed mmap threshold MiB | measured / model (default, fixed) |"
+    "kernels / runtime / heap MiB | measured, fixed mmap threshold MiB | measured / model "
+    "(default; fixed, against the model less heap) |"
     "\n|--:|--:|--:|------|--:|------|--:|--:|"
 )
 

@@ -451,7 +451,12 @@ def test_minibatch_memory_parts_by_hand():
     (no histogram), 10 seeds per rank and batch (20 over two ranks), fan-outs 3 then 2."""
     import math
 
-    from gnnpar.plan.memory import expected_blocks, minibatch_memory
+    from gnnpar.plan.memory import (
+        HEAP_RETAINED,
+        RUNTIME_BYTES,
+        expected_blocks,
+        minibatch_memory,
+    )
 
     p = _mb_problem()
     part = {"num_owned": 500, "num_halo": 100, "num_local_edges": 4000}
@@ -475,13 +480,34 @@ def test_minibatch_memory_parts_by_hand():
     params = (16 * 8 * 2 + 8) + (8 * 4 * 2 + 4)
     assert got["weights"] == 4 * params * 4  # stage 0: parameters, gradients, two moments
     assert got["staging"] == 0
+    assert got["runtime"] == RUNTIME_BYTES
+    # glibc keeps HEAP_RETAINED times the step's blocks resident (all under the ceiling)
+    step = got["batches"] + got["activations"] + got["buffers"]
+    assert got["heap"] == pytest.approx(HEAP_RETAINED * step)
     # one rank: the mapped graph folder (CSR, features, labels and masks) and the kept
     # full-neighbour evaluation block
     one = minibatch_memory(p, 1)
     assert one["staging"] == 1001 * 8 + 8000 * 8 + 1000 * 16 * 4 + 1000 * 11
     assert one["graph"] == 2001 * 8 + 2 * 8000 * 8
     assert one["features"] == one["node_data"] == one["buffers"] == 0
-    assert "staging" not in minibatch_memory(p, 1, host=False)
+    host_only = {"staging", "kernels", "runtime", "heap"}
+    assert not host_only & set(minibatch_memory(p, 1, host=False))
+
+
+def test_minibatch_heap_leaves_out_mapped_blocks():
+    """Blocks of glibc's mmap ceiling or more are mapped and returned, not retained: with
+    2,048 features (8 KiB a row) a batch's 13,000 input rows are 103 MiB; they leave the
+    heap part in the three batches alive, the first layer's dropout output and backward's
+    copy of it (the one-byte dropout mask, 26 MiB, stays), and nothing else does."""
+    from gnnpar.plan.memory import HEAP_CEILING, HEAP_RETAINED, expected_blocks, minibatch_memory
+
+    wide = _mb_problem(nodes=20000, edges=400000, features=2048, batch_size=2000,
+                       train_nodes=20000, feature_cache=0)  # fmt: skip
+    got = minibatch_memory(wide, 1)
+    inputs = expected_blocks(wide, 2000)[-1][1] * 2048 * 4
+    assert inputs >= HEAP_CEILING > inputs / 4  # the mask is under the ceiling
+    step = got["batches"] + got["activations"]
+    assert got["heap"] == pytest.approx(HEAP_RETAINED * (step - 5 * inputs))
 
 
 def test_minibatch_expected_blocks_match_the_sampler():

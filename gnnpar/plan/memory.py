@@ -86,9 +86,12 @@ from gnnpar.plan.problems import GCNProblem, GPTProblem, MiniBatchProblem, PlanE
 from gnnpar.tensor.context import TILE_BYTES
 
 __all__ = [
+    "HEAP_CEILING",
+    "HEAP_RETAINED",
     "KERNEL_BYTES",
     "MINIBATCH_PARTS",
     "OFF_DEVICE",
+    "RUNTIME_BYTES",
     "USABLE_FRACTION",
     "degree_histogram",
     "device_bytes",
@@ -293,6 +296,19 @@ def gpt_memory(
 #: x86-64 Linux with numba 0.68: 45 MiB anonymous, 83 MiB of mapped libraries), counted by
 #: :func:`minibatch_memory` with ``host=True`` when numba is installed.
 KERNEL_BYTES = 128 * 2**20
+#: What torch imports the first time a process builds an optimizer (``torch._dynamo``,
+#: ``sympy`` and some 800 other modules: 470,000 Python objects), measured on x86-64 Linux
+#: with torch 2.13 and Python 3.11 (67 MiB anonymous, 4 MiB of mapped files).
+RUNTIME_BYTES = 72 * 2**20
+#: How many times the training step's heap-served blocks glibc's allocator keeps resident
+#: after one epoch: every batch's blocks differ in size, the freed ones stay in the heap as
+#: holes (the dynamic mmap threshold serves blocks up to its ceiling from the heap once such
+#: a block was freed). Fitted on R-MAT 17 and 18 at batch 1024 (1.2-3.4 on seven ranks);
+#: the heap stops growing after about two epochs.
+HEAP_RETAINED = 2.5
+#: glibc's largest dynamic mmap threshold on 64-bit: blocks of this size or more are always
+#: mapped, and returned when freed.
+HEAP_CEILING = 32 * 2**20
 #: Bytes a node's label (int64) and its train, validation and test masks (bool) take.
 NODE_DATA_BYTES = 8 + 3
 
@@ -353,7 +369,7 @@ def minibatch_memory(
     :func:`_minibatch_parts`); ``data`` ranks (more than one: partitioned, one part each),
     ``part`` this rank's record of the partition folder's meta (``num_owned``, ``num_halo``,
     ``num_local_edges``; default :func:`estimated_part`). ``host=False`` leaves out the
-    host-only parts (``staging``, ``kernels``)."""
+    host-only parts (``staging``, ``kernels``, ``runtime``, ``heap``)."""
     if not isinstance(data, int) or isinstance(data, bool) or data < 1:
         raise PlanError(f"data must be a positive integer, got {data!r}")
     if part is not None:
@@ -362,8 +378,8 @@ def minibatch_memory(
             raise PlanError(f"part lacks {', '.join(sorted(missing))}")
     out = _minibatch_parts(problem, data, part)
     if not host:
-        out.pop("staging")
-        out.pop("kernels")
+        for key in ("staging", "kernels", "runtime", "heap"):
+            out.pop(key)
     return out
 
 
@@ -396,14 +412,13 @@ def _minibatch_parts(
     inputs = blocks[-1][1]
     # per hop: sources, CSR offsets, local sources and edge ids (or the sources' keys);
     # the input rows' features and the seeds' labels
-    per_batch = sum((s + d + 1) * 8 + 2 * m * 8 for d, s, m in blocks) + inputs * f * e
-    per_batch += batch * 8
+    per_batch = sum(_per_batch_blocks(problem, blocks, batch))
     out["batches"] = (problem.prefetch + 2) * per_batch
     out["activations"] = _step_activations(problem, blocks)
+    remote = inputs * (1 - 1 / data)
     if data > 1:
         # the feature fetch of a batch: the remote rows received and the rows served to the
         # other ranks (as many, on average), with their ids
-        remote = inputs * (1 - 1 / data)
         out["buffers"] = 2 * remote * (f * e + 8)
     n_p = sum(d * w + w for d, w in zip(dims[:-1], dims[1:], strict=True))  # neigh + bias
     n_p += sum(d * w for d, w in zip(dims[:-1], dims[1:], strict=True))  # root
@@ -414,12 +429,56 @@ def _minibatch_parts(
     out["inference"] = max(0.0, evaluation - train)
     if compiled_sampling():
         out["kernels"] = float(KERNEL_BYTES)
+    out["runtime"] = float(RUNTIME_BYTES)
+    # the allocator's holes: the step's blocks under the ceiling (the larger are mapped)
+    mapped = (problem.prefetch + 2) * _mapped(_per_batch_blocks(problem, blocks, batch))
+    mapped += _mapped(_step_activation_blocks(problem, blocks))
+    mapped += 2 * _mapped([remote * f * e, remote * 8]) if data > 1 else 0.0
+    out["heap"] = HEAP_RETAINED * max(0.0, train - mapped)
     return out
+
+
+def _mapped(sizes: list[float]) -> float:
+    """The bytes of the blocks glibc always maps (:data:`HEAP_CEILING` or more)."""
+    return sum(b for b in sizes if b >= HEAP_CEILING)
+
+
+def _per_batch_blocks(
+    problem: MiniBatchProblem, blocks: list[tuple[float, float, float]], batch: float
+) -> list[float]:
+    """The tensors of one sampled batch, in bytes (they add up to one batch of the
+    ``batches`` part): per hop its sources, CSR offsets, local sources and edge ids; the input
+    rows' features and the seeds' labels."""
+    out = []
+    for d, s, m in blocks:
+        out += [s * 8, (d + 1) * 8, m * 8, m * 8]
+    return out + [blocks[-1][1] * problem.features * problem.element_size, batch * 8]
+
+
+def _step_activation_blocks(
+    problem: MiniBatchProblem, blocks: list[tuple[float, float, float]]
+) -> list[float]:
+    """The tensors, in bytes, that one training step's forward keeps for backward, and the
+    largest group of backward's transients."""
+    e, dims = problem.element_size, problem.dims
+    kept: list[float] = []
+    transient: list[float] = []
+    for (dst, src, m), fin, w in zip(reversed(blocks), dims[:-1], dims[1:], strict=True):
+        narrow = min(fin, w)  # SAGE aggregates after the transform when that is narrower
+        # dropout: its mask (a byte) and output; the aggregated rows, the per-edge mean
+        # weights, and the destinations' neighbour, root, sum and ReLU outputs
+        kept += [src * fin, src * fin * e, src * narrow * e, m * e, *[dst * w * e] * 4]
+        # dropout's int32 hash, and backward's transposed block (CSR and edge order)
+        for group in ([src * fin * 4], [m * 8, m * 8, src * 8, src * fin * e]):
+            if sum(group) > sum(transient):
+                transient = group
+    return kept + transient
 
 
 #: The parts of :func:`minibatch_memory`, in order.
 MINIBATCH_PARTS = ("graph", "features", "node_data", "sampler", "batches", "activations",
-                   "buffers", "weights", "inference", "staging", "kernels")  # fmt: skip
+                   "buffers", "weights", "inference", "staging", "kernels", "runtime",
+                   "heap")  # fmt: skip
 
 
 def compiled_sampling() -> bool:
@@ -431,16 +490,7 @@ def compiled_sampling() -> bool:
 
 def _step_activations(problem: MiniBatchProblem, blocks: list[tuple[float, float, float]]) -> float:
     """What one training step's forward keeps for backward, plus backward's transient."""
-    e, dims = problem.element_size, problem.dims
-    kept, transient = 0.0, 0.0
-    for (dst, src, m), fin, w in zip(reversed(blocks), dims[:-1], dims[1:], strict=True):
-        narrow = min(fin, w)  # SAGE aggregates after the transform when that is narrower
-        # dropout: its mask (a byte) and output; the aggregated rows, the per-edge mean
-        # weights, and the destinations' neighbour, root, sum and ReLU outputs
-        kept += src * fin * (e + 1) + src * narrow * e + m * e + 4 * dst * w * e
-        # dropout's int32 hash, and backward's transposed block (CSR and edge order)
-        transient = max(transient, src * fin * 4, 2 * m * 8 + src * 8 + src * fin * e)
-    return kept + transient
+    return sum(_step_activation_blocks(problem, blocks))
 
 
 def _inference_peak(
