@@ -208,9 +208,9 @@ def check_stored_dataset(cfg: Any, folder: str | Path) -> None:
     from gnnpar.launch import rank_and_world
 
     try:
-        present = read_meta(folder)["arrays"]
-        keys = [k for k in ("feat", "label", "train_mask") if f"ndata/{k}" in present]
-        check_trainable_data(read_meta(folder)["name"], load_node_data(folder, keys, "size"))
+        meta = read_meta(folder)
+        keys = [k for k in ("feat", "label", "train_mask") if f"ndata/{k}" in meta["arrays"]]
+        check_trainable_data(meta["name"], load_node_data(folder, keys, "size"))
     except ValueError as err:
         raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
     if rank_and_world()[0] == 0:
