@@ -27,6 +27,7 @@ from gnnpar.cli import main
 from gnnpar.train.config import ConfigError, from_mapping
 from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
 from gnnpar.train.gpt import GPTTaskConfig
+from gnnpar.train.loop import DeferredOptimizer
 from gnnpar.train.metrics import read_metrics
 from gnnpar.train.schedule import lr_at
 from tests.cli_world import run_commands
@@ -232,7 +233,16 @@ def _plain_predictions(run: Path) -> np.ndarray:
         return model(adj, graph.feat.double()).argmax(1).numpy()
 
 
-def test_evaluate_and_predict_on_one_and_two_ranks(reference, sage_run, tmp_path, capsys):
+def _no_optimizer(task):
+    raise AssertionError(f"{type(task).__name__} built an optimizer to evaluate or predict")
+
+
+def test_evaluate_and_predict_on_one_and_two_ranks(
+    reference, sage_run, tmp_path, capsys, monkeypatch
+):
+    # they load a model only: no optimizer is built (torch's first imports torch._dynamo,
+    # about a CPU-second of every evaluate and predict command)
+    monkeypatch.setattr(DeferredOptimizer, "optimizer", property(_no_optimizer))
     end = _end(reference)
     out = tmp_path / "eval-one.json"
     assert main(["evaluate", str(reference), "--json", str(out)]) == 0

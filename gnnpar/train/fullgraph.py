@@ -52,7 +52,7 @@ from gnnpar.train.config import (
     TrainerConfig,
     option,
 )
-from gnnpar.train.loop import load_dataset
+from gnnpar.train.loop import DeferredOptimizer, load_dataset
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
@@ -264,7 +264,7 @@ def _prepare(
     return folder, int(outcome[1].item())
 
 
-class FullGraphTask:
+class FullGraphTask(DeferredOptimizer):
     """The ``gcn`` task: full-graph training of a GCN, GraphSAGE, GAT or GIN on sharded
     data."""
 
@@ -346,7 +346,9 @@ class FullGraphTask:
         self.features = self.model.input_features()
         #: The score evaluation reports (``acc``, or ``rocauc`` for multi-label labels).
         self.metric = metric_for(self.model.node_data("label"))
-        self.optimizer = torch.optim.Adam(self._param_groups(cfg), lr=cfg.lr)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self._param_groups(self.cfg), lr=self.cfg.lr)
 
     def summary(self) -> str:
         """What the run trains on what: ``gcn on sbm: 2,000 nodes, 19,874 edges, ...``."""

@@ -45,6 +45,7 @@ from gnnpar.train.config import (
     option,
     redefault,
 )
+from gnnpar.train.loop import DeferredOptimizer
 from gnnpar.train.metrics import global_mean
 from gnnpar.train.precision import (
     LossScaler,
@@ -353,7 +354,7 @@ def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[d
     return choose_gpt_plan(problem, world.world_size, machine, shape, cfg.zero_stage)
 
 
-class GPTTask:
+class GPTTask(DeferredOptimizer):
     """The ``gpt`` task: one optimizer step per trainer step."""
 
     unit = "step"
@@ -410,8 +411,9 @@ class GPTTask:
         self.val = TokenBlocks(val_tokens, *blocks, cfg.seed + 1)
 
     def _build_model(self, plain: nn.Module, block: type) -> None:
-        """This rank's pieces of the parallel model, sharded over the data axis, and AdamW;
-        with a pipe axis, only this rank's stage (:mod:`gnnpar.pipeline`)."""
+        """This rank's pieces of the parallel model, sharded over the data axis; with a pipe
+        axis, only this rank's stage (:mod:`gnnpar.pipeline`). AdamW comes on first use
+        (:meth:`_make_optimizer`)."""
         from gnnpar.grid import fold_context
         from gnnpar.shard import FCDP, by_type, shard
         from gnnpar.tensor.context import context_parallel
@@ -456,13 +458,17 @@ class GPTTask:
             if not self.pipeline.pipeline.is_last:  # the head's sizes only, not its weight
                 self.head._parameters.pop("weight", None)
             self.dp = self.model = self.pipeline
-            self.optimizer = _adamw(self.dp, cfg)
-            # one optimizer over several sharded chunks: they catch up after each step
-            self.optimizer.register_step_post_hook(lambda *a: self.pipeline.sync_params())
             return
         self.dp = shard_fn(model)
         self.model = self.dp  # what checkpoints save: masters and pieces, on any grid
-        self.optimizer = self.dp.attach(_adamw(self.dp, cfg))
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        if self.pipeline is None:
+            return self.dp.attach(_adamw(self.dp, self.cfg))
+        opt = _adamw(self.dp, self.cfg)
+        # one optimizer over several sharded chunks: they catch up after each step
+        opt.register_step_post_hook(lambda *a: self.pipeline.sync_params())
+        return opt
 
     def summary(self) -> str:
         """What the run trains on what: the model's size and the text's tokens."""

@@ -6,6 +6,7 @@ small :class:`Task` protocol; the loop owns everything else, the same way for al
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import signal
@@ -25,6 +26,20 @@ from gnnpar.train.config import RUN_CONFIG, ConfigError, write_run_config
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 from gnnpar.train.progress import Progress, metric_text, start_lines
 from gnnpar.train.selection import Selection
+
+
+class DeferredOptimizer:
+    """Mixin of the tasks: ``optimizer`` is built by the task's ``_make_optimizer()`` on first
+    use, so ``gnnpar evaluate`` and ``gnnpar predict``, which only load a model, never build
+    one (torch's first optimizer imports ``torch._dynamo``: about a CPU-second)."""
+
+    @functools.cached_property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The task's optimizer, built on first use."""
+        return self._make_optimizer()
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        raise NotImplementedError
 
 
 class Task(Protocol):
@@ -509,6 +524,7 @@ class Trainer:
             self.progress.line(f"resumed from the checkpoint of {unit} {start_step} (of {total})")
 
     def _run(self) -> dict[str, float]:
+        self.task.optimizer  # noqa: B018 -- built before the first step, not inside its time
         start_step = self._resume() if self.resume else 0
         if self.config is not None and self.is_main:
             write_run_config(self.out, *self.config)

@@ -81,7 +81,13 @@ from gnnpar.train.config import (
     TrainerConfig,
     option,
 )
-from gnnpar.train.loop import check_stored_dataset, dataset_options, load_dataset, load_trainable
+from gnnpar.train.loop import (
+    DeferredOptimizer,
+    check_stored_dataset,
+    dataset_options,
+    load_dataset,
+    load_trainable,
+)
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import (
     LossScaler,
@@ -370,7 +376,7 @@ def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int, progress
     return folder
 
 
-class MiniBatchTask:
+class MiniBatchTask(DeferredOptimizer):
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
     unit = "epoch"
@@ -473,7 +479,10 @@ class MiniBatchTask:
             offload=cfg.offload,
             offload_dir=cfg.offload_folder(),
         )
-        self.optimizer = self.model.attach(
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        return self.model.attach(
             torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         )
 

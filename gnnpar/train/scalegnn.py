@@ -37,7 +37,7 @@ from gnnpar.sparse.parallel import parallelize_fullgraph
 from gnnpar.train import schedule
 from gnnpar.train.config import ConfigError
 from gnnpar.train.fullgraph import sharded_scores
-from gnnpar.train.loop import load_trainable
+from gnnpar.train.loop import DeferredOptimizer, load_trainable
 from gnnpar.train.metrics import metric_for
 from gnnpar.train.minibatch import MiniBatchTask
 from gnnpar.train.precision import compute_dtype, master_dtype
@@ -48,7 +48,7 @@ _LOW31 = (1 << 31) - 1
 _MASKS = ("label", "train_mask", "val_mask", "test_mask")
 
 
-class VertexTask:
+class VertexTask(DeferredOptimizer):
     """The ``sage`` task with ``sampler = "vertex"`` (see the module docstring)."""
 
     unit = "epoch"
@@ -119,7 +119,10 @@ class VertexTask:
         )  # fmt: skip
         # the one data-parallel path: stage 0 averages the complete 3D gradients over data
         self.model = shard(self.net, self.grid, 0)
-        self.optimizer = self.model.attach(
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        return self.model.attach(
             torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         )
 
