@@ -219,9 +219,12 @@ def _main(args: argparse.Namespace) -> int:
         return _fail(args, e, 2)
     except NonFiniteLossError as e:
         return _fail(args, e, 1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        from gnnpar.launch import ReportedInterrupt
+
         _release_distributed()
-        print("interrupted", file=sys.stderr)
+        if not isinstance(stop, ReportedInterrupt):  # else the launch agent said it already
+            print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         # A bug or a broken peer: under a gnnpar launch the agent prints the root cause's

@@ -445,7 +445,23 @@ def launch_local(
     env.setdefault("LOGLEVEL", "ERROR")
     if agent is not None:
         return agent.launch(agent_argv, env)
-    return subprocess.call([sys.executable, "-c", _AGENT, *agent_argv], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _AGENT, *agent_argv], env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=AGENT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        raise ReportedInterrupt from None
+
+
+class ReportedInterrupt(KeyboardInterrupt):
+    """Ctrl-C (or a kill) during a local launch that the launch agent has answered: it
+    stopped the ranks, said so in one line and exited. The command adds no line of its
+    own."""
 
 
 class ForkedAgent:
@@ -503,21 +519,25 @@ class ForkedAgent:
     def _wait(self) -> int:
         try:
             _, status = os.waitpid(self.pid, 0)
-        except BaseException:
+        except BaseException as stop:
             # Interrupted (Ctrl-C reaches the agent too): give it the time to stop its ranks,
             # then do not leave it behind.
-            self._reap(grace=AGENT_GRACE_S)
+            if self._reap(grace=AGENT_GRACE_S) and isinstance(stop, KeyboardInterrupt):
+                raise ReportedInterrupt from None
             raise
         return os.waitstatus_to_exitcode(status)
 
-    def _reap(self, grace: float) -> None:
+    def _reap(self, grace: float) -> bool:
+        """Wait up to ``grace`` seconds for the agent, then kill it; whether it exited by
+        itself."""
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if os.waitpid(self.pid, os.WNOHANG)[0]:
-                return
+                return True
             time.sleep(0.05)
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
+        return False
 
 
 def _serve_launch(pipe: int) -> None:
@@ -538,7 +558,8 @@ def _serve_launch(pipe: int) -> None:
             threads = os.environ.get("OMP_NUM_THREADS", "")
             torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) else 1)
             code = agent(request["argv"])
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the ranks started: the one line is this one
+        print("interrupted", file=sys.stderr)
         code = 130
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1

@@ -84,3 +84,57 @@ def test_a_process_running_other_threads_does_not_fork_an_agent():
     finally:
         release.set()
         other.join()
+
+
+def _session_processes(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (the command, its agent and its ranks)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the processes")
+@pytest.mark.parametrize(
+    "entry",
+    [["-m", "gnnpar.cli"], ["-c", "import sys; from gnnpar.cli import main; sys.exit(main())"]],
+    ids=["forked-agent", "agent-interpreter"],
+)
+def test_ctrl_c_stops_the_ranks_with_one_line(tmp_path, entry):
+    """Ctrl-C (SIGINT to the terminal's process group) in a local launch: the agent stops the
+    ranks and says so; the command adds no second line, exits 130 and leaves no process."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    argv = [sys.executable, *entry, "train", "gcn", "--dataset", "sbm", "--root",
+            str(tmp_path / "data"), "--epochs", "100000", "--eval-every", "0", "--nprocs", "2",
+            "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run did not start training: {proc.communicate()[1][-2000:]}")
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = [line for line in err.splitlines() if "interrupt" in line]
+    assert proc.returncode == 130, err[-2000:]
+    assert said == ["gnnpar train: interrupted by SIGINT; the ranks were stopped"], err[-2000:]
+    assert "Traceback" not in err
+    assert _session_processes(proc.pid) == []
