@@ -80,6 +80,14 @@ class ClusterSampler:
         self.owner = torch.as_tensor(owner, dtype=torch.int64)
         if self.owner.shape != (self.num_nodes,):
             raise ValueError(f"owner must have shape ({self.num_nodes},), got {self.owner.shape}")
+        if int(self.owner.min()) < 0 or int(self.owner.max()) >= num_clusters:
+            raise ValueError(f"owner must hold part ids in [0, {num_clusters})")
+        # Every part's nodes in id order, so a batch gathers its parts' nodes by slicing
+        # (its own size) instead of testing every node of the graph.
+        self._part_nodes = torch.argsort(self.owner, stable=True)
+        self._part_ptr = torch.zeros(num_clusters + 1, dtype=torch.int64)
+        torch.cumsum(torch.bincount(self.owner, minlength=num_clusters), 0, out=self._part_ptr[1:])
+        self._order: tuple[tuple[int, int], torch.Tensor] | None = None  # the last pass's order
 
     @property
     def batches_per_epoch(self) -> int:
@@ -90,16 +98,22 @@ class ClusterSampler:
         """The parts of batch ``index`` of ``epoch`` (indices past one pass over the parts
         continue with further orders)."""
         rounds, j = divmod(int(index), self.batches_per_epoch)
-        parts = torch.arange(self.num_clusters, dtype=torch.int64)
-        bits = random_bits(derive_key(self.seed, _ORDER, epoch, rounds), parts, 2)
-        order = torch.argsort((bits[0] << 31) | (bits[1] >> 1))
+        cached = self._order  # one read: a prefetch thread may replace it meanwhile
+        if cached is None or cached[0] != (epoch, rounds):
+            parts = torch.arange(self.num_clusters, dtype=torch.int64)
+            bits = random_bits(derive_key(self.seed, _ORDER, epoch, rounds), parts, 2)
+            cached = ((epoch, rounds), torch.argsort((bits[0] << 31) | (bits[1] >> 1)))
+            self._order = cached
+        order = cached[1]
         q = self.clusters_per_batch
         return torch.sort(order[j * q : (j + 1) * q]).values
 
     def batch(self, epoch: int, index: int) -> MiniBatch:
         """Batch ``index`` of ``epoch``: the subgraph induced by its parts' nodes."""
         chosen = self.clusters(epoch, index)
-        nodes = torch.nonzero(torch.isin(self.owner, chosen), as_tuple=True)[0]
+        ptr = self._part_ptr
+        pieces = [self._part_nodes[ptr[c] : ptr[c + 1]] for c in chosen.tolist()]
+        nodes = torch.sort(torch.cat(pieces)).values
         train = self.train_mask.index_select(0, nodes)
         seed_weight = torch.zeros(self.num_nodes, dtype=torch.float64)
         seed_weight[nodes[train]] = 1.0 / max(int(train.sum()), 1)  # mean over training nodes
