@@ -5,8 +5,9 @@ and 200,000). Each pair draws the same number of subgraphs of about the same siz
 thread (``OMP_NUM_THREADS`` and torch's intra-op threads set to 1 before anything is
 imported), sampling only (no features):
 
-- ``saint-node``: ours :class:`~gnnpar.sampling.SaintNodeSampler` (budget 6,000 draws) vs
-  DGL's ``SAINTSampler(mode="node", budget=6000)``;
+- ``saint-node``: ours :class:`~gnnpar.sampling.SaintNodeSampler` (budget 6,000 draws, each
+  node with probability ∝ its degree, as DGL draws) vs DGL's ``SAINTSampler(mode="node",
+  budget=6000)``;
 - ``saint-edge``: ours ``SaintEdgeSampler`` (4,000 edges) vs ``SAINTSampler("edge", 4000)``;
 - ``saint-rw``: ours ``SaintWalkSampler`` (3,000 roots, 2 steps) vs
   ``SAINTSampler("walk", (3000, 2))``;
@@ -87,7 +88,8 @@ def _dgl() -> Any:
 
 def _ours(kind: str, graph: Graph, parts: int, seed: int) -> Any:
     if kind == "saint-node":
-        return SaintNodeSampler(graph, 2, 6000, presample=5, seed=seed)
+        # DGL's node mode draws each node in proportion to its out-degree: ours the same way
+        return SaintNodeSampler(graph, 2, 6000, "degree", presample=5, seed=seed)
     if kind == "saint-edge":
         return SaintEdgeSampler(graph, 2, 4000, presample=5, seed=seed)
     if kind == "saint-rw":
