@@ -240,10 +240,9 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
     """(c): each data rank's measured peak beside :func:`minibatch_memory`, for each D."""
     from gnnpar.data.rmat import rmat
     from gnnpar.data.storage import load_graph, save_graph
-    from gnnpar.plan.memory import degree_histogram, minibatch_memory
-    from gnnpar.plan.problems import MiniBatchProblem
+    from gnnpar.plan.memory import minibatch_memory
     from gnnpar.testing import run_distributed
-    from gnnpar.train.minibatch import MiniBatchConfig, _write_parts
+    from gnnpar.train.minibatch import MiniBatchConfig, _write_parts, plan_problem
     from gnnpar.train.progress import Progress
     from partitioners import load_meta
 
@@ -251,12 +250,7 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
     save_graph(rmat(scale=scale, feat_dim=128, num_classes=16), folder)
     g = load_graph(folder)
     cfg = MiniBatchConfig(dataset=str(folder), batch_size=batch_size)
-    problem = MiniBatchProblem(
-        nodes=g.num_nodes, edges=g.num_edges, features=g.feat.shape[1], classes=16,
-        hidden=cfg.hidden, layers=cfg.layers, fanouts=tuple(int(f) for f in cfg.fanouts.split(",")),
-        batch_size=batch_size, train_nodes=int(g.train_mask.sum()), prefetch=cfg.prefetch,
-        feature_cache=cfg.feature_cache, degrees=degree_histogram(g.indptr.numpy()),
-    )  # fmt: skip
+    problem = plan_problem(cfg, g)  # what `gnnpar plan sage` prints for these flags
     del g
     rows = []
     for d in ranks:

@@ -570,3 +570,67 @@ def test_minibatch_memory_errors(call, message):
     with pytest.raises(PlanError) as err:
         call(minibatch_memory, _mb_problem)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- gnnpar plan sage
+def test_cli_plan_sage_prints_the_memory_model_per_data_rank(tmp_path, capsys):
+    """``gnnpar plan sage`` is ``minibatch_memory`` of the run the same flags train: for 1, 2,
+    4, ... up to --gpus ranks on estimated parts, and for each part of a partition folder
+    (its own records); a model or sampler it does not describe, a partition of another graph
+    and a --gpus that contradicts the folder are one-line errors."""
+    from gnnpar.data import sbm
+    from gnnpar.plan.memory import degree_histogram, estimated_part, minibatch_memory
+    from gnnpar.plan.problems import MiniBatchProblem
+    from partitioners import load_meta
+    from partitioners.cli import main as partition_main
+
+    root = str(tmp_path / "data")
+    flags = ["--dataset", "sbm", "--dataset-options", "num_nodes=300,feat_dim=8,seed=3",
+             "--root", root, "--batch-size", "64", "--fanouts", "4,3"]  # fmt: skip
+    out = tmp_path / "plan.json"
+    assert main(["plan", "sage", *flags, "--gpus", "6", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    # the problem written out from the graph itself, not through plan_problem
+    g = sbm(num_nodes=300, feat_dim=8, seed=3)
+    problem = MiniBatchProblem(
+        nodes=300, edges=g.num_edges, features=8, classes=g.num_classes, hidden=64, layers=2,
+        fanouts=(4, 3), batch_size=64, train_nodes=int(g.ndata["train_mask"].sum()),
+        degrees=degree_histogram(g.indptr.numpy()),
+    )  # fmt: skip
+    assert [r["data"] for r in doc["rows"]] == [1, 2, 4, 6]
+    for row in doc["rows"]:
+        d = row["data"]
+        assert row["memory"] == pytest.approx(minibatch_memory(problem, d), rel=1e-12)
+        want = None if d == 1 else estimated_part(problem, d)
+        assert row["part"] == (want if want is None else pytest.approx(want, rel=1e-12))
+        mib = sum(row["memory"].values()) / (1 << 20)
+        assert f"{mib:,.0f}" in text
+    # a partition folder: one row per part, from its records
+    parts = tmp_path / "parts"
+    argv = ["sbm", "--dataset-options", "num_nodes=300,feat_dim=8,seed=3", "--root", root,
+            "--parts", "3", "--out", str(parts), "--no-progress"]  # fmt: skip
+    assert partition_main(argv) == 0
+    capsys.readouterr()
+    assert main(["plan", "sage", *flags, "--partitions", str(parts), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    records = load_meta(parts)["parts"]
+    assert [(r["data"], r["rank"]) for r in doc["rows"]] == [(3, 0), (3, 1), (3, 2)]
+    for row, rec in zip(doc["rows"], records, strict=True):
+        assert row["memory"] == pytest.approx(minibatch_memory(problem, 3, rec), rel=1e-12)
+    # one-line errors
+    for extra, words in (
+        (["--gpus", "2", "--model", "gat"], "covers GraphSAGE with the neighbour sampler"),
+        (["--gpus", "2", "--sampler", "cluster"], "not model sage with sampler cluster"),
+        (["--partitions", str(parts), "--gpus", "4"], "holds 3 parts"),
+        ([], "give --gpus"),
+    ):
+        capsys.readouterr()
+        assert main(["plan", "sage", *flags, *extra]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and words in err[0], err
+    other = [f if f != "num_nodes=300,feat_dim=8,seed=3" else "num_nodes=200,feat_dim=8,seed=3"
+             for f in flags]  # fmt: skip
+    assert main(["plan", "sage", *other, "--partitions", str(parts)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and str(parts) in err[0], err

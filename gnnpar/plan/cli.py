@@ -65,6 +65,9 @@ GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "heads",
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
                "virtual_stages", "activation_checkpointing", "offload")  # fmt: skip
+SAGE_OPTIONS = ("dataset", "root", "dataset_options", "model", "sampler", "partitions", "fanouts",
+                "batch_size", "hidden", "layers", "feature_cache", "prefetch", "zero_stage",
+                "dtype", "mixed_precision")  # fmt: skip
 
 
 def _task_config(cls: type, args: argparse.Namespace) -> Any:
@@ -304,6 +307,79 @@ def _cmd_gpt(args: argparse.Namespace) -> int:
     return _report(cands, args, title)
 
 
+def _data_sizes(gpus: int) -> list[int]:
+    """1, 2, 4, ... below ``gpus``, then ``gpus``."""
+    out, d = [], 1
+    while d < gpus:
+        out.append(d)
+        d *= 2
+    return [*out, gpus]
+
+
+def _cmd_sage(args: argparse.Namespace) -> int:
+    from gnnpar.plan.memory import estimated_part, minibatch_memory
+    from gnnpar.train.config import ConfigError
+    from gnnpar.train.loop import load_dataset
+    from gnnpar.train.minibatch import MiniBatchConfig, check_partitions, plan_problem
+
+    cfg = _task_config(MiniBatchConfig, args)
+    if cfg.partitions is None and args.gpus is None:
+        raise PlanError("give --gpus (data ranks), or --partitions FOLDER (one rank a part)")
+    try:
+        problem = plan_problem(cfg, load_dataset(cfg))
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
+    rows = []
+    if cfg.partitions is not None:
+        meta = check_partitions(cfg)  # cut from this dataset, or one line naming both
+        d = int(meta["num_parts"])
+        if args.gpus is not None and args.gpus != d:
+            raise PlanError(f"--gpus {args.gpus}, but {cfg.partitions} holds {d} parts")
+        for k, rec in enumerate(meta["parts"]):
+            memory = minibatch_memory(problem, d, rec)
+            rows.append({"data": d, "rank": k, "part": rec, "memory": memory})
+    else:
+        for d in _data_sizes(args.gpus):
+            part = estimated_part(problem, d) if d > 1 else None
+            memory = minibatch_memory(problem, d)
+            rows.append({"data": d, "rank": None, "part": part, "memory": memory})
+    title = (
+        f"sage on {problem.name}: {problem.nodes:,} nodes, {problem.edges:,} edges, "
+        f"{problem.features} features; batch {problem.batch_size}, fan-outs "
+        f"{','.join(map(str, problem.fanouts))}, hidden {problem.hidden}, ZeRO stage "
+        f"{problem.stage}: peak memory per data rank (minibatch_memory"
+        + (f", the parts of {cfg.partitions})" if cfg.partitions else ", parts estimated)")
+    )
+    print(title)
+    print(format_minibatch_rows(rows))
+    if args.json:
+        write_json(args.json, {"title": title, "rows": rows}, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def format_minibatch_rows(rows: list[dict[str, Any]]) -> str:
+    """The table of ``gnnpar plan sage``: per data rank its part and peak memory, with the
+    three largest parts of the model."""
+    mib = 1 << 20
+    lines = [f"{'data':>4} {'rank':>4} {'owned':>11} {'halo':>11} {'local edges':>13} "
+             f"{'MiB':>9}  largest parts (MiB)"]  # fmt: skip
+    for r in rows:
+        part, mem = r["part"], r["memory"]
+        owned, halo, edges = (
+            ("all", "0", "all")
+            if part is None
+            else (f"{part['num_owned']:,.0f}", f"{part['num_halo']:,.0f}",
+                  f"{part['num_local_edges']:,.0f}")  # fmt: skip
+        )
+        top = sorted(mem.items(), key=lambda kv: -kv[1])[:3]
+        largest = ", ".join(f"{k} {v / mib:,.0f}" for k, v in top)
+        rank = "each" if r["rank"] is None else str(r["rank"])
+        lines.append(f"{r['data']:>4} {rank:>4} {owned:>11} {halo:>11} {edges:>13} "
+                     f"{sum(mem.values()) / mib:>9,.0f}  {largest}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _cmd_machines(args: argparse.Namespace) -> int:
     for m in builtin_machines().values():
         print(
@@ -335,13 +411,14 @@ def _common(p: argparse.ArgumentParser, default_machine: str) -> None:
 
 
 def add_plan_commands(subparsers: Any) -> None:
-    """Register ``gnnpar plan gcn | gpt | machines``."""
+    """Register ``gnnpar plan gcn | gpt | sage | machines``."""
     plan = subparsers.add_parser("plan", help="rank grid shapes with the planner's models")
     kinds = plan.add_subparsers(dest="workload", required=True)
 
     from gnnpar.train.config import add_flags
     from gnnpar.train.fullgraph import FullGraphConfig
     from gnnpar.train.gpt import GPTTaskConfig
+    from gnnpar.train.minibatch import MiniBatchConfig
 
     g = kinds.add_parser(
         "gcn",
@@ -402,6 +479,19 @@ def add_plan_commands(subparsers: Any) -> None:
     )
     _common(t, "a100x4")
     t.set_defaults(func=_cmd_gpt)
+
+    sg = kinds.add_parser(
+        "sage",
+        help="mini-batch GraphSAGE: peak memory per data rank",
+        description="Peak memory per data rank of `gnnpar train sage` (the neighbour "
+        "sampler's GraphSAGE) with the same options (and the same defaults), by the "
+        "planner's mini-batch memory model: for 1, 2, 4, ... up to --gpus ranks on parts "
+        "estimated from the graph's degrees, or for each part of --partitions FOLDER.",
+    )
+    add_flags(sg, MiniBatchConfig, SAGE_OPTIONS)
+    sg.add_argument("--gpus", type=int, default=None, help="data ranks to plan for")
+    sg.add_argument("--json", default=None, help="write every row's parts as JSON")
+    sg.set_defaults(func=_cmd_sage)
 
     m = kinds.add_parser("machines", help="list the built-in machines and their assumptions")
     m.set_defaults(func=_cmd_machines)

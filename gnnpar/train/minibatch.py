@@ -284,6 +284,39 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
             )
 
 
+def plan_problem(cfg: MiniBatchConfig, graph: Any) -> Any:
+    """The planner's :class:`~gnnpar.plan.problems.MiniBatchProblem` for a run of ``cfg`` on
+    ``graph`` (a :class:`~gnnpar.graph.Graph`): what ``gnnpar plan sage`` and
+    ``benchmarks/memory.py`` hold against :func:`~gnnpar.plan.memory.minibatch_memory`, for
+    the neighbour sampler's GraphSAGE (the model the memory model describes)."""
+    from gnnpar.plan.memory import degree_histogram
+    from gnnpar.plan.problems import MiniBatchProblem
+
+    if cfg.sampler != "neighbor" or cfg.model != "sage":
+        raise ConfigError(
+            "the mini-batch memory model covers GraphSAGE with the neighbour sampler "
+            f"(model sage, sampler neighbor), not model {cfg.model} with sampler {cfg.sampler}"
+        )
+    train = graph.ndata.get("train_mask")
+    return MiniBatchProblem(
+        nodes=graph.num_nodes,
+        edges=graph.num_edges,
+        features=int(graph.feat.shape[1]),
+        classes=int(graph.num_classes),
+        hidden=cfg.hidden,
+        layers=cfg.layers,
+        fanouts=tuple(parse_fanouts(cfg.fanouts)),
+        batch_size=cfg.batch_size,
+        train_nodes=None if train is None else max(1, int(train.sum())),
+        element_size=compute_dtype(cfg).itemsize,
+        stage=cfg.zero_stage or 0,
+        prefetch=cfg.prefetch,
+        feature_cache=cfg.feature_cache,
+        degrees=degree_histogram(graph.indptr.numpy()),
+        name=Path(cfg.dataset).name or cfg.dataset,
+    )
+
+
 def _partition_folder(cfg: MiniBatchConfig, parts: int) -> Path:
     """The given folder, or one under the run folder named by everything that shapes the
     partition, so that a change of dataset, options or method never reuses a stale one."""
