@@ -50,8 +50,13 @@ def _gpt_cfg(text: str, **kw) -> GPTTaskConfig:
     return GPTTaskConfig(**{**base, **kw})
 
 
-def _gpt_run(cfg: GPTTaskConfig, steps: int = 3, record: bool = False) -> dict:
+def _gpt_run(
+    cfg: GPTTaskConfig, steps: int = 3, record: bool = False, keep_grads: bool = False
+) -> dict:
     task = GPTTask(cfg)
+    if keep_grads:  # zero the gradients in place, as zero_grad(set_to_none=False) does
+        zero = task.optimizer.zero_grad
+        task.optimizer.zero_grad = lambda set_to_none=True: zero(set_to_none=False)
     losses, traffic = [], []
     for step in range(steps):
         with comm.record(task.grid) as t:
@@ -69,10 +74,29 @@ def _as_tensors(state: dict) -> dict:
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in state.items()}
 
 
+def _record_arrivals(arrivals: list[bool]) -> None:
+    """Record, for every gradient a bucket takes, whether it arrived in the bucket's buffer
+    (the layer computed it there: ``grad_destination``) or had to be copied in."""
+    from gnnpar.shard.buckets import Bucket
+
+    take = Bucket.take
+
+    def recording(self, param):
+        slot = self.slot_of[id(param)]
+        view = self._buffer()[slot.offset : slot.offset + slot.numel]
+        arrivals.append(param.grad is not None and param.grad.data_ptr() == view.data_ptr())
+        take(self, param)
+
+    Bucket.take = recording
+
+
 def _gpt_world(text: str) -> dict:
     out = {}
+    arrivals: list[bool] = []
+    _record_arrivals(arrivals)  # a rank process of its own: the patch ends with it
     cases = [
         ("d2x2 s0", dict(grid="data=2,x=2", zero_stage=0)),
+        ("d2x2 s0 accum2", dict(grid="data=2,x=2", zero_stage=0, grad_accum=2)),
         ("d2x2 s1", dict(grid="data=2,x=2", zero_stage=1)),
         ("d2x2 s2", dict(grid="data=2,x=2", zero_stage=2)),
         ("d2x2 s3", dict(grid="data=2,x=2", zero_stage=3)),
@@ -82,7 +106,13 @@ def _gpt_world(text: str) -> dict:
         ("d4 s2 accum2", dict(grid="data=4", zero_stage=2, grad_accum=2)),
     ]
     for name, kw in cases:
+        arrivals.clear()
         out[name] = _gpt_run(_gpt_cfg(text, **kw))
+        out[name]["in_place"] = sum(arrivals)
+    # gradients kept between steps (zeroed in place): they are the buckets' views already,
+    # and a layer must add to them, not compute over them
+    kept = _gpt_cfg(text, grid="data=2,x=2", zero_stage=0, grad_accum=2)
+    out["d2x2 s0 accum2 grads kept"] = _gpt_run(kept, keep_grads=True)
     return out
 
 
@@ -97,6 +127,12 @@ def test_gpt_every_stage_and_fcdp_with_tensor_parallel_equals_one_process(tmp_pa
         assert err <= REL, f"{name}: parameters differ from one process by {err:.3g}"
         for a, b in zip(res["losses"], ref["losses"], strict=True):
             assert abs(a - b) <= REL * abs(b), f"{name}: loss {a} vs {b}"
+    # at stage 0 the tensor-parallel layers compute each weight's gradient in its bucket (2
+    # blocks of 4 x-parallel weights, 3 steps; the others are copied in); stage 2 keeps no
+    # buffer to write into
+    for rank in results:
+        assert rank["d2x2 s0"]["in_place"] == 2 * 4 * 3
+        assert rank["d2x2 s2"]["in_place"] == 0
     # every rank ends with the same full model
     for res in results[1:]:
         for name in res:

@@ -29,6 +29,8 @@ each rank's loss should be the mean over its part of the batch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -36,10 +38,24 @@ from gnnpar import comm
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.flat import FlatGroup, Slot
 
-__all__ = ["Bucket", "GradBuckets", "build_buckets"]
+__all__ = ["Bucket", "GradBuckets", "build_buckets", "grad_destination"]
 
 #: Bucket reductions allowed in flight during backward.
 MAX_INFLIGHT_BUCKETS = 2
+#: The attribute a bucketed parameter carries while the hooks are on: a callable returning
+#: where its next gradient may be written (see :func:`grad_destination`).
+_DESTINATION = "_gnnpar_grad_destination"
+
+
+def grad_destination(param: torch.Tensor) -> torch.Tensor | None:
+    """Where ``param``'s next gradient may be computed in place, or None: a view of its
+    bucket's buffer in ``param``'s shape, when the bucket keeps the gradients as views of it
+    (stages 0-1 without a cast), this backward reduces (not under ``no_sync``) and ``param``
+    has no gradient yet. A layer whose backward makes a parameter's whole gradient in one
+    product writes it there (``out=``): autograd then keeps that view as the gradient, and
+    the bucket's copy of it is saved."""
+    fn = getattr(param, _DESTINATION, None)
+    return None if fn is None else fn()
 
 
 def _queue_callback(fn) -> None:
@@ -90,6 +106,14 @@ class Bucket:
         else:
             param.grad = None
         self.ready.add(id(param))
+
+    def destination(self, param: nn.Parameter) -> torch.Tensor | None:
+        """A view of the buffer in ``param``'s shape for its next gradient, or None when
+        the gradients are not views of the buffer or the reduction has started."""
+        if not self.grad_views or self.launched:
+            return None
+        slot = self.slot_of[id(param)]
+        return self._buffer()[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     @property
     def full(self) -> bool:
@@ -163,9 +187,15 @@ class GradBuckets:
             for s in b.group.slots:
                 self._bucket_of[id(s.param)] = b
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
+                setattr(s.param, _DESTINATION, functools.partial(self._destination, s.param))
         self._gathered_versions = [b.group.version for b in buckets]
 
     # --------------------------------------------------------------------------- backward
+    def _destination(self, param: nn.Parameter) -> torch.Tensor | None:
+        if not self.sync or param.grad is not None:
+            return None  # no_sync accumulates in .grad; a second contribution adds to it
+        return self._bucket_of[id(param)].destination(param)
+
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self.sync:
             return  # no_sync: the gradient stays in param.grad and accumulates there
@@ -238,6 +268,10 @@ class GradBuckets:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for b in self.buckets:
+            for s in b.group.slots:
+                if hasattr(s.param, _DESTINATION):
+                    delattr(s.param, _DESTINATION)
 
 
 def build_buckets(

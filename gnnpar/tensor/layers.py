@@ -57,6 +57,7 @@ from gnnpar import comm
 from gnnpar.comm import chunk_offsets, chunk_sizes
 from gnnpar.grid import ProcessGrid
 from gnnpar.recompute import in_backward
+from gnnpar.shard.buckets import grad_destination
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
@@ -96,9 +97,10 @@ class _ParallelMatmul(torch.autograd.Function):
     out axis asynchronously while ``dW`` is computed."""
 
     @staticmethod
-    def forward(ctx, x, w, b, grid, in_axis, out_axis):  # noqa: D102
+    def forward(ctx, x, w, b, grid, in_axis, out_axis, param=None):  # noqa: D102
         ctx.save_for_backward(x, w)
         ctx.grid, ctx.out_axis, ctx.has_bias = grid, out_axis, b is not None
+        ctx.param = param  # ``w`` is a view of it: dW may go straight to its gradient bucket
         y = F.linear(x, w)
         if grid.group(in_axis) is not None:
             comm.all_reduce(y, grid, in_axis)
@@ -116,12 +118,17 @@ class _ParallelMatmul(torch.autograd.Function):
                 handle = comm.all_reduce(dx, ctx.grid, ctx.out_axis, async_op=True)
         dy2 = dy.reshape(-1, dy.shape[-1])
         if ctx.needs_input_grad[1]:
-            dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
+            x2 = x.reshape(-1, x.shape[-1])
+            dest = None if ctx.param is None else grad_destination(ctx.param)
+            if dest is not None and dest.numel() == w.numel() and dest.dtype == dy2.dtype:
+                dw = torch.matmul(dy2.t(), x2, out=dest.view(w.shape))
+            else:
+                dw = dy2.t().matmul(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         if handle is not None:
             dx = handle.wait()
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 # --------------------------------------------------------------------------- base class
@@ -400,7 +407,8 @@ class Linear(ShardedModule):
                 f"got shape {tuple(x.shape)}"
             )
         w = self._weight_block()
-        y = _ParallelMatmul.apply(x, w, self.bias, grid, self.in_axis, self.out_axis)
+        param = self.weight if self.weight_layout.depth == 1 else None  # else w is gathered
+        y = _ParallelMatmul.apply(x, w, self.bias, grid, self.in_axis, self.out_axis, param)
         if self.gather_output:
             y = comm.gather_replicated(y, grid, self.out_axis, dim=-1, sizes=self.out_sizes)
             if self.fused > 1:
