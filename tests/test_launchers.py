@@ -321,6 +321,9 @@ def test_slurm_step_of_four_tasks_on_two_nodes(tmp_path):
     assert f"launcher: Slurm (srun): rank 0 of 4, 2 per node, rank 0 at 127.0.0.1:{port}" in out
     assert "all collectives returned correct results" in out
     _check_table(tmp_path / "bw.json", 2, {"x": True, "y": False})
+    # a second job: its port is checked free now (the first job's may have been taken since
+    # by another process's connection; a fresh clone's suite once lost that race)
+    env = clean_env(**slurm_job_env(2, 2, _slurm_job_id()), GNNPAR_TIMEOUT="60")
     outputs = finish(start([*srun, *_train_args(tmp_path, "x=2,y=2")], [env], str(ROOT)), 180)
     _check_training(outputs, tmp_path / "run", "x=2 y=2 z=1", 4)
 
