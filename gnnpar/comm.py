@@ -353,11 +353,18 @@ def all_gather(
     dim: int = 0,
     sizes: Sequence[int] | None = None,
     async_op: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | Handle:
     """Concatenate every rank's ``tensor`` along ``dim``, in group order.
 
     With ``sizes`` (each rank's extent along ``dim``) the pieces may differ in size; they are
     padded to the largest for the transfer. Without it every piece must have the same shape.
+
+    ``out``, when given, receives the transfer (its shape, dtype and device must be those of
+    the result with every piece padded to the largest; ``dim`` 0 only): a caller that gathers
+    the same shape again and again keeps one buffer instead of allocating the full tensor
+    each time (a fresh large allocation costs its page faults on the host). The result is
+    ``out`` itself, or a new tensor where the pieces differ in size.
     """
     _check_device(tensor, grid, "all_gather", axis)
     group = grid.group(axis)
@@ -381,7 +388,21 @@ def all_gather(
     if rows != moved.shape[0]:
         send = torch.zeros((rows, *rest), dtype=tensor.dtype, device=tensor.device)
         send[: moved.shape[0]] = moved
-    out = torch.empty((p * rows, *rest), dtype=tensor.dtype, device=tensor.device)
+    shape = (p * rows, *rest)
+    if out is None:
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    elif (
+        dim
+        or tuple(out.shape) != shape
+        or out.dtype != tensor.dtype
+        or out.device != tensor.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"all_gather over '{axis}': out must be a contiguous {tensor.dtype} tensor of shape "
+            f"{shape} on {tensor.device} gathering along dim 0; got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device} (dim {dim})"
+        )
     _account(grid, axis, "all_gather", ring_bytes("all_gather", _nbytes(out), p))
 
     def finish() -> torch.Tensor:
@@ -603,14 +624,17 @@ class _ReduceFrom(torch.autograd.Function):
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, grid, axis, dim, sizes):  # noqa: D102
+    def forward(ctx, x, grid, axis, dim, sizes, out=None):  # noqa: D102
         ctx.grid, ctx.axis, ctx.dim, ctx.sizes = grid, axis, dim, sizes
-        return all_gather(x, grid, axis, dim=dim, sizes=sizes)
+        full = all_gather(x, grid, axis, dim=dim, sizes=sizes, out=out)
+        # an alias, so the graph's history goes on it and not on the caller's buffer; it
+        # shares the buffer's version counter, so a use saved past the next gather fails
+        return full.detach() if full is out else full
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
         out = reduce_scatter(g.contiguous(), ctx.grid, ctx.axis, dim=ctx.dim, sizes=ctx.sizes)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 class _ScatterTo(torch.autograd.Function):
@@ -688,11 +712,16 @@ def gather_from(
     axis: str,
     dim: int = 0,
     sizes: Sequence[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All-gather along ``dim`` forward; reduce-scatter of the gradient backward."""
-    if sizes is None and grid.group(axis) is not None:
+    """All-gather along ``dim`` forward; reduce-scatter of the gradient backward. ``out``:
+    the buffer the gather may land in (see :func:`all_gather`); the caller must be done
+    with the result before it reuses the buffer, and autograd keeps no reference to it."""
+    if grid.group(axis) is None:
+        return x
+    if sizes is None:
         sizes = [x.shape[dim]] * grid.size(axis)
-    return _pair(_GatherFrom, x, grid, axis, dim, sizes)
+    return _GatherFrom.apply(x, grid, axis, dim % x.dim(), list(sizes), out)
 
 
 def scatter_to(

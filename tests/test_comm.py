@@ -9,6 +9,9 @@ gnnpar.comm has no point-to-point send/receive: every transfer is one of the col
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -338,3 +341,50 @@ def test_bad_arguments_are_clear():
     assert "3 rows do not divide over 2 ranks" in msgs[2]
     assert "unknown reduce op 'mean'" in msgs[3]
     assert "broadcast source 2 is outside axis 'x'" in msgs[4]
+
+
+def _kept_buffer() -> dict:
+    """All-gathers into a caller's buffer, through the shared-memory transport (a large
+    tensor) and through gloo (a small one)."""
+    grid = gnnpar.init(x=2)
+    me = grid.rank("x")
+    out = {}
+    for rows in (3, 4096):  # 3 × 5 float64 goes through gloo, 4096 × 5 (160 KiB) above
+        pieces = [_data(r, rows, salt=21) for r in range(2)]
+        buf = torch.empty(2 * rows, pieces[0].shape[1], dtype=F64)
+        with mock.patch.dict(os.environ, {"GNNPAR_SHM_MIN_BYTES": "65536"}):
+            got = comm.all_gather(pieces[me], grid, "x", out=buf)
+        out[f"equal {rows}"] = torch.equal(got, torch.cat(pieces))
+        out[f"transport {rows}"] = bool(grid.channels) == (rows > 3)
+        out[f"in buffer {rows}"] = got.data_ptr() == buf.data_ptr()
+        # through autograd: the result aliases the buffer, the buffer keeps no history
+        w = torch.ones(pieces[0].shape[1], dtype=F64, requires_grad=True)
+        x = pieces[me].clone().requires_grad_(True)
+        full = comm.gather_from(x, grid, "x", out=buf)
+        saved = full * w  # keeps ``full`` for w's gradient
+        out[f"aliased {rows}"] = full.data_ptr() == buf.data_ptr() and buf.grad_fn is None
+        comm.gather_from(x, grid, "x", out=buf)  # the next gather overwrites it...
+        try:  # ...so the use saved past it fails instead of reading the new contents
+            saved.sum().backward()
+            out[f"stale use caught {rows}"] = False
+        except RuntimeError as e:
+            out[f"stale use caught {rows}"] = "modified by an inplace operation" in str(e)
+    try:
+        comm.all_gather(torch.ones(2, 3), grid, "x", out=torch.empty(3, 3))
+    except ValueError as e:
+        out["wrong shape"] = str(e)
+    # uneven pieces are compacted into a new tensor; the buffer holds the padded transfer
+    buf = torch.empty(4, 2)
+    got = comm.all_gather(torch.full((2 - me, 2), float(me)), grid, "x", sizes=[2, 1], out=buf)
+    out["uneven"] = got.tolist()
+    gnnpar.release(grid)
+    return out
+
+
+def test_all_gather_into_a_kept_buffer():
+    res = run_distributed(_kept_buffer, 2)
+    for r in res:
+        flags = {k: v for k, v in r.items() if k not in ("wrong shape", "uneven")}
+        assert all(flags.values()), flags
+        assert "out must be a contiguous torch.float32 tensor of shape (4, 3)" in r["wrong shape"]
+        assert r["uneven"] == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
