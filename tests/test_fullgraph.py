@@ -161,46 +161,53 @@ def _check_world(world: int, algorithm: str) -> int:
     return n
 
 
-def _check_1d_kept_gather(world: int) -> list[int]:
-    """The 1D model on a graph whose rows split evenly (so its all-gathers land in the kept
-    buffers) and on one whose rows do not (they cannot): two training passes each, equal to
-    the serial model's, with dropout."""
-    grid = gnnpar.init(x=world)
-    widths = []
-    for kind, n in (("gcn", 6 * world), ("sage", 6 * world), ("gcn", 6 * world + 1)):
-        a, x, y, train = small_graph(n=n)
-        a_hat = normalise(a, kind)
-        ref = serial_model(kind, DIMS[kind], dropout=0.5)
-        source = make_source(a_hat, x, y, train, True, norm="mean" if kind == "sage" else "gcn")
-        par = parallelize_fullgraph(ref, grid, source, algorithm="1d")
-        par.train()
-        ids = source.node_ids(par.output_order, par.logits_rows)
-        for seed in (5, 6):  # the second pass reuses the first one's buffers
-            ref.zero_grad()
-            par.zero_grad()
-            logits = ref(serial_adj(a_hat), x, dropout_seed=seed)
-            F.cross_entropy(logits[train], y[train]).backward()
-            out = par(par.input_features(), dropout_seed=seed)
-            tag = f"1d kept gather {kind} x={world} pass {seed}"
-            _close(out.detach(), logits.detach()[ids], f"logits {tag}")
-            par.loss(out).backward()
-            full = par.full_weights(grads=True)
-            for i, layer in enumerate(ref.layers):
-                _close(full[i]["weight"], layer.stacked_weight_grad(), f"weight grad {i} {tag}")
-                _close(full[i]["bias"], layer.bias.grad, f"bias grad {i} {tag}")
-        # one buffer per input width, each of the whole graph's rows (none when uneven)
-        bufs = par._gather_buffers.values()
-        want = {(n, d) for d in DIMS[kind][:-1]} if n % world == 0 else set()
-        if {b.shape for b in bufs} != want:
-            raise AssertionError(f"gather buffers {[b.shape for b in bufs]} ({kind}, n={n})")
-        widths.append(len(bufs))
-    gnnpar.release(grid)
-    return widths
+def _check_kept_gather(world: int) -> list[int]:
+    """The 1D model and the 3D one on z (whose first layer gathers its input) on graphs whose
+    rows split evenly (so the all-gathers land in the kept buffers) and on one whose rows do
+    not (they cannot): two training passes each, equal to the serial model's, with
+    dropout. Returns the number of buffers of each case."""
+    counts = []
+    for algorithm, shape in (("1d", {"x": world}), ("3d", {"z": world})):
+        grid = gnnpar.init(**shape)
+        for kind, n in (("gcn", 6 * world), ("sage", 6 * world), ("gcn", 6 * world + 1)):
+            a, x, y, train = small_graph(n=n)
+            a_hat = normalise(a, kind)
+            ref = serial_model(kind, DIMS[kind], dropout=0.5)
+            norm = "mean" if kind == "sage" else "gcn"
+            source = make_source(a_hat, x, y, train, True, norm=norm)
+            par = parallelize_fullgraph(ref, grid, source, algorithm=algorithm)
+            par.train()
+            rows, cols = par.logits_rows, par.logits_cols
+            ids = source.node_ids(par.output_order, rows)
+            for seed in (5, 6):  # the second pass reuses the first one's buffers
+                ref.zero_grad()
+                par.zero_grad()
+                logits = ref(serial_adj(a_hat), x, dropout_seed=seed)
+                F.cross_entropy(logits[train], y[train]).backward()
+                out = par(par.input_features(), dropout_seed=seed)
+                tag = f"kept gather {algorithm} {kind} n={n} {grid.describe()} pass {seed}"
+                _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
+                par.loss(out).backward()
+                full = par.full_weights(grads=True)
+                for i, layer in enumerate(ref.layers):
+                    want = layer.stacked_weight_grad()
+                    _close(full[i]["weight"], want, f"weight grad {i} {tag}")
+                    _close(full[i]["bias"], layer.bias.grad, f"bias grad {i} {tag}")
+            # 1D: one buffer per input width, of the whole graph's rows; 3D: the first
+            # layer's input gathered over z; none when the rows split unevenly
+            widths = DIMS[kind][:-1] if algorithm == "1d" else DIMS[kind][:1]
+            want = {(n, d) for d in widths} if n % world == 0 else set()
+            got = {tuple(b.shape) for b in par._gather_buffers.values()}
+            if got != want:
+                raise AssertionError(f"gather buffers {got}, want {want} ({tag})")
+            counts.append(len(got))
+        gnnpar.release(grid)
+    return counts
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_1d_gathers_into_kept_buffers_and_equals_serial_twice(world):
-    assert run_distributed(_check_1d_kept_gather, world, world) == [[2, 2, 0]] * world
+def test_gathers_into_kept_buffers_and_equal_serial_twice(world):
+    assert run_distributed(_check_kept_gather, world, world) == [[2, 2, 0, 1, 1, 0]] * world
 
 
 def test_gcn_and_graphsage_are_the_plain_model_of_each_kind():

@@ -106,12 +106,11 @@ class Parallel1DGNN(ShardedGNN):
         self.input_block = (self.rows, (0, self.dims[0]))
         self.logits_rows, self.logits_cols = self.rows, (0, self.dims[-1])
         self.row_axis, self.class_axis = axis, None
-        self._gather_buffers: dict[tuple, torch.Tensor] = {}
 
     def layer(self, i: int, h: torch.Tensor, seed: int | None) -> torch.Tensor:
         """Layer ``i`` on this rank's rows (all features)."""
         h = index_dropout(h, self.dropout, seed, self._row_ids[i], 0, self.training)
-        out = self._gather_buffer(h)
+        out = self.gather_buffer(self.row_sizes, h.shape[1], h.dtype)
         full = comm.gather_from(h, self.grid, self.axis, sizes=self.row_sizes, out=out)
         # the SpMMs are done with ``full`` before any other layer gathers into the buffer
         aggs = [spmm(op, full) for op in self.ops[i]]
@@ -124,20 +123,6 @@ class Parallel1DGNN(ShardedGNN):
             h = agg @ w
         # in place: the product's backward keeps its inputs, not its result
         return h.relu_() if i < self.num_layers - 1 else h
-
-    def _gather_buffer(self, h: torch.Tensor) -> torch.Tensor | None:
-        """The buffer every layer's all-gather of ``h``'s width lands in, kept across layers
-        and epochs (a gathered H is as large as the graph's features; a fresh one each time
-        cost its page faults on the host, half a 2-rank all-gather's time at R-MAT 16).
-        None where the ranks' rows differ in number (the gather then compacts a copy)."""
-        if self.grid.group(self.axis) is None or len(set(self.row_sizes)) > 1:
-            return None
-        key = (h.shape[1], h.dtype, h.device)
-        buf = self._gather_buffers.get(key)
-        if buf is None:
-            shape = (sum(self.row_sizes), h.shape[1])
-            buf = self._gather_buffers[key] = torch.empty(shape, dtype=h.dtype, device=h.device)
-        return buf
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of one forward and one backward pass, layer by layer (see

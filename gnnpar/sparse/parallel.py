@@ -22,6 +22,7 @@ the full-graph task no loss scaling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,11 +118,31 @@ class ShardedGNN(nn.Module):
         self.compute_dtype = compute_dtype or self.dtype
         # Shards are read on the host (memory-mapped files) and live on the grid's device.
         self.device = grid.device
+        self._gather_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of one forward and one backward pass on this rank (each layer's
         own description; ``input_grad``: the input features' gradient is wanted too)."""
         raise NotImplementedError
+
+    def gather_buffer(
+        self, sizes: Sequence[int], width: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The buffer an all-gather of H's rows (``sizes``: each rank's, ``width`` features
+        each) lands in, kept across layers and epochs: one per width, replaced when the
+        graph's size changes. A gathered H is as large as the graph's features, and a fresh
+        one each time costs its page faults on the host (half a 2-rank all-gather's time at
+        R-MAT 16). Its consumer, the SpMM, keeps nothing of it, so the next gather may
+        overwrite it. None with one rank or where the ranks' rows differ in number (the
+        gather then compacts a copy)."""
+        if len(sizes) < 2 or len(set(sizes)) > 1:
+            return None
+        shape = (sum(sizes), width)
+        buf = self._gather_buffers.get((width, dtype))
+        if buf is None or tuple(buf.shape) != shape:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            self._gather_buffers[(width, dtype)] = buf
+        return buf
 
     def expected_bytes(self, input_grad: bool = False) -> dict[str, dict[str, float]]:
         """Per-rank bytes by axis of one forward and one backward pass, from
@@ -366,7 +387,8 @@ class Parallel3DGNN(ShardedGNN):
         lay = self.layouts[i]
         h = index_dropout(h, self.dropout, seed, self._row_ids[i], lay.fin[0], self.training)
         w = self.in_compute_dtype(self.weights[i])
-        h = plexus_layer(h, w, self.ops[i], self.grid, lay, input_split=i == 0)
+        out = self.gather_buffer(lay.h_sub_sizes, h.shape[1], h.dtype) if i == 0 else None
+        h = plexus_layer(h, w, self.ops[i], self.grid, lay, input_split=i == 0, gather_out=out)
         if self.has_bias:
             h = h + comm.copy_to(self.in_compute_dtype(self.biases[i]), self.grid, lay.depth)
         return torch.relu(h) if i < self.num_layers - 1 else h
