@@ -54,11 +54,9 @@ class Plexus3DFunction(torch.autograd.Function):
     """One 3D GCN layer without bias: ``OUT = Â H W`` on sharded Â, H and W."""
 
     @staticmethod
-    def forward(ctx, h, w_local, ops, grid, lay, input_split, gather_out=None):  # noqa: D102
+    def forward(ctx, h, w_local, ops, grid, lay, input_split):  # noqa: D102
         a, b, c = lay.outer, lay.inner, lay.depth
-        full_h = h
-        if input_split:
-            full_h = comm.all_gather(h, grid, c, sizes=lay.h_sub_sizes, out=gather_out)
+        full_h = comm.all_gather(h, grid, c, sizes=lay.h_sub_sizes) if input_split else h
         agg = _aggregate(ops, full_h, grid, a)
         w = _gather_weight(w_local, grid, lay, len(ops))
         out = comm.all_reduce(agg @ w, grid, b)
@@ -91,7 +89,7 @@ class Plexus3DFunction(torch.autograd.Function):
                 g_h = comm.reduce_scatter(g_h, grid, c, sizes=lay.h_sub_sizes)
             else:
                 g_h = comm.all_reduce(g_h, grid, c)
-        return g_h, g_w.wait().view_as(w_local), None, None, None, None, None
+        return g_h, g_w.wait().view_as(w_local), None, None, None, None
 
 
 def _gather_weight(
@@ -109,12 +107,9 @@ def plexus_layer(
     grid: ProcessGrid,
     lay: Layout3D,
     input_split: bool,
-    gather_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable 3D layer; ``ops`` holds each sparse operator's row chunks.
-    ``gather_out``: a kept buffer for the input's all-gather (first layer; see
-    :meth:`~gnnpar.sparse.parallel.ShardedGNN.gather_buffer`)."""
-    return Plexus3DFunction.apply(h, w_local, ops, grid, lay, input_split, gather_out)
+    """Differentiable 3D layer; ``ops`` holds each sparse operator's row chunks."""
+    return Plexus3DFunction.apply(h, w_local, ops, grid, lay, input_split)
 
 
 def layer_schedule(
