@@ -700,10 +700,11 @@ def _pair(
     axis: str,
     dim: int,
     sizes: Sequence[int] | None,
+    *extra: object,
 ) -> torch.Tensor:
     if grid.group(axis) is None:
         return x
-    return fn.apply(x, grid, axis, dim % x.dim(), None if sizes is None else list(sizes))
+    return fn.apply(x, grid, axis, dim % x.dim(), None if sizes is None else list(sizes), *extra)
 
 
 def gather_from(
@@ -717,11 +718,9 @@ def gather_from(
     """All-gather along ``dim`` forward; reduce-scatter of the gradient backward. ``out``:
     the buffer the gather may land in (see :func:`all_gather`); the caller must be done
     with the result before it reuses the buffer, and autograd keeps no reference to it."""
-    if grid.group(axis) is None:
-        return x
-    if sizes is None:
+    if sizes is None and grid.group(axis) is not None:
         sizes = [x.shape[dim]] * grid.size(axis)
-    return _GatherFrom.apply(x, grid, axis, dim % x.dim(), list(sizes), out)
+    return _pair(_GatherFrom, x, grid, axis, dim, sizes, out)
 
 
 def scatter_to(
