@@ -349,7 +349,7 @@ def _kept_buffer() -> dict:
     grid = gnnpar.init(x=2)
     me = grid.rank("x")
     out = {}
-    for rows in (3, 4096):  # 3 × 5 float64 goes through gloo, 4096 × 5 (160 KiB) above
+    for rows in (3, 4096):  # 3 × 3 float64 goes through gloo, 4096 × 3 (96 KiB) above 64 KiB
         pieces = [_data(r, rows, salt=21) for r in range(2)]
         buf = torch.empty(2 * rows, pieces[0].shape[1], dtype=F64)
         with mock.patch.dict(os.environ, {"GNNPAR_SHM_MIN_BYTES": "65536"}):
