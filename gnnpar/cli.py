@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 
@@ -143,6 +145,31 @@ def _release_distributed() -> None:
         pass  # a broken world: exiting is all that is left, and it exits cleanly now
 
 
+def _a_rank() -> bool:
+    """Whether a launcher started this process as one rank of several (False where the
+    launch's environment is broken: the command reports that as its error)."""
+    try:
+        return _launched()
+    except ValueError:
+        return False
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """SIGINT in a rank: raise KeyboardInterrupt the first time and ignore the next ones."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _rank_interrupted_once() -> None:
+    """A rank of a launch gets Ctrl-C twice: from the terminal, then from the launcher
+    stopping it (torchrun forwards the signal it got). The second one would land in the
+    rank's clean-up (closing the progress bar, leaving the process group) and print a
+    traceback; the launcher kills a rank that does not end. Only the main thread can set
+    a handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupt_once)
+
+
 def _report(args: argparse.Namespace, err: BaseException, code: int, detail: str = "") -> bool:
     """Report a failure once: to the launch agent when gnnpar launched this rank, else on
     stderr from the rank that should speak (rank 0 for an error every rank raises alike,
@@ -195,6 +222,8 @@ def main(argv: Sequence[str] | None = None, fork_agent: bool = False) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # what a local launch hands to each rank
     args.launch_agent = None
+    if _a_rank():
+        _rank_interrupted_once()
     if fork_agent and _will_launch(args):
         from gnnpar.launch import ForkedAgent
 
@@ -223,7 +252,8 @@ def _main(args: argparse.Namespace) -> int:
         from gnnpar.launch import ReportedInterrupt
 
         _release_distributed()
-        if not isinstance(stop, ReportedInterrupt):  # else the launch agent said it already
+        # the launch agent (or launcher) speaks for a launch, once, not each rank
+        if not (isinstance(stop, ReportedInterrupt) or _a_rank()):
             print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:

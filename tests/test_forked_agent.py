@@ -138,3 +138,72 @@ def test_ctrl_c_stops_the_ranks_with_one_line(tmp_path, entry):
     assert said == ["gnnpar train: interrupted by SIGINT; the ranks were stopped"], err[-2000:]
     assert "Traceback" not in err
     assert _session_processes(proc.pid) == []
+
+
+class _InterruptedTask:
+    """A task whose step ``at`` is interrupted (Ctrl-C reaching a rank)."""
+
+    unit = "step"
+
+    def __init__(self, grid, at: int):
+        import torch
+
+        self.grid, self.num_steps, self.at = grid, 10, at
+        self.model = torch.nn.Linear(1, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        if step == self.at:
+            raise KeyboardInterrupt
+        return {"loss": float(step)}
+
+    def describe(self) -> dict:
+        return {"task": "interrupted"}
+
+
+def test_an_interrupted_run_closes_its_bar_on_the_way_out(tmp_path, monkeypatch):
+    """The trainer closes its progress bar while the interrupt leaves the run, not in the bar's
+    finaliser at exit (where the second SIGINT a rank gets printed a traceback)."""
+    import gnnpar
+    from gnnpar.train import progress
+    from gnnpar.train.loop import Trainer
+
+    closed = []
+    close = progress._Bar.close
+    monkeypatch.setattr(progress._Bar, "close", lambda bar: (closed.append(bar), close(bar))[1])
+    trainer = Trainer(_InterruptedTask(gnnpar.init(), at=2), tmp_path, eval_every=0, quiet=True)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        trainer.run()
+    assert len(closed) == 1  # while `caught` still holds the run's frames (and its bar)
+    assert caught.value is not None
+
+
+def test_a_ranks_second_interrupt_during_the_clean_up_is_ignored(monkeypatch, capsys):
+    """A rank gets Ctrl-C twice: from the terminal and from the launcher stopping it. The
+    second one, arriving while the command cleans up, changes nothing: exit 130, and no line
+    (the launcher speaks for the ranks)."""
+    import signal
+    import time
+
+    from gnnpar import cli
+
+    def interrupt() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs between bytecodes: let it
+
+    def interrupted(args):
+        interrupt()  # the terminal's Ctrl-C
+        pytest.fail("the first interrupt did not stop the command")
+
+    monkeypatch.setattr(cli, "_a_rank", lambda: True)
+    monkeypatch.setattr(cli, "_cmd_info", interrupted)
+    monkeypatch.setattr(cli, "_release_distributed", interrupt)  # the launcher's, late
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        code = cli.main(["info"])
+    except KeyboardInterrupt:
+        pytest.fail("the second interrupt escaped the command's clean-up")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert code == 130
+    assert capsys.readouterr().err == ""

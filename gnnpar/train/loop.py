@@ -532,62 +532,62 @@ class Trainer:
             self.metrics.write({"event": "start", "grid": self.grid.shape, "attempt": self.attempt})
         self._announce(start_step)
         total = self.task.num_steps
-        bar = self.progress.bar(total, initial=start_step, unit=self.task.unit)
         last_eval: dict[str, float] = {}
         # a run that early stopping ended stays ended when resumed
         end_step = start_step if self.selection and self.selection.stopped else total
         saved_at = start_step
-        for step in range(start_step, end_step):
-            t0 = time.perf_counter()
-            snapshot = self._take_snapshot()
-            with comm.record(self.grid) as traffic:
-                record = self.task.train_step(step)
-            record["seconds"] = time.perf_counter() - t0
-            record["bytes"] = traffic.as_dict()
-            done = step + 1
-            loss = record.get("loss", 0.0)
-            bad, preempted = self._agree(not _finite(loss))
-            if bad:
-                self._skip_or_stop(snapshot, loss, done)
-                record["skipped"] = True  # undone: the weights are those before the step
-            if self.skip_nonfinite:
-                record["skipped_steps"] = self.skipped_steps
-            if self.eval_every and (done % self.eval_every == 0 or done == total):
-                last_eval = self.task.evaluate(step)
-                record.update(last_eval)
-                self._select(last_eval, done)
-                if self.selection is not None and self.selection.best_step is not None:
-                    record["best_step"] = self.selection.best_step
-            record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
-            self.metrics.write(record)
-            shown = {k: v for k, v in record.items() if k in _SHOWN and isinstance(v, float)}
-            bar.set_postfix({k: metric_text(k, v) for k, v in shown.items()})
-            bar.update(1)
-            self.progress.log_step(self.task.unit, done, total, shown)
-            saved = self.checkpoint_every and done % self.checkpoint_every == 0
-            if saved and done < total:
-                self._save(done)
-                saved_at = done
-            if self.selection is not None and self.selection.stopped and done < total:
-                self.metrics.write(
-                    {"event": "early_stop", "step": done, "best_step": self.selection.best_step}
-                )
-                self.progress.line(
-                    f"early stop after {self.task.unit} {done}: no better "
-                    f"{self.selection.metric} in {self.selection.patience} evaluations since "
-                    f"{self.task.unit} {self.selection.best_step}"
-                )
-                end_step = done
-                break
-            if done < total and preempted:
-                if not saved:
+        # closed on the way out of an interrupt too (not by its finaliser at exit, where a
+        # second signal, such as the one the launch agent forwards, prints a traceback)
+        with self.progress.bar(total, initial=start_step, unit=self.task.unit) as bar:
+            for step in range(start_step, end_step):
+                t0 = time.perf_counter()
+                snapshot = self._take_snapshot()
+                with comm.record(self.grid) as traffic:
+                    record = self.task.train_step(step)
+                record["seconds"] = time.perf_counter() - t0
+                record["bytes"] = traffic.as_dict()
+                done = step + 1
+                loss = record.get("loss", 0.0)
+                bad, preempted = self._agree(not _finite(loss))
+                if bad:
+                    self._skip_or_stop(snapshot, loss, done)
+                    record["skipped"] = True  # undone: the weights are those before the step
+                if self.skip_nonfinite:
+                    record["skipped_steps"] = self.skipped_steps
+                if self.eval_every and (done % self.eval_every == 0 or done == total):
+                    last_eval = self.task.evaluate(step)
+                    record.update(last_eval)
+                    self._select(last_eval, done)
+                    if self.selection is not None and self.selection.best_step is not None:
+                        record["best_step"] = self.selection.best_step
+                record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
+                self.metrics.write(record)
+                shown = {k: v for k, v in record.items() if k in _SHOWN and isinstance(v, float)}
+                bar.set_postfix({k: metric_text(k, v) for k, v in shown.items()})
+                bar.update(1)
+                self.progress.log_step(self.task.unit, done, total, shown)
+                saved = self.checkpoint_every and done % self.checkpoint_every == 0
+                if saved and done < total:
                     self._save(done)
-                bar.close()
-                self.preempted_at = done
-                self.metrics.write({"event": "preempted", "step": done})
-                self.metrics.close()
-                return last_eval
-        bar.close()
+                    saved_at = done
+                if self.selection is not None and self.selection.stopped and done < total:
+                    self.metrics.write(
+                        {"event": "early_stop", "step": done, "best_step": self.selection.best_step}
+                    )
+                    self.progress.line(
+                        f"early stop after {self.task.unit} {done}: no better "
+                        f"{self.selection.metric} in {self.selection.patience} evaluations since "
+                        f"{self.task.unit} {self.selection.best_step}"
+                    )
+                    end_step = done
+                    break
+                if done < total and preempted:
+                    if not saved:
+                        self._save(done)
+                    self.preempted_at = done
+                    self.metrics.write({"event": "preempted", "step": done})
+                    self.metrics.close()
+                    return last_eval
         if saved_at < end_step:
             self._save(end_step)  # every run ends with its trained model on disk
         result = self._final(last_eval, end_step)

@@ -681,40 +681,40 @@ class MiniBatchTask(DeferredOptimizer):
         fetch_before = dict(self.fetcher.stats) if self.fetcher else {}
         # loss, correct, seeds, sampling bytes, subgraph nodes
         sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        bar = self.progress.bar(
+        t0 = time.perf_counter()
+        data = self.grid.size("data")
+        # closed on the way out of an interrupt too (not by its finaliser at exit)
+        with self.progress.bar(
             len(self.loader),
             unit="batch",
             show=len(self.loader) > 1,
             desc=f"epoch {step + 1}",
             leave=False,
-        )
-        t0 = time.perf_counter()
-        data = self.grid.size("data")
-        for batch in self.loader:
-            if self.subgraph:
-                self._subgraph_update(batch, sums)
+        ) as bar:
+            for batch in self.loader:
+                if self.subgraph:
+                    self._subgraph_update(batch, sums)
+                    bar.update(1)
+                    continue
+                last = batch.micro == cfg.grad_accum - 1
+                dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
+                with contextlib.nullcontext() if last else dp.no_sync():
+                    logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
+                    loss = self._loss_sum(logits, batch.y)
+                    # the data axis averages gradients: scale the summed loss so the result is
+                    # the gradient of the mean loss over the global batch
+                    self.scaler.scale_loss(loss * (data / batch.global_size)).backward()
+                if last:
+                    self.scaler.unscale(dp.parameters())
+                    if self.scaler.update(float(dp.grad_norm()) if self.scaler.enabled else 0.0):
+                        self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                sums[0] += float(loss.detach())
+                if batch.num_seeds and self.metric == "acc":
+                    sums[1] += float((logits.argmax(1) == batch.y).sum())
+                sums[2] += batch.num_seeds
+                sums[3] += batch.stats.get("sample_bytes", 0.0)
                 bar.update(1)
-                continue
-            last = batch.micro == cfg.grad_accum - 1
-            dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
-            with contextlib.nullcontext() if last else dp.no_sync():
-                logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
-                loss = self._loss_sum(logits, batch.y)
-                # the data axis averages gradients: scale the summed loss so the result is
-                # the gradient of the mean loss over the global batch
-                self.scaler.scale_loss(loss * (data / batch.global_size)).backward()
-            if last:
-                self.scaler.unscale(dp.parameters())
-                if self.scaler.update(float(dp.grad_norm()) if self.scaler.enabled else 0.0):
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-            sums[0] += float(loss.detach())
-            if batch.num_seeds and self.metric == "acc":
-                sums[1] += float((logits.argmax(1) == batch.y).sum())
-            sums[2] += batch.num_seeds
-            sums[3] += batch.stats.get("sample_bytes", 0.0)
-            bar.update(1)
-        bar.close()
         elapsed = time.perf_counter() - t0
         fetched = (
             {k: v - fetch_before[k] for k, v in self.fetcher.stats.items()} if self.fetcher else {}

@@ -158,24 +158,23 @@ class VertexTask(DeferredOptimizer):
         self.net.train()
         # loss, correct, train nodes, sampled (on the device: NCCL reduces device tensors)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
-        bar = self.progress.bar(
+        t0 = time.perf_counter()
+        with self.progress.bar(
             len(self.loader), unit="batch", show=len(self.loader) > 1,
             desc=f"epoch {step + 1}", leave=False,
-        )  # fmt: skip
-        t0 = time.perf_counter()
-        for batch in self.loader:
-            seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
-            loss, train = self.step_loss(batch.seeds, seed)
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            sums[0] += float(loss.detach())
-            if self.metric == "acc":
-                sums[1] += self.net.accuracy(self._logits.detach(), "train_mask") * train
-            sums[2] += train
-            sums[3] += batch.num_seeds
-            bar.update(1)
-        bar.close()
+        ) as bar:  # fmt: skip
+            for batch in self.loader:
+                seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
+                loss, train = self.step_loss(batch.seeds, seed)
+                loss.backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                sums[0] += float(loss.detach())
+                if self.metric == "acc":
+                    sums[1] += self.net.accuracy(self._logits.detach(), "train_mask") * train
+                sums[2] += train
+                sums[3] += batch.num_seeds
+                bar.update(1)
         self._logits = None
         elapsed = time.perf_counter() - t0
         data = self.grid.size("data")
