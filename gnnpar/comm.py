@@ -674,7 +674,10 @@ class _GatherReplicated(torch.autograd.Function):
         out = all_gather(x, grid, axis, dim=dim, sizes=sizes)
         if ctx.sizes is None:
             ctx.sizes = [x.shape[dim]] * grid.size(axis)
-        return out
+        # contiguous, as torch.cat's: gathered along the last dim the result is a permuted
+        # view, and every later op that needs a contiguous input would copy it (a GPT's
+        # residual stream starts here, and its layer norms copied it twice a block)
+        return out.contiguous()
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
@@ -752,5 +755,6 @@ def gather_replicated(
     dim: int = 0,
     sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
+    """All-gather along ``dim`` forward (a contiguous result, as ``torch.cat``'s); keep this
+    rank's chunk of the gradient backward."""
     return _pair(_GatherReplicated, x, grid, axis, dim, sizes)

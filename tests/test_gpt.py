@@ -197,7 +197,6 @@ def test_gpt_parallel_equals_serial_on_8_ranks(tmp_path):
     assert out == ["ok"] * 8
 
 
-
 def _megatron_world() -> dict:
     """On x=2 (1D) the chosen layout is Megatron's: one all-reduce of B·T·d per block half
     forward and one backward, nothing else."""
@@ -212,6 +211,18 @@ def _megatron_world() -> dict:
         with comm.record(grid) as bwd:
             y.sum().backward()
         out[name] = (fwd.as_dict(), bwd.as_dict())
+    # the residual stream is contiguous, or every layer norm copies its input forward and
+    # its gradient backward; a vocabulary narrower than the width puts the embedding's
+    # features over x, whose gather starts the stream
+    narrow = tensor.parallelize(
+        GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=2, n_head=4, n_embd=16)), grid
+    )
+    contiguous = []
+    for m in narrow.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.register_forward_pre_hook(lambda _, args: contiguous.append(args[0].is_contiguous()))
+    narrow(torch.randint(0, 8, (2, 8)))
+    out["layer norm inputs contiguous"] = contiguous
     return out
 
 
@@ -219,7 +230,8 @@ def test_one_d_grid_moves_what_megatron_moves():
     per_block = round(2 * (2 - 1) / 2 * 2 * 8 * 16 * 8)  # all-reduce of B·T·d float64
     want = {"x": {"all_reduce": per_block}}
     out = run_distributed(_megatron_world, 2)[0]
-    assert out == {"attn": (want, want), "mlp": (want, want)}
+    norms = [True] * 5  # two per block, two blocks, and the final one
+    assert out == {"attn": (want, want), "mlp": (want, want), "layer norm inputs contiguous": norms}
 
 
 def _fake_grid(**sizes) -> ProcessGrid:
