@@ -57,13 +57,15 @@ def _gpt_run(
     if keep_grads:  # zero the gradients in place, as zero_grad(set_to_none=False) does
         zero = task.optimizer.zero_grad
         task.optimizer.zero_grad = lambda set_to_none=True: zero(set_to_none=False)
-    losses, traffic = [], []
+    losses, norms, traffic = [], [], []
     for step in range(steps):
         with comm.record(task.grid) as t:
-            losses.append(task.train_step(step)["loss"])
+            record = task.train_step(step)
+        losses.append(record["loss"])
+        norms.append(record["grad_norm"])  # AdamW hides a wrong gradient scale; this not
         traffic.append(t.as_dict())
     full = task.dp.full_state_dict()
-    out = {"state": {k: v.tolist() for k, v in full.items()}, "losses": losses}
+    out = {"state": {k: v.tolist() for k, v in full.items()}, "losses": losses, "norms": norms}
     if record:
         out["traffic"] = traffic
     gnnpar.release(task.grid)
@@ -127,6 +129,8 @@ def test_gpt_every_stage_and_fcdp_with_tensor_parallel_equals_one_process(tmp_pa
         assert err <= REL, f"{name}: parameters differ from one process by {err:.3g}"
         for a, b in zip(res["losses"], ref["losses"], strict=True):
             assert abs(a - b) <= REL * abs(b), f"{name}: loss {a} vs {b}"
+        for a, b in zip(res["norms"], ref["norms"], strict=True):
+            assert abs(a - b) <= REL * abs(b), f"{name}: gradient norm {a} vs {b}"
     # at stage 0 the tensor-parallel layers compute each weight's gradient in its bucket (2
     # blocks of 4 x-parallel weights, 3 steps; the others are copied in); stage 2 keeps no
     # buffer to write into

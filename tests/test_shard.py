@@ -131,11 +131,13 @@ def _rows(grid) -> slice:
     return slice(s * BATCH // n, (s + 1) * BATCH // n)
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor, grid) -> torch.Tensor:
+def _loss(out: torch.Tensor, y: torch.Tensor, grid, divided: bool = False) -> torch.Tensor:
     """This rank's part of the whole batch's mean squared error, times the number of shares:
     the reduction averages over the shares, which then gives the serial gradient even when
-    the shares differ in size (3 ranks: 2, 3 and 3 rows)."""
-    return F.mse_loss(out.to(y.dtype), y, reduction="sum") * _shares(grid)[1] / (BATCH * OUT)
+    the shares differ in size (3 ranks: 2, 3 and 3 rows). ``divided``: the reduction only
+    sums over data (``loss_divided_by_data``), so the loss leaves the data size out."""
+    shares = _shares(grid)[1] // (grid.size("data") if divided else 1)
+    return F.mse_loss(out.to(y.dtype), y, reduction="sum") * shares / (BATCH * OUT)
 
 
 def _opt(name: str, params):
@@ -261,12 +263,16 @@ def _zero_missing_grads(net: nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def _train(grid, stage, opt_name, steps=3, fcdp=None, mp=None, freeze=False, check=True, cls=_Net):
+def _train(
+    grid, stage, opt_name, steps=3, fcdp=None, mp=None, freeze=False, check=True, cls=_Net,
+    divided=False,
+):  # fmt: skip
     """Train the sharded model and the serial one side by side; check each step's bytes.
     Returns (largest error of any gradient or parameter in any step, traffic log, handle,
-    optimizer)."""
+    optimizer). ``divided``: the loss carries the mean over data ranks."""
     net, ref = _net(freeze, cls=cls), _net(freeze, cls=cls)
     dp = shard(net, grid, stage, units="blocks.*", fcdp=fcdp, mixed_precision=mp)
+    dp.loss_divided_by_data = divided
     opt = dp.attach(_opt(opt_name, dp.parameters()))
     opt_ref = _opt(opt_name, [p for p in ref.parameters() if p.requires_grad])
     p, z = grid.size("data"), grid.size("z")
@@ -279,7 +285,7 @@ def _train(grid, stage, opt_name, steps=3, fcdp=None, mp=None, freeze=False, che
         F.mse_loss(ref(x), y).backward()
         _zero_missing_grads(ref)  # what the sharded stages do with a parameter no one used
         with comm.record(grid) as t:
-            _loss(net(x[rows]), y[rows], grid).backward()
+            _loss(net(x[rows]), y[rows], grid, divided).backward()
             worst = max(worst, _grad_err(dp, ref))
             opt.step()
             opt.zero_grad()
@@ -305,6 +311,9 @@ def _stages(grid, full: bool = True) -> dict:
             out[(tag, stage, opt_name)] = _train(grid, stage, opt_name, steps)[0]
     for opt_name in opts:
         out[(tag, "fcdp", opt_name)] = _train(grid, 3, opt_name, steps, fcdp=FCDP())[0]
+    for stage in (0, 1, 2, 3) if full else (0, 3):
+        # the loss divided by the data size, the reduction a sum over data (z still averages)
+        out[(tag, stage, "loss divided")] = _train(grid, stage, "adamw", steps, divided=True)[0]
     if full and grid.size("data") > 1:
         # FCDP halves the inter-node all-gather bytes of stage 3.
         _, log3, _, _ = _train(grid, 3, "sgd", steps=1)
@@ -634,6 +643,54 @@ def _tp_clip_world() -> dict:
 def test_gradient_clipping_of_a_tensor_parallel_model():
     for res in run_distributed(_tp_clip_world, 4, timeout=180):
         assert all(err <= TOL for err in res.values()), res
+
+
+def _clip_case(dtype, fused, max_norm):
+    """Three AdamW steps on fixed gradients, clipped by clipped_step and, as reference, by
+    scaling the gradients in place before a plain step; the parameters and gradients after
+    the last step of both, and whether the step carried the clip."""
+    from gnnpar.shard.clip import clip_factor, clipped_step, scale_grads_, scales_in_step
+
+    torch.manual_seed(0)
+    shapes = [(37, 5), (5,), (11,)]
+    start = [torch.randn(s, dtype=dtype) for s in shapes]
+    grads = [[torch.randn(s, dtype=dtype) * 3 for s in shapes] for _ in range(3)]
+    out = []
+    for way in ("clipped_step", "in place"):
+        params = [nn.Parameter(t.clone()) for t in start]
+        opt = torch.optim.AdamW(params, lr=0.1, fused=fused or None)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in step_grads]))
+            inside = scales_in_step(opt)
+            if way == "clipped_step":
+                clipped_step(opt, params, norm, max_norm)
+                assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+            else:
+                scale_grads_(params, clip_factor(norm, max_norm))
+                opt.step()
+        out.append(([p.detach() for p in params], [p.grad for p in params], inside))
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype, fused, inside",
+    [(torch.float32, True, True), (torch.float32, False, False), (torch.float64, True, False)],
+)
+def test_a_clipped_step_equals_clipping_in_place(dtype, fused, inside):
+    """clipped_step hands the clip to torch's fused AdamW kernel (its grad_scale) on float32
+    gradients, which divides by it as it reads them: within float32 rounding of clipping in
+    place, and the gradients after the step are the clipped ones. Elsewhere (the loop
+    optimizer, float64) it clips in place: bit-equal."""
+    (params, grads, carried), (ref_params, ref_grads, _) = _clip_case(dtype, fused, 1.0)
+    assert carried == inside
+    tol = 4 * torch.finfo(dtype).eps if inside else 0.0
+    for a, b in zip(params + grads, ref_params + ref_grads, strict=True):
+        assert torch.allclose(a, b, rtol=tol, atol=tol), (a - b).abs().max()
+    # a clip that does nothing (the norm under max_norm) is a plain step
+    (params, _, _), (ref_params, _, _) = _clip_case(dtype, fused, 1e6)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
 
 
 # ---------------------------------------------------------------------------- bad input

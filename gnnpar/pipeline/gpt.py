@@ -25,6 +25,7 @@ from gnnpar.nn.gpt import GPT, Block, GPTChunk, model_sizes
 from gnnpar.pipeline.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2, is_hf_gpt2
 from gnnpar.pipeline.runtime import Pipeline, StepResult, TiedWeight
 from gnnpar.pipeline.stages import gpt_layer_costs, split_layers
+from gnnpar.shard.clip import clip_factor, scale_grads_
 
 __all__ = ["SPLITS", "GPTPipeline", "gpt_pipeline", "gpt_stage_layers"]
 
@@ -111,10 +112,7 @@ class GPTPipeline:
         """Scale every stage's gradients so the whole model's gradient norm is at most
         ``max_norm``; return the norm before clipping."""
         norm = self.grad_norm()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        scale_grads_(self.parameters(), clip_factor(norm, max_norm))
         return norm
 
     def act_shape(self, micro_batch: int, rows: int, seq: int) -> tuple[int, int, int]:

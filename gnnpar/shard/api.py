@@ -43,6 +43,7 @@ from torch import nn
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.buckets import GradBuckets, build_buckets
+from gnnpar.shard.clip import clip_factor, scale_grads_
 from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import NodeGroups, node_groups
@@ -229,6 +230,7 @@ class ShardedModel:
         self._attached = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stepping = False  # inside an offload tier's chunked step
+        self._loss_divided = False
 
     # ---------------------------------------------------------------------- basics
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -353,6 +355,21 @@ class ShardedModel:
         if not self._attached:  # no optimizer hook: catch a step that happened since
             self.sync_params()
 
+    @property
+    def loss_divided_by_data(self) -> bool:
+        """Whether the caller's loss is already divided by the data size, so the gradient
+        reduction only sums over data (default False: it divides, averaging). Dividing the
+        loss is free (its backward's first scalar op carries it); dividing the gradients
+        is a pass over all of them. Set before the first backward of a step."""
+        return self._loss_divided
+
+    @loss_divided_by_data.setter
+    def loss_divided_by_data(self, value: bool) -> None:
+        rt = self.buckets or self.stage3
+        if rt is not None:
+            rt.scale = rt.divisor // self.grid.size("data") if value else rt.divisor
+        self._loss_divided = bool(value)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) inside the block; the first
@@ -423,13 +440,7 @@ class ShardedModel:
         """Scale the gradients so the full model's gradient norm is at most ``max_norm``;
         return the norm before clipping."""
         norm = self.grad_norm(norm_type)
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for p in self.parameters():
-            if p.grad is not None:
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (device, dtype), grads in groups.items():
-            torch._foreach_mul_(grads, coef.to(device, dtype))
+        scale_grads_(self.parameters(), clip_factor(norm, max_norm))
         return norm
 
     # --------------------------------------------------------------------- state dicts

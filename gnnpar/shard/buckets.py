@@ -131,7 +131,8 @@ class Bucket:
         g = self.group
         if g.z_start < g.numel and grid.size("z") > 1:
             comm.all_reduce(buf[g.z_start : g.numel], grid, "z")
-        buf.div_(scale)
+        if scale != 1:
+            buf.div_(scale)
         if self.stage == 0:
             self.handle = comm.all_reduce(buf, grid, "data", async_op=True)
         else:
@@ -177,6 +178,7 @@ class GradBuckets:
         self.stage = stage
         self.buckets = buckets
         self.scale = scale
+        self.divisor = scale  # the average's; scale drops the data size when the loss has it
         self.sync = True
         self._next = 0
         self._done = 0

@@ -140,6 +140,7 @@ class Stage3:
         self.nodes = nodes
         self.prefetch = prefetch
         self.scale = grid.size("data") * grid.size("z")
+        self.divisor = self.scale  # the average's; scale drops data when the loss has it
         self.sync = True
         self.order: list[Unit] = []
         self._next_fw: dict[int, Unit] = {}
@@ -471,7 +472,8 @@ class Stage3:
         g, unit.grad = unit.grad, None
         if group.z_start < group.numel and self.grid.size("z") > 1:
             comm.all_reduce(g[group.z_start : group.numel], self.grid, "z")
-        g.div_(self.scale)
+        if self.scale != 1:
+            g.div_(self.scale)
         # Bound the reduce-scatters in flight: each holds a whole unit's gradient.
         while len(self._pending_rs) >= MAX_INFLIGHT_REDUCTIONS:
             done, h = self._pending_rs.pop(0)

@@ -35,6 +35,7 @@ from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
 from gnnpar.nn.gpt import GPTConfig, generate, model_sizes, set_activation_checkpointing
 from gnnpar.recompute import MODES
+from gnnpar.shard.clip import clipped_step
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
@@ -461,6 +462,8 @@ class GPTTask(DeferredOptimizer):
             return
         self.dp = shard_fn(model)
         self.model = self.dp  # what checkpoints save: masters and pieces, on any grid
+        # the step's loss carries the mean over data ranks: no division of the gradients
+        self.dp.loss_divided_by_data = True
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         if self.pipeline is None:
@@ -548,16 +551,21 @@ class GPTTask(DeferredOptimizer):
             micro = []
         else:
             self.net.train()
+            # the gradient of the mean over the global batch: over micro-batches and (the
+            # reduction only sums, loss_divided_by_data) over the ranks it reduces over,
+            # data and context ones (its grid folds context into data)
+            divisor = cfg.grad_accum * dp.grid.size("data")
         for i, (xm, ym) in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else dp.no_sync():
-                loss = self._loss(xm, ym) / cfg.grad_accum
-                self.scaler.scale_loss(loss).backward()
-            total += loss.detach().to(torch.float64).cpu()
+                loss = self._loss(xm, ym)
+                self.scaler.scale_loss(loss / divisor).backward()
+            total += loss.detach().to(torch.float64).cpu() / cfg.grad_accum
         self.scaler.unscale(dp.parameters())
-        norm = dp.clip_grad_norm_(cfg.grad_clip) if cfg.grad_clip > 0 else dp.grad_norm()
+        norm = dp.grad_norm()
         if self.scaler.update(float(norm)):
-            self.optimizer.step()
+            # the clip inside the fused AdamW step where it can: no pass of its own
+            clipped_step(self.optimizer, dp.parameters(), norm, cfg.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         return {
