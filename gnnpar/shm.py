@@ -249,7 +249,9 @@ class Channel:
         Per window, rank r reduces chunk r over the slots in group order and writes it back
         over chunk r of its own slot (which no other rank reads); after a sync every rank
         copies chunk c from slot c. Every element is reduced once, so all ranks hold the same
-        bits, and the segment holds p inputs, nothing more.
+        bits, and the segment holds p inputs, nothing more. On 2 ranks each rank reduces the
+        whole window itself instead (in the same order, so to the same bits): it reads no
+        more than the chunked way and saves a sync and two copies.
         """
         p, flat = self.size, tensor.reshape(-1)
         total = flat.numel()
@@ -262,6 +264,10 @@ class Channel:
             mine = self._elems(self.rank * stride, n, flat.dtype)
             mine.copy_(flat[o : o + n])
             self.sync()
+            if p == 2:
+                first, second = self._elems(0, n, flat.dtype), self._elems(stride, n, flat.dtype)
+                _combine_into(flat[o : o + n], first, second, op)
+                continue
             bounds = _chunk_bounds(n, p)
             lo, hi = bounds[self.rank]
             acc = self._elems(0, n, flat.dtype)[lo:hi].clone()
@@ -304,6 +310,16 @@ def _combine(acc: torch.Tensor, part: torch.Tensor, op: str) -> None:
         torch.maximum(acc, part, out=acc)
     else:
         torch.minimum(acc, part, out=acc)
+
+
+def _combine_into(out: torch.Tensor, first: torch.Tensor, second: torch.Tensor, op: str) -> None:
+    """``out = first op second`` (what :func:`_combine` gives ``first`` updated by
+    ``second``, bit for bit)."""
+    if op == "sum":
+        torch.add(first, second, out=out)
+    else:
+        out.copy_(first)
+        _combine(out, second, op)
 
 
 def channel(
