@@ -14,6 +14,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from gnnpar.atomic import os_error_message
 from gnnpar.grid import GridError
@@ -90,9 +91,17 @@ def _info_check(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its error on one line: a value the user typed may hold a
+    newline (``--batch-size=$'\\n0'``), which argparse would print as it is."""
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102
+        super().error(message.replace("\n", "\\n"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser of ``gnnpar``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gnnpar",
         description="Distributed training for GNNs on huge graphs and for large transformers.",
     )

@@ -106,6 +106,7 @@ def test_random_bytes_as_a_toml_file(task, data):
     key=st.sampled_from(KEYS),
     text=st.one_of(st.text(max_size=10), st.sampled_from(["nan", "inf", "-1", "1e999", "0"])),
 )
+@example(task="gcn", key="batch_size", text="\n0")  # argparse's error had a line break (found)
 def test_random_flag_values(task, key, text):
     code, err = _run_cli(["train", task, f"--{key.replace('_', '-')}={text}", "--print-config"])
     _assert_clean(code, err, argparse_ok=True)
