@@ -1,5 +1,5 @@
 """The local SpMM: every variant against a dense reference, forward and transposed; autotune;
-bfloat16 within its stated bound; the differentiable wrappers."""
+bfloat16 and float16 within their stated bounds; the differentiable wrappers."""
 
 from __future__ import annotations
 
@@ -105,41 +105,52 @@ def test_autotune_times_every_candidate_and_keeps_one_per_width_and_dtype():
     assert f64.choices == {(4, torch.float64): "csr32"}
 
 
-def test_bfloat16_variants_accumulate_in_float32_within_the_stated_bound():
-    # the stated bound: |out - A·H| <= 2**-8 |A·H| + 2**-16 (|A|·|H|), A·H exact
-    block = _block(57, 300, 0.6, torch.bfloat16, seed=7)  # rows of ~180 nonzeros
+@pytest.mark.parametrize(
+    ("dtype", "first", "names", "ones", "want"),
+    [
+        # a sum of 1,000 ones: bfloat16 accumulation would stop at 256
+        (torch.bfloat16, 2**-8, ("bag", "bag-tiled", "bag-up"), 1000, 1000.0),
+        # 3,001 ones round once to float16's 3,000; float16 accumulation would stop at 2,048
+        (torch.float16, 2**-11, ("bag", "bag-tiled"), 3001, 3000.0),
+    ],
+)
+def test_half_precision_variants_accumulate_in_float32_within_the_stated_bound(
+    dtype, first, names, ones, want
+):
+    # the stated bound: |out - A·H| <= first·|A·H| + 2**-16 (|A|·|H|), A·H exact
+    block = _block(57, 300, 0.6, dtype, seed=7)  # rows of ~180 nonzeros
     a = block.to_dense().double()
-    assert set(_usable(block, torch.bfloat16)) == {"bag", "bag-tiled", "bag-up"}
+    assert set(_usable(block, dtype)) == set(names)
     for width in (5, 70):
         h = torch.randn(300, width, generator=torch.Generator().manual_seed(width))
-        h = h.to(torch.bfloat16)
+        h = h.to(dtype)
         exact = a @ h.double()
-        bound = 2**-8 * exact.abs() + 2**-16 * (a.abs() @ h.double().abs())
-        for name in ("bag", "bag-tiled", "bag-up"):
+        bound = first * exact.abs() + 2**-16 * (a.abs() @ h.double().abs())
+        for name in names:
             op = LocalSpMM(block, variants=(name,))
             out = op.mm(h)
-            assert out.dtype == torch.bfloat16
+            assert out.dtype == dtype
             assert bool(((out.double() - exact).abs() <= bound).all()), name
             exact_t = a.T @ h[:57].double() if width == 5 else None
             if exact_t is not None:
                 out_t = op.T.mm(h[:57].contiguous())
-                bound_t = 2**-8 * exact_t.abs() + 2**-16 * (a.abs().T @ h[:57].double().abs())
+                bound_t = first * exact_t.abs() + 2**-16 * (a.abs().T @ h[:57].double().abs())
                 assert bool(((out_t.double() - exact_t).abs() <= bound_t).all()), name
-    # a sum of 1,000 ones: bfloat16 accumulation would stop at 256
-    ones = CSRBlock(
-        torch.tensor([0, 1000]), torch.zeros(1000, dtype=torch.int64),
-        torch.ones(1000, dtype=torch.bfloat16), (1, 1),
+    block = CSRBlock(
+        torch.tensor([0, ones]), torch.zeros(ones, dtype=torch.int64),
+        torch.ones(ones, dtype=dtype), (1, 1),
     )  # fmt: skip
-    for name in ("bag", "bag-tiled", "bag-up"):
-        out = LocalSpMM(ones, variants=(name,)).mm(torch.ones(1, 3, dtype=torch.bfloat16))
-        assert out.float().tolist() == [[1000.0] * 3], name
+    for name in names:
+        out = LocalSpMM(block, variants=(name,)).mm(torch.ones(1, 3, dtype=dtype))
+        assert out.float().tolist() == [[want] * 3], name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_the_autotune_chooses_among_bit_identical_variants(dtype):
     # timing picks the variant, so results must not depend on it (resumed runs equal)
     block = _block(45, 38, 0.4, dtype, seed=11)
     assert LocalSpMM(block).candidates(dtype) == list(EXACT_GROUPS[dtype])
+    assert len(EXACT_GROUPS[dtype]) >= 2  # every training dtype has variants to choose from
     for width in (7, 70):
         h = torch.randn(38, width, generator=torch.Generator().manual_seed(width)).to(dtype)
         g = torch.randn(45, width, generator=torch.Generator().manual_seed(width)).to(dtype)
@@ -148,6 +159,7 @@ def test_the_autotune_chooses_among_bit_identical_variants(dtype):
             op = LocalSpMM(block, variants=(name,))
             assert torch.equal(op.mm(h), first.mm(h)), name
             assert torch.equal(op.T.mm(g), first.T.mm(g)), name
+        assert torch.equal(LocalSpMM(block).mm(h), first.mm(h))  # the autotuned default
 
 
 def test_spmm_and_csr_spmm_are_differentiable():

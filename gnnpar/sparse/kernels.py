@@ -9,11 +9,11 @@ variant         dtypes of ``H``             kernel
 ``csr64``       float32, float64            torch's sparse CSR matmul, int64 indices (MKL)
 ``csr32``       float32, float64            the same with int32 indices (blocks below 2**31)
 ``bag``         float32, float64, bfloat16  ``embedding_bag(mode="sum")`` with the values as
-                                            per-sample weights: the CSR product row by row
+                float16                     per-sample weights: the CSR product row by row
                                             (fbgemm's CPU kernel: several times faster than
                                             the sparse CSR one in float32; no vectorised
                                             float64 kernel)
-``bag-tiled``   float32, bfloat16           ``bag`` on column tiles of 64 features (a smaller
+``bag-tiled``   float32, bfloat16, float16  ``bag`` on column tiles of 64 features (a smaller
                                             gathered working set for wide ``H``)
 ``bag-up``      bfloat16                    ``H`` and values widened to float32, ``bag``,
                                             the result rounded to bfloat16 once
@@ -25,8 +25,8 @@ each ``(width, dtype)`` times the candidates and remembers the winner for that b
 measured). By default the candidates are the dtype's :data:`EXACT_GROUPS`: variants whose
 products are **bit for bit the same** (each output element sums its row's nonzeros in the
 same order), so the choice, made by timing, never changes a result and training stays
-reproducible run to run and across a resume; ``bag`` and ``bag-tiled`` for float32 and
-bfloat16 (several times faster than torch's CSR in float32), ``csr32``, ``csr64`` and
+reproducible run to run and across a resume; ``bag`` and ``bag-tiled`` for float32,
+bfloat16 and float16 (several times faster than torch's CSR in float32), ``csr32``, ``csr64`` and
 ``bag`` for float64 (where ``bag`` has no vectorised kernel and all three agree). Naming
 ``variants=`` times exactly those instead (the benchmark compares all of them this way).
 Without autotuning the group's first variant is used.
@@ -37,6 +37,11 @@ accumulates in float32 and rounds the result once, so, elementwise,
 the bfloat16 operands (round-to-nearest gives 2**-9 of the first term; float32 accumulation
 over ``deg`` terms adds at most ``deg · 2**-24`` of the second, well inside 2**-16 for
 degrees up to 256). Accumulating in bfloat16 would instead stall a sum of 1,000 ones at 256.
+
+**float16** (``mixed_precision = "fp16"``) goes the same way through ``bag``: float32
+accumulation, one rounding, so the bound is the one above with 2**-11 for the first term
+(float16 keeps 11 significant bits); a sum of 3,001 ones gives 3,000, where float16
+accumulation would stall at 2,048.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ __all__ = ["EXACT_GROUPS", "VARIANTS", "LocalSpMM", "SpMMFunction", "csr_spmm", 
 
 _INT32_MAX = 2**31 - 1
 _TILE = 64  # feature columns per tile of ``bag-tiled``
-_F32, _F64, _BF16 = torch.float32, torch.float64, torch.bfloat16
+_F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 
 
 def _csr_tensor(block: CSRBlock, index_dtype: torch.dtype) -> torch.Tensor:
@@ -119,8 +124,8 @@ VARIANTS: MappingProxyType[str, Variant] = MappingProxyType(
                     lambda a, h: a @ h),
             Variant("csr32", frozenset({_F32, _F64}), lambda b: _csr_tensor(b, torch.int32),
                     lambda a, h: a @ h, int32_only=True),
-            Variant("bag", frozenset({_F32, _F64, _BF16}), _bag_arrays, _bag),
-            Variant("bag-tiled", frozenset({_F32, _BF16}), _bag_arrays, _bag_tiled),
+            Variant("bag", frozenset({_F32, _F64, _BF16, _F16}), _bag_arrays, _bag),
+            Variant("bag-tiled", frozenset({_F32, _BF16, _F16}), _bag_arrays, _bag_tiled),
             Variant("bag-up", frozenset({_BF16}), lambda b: _bag_arrays(b, _F32), _bag_up),
         )
     }
@@ -128,7 +133,12 @@ VARIANTS: MappingProxyType[str, Variant] = MappingProxyType(
 """Every variant by name (read-only)."""
 
 EXACT_GROUPS: MappingProxyType[torch.dtype, tuple[str, ...]] = MappingProxyType(
-    {_F32: ("bag", "bag-tiled"), _BF16: ("bag", "bag-tiled"), _F64: ("csr32", "csr64", "bag")}
+    {
+        _F32: ("bag", "bag-tiled"),
+        _BF16: ("bag", "bag-tiled"),
+        _F16: ("bag", "bag-tiled"),
+        _F64: ("csr32", "csr64", "bag"),
+    }
 )
 """Per dtype, the variants whose products are bit-identical: the default candidates of the
 autotune, the first one the default without it (``csr32`` gives way to ``csr64`` for blocks

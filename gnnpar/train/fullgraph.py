@@ -11,8 +11,8 @@ not given, from the communication model in :mod:`gnnpar.plan`.
 ``mixed_precision = "bf16"``: master weights and Adam's state in ``dtype`` (float32), Â,
 features, activations, products and every collective in bfloat16, the loss in float32 from
 the bfloat16 logits (:func:`gnnpar.sparse.parallelize_fullgraph`'s ``compute_dtype``).
-``"fp16"`` is refused: it would need loss scaling and float16 SpMM kernels, which this task
-does not have.
+``"fp16"`` is refused: it would need loss scaling, which the full-graph loop does not have
+(the SpMM multiplies float16 for the ``sage`` task).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
         if self.mixed_precision == "fp16":
             raise ConfigError(
                 "config key 'mixed_precision': full-graph training supports none or bf16 "
-                "(fp16 would need loss scaling and float16 SpMM kernels); use bf16"
+                "(fp16 would need loss scaling, which full-graph training does not have); use bf16"
             )
         for key in ("hidden", "layers", "epochs", "blocks", "overlap_chunks", "heads", "out_heads"):
             if getattr(self, key) < 1:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from gnnpar.shard.clip import scale_grads_
+
 __all__ = ["LossScaler", "compute_dtype", "full_precision", "master_dtype", "shard_policy"]
 
 _DTYPES = {
@@ -75,12 +77,10 @@ class LossScaler:
         return loss * self.scale if self.enabled else loss
 
     def unscale(self, params) -> None:
-        """Divide the gradients of ``params`` by the scale."""
-        if not self.enabled:
-            return
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(self.scale)
+        """Divide the gradients of ``params`` by the scale (one foreach multiply by its
+        inverse: the scale is a power of two, so the same bits as dividing)."""
+        if self.enabled:
+            scale_grads_(params, torch.tensor(1.0 / self.scale, dtype=torch.float64))
 
     def update(self, grad_norm: float) -> bool:
         """Record the step's gradient norm; return whether the optimizer may step."""
@@ -106,4 +106,3 @@ class LossScaler:
         if state:
             self.scale = float(state["scale"])
             self.good, self.skipped = int(state["good"]), int(state["skipped"])
-
