@@ -77,6 +77,12 @@ def _as_tensors(state: dict) -> dict:
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in state.items()}
 
 
+def _rel_l2(state: dict, ref: dict) -> float:
+    """The whole model's relative L2 distance from ``ref`` (every tensor together)."""
+    num = sum(float((state[k] - v).pow(2).sum()) for k, v in ref.items()) ** 0.5
+    return num / sum(float(v.pow(2).sum()) for v in ref.values()) ** 0.5
+
+
 def _record_arrivals(arrivals: list[bool]) -> None:
     """Record, for every gradient a bucket takes, whether it arrived in the bucket's buffer
     (the layer computed it there: ``grad_destination``) or had to be copied in."""
@@ -218,9 +224,7 @@ def test_bf16_fp16_and_the_reduction_dtype(tmp_path):
     # (Per tensor the gap can be large: a q/k bias whose gradient is ~0 has Adam steps of
     # either sign.)
     for name in ("bf16", "bf16 reduce bf16", "fp16"):
-        got = _as_tensors(res[name]["state"])
-        num = sum(float((got[k] - v).pow(2).sum()) for k, v in fp32.items()) ** 0.5
-        err = num / sum(float(v.pow(2).sum()) for v in fp32.values()) ** 0.5
+        err = _rel_l2(_as_tensors(res[name]["state"]), fp32)
         assert 1e-6 < err < 5e-3, f"{name}: {err:.3g}"
         for a, b in zip(res[name]["losses"], res["fp32"]["losses"], strict=True):
             assert abs(a - b) < 1e-3 * b, (name, a, b)
@@ -331,9 +335,7 @@ def test_sage_in_bf16_and_fp16_trains_within_a_stated_bound_of_fp32(tmp_path):
     # 4.5e-5 fp16, whose SpMM accumulates in float32 like bf16's) and the losses within 1e-2
     # (measured 4.0e-3, 1.8e-4); not equal either: the compute ran in low precision
     for mp in ("bf16", "fp16"):
-        got = _as_tensors(runs[mp]["state"])
-        num = sum(float((got[k] - v).pow(2).sum()) for k, v in fp32.items()) ** 0.5
-        err = num / sum(float(v.pow(2).sum()) for v in fp32.values()) ** 0.5
+        err = _rel_l2(_as_tensors(runs[mp]["state"]), fp32)
         assert 1e-6 < err < 5e-3, f"{mp}: {err:.3g}"
         for a, b in zip(runs[mp]["losses"], runs["none"]["losses"], strict=True):
             assert abs(a - b) < 1e-2 * b, (mp, a, b)
