@@ -191,7 +191,8 @@ def _fp16_overflow(text: str) -> dict:
     unchanged = all(torch.equal(after[k], v) for k, v in before.items())
     task.scaler.scale = 2.0**12
     second = task.train_step(1)
-    moved = any(not torch.equal(task.dp.full_state_dict()[k], v) for k, v in before.items())
+    trained = task.dp.full_state_dict()  # collective: once, on every rank alike
+    moved = any(not torch.equal(trained[k], v) for k, v in before.items())
     gnnpar.release(task.grid)
     return {"first_norm": first["grad_norm"], "second_norm": second["grad_norm"],
             "skipped": skipped, "unchanged": unchanged, "moved": moved}  # fmt: skip
