@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.sharding import BlockStack  # noqa: E402
-from gnnpar.nn.gpt import Block  # noqa: E402
+from gnnpar.models.gpt.model import Block  # noqa: E402
 from gnnpar.testing import run_distributed  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"

@@ -102,7 +102,7 @@ class Tokens:
 
 # ------------------------------------------------------------------------ one rank's run
 def _ours(cfg: dict[str, Any], parallel: dict[str, Any]):
-    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
 
     task_cfg = GPTTaskConfig(
         **cfg["sizes"], batch_size=cfg["batch"], lr=1e-4, min_lr=1e-4, warmup=1,
@@ -124,7 +124,7 @@ def _peer(cfg: dict[str, Any], kind: str):
 
     from benchmarks.tensor_parallel import _permute_qkv_for_dtensor
     from gnnpar.data.text import TokenBlocks
-    from gnnpar.nn.gpt import GPT, GPTConfig
+    from gnnpar.models.gpt.model import GPT, GPTConfig
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(1337)
@@ -339,7 +339,7 @@ def planner_memory(cfg: dict[str, Any], stages: tuple[int, ...] = (0, 1, 2, 3)) 
     """Predicted vs measured per-rank memory of the gpt task's step, every 8-rank shape with
     data ≥ 2, for each ZeRO stage of ``stages``."""
     from gnnpar.grid import factorizations
-    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.models.gpt.model import GPTConfig
     from gnnpar.plan import GPTProblem, rank_gpt
     from gnnpar.plan.machines import local_machine
 
@@ -381,7 +381,7 @@ def checkpointing(cfg: dict[str, Any], grid: str, stage: int, repeats: int) -> d
     """Each mode of :data:`CKPT_MODES` on ``grid``, alternating in fresh worlds, with the
     planner's prediction for the same run (memory of rank 0, step seconds)."""
     from gnnpar.grid import parse_grid_spec
-    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.models.gpt.model import GPTConfig
     from gnnpar.plan import GPTProblem, rank_gpt
     from gnnpar.plan.machines import local_machine
 
@@ -497,7 +497,7 @@ def main() -> int:
         sizes["block_size"] = args.seq
     if args.dropout:
         sizes["dropout"] = args.dropout
-    from gnnpar.nn.gpt import GPT, GPTConfig
+    from gnnpar.models.gpt.model import GPT, GPTConfig
 
     with torch.device("meta"):
         params = sum(t.numel() for t in GPT(GPTConfig(**sizes)).parameters())

@@ -68,7 +68,7 @@ class _Tokens:
 
 
 def _config(grid: str, batch: int, seq: int, steps: int):
-    from gnnpar.train.gpt import GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
 
     return GPTTaskConfig(
         **MODEL, block_size=seq, batch_size=batch, grid=grid, zero_stage=0, steps=steps,
@@ -78,7 +78,7 @@ def _config(grid: str, batch: int, seq: int, steps: int):
 
 def _rank(grid: str, batch: int, seq: int, steps: int) -> dict[str, Any]:
     import gnnpar
-    from gnnpar.train.gpt import GPTTask
+    from gnnpar.models.gpt.task import GPTTask
 
     world = gnnpar.init()
     # the code every side imports while it builds (its pages count in RSS), and torch's lazy
@@ -111,8 +111,8 @@ def _rank(grid: str, batch: int, seq: int, steps: int) -> dict[str, Any]:
 
 def _predicted_mb(grid: str, world: int, batch: int, seq: int) -> float:
     from gnnpar.grid import fit_shape, parse_grid_spec
+    from gnnpar.models.gpt.task import plan_problem
     from gnnpar.plan.memory import gpt_memory
-    from gnnpar.train.gpt import plan_problem
 
     cfg = _config(grid, batch, seq, 1)
     problem = dataclasses.replace(plan_problem(cfg), stage=0)

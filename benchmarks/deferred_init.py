@@ -65,7 +65,7 @@ def _rank(size: str, path: str, grid_shape: dict[str, int]) -> dict[str, Any]:
 
     import gnnpar
     from gnnpar import tensor
-    from gnnpar.nn.gpt import GPT, GPTConfig
+    from gnnpar.models.gpt.model import GPT, GPTConfig
 
     grid = gnnpar.init(**grid_shape)
     cfg = GPTConfig(**SIZES[size], **COMMON)

@@ -3,7 +3,7 @@
 The same graph and model on 2 partitions and 2 trainers, in one run:
 
 - **ours**: the ``sage`` task of ``gnnpar train sage --nprocs 2 --parts 2`` (its
-  :class:`~gnnpar.train.minibatch.MiniBatchTask`, one epoch per ``train_step``, in a 2-rank
+  :class:`~gnnpar.models.minibatch.task.MiniBatchTask`, one epoch per ``train_step``, in a 2-rank
   world): each rank owns one METIS part (``partitioners``), samples across parts and fetches
   remote features with all-to-alls, gradients all-reduced by :mod:`gnnpar.shard`.
 - **DistDGL**: ``dgl.distributed.partition_graph`` (METIS, 2 parts, training nodes and edges
@@ -140,7 +140,7 @@ def _gnnpar_rank(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gnnpar import comm
-    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
 
     torch.set_num_threads(1)
     cfg = MiniBatchConfig(

@@ -54,7 +54,7 @@ PERMUTATIONS = ("none", "random", "balanced", "balanced-local")
 
 
 def _model(dims: list[int], seed: int = 0):
-    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
 
     torch.manual_seed(seed)
     return FullGraphGNN(dims[0], dims[1], dims[-1], len(dims) - 1, dropout=0.0)
@@ -126,8 +126,8 @@ def one_rank_vs_pyg(shards: dict[str, str], graph, dims: list[int], reps: int) -
     import torch.nn.functional as F
 
     import gnnpar
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.shards import DiskSource
 
     torch.set_num_threads(1)
     grid = gnnpar.init()
@@ -192,8 +192,8 @@ def one_rank_vs_pyg(shards: dict[str, str], graph, dims: list[int], reps: int) -
 def kernel_table(folder: str, dtypes: list[torch.dtype], widths=(16, 128)) -> list[dict]:
     """(k): every local SpMM variant on the whole Â of a one-rank layout (order 0, as the
     first layer reads it), forward and transposed: the autotune's timings and pick."""
+    from gnnpar.models.fullgraph.shards import DiskSource
     from gnnpar.sparse.kernels import EXACT_GROUPS, VARIANTS, LocalSpMM
-    from gnnpar.sparse.shards import DiskSource
 
     torch.set_num_threads(1)
     src = DiskSource(folder)
@@ -224,8 +224,8 @@ def spmm_by_permutation(shards: dict[str, str], reps: int, width: int = 128) -> 
     """(l): the float32 SpMM alone (forward and transposed, the ``bag`` kernel) on the whole
     Â of each permutation's shards, CPU time of one thread, interleaved: what locality buys
     without the epoch's other work."""
+    from gnnpar.models.fullgraph.shards import DiskSource
     from gnnpar.sparse.kernels import LocalSpMM
-    from gnnpar.sparse.shards import DiskSource
 
     torch.set_num_threads(1)
     ops = {}
@@ -254,8 +254,8 @@ def _two_rank_worker(folder: str, dims: list[int], epochs: int, shapes: list) ->
     the median of ``epochs`` timed epochs of each shape."""
     import gnnpar
     from gnnpar import comm
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.shards import DiskSource
 
     torch.set_num_threads(1)
     source = DiskSource(folder)
@@ -347,7 +347,7 @@ def single_scale(scale: int, args, tmp: Path, graph=None) -> tuple[dict, dict, o
     """(a), (k) and (2) at one R-MAT scale; returns the results, the shard folders and the
     graph."""
     from gnnpar.data import rmat
-    from gnnpar.sparse.shards import prepare_shards
+    from gnnpar.models.fullgraph.shards import prepare_shards
 
     if graph is None:
         graph = rmat(scale=scale, edge_factor=args.edge_factor, feat_dim=args.features)
@@ -391,9 +391,9 @@ def _eight_rank_worker(shards: str, dims: list[int], epochs: int, shapes: list, 
     """Runs on every rank of an 8-rank world: bytes per algorithm and time per 3D shape."""
     import gnnpar
     from gnnpar import comm
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.shards import DiskSource
     from gnnpar.plan import fullgraph_epoch_bytes
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource
 
     source = DiskSource(shards)
     result: dict = {"bytes": {}, "times": {}, "nnz": {}}
@@ -459,7 +459,7 @@ def main() -> None:
 
     from gnnpar.data import rmat
     from gnnpar.grid import factorizations
-    from gnnpar.sparse.shards import prepare_shards
+    from gnnpar.models.fullgraph.shards import prepare_shards
     from gnnpar.testing import run_distributed
 
     tmp = Path(tempfile.mkdtemp(prefix="gnnpar-bench-"))

@@ -6,11 +6,11 @@ compute the same function) is built once; PyG's ``GATConv`` stack gets the same 
 Both start from the same loss (checked), then one training epoch (forward, loss, backward)
 is timed for each, median of ``--reps`` rounds that run both in turn (one thread by
 default): gnnpar's is what ``gnnpar train gcn --model gat``
-runs on one rank (:class:`gnnpar.sparse.gat.Parallel3DGAT` on a 1 × 1 × 1 grid).
+runs on one rank (:class:`gnnpar.models.fullgraph.gat.Parallel3DGAT` on a 1 × 1 × 1 grid).
 
 The bytes per epoch of the GAT's layers on 8 ranks, summed over all ranks, come from the
-layers' schedules (:func:`~gnnpar.sparse.gat.gat3d_layer_schedule` on x=2,y=2,z=2 and
-:func:`~gnnpar.sparse.gat.gat1d_layer_schedule` on 8 rows; the tests hold measured traffic
+layers' schedules (:func:`~gnnpar.models.fullgraph.gat.gat3d_layer_schedule` on x=2,y=2,z=2 and
+:func:`~gnnpar.models.fullgraph.gat.gat1d_layer_schedule` on 8 rows; the tests hold measured traffic
 against both). Prints a table and writes ``benchmarks/out/gat.json``::
 
     python benchmarks/gat.py             # scale 16
@@ -59,8 +59,8 @@ def _bytes_8_ranks(n: int, dims: list[int], heads: list[int]) -> dict[str, float
     """Bytes per epoch of the layers (forward + backward) summed over the 8 ranks."""
     from gnnpar.comm import chunk_sizes
     from gnnpar.grid import GridShape
-    from gnnpar.sparse.gat import gat1d_layer_schedule, gat3d_layer_schedule
-    from gnnpar.sparse.layout import layout3d
+    from gnnpar.models.fullgraph.gat import gat1d_layer_schedule, gat3d_layer_schedule
+    from gnnpar.models.fullgraph.layout import layout3d
 
     def head_dim(i):
         return dims[i + 1] // heads[i] if i < len(dims) - 2 else dims[-1]
@@ -93,8 +93,9 @@ def main() -> None:
 
     import gnnpar
     from gnnpar.data import rmat
-    from gnnpar.nn.gcn import GAT
-    from gnnpar.sparse import MemorySource, parallelize_fullgraph
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.model import GAT
+    from gnnpar.sparse import MemorySource
 
     graph = rmat(scale=args.scale, feat_dim=128, num_classes=16, seed=0)
     norm = graph.weighted_self_loops()  # GAT's "raw" adjacency A + I

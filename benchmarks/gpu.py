@@ -70,8 +70,8 @@ def gcn_epoch(device: torch.device, scale: int, reps: int, tmp: Path) -> dict:
     import gnnpar
     from benchmarks.fullgraph import _model, _pyg_model
     from gnnpar.data import rmat
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource, prepare_shards
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
 
     graph = rmat(scale=scale, edge_factor=16, feat_dim=128)
     dims = [128, 128, 128, int(graph.num_classes)]

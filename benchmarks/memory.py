@@ -63,9 +63,9 @@ def _fullgraph_worker(shards: str, dims: list[int], shape: dict[str, int]) -> di
 
     import gnnpar
     from gnnpar import comm
-    from gnnpar.nn.gcn import FullGraphGNN
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.model import FullGraphGNN
+    from gnnpar.models.fullgraph.shards import DiskSource
     from partitioners.metrics import measure
 
     grid = gnnpar.init(**shape)
@@ -102,10 +102,10 @@ def _fullgraph_worker(shards: str, dims: list[int], shape: dict[str, int]) -> di
 def fullgraph_table(scale: int, ranks: list[int], tmp: Path) -> dict:
     """(a): the measured peaks per rank beside the model, for each world size."""
     from gnnpar.data.rmat import rmat
+    from gnnpar.models.fullgraph.shards import prepare_shards, read_shard_manifest
     from gnnpar.plan import choose_fullgraph_grid, local_machine
     from gnnpar.plan.memory import gcn_memory
     from gnnpar.plan.problems import GCNProblem
-    from gnnpar.sparse.shards import prepare_shards, read_shard_manifest
     from gnnpar.testing import run_distributed
 
     graph = rmat(scale=scale, feat_dim=128, num_classes=16)
@@ -193,7 +193,7 @@ def _minibatch_worker(
     import gc
 
     import gnnpar
-    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
     from partitioners.metrics import _reset_peak_rss, measure
 
     libc = ctypes.CDLL("libc.so.6")
@@ -240,9 +240,9 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
     """(c): each data rank's measured peak beside :func:`minibatch_memory`, for each D."""
     from gnnpar.data.rmat import rmat
     from gnnpar.data.storage import load_graph, save_graph
+    from gnnpar.models.minibatch.task import MiniBatchConfig, _write_parts, plan_problem
     from gnnpar.plan.memory import minibatch_memory
     from gnnpar.testing import run_distributed
-    from gnnpar.train.minibatch import MiniBatchConfig, _write_parts, plan_problem
     from gnnpar.train.progress import Progress
     from partitioners import load_meta
 
@@ -359,7 +359,8 @@ def scale_pipeline(scale: int, limit: str, parts: int, tmp: Path) -> dict:
         ),
         (
             "shards (8x8)",
-            "from gnnpar.fmt import parse_bytes; from gnnpar.sparse.shards import prepare_shards; "
+            "from gnnpar.fmt import parse_bytes; "
+            "from gnnpar.models.fullgraph.shards import prepare_shards; "
             f"prepare_shards({str(graph)!r}, {str(shards)!r}, blocks=(8, 8), "
             f"memory_limit=parse_bytes({limit!r}))",
         ),

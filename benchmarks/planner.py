@@ -59,9 +59,9 @@ def _timed(step, grid, steps: int) -> float:
 
 
 def _gcn_time(grid, shards: str, dims: list[int], steps: int) -> float:
-    from gnnpar.nn.gcn import FullGraphGNN
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.model import FullGraphGNN
+    from gnnpar.models.fullgraph.shards import DiskSource
 
     torch.manual_seed(0)
     model = FullGraphGNN(dims[0], dims[1], dims[-1], len(dims) - 1, dropout=0.5)
@@ -90,7 +90,7 @@ class _Tokens:
 
 
 def _gpt_time(grid, steps: int) -> float:
-    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
 
     sizes = {k: v for k, v in GPT.items() if k != "batch_size"}
     cfg = GPTTaskConfig(
@@ -293,11 +293,11 @@ def main() -> None:
         return
 
     from gnnpar.data import rmat
-    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.models.fullgraph.shards import prepare_shards, read_shard_manifest
+    from gnnpar.models.gpt.model import GPTConfig
     from gnnpar.plan import GCNProblem, GPTProblem, local_machine, rank_gcn, rank_gpt
     from gnnpar.plan.compute import measure_local_rates
     from gnnpar.plan.machines import load_bandwidth_table
-    from gnnpar.sparse.shards import prepare_shards, read_shard_manifest
     from gnnpar.testing import run_distributed
 
     t0 = time.perf_counter()

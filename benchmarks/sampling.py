@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from gnnpar.graph import Graph  # noqa: E402
-from gnnpar.nn.minibatch import BlockGNN  # noqa: E402
+from gnnpar.models.minibatch.model import BlockGNN  # noqa: E402
 from gnnpar.sampling import NeighborSampler, NodeLoader, compiled  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
@@ -243,8 +243,8 @@ def bench_training(graph: Graph, dgl_graph: Any, reps: int, train_size: int) -> 
 # ------------------------------------------------------------------------------ part 3
 def _traffic_rank(folder: str, caches: list[int], scale: int) -> list[dict]:
     from gnnpar import comm
+    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
     from gnnpar.train.config import from_mapping
-    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
     rows = []
     for cache in caches:

@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from gnnpar.nn.gpt import Block, GPTConfig  # noqa: E402
+from gnnpar.models.gpt.model import Block, GPTConfig  # noqa: E402
 from gnnpar.testing import run_distributed  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"

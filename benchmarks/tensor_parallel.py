@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 import gnnpar  # noqa: E402
 from gnnpar import comm, tensor  # noqa: E402
 from gnnpar.comm import ring_bytes  # noqa: E402
-from gnnpar.nn.gpt import GPT, Block, GPTConfig  # noqa: E402
+from gnnpar.models.gpt.model import GPT, Block, GPTConfig  # noqa: E402
 from gnnpar.shard import shard  # noqa: E402
 from gnnpar.testing import run_distributed  # noqa: E402
 

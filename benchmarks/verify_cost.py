@@ -6,7 +6,7 @@ measures, against the first training epoch of one rank (one thread, dims 128-128
 
 - the time to check the files a rank maps, at ``verify="checksum"`` and ``"size"``: for the
   single rank (it maps every file it reads) and for each rank of an 8-rank 2 × 2 × 2 layout
-  (computed with :func:`gnnpar.sparse.layout.layout3d`, no processes started);
+  (computed with :func:`gnnpar.models.fullgraph.layout.layout3d`, no processes started);
 - the time of ``Graph.fingerprint()`` of the source graph, which rank 0 of ``gnnpar train
   gcn`` computes every run to check the shards' provenance.
 
@@ -42,7 +42,7 @@ def _median_time(fn, reps: int) -> float:
 
 
 def _model(dims: list[int]):
-    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
 
     torch.manual_seed(0)
     return FullGraphGNN(dims[0], dims[1], dims[-1], len(dims) - 1, dropout=0.0)
@@ -52,8 +52,8 @@ def one_rank_epoch(folder: Path, dims: list[int]) -> tuple[list[str], float, flo
     """(files the rank maps, seconds to open the folder and cut the model's blocks unchecked,
     first epoch's seconds, second epoch's seconds) for one rank."""
     import gnnpar
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.shards import DiskSource
 
     grid = gnnpar.init()
     t = time.perf_counter()
@@ -75,10 +75,10 @@ def one_rank_epoch(folder: Path, dims: list[int]) -> tuple[list[str], float, flo
 
 def rank_files(folder: Path, dims: list[int], shape: dict[str, int], rank: int) -> list[str]:
     """The files rank ``rank`` of a 3D grid of ``shape`` maps (the reads of
-    :class:`~gnnpar.sparse.parallel.Parallel3DGNN`, replayed without processes)."""
+    :class:`~gnnpar.models.fullgraph.parallelize.Parallel3DGNN`, replayed without processes)."""
     from gnnpar.grid import GridShape
-    from gnnpar.sparse.layout import layout3d
-    from gnnpar.sparse.shards import DiskSource
+    from gnnpar.models.fullgraph.layout import layout3d
+    from gnnpar.models.fullgraph.shards import DiskSource
 
     grid = GridShape(**shape, global_rank=rank)
     source = DiskSource(folder, verify="none")
@@ -95,7 +95,7 @@ def rank_files(folder: Path, dims: list[int], shape: dict[str, int], rank: int) 
 
 def verify_times(folder: Path, files: list[str], reps: int) -> dict[str, float]:
     """Median seconds to check ``files`` at each level."""
-    from gnnpar.sparse.shards import DiskSource
+    from gnnpar.models.fullgraph.shards import DiskSource
 
     return {
         level: _median_time(lambda lv=level: DiskSource(folder, lv).verify_files(files), reps)
@@ -120,7 +120,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from gnnpar.data import rmat
-    from gnnpar.sparse.shards import prepare_shards
+    from gnnpar.models.fullgraph.shards import prepare_shards
 
     t = time.perf_counter()
     graph = rmat(scale=args.scale, edge_factor=args.edge_factor, feat_dim=args.features)
@@ -168,7 +168,7 @@ def main() -> None:
 
 
 def _listed(folder: Path) -> list[str]:
-    from gnnpar.sparse.shards import read_shard_manifest
+    from gnnpar.models.fullgraph.shards import read_shard_manifest
 
     return sorted(read_shard_manifest(folder).files)
 

@@ -29,10 +29,10 @@ from gnnpar import comm
 from gnnpar.data.commands import add_dataset_options, check_dataset, split_options
 from gnnpar.grid import parse_grid_spec
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
-from gnnpar.nn.gcn import GCN
+from gnnpar.models.fullgraph import parallelize_fullgraph
+from gnnpar.models.fullgraph.model import GCN
+from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
 from gnnpar.plan import choose_fullgraph_grid
-from gnnpar.sparse import parallelize_fullgraph
-from gnnpar.sparse.shards import DiskSource, prepare_shards
 from gnnpar.verified import MANIFEST
 
 

@@ -13,7 +13,7 @@
 
 It is ``gnnpar train gpt`` spelled out (that command adds the planner's grid, metrics,
 progress, TensorBoard, resume on failure and mixed precision). The model is a plain GPT
-(gnnpar/nn/gpt.py): ``tensor.parallelize`` splits its layers over x, y and z, and
+(gnnpar/models/gpt/model.py): ``tensor.parallelize`` splits its layers over x, y and z, and
 ``shard`` makes it data-parallel over the data axis (stage 0 all-reduce, 1-3 ZeRO). A
 checkpoint is written every ``--checkpoint-every`` steps and at the end into
 ``OUT/checkpoints``; ``--resume`` continues from it on any grid; ``--consolidate`` turns one
@@ -38,7 +38,7 @@ from gnnpar import checkpoint, comm, tensor
 from gnnpar.data.text import TokenBlocks, load_corpus
 from gnnpar.grid import parse_grid_spec
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
-from gnnpar.nn.gpt import GPT, Block, GPTConfig
+from gnnpar.models.gpt.model import GPT, Block, GPTConfig
 from gnnpar.shard import by_type, shard
 from gnnpar.train.schedule import apply as apply_schedule
 

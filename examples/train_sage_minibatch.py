@@ -34,7 +34,7 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.data.commands import add_dataset_options, check_dataset, split_options
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
-from gnnpar.nn.minibatch import BlockGNN
+from gnnpar.models.minibatch.model import BlockGNN
 from gnnpar.sampling import (
     DistNeighborSampler,
     FeatureFetcher,

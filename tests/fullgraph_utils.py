@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.models.fullgraph.model import FullGraphGNN
 from gnnpar.sparse.csr import CSRBlock, from_coo
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.source import MemorySource, make_permutations

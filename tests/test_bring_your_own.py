@@ -21,9 +21,9 @@ from gnnpar.cli import main
 from gnnpar.convert import as_graph
 from gnnpar.data import load_graph, read_meta, save_graph
 from gnnpar.graph import Graph
+from gnnpar.models.fullgraph.task import FullGraphConfig
 from gnnpar.train import fit
 from gnnpar.train.config import ConfigError
-from gnnpar.train.fullgraph import FullGraphConfig
 from gnnpar.train.loop import load_dataset
 from gnnpar.train.metrics import read_metrics
 from gnnpar.verified import file_entry
@@ -238,7 +238,7 @@ def test_a_launch_from_a_partition_checks_the_dataset_folder_without_loading_it(
     launch reads the folder's node data and its edges in pieces, never the whole graph
     (here: loading it raises), and says the same things as the loading check."""
     import partitioners
-    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
 
     graph = labelled(directed=True)
     folder = save_graph(graph, tmp_path / "g")
@@ -250,7 +250,7 @@ def test_a_launch_from_a_partition_checks_the_dataset_folder_without_loading_it(
 
     monkeypatch.setattr("gnnpar.data.load", refuse)
     monkeypatch.setattr("gnnpar.data.storage.load_graph", refuse)
-    monkeypatch.setattr("gnnpar.train.minibatch.load_dataset", refuse)
+    monkeypatch.setattr("gnnpar.models.minibatch.task.load_dataset", refuse)
     cfg = MiniBatchConfig(dataset=str(folder), partitions=str(parts))
     MiniBatchTask.preflight(cfg, 2)
     err = capsys.readouterr().err.splitlines()

@@ -17,8 +17,8 @@ import torch
 import gnnpar
 from gnnpar import checkpoint, tensor
 from gnnpar.checkpoint.chunks import box_range, concat, copy_overlap, restrict
-from gnnpar.nn.gcn import FullGraphGNN
-from gnnpar.sparse import parallelize_fullgraph
+from gnnpar.models.fullgraph import parallelize_fullgraph
+from gnnpar.models.fullgraph.model import FullGraphGNN
 from gnnpar.testing import run_distributed
 from tests.fullgraph_utils import make_source, normalise, serial_model, small_graph
 
@@ -191,14 +191,14 @@ VOCAB = 37
 
 
 def _gpt_cfg():
-    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.models.gpt.model import GPTConfig
 
     return GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=6, dropout=0.0)
 
 
 def _gpt(grid, seed: int = 0, stage: int = 0):
     """Our GPT in float64, tensor-parallel over the grid and sharded over data."""
-    from gnnpar.nn.gpt import GPT, Block
+    from gnnpar.models.gpt.model import GPT, Block
     from gnnpar.shard import by_type, shard
 
     torch.manual_seed(seed)
@@ -269,7 +269,7 @@ def test_gpt_resumes_across_tensor_and_data_grids_and_stages(tmp_path):
         _gpt_steps(grid, model, handle, opt, 0, 4)
         assert _worst(resumed, handle.full_state_dict()) <= REL, name
         # consolidated: strict into the plain GPT, same outputs
-        from gnnpar.nn.gpt import GPT
+        from gnnpar.models.gpt.model import GPT
 
         plain = GPT(_gpt_cfg()).to(F64)
         plain.load_state_dict(checkpoint.consolidate(f"{folder}/{name}"), strict=True)

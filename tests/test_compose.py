@@ -18,9 +18,9 @@ import torch
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
+from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
 from gnnpar.testing import run_distributed
-from gnnpar.train.gpt import GPTTask, GPTTaskConfig
-from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
 REL = 1e-12
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind.\n" * 300
@@ -346,8 +346,8 @@ def test_sage_in_bf16_and_fp16_trains_within_a_stated_bound_of_fp32(tmp_path):
 
 
 def test_task_configs_share_the_trainer_options():
+    from gnnpar.models.fullgraph.task import FullGraphConfig
     from gnnpar.train.config import DataParallelConfig, TrainerConfig
-    from gnnpar.train.fullgraph import FullGraphConfig
 
     shared = {f.name for f in dataclasses.fields(TrainerConfig)}
     data = {f.name for f in dataclasses.fields(DataParallelConfig)}
@@ -357,7 +357,7 @@ def test_task_configs_share_the_trainer_options():
         assert data <= {f.name for f in dataclasses.fields(cls)}, cls
     assert not data & {f.name for f in dataclasses.fields(FullGraphConfig)}
     # the GPT sizes are the model's own description
-    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.models.gpt.model import GPTConfig
 
     assert {f.name for f in dataclasses.fields(GPTConfig)} <= {
         f.name for f in dataclasses.fields(GPTTaskConfig)

@@ -74,8 +74,8 @@ def test_ring_attention_equals_causal_attention(c, chunk, tile, monkeypatch):
 
 
 def test_context_axis_is_refused_where_it_cannot_work():
+    from gnnpar.models.gpt.task import GPTTaskConfig
     from gnnpar.train.config import ConfigError
-    from gnnpar.train.gpt import GPTTaskConfig
     from gnnpar.train.loop import check_world
 
     class GCNLike:  # a task config without pipelining (every task but gpt)
@@ -105,7 +105,7 @@ class _Tokens:
 
 
 def _config(spec: str | None, stage: int):
-    from gnnpar.train.gpt import GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
 
     return GPTTaskConfig(
         **SIZES, batch_size=BATCH, grid=spec or "data=1", zero_stage=stage, dtype="float64",
@@ -135,8 +135,8 @@ def _train(spec: str | None, stage: int) -> dict:
     bytes autograd saved in the first step beside the planner's activation memory."""
     import gnnpar
     from gnnpar import comm
+    from gnnpar.models.gpt.task import GPTTask, plan_problem
     from gnnpar.plan.memory import gpt_memory
-    from gnnpar.train.gpt import GPTTask, plan_problem
 
     task = GPTTask(_config(spec, stage), corpus=_Tokens())
     losses, predicted, measured = [], None, None

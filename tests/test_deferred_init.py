@@ -15,7 +15,7 @@ import torch
 
 import gnnpar
 from gnnpar import tensor
-from gnnpar.nn.gpt import GPT, GPTConfig
+from gnnpar.models.gpt.model import GPT, GPTConfig
 from gnnpar.testing import grid_shapes, run_distributed
 
 HAVE_HF = importlib.util.find_spec("transformers") is not None
@@ -137,7 +137,7 @@ def _check_pretrained(folder: Path, grid):
     eager loading (from_pretrained, then parallelize)."""
     from transformers import GPT2LMHeadModel
 
-    from gnnpar.train.gpt import GPTTaskConfig, build_model, parallel_model
+    from gnnpar.models.gpt.task import GPTTaskConfig, build_model, parallel_model
 
     eager = tensor.parallelize(GPT2LMHeadModel.from_pretrained(folder / "st"), grid)
     want = eager.state_dict()

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.nn.gcn import GCN, FullGraphGNN, GraphSAGE
-from gnnpar.sparse import parallelize_fullgraph
+from gnnpar.models.fullgraph import parallelize_fullgraph
+from gnnpar.models.fullgraph.model import GCN, FullGraphGNN, GraphSAGE
 from gnnpar.testing import grid_shapes, run_distributed
 from tests.byte_formulas import chunk_range, plexus_bytes, rows1d_bytes, summa_bytes
 from tests.fullgraph_utils import (
@@ -234,9 +234,9 @@ def test_every_layer_schedule_equals_the_written_formula_on_every_rank(kind):
     in tests/byte_formulas.py, per axis and collective kind, forward and backward."""
     from gnnpar.comm import chunk_sizes
     from gnnpar.grid import GridShape
-    from gnnpar.sparse.cagnet import rows1d_schedule, summa_schedule
-    from gnnpar.sparse.layout import layout3d
-    from gnnpar.sparse.plexus import layer_schedule
+    from gnnpar.models.fullgraph.cagnet import rows1d_schedule, summa_schedule
+    from gnnpar.models.fullgraph.layout import layout3d
+    from gnnpar.models.fullgraph.plexus import layer_schedule
 
     dims, ops, es = DIMS[kind], 2 if kind == "sage" else 1, 8
     for (x, y, z), grad, chunks in (((3, 2, 5), True, 1), ((2, 3, 1), False, 3)):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import gnnpar
 from gnnpar import checkpoint, comm
 from gnnpar.cli import main
-from gnnpar.sparse import parallelize_fullgraph
+from gnnpar.models.fullgraph import parallelize_fullgraph
 from gnnpar.testing import grid_shapes, run_distributed
 from tests.byte_formulas import chunk_range, plexus_bytes, rows1d_bytes, summa_bytes
 from tests.fullgraph_utils import (
@@ -314,8 +314,8 @@ def test_one_rank_is_the_serial_model_rounded_to_bf16(kind):
 
 @pytest.mark.usefixtures("_single_process")
 def test_fp16_and_bad_compute_dtype_are_refused(capsys):
-    from gnnpar.nn.gcn import FullGraphGNN
-    from gnnpar.sparse.parallel import Parallel3DGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
+    from gnnpar.models.fullgraph.parallelize import Parallel3DGNN
 
     assert main(["train", "gcn", "--mixed-precision", "fp16", "--epochs", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

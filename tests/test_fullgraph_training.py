@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import gnnpar
-from gnnpar.sparse.shards import prepare_shards
+from gnnpar.models.fullgraph.shards import prepare_shards
+from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
 from gnnpar.testing import run_distributed
-from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
 from tests.conftest import CITESEER, PLANETOID, needs_dataset
 
 needs_citeseer = needs_dataset(CITESEER)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gnnpar.graph import Graph
-from gnnpar.sparse.shards import DiskSource, prepare_shards
+from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
 from tests.fullgraph_utils import small_graph
 from tests.fuzz_folders import check_outcome, flip_bit, truncate
 

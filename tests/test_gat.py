@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gnnpar.models.fullgraph.model import GAT, FullGraphGNN
 from gnnpar.nn.dropout import edge_dropout
-from gnnpar.nn.gcn import GAT, FullGraphGNN
 from tests.fullgraph_utils import normalise, serial_adj, small_graph
 
 N = 23
@@ -117,7 +117,7 @@ def _close(a, b, what, tol=1e-12):
 
 def _gin_model(seed: int = 0, dropout: float = 0.0):
     """A float64 GIN with non-trivial biases and ε."""
-    from gnnpar.nn.gcn import GIN
+    from gnnpar.models.fullgraph.model import GIN
 
     torch.manual_seed(seed)
     m = GIN(DDIMS[0], DDIMS[1], DDIMS[-1], len(DDIMS) - 1, dropout).double()
@@ -132,7 +132,7 @@ def _gin_model(seed: int = 0, dropout: float = 0.0):
 def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted=False) -> None:
     import gnnpar
     from gnnpar import comm
-    from gnnpar.sparse import parallelize_fullgraph
+    from gnnpar.models.fullgraph import parallelize_fullgraph
     from tests.byte_formulas import gat1d_bytes, gat2d_bytes, gat3d_bytes, gin_bytes
     from tests.fullgraph_utils import check_schedule, make_source
 
@@ -263,8 +263,8 @@ def test_train_gat_and_gin_resume_on_another_grid_and_match_one_rank(tmp_path, m
 
 
 def test_train_gat_options_are_checked():
+    from gnnpar.models.fullgraph.task import FullGraphConfig
     from gnnpar.train.config import ConfigError
-    from gnnpar.train.fullgraph import FullGraphConfig
 
     with pytest.raises(ConfigError, match="'hidden' \\(10\\) must be a multiple of 'heads'"):
         FullGraphConfig(model="gat", hidden=10, heads=3).check()
@@ -320,7 +320,7 @@ def test_planner_gat_and_gin_bytes_equal_the_written_formulas_and_count_attentio
 
 def test_serial_gin_equals_pyg_ginconv_forward_and_gradients():
     gnn = pytest.importorskip("torch_geometric.nn")
-    from gnnpar.nn.gcn import GIN
+    from gnnpar.models.fullgraph.model import GIN
 
     a, x, y, train = small_graph(n=N, feat=DIMS[0])
     torch.manual_seed(0)
@@ -468,7 +468,7 @@ def test_minibatch_layers_with_weights_equal_full_graph_on_a_full_neighbourhood_
     """The sampler records the weights of the edges it samples; BlockGNN (SAGE) on the
     full-neighbourhood blocks of every node, and a GAT block layer, equal the full-graph
     layers on the weighted graph (logits and gradients, float64)."""
-    from gnnpar.nn.minibatch import BlockGNN, GATConv
+    from gnnpar.models.minibatch.model import BlockGNN, GATConv
     from gnnpar.sampling import NeighborSampler
     from gnnpar.sparse.kernels import LocalSpMM
 
@@ -521,8 +521,8 @@ def test_minibatch_layers_with_weights_equal_full_graph_on_a_full_neighbourhood_
 def test_all_ones_weights_give_exactly_the_unweighted_result():
     """Every full-graph kind on its adjacency of the graph with all-ones weights, and every
     block model on its sample, equal the unweighted graph's bit for bit."""
-    from gnnpar.nn.gcn import NORMS
-    from gnnpar.nn.minibatch import BlockGNN
+    from gnnpar.models.fullgraph.model import NORMS
+    from gnnpar.models.minibatch.model import BlockGNN
     from gnnpar.sampling import NeighborSampler
     from gnnpar.sparse.kernels import LocalSpMM
 
@@ -559,8 +559,8 @@ def test_a_shard_folder_without_the_weights_is_refused_for_gat_and_gin(
     """GCN-normalised shards have lost the raw weights GAT and GIN read: one line naming
     the manifest's field; the raw folder is accepted."""
     import gnnpar
-    from gnnpar.sparse import parallelize_fullgraph
-    from gnnpar.sparse.shards import DiskSource, prepare_shards
+    from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)

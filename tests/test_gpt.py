@@ -19,7 +19,7 @@ import gnnpar
 from gnnpar import checkpoint, comm, tensor
 from gnnpar.data.text import TokenBlocks, load_corpus, shakespeare_text
 from gnnpar.grid import ProcessGrid
-from gnnpar.nn.gpt import GPT, GPTConfig
+from gnnpar.models.gpt.model import GPT, GPTConfig
 from gnnpar.testing import run_distributed
 
 HAVE_HF = importlib.util.find_spec("transformers") is not None

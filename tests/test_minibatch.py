@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from gnnpar.cli import main
+from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
 from gnnpar.testing import run_distributed
 from gnnpar.train.config import ConfigError, from_mapping
 from gnnpar.train.loop import Trainer
 from gnnpar.train.metrics import read_metrics
-from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 from tests.conftest import CITESEER, DATASETS, needs_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

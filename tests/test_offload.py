@@ -50,7 +50,7 @@ from torch import nn
 
 import gnnpar
 from gnnpar import checkpoint
-from gnnpar.nn.gpt import GPT, Block, GPTConfig
+from gnnpar.models.gpt.model import GPT, Block, GPTConfig
 from gnnpar.plan import GPTProblem, local_machine
 from gnnpar.plan.memory import USABLE_FRACTION, device_bytes, gpt_memory
 from gnnpar.plan.rank import largest_gpt
@@ -266,9 +266,9 @@ def test_offload_folder_rules(world):
 
 
 def test_offload_options_that_do_not_combine():
+    from gnnpar.models.gpt.task import GPTTaskConfig
+    from gnnpar.models.minibatch.task import MiniBatchConfig
     from gnnpar.train.config import ConfigError
-    from gnnpar.train.gpt import GPTTaskConfig
-    from gnnpar.train.minibatch import MiniBatchConfig
 
     with pytest.raises(ConfigError, match="'offload' = host needs zero_stage 1, 2 or 3"):
         GPTTaskConfig(offload="host", zero_stage=0).check()

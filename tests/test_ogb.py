@@ -24,7 +24,7 @@ from gnnpar.cli import main
 from gnnpar.data import load
 from gnnpar.data.catalogue import get_entry
 from gnnpar.data.ogb import find_ogbn, ogbn_datasets
-from gnnpar.sparse import parallelize_fullgraph
+from gnnpar.models.fullgraph import parallelize_fullgraph
 from gnnpar.sparse.source import MemorySource, make_permutations
 from gnnpar.testing import grid_shapes, run_distributed
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, rocauc
@@ -215,8 +215,8 @@ def test_minibatch_multilabel_loss_is_the_mean_bce_of_the_model(archives, tmp_pa
     """One batch of every training node with all neighbours and no dropout: the epoch's loss
     is ``F.binary_cross_entropy_with_logits`` (mean over nodes and tasks) of the model's
     full-neighbourhood logits before the step."""
+    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
     from gnnpar.sampling import layerwise_inference
-    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     root, _ = archives

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gnnpar.grid import GridError, GridShape, fit_shape, parse_grid_spec
-from gnnpar.nn.gpt import GPT, GPTConfig
+from gnnpar.models.gpt.model import GPT, GPTConfig
 from gnnpar.pipeline.schedule import (
     SCHEDULES,
     ScheduleError,
@@ -182,7 +182,7 @@ def test_hf_gpt2_chunks_give_the_models_logits(attention):
     mask is refused in one line."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gnnpar.pipeline.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2
+    from gnnpar.models.gpt.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**HF_CFG, attn_implementation=attention)).double()
@@ -245,8 +245,8 @@ def _reference_run(m: int, tied: bool, hf: bool) -> dict[str, torch.Tensor]:
 def _train(world, spec, schedule, m, v, stage, tied, hf=False):
     import gnnpar
     from gnnpar import comm
-    from gnnpar.nn.gpt import Block
-    from gnnpar.pipeline.gpt import gpt_pipeline
+    from gnnpar.models.gpt.model import Block
+    from gnnpar.models.gpt.pipeline import gpt_pipeline
     from gnnpar.shard import by_type, shard
     from gnnpar.tensor import cross_entropy, parallelize
 
@@ -403,8 +403,8 @@ def test_planner_shares_the_cores_among_stages():
     """Four ranks on the 2-core box: a pipeline stage computes a quarter of the step on half
     a core, like a data rank, then waits for the bubble, so data parallelism wins; the
     trainer without a grid (what the planner picks) keeps running without a pipeline."""
+    from gnnpar.models.gpt.task import GPTTaskConfig, plan_problem
     from gnnpar.plan import choose_gpt_plan, get_machine
-    from gnnpar.train.gpt import GPTTaskConfig, plan_problem
 
     problem = plan_problem(GPTTaskConfig(grad_accum=4))
     shape, _ = choose_gpt_plan(problem, 4, get_machine("cpu"))
@@ -426,9 +426,9 @@ def _planned_shape(problem, shape):
 
 
 def test_a_pipe_axis_is_for_the_gpt_task_only():
+    from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
     from gnnpar.train.config import ConfigError
-    from gnnpar.train.fullgraph import FullGraphConfig
-    from gnnpar.train.gpt import GPTTaskConfig
     from gnnpar.train.loop import check_world
 
     with pytest.raises(ConfigError, match="pipe axis needs the gpt task"):

@@ -106,7 +106,7 @@ def test_gpt_memory_by_hand_on_data2_z2(stage):
     data=2, z=2, float32, written out: matrices M = V·h + T·h + L·(3h² + h² + 4h² + 4h²)
     = 512 + 128 + 6144 = 6784, each rank stores M/z = 3392 of them; biases 9h per layer
     (288) and the norms' 2h·(2L + 1) = 160 stay whole over z: n = 3840 elements."""
-    from gnnpar.nn.gpt import GPTConfig
+    from gnnpar.models.gpt.model import GPTConfig
     from gnnpar.plan.memory import gpt_memory
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -350,7 +350,7 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 
 def _planned_world(text: str) -> dict:
-    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
 
     cfg = GPTTaskConfig(
         data=text, vocab_size=300, n_layer=2, n_embd=16, n_head=2, block_size=8, batch_size=8,
@@ -382,7 +382,7 @@ def test_train_gpt_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, mo
 
 
 def _planned_fullgraph(folder: str, algorithm: str) -> dict:
-    from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
+    from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
 
     cfg = FullGraphConfig(
         dataset_options="num_nodes=300", out=folder, algorithm=algorithm, epochs=1

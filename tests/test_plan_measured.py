@@ -27,7 +27,7 @@ def _compare(measured: dict, predicted: dict, what: str) -> None:
 
 
 def _gcn_epoch(grid, kind: str, dims: list[int]) -> int:
-    from gnnpar.sparse import parallelize_fullgraph
+    from gnnpar.models.fullgraph import parallelize_fullgraph
 
     a, x, y, train = small_graph()
     model = serial_model(kind, dims, dropout=0.5)
@@ -63,8 +63,8 @@ class _Tokens:
 
 
 def _gpt_step(grid, stage: int) -> int:
-    from gnnpar.nn.gpt import GPTConfig
-    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.model import GPTConfig
+    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
 
     cfg = GPTTaskConfig(
         **GPT_SIZES, batch_size=GPT_BATCH, grid=",".join(f"{a}={v}" for a, v in grid.shape.items()),

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gnnpar.nn.gpt import GPT, GPTConfig, set_activation_checkpointing
+from gnnpar.models.gpt.model import GPT, GPTConfig, set_activation_checkpointing
 from gnnpar.testing import run_distributed
 from tests import fullgraph_utils as fg
 from tests.byte_formulas import Bytes, gather_bytes, plexus_bytes
@@ -35,7 +35,7 @@ def _gpt_run(grid, stage: int, mode: str, fcdp: bool = False) -> dict:
     """Three AdamW steps of the GPT on ``grid``: the final parameters, the bytes per axis of
     the steps, and the data-axis bytes ZeRO-3's units should gather (their padded size)."""
     from gnnpar import comm, tensor
-    from gnnpar.nn.gpt import Block
+    from gnnpar.models.gpt.model import Block
     from gnnpar.shard import FCDP, by_type, shard
 
     torch.manual_seed(0)
@@ -67,8 +67,8 @@ def _pipeline_run(world, mode: str) -> dict:
     ZeRO-3 (the chunks run their blocks with the recompute too)."""
     import gnnpar
     from gnnpar import tensor
-    from gnnpar.nn.gpt import Block
-    from gnnpar.pipeline.gpt import gpt_pipeline
+    from gnnpar.models.gpt.model import Block
+    from gnnpar.models.gpt.pipeline import gpt_pipeline
     from gnnpar.shard import by_type, shard
 
     grid = gnnpar.reshape(world, pipe=2, data=2, x=2)
@@ -128,7 +128,7 @@ def _gcn_check(grid, kind: str) -> dict:
     model's; forward bytes equal plain forward's, backward bytes plain backward's plus the
     forward's (measured, formula and the model's own schedule)."""
     from gnnpar import comm
-    from gnnpar.sparse import parallelize_fullgraph
+    from gnnpar.models.fullgraph import parallelize_fullgraph
 
     a, x, y, train = fg.small_graph(n=N)
     a_hat = fg.normalise(a, kind)
@@ -259,7 +259,9 @@ def test_modes_are_checked():
 def test_the_option_is_checked_per_task_and_counted_by_the_planner():
     """One spelling as TOML key and flag; gcn refuses selective and gpt refuses it on GPT-2
     in one line; the planner keeps less with full recompute and adds its forward again."""
-    from gnnpar.nn.gpt import GPTConfig as Sizes
+    from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.models.gpt.model import GPTConfig as Sizes
+    from gnnpar.models.gpt.task import GPTTaskConfig
     from gnnpar.plan import GPTProblem
     from gnnpar.plan.comm_model import gcn_collectives, gpt_collectives, gpt_layout
     from gnnpar.plan.compute import gpt_compute_seconds
@@ -267,8 +269,6 @@ def test_the_option_is_checked_per_task_and_counted_by_the_planner():
     from gnnpar.plan.memory import gcn_memory, gpt_memory
     from gnnpar.plan.problems import GCNProblem, PlanError
     from gnnpar.train.config import ConfigError, from_mapping
-    from gnnpar.train.fullgraph import FullGraphConfig
-    from gnnpar.train.gpt import GPTTaskConfig
 
     key = "activation_checkpointing"
     assert from_mapping(GPTTaskConfig, {key: "selective"}).activation_checkpointing == "selective"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from scipy.stats import chisquare
 
 from gnnpar.graph import Graph
-from gnnpar.nn.minibatch import BlockGNN, GATConv, SAGEConv
+from gnnpar.models.minibatch.model import BlockGNN, GATConv, SAGEConv
 from gnnpar.sampling import (
     Block,
     NeighborSampler,
@@ -366,7 +366,7 @@ def test_block_layers_honour_edge_weights():
     """Weighted block layers against dense formulas written here: SAGE's weighted mean, GCN's
     weighted sum with a unit self loop, GAT's attention ∝ w·exp(e); unit weights give the
     unweighted layers; BlockGNN looks a graph's weights up through the blocks' edge ids."""
-    from gnnpar.nn.minibatch import GCNConv
+    from gnnpar.models.minibatch.model import GCNConv
 
     g = mixed_graph()
     gen = torch.Generator().manual_seed(4)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import partitioners
 from gnnpar.data import sbm
-from gnnpar.nn.minibatch import BlockGNN
+from gnnpar.models.minibatch.model import BlockGNN
 from gnnpar.sampling import (
     LocalPart,
     NeighborSampler,

@@ -24,9 +24,9 @@ import torch
 
 from gnnpar import checkpoint
 from gnnpar.cli import main
+from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
+from gnnpar.models.gpt.task import GPTTaskConfig
 from gnnpar.train.config import ConfigError, from_mapping
-from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
-from gnnpar.train.gpt import GPTTaskConfig
 from gnnpar.train.loop import DeferredOptimizer
 from gnnpar.train.metrics import read_metrics
 from gnnpar.train.schedule import lr_at
@@ -214,10 +214,11 @@ def test_early_stopping_stops_at_the_patience_and_reports_the_best_model(referen
 # ------------------------------------------------------------------ evaluate, predict
 def _plain_predictions(run: Path) -> np.ndarray:
     """The arg-max of the plain GCN's logits on the whole graph, in original node order:
-    the consolidated best checkpoint in :class:`~gnnpar.nn.gcn.FullGraphGNN` on Â of the
+    the consolidated best checkpoint in :class:`~gnnpar.models.fullgraph.model.FullGraphGNN` on Â
+    of the
     dataset (no gnnpar parallelism)."""
     from gnnpar.data import load
-    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
     from gnnpar.sparse.csr import CSRBlock
     from gnnpar.sparse.kernels import LocalSpMM
 

@@ -38,7 +38,7 @@ from torch import nn
 
 import gnnpar
 from gnnpar import checkpoint, comm, tensor
-from gnnpar.nn.gpt import GPT, Block, GPTConfig
+from gnnpar.models.gpt.model import GPT, Block, GPTConfig
 from gnnpar.shard import FCDP, MixedPrecision, by_numel, by_type, shard
 from gnnpar.shard.groups import split_by_node
 from gnnpar.testing import EVERY_SHAPE_WORLDS, grid_shapes, run_distributed

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 import gnnpar
 from gnnpar.graph import Graph
-from gnnpar.sparse import parallelize_fullgraph
+from gnnpar.models.fullgraph import parallelize_fullgraph
+from gnnpar.models.fullgraph.shards import DiskSource, ShardFormatError, prepare_shards
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM
-from gnnpar.sparse.shards import DiskSource, ShardFormatError, prepare_shards
 from gnnpar.sparse.source import MemorySource, make_permutations
 from gnnpar.testing import run_distributed
 from tests.fullgraph_utils import serial_model, small_graph

@@ -16,7 +16,7 @@ from gnnpar.data import save_graph
 from gnnpar.data.sbm import sbm
 from gnnpar.fmt import parse_bytes
 from gnnpar.graph import Graph
-from gnnpar.sparse.shards import prepare_shards
+from gnnpar.models.fullgraph.shards import prepare_shards
 from gnnpar.verified import NpyWriter, save_npy
 from partitioners import partition
 from partitioners.cli import main as partition_main

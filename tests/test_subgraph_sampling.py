@@ -24,6 +24,7 @@ import torch
 
 from gnnpar import checkpoint
 from gnnpar.cli import main
+from gnnpar.models.minibatch.task import MiniBatchConfig
 from gnnpar.sampling import (
     ClusterSampler,
     SaintEdgeSampler,
@@ -33,7 +34,6 @@ from gnnpar.sampling import (
     induced_block,
 )
 from gnnpar.train.config import ConfigError
-from gnnpar.train.minibatch import MiniBatchConfig
 from tests.cli_world import run_commands
 
 Z = 5.0  # standard errors of the confidence bounds (over ~100 checks: no false alarms)

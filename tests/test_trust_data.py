@@ -73,8 +73,8 @@ def test_partition_of_another_graph_is_refused_by_the_trainer(tmp_path, capsys):
     assert "300 nodes" in line and "400 nodes" in line and "partition it again" in line
     # the dataset it was cut from passes the check the trainer runs (training itself is
     # covered by tests/test_minibatch.py)
+    from gnnpar.models.minibatch.task import MiniBatchConfig, check_partitions
     from gnnpar.train.config import from_mapping
-    from gnnpar.train.minibatch import MiniBatchConfig, check_partitions
 
     same = {"dataset": "sbm", "dataset_options": f"num_nodes=300,{SMALL}"}
     cfg = from_mapping(MiniBatchConfig, same | {"partitions": str(parts), "fanouts": "3,3"})
@@ -97,8 +97,8 @@ def test_check_source_is_a_plain_function(tmp_path):
 
 def _dist_task(cfg_values: dict) -> str:
     """Rank body: build the sage task; return the error it raised, or "ok"."""
+    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
     from gnnpar.train.config import from_mapping
-    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
 
     try:
         MiniBatchTask(from_mapping(MiniBatchConfig, cfg_values))
@@ -115,8 +115,8 @@ def test_missing_dataset_with_partitions_fails_on_every_rank(tmp_path):
     assert "no such folder" in out[0] and "ValueError" in out[0], out
     assert out[1] != "ok" and "rank 0" in out[1], out
     # and the check a launcher can run before starting ranks says the same
+    from gnnpar.models.minibatch.task import MiniBatchConfig, check_partitions
     from gnnpar.train.config import from_mapping
-    from gnnpar.train.minibatch import MiniBatchConfig, check_partitions
 
     with pytest.raises(ValueError, match="no such folder"):
         check_partitions(from_mapping(MiniBatchConfig, values))

@@ -123,7 +123,7 @@ def test_a_run_folder_that_holds_a_run_is_refused_once_with_both_ways_out(
 
 
 def test_a_tasks_preflight_hook_runs_before_launch(one_process, tmp_path, monkeypatch, capsys):
-    from gnnpar.train.fullgraph import FullGraphTask
+    from gnnpar.models.fullgraph.task import FullGraphTask
 
     _no_launch(monkeypatch)
     seen = []
@@ -146,7 +146,7 @@ def test_foreign_artefacts_and_bad_text_are_refused_before_launch(
     import partitioners
     from gnnpar.data import load
     from gnnpar.data.storage import save_graph
-    from gnnpar.sparse.shards import prepare_shards
+    from gnnpar.models.fullgraph.shards import prepare_shards
 
     _no_launch(monkeypatch)
     small = load("sbm", root=str(tmp_path / "gen"), num_nodes=120, feat_dim=8, num_val=20,

@@ -18,7 +18,7 @@ import pytest
 from gnnpar.cli import main
 from gnnpar.data import load
 from gnnpar.data.storage import save_graph
-from gnnpar.sparse.shards import DiskSource, ShardFormatError, prepare_shards
+from gnnpar.models.fullgraph.shards import DiskSource, ShardFormatError, prepare_shards
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """ScaleGNN's 4D training: uniform vertex samples trained by the full-graph 3D layer over
-x × y × z, data groups on top (gnnpar.sampling.vertex, gnnpar.train.scalegnn).
+x × y × z, data groups on top (gnnpar.sampling.vertex, gnnpar.models.scalegnn.task).
 
 One 8-rank world runs every case:
 
@@ -39,10 +39,10 @@ import gnnpar
 from gnnpar import checkpoint, comm
 from gnnpar.graph import Graph
 from gnnpar.launch import PREFLIGHT_DONE_ENV
+from gnnpar.models.fullgraph import parallelize_fullgraph
 from gnnpar.sampling import VertexSampler
 from gnnpar.sampling.vertex import SubgraphSource, loss_scale
 from gnnpar.shard import shard
-from gnnpar.sparse import parallelize_fullgraph
 from gnnpar.testing import grid_shapes, run_distributed
 from tests.byte_formulas import all_reduce_bytes, plexus_bytes
 from tests.fullgraph_utils import check_schedule, normalise, serial_adj, serial_model, small_graph
@@ -228,7 +228,7 @@ def test_vertex_run_resumes_exactly(world):
 def _plain_predictions(run, graph) -> torch.Tensor:
     """The arg-max of the plain float64 GraphSAGE's logits on the whole graph (mean Â), in
     original node order: the run's consolidated best checkpoint, no gnnpar parallelism."""
-    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
     from gnnpar.sparse.csr import CSRBlock
     from gnnpar.sparse.kernels import LocalSpMM
 

@@ -1,5 +1,4 @@
-"""Models written as plain PyTorch; parallelism is applied from outside."""
+"""Layer pieces every workload's models share: counter-based dropout (:mod:`~gnnpar.nn.dropout`).
 
-from gnnpar.nn.gpt import GPT, GPTConfig
-
-__all__ = ["GPT", "GPTConfig"]
+The models themselves live with their workload, in :mod:`gnnpar.models`.
+"""

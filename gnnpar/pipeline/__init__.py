@@ -5,10 +5,10 @@
 - :mod:`gnnpar.pipeline.runtime`: :class:`Pipeline` runs one rank's program (messages through
   :func:`gnnpar.comm.send` / :func:`gnnpar.comm.recv`), :class:`TiedWeight` shares a tied
   embedding between the first and last stage;
-- :mod:`gnnpar.pipeline.stages`: contiguous splits by layer count or by cost;
-- :mod:`gnnpar.pipeline.gpt`: our GPT or HF GPT-2 as a pipeline, each chunk sharded over the
-  data axis (what ``gnnpar train gpt --grid pipe=P,...`` runs);
-- :mod:`gnnpar.pipeline.hf_gpt2`: the chunks of a ``transformers`` GPT-2.
+- :mod:`gnnpar.pipeline.stages`: contiguous splits by layer count or by cost.
+
+The engine knows no model: a workload cuts its own model into chunks (the GPT's are in
+:mod:`gnnpar.models.gpt.pipeline`, what ``gnnpar train gpt --grid pipe=P,...`` runs).
 """
 
 from gnnpar.pipeline.runtime import Pipeline, StepResult, TiedWeight

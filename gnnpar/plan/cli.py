@@ -81,7 +81,7 @@ def _task_config(cls: type, args: argparse.Namespace) -> Any:
 
 
 def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
-    from gnnpar.train.fullgraph import FullGraphConfig
+    from gnnpar.models.fullgraph.task import FullGraphConfig
     from gnnpar.train.precision import compute_dtype
 
     sizes_given = args.nodes is not None or args.edges is not None
@@ -143,7 +143,7 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
 
 
 def _gpt_problem(args: argparse.Namespace) -> GPTProblem:
-    from gnnpar.train.gpt import GPTTaskConfig, plan_problem
+    from gnnpar.models.gpt.task import GPTTaskConfig, plan_problem
 
     if args.params:
         wanted = parse_count(args.params)
@@ -317,10 +317,10 @@ def _data_sizes(gpus: int) -> list[int]:
 
 
 def _cmd_sage(args: argparse.Namespace) -> int:
+    from gnnpar.models.minibatch.task import MiniBatchConfig, check_partitions, plan_problem
     from gnnpar.plan.memory import estimated_part, minibatch_memory
     from gnnpar.train.config import ConfigError
     from gnnpar.train.loop import load_dataset
-    from gnnpar.train.minibatch import MiniBatchConfig, check_partitions, plan_problem
 
     cfg = _task_config(MiniBatchConfig, args)
     if cfg.partitions is None and args.gpus is None:
@@ -415,10 +415,10 @@ def add_plan_commands(subparsers: Any) -> None:
     plan = subparsers.add_parser("plan", help="rank grid shapes with the planner's models")
     kinds = plan.add_subparsers(dest="workload", required=True)
 
+    from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
+    from gnnpar.models.minibatch.task import MiniBatchConfig
     from gnnpar.train.config import add_flags
-    from gnnpar.train.fullgraph import FullGraphConfig
-    from gnnpar.train.gpt import GPTTaskConfig
-    from gnnpar.train.minibatch import MiniBatchConfig
 
     g = kinds.add_parser(
         "gcn",

@@ -1,8 +1,9 @@
 """Communication of one training step, collective by collective, and its time.
 
-:func:`gcn_collectives` lists what one full-graph epoch of :mod:`gnnpar.sparse.plexus`
+:func:`gcn_collectives` lists what one full-graph epoch of :mod:`gnnpar.models.fullgraph.plexus`
 sends (forward, the sharded loss, backward with the bias gradients), each layer's part taken
-from the layer's own schedule (:func:`gnnpar.sparse.plexus.layer_schedule`); :func:`gpt_collectives`
+from the layer's own schedule (:func:`gnnpar.models.fullgraph.plexus.layer_schedule`);
+:func:`gpt_collectives`
 what one optimizer step of :func:`gnnpar.tensor.train.train_step` sends (embeddings, every
 3D tensor-parallel ``Linear`` as :func:`gnnpar.tensor.parallelize` lays it out, the
 vocabulary-parallel loss, the data/z gradient reduction, the gradient-norm and loss
@@ -29,11 +30,11 @@ import torch
 
 from gnnpar.comm import ring_bytes
 from gnnpar.grid import AXES, COMBINED_AXES, GridShape, _rank_at, axes_of
+from gnnpar.models.fullgraph.gat import gat3d_layer_schedule, gin3d_layer_schedule
+from gnnpar.models.fullgraph.layout import layout3d
+from gnnpar.models.fullgraph.plexus import layer_schedule
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.problems import GCNProblem, GPTProblem, PlanError
-from gnnpar.sparse.gat import gat3d_layer_schedule, gin3d_layer_schedule
-from gnnpar.sparse.layout import layout3d
-from gnnpar.sparse.plexus import layer_schedule
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
@@ -254,7 +255,7 @@ class ShardedLayer:
 def meta_gpt(problem: GPTProblem) -> torch.nn.Module:
     """A one-block GPT of ``problem``'s widths on the meta device (no memory): what
     :func:`gpt_layout` lays out. Build it once when laying out many shapes."""
-    from gnnpar.nn.gpt import GPT
+    from gnnpar.models.gpt.model import GPT
 
     with torch.device("meta"):
         return GPT(dataclasses.replace(problem.model, n_layer=1))

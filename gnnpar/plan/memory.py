@@ -9,7 +9,7 @@ Full-graph GCN (:func:`gcn_memory`), per rank:
 - ``activations``: what backward keeps per layer (the aggregate ``Â·H`` and the output
   before and after the ReLU) plus the largest transient (a gathered ``H`` and ``W``).
 
-GAT and GIN (``model="gat"`` / ``"gin"``, :mod:`gnnpar.sparse.gat`) instead: ``adjacency``
+GAT and GIN (``model="gat"`` / ``"gin"``, :mod:`gnnpar.models.fullgraph.gat`) instead: ``adjacency``
 holds the block's edge list (local row and column, global destination and source ids: 4
 int64 per nonzero) and the permutation block's (2 int64 per row); ``weights`` the weight rows
 of this rank's input features for every head, the two attention vectors and the bias piece

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from gnnpar.nn.gpt import GPTConfig
+from gnnpar.models.gpt.model import GPTConfig
 
 __all__ = [
     "GCNProblem",
@@ -139,7 +139,8 @@ class GPTProblem:
     ``block_size`` tokens per step over all ranks, pre-norm blocks with fused q/k/v, a 4×
     MLP, learned positions and a head tied to the token embedding (``tie_weights``).
 
-    ``model`` is the one description of the GPT's sizes, the :class:`~gnnpar.nn.gpt.GPTConfig`
+    ``model`` is the one description of the GPT's sizes, the
+    :class:`~gnnpar.models.gpt.model.GPTConfig`
     the model and the task use too; ``layers``, ``hidden``, ``heads``, ``seq``, ``vocab``,
     ``bias`` and ``tie`` read it in the planner's words. ``element_size`` is the bytes of
     parameters, gradients and activations (2: bf16 with fp32 master weights and Adam state, as

@@ -4,7 +4,7 @@ loader, layer-wise inference, and distributed sampling and feature fetching over
 Quick start::
 
     from gnnpar.sampling import NeighborSampler, NodeLoader, layerwise_inference
-    from gnnpar.nn.minibatch import BlockGNN
+    from gnnpar.models.minibatch.model import BlockGNN
 
     sampler = NeighborSampler(graph, fanouts=[15, 10])          # hop order: seeds first
     loader = NodeLoader(sampler, graph.train_mask, batch_size=1024,

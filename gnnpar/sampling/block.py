@@ -45,7 +45,7 @@ class Block:
             in-degree`` (a subgraph sampler's normalisation, e.g. GraphSAINT's), or None.
         weight: the graph's weight of every sampled edge (a weighted graph's, recorded by
             the samplers), or None for an unweighted graph; the layers of
-            :mod:`gnnpar.nn.minibatch` read it.
+            :mod:`gnnpar.models.minibatch.model` read it.
     """
 
     src_nodes: torch.Tensor

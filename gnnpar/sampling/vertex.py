@@ -18,7 +18,7 @@ single process the share is everything and the block is square, so a multi-layer
 on it directly.
 
 **ScaleGNN 4D.** With several processes, the subgraph is a smaller Â trained by the
-full-graph 3D layer (:class:`~gnnpar.sparse.parallel.Parallel3DGNN`): a
+full-graph 3D layer (:class:`~gnnpar.models.fullgraph.parallelize.Parallel3DGNN`): a
 :class:`SubgraphSource` presents the sample as a :class:`~gnnpar.sparse.source.ShardSource`,
 from which every rank of the x × y × z group reads only its own blocks of Â (built from the
 rows of its row range, no communication) and only the feature rows its first layer needs;

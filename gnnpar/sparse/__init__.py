@@ -1,20 +1,12 @@
-"""Sparse-dense matmuls: the local kernel and the distributed 1D, 2D and 3D algorithms."""
+"""Local sparse-dense kernels: CSR blocks, the one local SpMM (autotuned variants), graph
+attention's local pieces, and where a rank's CSR blocks come from (:mod:`~gnnpar.sparse.source`).
+
+The distributed full-graph layers built on them (1D, 2D, 3D) belong to the full-graph
+workload, :mod:`gnnpar.models.fullgraph`.
+"""
 
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM, spmm
-from gnnpar.sparse.layout import Layout3D, layout3d, roles
-from gnnpar.sparse.parallel import Parallel3DGNN, parallelize_fullgraph
 from gnnpar.sparse.source import MemorySource, make_permutations
 
-__all__ = [
-    "CSRBlock",
-    "LocalSpMM",
-    "Layout3D",
-    "MemorySource",
-    "Parallel3DGNN",
-    "layout3d",
-    "parallelize_fullgraph",
-    "make_permutations",
-    "roles",
-    "spmm",
-]
+__all__ = ["CSRBlock", "LocalSpMM", "MemorySource", "make_permutations", "spmm"]

@@ -12,8 +12,9 @@ structure is read) and per-head node scores ``α_dst`` (rows) and ``α_src`` (co
 Edge weights enter the attention in one way, :func:`weigh_logits`: ``α_ij ∝ w_ij ·
 exp(e_ij)``, i.e. ``log w_ij`` added to every head's logit before the softmax (the self loop
 weighs 1; a weight of 1 leaves a logit exactly as it is, 0 masks the edge). The full-graph
-layers read w from the block's values (the ``"raw"`` adjacency, :data:`gnnpar.nn.gcn.NORMS`),
-the mini-batch :class:`~gnnpar.nn.minibatch.GATConv` from the sampled edges' weights.
+layers read w from the block's values (the ``"raw"`` adjacency,
+:data:`gnnpar.models.fullgraph.model.NORMS`),
+the mini-batch :class:`~gnnpar.models.minibatch.model.GATConv` from the sampled edges' weights.
 
 The logits and the softmax are plain differentiable torch on the edge list (gathers,
 scatters; E × heads values). The SpMM is the expensive part (E × heads × F): :func:`attend`

@@ -11,7 +11,8 @@ order 1 uses P):
 - labels and masks exist in both orders; the output order is ``num_layers % 2``.
 
 A source returns only the requested blocks; :class:`MemorySource` holds the whole graph (it is
-meant for one process or for tests), :class:`gnnpar.sparse.shards.DiskSource` reads only the
+meant for one process or for tests), :class:`gnnpar.models.fullgraph.shards.DiskSource` reads only
+the
 requested rows and blocks from memory-mapped files.
 """
 
@@ -33,7 +34,7 @@ class ShardSource(Protocol):
     feat_dim: int
     num_classes: int
     #: The adjacency the blocks hold (``"gcn"``, ``"mean"``, ``"raw"``;
-    #: :data:`gnnpar.nn.gcn.NORMS`), or None where the source does not record it.
+    #: :data:`gnnpar.models.fullgraph.model.NORMS`), or None where the source does not record it.
     norm: str | None
     #: Where :attr:`norm` comes from, for the error of a model that needs another.
     norm_where: str

@@ -17,7 +17,7 @@ Public surface::
     torch.manual_seed(seed)
     tensor.parallelize(model, grid)    # only this rank's pieces, = GPT(cfg) sliced, bit for bit
 
-A whole GPT run is ``gnnpar train gpt`` (:mod:`gnnpar.train.gpt`).
+A whole GPT run is ``gnnpar train gpt`` (:mod:`gnnpar.models.gpt.task`).
 
 Layers (:class:`Linear`, :class:`Embedding`) can also be used directly, in easy or expert
 mode; :class:`ShardLayout` says where every piece of a parameter lives.

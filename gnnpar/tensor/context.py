@@ -23,7 +23,7 @@ forward (C−1)·2K, backward (C−1)·2K for the keys and values plus C·2K for
 (:func:`ring_bytes`).
 
 :func:`context_parallel` applies it to our GPT from the outside (each
-:class:`~gnnpar.nn.gpt.CausalSelfAttention`, plain or tensor-parallel, gets a ring);
+:class:`~gnnpar.models.gpt.model.CausalSelfAttention`, plain or tensor-parallel, gets a ring);
 the model is then called with each rank's tokens and their global ``pos``.
 """
 
@@ -295,12 +295,13 @@ def simulate_ring_attention(
 
 # ---------------------------------------------------------------------- applying it
 def context_parallel(model: nn.Module, grid: ProcessGrid) -> nn.Module:
-    """Give every :class:`~gnnpar.nn.gpt.CausalSelfAttention` of ``model`` (before or after
+    """Give every :class:`~gnnpar.models.gpt.model.CausalSelfAttention` of ``model`` (before or
+    after
     :func:`~gnnpar.tensor.parallelize`) ring attention over ``grid``'s context axis, in
     place; call the model with this rank's tokens (:func:`split_sequence`) and their
     ``pos`` (:func:`positions`). Attention dropout is not supported (a ``ValueError``).
     A grid without a context axis leaves the model as it is."""
-    from gnnpar.nn.gpt import CausalSelfAttention
+    from gnnpar.models.gpt.model import CausalSelfAttention
 
     if grid.size(AXIS) == 1:
         return model
@@ -323,7 +324,7 @@ def context_parallel(model: nn.Module, grid: ProcessGrid) -> nn.Module:
 def plain_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``model``'s attention is plain again: each rank attends over whole
     sequences it holds (generation, which feeds sequences of any length)."""
-    from gnnpar.nn.gpt import CausalSelfAttention
+    from gnnpar.models.gpt.model import CausalSelfAttention
 
     saved = [(m, m.attention) for m in model.modules() if isinstance(m, CausalSelfAttention)]
     for m, _ in saved:

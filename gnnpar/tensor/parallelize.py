@@ -10,7 +10,8 @@ and an MLP block (up projection → activation → down projection) the two laye
 the first keeps its output split over its out axis and the second, with the opposite
 ``transpose``, takes that split input as it is, so nothing is re-laid-out between them and
 every head and activation stays on one rank. Known blocks are our
-:class:`~gnnpar.nn.gpt.CausalSelfAttention` and :class:`~gnnpar.nn.gpt.MLP` and GPT-2's
+:class:`~gnnpar.models.gpt.model.CausalSelfAttention` and :class:`~gnnpar.models.gpt.model.MLP` and
+GPT-2's
 ``GPT2Attention`` and ``GPT2MLP``; :class:`Chain` names others. Which layer of a chain is
 transposed is chosen by the communication model (ring bytes per rank): with only x > 1 this
 gives Megatron's column-then-row layout (one all-reduce over x forward, one backward).
@@ -103,7 +104,7 @@ class Plan:
 
 def _known_chains(model: nn.Module) -> list[tuple[str, Chain]]:
     """(block name, rule) for the blocks of our GPT and of transformers' GPT-2."""
-    from gnnpar.nn.gpt import MLP, CausalSelfAttention
+    from gnnpar.models.gpt.model import MLP, CausalSelfAttention
 
     out = []
     for name, m in model.named_modules():

@@ -16,9 +16,9 @@ from gnnpar.train.config import ConfigError, add_flags, resolve, to_toml
 
 def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
     """TASK name → (config class, task factory, help)."""
-    from gnnpar.train.fullgraph import FullGraphConfig, FullGraphTask
-    from gnnpar.train.gpt import GPTTask, GPTTaskConfig
-    from gnnpar.train.minibatch import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
+    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
+    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
 
     return {
         "gcn": (FullGraphConfig, FullGraphTask, "full-graph GCN / GraphSAGE (1D, 2D, 3D)"),

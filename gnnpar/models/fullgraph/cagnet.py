@@ -28,16 +28,16 @@ from torch import nn
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.grid import ProcessGrid
+from gnnpar.models.fullgraph.layout import chunk
+from gnnpar.models.fullgraph.parallelize import ShardedGNN
+from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM, spmm
-from gnnpar.sparse.layout import chunk
-from gnnpar.sparse.parallel import ShardedGNN
-from gnnpar.sparse.schedule import Step, step
 from gnnpar.sparse.source import ShardSource
 
 if TYPE_CHECKING:
-    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
 
 
 def _blocks(source: ShardSource, kind: str, parity: int, rows, cols) -> list[CSRBlock]:

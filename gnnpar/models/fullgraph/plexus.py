@@ -1,6 +1,6 @@
 """The 3D full-graph GCN layer (Plexus): SpMM and GEMM on one x × y × z grid.
 
-With roles (a, b, c) = (outer, inner, depth) of :mod:`gnnpar.sparse.layout`, one layer is
+With roles (a, b, c) = (outer, inner, depth) of :mod:`gnnpar.models.fullgraph.layout`, one layer is
 
 forward::
 
@@ -28,9 +28,9 @@ import torch
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.grid import GridShape, ProcessGrid
+from gnnpar.models.fullgraph.layout import Layout3D
+from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.sparse.kernels import LocalSpMM
-from gnnpar.sparse.layout import Layout3D
-from gnnpar.sparse.schedule import Step, step
 
 
 def _aggregate(
@@ -123,7 +123,7 @@ def layer_schedule(
 ) -> list[Step]:
     """The collectives of one forward and backward of the 3D layer ``lay`` (with its bias,
     whose gradient is all-reduced over the depth axis), as the rank of ``lay`` runs them:
-    the one description of this layer's traffic (see :mod:`gnnpar.sparse.schedule`).
+    the one description of this layer's traffic (see :mod:`gnnpar.models.fullgraph.schedule`).
     ``chunks`` is the forward aggregate's row chunks (``overlap_chunks``)."""
     a, b, c = lay.outer, lay.inner, lay.depth
     pa, pb, pc = grid.size(a), grid.size(b), grid.size(c)

@@ -2,8 +2,9 @@
 and a step.
 
 :func:`gpt_pipeline` takes the whole model (plain or tensor-parallel on the grid, the same
-values on every rank), keeps the chunks of this pipe rank (:class:`~gnnpar.nn.gpt.GPTChunk`,
-or :class:`~gnnpar.pipeline.hf_gpt2.HFGPT2Chunk` for a ``transformers`` GPT2LMHeadModel,
+values on every rank), keeps the chunks of this pipe rank
+(:class:`~gnnpar.models.gpt.model.GPTChunk`,
+or :class:`~gnnpar.models.gpt.hf_gpt2.HFGPT2Chunk` for a ``transformers`` GPT2LMHeadModel,
 split by :func:`~gnnpar.pipeline.stages.split_layers` by layer count or by cost) and shards
 each with :func:`gnnpar.shard.shard`. One sharded model per chunk, because the data-parallel
 reduction of a chunk runs in the backward of its own last micro-batch.
@@ -21,8 +22,8 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.grid import ProcessGrid
-from gnnpar.nn.gpt import GPT, Block, GPTChunk, model_sizes
-from gnnpar.pipeline.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2, is_hf_gpt2
+from gnnpar.models.gpt.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2, is_hf_gpt2
+from gnnpar.models.gpt.model import GPT, Block, GPTChunk, model_sizes
 from gnnpar.pipeline.runtime import Pipeline, StepResult, TiedWeight
 from gnnpar.pipeline.stages import gpt_layer_costs, split_layers
 from gnnpar.shard.clip import clip_factor, scale_grads_

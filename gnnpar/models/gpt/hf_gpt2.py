@@ -1,6 +1,6 @@
 """Hugging Face GPT-2 (``transformers``' ``GPT2LMHeadModel``) as pipeline chunks.
 
-:class:`HFGPT2Chunk` is the GPT-2 twin of :class:`~gnnpar.nn.gpt.GPTChunk`: consecutive
+:class:`HFGPT2Chunk` is the GPT-2 twin of :class:`~gnnpar.models.gpt.model.GPTChunk`: consecutive
 ``transformer.h`` blocks, with the token and position embeddings before them on the first
 stage and ``ln_f`` and the head after them on the last, under the model's own state-dict keys
 (``transformer.h.3.attn.c_attn.weight``), and a head tied to the embedding borrowing its

@@ -19,7 +19,8 @@ version 2); every array is a ``.npy`` file, memory-mappable::
 ``files`` lists every array with its size and XXH3-64 checksum. ``meta`` fields:
 
 - ``name`` (str), ``norm`` (``"gcn"``, ``"mean"`` or ``"raw"``): the graph and the adjacency
-  the values hold (:data:`gnnpar.nn.gcn.NORMS`: the one each model kind reads; ``"raw"`` holds
+  the values hold (:data:`gnnpar.models.fullgraph.model.NORMS`: the one each model kind reads;
+  ``"raw"`` holds
   the edge weights themselves, GAT's and GIN's).
 - ``num_nodes``, ``num_edges`` (int), ``feat_dim``, ``num_classes`` (int).
 - ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"`` or ``"none"``) and its
@@ -54,9 +55,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from gnnpar.models.fullgraph.layout import chunk
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
-from gnnpar.sparse.layout import chunk
 from gnnpar.sparse.source import inverse, make_permutations, root_block
 from gnnpar.verified import (
     LEVELS,
@@ -123,7 +124,7 @@ def _save(root: Path, rel: str, array: np.ndarray, files: dict) -> None:
 
 
 NORMALISATIONS = ("gcn", "mean", "raw")
-"""The ``norm`` values a shard folder may hold (:data:`gnnpar.nn.gcn.NORMS`)."""
+"""The ``norm`` values a shard folder may hold (:data:`gnnpar.models.fullgraph.model.NORMS`)."""
 
 
 def _normalised(graph, norm: str):

@@ -6,7 +6,8 @@ the group, with no communication, and a different one on every other group (samp
 ``step * data + data_rank``, the :class:`~gnnpar.sampling.SubgraphLoader`'s order). The
 sample's normalised adjacency (the full graph's entries, scaled to be unbiased;
 :class:`~gnnpar.sampling.vertex.SubgraphSource`) is a smaller Â for the full-graph 3D layer
-(:class:`~gnnpar.sparse.parallel.Parallel3DGNN`) over the group's x × y × z grid: each rank
+(:class:`~gnnpar.models.fullgraph.parallelize.Parallel3DGNN`) over the group's x × y × z grid: each
+rank
 builds only its blocks and gathers only its feature rows. The loss is the sharded
 cross-entropy weighted to an unbiased estimate of the mean training loss; the gradients are
 averaged over the data axis by :func:`gnnpar.shard.shard` (stage 0).
@@ -28,18 +29,18 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
 from gnnpar.grid import backend_for_choice, parse_grid_spec
-from gnnpar.nn.gcn import FullGraphGNN
+from gnnpar.models.fullgraph.model import FullGraphGNN
+from gnnpar.models.fullgraph.parallelize import parallelize_fullgraph
+from gnnpar.models.fullgraph.task import sharded_scores
+from gnnpar.models.minibatch.task import MiniBatchTask
 from gnnpar.sampling import SubgraphLoader, VertexSampler
 from gnnpar.sampling.rng import derive_key
 from gnnpar.sampling.vertex import SubgraphSource, loss_scale
 from gnnpar.shard import shard
-from gnnpar.sparse.parallel import parallelize_fullgraph
 from gnnpar.train import schedule
 from gnnpar.train.config import ConfigError
-from gnnpar.train.fullgraph import sharded_scores
 from gnnpar.train.loop import DeferredOptimizer, load_trainable
 from gnnpar.train.metrics import metric_for
-from gnnpar.train.minibatch import MiniBatchTask
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
 

@@ -1,5 +1,5 @@
 """Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE / GAT /
-GIN model (GAT and GIN: :mod:`gnnpar.sparse.gat`).
+GIN model (GAT and GIN: :mod:`gnnpar.models.fullgraph.gat`).
 
 >>> par = parallelize_fullgraph(model, grid, source)
 >>> x = par.input_features()          # this rank's shard of the input features
@@ -16,7 +16,7 @@ activations, both products and every collective's payload (H and W all-gathers, 
 all-reduces of Â·H and of the output, the weight-gradient reduce-scatter or all-reduce and
 the input-gradient reductions) are bfloat16, and the cast's backward lands the gradients in
 the masters' dtype. The loss and accuracy are computed in float32 from the bfloat16 logits
-(:mod:`gnnpar.sparse.loss`). float16 is refused: the local SpMM has no float16 kernel and
+(:mod:`gnnpar.models.fullgraph.loss`). float16 is refused: the local SpMM has no float16 kernel and
 the full-graph task no loss scaling.
 """
 
@@ -32,23 +32,23 @@ from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.graph import is_multilabel
 from gnnpar.grid import ProcessGrid
-from gnnpar.nn.dropout import index_dropout
-from gnnpar.recompute import recompute
-from gnnpar.sparse.kernels import LocalSpMM
-from gnnpar.sparse.layout import Layout3D, layout3d
-from gnnpar.sparse.loss import (
+from gnnpar.models.fullgraph.layout import Layout3D, layout3d
+from gnnpar.models.fullgraph.loss import (
     gather_masked,
     sharded_accuracy,
     sharded_argmax,
     sharded_bce_with_logits,
     sharded_cross_entropy,
 )
-from gnnpar.sparse.plexus import layer_schedule, plexus_layer
-from gnnpar.sparse.schedule import Step, bytes_by_phase
+from gnnpar.models.fullgraph.plexus import layer_schedule, plexus_layer
+from gnnpar.models.fullgraph.schedule import Step, bytes_by_phase
+from gnnpar.nn.dropout import index_dropout
+from gnnpar.recompute import recompute
+from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.source import ShardSource
 
 if TYPE_CHECKING:
-    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
 
 
 def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_ops: int) -> torch.Tensor:
@@ -251,7 +251,7 @@ class ShardedGNN(nn.Module):
 
     def checkpoint_layout(self):
         """This rank's :class:`~gnnpar.checkpoint.state.ModelLayout` against the plain
-        :class:`~gnnpar.nn.gcn.FullGraphGNN`'s state dict."""
+        :class:`~gnnpar.models.fullgraph.model.FullGraphGNN`'s state dict."""
         from gnnpar.checkpoint.state import MODEL, ModelLayout, Piece, TensorSpec, writes
 
         pieces, tensors, params, keys = [], {}, {}, []
@@ -422,7 +422,7 @@ class Parallel3DGNN(ShardedGNN):
     # ------------------------------------------------------------------------ accounting
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of one forward and one backward pass, layer by layer (see
-        :func:`~gnnpar.sparse.plexus.layer_schedule`); ``input_grad``: the input features'
+        :func:`~gnnpar.models.fullgraph.plexus.layer_schedule`); ``input_grad``: the input features'
         gradient is wanted too."""
         out: list[Step] = []
         for i, lay in enumerate(self.layouts):
@@ -487,10 +487,11 @@ ALGORITHMS = ("3d", "2d", "1d")
 
 
 def check_norm(kind: str, source: ShardSource) -> None:
-    """A model of ``kind`` reads the adjacency :data:`~gnnpar.nn.gcn.NORMS` names; a source
+    """A model of ``kind`` reads the adjacency :data:`~gnnpar.models.fullgraph.model.NORMS` names;
+    a source
     recording another is refused in one line naming where it is recorded (e.g. a shard
     folder of GCN-normalised values, which have lost the edge weights GAT and GIN read)."""
-    from gnnpar.nn.gcn import NORMS
+    from gnnpar.models.fullgraph.model import NORMS
 
     norm = getattr(source, "norm", None)
     if norm is not None and norm != NORMS[kind]:
@@ -526,7 +527,7 @@ def parallelize_fullgraph(
             f"{algorithm!r} with {model.kind!r}"
         )
     if model.kind in ("gat", "gin"):
-        from gnnpar.sparse.gat import parallel_gemm_first
+        from gnnpar.models.fullgraph.gat import parallel_gemm_first
 
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
@@ -536,7 +537,7 @@ def parallelize_fullgraph(
         return Parallel3DGNN(
             model, grid, source, overlap_chunks, dtype, compute_dtype, data_parallel
         )
-    from gnnpar.sparse.cagnet import Parallel1DGNN, Parallel2DGNN
+    from gnnpar.models.fullgraph.cagnet import Parallel1DGNN, Parallel2DGNN
 
     if algorithm == "2d":
         return Parallel2DGNN(model, grid, source, dtype, compute_dtype)

@@ -3,7 +3,7 @@ of differentiable collectives.
 
 A GAT layer needs ``Z = H W`` before it aggregates (the attention scores read Z), and GIN's
 first MLP weight commutes with its (linear) sum, so both run the GEMM first. **3D**, layer
-roles (a, b, c) = (outer, inner, depth) of :mod:`gnnpar.sparse.layout`, the rank holding Â
+roles (a, b, c) = (outer, inner, depth) of :mod:`gnnpar.models.fullgraph.layout`, the rank holding Â
 rows chunk c × columns chunk a, input H rows chunk a × features chunk b, and the weight rows
 ``fin`` (chunk b) of every output column::
 
@@ -41,7 +41,7 @@ row's columns all live on its rank), parameter gradients all-reduced.
 Each layer's collectives are described once, by :func:`gat3d_layer_schedule`,
 :func:`gat2d_layer_schedule`, :func:`gat1d_layer_schedule`, :func:`gin3d_layer_schedule`,
 :func:`gin2d_layer_schedule` and :func:`gin1d_layer_schedule`
-(:mod:`gnnpar.sparse.schedule`).
+(:mod:`gnnpar.models.fullgraph.schedule`).
 """
 
 from __future__ import annotations
@@ -54,16 +54,16 @@ from torch import nn
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.grid import GridShape, ProcessGrid
+from gnnpar.models.fullgraph.layout import Layout3D, chunk, layout3d
+from gnnpar.models.fullgraph.model import ACTIVATIONS, gin_aggregate
+from gnnpar.models.fullgraph.parallelize import ShardedGNN
+from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.nn.dropout import index_dropout
-from gnnpar.nn.gcn import ACTIVATIONS, gin_aggregate
 from gnnpar.sparse import attention
-from gnnpar.sparse.layout import Layout3D, chunk, layout3d
-from gnnpar.sparse.parallel import ShardedGNN
-from gnnpar.sparse.schedule import Step, step
 from gnnpar.sparse.source import ShardSource
 
 if TYPE_CHECKING:
-    from gnnpar.nn.gcn import FullGraphGNN
+    from gnnpar.models.fullgraph.model import FullGraphGNN
 
 
 def _all_reduce_both(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:

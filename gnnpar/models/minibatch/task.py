@@ -18,7 +18,7 @@ only its own part): it samples across parts and fetches remote features with all
 A weighted graph's edge weights ride on the blocks (every sampler records its edges' weights,
 :attr:`~gnnpar.sampling.Block.weight`; the distributed one sends them with the sampled
 neighbours), so the model aggregates with them in training and in evaluation, on one rank or
-many (:mod:`gnnpar.nn.minibatch` says how each layer uses them).
+many (:mod:`gnnpar.models.minibatch.model` says how each layer uses them).
 
 Sampling, the parts' features and the all-to-alls that serve them stay on the host, over gloo
 groups of their own; the model, its gradients and their reduction live on ``grid.device``
@@ -52,7 +52,7 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice
-from gnnpar.nn.minibatch import BlockGNN, GATConv, GCNConv, SAGEConv
+from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.sampling import (
     ClusterSampler,
     DistNeighborSampler,
@@ -99,7 +99,7 @@ from gnnpar.train.precision import (
 from gnnpar.train.progress import Progress, graph_sizes
 
 _MODELS = ("sage", "gcn", "gat")
-#: ``--sampler`` choices (``vertex``: ScaleGNN's 4D training, :mod:`gnnpar.train.scalegnn`).
+#: ``--sampler`` choices (``vertex``: ScaleGNN's 4D training, :mod:`gnnpar.models.scalegnn.task`).
 SAMPLERS = ("neighbor", "vertex", "saint-node", "saint-edge", "saint-rw", "cluster")
 _MASKS = ("train", "val", "test")
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
@@ -416,9 +416,9 @@ class MiniBatchTask(DeferredOptimizer):
 
     def __new__(cls, cfg: MiniBatchConfig, progress: Progress | None = None) -> Any:
         """The task of ``cfg.sampler``: ScaleGNN's 4D training is a task of its own
-        (:class:`gnnpar.train.scalegnn.VertexTask`) behind the one ``sage`` name."""
+        (:class:`gnnpar.models.scalegnn.task.VertexTask`) behind the one ``sage`` name."""
         if cls is MiniBatchTask and cfg.sampler == "vertex":
-            from gnnpar.train.scalegnn import VertexTask
+            from gnnpar.models.scalegnn.task import VertexTask
 
             return VertexTask(cfg, progress)
         return super().__new__(cls)

@@ -33,7 +33,7 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
-from gnnpar.nn.gpt import GPTConfig, generate, model_sizes, set_activation_checkpointing
+from gnnpar.models.gpt.model import GPTConfig, generate, model_sizes, set_activation_checkpointing
 from gnnpar.recompute import MODES
 from gnnpar.shard.clip import clipped_step
 from gnnpar.train import schedule
@@ -163,7 +163,7 @@ class GPTTaskConfig(
 
     def check_pipeline(self, pipe: int) -> None:
         """Reject pipeline options that cannot work with ``pipe`` stages, naming the key."""
-        from gnnpar.pipeline.gpt import SPLITS
+        from gnnpar.models.gpt.pipeline import SPLITS
         from gnnpar.pipeline.schedule import SCHEDULES, ScheduleError, check_sizes
 
         if self.schedule not in SCHEDULES:
@@ -268,7 +268,7 @@ def build_model(cfg: GPTTaskConfig, vocab_size: int) -> tuple[nn.Module, type]:
     :func:`parallel_model` gives each rank its pieces) and its block class (the unit of
     sharding)."""
     if cfg.model == "gpt":
-        from gnnpar.nn.gpt import GPT, Block
+        from gnnpar.models.gpt.model import GPT, Block
 
         with torch.device("meta"):
             return GPT(cfg.gpt_config(vocab_size)), Block
@@ -440,7 +440,7 @@ class GPTTask(DeferredOptimizer):
 
         self.pipeline = None
         if grid.size("pipe") > 1:
-            from gnnpar.pipeline.gpt import gpt_pipeline
+            from gnnpar.models.gpt.pipeline import gpt_pipeline
 
             try:  # a GPT-2 whose sizes came from its config, or a transformers it cannot run
                 self.pipeline = gpt_pipeline(

@@ -1,6 +1,7 @@
 """The collectives a distributed full-graph layer performs: one description per layer kind.
 
-Each distributed layer (:mod:`gnnpar.sparse.plexus` for 3D, :mod:`gnnpar.sparse.cagnet` for
+Each distributed layer (:mod:`gnnpar.models.fullgraph.plexus` for 3D,
+:mod:`gnnpar.models.fullgraph.cagnet` for
 1D and 2D) lists the collectives one forward and one backward pass of it perform as
 :class:`Step` s: the axis, the collective kind, the group size and the element count of the
 full (padded) buffer. Everything that needs those bytes computes them from these steps:

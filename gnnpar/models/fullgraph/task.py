@@ -31,10 +31,9 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import parse_bytes
 from gnnpar.grid import backend_for_choice, parse_grid_spec
-from gnnpar.nn.gcn import NORMS, FullGraphGNN
-from gnnpar.plan import choose_fullgraph_grid, local_machine
-from gnnpar.sparse.parallel import ALGORITHMS, check_norm, parallelize_fullgraph
-from gnnpar.sparse.shards import (
+from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
+from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
+from gnnpar.models.fullgraph.shards import (
     DiskSource,
     OldShardFolderError,
     ShardFormatError,
@@ -42,6 +41,7 @@ from gnnpar.sparse.shards import (
     read_shard_manifest,
     shard_provenance,
 )
+from gnnpar.plan import choose_fullgraph_grid, local_machine
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train import schedule
 from gnnpar.train.config import (
@@ -166,7 +166,8 @@ MODELS = ("gcn", "sage", "gat", "gin")
 
 
 def _norm(cfg: FullGraphConfig) -> str:
-    """The adjacency the model reads (:data:`~gnnpar.nn.gcn.NORMS`: GAT and GIN the ``raw``
+    """The adjacency the model reads (:data:`~gnnpar.models.fullgraph.model.NORMS`: GAT and GIN the
+    ``raw``
     one, whose values are the edge weights)."""
     return NORMS[cfg.model]
 
@@ -395,7 +396,7 @@ class FullGraphTask(DeferredOptimizer):
     def predict(self) -> torch.Tensor:
         """Every node's prediction in original node order, on every rank (collective): class
         ids, or each task's probability for multi-label targets
-        (:meth:`~gnnpar.sparse.parallel.ShardedGNN.predictions`)."""
+        (:meth:`~gnnpar.models.fullgraph.parallelize.ShardedGNN.predictions`)."""
         self.model.eval()
         return self.model.predictions(self.model(self.features)).cpu()
 
