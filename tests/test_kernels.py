@@ -4,12 +4,16 @@ bfloat16 and float16 within their stated bounds; the differentiable wrappers."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
+from types import MappingProxyType
 
 import pytest
 import torch
 
+from gnnpar.sparse import kernels
 from gnnpar.sparse.csr import CSRBlock, from_coo, transpose
-from gnnpar.sparse.kernels import EXACT_GROUPS, VARIANTS, LocalSpMM, csr_spmm, spmm
+from gnnpar.sparse.kernels import EXACT_GROUPS, VARIANTS, LocalSpMM, Variant, csr_spmm, spmm
 
 
 def _block(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int = 0) -> CSRBlock:
@@ -160,6 +164,59 @@ def test_the_autotune_chooses_among_bit_identical_variants(dtype):
             assert torch.equal(op.mm(h), first.mm(h)), name
             assert torch.equal(op.T.mm(g), first.T.mm(g)), name
         assert torch.equal(LocalSpMM(block).mm(h), first.mm(h))  # the autotuned default
+
+
+def test_the_autotune_leaves_out_a_default_candidate_that_is_not_bit_identical(monkeypatch):
+    # a CPU can break a group's promise (MKL fuses multiply-add on some, bag never does):
+    # a fast candidate one ulp off, and one off only where rounding shows, must not win
+    def slow_csr32(a, h):
+        time.sleep(0.005)  # so that either fake would win the timing if it were timed
+        return VARIANTS["csr32"].run(a, h)
+
+    def one_ulp_off(a, h):
+        out = VARIANTS["csr32"].run(a, h)
+        out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(math.inf, dtype=out.dtype))
+        return out
+
+    def off_on_fractions(a, h):  # equal on integer inputs, where products round exactly
+        return one_ulp_off(a, h) if bool((h != h.round()).any()) else VARIANTS["csr32"].run(a, h)
+
+    prepare, f64 = VARIANTS["csr32"].prepare, frozenset({torch.float64})
+    fakes = {
+        name: Variant(name, f64, prepare, run)
+        for name, run in (
+            ("slow", slow_csr32),
+            ("ulp", one_ulp_off),
+            ("fraction", off_on_fractions),
+        )
+    }
+    monkeypatch.setattr(kernels, "VARIANTS", MappingProxyType({**VARIANTS, **fakes}))
+    monkeypatch.setattr(
+        kernels, "EXACT_GROUPS", MappingProxyType({torch.float64: ("slow", "ulp", "fraction")})
+    )
+    block = _block(45, 38, 0.4, torch.float64, seed=11)
+    csr32 = VARIANTS["csr32"].prepare(block)
+    g = torch.Generator().manual_seed(7)
+    h, later = (torch.randn(38, 7, generator=g, dtype=torch.float64) for _ in range(2))
+    ones = torch.ones(38, 7, dtype=torch.float64)
+    # on ones only the random probe shows the second fake's rounding
+    for tuned, caught_on in ((h, "tuned product"), (ones, "random probe")):
+        op = LocalSpMM(block)
+        rng = torch.get_rng_state()
+        out = op.mm(tuned)
+        assert torch.equal(torch.get_rng_state(), rng)  # the probe leaves torch's seed alone
+        key = (7, torch.float64)
+        assert op.choices == {key: "slow"} and set(op.timings[key]) == {"slow"}
+        why = op.excluded[key]
+        assert set(why) == {"ulp", "fraction"}
+        assert why["ulp"].startswith("not bit for bit slow on the tuned product: 1 of 315 ")
+        assert f"on the {caught_on}" in why["fraction"]
+        assert torch.equal(out, VARIANTS["csr32"].run(csr32, tuned))
+        assert torch.equal(op.mm(later), VARIANTS["csr32"].run(csr32, later))
+    # named variants promise nothing: they are all timed (the benchmark compares them so)
+    named = LocalSpMM(block, variants=("slow", "ulp"))
+    named.mm(h)
+    assert set(named.timings[(7, torch.float64)]) == {"slow", "ulp"} and not named.excluded
 
 
 def test_spmm_and_csr_spmm_are_differentiable():

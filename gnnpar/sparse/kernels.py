@@ -11,8 +11,8 @@ variant         dtypes of ``H``             kernel
 ``bag``         float32, float64, bfloat16  ``embedding_bag(mode="sum")`` with the values as
                 float16                     per-sample weights: the CSR product row by row
                                             (fbgemm's CPU kernel: several times faster than
-                                            the sparse CSR one in float32; no vectorised
-                                            float64 kernel)
+                                            the sparse CSR one in float32; float64 runs a
+                                            plain loop that multiplies, then adds)
 ``bag-tiled``   float32, bfloat16, float16  ``bag`` on column tiles of 64 features (a smaller
                                             gathered working set for wide ``H``)
 ``bag-up``      bfloat16                    ``H`` and values widened to float32, ``bag``,
@@ -24,12 +24,24 @@ each ``(width, dtype)`` times the candidates and remembers the winner for that b
 (``autotune``; :attr:`LocalSpMM.choices` and :attr:`LocalSpMM.timings` show what was
 measured). By default the candidates are the dtype's :data:`EXACT_GROUPS`: variants whose
 products are **bit for bit the same** (each output element sums its row's nonzeros in the
-same order), so the choice, made by timing, never changes a result and training stays
-reproducible run to run and across a resume; ``bag`` and ``bag-tiled`` for float32,
-bfloat16 and float16 (several times faster than torch's CSR in float32), ``csr32``, ``csr64`` and
-``bag`` for float64 (where ``bag`` has no vectorised kernel and all three agree). Naming
-``variants=`` times exactly those instead (the benchmark compares all of them this way).
-Without autotuning the group's first variant is used.
+same order, with the same roundings), so the choice, made by timing, never changes a result
+and training stays reproducible run to run and across a resume; ``bag`` and ``bag-tiled``
+for float32, bfloat16 and float16 (several times faster than torch's CSR in float32),
+``csr32`` and ``csr64`` for float64. Without autotuning the group's first variant is used.
+
+**The check.** Summing in the same order is not enough: whether a kernel rounds ``a·h``
+before adding it or fuses the two (FMA, one rounding) is decided by the library at run time.
+MKL, behind the CSR variants, picks its code path by CPU, vendor included: the AVX2/AVX-512
+paths it takes on Intel CPUs fuse, the generic one it takes on others does not, and
+``bag``'s float64 loop never does; so float64 ``bag`` equals the CSR variants on some
+machines and differs from them by an ulp or two on others (it is therefore not in the
+float64 group). As no group can be proven identical on every CPU, the autotune also checks:
+before timing, each candidate's product is compared bit for bit with the first candidate's
+(the variant used without autotuning), on the product being tuned and on a random probe of
+the same shape (the tuned input may be one on which rounding never shows, ones or one-hot
+features, say), and a candidate that differs is left out of the timing;
+:attr:`LocalSpMM.excluded` says which and why. Naming ``variants=`` times exactly those
+instead, unchecked (no identity is promised; the benchmark compares all of them this way).
 
 **bfloat16.** torch's CPU sparse CSR matmul has no bfloat16 kernel; every bfloat16 variant
 accumulates in float32 and rounds the result once, so, elementwise,
@@ -137,12 +149,31 @@ EXACT_GROUPS: MappingProxyType[torch.dtype, tuple[str, ...]] = MappingProxyType(
         _F32: ("bag", "bag-tiled"),
         _BF16: ("bag", "bag-tiled"),
         _F16: ("bag", "bag-tiled"),
-        _F64: ("csr32", "csr64", "bag"),
+        # not bag: its float64 loop rounds each product, MKL's CSR kernels fuse multiply-add
+        # on the CPUs they vectorise for
+        _F64: ("csr32", "csr64"),
     }
 )
 """Per dtype, the variants whose products are bit-identical: the default candidates of the
-autotune, the first one the default without it (``csr32`` gives way to ``csr64`` for blocks
-too large for int32)."""
+autotune (each checked against the first at tuning), the first one the default without it
+(``csr32`` gives way to ``csr64`` for blocks too large for int32)."""
+
+_PROBE_SEED = 0  # the autotune's random probe input: the same on every rank and run
+
+
+def _difference(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Why ``out`` is not bit for bit ``ref`` (None when it is)."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"gives {out.dtype} {tuple(out.shape)}, not {ref.dtype} {tuple(ref.shape)}"
+    # compare the bits, not the values: -0.0 and 0.0 differ, NaNs of the same bits do not
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[ref.element_size()]
+    differ = out.contiguous().view(bits) != ref.contiguous().view(bits)
+    n = int(differ.sum())
+    if n == 0:
+        return None
+    largest = (out.double() - ref.double()).abs()[differ].max().item()
+    return f"{n} of {ref.numel()} elements differ (largest by {largest:.3g})"
+
 
 # Variants that share one prepared form (a block builds it once for all of them).
 _PREPARED_AS = MappingProxyType({"bag-tiled": "bag"})
@@ -160,6 +191,11 @@ class LocalSpMM:
 
     Kernels are built lazily, on first use, and kept; the transpose (:attr:`T`) is built
     once, on first use, with the same settings.
+
+    Attributes:
+        timings: per ``(width, dtype)`` tuned, each timed candidate's best time in seconds.
+        excluded: per ``(width, dtype)`` tuned, the default candidates left out because their
+            product was not bit for bit the first candidate's, each with the reason.
     """
 
     def __init__(
@@ -176,6 +212,7 @@ class LocalSpMM:
         self._transposed: LocalSpMM | None = None
         self._choice: dict[tuple[int, torch.dtype], str] = {}
         self.timings: dict[tuple[int, torch.dtype], dict[str, float]] = {}
+        self.excluded: dict[tuple[int, torch.dtype], dict[str, str]] = {}
 
     @property
     def nnz(self) -> int:
@@ -238,6 +275,8 @@ class LocalSpMM:
             )
         if not self.autotune or len(names) == 1:
             return names[0]
+        if self.variants is None:  # the default group promises identical results: hold it to that
+            names = self._identical(names, dense)
         times = {}
         for name in names:
             run, kernel = VARIANTS[name].run, self._kernel(name)
@@ -254,6 +293,28 @@ class LocalSpMM:
         keep = {_PREPARED_AS.get(n, n) for n in (winner, *self._choice.values())}
         self._prepared = {k: v for k, v in self._prepared.items() if k in keep}
         return winner
+
+    def _identical(self, names: list[str], dense: torch.Tensor) -> list[str]:
+        """``names`` without those whose product differs from the first one's in any bit, on
+        ``dense`` or on a random probe of its shape (recorded in :attr:`excluded`)."""
+        gen = torch.Generator().manual_seed(_PROBE_SEED)  # not the global generator
+        probe = torch.randn(dense.shape, generator=gen, dtype=torch.float64).to(dense.dtype)
+        inputs = {"tuned product": dense, "random probe": probe}
+        run, kernel = VARIANTS[names[0]].run, self._kernel(names[0])
+        refs = {what: run(kernel, x) for what, x in inputs.items()}
+        kept, why = [names[0]], {}
+        for name in names[1:]:
+            run, kernel = VARIANTS[name].run, self._kernel(name)
+            for what, x in inputs.items():
+                reason = _difference(run(kernel, x), refs[what])
+                if reason is not None:
+                    why[name] = f"not bit for bit {names[0]} on the {what}: {reason}"
+                    break
+            else:
+                kept.append(name)
+        if why:
+            self.excluded[(dense.shape[1], dense.dtype)] = why
+        return kept
 
     @property
     def T(self) -> LocalSpMM:  # noqa: N802 - mirrors torch's .T
