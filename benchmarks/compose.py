@@ -102,13 +102,14 @@ class Tokens:
 
 # ------------------------------------------------------------------------ one rank's run
 def _ours(cfg: dict[str, Any], parallel: dict[str, Any]):
-    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
+    from gnnpar.train.spec import build_task
 
     task_cfg = GPTTaskConfig(
         **cfg["sizes"], batch_size=cfg["batch"], lr=1e-4, min_lr=1e-4, warmup=1,
         steps=1000, sample_tokens=0, grad_clip=1.0, **parallel,
     )  # fmt: skip
-    task = GPTTask(task_cfg, corpus=Tokens(cfg["sizes"]["vocab_size"]))
+    task = build_task("gpt", task_cfg, corpus=Tokens(cfg["sizes"]["vocab_size"]))
     return lambda step: task.train_step(step)["loss"]
 
 

@@ -78,7 +78,7 @@ def _config(grid: str, batch: int, seq: int, steps: int):
 
 def _rank(grid: str, batch: int, seq: int, steps: int) -> dict[str, Any]:
     import gnnpar
-    from gnnpar.models.gpt.task import GPTTask
+    from gnnpar.train.spec import build_task
 
     world = gnnpar.init()
     # the code every side imports while it builds (its pages count in RSS), and torch's lazy
@@ -93,7 +93,7 @@ def _rank(grid: str, batch: int, seq: int, steps: int) -> dict[str, Any]:
     torch.optim.AdamW([w]).step()
     gc.collect()
     baseline = _rss_kb("VmRSS") / 1024
-    task = GPTTask(_config(grid, batch, seq, steps + 1), corpus=_Tokens(seq))
+    task = build_task("gpt", _config(grid, batch, seq, steps + 1), corpus=_Tokens(seq))
     task.train_step(0)
     gc.collect()
     reset = _reset_peak_rss()

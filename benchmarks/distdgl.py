@@ -140,7 +140,8 @@ def _gnnpar_rank(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gnnpar import comm
-    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig
+    from gnnpar.train.spec import build_task
 
     torch.set_num_threads(1)
     cfg = MiniBatchConfig(
@@ -151,7 +152,7 @@ def _gnnpar_rank(spec: dict[str, Any]) -> dict[str, Any]:
         out=str(Path(spec["work"]) / "ours"),
     )  # fmt: skip
     cfg.check()
-    task = MiniBatchTask(cfg)
+    task = build_task("sage", cfg)
     epochs = []
     for epoch in range(spec["epochs"]):
         dist.barrier()

@@ -193,7 +193,8 @@ def _minibatch_worker(
     import gc
 
     import gnnpar
-    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig
+    from gnnpar.train.spec import build_task
     from partitioners.metrics import _reset_peak_rss, measure
 
     libc = ctypes.CDLL("libc.so.6")
@@ -213,7 +214,7 @@ def _minibatch_worker(
     phases, retained, seconds = {}, {}, {}
     with measure() as m:
         t0 = time.perf_counter()
-        task = MiniBatchTask(cfg)
+        task = build_task("sage", cfg)
         for name, run in (("setup", None), ("train", task.train_step), ("eval", task.evaluate)):
             if run is not None:
                 run(0)

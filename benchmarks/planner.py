@@ -90,14 +90,15 @@ class _Tokens:
 
 
 def _gpt_time(grid, steps: int) -> float:
-    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
+    from gnnpar.train.spec import build_task
 
     sizes = {k: v for k, v in GPT.items() if k != "batch_size"}
     cfg = GPTTaskConfig(
         **sizes, batch_size=GPT["batch_size"], warmup=1, steps=100, zero_stage=0,
         grid=",".join(f"{a}={v}" for a, v in grid.shape.items()), sample_tokens=0,
     )  # fmt: skip
-    task = GPTTask(cfg, corpus=_Tokens())  # the gpt task's step: TP, then gnnpar.shard
+    task = build_task("gpt", cfg, corpus=_Tokens())  # the gpt task's step: TP, then gnnpar.shard
     seconds = _timed(lambda: task.train_step(0), task.grid, steps)
     import gnnpar
 

@@ -243,8 +243,9 @@ def bench_training(graph: Graph, dgl_graph: Any, reps: int, train_size: int) -> 
 # ------------------------------------------------------------------------------ part 3
 def _traffic_rank(folder: str, caches: list[int], scale: int) -> list[dict]:
     from gnnpar import comm
-    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig
     from gnnpar.train.config import from_mapping
+    from gnnpar.train.spec import build_task
 
     rows = []
     for cache in caches:
@@ -264,7 +265,7 @@ def _traffic_rank(folder: str, caches: list[int], scale: int) -> list[dict]:
                 "prefetch": 0,
             },
         )
-        task = MiniBatchTask(cfg)
+        task = build_task("sage", cfg)
         with comm.record(task.grid) as traffic:
             record = task.train_step(0)
         rows.append(

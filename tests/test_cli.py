@@ -240,7 +240,7 @@ def test_every_train_option_has_help_and_a_readme_row():
     import dataclasses
 
     from gnnpar.cli import build_parser
-    from gnnpar.train.commands import _tasks
+    from gnnpar.train.spec import specs
 
     parser = build_parser()
     train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -255,8 +255,8 @@ def test_every_train_option_has_help_and_a_readme_row():
                 assert action.help and len(action.help) > 10, (name, action.option_strings)
     text = (ROOT / "README.md").read_text()
     table = text[text.index("**Trainer options.**") : text.index("A run folder holds")]
-    for cls, _, _ in _tasks().values():
-        for f in dataclasses.fields(cls):
+    for spec in specs().values():
+        for f in dataclasses.fields(spec.config):
             assert f"`{f.name}`" in table, f"README's option table lacks {f.name}"
 
 

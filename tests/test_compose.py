@@ -18,9 +18,10 @@ import torch
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
-from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+from gnnpar.models.gpt.task import GPTTaskConfig
+from gnnpar.models.minibatch.task import MiniBatchConfig
 from gnnpar.testing import run_distributed
+from gnnpar.train.spec import build_task
 
 REL = 1e-12
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind.\n" * 300
@@ -54,7 +55,7 @@ def _gpt_cfg(text: str, **kw) -> GPTTaskConfig:
 def _gpt_run(
     cfg: GPTTaskConfig, steps: int = 3, record: bool = False, keep_grads: bool = False
 ) -> dict:
-    task = GPTTask(cfg)
+    task = build_task("gpt", cfg)
     if keep_grads:  # zero the gradients in place, as zero_grad(set_to_none=False) does
         zero = task.optimizer.zero_grad
         task.optimizer.zero_grad = lambda set_to_none=True: zero(set_to_none=False)
@@ -182,7 +183,7 @@ def _precision_world(text: str) -> dict:
 def _fp16_overflow(text: str) -> dict:
     """An fp16 step whose loss scale overflows the gradients (2^40: fp16 stops at 65504) is
     skipped on every rank with the scale halved; the next, at a sane scale, trains."""
-    task = GPTTask(_gpt_cfg(text, grid="data=2", dtype="float32", mixed_precision="fp16"))
+    task = build_task("gpt", _gpt_cfg(text, grid="data=2", dtype="float32", mixed_precision="fp16"))
     before = {k: v.clone() for k, v in task.dp.full_state_dict().items()}
     task.scaler.scale = 2.0**40
     first = task.train_step(0)
@@ -262,7 +263,7 @@ def _sage_run(cfg: MiniBatchConfig, fetches: list | None = None) -> dict:
     """The trained parameters; ``fetches`` (distributed) gets, per epoch, the record's
     feature bytes and cache hit rate, the same from the fetchers' own counters summed over
     the ranks, the rows fetched and the batches."""
-    task = MiniBatchTask(cfg)
+    task = build_task("sage", cfg)
     for epoch in range(cfg.epochs):
         before = dict(task.fetcher.stats) if fetches is not None else {}
         record = task.train_step(epoch)
@@ -317,7 +318,8 @@ def _sage_precision_world(root: str, out: str) -> dict:
     default 2^16 overflows this tiny model's first steps, which are then skipped)."""
     out_states, scalers = {}, {}
     for mp in ("none", "bf16", "fp16"):
-        task = MiniBatchTask(_sage_cfg(root, out, dtype="float32", mixed_precision=mp, epochs=3))
+        cfg = _sage_cfg(root, out, dtype="float32", mixed_precision=mp, epochs=3)
+        task = build_task("sage", cfg)
         if mp == "fp16":
             task.scaler.scale = 2.0**8
         losses = [task.train_step(epoch)["loss"] for epoch in range(3)]

@@ -77,12 +77,13 @@ def test_context_axis_is_refused_where_it_cannot_work():
     from gnnpar.models.gpt.task import GPTTaskConfig
     from gnnpar.train.config import ConfigError
     from gnnpar.train.loop import check_world
+    from gnnpar.train.spec import get
 
     class GCNLike:  # a task config without pipelining (every task but gpt)
         grid = "context=2"
 
     with pytest.raises(ConfigError, match="a context axis needs the gpt task"):
-        check_world(GCNLike(), 2)
+        check_world(get("gcn"), GCNLike(), 2)
     for bad, match in (
         (dict(grid="context=2,pipe=2"), "does not combine with pipe"),
         (dict(grid="context=2", model="hf-gpt2"), "needs model = gpt"),
@@ -135,10 +136,11 @@ def _train(spec: str | None, stage: int) -> dict:
     bytes autograd saved in the first step beside the planner's activation memory."""
     import gnnpar
     from gnnpar import comm
-    from gnnpar.models.gpt.task import GPTTask, plan_problem
+    from gnnpar.models.gpt.task import plan_problem
     from gnnpar.plan.memory import gpt_memory
+    from gnnpar.train.spec import build_task
 
-    task = GPTTask(_config(spec, stage), corpus=_Tokens())
+    task = build_task("gpt", _config(spec, stage), corpus=_Tokens())
     losses, predicted, measured = [], None, None
     memory = gpt_memory(dataclasses.replace(plan_problem(task.cfg), stage=stage), task.grid.shape)
     with comm.record(task.grid) as traffic:

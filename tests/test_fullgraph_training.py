@@ -7,8 +7,9 @@ import torch
 
 import gnnpar
 from gnnpar.models.fullgraph.shards import prepare_shards
-from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
+from gnnpar.models.fullgraph.task import FullGraphConfig
 from gnnpar.testing import run_distributed
+from gnnpar.train.spec import build_task
 from tests.conftest import CITESEER, PLANETOID, needs_dataset
 
 needs_citeseer = needs_dataset(CITESEER)
@@ -47,7 +48,7 @@ def _losses(
         overlap_chunks=chunks,
         out="unused",
     )
-    task = FullGraphTask(cfg)
+    task = build_task("gcn", cfg)
     losses = [task.train_step(e)["loss"] for e in range(epochs)]
     out = {"losses": losses, **task.evaluate(epochs - 1)}
     gnnpar.release(task.grid)  # the next grid of the same world makes its own groups

@@ -18,13 +18,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gnnpar.cli import main
-from gnnpar.train.commands import _tasks
 from gnnpar.train.config import ConfigError
+from gnnpar.train.spec import specs
 
 FAST = settings(max_examples=15, deadline=None)
-TASKS = sorted(_tasks())
+TASKS = sorted(name for name, spec in specs().items() if spec.listed)
 #: Every config key of every task, and a few that are none.
-KEYS = sorted({f.name for cls, _, _ in _tasks().values() for f in dataclasses.fields(cls)})
+KEYS = sorted({f.name for spec in specs().values() for f in dataclasses.fields(spec.config)})
 KEY = st.one_of(st.sampled_from(KEYS), st.sampled_from(["hiden", "lr ", "", "x.y"]))
 SCALAR = st.one_of(
     st.integers(min_value=-(10**400), max_value=10**400),

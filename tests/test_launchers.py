@@ -27,6 +27,7 @@ from gnnpar.launch import (
     under_launcher,
 )
 from gnnpar.testing import free_port
+from gnnpar.train.loop import BaseTask
 from gnnpar.train.metrics import read_metrics
 from tests.simulated_launchers import (
     AS_HOST,
@@ -442,7 +443,7 @@ def test_sbatch_gpt_4d_runs(tmp_path):
     assert not (tmp_path / "scontrol.log").exists()
 
 
-class _SignalledTask:
+class _SignalledTask(BaseTask):
     """Counts steps; sends this process SIGTERM during step ``signal_at``."""
 
     unit = "step"

@@ -14,6 +14,7 @@ from gnnpar.testing import run_distributed
 from gnnpar.train.config import ConfigError, from_mapping
 from gnnpar.train.loop import Trainer
 from gnnpar.train.metrics import read_metrics
+from gnnpar.train.spec import build_task
 from tests.conftest import CITESEER, DATASETS, needs_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def test_bad_config(tmp_path, values, message):
 
 def test_parts_must_match_processes(tmp_path):
     with pytest.raises(ConfigError, match="each data-parallel rank owns one part"):
-        MiniBatchTask(config(tmp_path, parts=2))
+        build_task("sage", config(tmp_path, parts=2))
 
 
 def _params(task: MiniBatchTask) -> dict[str, torch.Tensor]:
@@ -71,16 +72,16 @@ def _params(task: MiniBatchTask) -> dict[str, torch.Tensor]:
 def test_resume_is_exact(tmp_path, model):
     """4 epochs in one go == 2 epochs, a checkpoint, and 2 more after --resume (dropout,
     shuffling, sampling and the prefetch thread included)."""
-    once = MiniBatchTask(config(tmp_path / "once", model=model))
+    once = build_task("sage", config(tmp_path / "once", model=model))
     Trainer(once, tmp_path / "once", eval_every=0, quiet=True).run()
-    first = MiniBatchTask(config(tmp_path / "split", model=model, epochs=2))
+    first = build_task("sage", config(tmp_path / "split", model=model, epochs=2))
     Trainer(first, tmp_path / "split", eval_every=0, checkpoint_every=1, quiet=True).run()
     assert first.loader.state_dict()["epoch"] == 2
-    second = MiniBatchTask(config(tmp_path / "split", model=model, resume=True))
+    second = build_task("sage", config(tmp_path / "split", model=model, resume=True))
     Trainer(second, tmp_path / "split", eval_every=0, resume=True, quiet=True).run()
     a, b = _params(once), _params(second)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    fresh = MiniBatchTask(config(tmp_path / "fresh", model=model, seed=1))
+    fresh = build_task("sage", config(tmp_path / "fresh", model=model, seed=1))
     Trainer(fresh, tmp_path / "fresh", eval_every=0, quiet=True).run()
     assert not all(torch.equal(a[k], v) for k, v in _params(fresh).items())
 
@@ -141,7 +142,7 @@ def _citeseer(out: str, batch_size: int) -> dict[str, float]:
             "feature_cache": 64,
         },
     )
-    task = MiniBatchTask(cfg)
+    task = build_task("sage", cfg)
     result = Trainer(task, cfg.out, eval_every=0, quiet=True).run()
     if task.distributed:
         result["cache_hit_rate"] = task.fetcher.hit_rate()

@@ -215,8 +215,9 @@ def test_minibatch_multilabel_loss_is_the_mean_bce_of_the_model(archives, tmp_pa
     """One batch of every training node with all neighbours and no dropout: the epoch's loss
     is ``F.binary_cross_entropy_with_logits`` (mean over nodes and tasks) of the model's
     full-neighbourhood logits before the step."""
-    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig
     from gnnpar.sampling import layerwise_inference
+    from gnnpar.train.spec import build_task
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     root, _ = archives
@@ -230,7 +231,7 @@ def test_minibatch_multilabel_loss_is_the_mean_bce_of_the_model(archives, tmp_pa
         prefetch=0,
         out=str(tmp_path),
     )
-    task = MiniBatchTask(cfg)
+    task = build_task("sage", cfg)
     g = task.graph
     with torch.no_grad():
         logits = layerwise_inference(task.net, g, features=g.feat, blocks=task._eval_blocks)

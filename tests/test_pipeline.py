@@ -430,10 +430,11 @@ def test_a_pipe_axis_is_for_the_gpt_task_only():
     from gnnpar.models.gpt.task import GPTTaskConfig
     from gnnpar.train.config import ConfigError
     from gnnpar.train.loop import check_world
+    from gnnpar.train.spec import get
 
     with pytest.raises(ConfigError, match="pipe axis needs the gpt task"):
-        check_world(FullGraphConfig(grid="pipe=2,x=2"), 4)
-    check_world(GPTTaskConfig(grid="pipe=2,x=2"), 4)
+        check_world(get("gcn"), FullGraphConfig(grid="pipe=2,x=2"), 4)
+    check_world(get("gpt"), GPTTaskConfig(grid="pipe=2,x=2"), 4)
     with pytest.raises(ConfigError, match="divisible by pipe"):
         GPTTaskConfig(grid="pipe=4", schedule="interleaved", grad_accum=6).check()
     with pytest.raises(ConfigError, match="n_layer"):

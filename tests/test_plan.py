@@ -350,13 +350,14 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 
 def _planned_world(text: str) -> dict:
-    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
+    from gnnpar.train.spec import build_task
 
     cfg = GPTTaskConfig(
         data=text, vocab_size=300, n_layer=2, n_embd=16, n_head=2, block_size=8, batch_size=8,
         sample_tokens=0, steps=1,
     )  # fmt: skip
-    task = GPTTask(cfg)  # no grid, no zero_stage: the planner's
+    task = build_task("gpt", cfg)  # no grid, no zero_stage: the planner's
     return {"shape": task.grid.shape, "stage": task.stage, "vocab": task.corpus.vocab_size}
 
 
@@ -382,12 +383,13 @@ def test_train_gpt_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, mo
 
 
 def _planned_fullgraph(folder: str, algorithm: str) -> dict:
-    from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
+    from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.train.spec import build_task
 
     cfg = FullGraphConfig(
         dataset_options="num_nodes=300", out=folder, algorithm=algorithm, epochs=1
     )  # no grid: the planner's, with every other option at the trainer's default
-    return dict(FullGraphTask(cfg).grid.shape)
+    return dict(build_task("gcn", cfg).grid.shape)
 
 
 def test_train_gcn_without_a_grid_runs_what_plan_recommends(tmp_path, capsys, monkeypatch):

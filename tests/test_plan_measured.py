@@ -64,13 +64,14 @@ class _Tokens:
 
 def _gpt_step(grid, stage: int) -> int:
     from gnnpar.models.gpt.model import GPTConfig
-    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
+    from gnnpar.models.gpt.task import GPTTaskConfig
+    from gnnpar.train.spec import build_task
 
     cfg = GPTTaskConfig(
         **GPT_SIZES, batch_size=GPT_BATCH, grid=",".join(f"{a}={v}" for a, v in grid.shape.items()),
         zero_stage=stage, warmup=1, steps=2, sample_tokens=0,
     )  # fmt: skip
-    task = GPTTask(cfg, corpus=_Tokens())
+    task = build_task("gpt", cfg, corpus=_Tokens())
     with comm.record(task.grid) as traffic:
         task.train_step(0)
     problem = GPTProblem(GPTConfig(**GPT_SIZES), batch=GPT_BATCH, element_size=4, stage=stage)

@@ -12,6 +12,8 @@ of forked ranks (tests/cli_world.py).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -27,9 +29,10 @@ from gnnpar.cli import main
 from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
 from gnnpar.models.gpt.task import GPTTaskConfig
 from gnnpar.train.config import ConfigError, from_mapping
-from gnnpar.train.loop import DeferredOptimizer
+from gnnpar.train.loop import BaseTask
 from gnnpar.train.metrics import read_metrics
 from gnnpar.train.schedule import lr_at
+from gnnpar.train.spec import build_task, get
 from tests.cli_world import run_commands
 
 EPOCHS = 10
@@ -144,8 +147,8 @@ def test_schedule_and_selection_options_are_checked(values, words):
 class _Preempted(FullGraphTask):
     """The gcn task, preempted (SIGTERM, as Slurm's --signal) during one epoch."""
 
-    def __init__(self, cfg: FullGraphConfig, at: int):
-        super().__init__(cfg)
+    def __init__(self, *args: object, at: int):
+        super().__init__(*args)
         self.at = at
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -165,7 +168,8 @@ def test_resume_mid_schedule_continues_exactly_with_the_best_model(reference, tm
     cfg = from_mapping(
         FullGraphConfig, {**OPTIONS, "root": str(reference.parent / "data"), "out": str(run)}
     )
-    task = _Preempted(cfg, at=3)  # preempted after epoch 4: mid warm-up + cosine
+    spec = dataclasses.replace(get("gcn"), task=functools.partial(_Preempted, at=3))
+    task = build_task(spec, cfg)  # preempted after epoch 4: mid warm-up + cosine
     trainer = Trainer.from_config(task, cfg)
     trainer.run()
     gnnpar.shutdown(task.grid)
@@ -243,7 +247,7 @@ def test_evaluate_and_predict_on_one_and_two_ranks(
 ):
     # they load a model only: no optimizer is built (torch's first imports torch._dynamo,
     # about a CPU-second of every evaluate and predict command)
-    monkeypatch.setattr(DeferredOptimizer, "optimizer", property(_no_optimizer))
+    monkeypatch.setattr(BaseTask, "optimizer", property(_no_optimizer))
     end = _end(reference)
     out = tmp_path / "eval-one.json"
     assert main(["evaluate", str(reference), "--json", str(out)]) == 0

@@ -97,11 +97,12 @@ def test_check_source_is_a_plain_function(tmp_path):
 
 def _dist_task(cfg_values: dict) -> str:
     """Rank body: build the sage task; return the error it raised, or "ok"."""
-    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+    from gnnpar.models.minibatch.task import MiniBatchConfig
     from gnnpar.train.config import from_mapping
+    from gnnpar.train.spec import build_task
 
     try:
-        MiniBatchTask(from_mapping(MiniBatchConfig, cfg_values))
+        build_task("sage", from_mapping(MiniBatchConfig, cfg_values))
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__}: {err}"
     return "ok"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gnnpar.cli import main
+from gnnpar.train.loop import BaseTask
 from tests.conftest import CITESEER, DATASETS, needs_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,9 @@ def test_a_run_folder_that_holds_a_run_is_refused_once_with_both_ways_out(
 
 
 def test_a_tasks_preflight_hook_runs_before_launch(one_process, tmp_path, monkeypatch, capsys):
-    from gnnpar.models.fullgraph.task import FullGraphTask
+    import dataclasses
+
+    from gnnpar.models.fullgraph import spec
 
     _no_launch(monkeypatch)
     seen = []
@@ -132,7 +135,7 @@ def test_a_tasks_preflight_hook_runs_before_launch(one_process, tmp_path, monkey
         seen.append((cfg.dataset, world_size))
         raise ValueError(f"dataset {cfg.dataset} does not match partition P")
 
-    monkeypatch.setattr(FullGraphTask, "preflight", staticmethod(preflight), raising=False)
+    monkeypatch.setattr(spec, "SPEC", dataclasses.replace(spec.SPEC, preflight=preflight))
     assert main(["train", "gcn", "--nprocs", "3", "--out", str(tmp_path / "r")]) == 2
     assert seen == [("sbm", 3)]
     assert "dataset sbm does not match partition P" in _one_line(capsys)
@@ -196,7 +199,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(one_process, tmp_path, 
     assert "--skip-nonfinite" in line
 
 
-class _FlakyTask:
+class _FlakyTask(BaseTask):
     """One weight; the loss of step ``bad`` is NaN once (and its update garbage)."""
 
     unit = "step"

@@ -5,7 +5,7 @@ local tensors (*pieces*), where each lies in the full tensors of the plain model
 (:class:`~gnnpar.checkpoint.chunks.Chunk` s), and whether this rank is the one that writes it
 (replicated values are written once). Parallel wrappers describe themselves — a
 :class:`~gnnpar.shard.ShardedModel`, a full-graph model from
-:func:`~gnnpar.sparse.parallelize_fullgraph` — through a ``checkpoint_layout()`` method; a
+:func:`~gnnpar.models.fullgraph.parallelize_fullgraph` — through a ``checkpoint_layout()`` method; a
 plain or tensor-parallel module (:func:`gnnpar.tensor.parallelize`) is described by
 :func:`gnnpar.tensor.state.checkpoint_layout`. The optimizer's per-element state follows its
 parameter's chunks (:func:`optimizer_pieces`).

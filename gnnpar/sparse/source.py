@@ -95,7 +95,7 @@ def inverse(perm: torch.Tensor) -> torch.Tensor:
 class MemorySource:
     """All shards cut from an in-memory normalised adjacency and node data. ``norm``: which
     adjacency ``values`` hold (``"gcn"``, ``"mean"``, ``"raw"``), checked against the model
-    by :func:`~gnnpar.sparse.parallelize_fullgraph` (None: not recorded, not checked)."""
+    by :func:`~gnnpar.models.fullgraph.parallelize_fullgraph` (None: not recorded, not checked)."""
 
     def __init__(
         self,

@@ -7,54 +7,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gnnpar.train.config import ConfigError, add_flags, resolve, to_toml
+from gnnpar.train.run import check_launch_flags, launch_ranks, train_here, world_size
+from gnnpar.train.spec import TrainSpec, build_task, get, resolved, specs
 
 
-def _tasks() -> dict[str, tuple[type, Callable[[Any], Any], str]]:
-    """TASK name → (config class, task factory, help)."""
-    from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask
-    from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig
-    from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
-
-    return {
-        "gcn": (FullGraphConfig, FullGraphTask, "full-graph GCN / GraphSAGE (1D, 2D, 3D)"),
-        "sage": (
-            MiniBatchConfig,
-            MiniBatchTask,
-            "mini-batch GraphSAGE / GCN / GAT with neighbour sampling (one part per rank)",
-        ),
-        "gpt": (
-            GPTTaskConfig,
-            GPTTask,
-            "GPT (ours or Hugging Face GPT-2) with data x 3D tensor parallelism and ZeRO",
-        ),
-    }
-
-
-def _check_launch_flags(args: argparse.Namespace) -> None:
-    """``--nprocs`` and ``--max-restarts`` must make sense before anything starts."""
-    if args.nprocs < 1:
-        raise ConfigError(f"--nprocs must be at least 1, got {args.nprocs}")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be at least 0, got {args.max_restarts}")
-
-
-def _world_size(args: argparse.Namespace, launching: bool) -> int:
-    """The number of ranks the run will have: ``--nprocs`` when this process launches them,
-    else the launcher's world (1 without one)."""
-    from gnnpar.launch import detect_launch
-
-    if launching:
-        return args.nprocs
-    launch = detect_launch()
-    return 1 if launch is None else launch.world_size
-
-
-def _preflight(args: argparse.Namespace, factory: Any, cfg: Any, launching: bool) -> None:
+def _preflight(args: argparse.Namespace, spec: TrainSpec, cfg: Any, launching: bool) -> None:
     """The checks before launch (:func:`gnnpar.train.loop.preflight`), skipped in ranks whose
     launching process ran them."""
     from gnnpar.launch import PREFLIGHT_DONE_ENV
@@ -62,18 +23,18 @@ def _preflight(args: argparse.Namespace, factory: Any, cfg: Any, launching: bool
 
     if not launching and os.environ.get(PREFLIGHT_DONE_ENV) == "1":
         return
-    preflight(factory, cfg, _world_size(args, launching))
+    preflight(spec, cfg, world_size(args, launching))
 
 
 def _checked_config(args: argparse.Namespace, launching: bool) -> Any:
     """The run's config, after every check that needs no process group. An error is marked
     as the same on every rank (each rank of a plain torchrun checks the same: rank 0 says)."""
-    cls, factory, _ = _tasks()[args.task]
+    spec = get(args.task)
     try:
-        cfg = resolve(cls, args, args.config)
+        cfg = resolve(spec.config, args, args.config)
         if not args.print_config:
-            _check_launch_flags(args)
-            _preflight(args, factory, cfg, launching)
+            check_launch_flags(args)
+            _preflight(args, resolved(spec, cfg), cfg, launching)
     except (ValueError, OSError) as err:
         err.same_on_every_rank = True
         raise
@@ -84,7 +45,6 @@ def _run(args: argparse.Namespace) -> int:
     from gnnpar.launch import strip_nprocs, under_launcher
     from gnnpar.train.progress import Progress
 
-    _, factory, _ = _tasks()[args.task]
     launching = args.nprocs > 1 and not under_launcher()
     cfg = _checked_config(args, launching)
     if args.print_config:
@@ -94,58 +54,8 @@ def _run(args: argparse.Namespace) -> int:
     if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
         return launch_ranks(args.nprocs, argv, args.max_restarts, progress, args.launch_agent)
-    train_here(factory, cfg, progress)
+    train_here(get(args.task), cfg, progress)
     return 0
-
-
-def launch_ranks(
-    nprocs: int, argv: list[str], max_restarts: int, progress: Any, agent: Any = None
-) -> int:
-    """Start ``gnnpar ARGV`` on ``nprocs`` local ranks (:func:`gnnpar.launch.launch_local`,
-    in ``agent``, a :class:`~gnnpar.launch.ForkedAgent`, when given), the checks before
-    launch marked as done (the caller ran them); return the exit code."""
-    from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local
-
-    # the ranks can take seconds to start (where each is a new interpreter importing
-    # torch): say what is happening
-    env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(nprocs)}
-    return launch_local(nprocs, argv, max_restarts=max_restarts, env=env, agent=agent)
-
-
-def train_here(factory: Callable[..., Any], cfg: Any, progress: Any) -> dict[str, float]:
-    """Build the task in this process (one rank of the launcher's world, or a world of its
-    own), run :class:`~gnnpar.train.loop.Trainer` to the end, print the outcome on rank 0
-    and shut the grid down; return the final evaluation."""
-    import gnnpar
-    from gnnpar.train.loop import Trainer
-    from gnnpar.train.metrics import memory_text, rss_mb
-    from gnnpar.train.progress import metrics_text
-
-    progress.ranks_started()
-    baseline = rss_mb()  # the idle process: interpreter, torch and gnnpar, no data yet
-    task = factory(cfg, progress=progress)
-    trainer = Trainer.from_config(task, cfg, progress=progress, baseline_rss_mb=baseline)
-    result = trainer.run()
-    if trainer.preempted_at is not None:
-        # Exit 0: the checkpoint is written and every rank stopped cleanly; requeueing is
-        # the job script's choice (examples/slurm/), and a requeued job resumes by itself.
-        if task.grid.global_rank == 0:
-            print(
-                f"preempted by SIGTERM after {task.unit} {trainer.preempted_at}: checkpoint "
-                f"in {cfg.out}/checkpoints; run again with --resume to continue"
-            )
-        gnnpar.shutdown(task.grid)
-        return result
-    sample = task.finish() if hasattr(task, "finish") else None
-    if task.grid.global_rank == 0:
-        if sample:
-            print(f"sample:\n{sample}")
-        summary = metrics_text(result)
-        print(f"done: {task.grid.describe()} {summary}; metrics in {cfg.out}/metrics.jsonl")
-        if trainer.memory is not None:
-            print(memory_text(trainer.memory))
-    gnnpar.shutdown(task.grid)
-    return result
 
 
 def _strip_flag(argv: list[str], flag: str) -> list[str]:
@@ -169,27 +79,24 @@ def _report(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------ evaluate and predict
-#: The tasks evaluate and predict work on: those with a class per node.
-_NODE_TASKS = ("gcn", "sage")
-
-
-def _saved_run(args: argparse.Namespace) -> tuple[str, Any, Any]:
-    """(task name, config, task factory) of the run folder ``args.run``, with this command's
-    grid, after every check that needs no process group: the folder holds a run of a node
-    task with the checkpoint asked for, and the grid fits the processes. Each error is one
-    line, the same on every rank."""
+def _saved_run(args: argparse.Namespace) -> tuple[str, Any, TrainSpec]:
+    """(task name, config, the spec that runs it) of the run folder ``args.run``, with this
+    command's grid, after every check that needs no process group: the folder holds a run
+    of a node task with the checkpoint asked for, and the grid fits the processes. Each
+    error is one line, the same on every rank."""
     from gnnpar.checkpoint import complete_steps
     from gnnpar.launch import PREFLIGHT_DONE_ENV, under_launcher
     from gnnpar.train.config import read_run_config
     from gnnpar.train.loop import check_dataset_options, check_world, checkpoint_dir
 
-    tasks = _tasks()
+    registry = specs()
     try:
-        _check_launch_flags(args)
-        name, cfg = read_run_config(args.run, {k: v[0] for k, v in tasks.items()})
-        if name not in _NODE_TASKS:
+        check_launch_flags(args)
+        name, cfg = read_run_config(args.run, {k: s.config for k, s in registry.items()})
+        if not registry[name].node_task:
+            node_tasks = [k for k, s in registry.items() if s.node_task and s.listed]
             raise ConfigError(
-                f"{args.command} works on {' and '.join(_NODE_TASKS)} runs; {args.run} is a "
+                f"{args.command} works on {' and '.join(node_tasks)} runs; {args.run} is a "
                 f"{name} run"
             )
         folder = checkpoint_dir(args.run, args.checkpoint)
@@ -200,25 +107,28 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, Any]:
                 else "no checkpoint"
             )
             raise ConfigError(f"run folder {args.run} holds {why}")
-        cfg = dataclasses.replace(cfg, **_grid_changes(args, name, cfg), quiet=True)
+        spec = resolved(registry[name], cfg)
+        cfg = dataclasses.replace(cfg, **_grid_changes(args, spec, cfg), quiet=True)
         launching = args.nprocs > 1 and not under_launcher()
         if launching or os.environ.get(PREFLIGHT_DONE_ENV) != "1":
-            world = _world_size(args, launching)
-            check_world(cfg, world)
+            world = world_size(args, launching)
+            check_world(spec, cfg, world)
             check_dataset_options(cfg)
-            tasks[name][1].preflight(cfg, world)
+            if spec.preflight is not None:
+                spec.preflight(cfg, world)
     except (ValueError, OSError) as err:
         err.same_on_every_rank = True
         raise
-    return name, cfg, tasks[name][1]
+    return name, cfg, spec
 
 
-def _grid_changes(args: argparse.Namespace, name: str, cfg: Any) -> dict[str, Any]:
+def _grid_changes(args: argparse.Namespace, spec: TrainSpec, cfg: Any) -> dict[str, Any]:
     """The config changes that put the saved model on this command's ranks, not the run's:
-    ``--grid`` (default: the task's own for this many processes) for gcn runs and sage runs
-    of the vertex sampler (ScaleGNN's 4D grid); no ``parts`` (one per process, made for this
-    many) for the other sage runs, which are data parallel over every rank."""
-    if name == "gcn" or getattr(cfg, "sampler", None) == "vertex":
+    ``--grid`` (default: the task's own for this many processes) for tasks with grid axes
+    (gcn runs, and sage runs of the vertex sampler: ScaleGNN's 4D grid); no ``parts`` (one
+    per process, made for this many) for the other sage runs, which are data parallel over
+    every rank."""
+    if spec.axes:
         return {"grid": args.grid}
     if args.grid is not None:
         raise ConfigError(
@@ -238,14 +148,14 @@ def _launch_ranks(args: argparse.Namespace) -> int:
     )
 
 
-def _loaded(args: argparse.Namespace, cfg: Any, factory: Any) -> tuple[Any, Any]:
+def _loaded(args: argparse.Namespace, cfg: Any, spec: TrainSpec) -> tuple[Any, Any]:
     """The task of ``cfg`` built on this command's ranks, with the model of the run's
     checkpoint (``args.checkpoint``) loaded onto its grid; and what :func:`checkpoint.load`
     found."""
     from gnnpar import checkpoint
     from gnnpar.train.loop import checkpoint_dir
 
-    task = factory(cfg)
+    task = build_task(spec, cfg)
     found = checkpoint.load(checkpoint_dir(args.run, args.checkpoint), task.grid, task.model)
     if found is None:  # removed since the check before launch
         raise checkpoint.CheckpointError(f"run folder {args.run} holds no checkpoint")
@@ -256,12 +166,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     from gnnpar.atomic import write_json
     from gnnpar.launch import under_launcher
 
-    name, cfg, factory = _saved_run(args)
+    name, cfg, spec = _saved_run(args)
     if args.nprocs > 1 and not under_launcher():
         return _launch_ranks(args)
     import gnnpar
 
-    task, found = _loaded(args, cfg, factory)
+    task, found = _loaded(args, cfg, spec)
     metrics = task.evaluate(found.step - 1)
     grid = task.grid
     gnnpar.shutdown(grid)
@@ -315,7 +225,7 @@ def _predict(args: argparse.Namespace) -> int:
     from gnnpar.atomic import atomic_write, write_json
     from gnnpar.launch import under_launcher
 
-    name, cfg, factory = _saved_run(args)
+    name, cfg, spec = _saved_run(args)
     try:
         out = _check_predictions_out(args)
     except OSError as err:
@@ -327,7 +237,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     import gnnpar
 
-    task, found = _loaded(args, cfg, factory)
+    task, found = _loaded(args, cfg, spec)
     pred = task.predict().numpy()
     grid = task.grid
     gnnpar.shutdown(grid)
@@ -384,8 +294,10 @@ def add_train_commands(subparsers: Any) -> None:
         "train", help="train a model: gcn (full graph), sage (mini-batch) or gpt"
     )
     tasks = train.add_subparsers(dest="task", required=True)
-    for name, (cls, _, help_text) in _tasks().items():
-        p = tasks.add_parser(name, help=help_text)
+    for name, spec in specs().items():
+        if not spec.listed:
+            continue
+        p = tasks.add_parser(name, help=spec.help)
         p.add_argument("--config", default=None, help="TOML file with options")
         p.add_argument("--print-config", action="store_true", help="show the merged config")
         p.add_argument("--nprocs", type=int, default=1, help="local processes to start")
@@ -395,7 +307,7 @@ def add_train_commands(subparsers: Any) -> None:
             default=0,
             help="with --nprocs: restart all ranks this often after a failure (use --resume)",
         )
-        add_flags(p, cls)
+        add_flags(p, spec.config)
         p.set_defaults(func=_run)
     p = subparsers.add_parser(
         "evaluate",

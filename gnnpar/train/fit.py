@@ -38,16 +38,6 @@ __all__ = ["GRAPH_FOLDER", "fit"]
 GRAPH_FOLDER = "graph"
 
 
-def _task(name: str) -> tuple[type, Any]:
-    from gnnpar.train.commands import _tasks
-
-    tasks = _tasks()
-    if name not in tasks:
-        raise ConfigError(f"unknown task {name!r}: one of {', '.join(tasks)}")
-    cls, factory, _ = tasks[name]
-    return cls, factory
-
-
 def _save_graph(graph: Graph, folder: Path) -> None:
     """Write ``graph`` to ``folder`` unless it already holds the same graph."""
     from gnnpar.data.storage import is_graph_folder, read_source, save_graph
@@ -112,18 +102,19 @@ def fit(
     """
     from gnnpar.convert import as_graph
     from gnnpar.launch import under_launcher
-    from gnnpar.train.commands import _check_launch_flags, _world_size, launch_ranks, train_here
     from gnnpar.train.loop import check_run_folder, preflight
     from gnnpar.train.progress import Progress
+    from gnnpar.train.run import check_launch_flags, launch_ranks, train_here, world_size
+    from gnnpar.train.spec import get, resolved
 
-    cls, factory = _task(task)
+    spec = get(task)
     launch_args = argparse.Namespace(nprocs=nprocs, max_restarts=max_restarts)
-    _check_launch_flags(launch_args)
+    check_launch_flags(launch_args)
     launching = nprocs > 1 and not under_launcher()
     # a path is a str in the config (what a flag or a TOML file gives)
     values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
     if graph is not None:
-        if "dataset" not in {f.name for f in dataclasses.fields(cls)}:
+        if "dataset" not in {f.name for f in dataclasses.fields(spec.config)}:
             raise ConfigError(f"task {task!r} trains on no graph: call it without graph=")
         if "dataset" in values:
             raise ConfigError("give graph= or the option dataset=, not both")
@@ -134,17 +125,18 @@ def fit(
                 "process"
             )
         graph = as_graph(graph)
-    cfg = from_mapping(cls, values)
+    cfg = from_mapping(spec.config, values)
     if graph is not None:
         cfg = dataclasses.replace(cfg, dataset=str(Path(cfg.out) / GRAPH_FOLDER))
-    world_size = _world_size(launch_args, launching)
+    ranks = world_size(launch_args, launching)
     if graph is not None:
         check_run_folder(cfg)  # before writing into it
         _save_graph(graph, Path(cfg.dataset))
-    preflight(factory, cfg, world_size)
+    spec = resolved(spec, cfg)
+    preflight(spec, cfg, ranks)
     progress = Progress.for_this_process(quiet=cfg.quiet)
     if not launching:
-        return train_here(factory, cfg, progress)
+        return train_here(spec, cfg, progress)
     code = launch_ranks(nprocs, ["train", task, *_flags(cfg)], max_restarts, progress)
     if code:
         raise RuntimeError(f"gnnpar train {task} on {nprocs} processes failed (exit code {code})")

@@ -26,12 +26,20 @@ from gnnpar.train.config import RUN_CONFIG, ConfigError, write_run_config
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 from gnnpar.train.progress import Progress, metric_text, start_lines
 from gnnpar.train.selection import Selection
+from gnnpar.train.spec import TrainSpec, specs
 
 
-class DeferredOptimizer:
-    """Mixin of the tasks: ``optimizer`` is built by the task's ``_make_optimizer()`` on first
-    use, so ``gnnpar evaluate`` and ``gnnpar predict``, which only load a model, never build
-    one (torch's first optimizer imports ``torch._dynamo``: about a CPU-second)."""
+class BaseTask:
+    """The base of every task: the defaults of the optional members of :class:`Task`, and
+    an ``optimizer`` built by the task's ``_make_optimizer()`` on first use, so ``gnnpar
+    evaluate`` and ``gnnpar predict``, which only load a model, never build one (torch's
+    first optimizer imports ``torch._dynamo``: about a CPU-second)."""
+
+    #: The evaluation metric that picks the best model, and whether higher or lower wins
+    #: (:mod:`gnnpar.train.selection`); None: the task selects nothing.
+    selection: tuple[str, str] | None = None
+    #: Who chose the grid, a phrase for the start lines (e.g. "chosen by the planner").
+    grid_choice: str | None = None
 
     @functools.cached_property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -39,15 +47,27 @@ class DeferredOptimizer:
         return self._make_optimizer()
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} builds no optimizer")
+
+    def summary(self) -> str:
+        """What is trained on what data, with its sizes (the first start line)."""
+        return type(self).__name__
+
+    def finish(self) -> str | None:
+        """What rank 0 prints after a finished run (a generated sample), or None."""
+        return None
 
 
 class Task(Protocol):
-    """What a workload provides to :class:`Trainer`.
+    """What a workload provides to :class:`Trainer`; tasks derive from :class:`BaseTask`,
+    which gives the optional members their defaults.
 
     ``model`` and ``optimizer`` are what :mod:`gnnpar.checkpoint` saves and reshards (a
     plain, tensor-parallel, sharded or full-graph parallel model); everything else a task
     needs to continue exactly (a loader's position) is JSON from :meth:`extra_state`.
+    Node tasks (:attr:`gnnpar.train.spec.TrainSpec.node_task`) also have ``metric`` (the
+    score's name) and ``predict() -> Tensor``, every node's class id in original node order
+    on every rank (collective), for ``gnnpar predict``.
     """
 
     grid: ProcessGrid
@@ -55,6 +75,8 @@ class Task(Protocol):
     unit: str  # "epoch" or "step": what one call of train_step covers
     model: Any
     optimizer: torch.optim.Optimizer
+    selection: tuple[str, str] | None
+    grid_choice: str | None
 
     def train_step(self, step: int) -> dict[str, float]:
         """Run one step; return metrics such as loss and throughput."""
@@ -71,21 +93,11 @@ class Task(Protocol):
     def describe(self) -> dict[str, Any]:
         """What the run trains (task, model kind and sizes), recorded in checkpoints."""
 
-    # Optional, for the start lines (:func:`gnnpar.train.progress.start_lines`):
-    # ``summary() -> str`` (what is trained on what data, with its sizes) and ``grid_choice``
-    # (a phrase: who chose the grid, e.g. "chosen by the planner").
-    #
-    # Optional: ``selection = (metric, "max" | "min")``, the evaluation metric that picks the
-    # best model (:mod:`gnnpar.train.selection`): the trainer then saves it as the run's
-    # ``best`` checkpoint, reports its evaluation at the end and stops early on request.
-    #
-    # Optional: ``predict() -> Tensor``, every node's class id in original node order on every
-    # rank (collective), for ``gnnpar predict``.
-    #
-    # Optional, on the task's class: ``preflight(cfg, world_size) -> None`` (a staticmethod
-    # or classmethod), called by :func:`preflight` in the launching process before any rank
-    # starts; it raises a one-line error (ValueError, OSError, ConfigError) for anything it
-    # can check without a process group. See :func:`preflight`.
+    def summary(self) -> str:
+        """What is trained on what data, with its sizes (the first start line)."""
+
+    def finish(self) -> str | None:
+        """What rank 0 prints after a finished run, or None."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -122,20 +134,19 @@ def run_folder_error(out: str | Path) -> FileExistsError:
 
 
 # ------------------------------------------------------------------ checks before launch
-def preflight(task_cls: type, cfg: Any, world_size: int) -> None:
+def preflight(spec: TrainSpec, cfg: Any, world_size: int) -> None:
     """Check, in the process that launches the ranks and before any starts, everything that
     needs no process group; each failure is one line (ConfigError, GridError, ValueError,
     OSError): the run folder (:func:`check_run_folder`), the grid or partition against the
     process count (:func:`check_world`), the dataset's name and options
-    (:func:`check_dataset_options`), then the task's own hook: ``task_cls.preflight(cfg,
-    world_size)`` when the task class has one (e.g. the dataset can be loaded, a given
+    (:func:`check_dataset_options`), then the spec's own
+    :attr:`~gnnpar.train.spec.TrainSpec.preflight` (e.g. the dataset can be loaded, a given
     partition or shard folder was made from it)."""
     check_run_folder(cfg)
-    check_world(cfg, world_size)
+    check_world(spec, cfg, world_size)
     check_dataset_options(cfg)
-    hook = getattr(task_cls, "preflight", None)
-    if callable(hook):
-        hook(cfg, world_size)
+    if spec.preflight is not None:
+        spec.preflight(cfg, world_size)
 
 
 def check_run_folder(cfg: Any) -> None:
@@ -152,16 +163,20 @@ def check_run_folder(cfg: Any) -> None:
     check_writable(out)
 
 
-def check_world(cfg: Any, world_size: int) -> None:
-    """A ``grid`` option must fit ``world_size`` processes (and have a pipe or context axis
-    only for the gpt task), and so must ``parts`` (one part per process)."""
-    spec = getattr(cfg, "grid", None)
-    if spec:
-        shape = fit_shape(world_size, parse_grid_spec(spec))
-        if shape["pipe"] > 1 and not hasattr(cfg, "schedule"):  # only gpt pipelines
-            raise ConfigError(f"config key 'grid' ({spec}): a pipe axis needs the gpt task")
-        if shape["context"] > 1 and not hasattr(cfg, "schedule"):  # only gpt splits sequences
-            raise ConfigError(f"config key 'grid' ({spec}): a context axis needs the gpt task")
+def check_world(spec: TrainSpec, cfg: Any, world_size: int) -> None:
+    """A ``grid`` option must fit ``world_size`` processes and name only axes the task
+    (``spec``) has (a pipe or context axis: the gpt task), and ``parts`` must be one part
+    per process."""
+    grid = getattr(cfg, "grid", None)
+    if grid:
+        shape = fit_shape(world_size, parse_grid_spec(grid))
+        for axis in ("pipe", "context"):
+            if shape[axis] > 1 and axis not in spec.axes:
+                having = [s.name for s in specs().values() if axis in s.axes and s.listed]
+                raise ConfigError(
+                    f"config key 'grid' ({grid}): a {axis} axis needs the "
+                    f"{' or '.join(having)} task"
+                )
     parts = getattr(cfg, "parts", None)
     if parts is not None and parts != world_size:
         raise ConfigError(
@@ -338,7 +353,7 @@ class Trainer:
         self.skip_nonfinite = skip_nonfinite
         #: Steps undone so far because their loss was not finite.
         self.skipped_steps = 0
-        selection = getattr(task, "selection", None)
+        selection = task.selection
         #: The best evaluation so far and early stopping (None: the task selects nothing).
         self.selection = (
             Selection(selection[0], selection[1], early_stop) if selection is not None else None

@@ -109,8 +109,7 @@ def start_lines(task: Any, out: str | Path) -> list[str]:
     task's ``summary()``) and where the run folder is; the grid, who chose it (the task's
     ``grid_choice``) and the ranks, backend and device."""
     grid = task.grid
-    summary = task.summary() if callable(getattr(task, "summary", None)) else type(task).__name__
-    choice = getattr(task, "grid_choice", None)
+    summary, choice = task.summary(), task.grid_choice
     context = f" context={grid.context}" if getattr(grid, "context", 1) > 1 else ""
     shape = f"grid data={grid.data}{context} x={grid.x} y={grid.y} z={grid.z}"
     if getattr(grid, "pipe", 1) > 1:

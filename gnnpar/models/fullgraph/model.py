@@ -1,8 +1,9 @@
 """Plain full-graph GNN models: GCN, GraphSAGE (mean), GAT and GIN, serial and readable.
 
 They take the (normalised) adjacency as a :class:`~gnnpar.sparse.kernels.LocalSpMM` over the
-whole graph; parallelism is applied from outside by :func:`gnnpar.sparse.parallelize_fullgraph`,
-which reads these modules' parameters. Nothing here imports torch.distributed.
+whole graph; parallelism is applied from outside by
+:func:`gnnpar.models.fullgraph.parallelize_fullgraph`, which reads these modules' parameters.
+Nothing here imports torch.distributed.
 
 Edge weights w enter through that adjacency, one normalisation per kind (:data:`NORMS`):
 

@@ -10,7 +10,7 @@ not given, from the communication model in :mod:`gnnpar.plan`.
 
 ``mixed_precision = "bf16"``: master weights and Adam's state in ``dtype`` (float32), Â,
 features, activations, products and every collective in bfloat16, the loss in float32 from
-the bfloat16 logits (:func:`gnnpar.sparse.parallelize_fullgraph`'s ``compute_dtype``).
+the bfloat16 logits (:func:`gnnpar.models.fullgraph.parallelize_fullgraph`'s ``compute_dtype``).
 ``"fp16"`` is refused: it would need loss scaling, which the full-graph loop does not have
 (the SpMM multiplies float16 for the ``sage`` task).
 """
@@ -30,7 +30,7 @@ import torch
 import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import parse_bytes
-from gnnpar.grid import backend_for_choice, parse_grid_spec
+from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
 from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.models.fullgraph.shards import (
@@ -52,10 +52,11 @@ from gnnpar.train.config import (
     TrainerConfig,
     option,
 )
-from gnnpar.train.loop import DeferredOptimizer, load_dataset
+from gnnpar.train.loop import BaseTask, load_dataset
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
+from gnnpar.train.spec import GridPlan
 
 
 @dataclasses.dataclass
@@ -265,7 +266,49 @@ def _prepare(
     return folder, int(outcome[1].item())
 
 
-class FullGraphTask(DeferredOptimizer):
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What :func:`plan` read, for the task: the shards, the dataset's edge count and the
+    layer widths."""
+
+    source: DiskSource
+    num_edges: int
+    dims: list[int]
+
+
+def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPlan:
+    """The grid of a ``gcn`` run: rank 0 prepares the shards (:func:`_prepare`), whose
+    sizes choose the grid when the config names none (what ``gnnpar plan gcn --machine cpu``,
+    or a GPU node, ranks first)."""
+    folder, num_edges = _prepare(cfg, world, progress)
+    source = DiskSource(folder, verify=cfg.verify)
+    meta = source.meta
+    try:  # a given folder cut for another model (a folder the run owns was rebuilt)
+        check_norm(cfg.model, source)
+    except ValueError as err:
+        raise ConfigError(f"{err}, or point 'shards' elsewhere") from None
+    dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
+    prepared = _Prepared(source, num_edges, dims)
+    if cfg.grid:
+        return GridPlan(parse_grid_spec(cfg.grid), "given", prepared)
+    gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
+    shape = choose_fullgraph_grid(
+        world.world_size,
+        meta["num_nodes"],
+        dims,
+        2 if cfg.model == "sage" else 1,
+        nnz=meta["num_edges"] + meta["num_nodes"],
+        machine=local_machine(world.backend, gpus_per_node),
+        element_size=compute_dtype(cfg).itemsize,
+        algorithm=cfg.algorithm,
+        model=cfg.model,
+        heads=(cfg.heads, cfg.out_heads),
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    return GridPlan(shape, "chosen by the planner", prepared)
+
+
+class FullGraphTask(BaseTask):
     """The ``gcn`` task: full-graph training of a GCN, GraphSAGE, GAT or GIN on sharded
     data."""
 
@@ -286,44 +329,20 @@ class FullGraphTask(DeferredOptimizer):
         if cfg.shards and Path(cfg.shards).exists():
             _check_given_shards(cfg, graph.fingerprint())
 
-    def __init__(self, cfg: FullGraphConfig, progress: Progress | None = None):
-        """``progress``: where rank 0 reports the slow preparation stages (default: none)."""
+    def __init__(
+        self, cfg: FullGraphConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress
+    ):
+        """The task on ``grid``, the one :func:`plan` chose (:func:`gnnpar.train.spec.build_task`
+        builds both); ``progress``: where rank 0 reports the slow preparation stages."""
         self.cfg = cfg
-        progress = progress if progress is not None else Progress(enabled=False)
-        world = gnnpar.init(
-            backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
-        )
-        folder, self.num_edges = _prepare(cfg, world, progress)
-        self.source = DiskSource(folder, verify=cfg.verify)
-        meta = self.source.meta
-        try:  # a given folder cut for another model (a folder the run owns was rebuilt)
-            check_norm(cfg.model, self.source)
-        except ValueError as err:
-            raise ConfigError(f"{err}, or point 'shards' elsewhere") from None
-        dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
-        if cfg.grid:
-            shape = parse_grid_spec(cfg.grid)
-        else:  # what `gnnpar plan gcn --machine cpu` (or a GPU node) ranks first
-            gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
-            shape = choose_fullgraph_grid(
-                world.world_size,
-                meta["num_nodes"],
-                dims,
-                2 if cfg.model == "sage" else 1,
-                nnz=meta["num_edges"] + meta["num_nodes"],
-                machine=local_machine(world.backend, gpus_per_node),
-                element_size=compute_dtype(cfg).itemsize,
-                algorithm=cfg.algorithm,
-                model=cfg.model,
-                heads=(cfg.heads, cfg.out_heads),
-                activation_checkpointing=cfg.activation_checkpointing,
-            )
-        self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
+        self.grid = grid
+        prepared: _Prepared = plan.prepared
+        self.source, self.num_edges = prepared.source, prepared.num_edges
         #: Who chose the grid, for the start lines.
-        self.grid_choice = "given" if cfg.grid else "chosen by the planner"
+        self.grid_choice = plan.choice
         # reading this rank's blocks of Â and the first optimizer's setup take seconds
         with progress.stage("building the model"):
-            self._build_model(cfg, dims)
+            self._build_model(cfg, prepared.dims)
         self.num_steps = cfg.epochs
 
     def _build_model(self, cfg: FullGraphConfig, dims: list[int]) -> None:

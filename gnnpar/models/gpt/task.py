@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
-from gnnpar.grid import ProcessGrid, backend_for_choice, parse_grid_spec
+from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.gpt.model import GPTConfig, generate, model_sizes, set_activation_checkpointing
 from gnnpar.recompute import MODES
 from gnnpar.shard.clip import clipped_step
@@ -46,7 +45,7 @@ from gnnpar.train.config import (
     option,
     redefault,
 )
-from gnnpar.train.loop import DeferredOptimizer
+from gnnpar.train.loop import BaseTask
 from gnnpar.train.metrics import global_mean
 from gnnpar.train.precision import (
     LossScaler,
@@ -56,6 +55,7 @@ from gnnpar.train.precision import (
     shard_policy,
 )
 from gnnpar.train.progress import Progress
+from gnnpar.train.spec import GridPlan
 
 __all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "parallel_model"]
 
@@ -355,7 +355,33 @@ def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[d
     return choose_gpt_plan(problem, world.world_size, machine, shape, cfg.zero_stage)
 
 
-class GPTTask(DeferredOptimizer):
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What :func:`plan` read and built, for the task: the tokenised text, the plain model
+    and its block class, and the ZeRO stage."""
+
+    corpus: Any
+    plain: nn.Module
+    block: type
+    stage: int
+
+
+def plan(
+    cfg: GPTTaskConfig, world: ProcessGrid, progress: Progress, corpus: Any = None
+) -> GridPlan:
+    """The grid and ZeRO stage of a ``gpt`` run (:func:`planned`), from the sizes of the
+    plain model built for the text. ``corpus``: the tokenised text (default: ``cfg.data``
+    read and tokenised; tests and benchmarks pass their own: anything with ``split``,
+    ``encode``, ``decode`` and ``vocab_size`` like :class:`~gnnpar.data.text.TextCorpus`)."""
+    corpus = corpus if corpus is not None else _load_corpus(cfg, world, progress)
+    # seconds, mostly torch's lazy imports at the first module
+    with progress.stage("building the model"):
+        plain, block = build_model(cfg, corpus.vocab_size)
+        shape, stage = planned(cfg, model_sizes(plain), world)
+    return GridPlan(shape, _choice_text(cfg, stage), _Prepared(corpus, plain, block, stage))
+
+
+class GPTTask(BaseTask):
     """The ``gpt`` task: one optimizer step per trainer step."""
 
     unit = "step"
@@ -368,28 +394,25 @@ class GPTTask(DeferredOptimizer):
 
         read_source(cfg.data)
 
-    def __init__(self, cfg: GPTTaskConfig, corpus: Any = None, progress: Progress | None = None):
-        """``corpus``: the tokenised text (default: ``cfg.data`` read and tokenised; tests
-        and benchmarks pass their own: anything with ``split``, ``encode``, ``decode`` and
-        ``vocab_size`` like :class:`~gnnpar.data.text.TextCorpus`). ``progress``: where rank
-        0 reports the slow preparation stages (default: none)."""
+    def __init__(
+        self, cfg: GPTTaskConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress
+    ):
+        """The task on ``grid``, the one :func:`plan` chose with the ZeRO stage
+        (:func:`gnnpar.train.spec.build_task` builds both); ``progress``: where rank 0
+        reports the slow preparation stages."""
         self.cfg = cfg
-        progress = progress if progress is not None else Progress(enabled=False)
-        world = gnnpar.init(
-            backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
-        )
-        self.corpus = corpus if corpus is not None else _load_corpus(cfg, world, progress)
-        # seconds, mostly torch's lazy imports at the first module and the first optimizer
-        with progress.stage("building the model"):
-            plain, block = build_model(cfg, self.corpus.vocab_size)
-            shape, self.stage = planned(cfg, model_sizes(plain), world)
-            self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
+        self.grid = grid
+        prepared: _Prepared = plan.prepared
+        self.corpus, self.stage = prepared.corpus, prepared.stage
+        plain = prepared.plain
+        # seconds: every rank's pieces of the parallel model and the first optimizer's setup
+        with progress.stage("sharding the model"):
             self._token_blocks()
             self.num_params = sum(p.numel() for p in plain.parameters())
             self.sizes = model_sizes(plain)
-            self._build_model(plain, block)
+            self._build_model(plain, prepared.block)
         #: Who chose the grid and the ZeRO stage, for the start lines.
-        self.grid_choice = _choice_text(cfg, self.stage)
+        self.grid_choice = plan.choice
         self.scaler = LossScaler(cfg.mixed_precision == "fp16")
         self.num_steps = cfg.steps
         self.tokens_per_step = cfg.batch_size * cfg.block_size

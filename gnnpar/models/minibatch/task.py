@@ -51,7 +51,7 @@ import torch.nn.functional as F
 import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
-from gnnpar.grid import ProcessGrid, backend_for_choice
+from gnnpar.grid import ProcessGrid
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.sampling import (
     ClusterSampler,
@@ -82,7 +82,7 @@ from gnnpar.train.config import (
     option,
 )
 from gnnpar.train.loop import (
-    DeferredOptimizer,
+    BaseTask,
     check_stored_dataset,
     dataset_options,
     load_dataset,
@@ -97,6 +97,7 @@ from gnnpar.train.precision import (
     shard_policy,
 )
 from gnnpar.train.progress import Progress, graph_sizes
+from gnnpar.train.spec import GridPlan
 
 _MODELS = ("sage", "gcn", "gat")
 #: ``--sampler`` choices (``vertex``: ScaleGNN's 4D training, :mod:`gnnpar.models.scalegnn.task`).
@@ -409,19 +410,10 @@ def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int, progress
     return folder
 
 
-class MiniBatchTask(DeferredOptimizer):
+class MiniBatchTask(BaseTask):
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
     unit = "epoch"
-
-    def __new__(cls, cfg: MiniBatchConfig, progress: Progress | None = None) -> Any:
-        """The task of ``cfg.sampler``: ScaleGNN's 4D training is a task of its own
-        (:class:`gnnpar.models.scalegnn.task.VertexTask`) behind the one ``sage`` name."""
-        if cls is MiniBatchTask and cfg.sampler == "vertex":
-            from gnnpar.models.scalegnn.task import VertexTask
-
-            return VertexTask(cfg, progress)
-        return super().__new__(cls)
 
     @property
     def selection(self) -> tuple[str, str]:
@@ -450,15 +442,16 @@ class MiniBatchTask(DeferredOptimizer):
         if given:
             check_partitions(cfg)
 
-    def __init__(self, cfg: MiniBatchConfig, progress: Progress | None = None):
-        """``progress``: where rank 0 reports the slow preparation stages (default: none)."""
+    def __init__(
+        self, cfg: MiniBatchConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress
+    ):
+        """The task on ``grid`` (every rank on the data axis: :func:`gnnpar.train.spec.given_grid`
+        of a config without ``grid``); ``progress``: where rank 0 reports the slow preparation
+        stages and each epoch's batches."""
         self.cfg = cfg
-        progress = progress if progress is not None else Progress(enabled=False)
-        self.progress = progress  # also shows each epoch's batches
+        self.progress = progress
         # The model lives on the grid's device; sampling stays on the host (sample_grid).
-        self.grid = gnnpar.init(
-            backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
-        )
+        self.grid = grid
         self.device = self.grid.device
         world = self.grid.world_size
         parts = cfg.parts or world

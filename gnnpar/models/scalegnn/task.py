@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 
-import gnnpar
 from gnnpar import comm
 from gnnpar.fmt import count
-from gnnpar.grid import backend_for_choice, parse_grid_spec
+from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.fullgraph.model import FullGraphGNN
 from gnnpar.models.fullgraph.parallelize import parallelize_fullgraph
 from gnnpar.models.fullgraph.task import sharded_scores
@@ -39,33 +38,38 @@ from gnnpar.sampling.vertex import SubgraphSource, loss_scale
 from gnnpar.shard import shard
 from gnnpar.train import schedule
 from gnnpar.train.config import ConfigError
-from gnnpar.train.loop import DeferredOptimizer, load_trainable
+from gnnpar.train.loop import BaseTask, load_trainable
 from gnnpar.train.metrics import metric_for
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
+from gnnpar.train.spec import GridPlan
 
 _DROPOUT = 0xD809  # the salt of the other samplers' dropout seeds
 _LOW31 = (1 << 31) - 1
 _MASKS = ("label", "train_mask", "val_mask", "test_mask")
 
 
-class VertexTask(DeferredOptimizer):
+def plan(cfg: Any, world: ProcessGrid, progress: Progress) -> GridPlan:
+    """The config's ``grid`` (4D: data × x × y × z), else every rank on the data axis with
+    a sample of its own."""
+    if cfg.grid:
+        return GridPlan(parse_grid_spec(cfg.grid), "given")
+    return GridPlan({}, "data parallel, one sample per rank")
+
+
+class VertexTask(BaseTask):
     """The ``sage`` task with ``sampler = "vertex"`` (see the module docstring)."""
 
     unit = "epoch"
 
-    def __init__(self, cfg: Any, progress: Progress | None = None):
-        """``progress``: where rank 0 reports the slow preparation stages (default: none)."""
+    def __init__(self, cfg: Any, grid: ProcessGrid, plan: GridPlan, progress: Progress):
+        """The task on ``grid``, the config's (:func:`plan`); ``progress``: where rank 0
+        reports the slow preparation stages."""
         self.cfg = cfg
-        progress = progress if progress is not None else Progress(enabled=False)
         self.progress = progress
-        world = gnnpar.init(
-            backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node
-        )
-        shape = parse_grid_spec(cfg.grid) if cfg.grid else {}
-        self.grid = gnnpar.reshape(world, **shape, ranks_per_node=cfg.ranks_per_node)
+        self.grid = grid
         self.device = self.grid.device
-        self.grid_choice = "given" if cfg.grid else "data parallel, one sample per rank"
+        self.grid_choice = plan.choice
         with progress.stage(f"loading {cfg.dataset}"):
             self._setup_graph()
         with progress.stage("building the model"):
