@@ -25,7 +25,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from partitioners.assignment import METHODS, Partition, partition, supported_balance
 from partitioners.format import PartitionBalanceWarning, load_manifest, load_meta, load_part
@@ -41,6 +41,16 @@ class CliError(Exception):
     """An error to report as one line (exit status 2)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its error on one line, and where to look: no usage block
+    before it (``--help`` shows that); a typed newline is shown escaped. (gnnpar's parser
+    does the same; this package keeps its own.)"""
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102
+        message = message.replace("\n", "\\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _load_dataset(args: argparse.Namespace) -> Any:
     """The graph ``args.dataset`` names, with ``--root`` and ``--dataset-options``."""
     try:
@@ -53,29 +63,47 @@ def _load_dataset(args: argparse.Namespace) -> Any:
 
 
 def _partition_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG,
         description="Partition a graph dataset and write one folder per partitioning "
         f"(other commands: '{PROG} inspect DIR', '{PROG} compare DATASET --parts K').",
     )
     p.add_argument("dataset", help="catalogue name (sbm, rmat, citeseer, ...) or folder")
-    p.add_argument("--parts", "-k", type=int, required=True, help="number of parts K")
-    p.add_argument("--method", "-m", default="metis", choices=METHODS)
+    p.add_argument("--parts", "-k", type=int, required=True, metavar="K", help="number of parts")
+    p.add_argument(
+        "--method",
+        "-m",
+        default="metis",
+        choices=METHODS,
+        metavar="METHOD",  # the choices, once: in the help
+        help=f"partitioner: {', '.join(METHODS)} (default: metis)",
+    )
     p.add_argument("--out", required=True, help="output folder (refused if it exists)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    p.add_argument("--halo", type=int, default=1, choices=(0, 1), help="halo hops (0 or 1)")
-    p.add_argument("--balance-train", action="store_true", help="balance training nodes")
-    p.add_argument("--balance-edges", action="store_true", help="balance in-edges")
-    p.add_argument("--seed", type=int, default=0, help="seed of the method")
+    p.add_argument("--halo", type=int, default=1, choices=(0, 1), help="halo hops (default: 1)")
+    _balance_flags(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the method (default: 0)")
     p.add_argument(
         "--memory-limit",
         default=None,
         metavar="SIZE",
         help="stream the edges of a graph folder from disk in chunks under SIZE bytes "
-        "(e.g. 3GB, 512MiB); LDG/Fennel partition streamed, METIS loads the graph",
+        "(e.g. 3GB, 512MiB); LDG/Fennel partition streamed, METIS loads the graph (default: "
+        "the whole graph in memory)",
     )
     _common(p)
     return p
+
+
+def _balance_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--balance-train",
+        action="store_true",
+        help="balance training nodes instead of all nodes (default: all nodes)",
+    )
+    p.add_argument(
+        "--balance-edges", action="store_true", help="also balance in-edges (default: off)"
+    )
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -226,20 +254,23 @@ def _part_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _cmd_inspect(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog=f"{PROG} inspect", description="Show and check a partition folder."
-    )
-    p.add_argument("dir")
+def _inspect_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{PROG} inspect", description="Show and check a partition folder.")
+    p.add_argument("dir", metavar="DIR", help="a partition folder (written by gnnpar-partition)")
     p.add_argument(
         "--verify",
         default="checksum",
         choices=("checksum", "size"),
-        help="check every file's checksum (default) or only its size",
+        help="check every file's checksum or only its size (default: checksum)",
     )
     p.add_argument("--no-verify", action="store_true", help="same as --verify size")
+    # accepted as the other commands do, and hidden: inspect draws no progress bars
     p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def _cmd_inspect(argv: Sequence[str]) -> int:
+    args = _inspect_parser().parse_args(argv)
     level = "size" if args.no_verify else args.verify
     manifest = load_manifest(args.dir)
     meta = manifest.meta
@@ -275,22 +306,27 @@ def _warn(meta: dict[str, Any], folder: str | Path) -> None:
         print(f"{PROG}: warning: {message}", file=sys.stderr)
 
 
-def _cmd_compare(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(
+def _compare_parser() -> argparse.ArgumentParser:
+    p = _Parser(
         prog=f"{PROG} compare", description="Run several partitioners and print one table."
     )
-    p.add_argument("dataset")
-    p.add_argument("--parts", "-k", type=int, required=True)
+    p.add_argument("dataset", help="catalogue name (sbm, rmat, citeseer, ...) or folder")
+    p.add_argument("--parts", "-k", type=int, required=True, metavar="K", help="number of parts")
     p.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}"
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, from {', '.join(METHODS)} (default: all)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--balance-train", action="store_true")
-    p.add_argument("--balance-edges", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of every method (default: 0)")
+    _balance_flags(p)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the table")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     _common(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def _cmd_compare(argv: Sequence[str]) -> int:
+    args = _compare_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:

@@ -181,3 +181,48 @@ def test_usage_errors_and_help(capsys):
     assert "required" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "inspect" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, prog, message",
+    [
+        ("karate --parts two --out x", "gnnpar-partition",
+         "argument --parts/-k: invalid int value: 'two'"),
+        ("karate --parts 2 --out x --halo 2", "gnnpar-partition",
+         "argument --halo: invalid choice: 2 (choose from 0, 1)"),
+        ("karate --out x", "gnnpar-partition",
+         "the following arguments are required: --parts/-k"),
+        ("inspect DIR --verify all", "gnnpar-partition inspect",
+         "argument --verify: invalid choice: 'all' (choose from 'checksum', 'size')"),
+        ("compare karate --parts 2 --seed s", "gnnpar-partition compare",
+         "argument --seed: invalid int value: 's'"),
+        ("compare karate --parts 2 --bogus", "gnnpar-partition compare",
+         "unrecognized arguments: --bogus"),
+    ],
+)  # fmt: skip
+def test_a_bad_argument_is_one_line_with_where_to_look(capsys, argv, prog, message):
+    """argparse's errors of every command: one line on stderr (no usage block), status 2."""
+    code, _, err = _run(capsys, *argv.split())
+    assert code == 2
+    assert err.splitlines() == [f"{prog}: error: {message} (see {prog} --help)"]
+
+
+def test_every_option_has_help_and_shows_its_default():
+    """Every argument of the three commands says what it is, and an option with a value
+    default says the default (a flag's default is off, unless its help says otherwise)."""
+    import argparse
+
+    from partitioners.cli import _compare_parser, _inspect_parser, _partition_parser
+
+    for parser in (_partition_parser(), _inspect_parser(), _compare_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            name = action.option_strings or action.dest
+            assert action.help and len(action.help) > 10, (parser.prog, name)
+            if action.default not in (None, False):
+                assert "(default: " in action.help, (parser.prog, name, action.default)
+        text = parser.format_help()
+        assert "(default: None)" not in text
+    help_of = {a.dest: a.help for a in _partition_parser()._actions}
+    assert help_of["method"].endswith("(default: metis)") and "fennel" in help_of["method"]
