@@ -14,7 +14,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gnnpar.atomic import os_error_message
 from gnnpar.grid import GridError
@@ -92,11 +92,31 @@ def _info_check(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser with its error on one line: a value the user typed may hold a
-    newline (``--batch-size=$'\\n0'``), which argparse would print as it is."""
+    """argparse's parser with its error on one line: the error and where to look, without
+    the usage block (which buried the one line that matters; ``--help`` shows it). A value
+    the user typed may hold a newline (``--batch-size=$'\\n0'``): it is shown escaped."""
 
     def error(self, message: str) -> NoReturn:  # noqa: D102
-        super().error(message.replace("\n", "\\n"))
+        message = message.replace("\n", "\\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # noqa: D102
+        # argparse reports an unknown flag from the top parser ("see gnnpar --help"); the
+        # sub-command's parser says it, whose --help lists the flags it takes
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            _innermost(self, parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The parser of the sub-command that ``args`` names (``gnnpar train gcn``'s)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
 
 
 def build_parser() -> argparse.ArgumentParser:

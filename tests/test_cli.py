@@ -395,3 +395,39 @@ def test_no_help_text_states_its_default_twice():
         assert not re.search(r"\(default[^)]*\) ?\(default", flat), text
     actions = [a for p in parsers(build_parser()) for a in p._actions if a.help]
     assert not [a.help for a in actions if a.help.count("(default") > 1]
+
+
+# ------------------------------------------------------------------------ argument errors
+@pytest.mark.parametrize(
+    "argv, prog, message",
+    [
+        ("train gcn --lr abc", "gnnpar train gcn", "argument --lr: invalid float value: 'abc'"),
+        ("train sage --batch-size x", "gnnpar train sage",
+         "argument --batch-size: invalid int value: 'x'"),
+        ("train gpt --steps", "gnnpar train gpt", "argument --steps: expected one argument"),
+        ("train gcn --hiden 16", "gnnpar train gcn", "unrecognized arguments: --hiden 16"),
+        ("data info", "gnnpar data info", "the following arguments are required: PATH_OR_NAME"),
+        ("plan gcn --gpus four", "gnnpar plan gcn", "argument --gpus: invalid int value: 'four'"),
+        ("info --nprocs x", "gnnpar info", "argument --nprocs: invalid int value: 'x'"),
+        ("evaluate run --split dev", "gnnpar evaluate",
+         "argument --split: invalid choice: 'dev' (choose from 'test', 'val', 'train')"),
+        ("ckpt", "gnnpar ckpt", "the following arguments are required: ckpt_command"),
+        ("data import g.npz --out d --bogus", "gnnpar data import",
+         "unrecognized arguments: --bogus"),
+    ],
+)  # fmt: skip
+def test_a_bad_argument_is_one_line_naming_it_and_where_to_look(capsys, argv, prog, message):
+    """argparse's errors, in every sub-command: the error and a pointer to ``--help`` on one
+    line (no usage block above it), exit code 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv.split())
+    assert exit_.value.code == 2
+    assert _err_line(capsys) == f"{prog}: error: {message} (see {prog} --help)"
+
+
+def test_no_data_command_is_one_line_too(capsys):
+    assert main(["data"]) == 2  # gnnpar's own message, not argparse's
+    assert _err_line(capsys) == (
+        "gnnpar data: error: choose a command: list, prepare, import or info (see gnnpar data "
+        "--help)"
+    )

@@ -297,9 +297,11 @@ def add_data_commands(subparsers: Any) -> None:
     )
 
     def usage(args: argparse.Namespace) -> int:
-        data.print_usage(sys.stderr)
+        # one line, as argparse's errors (gnnpar.cli._Parser)
         print(
-            "gnnpar data: error: choose a command: list, prepare, import or info", file=sys.stderr
+            "gnnpar data: error: choose a command: list, prepare, import or info (see gnnpar "
+            "data --help)",
+            file=sys.stderr,
         )
         return 2
 
