@@ -139,7 +139,9 @@ class GPTTaskConfig(
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("config key 'dropout' must be in [0, 1)")
-        if self.grid is not None:
+        if self.grid is None:
+            self.check_pipeline(1)  # the names: a bad schedule is an error with any grid
+        else:
             shape = parse_grid_spec(self.grid)
             self.check_pipeline(shape.get("pipe", 1))
             self.check_context(shape)
