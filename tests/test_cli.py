@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -363,7 +364,6 @@ def test_the_launching_process_says_that_ranks_are_starting(tmp_path, monkeypatc
 def test_no_help_text_states_its_default_twice():
     """Every ``--help`` of gnnpar and gnnpar-partition: no "(default: None)", and no flag
     whose help gives its default twice (one place formats defaults: config.with_default)."""
-    import argparse
     import contextlib
     import io
 
@@ -375,14 +375,7 @@ def test_no_help_text_states_its_default_twice():
     assert with_default("grid (default: the planner's)", None) == "grid (default: the planner's)"
     assert with_default("grid (default: the planner's)", "x=1") == "grid (default: the planner's)"
 
-    def parsers(p: argparse.ArgumentParser):
-        yield p
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    yield from parsers(sub)
-
-    texts = [p.format_help() for p in parsers(build_parser())]
+    texts = [p.format_help() for p in _parsers(build_parser())]
     for command in ([], ["inspect"], ["compare"]):
         screen = io.StringIO()
         with contextlib.redirect_stdout(screen):
@@ -393,11 +386,29 @@ def test_no_help_text_states_its_default_twice():
         flat = " ".join(text.split())  # argparse wraps long help over lines
         assert "(default: None)" not in flat, text
         assert not re.search(r"\(default[^)]*\) ?\(default", flat), text
-    actions = [a for p in parsers(build_parser()) for a in p._actions if a.help]
+    actions = [a for p in _parsers(build_parser()) for a in p._actions if a.help]
     assert not [a.help for a in actions if a.help.count("(default") > 1]
 
 
-# ------------------------------------------------------------------------ argument errors
+# ------------------------------------------------------------------ argument errors, --help
+def _parsers(p: argparse.ArgumentParser):
+    """``p`` and every sub-command's parser under it."""
+    yield p
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def _help_texts() -> dict[str, str]:
+    """Every ``--help`` of gnnpar and gnnpar-partition, by program."""
+    from gnnpar.cli import build_parser
+    from partitioners.cli import _compare_parser, _inspect_parser, _partition_parser
+
+    found = [*_parsers(build_parser()), _partition_parser(), _inspect_parser(), _compare_parser()]
+    return {p.prog: p.format_help() for p in found}
+
+
 @pytest.mark.parametrize(
     "argv, prog, message",
     [
@@ -431,3 +442,66 @@ def test_no_data_command_is_one_line_too(capsys):
         "gnnpar data: error: choose a command: list, prepare, import or info (see gnnpar data "
         "--help)"
     )
+
+
+def test_help_is_plain_text_with_distinct_section_titles():
+    """No docstring markup reaches a terminal (Sphinx roles, ``literals``), and no --help has
+    two sections of one title (a task's options and its launch flags were both "options")."""
+    texts = _help_texts()
+    progs = {"gnnpar train gcn", "gnnpar plan gpt", "gnnpar ckpt", "gnnpar-partition compare"}
+    assert progs <= set(texts)
+    for prog, text in texts.items():
+        assert not re.search(r":[a-z]+:`|``", text), (prog, text)
+        titles = [line for line in text.splitlines() if re.fullmatch(r"\S.*:", line)]
+        assert len(titles) == len(set(titles)), (prog, titles)
+    gcn = texts["gnnpar train gcn"]
+    assert "\nhelp, config file and launch:\n" in gcn
+    assert "\nOptions of gnnpar train gcn (and --config FILE keys):\n" in gcn
+    assert "\nActivation checkpointing (gcn, gpt):\n" in gcn  # its pointer to the module docs gone
+
+
+def test_options_with_fixed_choices_show_them_and_the_check_refuses_others():
+    """Every config key declared with choices lists them in --help in place of STR, holds
+    its default among them, and is checked against them (naming the key): --help shows what
+    the check takes."""
+    import dataclasses
+
+    from gnnpar.train.commands import _tasks
+    from gnnpar.train.config import ConfigError, choices_of, from_mapping
+
+    texts = _help_texts()
+    assert "--model {gcn,sage,gat,gin}" in texts["gnnpar train gcn"]
+    sage = texts["gnnpar train sage"]
+    assert "--sampler {neighbor,vertex,saint-node,saint-edge,saint-rw,cluster}" in sage
+    assert "--schedule {gpipe,1f1b,interleaved}" in texts["gnnpar train gpt"]
+    declared = 0
+    for name, (cls, _, _) in _tasks().items():
+        usage = " ".join(texts[f"gnnpar train {name}"].split())
+        for f in dataclasses.fields(cls):
+            choices = choices_of(cls, f.name)
+            if choices is None:
+                continue
+            declared += 1
+            flag = "--" + f.name.replace("_", "-")
+            assert f"{flag} {{{','.join(choices)}}}" in usage, (name, flag)
+            assert f.default is None or f.default in choices, (name, f.name)
+            with pytest.raises(ConfigError, match=f"'{f.name}'"):
+                from_mapping(cls, {f.name: "no-such-choice"})
+    assert declared >= 25
+
+
+def test_train_help_names_every_model_of_each_task():
+    """``gnnpar train --help`` lists the models each task takes (its --model choices: GAT
+    and GIN for gcn too), and the samplers of sage."""
+    from gnnpar.train.commands import _tasks
+    from gnnpar.train.config import choices_of
+
+    text = " ".join(_help_texts()["gnnpar train"].split())
+    tasks = _tasks()
+    for name, (cls, _, help_text) in tasks.items():
+        assert " ".join(help_text.split()) in text, name
+        for model in choices_of(cls, "model"):
+            assert re.search(rf"\b{re.escape(model)}\b", help_text), (name, model)
+    assert re.search(r"\bgat\b.*\bgin\b", tasks["gcn"][2])
+    for sampler in choices_of(tasks["sage"][0], "sampler"):
+        assert sampler in tasks["sage"][2]

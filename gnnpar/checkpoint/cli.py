@@ -52,8 +52,12 @@ def _info(args: argparse.Namespace) -> int:
 
 def add_ckpt_commands(subparsers: Any) -> None:
     """Register ``gnnpar ckpt consolidate | info`` on an argparse sub-parsers object."""
+    from gnnpar.train.config import plain_text
+
     ckpt = subparsers.add_parser(
-        "ckpt", help="checkpoints: one plain state dict, or a summary", description=__doc__
+        "ckpt",
+        help="checkpoints: one plain state dict, or a summary",
+        description=plain_text(__doc__),
     )
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     where = (

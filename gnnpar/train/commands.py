@@ -297,11 +297,17 @@ def add_train_commands(subparsers: Any) -> None:
     for name, spec in specs().items():
         if not spec.listed:
             continue
-        p = tasks.add_parser(name, help=spec.help)
-        p.add_argument("--config", default=None, help="TOML file with options")
-        p.add_argument("--print-config", action="store_true", help="show the merged config")
-        p.add_argument("--nprocs", type=int, default=1, help="local processes to start")
-        p.add_argument(
+        # the launch flags get a group of their own: argparse's default one would be a
+        # second "options" section next to the task's
+        p = tasks.add_parser(name, help=spec.help, add_help=False)
+        launch = p.add_argument_group("help, config file and launch")
+        launch.add_argument("-h", "--help", action="help", help="show this help and exit")
+        launch.add_argument(
+            "--config", default=None, metavar="FILE", help="TOML file with the options below"
+        )
+        launch.add_argument("--print-config", action="store_true", help="show the merged config")
+        launch.add_argument("--nprocs", type=int, default=1, help="local processes to start")
+        launch.add_argument(
             "--max-restarts",
             type=int,
             default=0,

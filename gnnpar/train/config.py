@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
+import re
 import sys
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +35,49 @@ class ConfigError(ValueError):
     """A configuration that cannot be used (unknown key, wrong type, bad value)."""
 
 
-def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors dataclasses.field
-    """A config field with its ``--help`` text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+#: The values an option takes: a tuple, or a function that returns one (for a tuple defined
+#: in a module that imports torch, which this one does not import).
+Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
+
+
+def option(default: Any, help: str, choices: Choices | None = None) -> Any:  # noqa: A002
+    """A config field with its ``--help`` text. ``choices``: the values it takes, the very
+    tuple its config's check validates it against (``--help`` shows them as ``{a,b,c}``)."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def redefault(cls: type, name: str, default: Any) -> Any:
-    """A config field of ``cls`` again, with the same help and another default (a task
-    whose default differs from the shared part's)."""
-    return option(default, cls.__dataclass_fields__[name].metadata["help"])
+    """A config field of ``cls`` again, with the same help and choices and another default
+    (a task whose default differs from the shared part's)."""
+    metadata = cls.__dataclass_fields__[name].metadata
+    return option(default, metadata["help"], metadata.get("choices"))
+
+
+def defined_in(module: str, name: str) -> Callable[[], tuple[str, ...]]:
+    """Choices that are the tuple ``module.name``, read when first needed (``--help``, a
+    check), so that this module need not import ``module``."""
+
+    def read() -> tuple[str, ...]:
+        return getattr(importlib.import_module(module), name)
+
+    return read
+
+
+def choices_of(cls: Any, name: str) -> tuple[str, ...] | None:
+    """The values field ``name`` of a config class (or instance) takes, as its option
+    declares them; None for a field that takes any value of its type."""
+    found = cls.__dataclass_fields__[name].metadata.get("choices")
+    return found() if callable(found) else found
+
+
+def choice_words(cls: Any, name: str) -> str:
+    """The choices of field ``name`` as words, ``gcn, sage, gat or gin`` (a task's help
+    names its models and samplers from the values its config checks)."""
+    *rest, last = choices_of(cls, name)
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 MASTER_DTYPES = ("float32", "float64")
@@ -111,10 +147,12 @@ class TrainerConfig:
 
     out: str = option("runs/run", "run folder: metrics.jsonl, checkpoints/, plots/")
     seed: int = option(0, "seed of the weights and of every random choice")
-    dtype: str = option("float32", "master precision of parameters and optimizer state")
+    dtype: str = option(
+        "float32", "master precision of parameters and optimizer state", MASTER_DTYPES
+    )
     mixed_precision: str = option(
         "none", "compute precision: none, bf16 or fp16 (parameters and compute in it, masters "
-        "in dtype)"
+        "in dtype)", PRECISIONS,
     )  # fmt: skip
     eval_every: int = option(10, "evaluate every N epochs or steps (0: only at the end)")
     checkpoint_every: int = option(
@@ -128,7 +166,7 @@ class TrainerConfig:
     ranks_per_node: int | None = option(None, "ranks per node (default: the launcher's)")
     device: str = option(
         "auto", "where tensors live: auto (the local rank's GPU with NCCL when there is one, "
-        "else the CPU with gloo), cuda or cpu"
+        "else the CPU with gloo), cuda or cpu", DEVICES,
     )  # fmt: skip
     skip_nonfinite: int = option(
         0, "steps whose loss is NaN or infinite that are skipped (undone, counted as "
@@ -156,14 +194,15 @@ class DataParallelConfig:
     fcdp: bool = option(False, "FCDP on stage 3: keep gathered parameters for backward")
     reduce_dtype: str | None = option(
         None, "dtype of the gradient reduction: fp32, bf16 or fp16 (default: fp32 with "
-        "mixed precision, else the master dtype)"
+        "mixed precision, else the master dtype)", REDUCE_DTYPES,
     )  # fmt: skip
     grad_accum: int = option(
         1, "micro-batches per step: the batch is split and gradients accumulated"
     )
     offload: str = option(
         "none", "where the optimizer's master weights, state and step live (ZeRO stage 1-3): "
-        "none (the device), host (host memory) or file (memory-mapped files in offload_dir)"
+        "none (the device), host (host memory) or file (memory-mapped files in offload_dir)",
+        defined_in("gnnpar.shard.config", "OFFLOAD_MODES"),
     )  # fmt: skip
     offload_dir: str | None = option(
         None, "folder of offload = file (default OUT/offload; each rank uses rank<R>/ in it, "
@@ -210,7 +249,8 @@ class ScheduleConfig:
 
     lr_schedule: str = option(
         "constant", "after the warm-up: constant, step (times lr_gamma every lr_step_every) "
-        "or cosine (decay to min_lr at the end)"
+        "or cosine (decay to min_lr at the end)",
+        defined_in("gnnpar.train.schedule", "SCHEDULES"),
     )  # fmt: skip
     warmup: int = option(0, "linear warm-up epochs or steps (0: none)")
     min_lr: float = option(0.0, "learning rate at the end of the cosine decay")
@@ -251,7 +291,8 @@ class RecomputeConfig:
 
     activation_checkpointing: str = option(
         "none", "recompute activations in backward instead of keeping them: none, full "
-        "(each layer or block again from its input) or selective (gpt: the attention core)"
+        "(each layer or block again from its input) or selective (gpt: the attention core)",
+        defined_in("gnnpar.recompute", "MODES"),
     )  # fmt: skip
 
     def check_recompute(self, allowed: tuple[str, ...]) -> None:
@@ -364,24 +405,50 @@ def with_default(help_text: str, default: Any) -> str:
     return f"{help_text} (default: {default})"
 
 
+#: A Sphinx role (:class:, :py:func:, ...) with its target; an inline literal.
+_ROLE = re.compile(r":(?:[a-z]+:)+`([^`]+)`")
+_LITERAL = re.compile(r"``(.+?)``")
+
+
+def _role_text(match: re.Match[str]) -> str:
+    target = match.group(1)
+    if "<" in target:  # :ref:`title <target>`
+        return target.split("<")[0].strip()
+    return target[1:].rsplit(".", 1)[-1] if target.startswith("~") else target
+
+
+def plain_text(text: str) -> str:
+    """A docstring's text as a terminal should show it: a Sphinx role (:class:, :func:, ...)
+    becomes its target (only the last name after a ``~``), an inline literal its text."""
+    return _LITERAL.sub(r"\1", _ROLE.sub(_role_text, text))
+
+
+def _group_title(klass: type) -> str:
+    """A config part's ``--help`` title: its docstring's first line, as plain text, without
+    a closing pointer to a module's documentation (``: :mod:`gnnpar.shard```)."""
+    line = (klass.__doc__ or klass.__name__).split("\n")[0].rstrip(".")
+    return plain_text(re.sub(r":\s*:mod:`[^`]+`$", "", line))
+
+
 def add_flags(
     parser: argparse.ArgumentParser, cls: type, only: Iterable[str] | None = None
 ) -> None:
     """Add one flag per field of ``cls`` (default ``None``: unset flags do not override),
-    in one ``--help`` group per part of the config (the task's own fields first); ``only``
+    in one ``--help`` group per part of the config, titled by its docstring (the task's own
+    fields first); a field with choices shows them as its metavar (``{gcn,sage}``). ``only``
     names the fields to add (``gnnpar plan`` takes a few of a task's, spelled alike)."""
     groups: dict[type, Any] = {}
     wanted = None if only is None else set(only)
     fields = [f for f in dataclasses.fields(cls) if wanted is None or f.name in wanted]
     owners = {f.name: _owner(cls, f.name) for f in fields}
     for klass in [cls, *dict.fromkeys(o for o in owners.values() if o is not cls)]:
-        title = "options" if klass is cls else (klass.__doc__ or klass.__name__).split("\n")[0]
-        groups[klass] = parser.add_argument_group(title.rstrip("."))
+        groups[klass] = parser.add_argument_group(_group_title(klass))
     for f in fields:
         base, _ = _base_type(_field_types(cls)[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = with_default(f.metadata.get("help", ""), default)
+        help_text = with_default(plain_text(f.metadata.get("help", "")), default)
+        choices = choices_of(cls, f.name)
         group = groups[owners[f.name]]
         if base is bool:
             group.add_argument(
@@ -399,7 +466,9 @@ def add_flags(
                 dest=f.name,
                 type=base,
                 default=None,
-                metavar=base.__name__.upper(),
+                # not argparse's choices=: the config's check refuses another value, naming
+                # the key, alike for a flag and a --config file
+                metavar="{" + ",".join(choices) + "}" if choices else base.__name__.upper(),
                 help=help_text,
             )
 

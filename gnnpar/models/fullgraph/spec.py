@@ -1,11 +1,12 @@
 """The full-graph workload's registration: ``gnnpar train gcn``."""
 
 from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask, plan
+from gnnpar.train.config import choice_words
 from gnnpar.train.spec import TrainSpec
 
 SPEC = TrainSpec(
     name="gcn",
-    help="full-graph GCN / GraphSAGE / GAT / GIN (1D, 2D, 3D)",
+    help=f"full-graph {choice_words(FullGraphConfig, 'model')} on a 1D, 2D or 3D grid",
     config=FullGraphConfig,
     task=FullGraphTask,
     plan=plan,

@@ -58,6 +58,11 @@ from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
 from gnnpar.train.spec import GridPlan
 
+#: The models of the task (``model``).
+MODELS = ("gcn", "sage", "gat", "gin")
+#: How each rank checks the shard files it maps (``verify``).
+VERIFY_LEVELS = ("checksum", "size")
+
 
 @dataclasses.dataclass
 class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerConfig):
@@ -69,7 +74,9 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
         None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
     )
     model: str = option(
-        "gcn", "gcn, sage (GraphSAGE-mean), gat (graph attention) or gin (isomorphism network)"
+        "gcn",
+        "gcn, sage (GraphSAGE-mean), gat (graph attention) or gin (isomorphism network)",
+        MODELS,
     )
     hidden: int = option(16, "hidden width (gat: of all heads together)")
     heads: int = option(8, "gat: attention heads of each hidden layer (concatenated)")
@@ -83,12 +90,12 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
         False, "weight decay on every layer (default: the first only, as Kipf & Welling)"
     )
     epochs: int = option(200, "training epochs")
-    algorithm: str = option("3d", "3d (Plexus), 2d (SUMMA) or 1d")
+    algorithm: str = option("3d", "3d (Plexus), 2d (SUMMA) or 1d", ALGORITHMS)
     grid: str | None = option(None, "grid such as x=2,y=2,z=2 (default: the planner's)")
     shards: str | None = option(None, "shard folder (default: RUN/shards), made if missing")
     blocks: int = option(8, "file blocks per side when cutting shards")
     permutation: str = option(
-        "random", "node relabelling: random (Plexus), balanced, balanced-local, none"
+        "random", "node relabelling: random (Plexus), balanced, balanced-local, none", PERMUTATIONS
     )
     memory_limit: str | None = option(
         None,
@@ -99,6 +106,7 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
     verify: str = option(
         "checksum",
         "shard files each rank maps are checked at open: checksum, or size (very large folders)",
+        VERIFY_LEVELS,
     )
     out: str = option("runs/gcn", "run folder: metrics.jsonl, checkpoints/, plots/, shards/")
 
@@ -121,7 +129,7 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
         if self.permutation not in PERMUTATIONS:
             raise ConfigError(f"config key 'permutation' must be one of {', '.join(PERMUTATIONS)}")
-        if self.verify not in ("checksum", "size"):
+        if self.verify not in VERIFY_LEVELS:
             raise ConfigError(f"config key 'verify' must be checksum or size, got {self.verify!r}")
         if self.mixed_precision == "fp16":
             raise ConfigError(
@@ -162,8 +170,6 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
     name = Path(cfg.dataset).name or "graph"
     return Path(cfg.out) / "shards" / f"{name}-{digest}"
 
-
-MODELS = ("gcn", "sage", "gat", "gin")
 
 
 def _norm(cfg: FullGraphConfig) -> str:

@@ -1,12 +1,13 @@
 """The GPT workload's registration: ``gnnpar train gpt``."""
 
 from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig, plan
+from gnnpar.train.config import choice_words
 from gnnpar.train.spec import TrainSpec
 
 SPEC = TrainSpec(
     name="gpt",
-    help="GPT (ours or Hugging Face GPT-2) with data x pipe x context x 3D tensor parallelism "
-    "and ZeRO",
+    help=f"GPT language model ({choice_words(GPTTaskConfig, 'model')}) with data, pipeline, "
+    "context and 3D tensor parallelism and ZeRO",
     config=GPTTaskConfig,
     task=GPTTask,
     plan=plan,

@@ -42,6 +42,7 @@ from gnnpar.train.config import (
     RecomputeConfig,
     ScheduleConfig,
     TrainerConfig,
+    defined_in,
     option,
     redefault,
 )
@@ -68,7 +69,7 @@ class GPTTaskConfig(
 ):
     """Options of ``gnnpar train gpt`` (and ``--config FILE`` keys)."""
 
-    model: str = option("gpt", "gpt (ours) or hf-gpt2 (transformers' GPT2LMHeadModel)")
+    model: str = option("gpt", "gpt (ours) or hf-gpt2 (transformers' GPT2LMHeadModel)", MODELS)
     model_config: str | None = option(
         None, "hf-gpt2: a GPT2Config as a JSON file or k=v,k=v (sizes it does not give come "
         "from the size options)"
@@ -99,9 +100,14 @@ class GPTTaskConfig(
         "1f1b",
         "pipeline schedule with a pipe axis: gpipe, 1f1b or interleaved (the "
         "micro-batches are grad_accum)",
+        defined_in("gnnpar.pipeline.schedule", "SCHEDULES"),
     )
     virtual_stages: int = option(2, "interleaved schedule: model chunks per pipe rank")
-    pipe_split: str = option("layers", "pipeline stages by layer count (layers) or by cost")
+    pipe_split: str = option(
+        "layers",
+        "pipeline stages by layer count (layers) or by cost",
+        defined_in("gnnpar.models.gpt.pipeline", "SPLITS"),
+    )
     val_fraction: float = option(0.05, "held-out end of the token stream")
     val_batches: int = option(4, "global batches per validation")
     sample_tokens: int = option(100, "tokens sampled at the end (0: none)")

@@ -4,6 +4,7 @@ the ScaleGNN spec, :mod:`gnnpar.models.scalegnn.spec`)."""
 from typing import Any
 
 from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+from gnnpar.train.config import choice_words
 from gnnpar.train.spec import GridPlan, TrainSpec
 
 
@@ -19,8 +20,8 @@ def _variant(cfg: MiniBatchConfig) -> str | None:
 
 SPEC = TrainSpec(
     name="sage",
-    help="mini-batch GraphSAGE / GCN / GAT with neighbour or subgraph sampling (one part per "
-    "rank), or ScaleGNN's vertex sampling on a 4D grid (--sampler vertex)",
+    help=f"mini-batch {choice_words(MiniBatchConfig, 'model')} with the "
+    f"{choice_words(MiniBatchConfig, 'sampler')} sampler (vertex: ScaleGNN's, on a 4D grid)",
     config=MiniBatchConfig,
     task=MiniBatchTask,
     plan=_every_rank_on_data,

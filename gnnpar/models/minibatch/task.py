@@ -116,7 +116,7 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
     dataset_options: str | None = option(
         None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
     )
-    model: str = option("sage", "sage (GraphSAGE-mean), gcn or gat")
+    model: str = option("sage", "sage (GraphSAGE-mean), gcn or gat", _MODELS)
     parts: int | None = option(None, "parts of the partition, one per process (default: all)")
     partition_method: str = option("metis", "partitioning method (see gnnpar-partition)")
     partitions: str | None = option(
@@ -126,6 +126,7 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         "neighbor",
         "neighbor (fan-outs per seed), vertex (ScaleGNN: uniform vertex samples on a 4D grid), "
         "saint-node, saint-edge, saint-rw (GraphSAINT subgraphs) or cluster (ClusterGCN)",
+        SAMPLERS,
     )
     grid: str | None = option(
         None, "vertex sampler's grid such as data=2,x=2,y=1,z=2 (default: data = all ranks)"
@@ -144,6 +145,7 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         "norm",
         "saint-node's draw probability: norm (||Â[:,v]||², the paper) or degree (deg(v), "
         "the authors' code)",
+        NODE_PROBABILITIES,
     )
     subgraphs_per_step: int = option(
         0,
