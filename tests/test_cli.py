@@ -466,8 +466,8 @@ def test_options_with_fixed_choices_show_them_and_the_check_refuses_others():
     the check takes."""
     import dataclasses
 
-    from gnnpar.train.commands import _tasks
     from gnnpar.train.config import ConfigError, choices_of, from_mapping
+    from gnnpar.train.spec import specs
 
     texts = _help_texts()
     assert "--model {gcn,sage,gat,gin}" in texts["gnnpar train gcn"]
@@ -475,7 +475,10 @@ def test_options_with_fixed_choices_show_them_and_the_check_refuses_others():
     assert "--sampler {neighbor,vertex,saint-node,saint-edge,saint-rw,cluster}" in sage
     assert "--schedule {gpipe,1f1b,interleaved}" in texts["gnnpar train gpt"]
     declared = 0
-    for name, (cls, _, _) in _tasks().items():
+    for name, spec in specs().items():
+        if not spec.listed:
+            continue
+        cls = spec.config
         usage = " ".join(texts[f"gnnpar train {name}"].split())
         for f in dataclasses.fields(cls):
             choices = choices_of(cls, f.name)
@@ -493,15 +496,15 @@ def test_options_with_fixed_choices_show_them_and_the_check_refuses_others():
 def test_train_help_names_every_model_of_each_task():
     """``gnnpar train --help`` lists the models each task takes (its --model choices: GAT
     and GIN for gcn too), and the samplers of sage."""
-    from gnnpar.train.commands import _tasks
     from gnnpar.train.config import choices_of
+    from gnnpar.train.spec import specs
 
     text = " ".join(_help_texts()["gnnpar train"].split())
-    tasks = _tasks()
-    for name, (cls, _, help_text) in tasks.items():
-        assert " ".join(help_text.split()) in text, name
-        for model in choices_of(cls, "model"):
-            assert re.search(rf"\b{re.escape(model)}\b", help_text), (name, model)
-    assert re.search(r"\bgat\b.*\bgin\b", tasks["gcn"][2])
-    for sampler in choices_of(tasks["sage"][0], "sampler"):
-        assert sampler in tasks["sage"][2]
+    tasks = {name: spec for name, spec in specs().items() if spec.listed}
+    for name, spec in tasks.items():
+        assert " ".join(spec.help.split()) in text, name
+        for model in choices_of(spec.config, "model"):
+            assert re.search(rf"\b{re.escape(model)}\b", spec.help), (name, model)
+    assert re.search(r"\bgat\b.*\bgin\b", tasks["gcn"].help)
+    for sampler in choices_of(tasks["sage"].config, "sampler"):
+        assert sampler in tasks["sage"].help
