@@ -361,6 +361,7 @@ def gin_bytes(
     dims: list[int],
     es: int,
     bias: bool,
+    batch_norm: bool = True,
 ) -> tuple[Bytes, Bytes]:
     """Forward and backward bytes of the GIN model (MLP width = the layer's output width) on
     the rank at ``coords`` of ``algorithm`` ("3d"; "2d" on x × y; "1d" over ``tensor``).
@@ -372,7 +373,10 @@ def gin_bytes(
     row's columns (3D a, 2D y; none in 1D) into this rank's output features (padded), their
     gradients all-gathered back; ε's gradient (one element) is all-reduced over that axis
     and the rows' axis (3D c, 2D x, 1D the only one), as are the second weight's (output
-    features chunk × width) and both biases' (the chunk) over the rows' axis.
+    features chunk × width) and both biases' (the chunk) over the rows' axis. With
+    ``batch_norm`` (whose shift replaces the first bias) the BatchNorm's mean and variance of
+    the chunk's features are all-reduced over the rows' axis forward, their gradients
+    backward, and so are the gradients of its scale and shift.
     """
     fwd, bwd = Bytes(), Bytes()
     for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
@@ -417,7 +421,12 @@ def gin_bytes(
             bwd.add(part, "all_reduce", pp, es)
         bwd.add(rows_ax, "all_reduce", pr, es)
         bwd.add(rows_ax, "all_reduce", pr, fout * d_out * es)
-        if bias:
-            for _ in range(2):
+        # the second bias, and the first where no BatchNorm shift takes its place
+        for _ in range(int(bias) * (1 if batch_norm else 2)):
+            bwd.add(rows_ax, "all_reduce", pr, fout * es)
+        if batch_norm:
+            for _ in range(2):  # the mean and the variance; the scale and the shift
+                fwd.add(rows_ax, "all_reduce", pr, fout * es)
+                bwd.add(rows_ax, "all_reduce", pr, fout * es)
                 bwd.add(rows_ax, "all_reduce", pr, fout * es)
     return fwd, bwd

@@ -115,21 +115,27 @@ def _close(a, b, what, tol=1e-12):
         raise AssertionError(f"{what}: max diff {diff}")
 
 
-def _gin_model(seed: int = 0, dropout: float = 0.0):
-    """A float64 GIN with non-trivial biases and ε."""
+def _gin_model(seed: int = 0, dropout: float = 0.0, batch_norm: bool = True):
+    """A float64 GIN with non-trivial biases, ε and BatchNorm scales and shifts."""
     from gnnpar.models.fullgraph.model import GIN
 
     torch.manual_seed(seed)
-    m = GIN(DDIMS[0], DDIMS[1], DDIMS[-1], len(DDIMS) - 1, dropout).double()
+    m = GIN(DDIMS[0], DDIMS[1], DDIMS[-1], len(DDIMS) - 1, dropout, batch_norm).double()
     with torch.no_grad():
         for layer in m.layers:
             layer.bias.normal_()
-            layer.hidden_bias.normal_()
             layer.eps.uniform_(-0.5, 0.5)
+            if batch_norm:
+                layer.norm_weight.uniform_(0.5, 2.0)
+                layer.norm_bias.normal_()
+            else:
+                layer.hidden_bias.normal_()
     return m
 
 
-def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted=False) -> None:
+def _check(
+    kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted=False, batch_norm=True
+) -> None:
     import gnnpar
     from gnnpar import comm
     from gnnpar.models.fullgraph import parallelize_fullgraph
@@ -143,7 +149,7 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted
     if kind == "gat":
         ref = gat_model(DDIMS, DHEADS[0], DHEADS[-1], attn_dropout=drop, dropout=drop)
     else:
-        ref = _gin_model(dropout=drop)
+        ref = _gin_model(dropout=drop, batch_norm=batch_norm)
     ref.train()
     xr = x.clone().requires_grad_(True)
     logits = ref(serial_adj(a_hat), xr, dropout_seed=seed)
@@ -159,6 +165,7 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted
     rows, cols = par.logits_rows, par.logits_cols
     ids = source.node_ids(par.output_order, rows)
     tag = f"{grid.describe()} {kind} {algorithm} permute={permute} seed={seed} w={weighted}"
+    tag += "" if kind == "gat" else f" batch_norm={batch_norm}"
     _close(out.detach(), logits.detach()[ids][:, cols[0] : cols[1]], f"logits {tag}")
     loss = par.loss(out)
     _close(loss.detach(), loss_ref.detach(), f"loss {tag}")
@@ -177,7 +184,7 @@ def _check(kind: str, shape: dict, algorithm: str, permute: bool, seed, weighted
 
     es, coords = 8, grid.coords()
     if kind == "gin":
-        want_f, want_b = gin_bytes(algorithm, grid.shape, coords, N, DDIMS, es, True)
+        want_f, want_b = gin_bytes(algorithm, grid.shape, coords, N, DDIMS, es, True, batch_norm)
     elif algorithm == "3d":
         want_f, want_b = gat3d_bytes(grid.shape, coords, N, DDIMS, DHEADS, es, True)
     elif algorithm == "2d":
@@ -204,6 +211,11 @@ def _gat_world(world: int) -> int:
             # at 8 ranks the permuted cases run on a weighted graph
             _check(kind, shape, algorithm, permute, seed, weighted=world == 8 and permute)
             n += 1
+    # GIN without its BatchNorm, permuted with dropout, on the first shape of each layout
+    for algorithm in ("3d", "2d", "1d"):
+        shape = next(s for a, s in shapes if a == algorithm)
+        _check("gin", shape, algorithm, True, 11, batch_norm=False)
+        n += 1
     return n
 
 
@@ -212,13 +224,14 @@ def test_gat_and_gin_match_serial_on_every_grid(world):
     """Every x·y·z shape of the world (3D), every x·y shape (2D) and the 1D rows, GAT and
     GIN: logits, loss and every gradient equal the serial model to 1e-12 in float64 (each
     kind plain on half the shapes, permuted with feature and attention dropout on the
-    others, on a weighted graph at 8 ranks), and the bytes of each pass equal the schedule
-    and the written formulas."""
+    others, on a weighted graph at 8 ranks; GIN's BatchNorm statistics over the rows of
+    every rank along the rows' axis, and GIN without the BatchNorm once per layout), and the
+    bytes of each pass equal the schedule and the written formulas."""
     from gnnpar.testing import grid_shapes, run_distributed
 
     counts = run_distributed(_gat_world, world, world, timeout=600)
     shapes = len(grid_shapes(world)) + 1 + len(grid_shapes(world, ("x", "y")))
-    assert counts == [2 * shapes] * world
+    assert counts == [2 * shapes + 3] * world
 
 
 # -------------------------------------------------------------- the trainer and the planner
@@ -318,33 +331,68 @@ def test_planner_gat_and_gin_bytes_equal_the_written_formulas_and_count_attentio
     assert "attention" not in gcn_memory(GCNProblem.from_widths(1001, 5000, dims), shape)
 
 
-def test_serial_gin_equals_pyg_ginconv_forward_and_gradients():
+def _hidden_pairs(layer, mlp, batch_norm: bool) -> list:
+    """(ours, theirs) of the BatchNorm's scale and shift, or without it the first bias."""
+    if not batch_norm:
+        return [(layer.hidden_bias, mlp[0].bias)]
+    return [(layer.norm_weight, mlp[1].weight), (layer.norm_bias, mlp[1].bias)]
+
+
+def _mlp(d_in: int, d_out: int, batch_norm: bool) -> torch.nn.Sequential:
+    """PyG's GIN MLP: Linear → BatchNorm (batch statistics in both modes) → ReLU → Linear,
+    the first Linear without a bias where the BatchNorm's mean would remove it."""
+    norm = [torch.nn.BatchNorm1d(d_out, track_running_stats=False)] if batch_norm else []
+    return torch.nn.Sequential(
+        torch.nn.Linear(d_in, d_out, bias=not batch_norm), *norm, torch.nn.ReLU(),
+        torch.nn.Linear(d_out, d_out),
+    ).double()  # fmt: skip
+
+
+@pytest.mark.parametrize("batch_norm", [True, False])
+def test_serial_gin_equals_pyg_ginconv_forward_and_gradients(batch_norm):
+    """Our GIN (BatchNorm in each MLP, or none) against PyG's ``GINConv`` over the MLP of
+    PyG's GIN examples, in training and evaluation mode (the BatchNorm reads the pass's own
+    statistics in both): logits and every gradient, float64."""
     gnn = pytest.importorskip("torch_geometric.nn")
     from gnnpar.models.fullgraph.model import GIN
 
     a, x, y, train = small_graph(n=N, feat=DIMS[0])
     torch.manual_seed(0)
-    model = GIN(DIMS[0], 6, 3, num_layers=2, dropout=0.0).double()
+    model = GIN(DIMS[0], 6, 3, num_layers=2, dropout=0.0, batch_norm=batch_norm).double()
     with torch.no_grad():
         for layer in model.layers:
             layer.bias.normal_()
-            layer.hidden_bias.normal_()
             layer.eps.fill_(0.3)
+            if batch_norm:
+                layer.norm_weight.uniform_(0.5, 2.0)
+                layer.norm_bias.normal_()
+            else:
+                layer.hidden_bias.normal_()
     convs = []
     for i, layer in enumerate(model.layers):
-        d_in, d_out = model.dims[i], model.dims[i + 1]
-        mlp = torch.nn.Sequential(
-            torch.nn.Linear(d_in, d_out), torch.nn.ReLU(), torch.nn.Linear(d_out, d_out)
-        )
-        conv = gnn.GINConv(mlp, train_eps=True).double()  # resets the MLP: copy after
+        conv = gnn.GINConv(_mlp(model.dims[i], model.dims[i + 1], batch_norm), train_eps=True)
+        conv = conv.double()  # GINConv resets the MLP: copy after
         with torch.no_grad():
             conv.nn[0].weight.copy_(layer.weight.T)
-            conv.nn[0].bias.copy_(layer.hidden_bias)
-            conv.nn[2].weight.copy_(layer.weight_out.T)
-            conv.nn[2].bias.copy_(layer.bias)
+            conv.nn[-1].weight.copy_(layer.weight_out.T)
+            conv.nn[-1].bias.copy_(layer.bias)
             conv.eps.fill_(0.3)
+            for ours_p, theirs_p in _hidden_pairs(layer, conv.nn, batch_norm):
+                theirs_p.copy_(ours_p)
         convs.append(conv)
     edge_index = a.nonzero().T
+    model.eval()
+    for conv in convs:
+        conv.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(serial_adj(normalise(a, "raw")), x),
+            convs[1](torch.relu(convs[0](x, edge_index)), edge_index),
+            rtol=1e-12, atol=1e-12,
+        )  # fmt: skip
+    model.train()
+    for conv in convs:
+        conv.train()
     xr, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     ours = model(serial_adj(normalise(a, "raw")), xr)
     theirs = convs[1](torch.relu(convs[0](xp, edge_index)), edge_index)
@@ -354,10 +402,10 @@ def test_serial_gin_equals_pyg_ginconv_forward_and_gradients():
     torch.testing.assert_close(xr.grad, xp.grad, rtol=1e-12, atol=1e-12)
     for layer, conv in zip(model.layers, convs, strict=True):
         pairs = [(layer.weight.grad, conv.nn[0].weight.grad.T),
-                 (layer.hidden_bias.grad, conv.nn[0].bias.grad),
-                 (layer.weight_out.grad, conv.nn[2].weight.grad.T),
-                 (layer.bias.grad, conv.nn[2].bias.grad),
+                 (layer.weight_out.grad, conv.nn[-1].weight.grad.T),
+                 (layer.bias.grad, conv.nn[-1].bias.grad),
                  (layer.eps.grad, conv.eps.grad)]  # fmt: skip
+        pairs += [(o.grad, t.grad) for o, t in _hidden_pairs(layer, conv.nn, batch_norm)]
         for ours_g, theirs_g in pairs:
             torch.testing.assert_close(
                 ours_g, theirs_g.reshape(ours_g.shape), rtol=1e-12, atol=1e-12
@@ -422,8 +470,9 @@ def test_weighted_serial_gat_equals_the_written_out_attention():
 
 
 def test_weighted_serial_gin_equals_dgl_ginconv_with_edge_weights():
-    """``MLP((1 + ε) h_i + Σ_j w_ij h_j)``: DGL's ``GINConv(edge_weight=...)``, float64
-    (PyG's ``GINConv`` takes no weights and ``GINEConv`` sums ``ReLU(h_j + e_ij)``)."""
+    """``MLP((1 + ε) h_i + Σ_j w_ij h_j)``, the MLP with its BatchNorm: DGL's
+    ``GINConv(edge_weight=...)``, float64 (PyG's ``GINConv`` takes no weights and
+    ``GINEConv`` sums ``ReLU(h_j + e_ij)``)."""
     dgl = pytest.importorskip("dgl")
     from dgl.nn import GINConv
 
@@ -433,17 +482,15 @@ def test_weighted_serial_gin_equals_dgl_ginconv_with_edge_weights():
     graph = dgl.graph((j, i), num_nodes=N)  # message j -> i with weight a[i, j]
     convs = []
     for k, layer in enumerate(model.layers):
-        d_in, d_out = model.dims[k], model.dims[k + 1]
-        mlp = torch.nn.Sequential(
-            torch.nn.Linear(d_in, d_out), torch.nn.ReLU(), torch.nn.Linear(d_out, d_out)
-        ).double()
+        mlp = _mlp(model.dims[k], model.dims[k + 1], batch_norm=True)
         conv = GINConv(mlp, "sum", learn_eps=True).double()
         with torch.no_grad():
             conv.eps.copy_(layer.eps)
             mlp[0].weight.copy_(layer.weight.T)
-            mlp[0].bias.copy_(layer.hidden_bias)
-            mlp[2].weight.copy_(layer.weight_out.T)
-            mlp[2].bias.copy_(layer.bias)
+            mlp[1].weight.copy_(layer.norm_weight)
+            mlp[1].bias.copy_(layer.norm_bias)
+            mlp[3].weight.copy_(layer.weight_out.T)
+            mlp[3].bias.copy_(layer.bias)
         convs.append(conv)
     xr, xd = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     ours = model(serial_adj(normalise(a, "raw")), xr)
@@ -453,11 +500,12 @@ def test_weighted_serial_gin_equals_dgl_ginconv_with_edge_weights():
         theirs = torch.relu(theirs) if k < len(convs) - 1 else theirs
     _close(ours, theirs, "weighted GIN logits")
     mine = [xr] + [p for layer in model.layers for p in
-                   (layer.weight, layer.hidden_bias, layer.weight_out, layer.bias, layer.eps)]
+                   (layer.weight, layer.norm_weight, layer.norm_bias, layer.weight_out,
+                    layer.bias, layer.eps)]  # fmt: skip
     dgls = [xd] + [p for c in convs for p in
-                   (c.apply_func[0].weight, c.apply_func[0].bias, c.apply_func[2].weight,
-                    c.apply_func[2].bias, c.eps)]  # fmt: skip
-    linear = [False] + [True, False, True, False, False] * len(convs)  # nn.Linear: out × in
+                   (c.apply_func[0].weight, c.apply_func[1].weight, c.apply_func[1].bias,
+                    c.apply_func[3].weight, c.apply_func[3].bias, c.eps)]  # fmt: skip
+    linear = [False] + [True, False, False, True, False, False] * len(convs)  # out × in
     for g_ours, g_dgl, t in zip(
         _grads(ours, train, y, mine), _grads(theirs, train, y, dgls), linear, strict=True
     ):

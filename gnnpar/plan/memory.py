@@ -18,8 +18,10 @@ before the reduce-scatter, and the output piece before and after the ELU); ``att
 per-edge, per-head tensors backward keeps: the logits before and after the LeakyReLU, the
 exponentials, the attention values after the softmax and after dropout (5 · nnz · heads),
 and the gathered source rows of Z each edge multiplies (nnz · heads·F). GIN keeps the
-gathered neighbour rows of Z (nnz · width) and its MLP's second weight rows, ε and hidden
-bias instead of attention.
+gathered neighbour rows of Z (nnz · width), its MLP's hidden output before and after the
+ReLU and, for its BatchNorm, the centred and the normalised hidden output (4 · rows · fout),
+and holds its MLP's second weight rows, ε and the BatchNorm's scale and shift instead of
+attention.
 
 GPT (:func:`gpt_memory`), per rank, with ``e`` bytes per element:
 
@@ -204,12 +206,14 @@ def _gemm_first_memory(problem: GCNProblem, shape: Mapping[str, int]) -> dict[st
         out["adjacency"] += nnz * 4 * 8 + rows * 2 * 8
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
-        # GAT: two attention vectors; GIN: the MLP's second weight rows, ε, a second bias
-        extra = 2 * width if gat else fout * width + 1 + (fout if problem.bias else 0)
+        # GAT: two attention vectors; GIN: the MLP's second weight rows, ε, the BatchNorm's
+        # scale and shift
+        extra = 2 * width if gat else fout * width + 1 + 2 * fout
         out["weights"] += 4 * (fin * width + extra + (fout if problem.bias else 0)) * e
         layer = (cols * width + rows * width + 2 * rows * fout) * e
-        if not gat:  # the gathered neighbour rows of Z, and the MLP's hidden output
-            layer += (nnz * width + 2 * rows * fout) * e
+        if not gat:  # the gathered neighbour rows of Z; the MLP's hidden output around the
+            # ReLU, and the BatchNorm's centred and normalised copies of it
+            layer += (nnz * width + 4 * rows * fout) * e
         attention = nnz * (5 * heads + width) * e if gat else 0.0
         kept.append(layer + attention)
         inputs += rows * fout * e

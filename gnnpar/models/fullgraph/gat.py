@@ -23,7 +23,12 @@ then GAT::
 or GIN::
 
     AGG  = reduce-scatter_a(Σ_neighbours w·Z + (1 + ε)·R Z)      (rows c × chunk a)
-    OUT  = reduce-scatter_a(ReLU(AGG + b₁) W₂[chunk a, :]) + b₂
+    μ    = all-reduce_c(Σ_rows AGG) / N;  σ² = all-reduce_c(Σ_rows (AGG - μ)²) / N
+    OUT  = reduce-scatter_a(ReLU(γ·(AGG - μ)/sqrt(σ² + ε_bn) + β) W₂[chunk a, :]) + b₂
+
+(the BatchNorm's statistics of each feature over all N nodes: the ranks along c hold the
+other rows; without ``batch_norm`` the μ, σ² line is not there and ``AGG + b₁`` takes the
+BatchNorm's place)
 
 which is exactly the layout the next layer reads (rows chunk c = its outer chunk, features
 chunk a = its inner chunk, replicated over b = its depth). Backward is autograd's through
@@ -33,10 +38,11 @@ chunk a = its inner chunk, replicated over b = its depth). Backward is autograd'
 features chunk j and the weight rows of features chunk j): ``Z = all-reduce_y(H W_j)`` (rows
 i), all-gathered over x (every node's Z, of which the block's columns are used), then the
 same tail with y in a's place (the axis splitting a row's columns) and x in c's (the axis
-splitting rows).
+splitting rows, over which GIN's BatchNorm statistics are summed).
 
 **1D** (rows over one axis): ``Z_local = H_local W``, all-gather Z, everything else local (a
-row's columns all live on its rank), parameter gradients all-reduced.
+row's columns all live on its rank) but GIN's BatchNorm statistics, summed over the axis;
+parameter gradients all-reduced.
 
 Each layer's collectives are described once, by :func:`gat3d_layer_schedule`,
 :func:`gat2d_layer_schedule`, :func:`gat1d_layer_schedule`, :func:`gin3d_layer_schedule`,
@@ -55,7 +61,7 @@ from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.grid import GridShape, ProcessGrid
 from gnnpar.models.fullgraph.layout import Layout3D, chunk, layout3d
-from gnnpar.models.fullgraph.model import ACTIVATIONS, gin_aggregate
+from gnnpar.models.fullgraph.model import ACTIVATIONS, gin_aggregate, gin_batch_norm
 from gnnpar.models.fullgraph.parallelize import ShardedGNN
 from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.nn.dropout import index_dropout
@@ -278,7 +284,8 @@ class _Settings:
 class _GINKind:
     """GIN's parameters, tail and tail steps (a mixin of :class:`_GemmFirst`)."""
 
-    SPEC = (("weight", "in"), ("hidden_bias", "out"), ("weight_out", "out"), ("bias", "out"),
+    SPEC = (("weight", "in"), ("hidden_bias", "out"), ("norm_weight", "out"),
+            ("norm_bias", "out"), ("weight_out", "out"), ("bias", "out"),
             ("eps", "whole"))  # fmt: skip
 
     def width(self, i: int) -> int:
@@ -294,17 +301,28 @@ class _GINKind:
             blk.num_rows, self.param("eps", i, ax.part, ax.rows),
         )  # fmt: skip
         h = self._scatter(agg, i)
-        if self.has_bias:
+        if self.has_bias and not self.has_norm:
             h = h + self.param("hidden_bias", i, ax.rows)
+        if self.has_norm:
+            # this rank holds some rows of its features: the ranks along ax.rows the others
+            h = gin_batch_norm(
+                h, self.param("norm_weight", i, ax.rows), self.param("norm_bias", i, ax.rows),
+                self.num_nodes, lambda t: _all_reduce_both(t, self.grid, ax.rows),
+            )  # fmt: skip
         h = self._scatter(torch.relu(h) @ self.param("weight_out", i, ax.rows), i)
         if self.has_bias:
             h = h + self.param("bias", i, ax.rows)
         return h
 
+    @property
+    def has_norm(self) -> bool:
+        """Whether the layers' MLPs hold a BatchNorm (:class:`~gnnpar.models.fullgraph.model.GINLayer`)."""
+        return self.plain_layers[0].norm_weight is not None
+
     def _tail_steps(self, i: int) -> list[Step]:
         return _gin_tail_steps(
             self.grid, self.axes(i), self.dims[i + 1], self.fouts[i][1] - self.fouts[i][0],
-            self.blocks[i].num_rows, self.has_bias, i,
+            self.blocks[i].num_rows, self.has_bias, i, self.has_norm,
         )  # fmt: skip
 
 
@@ -313,12 +331,12 @@ def _gat_tail_steps(grid, ax: _Axes, heads, head_dim, d_out, fout, bias, layer, 
     return _tail_common(grid, ax, layer, rows, d_out, fout, bias, gat=(heads, head_dim))
 
 
-def _gin_tail_steps(grid, ax: _Axes, d_out, fout, rows, bias, layer):
+def _gin_tail_steps(grid, ax: _Axes, d_out, fout, rows, bias, layer, norm):
     """GIN's collectives after Z (see the module docstring)."""
-    return _tail_common(grid, ax, layer, rows, d_out, fout, bias, gat=None)
+    return _tail_common(grid, ax, layer, rows, d_out, fout, bias, gat=None, norm=norm)
 
 
-def _tail_common(grid, ax: _Axes, layer, rows, d_out, fout, bias, gat) -> list[Step]:
+def _tail_common(grid, ax: _Axes, layer, rows, d_out, fout, bias, gat, norm=False) -> list[Step]:
     fw, bw = "forward", "backward"
     pp = grid.size(ax.part) if ax.part else 1
     pr = grid.size(ax.rows)
@@ -347,10 +365,17 @@ def _tail_common(grid, ax: _Axes, layer, rows, d_out, fout, bias, gat) -> list[S
             out += step(fw, ax.part, "reduce_scatter", pp, out_full, f"{tag} {what}")
             out += step(bw, ax.part, "all_gather", pp, out_full, f"{tag} d{what}")
         out += step(bw, ax.part, "all_reduce", pp, 1, f"{tag} d ε (part)")
+    if norm:
+        for what in ("mean", "variance"):
+            out += step(fw, ax.rows, "all_reduce", pr, fout, f"{tag} BatchNorm {what}")
+            out += step(bw, ax.rows, "all_reduce", pr, fout, f"{tag} d BatchNorm {what}")
+        for which in ("weight", "bias"):
+            out += step(bw, ax.rows, "all_reduce", pr, fout, f"{tag} d BatchNorm {which}")
     out += step(bw, ax.rows, "all_reduce", pr, 1, f"{tag} d ε (rows)")
     out += step(bw, ax.rows, "all_reduce", pr, fout * d_out, f"{tag} d W_out")
-    if bias:
+    if bias and not norm:  # a BatchNorm replaces the hidden bias by its shift
         out += step(bw, ax.rows, "all_reduce", pr, fout, f"{tag} d hidden bias")
+    if bias:
         out += step(bw, ax.rows, "all_reduce", pr, fout, f"{tag} d bias")
     return out
 
@@ -583,14 +608,19 @@ def gat3d_layer_schedule(
 
 
 def gin3d_layer_schedule(
-    grid: ProcessGrid | GridShape, lay: Layout3D, d_out: int, input_split: bool, bias: bool
+    grid: ProcessGrid | GridShape,
+    lay: Layout3D,
+    d_out: int,
+    input_split: bool,
+    bias: bool,
+    batch_norm: bool = True,
 ) -> list[Step]:
     """The collectives of one forward and backward of the 3D GIN layer ``lay`` (MLP width
-    ``d_out``), as its rank runs them."""
+    ``d_out``, with or without its BatchNorm), as its rank runs them."""
     ax = _Axes(lay.outer, lay.depth, lay.inner, lay.outer)
     rows, fout = lay.rows[1] - lay.rows[0], lay.fout[1] - lay.fout[0]
     head = _head3d_steps(grid, lay, d_out, input_split)
-    return head + _gin_tail_steps(grid, ax, d_out, fout, rows, bias, lay.layer)
+    return head + _gin_tail_steps(grid, ax, d_out, fout, rows, bias, lay.layer, batch_norm)
 
 
 class _Shape2D(NamedTuple):
@@ -631,12 +661,14 @@ def gin2d_layer_schedule(
     fout: int,
     bias: bool,
     layer: int = 0,
+    batch_norm: bool = True,
 ) -> list[Step]:
     """The collectives of one forward and backward of a 2D GIN layer (as
-    :func:`gat2d_layer_schedule`; MLP width ``d_out``)."""
+    :func:`gat2d_layer_schedule`; MLP width ``d_out``, with or without its BatchNorm)."""
     head = _head2d_steps(grid, row_sizes, rows, fin, d_out, layer)
     ax = _Axes("y", "x", "y", "y")
-    return head + _gin_tail_steps(_Shape2D(*grid), ax, d_out, fout, rows, bias, layer)
+    tail = _gin_tail_steps(_Shape2D(*grid), ax, d_out, fout, rows, bias, layer, batch_norm)
+    return head + tail
 
 
 class _Shape1D(NamedTuple):
@@ -664,9 +696,17 @@ def gat1d_layer_schedule(
 
 
 def gin1d_layer_schedule(
-    axis: str, row_sizes: list[int], d_in: int, d_out: int, bias: bool, layer: int = 0
+    axis: str,
+    row_sizes: list[int],
+    d_in: int,
+    d_out: int,
+    bias: bool,
+    layer: int = 0,
+    batch_norm: bool = True,
 ) -> list[Step]:
-    """The collectives of one forward and backward of a 1D GIN layer over ``axis``."""
+    """The collectives of one forward and backward of a 1D GIN layer over ``axis`` (with or
+    without its BatchNorm)."""
     head = _head1d_steps(axis, row_sizes, d_in, d_out, layer)
     ax = _Axes(None, axis, None, None)
-    return head + _gin_tail_steps(_Shape1D(len(row_sizes)), ax, d_out, d_out, 0, bias, layer)
+    g = _Shape1D(len(row_sizes))
+    return head + _gin_tail_steps(g, ax, d_out, d_out, 0, bias, layer, batch_norm)

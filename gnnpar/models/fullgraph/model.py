@@ -12,7 +12,8 @@ Edge weights w enter through that adjacency, one normalisation per kind (:data:`
 - GAT: ``α_ij ∝ w_ij · exp(e_ij)`` over ``A + I`` (``"raw"``: the weights as they are, a self
   loop of weight 1 where a node has none), :func:`gnnpar.sparse.attention.weigh_logits`;
 - GIN: ``(1 + ε) h_i + Σ_{j ≠ i} w_ij h_j`` over the same ``"raw"`` adjacency, its self loops
-  replaced by the ε term.
+  replaced by the ε term, then the MLP ``Linear → BatchNorm → ReLU → Linear``
+  (:func:`gin_batch_norm`).
 
 An unweighted graph is the graph whose weights are all 1: the same results, exactly.
 """
@@ -20,6 +21,7 @@ An unweighted graph is the graph whose weights are all 1: the same results, exac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -139,15 +141,29 @@ class GATLayer(nn.Module):
 class GINLayer(nn.Module):
     """Graph isomorphism network layer (Xu et al.; PyG's ``GINConv`` with ``train_eps``, DGL's
     ``GINConv`` with edge weights): ``MLP((1 + ε)·h_i + Σ_{j ≠ i} w_ij h_j)`` over the
-    ``"raw"`` adjacency (values: the edge weights) without its self loops,
-    the MLP ``Linear → ReLU → Linear`` of width ``out_dim``, ε learnable (starts at 0)."""
+    ``"raw"`` adjacency (values: the edge weights) without its self loops, ε learnable
+    (starts at 0). The MLP is ``Linear → BatchNorm → ReLU → Linear`` of width ``out_dim``, as
+    in PyG's GIN examples, its first Linear without a bias (the BatchNorm subtracts it again
+    with the mean, so its gradient would be rounding noise; the BatchNorm's shift takes its
+    place); ``batch_norm=False``: ``Linear → ReLU → Linear``, both with biases.
+
+    The BatchNorm (:func:`gin_batch_norm`) normalises each feature by the mean and variance
+    over all nodes of the pass, in training and in evaluation alike (the batch is the whole
+    graph; PyG's ``BatchNorm1d(track_running_stats=False)``), then scales by
+    ``norm_weight`` (starts at 1) and shifts by ``norm_bias`` (starts at 0). Without it, the
+    sum over a node's neighbours grows with its degree: on a graph of mean degree 10 the
+    first logits are in the hundreds and Adam's first steps leave the output MLP's ReLUs
+    dead."""
 
     num_ops = 1
 
-    def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True, batch_norm: bool = True):
         super().__init__()
         self.weight = nn.Parameter(_glorot((in_dim, out_dim)))
-        self.hidden_bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+        hidden_bias = bias and not batch_norm
+        self.hidden_bias = nn.Parameter(torch.zeros(out_dim)) if hidden_bias else None
+        self.norm_weight = nn.Parameter(torch.ones(out_dim)) if batch_norm else None
+        self.norm_bias = nn.Parameter(torch.zeros(out_dim)) if batch_norm else None
         self.weight_out = nn.Parameter(_glorot((out_dim, out_dim)))
         self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
         self.eps = nn.Parameter(torch.zeros(1))
@@ -165,8 +181,34 @@ class GINLayer(nn.Module):
         out = gin_aggregate(z, z, (rows[keep], cols[keep], w), (ids, ids), h.shape[0], self.eps)
         if self.hidden_bias is not None:
             out = out + self.hidden_bias
+        if self.norm_weight is not None:
+            out = gin_batch_norm(out, self.norm_weight, self.norm_bias, h.shape[0])
         out = torch.relu(out) @ self.weight_out
         return out if self.bias is None else out + self.bias
+
+
+BATCH_NORM_EPS = 1e-5
+"""The ε under the square root of GIN's BatchNorm (PyTorch's and PyG's default)."""
+
+
+def gin_batch_norm(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    num_rows: int,
+    row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """GIN's BatchNorm of the rows of ``h`` (nodes × features): ``(h - μ) / sqrt(σ² + ε)``
+    scaled by ``weight`` and shifted by ``bias``, with μ and the biased σ² of each feature
+    over all ``num_rows`` nodes. ``h`` may hold only some of the rows: ``row_sum`` then sums
+    a per-feature partial sum over the ranks holding the others (forward, and its gradient
+    backward); None: ``h`` holds them all. Two passes (the mean, then the squared deviations
+    from it), which keeps the variance of large, shifted features accurate in low precision."""
+    total = row_sum if row_sum is not None else (lambda t: t)
+    mean = total(h.sum(0)) / num_rows
+    centred = h - mean
+    var = total((centred * centred).sum(0)) / num_rows
+    return centred * torch.rsqrt(var + BATCH_NORM_EPS) * weight + bias
 
 
 def gin_aggregate(
@@ -200,7 +242,8 @@ class FullGraphGNN(nn.Module):
 
     GAT: ``hidden`` is the width of a hidden layer, ``heads`` heads of ``hidden / heads``
     features concatenated; the output layer averages ``out_heads`` heads of ``out_dim``;
-    ``attn_dropout`` drops attention values (by (seed, edge, head))."""
+    ``attn_dropout`` drops attention values (by (seed, edge, head)). GIN: ``batch_norm``
+    puts a BatchNorm in each layer's MLP (:class:`GINLayer`); the other kinds ignore it."""
 
     def __init__(
         self,
@@ -214,6 +257,7 @@ class FullGraphGNN(nn.Module):
         heads: int = 1,
         out_heads: int = 1,
         attn_dropout: float = 0.0,
+        batch_norm: bool = True,
     ):
         super().__init__()
         if num_layers < 1:
@@ -236,8 +280,12 @@ class FullGraphGNN(nn.Module):
                 )
                 for i in range(num_layers)
             )
+        elif kind == "gin":
+            self.layers = nn.ModuleList(
+                GINLayer(dims[i], dims[i + 1], bias, batch_norm) for i in range(num_layers)
+            )
         else:
-            layer_cls = {"gcn": GCNLayer, "sage": SAGELayer, "gin": GINLayer}[kind]
+            layer_cls = {"gcn": GCNLayer, "sage": SAGELayer}[kind]
             self.layers = nn.ModuleList(
                 layer_cls(dims[i], dims[i + 1], bias) for i in range(num_layers)
             )
@@ -299,8 +347,16 @@ def GAT(  # noqa: N802
 
 
 def GIN(  # noqa: N802
-    in_dim: int, hidden: int, out_dim: int, num_layers: int = 2, dropout: float = 0.5
+    in_dim: int,
+    hidden: int,
+    out_dim: int,
+    num_layers: int = 2,
+    dropout: float = 0.5,
+    batch_norm: bool = True,
 ):
     """Full-graph GIN (Xu et al.; use with the ``"raw"`` adjacency A + I, whose weighted
-    neighbours it sums, its self loops replaced by the learnable ε term)."""
-    return FullGraphGNN(in_dim, hidden, out_dim, num_layers, dropout, kind="gin")
+    neighbours it sums, its self loops replaced by the learnable ε term), each layer's MLP
+    ``Linear → BatchNorm → ReLU → Linear`` (``batch_norm=False``: without the BatchNorm)."""
+    return FullGraphGNN(
+        in_dim, hidden, out_dim, num_layers, dropout, kind="gin", batch_norm=batch_norm
+    )
