@@ -1,4 +1,5 @@
-"""Full-graph training end to end: CiteSeer accuracy, grid-independent loss curves, overlap."""
+"""Full-graph training end to end: CiteSeer accuracy, grid-independent loss curves, overlap,
+GIN's accuracy on ``sbm``."""
 
 from __future__ import annotations
 
@@ -104,3 +105,29 @@ def test_overlapped_chunks_equal_plain(tmp_path, monkeypatch):
     chunked = run_distributed(_losses, 4, shards, "x=2,z=2", 3, "float64", 4, data)
     for a, b in zip(plain, chunked, strict=True):
         assert max(abs(u - v) for u, v in zip(a["losses"], b["losses"], strict=True)) < 1e-12
+
+
+def test_gin_trains_on_sbm_out_of_the_box_on_one_rank_and_on_x2_y2(tmp_path, monkeypatch):
+    """``gnnpar train gcn --model gin`` with the defaults on the default ``sbm`` graph (2,000
+    nodes of mean degree 10): 30 epochs reach at least 80% test accuracy on one rank
+    (measured 85.9%; GCN 91.6%), and x=2,y=2 trains the same model (float32 losses within
+    1e-5 relative, measured 1.5e-7; BatchNorm statistics of each rank's own rows err by
+    7e-3). Without the BatchNorm in GIN's MLP the first logits are in the hundreds, the
+    output MLP's ReLUs die within 30 epochs and every node gets one class (24.8%)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from gnnpar.data import load
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the suite's other worker has the other core
+    try:
+        graph = load("sbm", root=str(tmp_path))
+        shards = str(prepare_shards(graph, tmp_path / "s", norm="raw", blocks=(2, 2), seed=0))
+        data = {"dataset": "sbm", "root": str(tmp_path), "model": "gin"}
+        serial = _losses(shards, None, 30, "float32", data=data)
+    finally:  # the process runs other tests after this one
+        torch.set_num_threads(threads)
+    assert serial["test_acc"] >= 0.8, serial
+    for rank in run_distributed(_losses, 4, shards, "x=2,y=2", 30, "float32", 1, data):
+        diff = max(abs(a - b) / b for a, b in zip(rank["losses"], serial["losses"], strict=True))
+        assert diff <= 1e-5, diff
+        assert rank["test_acc"] >= 0.8, rank

@@ -316,7 +316,8 @@ class _GINKind:
 
     @property
     def has_norm(self) -> bool:
-        """Whether the layers' MLPs hold a BatchNorm (:class:`~gnnpar.models.fullgraph.model.GINLayer`)."""
+        """Whether the layers' MLPs hold a BatchNorm
+        (:class:`~gnnpar.models.fullgraph.model.GINLayer`)."""
         return self.plain_layers[0].norm_weight is not None
 
     def _tail_steps(self, i: int) -> list[Step]:
