@@ -26,7 +26,7 @@ import torch
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.data.commands import add_dataset_options, check_dataset, split_options
+from gnnpar.data.options import add_dataset_options, check_dataset, split_options
 from gnnpar.grid import parse_grid_spec
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
 from gnnpar.models.fullgraph import parallelize_fullgraph

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.data.commands import add_dataset_options, check_dataset, split_options
+from gnnpar.data.options import add_dataset_options, check_dataset, split_options
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
 from gnnpar.models.minibatch.model import BlockGNN
 from gnnpar.sampling import (

@@ -736,13 +736,15 @@ def _run_forked(args: Any) -> None:
     torch, gnnpar and ``torch._dynamo`` once here: each rank would otherwise spend seconds of
     CPU on them (``torch._dynamo`` is imported by the first optimizer step), which on a small
     machine is most of a short run's start-up."""
+    import importlib
     import uuid
 
     import torch._dynamo  # noqa: F401
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
-    import gnnpar.cli  # noqa: F401 - imports torch and gnnpar for the ranks
+    if args.module:  # what every rank imports first (gnnpar's command: torch and gnnpar)
+        importlib.import_module(args.training_script)
 
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)

@@ -55,7 +55,7 @@ def _load_dataset(args: argparse.Namespace) -> Any:
     """The graph ``args.dataset`` names, with ``--root`` and ``--dataset-options``."""
     try:
         from gnnpar.data import load
-        from gnnpar.data.commands import check_dataset, split_options
+        from gnnpar.data.options import check_dataset, split_options
     except ImportError as err:  # the dataset layer lives in gnnpar
         raise CliError(f"loading datasets needs the gnnpar package: {err}") from err
     options = check_dataset(args.dataset, split_options(args.dataset_options))
@@ -107,7 +107,7 @@ def _balance_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from gnnpar.data.commands import add_dataset_options
+    from gnnpar.data.options import add_dataset_options
 
     p.add_argument("--root", default=None, help="dataset root (default: $GNNPAR_DATA, ./datasets)")
     add_dataset_options(p)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gnnpar.data.storage as storage
+from gnnpar.cli.data import add_data_commands
 from gnnpar.data import (
     UnsafePickleError,
     catalogue,
@@ -27,7 +28,7 @@ from gnnpar.data import (
     save_graph,
     sbm,
 )
-from gnnpar.data.commands import add_data_commands, parse_options
+from gnnpar.data.options import parse_options
 from gnnpar.graph import Graph
 from gnnpar.verified import FormatError, file_entry
 from tests.conftest import CITESEER, PLANETOID, needs_dataset

@@ -143,7 +143,7 @@ def test_random_dataset_options(dataset, pairs):
 )
 def test_random_dataset_options_text(dataset, text):
     """``--dataset-options TEXT`` as every command reads it: options or one line."""
-    from gnnpar.data.commands import check_dataset, split_options
+    from gnnpar.data.options import check_dataset, split_options
 
     try:
         options = check_dataset(dataset, split_options(text))

@@ -16,7 +16,7 @@ Modules, one job each: :mod:`~gnnpar.plan.problems` (what is planned),
 :mod:`~gnnpar.plan.machines` (machine descriptions and the measured bandwidth table),
 :mod:`~gnnpar.plan.comm_model` (collectives per step, placement, seconds),
 :mod:`~gnnpar.plan.compute` (GEMM / SpMM time), :mod:`~gnnpar.plan.memory` (bytes per
-device), :mod:`~gnnpar.plan.rank` (enumerate and rank shapes), :mod:`~gnnpar.plan.cli`
+device), :mod:`~gnnpar.plan.rank` (enumerate and rank shapes), :mod:`~gnnpar.cli.plan`
 (``gnnpar plan``), :mod:`~gnnpar.plan.plot` (its ``--plot`` figure).
 """
 

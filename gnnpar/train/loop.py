@@ -190,7 +190,7 @@ def check_dataset_options(cfg: Any) -> None:
     dataset's options (known keys, values of the defaults' types)."""
     if not hasattr(cfg, "dataset"):
         return
-    from gnnpar.data.commands import check_dataset
+    from gnnpar.data.options import check_dataset
 
     pairs = dataset_option_pairs(cfg)
     try:
@@ -202,15 +202,15 @@ def check_dataset_options(cfg: Any) -> None:
 
 def dataset_option_pairs(cfg: Any) -> list[str]:
     """A task's ``dataset_options`` (``"k=v,k=v"``) as its ``k=v`` items."""
-    from gnnpar.data.commands import split_options
+    from gnnpar.data.options import split_options
 
     return split_options(getattr(cfg, "dataset_options", None))
 
 
 def dataset_options(cfg: Any) -> dict[str, Any]:
     """A task's ``dataset_options`` as keyword arguments, typed by the dataset's defaults
-    (:func:`gnnpar.data.commands.check_dataset`, the structure options included)."""
-    from gnnpar.data.commands import check_dataset
+    (:func:`gnnpar.data.options.check_dataset`, the structure options included)."""
+    from gnnpar.data.options import check_dataset
 
     return check_dataset(cfg.dataset, dataset_option_pairs(cfg))
 

@@ -143,10 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the bandwidth table to this JSON file")
     p.set_defaults(func=_cmd_info)
 
-    from gnnpar.checkpoint.cli import add_ckpt_commands
-    from gnnpar.data.commands import add_data_commands
-    from gnnpar.plan.cli import add_plan_commands
-    from gnnpar.train.commands import add_train_commands
+    from gnnpar.cli.ckpt import add_ckpt_commands
+    from gnnpar.cli.data import add_data_commands
+    from gnnpar.cli.plan import add_plan_commands
+    from gnnpar.cli.train import add_train_commands
 
     add_data_commands(sub)
     add_train_commands(sub)
@@ -301,7 +301,3 @@ def is_rank_echo(err: BaseException) -> bool:
     from gnnpar.launch import is_secondary, rank_and_world
 
     return rank_and_world()[1] > 1 and is_secondary(str(err))
-
-
-if __name__ == "__main__":
-    sys.exit(console())
