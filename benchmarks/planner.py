@@ -216,8 +216,9 @@ def _plot(results: list[dict], path: Path) -> None:
 def paper_scale() -> dict:
     """The model's picks at paper scale (no measurement): 3-layer GCN, hidden 128, on
     ogbn-products and ogbn-papers100M with 64-1,024 GPUs, and a 20B GPT on 1,024 GPUs."""
+    from gnnpar.data.sizes import gcn_datasets
     from gnnpar.plan import GCNProblem, GPTProblem, get_machine, rank_gcn, rank_gpt
-    from gnnpar.plan.problems import gcn_datasets, gpt_sizes
+    from gnnpar.plan.problems import gpt_sizes
     from gnnpar.plan.rank import shape_label
 
     out: dict = {"gcn": [], "gpt": []}

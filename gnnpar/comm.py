@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from gnnpar import shm
+from gnnpar.chunking import chunk_offsets, chunk_sizes
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 
@@ -229,24 +230,6 @@ def _done(result: torch.Tensor, async_op: bool) -> torch.Tensor | Handle:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def chunk_sizes(n: int, parts: int) -> list[int]:
-    """Balanced sizes of ``parts`` chunks of ``n`` items: the first ``n % parts`` get one more
-    (the convention of ``torch.tensor_split``)."""
-    if parts < 1:
-        raise ValueError(f"cannot split into {parts} parts")
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def chunk_offsets(sizes: Sequence[int]) -> list[int]:
-    """Start offset of each chunk given the chunk sizes."""
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc += s
-    return out
 
 
 def _check_device(tensor: torch.Tensor, grid: ProcessGrid, kind: str, axis: str) -> None:

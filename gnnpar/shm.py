@@ -45,6 +45,8 @@ from collections.abc import MutableMapping
 import torch
 import torch.distributed as dist
 
+from gnnpar.chunking import chunk_offsets, chunk_sizes
+
 DEFAULT_MIN_BYTES = 256 * 1024
 DEFAULT_MAX_BYTES = 16 << 20
 _ALIGN = 64
@@ -125,7 +127,6 @@ def _aligned(n: int) -> int:
 
 def _chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """[start, stop) of the balanced chunks :func:`gnnpar.comm.chunk_sizes` gives."""
-    from gnnpar.comm import chunk_offsets, chunk_sizes  # comm imports this module
 
     sizes = chunk_sizes(n, parts)
     return [(o, o + s) for o, s in zip(chunk_offsets(sizes), sizes, strict=True)]

@@ -30,13 +30,15 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from gnnpar.atomic import atomic_write, write_json
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LEVELS",
@@ -378,6 +380,8 @@ def _replace(tmp: Path, dest: Path, overwrite: bool) -> None:
 def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
     """Write a flat ``{name: tensor}`` file atomically (``torch.save``; plain tensors only,
     so it loads with ``weights_only=True``)."""
+    import torch  # the rest of this module needs no torch (the partitioners' format)
+
     plain = {k: v.detach().contiguous() for k, v in tensors.items()}
     atomic_write(path, lambda tmp: torch.save(plain, tmp))
 
@@ -385,6 +389,8 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> N
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read a file written by :func:`save_tensors`, memory-mapped, never unpickling anything
     but tensors: FormatError naming the file if it holds anything else or is damaged."""
+    import torch
+
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - every failure becomes one line naming the file

@@ -18,9 +18,9 @@ import torch
 from torch_geometric.data import HeteroData
 
 from gnnpar.cli import main
-from gnnpar.convert import as_graph
 from gnnpar.data import load_graph, read_meta, save_graph
 from gnnpar.graph import Graph
+from gnnpar.graph.convert import as_graph
 from gnnpar.models.fullgraph.task import FullGraphConfig
 from gnnpar.train import fit
 from gnnpar.train.config import ConfigError

@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any
 
 from gnnpar.atomic import write_json
+from gnnpar.data.sizes import gcn_datasets
 from gnnpar.fmt import count, format_count
 from gnnpar.plan.machines import Machine, builtin_machines, get_machine
 from gnnpar.plan.plot import plot_candidates
@@ -33,7 +34,6 @@ from gnnpar.plan.problems import (
     GCNProblem,
     GPTProblem,
     PlanError,
-    gcn_datasets,
     gpt_sizes,
     parse_count,
 )

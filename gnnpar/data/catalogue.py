@@ -109,7 +109,7 @@ def _ogbn_builder(name: str) -> Callable[..., Graph]:
 
 def _ogbn_entries() -> list[CatalogueEntry]:
     """The OGB node-property benchmarks, read from their unpacked archives."""
-    from gnnpar.plan.problems import gcn_datasets  # the one home of the benchmarks' sizes
+    from gnnpar.data.sizes import gcn_datasets
 
     sizes = gcn_datasets()
     defaults = _defaults_of(ogbn, skip=("root", "name"))

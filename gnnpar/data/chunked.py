@@ -223,7 +223,7 @@ class GraphReader:
 
 
 def _take(tensor: Any, where: Any) -> np.ndarray:
-    from partitioners.csr import to_numpy
+    from gnnpar.arrays import to_numpy
 
     whole = to_numpy(tensor)
     got = whole[where]

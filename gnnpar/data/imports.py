@@ -16,7 +16,7 @@ Four kinds of file, told apart by their suffix (or ``kind``):
   dimension is the number of nodes (``np.savez(path, **matrix_arrays, feat=..., label=...,
   train_mask=...)``) become node data and a scalar ``num_classes`` the class count.
 - ``edges`` (``.txt``, ``.edges``, ``.el``, ``.tsv``, ``.edgelist``): the edge-list text
-  format of :mod:`gnnpar.convert` (``src dst [weight]`` per line, ``#`` comments, ``# nodes:
+  format of :mod:`gnnpar.graph.convert` (``src dst [weight]`` per line, ``#`` comments, ``# nodes:
   N``).
 
 Every failure is one ValueError (or :class:`UnsafeFileError`) naming the file.
@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gnnpar import convert
 from gnnpar.data.safe_pickle import UnsafePickleError
-from gnnpar.graph import Graph
+from gnnpar.graph import Graph, convert
 from gnnpar.verified import file_entry
 
 __all__ = ["KINDS", "PYG_CLASSES", "UnsafeFileError", "import_source", "read_graph_file"]

@@ -34,30 +34,14 @@ import functools
 import torch
 from torch import nn
 
-from gnnpar import comm
+from gnnpar import comm, grad_destination
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.flat import FlatGroup, Slot
 
-__all__ = ["Bucket", "GradBuckets", "build_buckets", "grad_destination"]
+__all__ = ["Bucket", "GradBuckets", "build_buckets"]
 
 #: Bucket reductions allowed in flight during backward.
 MAX_INFLIGHT_BUCKETS = 2
-#: The attribute a bucketed parameter carries while the hooks are on: a callable returning
-#: where its next gradient may be written (see :func:`grad_destination`).
-_DESTINATION = "_gnnpar_grad_destination"
-
-
-def grad_destination(param: torch.Tensor) -> torch.Tensor | None:
-    """Where ``param``'s next gradient may be computed in place, or None: a view of its
-    bucket's buffer in ``param``'s shape, when the bucket keeps the gradients as views of it
-    (stages 0-1 without a cast), this backward reduces (not under ``no_sync``) and ``param``
-    has no gradient yet. A layer whose backward makes a parameter's whole gradient in one
-    product writes it there (``out=``): autograd then keeps that view as the gradient, and
-    the bucket's copy of it is saved."""
-    fn = getattr(param, _DESTINATION, None)
-    return None if fn is None else fn()
-
-
 def _queue_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
@@ -189,7 +173,7 @@ class GradBuckets:
             for s in b.group.slots:
                 self._bucket_of[id(s.param)] = b
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
-                setattr(s.param, _DESTINATION, functools.partial(self._destination, s.param))
+                grad_destination.offer(s.param, functools.partial(self._destination, s.param))
         self._gathered_versions = [b.group.version for b in buckets]
 
     # --------------------------------------------------------------------------- backward
@@ -272,8 +256,7 @@ class GradBuckets:
         self._hooks.clear()
         for b in self.buckets:
             for s in b.group.slots:
-                if hasattr(s.param, _DESTINATION):
-                    delattr(s.param, _DESTINATION)
+                grad_destination.clear(s.param)
 
 
 def build_buckets(

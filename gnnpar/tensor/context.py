@@ -295,20 +295,18 @@ def simulate_ring_attention(
 
 # ---------------------------------------------------------------------- applying it
 def context_parallel(model: nn.Module, grid: ProcessGrid) -> nn.Module:
-    """Give every :class:`~gnnpar.models.gpt.model.CausalSelfAttention` of ``model`` (before or
-    after
+    """Give every attention module of ``model`` whose class declares ``ring_attention``
+    (our GPT's :class:`~gnnpar.models.gpt.model.CausalSelfAttention`; before or after
     :func:`~gnnpar.tensor.parallelize`) ring attention over ``grid``'s context axis, in
     place; call the model with this rank's tokens (:func:`split_sequence`) and their
     ``pos`` (:func:`positions`). Attention dropout is not supported (a ``ValueError``).
     A grid without a context axis leaves the model as it is."""
-    from gnnpar.models.gpt.model import CausalSelfAttention
-
     if grid.size(AXIS) == 1:
         return model
     ring = RingAttention(grid)
     found = False
     for name, m in model.named_modules():
-        if isinstance(m, CausalSelfAttention):
+        if getattr(type(m), "ring_attention", False):
             if m.dropout > 0:
                 raise ValueError(f"{name}: ring attention has no attention dropout (dropout=0)")
             m.attention = ring
@@ -324,9 +322,7 @@ def context_parallel(model: nn.Module, grid: ProcessGrid) -> nn.Module:
 def plain_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``model``'s attention is plain again: each rank attends over whole
     sequences it holds (generation, which feeds sequences of any length)."""
-    from gnnpar.models.gpt.model import CausalSelfAttention
-
-    saved = [(m, m.attention) for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    saved = [(m, m.attention) for m in model.modules() if getattr(type(m), "ring_attention", False)]
     for m, _ in saved:
         m.attention = None
     try:

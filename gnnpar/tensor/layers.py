@@ -55,9 +55,9 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.comm import chunk_offsets, chunk_sizes
+from gnnpar.grad_destination import grad_destination
 from gnnpar.grid import ProcessGrid
 from gnnpar.recompute import in_backward
-from gnnpar.shard.buckets import grad_destination
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [

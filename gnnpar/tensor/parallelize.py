@@ -9,10 +9,10 @@ model's own modules change.
 and an MLP block (up projection → activation → down projection) the two layers are *chained*:
 the first keeps its output split over its out axis and the second, with the opposite
 ``transpose``, takes that split input as it is, so nothing is re-laid-out between them and
-every head and activation stays on one rank. Known blocks are our
-:class:`~gnnpar.models.gpt.model.CausalSelfAttention` and :class:`~gnnpar.models.gpt.model.MLP` and
-GPT-2's
-``GPT2Attention`` and ``GPT2MLP``; :class:`Chain` names others. Which layer of a chain is
+every head and activation stays on one rank. Known blocks are those whose class declares its
+rule (``tensor_parallel_chain``: our GPT's :class:`~gnnpar.models.gpt.model.CausalSelfAttention`
+and :class:`~gnnpar.models.gpt.model.MLP`) and GPT-2's ``GPT2Attention`` and ``GPT2MLP``;
+:class:`Chain` names others. Which layer of a chain is
 transposed is chosen by the communication model (ring bytes per rank): with only x > 1 this
 gives Megatron's column-then-row layout (one all-reduce over x forward, one backward).
 
@@ -103,17 +103,16 @@ class Plan:
 
 
 def _known_chains(model: nn.Module) -> list[tuple[str, Chain]]:
-    """(block name, rule) for the blocks of our GPT and of transformers' GPT-2."""
-    from gnnpar.models.gpt.model import MLP, CausalSelfAttention
-
+    """(block name, rule) for the blocks that declare their rule (a class attribute
+    ``tensor_parallel_chain``: the :class:`Chain` fields but ``block``, as our GPT's attention
+    and MLP do) and for transformers' GPT-2 blocks (by class name: they declare nothing)."""
     out = []
     for name, m in model.named_modules():
         cls = type(m)
+        declared = getattr(cls, "tensor_parallel_chain", None)
         hf = cls.__module__.startswith("transformers.")
-        if isinstance(m, CausalSelfAttention):
-            out.append((name, Chain(name, "qkv", "proj", fused=3, heads="n_head")))
-        elif isinstance(m, MLP):
-            out.append((name, Chain(name, "fc", "proj")))
+        if declared is not None:
+            out.append((name, Chain(name, **declared)))
         elif hf and cls.__name__ == "GPT2Attention" and not getattr(m, "is_cross_attention", 0):
             out.append(
                 (

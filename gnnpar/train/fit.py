@@ -7,7 +7,7 @@
     metrics = fit("sage", graph=data, epochs=3, out="runs/mine2", nprocs=2)  # two ranks
 
 ``graph`` is a :class:`~gnnpar.graph.Graph`, a PyG ``Data`` or a DGL graph (converted with
-:func:`gnnpar.convert.as_graph`). It is saved, as a verified graph folder, to ``OUT/graph``
+:func:`gnnpar.graph.convert.as_graph`). It is saved, as a verified graph folder, to ``OUT/graph``
 (kept when it already holds this graph), and the task's ``dataset`` points there: the run is
 then exactly ``gnnpar train TASK --dataset OUT/graph`` with the same options, the same
 checks before launch and the same one-line errors. The options are the task's config keys
@@ -100,7 +100,7 @@ def fit(
             errors (a run folder that holds a run, a grid that does not fit...).
         RuntimeError: when the launched ranks fail (their error is printed above).
     """
-    from gnnpar.convert import as_graph
+    from gnnpar.graph.convert import as_graph
     from gnnpar.launch import under_launcher
     from gnnpar.train.loop import check_run_folder, preflight
     from gnnpar.train.progress import Progress

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,12 @@ class CausalSelfAttention(nn.Module):
     """
 
     recompute_core = False
+    #: How :func:`gnnpar.tensor.parallelize` chains q/k/v into the output projection.
+    tensor_parallel_chain = MappingProxyType(
+        {"first": "qkv", "second": "proj", "fused": 3, "heads": "n_head"}
+    )
+    #: :func:`gnnpar.tensor.context.context_parallel` may set ``attention`` to a ring.
+    ring_attention = True
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -105,6 +112,9 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """Two projections with a GELU between: ``n_embd → 4·n_embd → n_embd``."""
+
+    #: How :func:`gnnpar.tensor.parallelize` chains the two (a ``Chain`` of these fields).
+    tensor_parallel_chain = MappingProxyType({"first": "fc", "second": "proj"})
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

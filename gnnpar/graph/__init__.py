@@ -777,11 +777,11 @@ class Graph:
         )
 
     # ------------------------------------------------------------------ converters
-    # The code lives in gnnpar.convert (one module for every other library and file).
+    # The code lives in gnnpar.graph.convert (one module for every other library and file).
     def to_scipy(self) -> Any:
         """``scipy.sparse.csr_matrix`` with ``A[i, j]`` = weight of edge ``j -> i``
-        (:func:`gnnpar.convert.to_scipy`)."""
-        from gnnpar import convert
+        (:func:`gnnpar.graph.convert.to_scipy`)."""
+        from gnnpar.graph import convert
 
         return convert.to_scipy(self)
 
@@ -796,30 +796,30 @@ class Graph:
     ) -> Graph:
         """From a square scipy sparse matrix (``A[i, j]`` = weight of edge ``j -> i``);
         ``weighted=None`` keeps the values unless they are all 1
-        (:func:`gnnpar.convert.from_scipy`)."""
-        from gnnpar import convert
+        (:func:`gnnpar.graph.convert.from_scipy`)."""
+        from gnnpar.graph import convert
 
         return convert.from_scipy(mat, ndata, name, weighted, num_classes)
 
     def to_pyg(self) -> Any:
         """A ``torch_geometric.data.Data`` (``feat`` -> ``x``, ``label`` -> ``y``, masks,
-        weights, ``num_classes``; :func:`gnnpar.convert.to_pyg`)."""
-        from gnnpar import convert
+        weights, ``num_classes``; :func:`gnnpar.graph.convert.to_pyg`)."""
+        from gnnpar.graph import convert
 
         return convert.to_pyg(self)
 
     @classmethod
     def from_pyg(cls, data: Any, name: str = "graph", num_classes: int | None = None) -> Graph:
         """From a homogeneous ``torch_geometric.data.Data``; a ``HeteroData`` is one
-        ValueError (:func:`gnnpar.convert.from_pyg`)."""
-        from gnnpar import convert
+        ValueError (:func:`gnnpar.graph.convert.from_pyg`)."""
+        from gnnpar.graph import convert
 
         return convert.from_pyg(data, name, num_classes)
 
     def to_dgl(self, edge_weight_key: str = "w") -> Any:
         """A ``dgl.DGLGraph`` with the same edges, ``ndata`` and weights in
-        ``edata[edge_weight_key]`` (:func:`gnnpar.convert.to_dgl`). Needs ``dgl``."""
-        from gnnpar import convert
+        ``edata[edge_weight_key]`` (:func:`gnnpar.graph.convert.to_dgl`). Needs ``dgl``."""
+        from gnnpar.graph import convert
 
         return convert.to_dgl(self, edge_weight_key)
 
@@ -831,15 +831,15 @@ class Graph:
         name: str = "graph",
         num_classes: int | None = None,
     ) -> Graph:
-        """From a homogeneous ``dgl.DGLGraph`` (:func:`gnnpar.convert.from_dgl`)."""
-        from gnnpar import convert
+        """From a homogeneous ``dgl.DGLGraph`` (:func:`gnnpar.graph.convert.from_dgl`)."""
+        from gnnpar.graph import convert
 
         return convert.from_dgl(g, edge_weight_key, name, num_classes)
 
     def to_networkx(self, node_attrs: bool = True, weight_key: str = "weight") -> Any:
         """A ``networkx.DiGraph`` (``MultiDiGraph`` with duplicate edges) with node data as
-        node attributes (:func:`gnnpar.convert.to_networkx`)."""
-        from gnnpar import convert
+        node attributes (:func:`gnnpar.graph.convert.to_networkx`)."""
+        from gnnpar.graph import convert
 
         return convert.to_networkx(self, node_attrs, weight_key)
 
@@ -853,15 +853,15 @@ class Graph:
         name: str | None = None,
     ) -> Graph:
         """From a networkx graph; an undirected one gets both directions of every edge
-        (:func:`gnnpar.convert.from_networkx`)."""
-        from gnnpar import convert
+        (:func:`gnnpar.graph.convert.from_networkx`)."""
+        from gnnpar.graph import convert
 
         return convert.from_networkx(g, node_attrs, weight_key, ndata, name)
 
     def to_edge_list(self, path: str | Path | None = None) -> np.ndarray:
         """Edges as an ``(E, 2)`` int64 array of ``(src, dst)`` rows; with ``path``, also
-        written as an edge-list text file (:func:`gnnpar.convert.to_edge_list`)."""
-        from gnnpar import convert
+        written as an edge-list text file (:func:`gnnpar.graph.convert.to_edge_list`)."""
+        from gnnpar.graph import convert
 
         return convert.to_edge_list(self, path)
 
@@ -876,8 +876,8 @@ class Graph:
     ) -> Graph:
         """From an ``(E, 2)`` array of ``(src, dst)`` rows or an edge-list text file
         (``src dst [weight]`` per line, ``#`` comments, ``# nodes: N``;
-        :func:`gnnpar.convert.from_edge_list`)."""
-        from gnnpar import convert
+        :func:`gnnpar.graph.convert.from_edge_list`)."""
+        from gnnpar.graph import convert
 
         return convert.from_edge_list(edges, num_nodes, edge_weight, ndata, name)
 
