@@ -743,8 +743,9 @@ def _run_forked(args: Any) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
-    if args.module:  # what every rank imports first (gnnpar's command: torch and gnnpar)
-        importlib.import_module(args.training_script)
+    # what every rank imports first: the module it runs (gnnpar's command), else the grid and
+    # the collectives a script of gnnpar's uses; by name, as the ranks name it
+    importlib.import_module(args.training_script if args.module else "gnnpar.comm")
 
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)

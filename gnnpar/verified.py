@@ -26,6 +26,7 @@ import dataclasses
 import io
 import json
 import os
+import pickle
 import shutil
 import uuid
 from collections.abc import Callable
@@ -68,6 +69,15 @@ _BLOCK = 8 << 20
 class FormatError(ValueError):
     """A folder or file that is not what its format says: missing, truncated, corrupted,
     another schema or version, or unsafe content. The message names the file."""
+
+
+class OlderFormatError(FormatError):
+    """A folder written by an older gnnpar (``meta.json``, no manifest): no newer copy of
+    it can be found by trying another, it must be made again."""
+
+
+class UnsafeContentError(FormatError):
+    """A tensor file that holds objects other than tensors, refused without running them."""
 
 
 def checksum(path: str | os.PathLike) -> str:
@@ -172,7 +182,7 @@ def read_manifest(
     path = folder / MANIFEST
     if not path.is_file():
         if folder.is_dir() and (folder / "meta.json").is_file():
-            raise FormatError(
+            raise OlderFormatError(
                 f"{folder}: written by an older gnnpar (meta.json, no {MANIFEST}): {remedy}"
             )
         if not folder.is_dir():
@@ -393,10 +403,13 @@ def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:  # what a weights-only load raises for any other object
+        raise UnsafeContentError(
+            f"{path}: not a readable tensor file (it holds objects other than tensors; "
+            "refused without running them)"
+        ) from None
     except Exception as err:  # noqa: BLE001 - every failure becomes one line naming the file
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
-            first = "it holds objects other than tensors; refused without running them"
         raise FormatError(f"{path}: not a readable tensor file ({first[:200]})") from None
     if not isinstance(data, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()

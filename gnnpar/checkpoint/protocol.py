@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from gnnpar.atomic import mark_latest
-from gnnpar.verified import MANIFEST, FormatError
+from gnnpar.verified import MANIFEST, OlderFormatError
 
 __all__ = [
     "SCHEMA",
@@ -89,7 +89,7 @@ def candidates(path: str | os.PathLike) -> list[Path]:
     if not steps:
         old = [d for d in path.glob("step-*") if (d / "meta.json").is_file()]
         if old:
-            raise FormatError(
+            raise OlderFormatError(
                 f"{sorted(old)[-1]}: a checkpoint written by an older gnnpar (meta.json, no "
                 f"{MANIFEST}); this version cannot read it"
             )

@@ -46,6 +46,8 @@ from gnnpar.grid import ProcessGrid
 from gnnpar.verified import (
     FormatError,
     Manifest,
+    OlderFormatError,
+    UnsafeContentError,
     file_entry,
     load_tensors,
     save_tensors,
@@ -370,9 +372,9 @@ def load(
     for folder in folders:
         try:
             manifest = read_checkpoint(folder)
+        except OlderFormatError:
+            raise  # no other checkpoint of the folder is newer: this one must be made again
         except FormatError as err:
-            if "older gnnpar" in str(err):
-                raise
             problems.append(str(err))
             _warn(grid, f"{err}; trying the previous checkpoint")
             continue
@@ -397,7 +399,7 @@ def load(
                 check_stored(manifest, name, blobs[name], verify)
             except FormatError as err:
                 index = ordered.index(name)
-                if "not a readable tensor file" in str(err) and "objects other than" in str(err):
+                if isinstance(err, UnsafeContentError):
                     unsafe = min(unsafe, index)
                 else:
                     damaged = min(damaged, index)

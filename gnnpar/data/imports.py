@@ -24,6 +24,7 @@ Every failure is one ValueError (or :class:`UnsafeFileError`) naming the file.
 
 from __future__ import annotations
 
+import pickle
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -98,14 +99,14 @@ def _read_pyg(path: Path, name: str) -> Graph:
             # a plain pickle of protocol > 2 draws a multi-line warning before the refusal
             warnings.simplefilter("ignore", UserWarning)
             data = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError...
-        found = _UNSUPPORTED_GLOBAL.search(str(err))
-        if found or "Weights only load failed" in str(err):
-            what = f"it names {found.group(1)}, which is" if found else "it holds what is"
-            raise UnsafeFileError(
-                f"{path}: refusing to load it: {what} not a PyG graph class or a tensor (only "
-                "torch_geometric Data files are read, never unpickled freely)"
-            ) from None
+    except pickle.UnpicklingError as err:  # what a weights-only load raises for any object
+        found = _UNSUPPORTED_GLOBAL.search(str(err))  # the class it names, for the message
+        what = f"it names {found.group(1)}, which is" if found else "it holds what is"
+        raise UnsafeFileError(
+            f"{path}: refusing to load it: {what} not a PyG graph class or a tensor (only "
+            "torch_geometric Data files are read, never unpickled freely)"
+        ) from None
+    except Exception as err:  # torch raises RuntimeError, EOFError... for a damaged file
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{path}: not a torch.save file of a PyG Data: {first}") from None
     if not hasattr(data, "edge_index") and not convert.is_heterogeneous(data):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FlatGroup", "Piece", "Slot"]
+__all__ = ["FlatGroup", "ParamSlice", "Slot"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,7 +59,7 @@ class Slot:
 
 
 @dataclasses.dataclass(eq=False)
-class Piece:
+class ParamSlice:
     """This rank's part of a parameter: elements ``[start, stop)`` of the flattened parameter,
     at ``chunk_offset`` in this rank's chunk."""
 
@@ -115,7 +115,7 @@ class FlatGroup:
         self.z_start = next((s.offset for s in self.slots if s.z_reduce), self.numel)
         self.trainable = trainable
         self.device = device
-        self.pieces: list[Piece] = []
+        self.pieces: list[ParamSlice] = []
         if master_dtype is None:
             self.master = torch.zeros(0, device=device)
             return
@@ -132,14 +132,14 @@ class FlatGroup:
                 part = flat[a - s.offset : b - s.offset]
                 self.master[a - self.lo : b - self.lo].copy_(part)
                 param = nn.Parameter(self.master[a - self.lo : b - self.lo], trainable)
-                self.pieces.append(Piece(s, a - s.offset, b - s.offset, a - self.lo, param))
+                self.pieces.append(ParamSlice(s, a - s.offset, b - s.offset, a - self.lo, param))
 
     def add_empty_piece(self) -> None:
         """Give this rank an empty piece of the first parameter (for a rank that owns no
         element of the model at all: an optimizer refuses an empty parameter list)."""
         if self.slots:
             param = nn.Parameter(self.master[:0], self.trainable)
-            self.pieces.append(Piece(self.slots[0], 0, 0, 0, param))
+            self.pieces.append(ParamSlice(self.slots[0], 0, 0, 0, param))
 
     # ------------------------------------------------------------------------ layout
     def slot_range(self, slot: Slot) -> tuple[int, int]:
