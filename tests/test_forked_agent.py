@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gnnpar.launch import ForkedAgent, _forks
+from gnnpar.train.loop import BaseTask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,7 +141,7 @@ def test_ctrl_c_stops_the_ranks_with_one_line(tmp_path, entry):
     assert _session_processes(proc.pid) == []
 
 
-class _InterruptedTask:
+class _InterruptedTask(BaseTask):
     """A task whose step ``at`` is interrupted (Ctrl-C reaching a rank)."""
 
     unit = "step"
@@ -185,7 +186,7 @@ def test_a_ranks_second_interrupt_during_the_clean_up_is_ignored(monkeypatch, ca
     import signal
     import time
 
-    from gnnpar import cli
+    from gnnpar.cli import top as cli
 
     def interrupt() -> None:
         os.kill(os.getpid(), signal.SIGINT)

@@ -298,7 +298,8 @@ class LocalSpMM:
         """``names`` without those whose product differs from the first one's in any bit, on
         ``dense`` or on a random probe of its shape (recorded in :attr:`excluded`)."""
         gen = torch.Generator().manual_seed(_PROBE_SEED)  # not the global generator
-        probe = torch.randn(dense.shape, generator=gen, dtype=torch.float64).to(dense.dtype)
+        probe = torch.randn(dense.shape, generator=gen, dtype=torch.float64)
+        probe = probe.to(device=dense.device, dtype=dense.dtype)  # made on the host
         inputs = {"tuned product": dense, "random probe": probe}
         run, kernel = VARIANTS[names[0]].run, self._kernel(names[0])
         refs = {what: run(kernel, x) for what, x in inputs.items()}
