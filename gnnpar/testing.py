@@ -10,17 +10,21 @@ failure says which ranks were still running.
 :func:`grid_shapes` lists the grid shapes a distributed test runs on: every factorisation
 of the worlds 1, 2, 4 and 8 over the axes a layer uses, and for the worlds 3, 5, 6 and 7 one
 shape per axis with an odd size on that axis.
+
+:func:`reserved_port` holds a free port for a block (no other process can take it between the
+choice and the rendezvous store's bind, as it can with :func:`free_port`'s port).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gnnpar.grid import factorizations
@@ -65,11 +69,51 @@ class DistributedTestError(AssertionError):
     """A rank of a test world raised, or the world timed out."""
 
 
+#: Ports :func:`reserved_port` draws before it gives up finding one in the range asked for.
+RESERVE_TRIES = 256
+
+
 def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
+    """A TCP port on the loopback interface that is free right now (and may be taken by
+    another process before it is used: :func:`reserved_port` holds one instead)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def reserved_port(low: int = 1, high: int = 65536) -> Iterator[int]:
+    """A free TCP port in ``[low, high)``, held until the block ends.
+
+    The port is held by a socket bound to it with ``SO_REUSEADDR`` that never listens. While
+    it is bound, the kernel gives the port to no other socket that binds port 0 and uses it
+    for no outgoing connection, and an explicit bind without ``SO_REUSEADDR`` fails; a server
+    that sets ``SO_REUSEADDR`` (torch's ``TCPStore`` does) still binds and listens on it. So a
+    rendezvous on this port cannot lose it to another process between the choice and the
+    store's bind, which a port that was only checked free (:func:`free_port`) can.
+    """
+    held: list[socket.socket] = []
+    try:
+        for _ in range(RESERVE_TRIES):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if low <= port < high:
+                # the ports drawn outside the range stay bound until now, so none repeats
+                for other in held[:-1]:
+                    other.close()
+                del held[:-1]
+                yield port
+                return
+        raise RuntimeError(
+            f"no free port in [{low}, {high}) among {RESERVE_TRIES} the kernel handed out "
+            "(its range of ephemeral ports may not reach it)"
+        )
+    finally:
+        for s in held:
+            s.close()
 
 
 def _worker(
@@ -130,7 +174,21 @@ def run_distributed(
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     results = ctx.Queue()
-    port = free_port()
+    with reserved_port() as port:  # held while the world runs: rank 0's store binds it
+        return _run_world(ctx, results, port, fn, world_size, args, kwargs, timeout, env)
+
+
+def _run_world(
+    ctx: Any,
+    results: mp.Queue,
+    port: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+    env: dict[str, str] | None,
+) -> list[Any]:
     extra = {"GNNPAR_TIMEOUT": str(int(timeout)), **(env or {})}
     procs = [
         ctx.Process(

@@ -1,16 +1,20 @@
-"""The test helpers themselves: run_distributed's results and failure modes, grid_shapes."""
+"""The test helpers themselves: run_distributed's results and failure modes, grid_shapes,
+reserved_port."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from gnnpar.grid import factorizations
-from gnnpar.testing import DistributedTestError, grid_shapes, run_distributed
+from gnnpar.testing import DistributedTestError, grid_shapes, reserved_port, run_distributed
 
 
 def _echo(scale: int, env_name: str) -> tuple[int, int, str, str]:
@@ -87,6 +91,35 @@ def test_the_root_cause_rank_is_reported_not_the_first_consequence():
         run_distributed(_plain_failure, 3, timeout=60)
     msg = str(info.value)
     assert msg.startswith("rank 2 of 3 failed:\n") and "KeyError: 'only rank 2'" in msg, msg
+
+
+def test_a_reserved_port_is_held_from_other_processes_but_a_store_can_serve_on_it():
+    import torch.distributed as dist
+
+    with reserved_port(10000, 60000) as port:
+        assert 10000 <= port < 60000
+        # what lost the race before: another socket binding it, or port 0 handing it out
+        for host in ("127.0.0.1", ""):
+            with socket.socket() as other, pytest.raises(OSError) as err:
+                other.bind((host, port))
+            assert err.value.errno == errno.EADDRINUSE
+        others = [socket.socket() for _ in range(200)]
+        try:
+            for other in others:
+                other.bind(("127.0.0.1", 0))
+            assert port not in {o.getsockname()[1] for o in others}
+        finally:
+            for other in others:
+                other.close()
+        # rank 0's rendezvous store still binds it and serves
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=10))
+        store.set("key", "value")
+        assert client.get("key") == b"value"
+        del client, store
+    with pytest.raises(RuntimeError, match=r"no free port in \[1, 2\) among"):
+        with reserved_port(1, 2):
+            pass
 
 
 def test_grid_shapes_cover_every_factorisation_of_powers_of_two_and_one_of_the_rest():
