@@ -4,6 +4,7 @@ examples, and preemption by SIGTERM followed by a requeue."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from gnnpar.launch import (
     restart_count,
     under_launcher,
 )
-from gnnpar.testing import free_port
+from gnnpar.testing import reserved_port
 from gnnpar.train.loop import BaseTask
 from gnnpar.train.metrics import read_metrics
 from tests.simulated_launchers import (
@@ -55,13 +56,20 @@ def _no_launcher(monkeypatch):
             monkeypatch.delenv(var)
 
 
-def _slurm_job_id() -> int:
-    """A job id whose port (10000 + id % 50000) is free now; above 50000 so that the modulo
-    matters."""
-    while True:
-        port = free_port()
-        if 10000 <= port < 60000:
-            return 50000 + port - 10000
+@pytest.fixture
+def hold_port():
+    """``hold_port(low=1, high=65536)``: a free port held until the test ends
+    (:func:`gnnpar.testing.reserved_port`), so that no other process (a parallel test
+    worker's world, an outgoing connection) can take it before rank 0's store binds it. A port
+    that was only checked free could be, and the launch lost that race on a busy host."""
+    with contextlib.ExitStack() as stack:
+        yield lambda low=1, high=65536: stack.enter_context(reserved_port(low, high))
+
+
+def _slurm_job_id(hold_port) -> int:
+    """A job id whose port (10000 + id % 50000) is held for the test; above 50000 so that the
+    modulo matters."""
+    return 50000 + hold_port(10000, 60000) - 10000
 
 
 # --------------------------------------------------------------------------- host lists
@@ -312,8 +320,8 @@ def _train_args(tmp_path: Path, grid: str) -> list[str]:
     return ["train", "gcn", *TINY_SBM, "--root", str(tmp_path / "data"), "--grid", grid, *run]
 
 
-def test_slurm_step_of_four_tasks_on_two_nodes(tmp_path):
-    job_id = _slurm_job_id()
+def test_slurm_step_of_four_tasks_on_two_nodes(tmp_path, hold_port):
+    job_id = _slurm_job_id(hold_port)
     env = clean_env(**slurm_job_env(2, 2, job_id), GNNPAR_TIMEOUT="60")
     srun = [*SRUN, "-n", "4", *GNNPAR]
     [(rc, out)] = finish(start([*srun, *_info_args(tmp_path, "x=2,y=2")], [env], str(ROOT)), 180)
@@ -322,15 +330,14 @@ def test_slurm_step_of_four_tasks_on_two_nodes(tmp_path):
     assert f"launcher: Slurm (srun): rank 0 of 4, 2 per node, rank 0 at 127.0.0.1:{port}" in out
     assert "all collectives returned correct results" in out
     _check_table(tmp_path / "bw.json", 2, {"x": True, "y": False})
-    # a second job: its port is checked free now (the first job's may have been taken since
-    # by another process's connection; a fresh clone's suite once lost that race)
-    env = clean_env(**slurm_job_env(2, 2, _slurm_job_id()), GNNPAR_TIMEOUT="60")
+    # a second job, on a port of its own
+    env = clean_env(**slurm_job_env(2, 2, _slurm_job_id(hold_port)), GNNPAR_TIMEOUT="60")
     outputs = finish(start([*srun, *_train_args(tmp_path, "x=2,y=2")], [env], str(ROOT)), 180)
     _check_training(outputs, tmp_path / "run", "x=2 y=2 z=1", 4)
 
 
-def test_open_mpi_launch_of_two_ranks(tmp_path):
-    port = free_port()
+def test_open_mpi_launch_of_two_ranks(tmp_path, hold_port):
+    port = hold_port()
     envs = [clean_env(**openmpi_env(r, 2, 2), MASTER_PORT=str(port)) for r in range(2)]
     outputs = finish(start([*GNNPAR, *_info_args(tmp_path, "x=2")], envs, str(ROOT)), 180)
     assert all(rc == 0 for rc, _ in outputs), outputs
@@ -341,10 +348,10 @@ def test_open_mpi_launch_of_two_ranks(tmp_path):
     _check_training(outputs, tmp_path / "run", "x=2 y=1 z=1", 2)
 
 
-def test_pmi_launch_learns_ranks_per_node_from_host_names(tmp_path):
+def test_pmi_launch_learns_ranks_per_node_from_host_names(tmp_path, hold_port):
     """Four ranks that look like two nodes of two (host names node0, node0, node1, node1):
     PMI gives no local size, so 2 per node can only come from exchanging the names."""
-    port = free_port()
+    port = hold_port()
     envs = [
         clean_env(**pmi_env(r, 4), SIMULATED_HOSTNAME=f"node{r // 2}", GNNPAR_TIMEOUT="60")
         for r in range(4)
@@ -361,7 +368,9 @@ def test_pmi_launch_learns_ranks_per_node_from_host_names(tmp_path):
 
 
 # ----------------------------------------------------------- sbatch examples, preemption
-def _batch_env(tmp_path: Path, nodes: int, per_node: int, **extra: str) -> dict[str, str]:
+def _batch_env(
+    tmp_path: Path, nodes: int, per_node: int, job_id: int, **extra: str
+) -> dict[str, str]:
     """A batch job's environment with srun and scontrol stand-ins first on PATH (scontrol
     only records its arguments)."""
     bin_dir = tmp_path / "bin"
@@ -374,7 +383,7 @@ def _batch_env(tmp_path: Path, nodes: int, per_node: int, **extra: str) -> dict[
         f.chmod(0o755)
     path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
     return clean_env(
-        **slurm_job_env(nodes, per_node, _slurm_job_id()),
+        **slurm_job_env(nodes, per_node, job_id),
         PATH=path,
         SHARED=str(tmp_path / "shared"),
         GNNPAR_TIMEOUT="60",
@@ -386,13 +395,13 @@ def _epochs(path: Path) -> int:
     return sum("epoch" in r for r in read_metrics(path)) if path.is_file() else 0
 
 
-def test_sbatch_gcn_preempted_by_sigterm_is_requeued_and_resumes(tmp_path):
+def test_sbatch_gcn_preempted_by_sigterm_is_requeued_and_resumes(tmp_path, hold_port):
     """SIGTERM reaches one task only (rank 1): the ranks agree, stop after the same epoch,
     write a checkpoint and exit 0; the script requeues the job; the requeued job
     (SLURM_RESTART_COUNT=1, no --resume) continues from that epoch."""
     script = str(ROOT / "examples" / "slurm" / "gcn_products.sbatch")
     pids = tmp_path / "pids"
-    env = _batch_env(tmp_path, 2, 1, SIMULATED_SRUN_PIDS=str(pids))
+    env = _batch_env(tmp_path, 2, 1, _slurm_job_id(hold_port), SIMULATED_SRUN_PIDS=str(pids))
     small = [*TINY_SBM, "--layers", "2", "--hidden", "8", "--grid", "x=2"]
     small += ["--eval-every", "0", "--checkpoint-every", "0"]
     metrics = tmp_path / "shared" / "gnnpar" / "runs" / "gcn-products" / "metrics.jsonl"
@@ -428,11 +437,11 @@ def test_sbatch_gcn_preempted_by_sigterm_is_requeued_and_resumes(tmp_path):
     assert len((tmp_path / "scontrol.log").read_text().splitlines()) == 1  # not requeued again
 
 
-def test_sbatch_gpt_4d_runs(tmp_path):
+def test_sbatch_gpt_4d_runs(tmp_path, hold_port):
     words = "the of and to in is was he for it with as his on be at by this had not".split()
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(words[(i * 7) % len(words)] for i in range(5000)))
-    env = _batch_env(tmp_path, 2, 1)
+    env = _batch_env(tmp_path, 2, 1, _slurm_job_id(hold_port))
     tiny = ["--data", str(corpus), "--vocab-size", "300", "--n-layer", "1", "--n-head", "2"]
     tiny += ["--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2"]
     tiny += ["--grid", "x=2", "--eval-every", "0", "--sample-tokens", "4"]
