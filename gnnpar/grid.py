@@ -402,11 +402,20 @@ def _launch_store(launch: Launch, timeout: timedelta) -> dist.TCPStore:
             timeout=timeout,
         )
     except (RuntimeError, OSError) as e:
+        # torch's message runs on with C++ frames: its first line says what went wrong
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        who = f"{LAUNCHER_NAMES[launch.launcher]} rank {launch.rank} of {launch.world_size}"
+        if launch.rank == 0 and "address already in use" in first.lower():
+            # the bind fails at once; the other ranks wait for this one until their timeout
+            # (or until the launcher, e.g. srun --kill-on-bad-exit, stops them)
+            raise LaunchError(
+                f"{who} could not serve the rendezvous on {where}: address already in use "
+                f"(another process holds port {launch.master_port}); export MASTER_PORT=<a "
+                "free port> for every rank (the same one), e.g. in the job script"
+            ) from None
         doing = "serve the rendezvous on" if launch.rank == 0 else "reach rank 0 at"
         raise LaunchError(
-            f"{LAUNCHER_NAMES[launch.launcher]} rank {launch.rank} of {launch.world_size} "
-            f"could not {doing} {where} ({first}); set MASTER_ADDR / MASTER_PORT"
+            f"{who} could not {doing} {where} ({first}); set MASTER_ADDR / MASTER_PORT"
         ) from None
 
 

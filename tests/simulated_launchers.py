@@ -4,12 +4,14 @@ process, for tests on one machine without those launchers.
 Run as a script it is a stand-in for ``srun`` inside a batch job::
 
     python tests/simulated_launchers.py srun [-n N] [-N NODES] [--ntasks-per-node=K]
-        [--any-other-option=VALUE ...] COMMAND ...
+        [-K | --kill-on-bad-exit[=0|1]] [--any-other-option=VALUE ...] COMMAND ...
 
 It reads the allocation from the environment a batch job has (:func:`slurm_job_env`),
 starts the step's tasks with the variables srun sets (:func:`srun_task_env`), writes their
 process ids, one a line, to ``$SIMULATED_SRUN_PIDS`` if set, and exits with the highest
-exit status of its tasks, as srun does.
+exit status of its tasks, as srun does. With ``--kill-on-bad-exit`` (``-K``), as srun's, the
+first task to exit with a non-zero status ends the step: the others are killed, and the
+status is that of the tasks that exited by themselves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "MPI_LOCAL")
@@ -160,6 +163,7 @@ def _srun(argv: list[str]) -> int:
     per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
     ntasks = int(os.environ.get("SLURM_NTASKS", nodes * per_node))
     args = list(argv)
+    kill_on_bad_exit = False
     while args and args[0].startswith("-"):
         opt = args.pop(0)
         name, _, value = opt.partition("=")
@@ -171,6 +175,8 @@ def _srun(argv: list[str]) -> int:
             nodes = int(value)
         elif name == "--ntasks-per-node":
             per_node = int(value)
+        elif name in ("-K", "--kill-on-bad-exit"):
+            kill_on_bad_exit = value != "0"
         elif not value:
             raise SystemExit(f"simulated srun: give {opt} as {opt}=VALUE")
     if not args:
@@ -180,8 +186,28 @@ def _srun(argv: list[str]) -> int:
     if os.environ.get("SIMULATED_SRUN_PIDS"):
         with open(os.environ["SIMULATED_SRUN_PIDS"], "w") as f:
             f.write("".join(f"{p.pid}\n" for p in procs))
-    codes = [p.wait() for p in procs]
+    killed = _wait_step(procs, kill_on_bad_exit)
+    codes = [p.returncode for p in procs if p not in killed]
     return max(128 - c if c < 0 else c for c in codes)
+
+
+def _wait_step(procs: list[subprocess.Popen], kill_on_bad_exit: bool) -> list[subprocess.Popen]:
+    """Wait for every task; with ``kill_on_bad_exit``, kill the rest once one exits with a
+    non-zero status (a peer of a failed rank may wait for it until its timeout). The tasks
+    killed here."""
+    if not kill_on_bad_exit:
+        for p in procs:
+            p.wait()
+        return []
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs if p.returncode is not None):
+            killed = [p for p in procs if p.poll() is None]
+            for p in killed:
+                p.kill()
+                p.wait()
+            return killed
+        time.sleep(0.05)
+    return []
 
 
 if __name__ == "__main__":

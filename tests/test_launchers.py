@@ -452,6 +452,31 @@ def test_sbatch_gpt_4d_runs(tmp_path, hold_port):
     assert not (tmp_path / "scontrol.log").exists()
 
 
+def test_sbatch_with_a_taken_master_port_fails_at_once_in_one_line(tmp_path, hold_port):
+    """A job script that exports a MASTER_PORT another server holds: rank 0 cannot bind it
+    and says so at once, in one line naming the address, the port and what to do; srun
+    --kill-on-bad-exit (as the example passes it) then stops rank 1, which would otherwise
+    wait for rank 0: connected to the other server, without end (a port held by a socket
+    that does not listen: for its timeout, then torch's retries with their C++ frames)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = _batch_env(tmp_path, 2, 1, _slurm_job_id(hold_port), MASTER_PORT=str(port))
+        words = ["--data", str(tmp_path / "corpus.txt"), "--steps", "1", "--grid", "x=2"]
+        (tmp_path / "corpus.txt").write_text("the of and to in is was " * 100)
+        script = str(ROOT / "examples" / "slurm" / "gpt_4d.sbatch")
+        began = time.monotonic()
+        [(rc, out)] = finish(start(["bash", script, *words], [env], str(ROOT)), 120)
+        took = time.monotonic() - began
+    assert rc == 2, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    assert f"could not serve the rendezvous on 127.0.0.1:{port}: address already in use" in out
+    assert f"another process holds port {port}); export MASTER_PORT=<a free port>" in out
+    assert took < 30, f"{took:.0f}s"
+
+
 class _SignalledTask(BaseTask):
     """Counts steps; sends this process SIGTERM during step ``signal_at``."""
 
