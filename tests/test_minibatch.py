@@ -3,6 +3,7 @@ accuracy in one process and on 4 ranks (skipped when the CiteSeer files are abse
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,68 @@ def test_citeseer_four_ranks(tmp_path):
     assert all(r["test_acc"] == results[0]["test_acc"] for r in results)
     rates = [r["cache_hit_rate"] for r in results]
     assert all(0.0 <= x <= 1.0 for x in rates) and max(rates) > 0.0, rates
+
+
+class _KernelCalls:
+    """Stands in for the module of compiled kernels: records the numba types of every call
+    with the phase of the run it came in (``phase`` is set from outside)."""
+
+    def __init__(self, kernels):
+        self.kernels, self.phase, self.calls = kernels, "set-up", []
+
+    def __getattr__(self, name):
+        import numba
+
+        kernel = getattr(self.kernels, name)
+
+        def call(*args):
+            self.calls.append((self.phase, name, tuple(numba.typeof(a) for a in args)))
+            return kernel(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("sampler", ["neighbor", "saint-node"])
+def test_the_sampling_kernels_are_prepared_before_the_first_epoch_is_timed(
+    tmp_path, monkeypatch, capsys, sampler
+):
+    """numba compiles a kernel on its first call for the argument types it gets (seconds on
+    a machine's first run; a fresh clone's first epoch took ~6 s more than the next). The
+    task compiles, or loads from numba's cache, every kernel its epochs call, for the types
+    they pass, while it sets up, and says so on one line before the first epoch."""
+    pytest.importorskip("numba")
+    from gnnpar.sampling import compiled
+
+    calls = _KernelCalls(compiled._kernels())
+    monkeypatch.setattr(compiled, "_kernels", lambda: calls)
+    warm_up, train_step = compiled.warm_up, MiniBatchTask.train_step
+
+    def phase(name, fn):
+        def run(*args, **kwargs):
+            calls.phase = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.phase = "other"
+
+        return run
+
+    monkeypatch.setattr(compiled, "warm_up", phase("warm-up", warm_up))
+    monkeypatch.setattr(MiniBatchTask, "train_step", phase("epoch", train_step))
+    out = tmp_path / "run"
+    argv = ["train", "sage", "--dataset", "sbm", "--dataset-options", SMALL, "--out", str(out)]
+    argv += ["--sampler", sampler, "--budget", "50", "--presample", "2", "--epochs", "1"]
+    assert main([*argv, "--fanouts", "4,4", "--batch-size", "16", "--quiet"]) == 0
+    warmed = {(name, types) for p, name, types in calls.calls if p == "warm-up"}
+    in_epoch = {(name, types) for p, name, types in calls.calls if p == "epoch"}
+    assert in_epoch, "the epoch ran no compiled kernel"
+    assert in_epoch <= warmed, in_epoch - warmed
+    lines = capsys.readouterr().out.splitlines()
+    stage = [i for i, line in enumerate(lines) if line.startswith("preparing the sampling ")]
+    assert len(stage) == 1, lines
+    assert re.fullmatch(
+        r"preparing the sampling kernels \(numba\) \.\.\. [\d.e-]+ s"
+        r"(, compiled \(once: numba caches them for later runs\)|, loaded from numba's cache)?",
+        lines[stage[0]],
+    ), lines[stage[0]]
+    assert stage[0] < next(i for i, line in enumerate(lines) if line.startswith("epoch 1/1"))

@@ -595,6 +595,42 @@ def test_numba_backend_equals_the_torch_backend_bit_for_bit(fanouts, replace):
             Relabeler(g.num_nodes, name).relabel(torch.tensor([4, 5, 5, 9]), 3, True)
 
 
+_WARM_UP = (
+    "import json; from gnnpar.sampling import compiled; "
+    "w = compiled.warm_up(['relabel']); again = compiled.warm_up(['relabel']); "
+    "print(json.dumps([w.compiled, w.loaded, again.compiled, again.loaded]))"
+)
+
+
+def test_a_warmed_up_kernel_is_compiled_once_then_loaded_from_numbas_cache(tmp_path):
+    """The first process compiles (numba's on-disk cache is empty), the next one only loads
+    (``cache=True``); a second warm-up in a process does neither."""
+    pytest.importorskip("numba")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gnnpar.sampling import compiled
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", _WARM_UP],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+        for _ in range(2)
+    ]
+    assert runs == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    with pytest.raises(ValueError, match="unknown sampling kernel 'spmm'"):
+        compiled.warm_up(["relabel", "spmm"])
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown sampling backend 'cuda'"):
         NeighborSampler(mixed_graph(), [2], backend="cuda")

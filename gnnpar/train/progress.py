@@ -174,21 +174,24 @@ class Progress:
             self.line(f"{count(world, 'rank')} started in {significant(time.time() - launched)} s")
 
     @contextlib.contextmanager
-    def stage(self, text: str) -> Iterator[None]:
+    def stage(self, text: str) -> Iterator[list[str]]:
         """A slow preparation step: ``text ...`` when it starts and, on the same line, the
         seconds it took when it ends (``failed`` if it raised, so that the error starts a
-        line of its own)."""
+        line of its own). What the step appends to the list it is given follows the seconds
+        (``... 4.71 s, compiled``): what it turned out to do."""
+        notes: list[str] = []
         if not self.enabled:
-            yield
+            yield notes
             return
         self._write(f"{text} ...")
         start = time.perf_counter()
         try:
-            yield
+            yield notes
         except BaseException:
             self._write(" failed\n")
             raise
-        self._write(f" {significant(time.perf_counter() - start)} s\n")
+        after = "".join(f", {note}" for note in notes)
+        self._write(f" {significant(time.perf_counter() - start)} s{after}\n")
 
     def bar(
         self, total: int, initial: int = 0, unit: str = "it", show: bool = True, **kwargs: Any

@@ -64,6 +64,7 @@ from gnnpar.sampling import (
     SaintNodeSampler,
     SaintWalkSampler,
     SubgraphLoader,
+    compiled,
     distributed_inference,
     full_blocks,
     layerwise_inference,
@@ -412,6 +413,24 @@ def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int, progress
     return folder
 
 
+def warm_up_kernels(subgraph: bool, progress: Progress) -> compiled.WarmUp | None:
+    """Compile the sampler's numba kernels now, or load them from numba's on-disk cache,
+    with one stage line on rank 0 saying which. Left to their first call they would compile
+    inside the first epoch (seconds on a machine's first run), and its time in the metrics
+    and in the plot of epoch times would include that. None without numba."""
+    if not compiled.available():
+        return None
+    # the blocks of layer-wise evaluation relabel too
+    kernels = ("induced", "relabel") if subgraph else ("sample_rows", "relabel")
+    with progress.stage("preparing the sampling kernels (numba)") as notes:
+        warm = compiled.warm_up(kernels)
+        if warm is not None and warm.compiled:
+            notes.append("compiled (once: numba caches them for later runs)")
+        elif warm is not None and warm.loaded:
+            notes.append("loaded from numba's cache")
+    return warm
+
+
 class MiniBatchTask(BaseTask):
     """The ``sage`` task: sampled mini-batch training of GraphSAGE, GCN or GAT."""
 
@@ -466,6 +485,8 @@ class MiniBatchTask(BaseTask):
         #: Whether steps train on subgraphs (GraphSAINT, ClusterGCN): every rank then holds
         #: the whole graph and samples a subgraph of its own.
         self.subgraph = cfg.sampler != "neighbor"
+        #: What preparing the compiled sampling kernels took (None without numba).
+        self.kernel_warm_up = warm_up_kernels(self.subgraph, progress)
         self.fanouts = parse_fanouts(cfg.fanouts) if not self.subgraph else []
         self.distributed = world > 1 and not self.subgraph  # partitioned over the ranks
         if self.distributed:
