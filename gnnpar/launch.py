@@ -743,9 +743,13 @@ def _run_forked(args: Any) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
-    # what every rank imports first: the module it runs (gnnpar's command), else the grid and
-    # the collectives a script of gnnpar's uses; by name, as the ranks name it
-    importlib.import_module(args.training_script if args.module else "gnnpar.comm")
+    # What every rank imports first, imported before the fork: the grid and the collectives
+    # (a rank forked before them, which then imported them beside this process's threads,
+    # was once seen stuck in a futex wait), and the module the ranks run; by name, as the
+    # ranks name it.
+    importlib.import_module("gnnpar.comm")
+    if args.module:
+        importlib.import_module(args.training_script)
 
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)
