@@ -71,6 +71,8 @@ TEXT_SUFFIXES = (".txt", ".md")
 CACHE_VERSION = 2
 """Version of the cache's ``meta.json`` (1: a sha256 of the text and no file checksums)."""
 MIN_FREQUENCY = 2
+ENCODE_BATCH = 4
+"""Pieces of text (about 64 KiB each) encoded at once when a cache is built."""
 
 
 # ------------------------------------------------------------------------------ reading
@@ -284,6 +286,33 @@ def _cache_problem(paths: dict[str, Path], expected: dict[str, Any]) -> str | No
     return None
 
 
+def _encode(tok: Any, text: str, dtype: type, batch: int = ENCODE_BATCH) -> np.ndarray:
+    """The ids of ``text`` as one array, encoded ``batch`` pieces at a time: an encoding
+    keeps every token's string and offsets (over a hundred bytes a token), so the encodings
+    of the whole text at once, and the lists of ids, cost far more than the text, and the
+    process keeps most of that memory after freeing it."""
+    pieces = _pieces(text)
+    parts = []
+    for start in range(0, len(pieces), batch):
+        encodings = tok.encode_batch(pieces[start : start + batch])
+        parts += [np.asarray(e.ids, dtype=dtype) for e in encodings]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _release_freed_memory() -> None:
+    """Give back to the system what glibc keeps of freed memory: the tokenizer's worker
+    threads free into arenas of their own, which the rest of the process never reuses, so
+    the one rank that built a cache would otherwise carry them through training (elsewhere
+    than glibc, nothing)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return
+    trim(0)
+
+
 def _build_cache(
     text: str, paths: dict[str, Path], expected: dict[str, Any], given, vocab_size: int
 ):
@@ -291,8 +320,8 @@ def _build_cache(
     returns (tokenizer, tokens)."""
     tok = given or _train_bpe(text, vocab_size)
     dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-    ids = [e.ids for e in tok.encode_batch(_pieces(text))]
-    tokens = np.fromiter((i for piece in ids for i in piece), dtype=dtype)
+    tokens = _encode(tok, text, dtype)
+    _release_freed_memory()
     if given is None:
         atomic_write(paths["json"], lambda tmp: tok.save(tmp))
     atomic_write(paths["tokens.npy"], lambda tmp: _save_npy(tmp, tokens))
