@@ -3,8 +3,8 @@
 A workload (a package of :mod:`gnnpar.models`, or of another distribution) describes itself
 by one :class:`TrainSpec`: its name on the command line, its typed config, how it plans its
 grid, how it builds its task on that grid, and its checks before launch. Everything that
-runs a task goes through here: ``gnnpar train``, ``gnnpar evaluate`` / ``predict``,
-``gnnpar plan``, :func:`gnnpar.train.fit`, and the warm-up of forked ranks.
+runs a task goes through here: ``gnnpar train``, ``gnnpar evaluate`` / ``predict`` and
+:func:`gnnpar.train.fit` (``gnnpar plan`` still reads the workloads' configs itself).
 
 Registering a workload is one line:
 
@@ -40,6 +40,7 @@ __all__ = [
     "build_task",
     "get",
     "given_grid",
+    "resolved",
     "specs",
 ]
 
