@@ -18,7 +18,7 @@ Typical use::
         opt.step()                   # steps this rank's shard; stages 1-2 then all-gather
         opt.zero_grad()
 
-Stages (see DESIGN): 0 bucketed all-reduce; 1 optimizer state sharded; 2 + gradients; 3 +
+Stages (docs/sharding.md): 0 bucketed all-reduce; 1 optimizer state sharded; 2 + gradients; 3 +
 parameters; ``fcdp=FCDP()`` on stage 3 caches what forward gathered. Tensor-parallel models
 (:func:`gnnpar.tensor.parallelize`) compose: their parameter pieces are sharded further along
 the data axis, and gradients that the tensor layers replicate over z are also summed over z.
