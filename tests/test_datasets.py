@@ -533,3 +533,6 @@ def test_parse_options() -> None:
     }
     with pytest.raises(ValueError, match=r"option flag: expected true or false"):
         parse_options(["flag=maybe"], defaults)
+    # a value whose own conversion error mentions "option" is still named by its key
+    with pytest.raises(ValueError, match=r"^option n: expected int, got 'option'$"):
+        parse_options(["n=option"], defaults)

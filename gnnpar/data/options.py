@@ -76,20 +76,19 @@ def parse_options(pairs: Sequence[str], defaults: Mapping[str, Any] | None = Non
         if not key.isidentifier():  # also keeps every message that names the key one line
             raise ValueError(f"option names are letters, digits and _, got {key!r}")
         default = None if defaults is None else defaults.get(key)
+        if isinstance(default, bool):
+            options[key] = _parse_bool(key, text)  # its own error names the key
+            continue
         try:
-            if isinstance(default, bool):
-                value: Any = _parse_bool(key, text)
-            elif isinstance(default, int):
-                value = int(text)
+            if isinstance(default, int):
+                value: Any = int(text)
             elif isinstance(default, float):
                 value = float(text)
             elif isinstance(default, str):
                 value = text
             else:
                 value = _guess(text)
-        except ValueError as err:
-            if "option" in str(err):
-                raise
+        except ValueError:
             kind = type(default).__name__
             raise ValueError(f"option {key}: expected {kind}, got {text!r}") from None
         options[key] = value

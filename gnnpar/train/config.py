@@ -35,6 +35,10 @@ class ConfigError(ValueError):
     """A configuration that cannot be used (unknown key, wrong type, bad value)."""
 
 
+class UnknownKeyError(ConfigError):
+    """A key the config does not have; the message names where it was given."""
+
+
 #: The values an option takes: a tuple, or a function that returns one (for a tuple defined
 #: in a module that imports torch, which this one does not import).
 Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
@@ -353,7 +357,7 @@ def from_mapping(cls: type, values: dict[str, Any], where: str = "config") -> An
     types_ = _field_types(cls)
     unknown = sorted(set(values) - set(types_))
     if unknown:
-        raise ConfigError(
+        raise UnknownKeyError(
             f"unknown key '{unknown[0]}' in {where}; known keys: {', '.join(sorted(types_))}"
         )
     out = {k: _coerce(k, v, types_[k]) for k, v in values.items()}
@@ -482,9 +486,9 @@ def resolve(cls: type, args: argparse.Namespace, config_file: str | None) -> Any
         where = f"config file {config_file}"
         try:
             from_mapping(cls, dict(values), where=where)
+        except UnknownKeyError:
+            raise  # it names the file already
         except ConfigError as err:
-            if where in str(err):
-                raise
             raise ConfigError(f"{where}: {err}") from None
     for f in dataclasses.fields(cls):
         v = getattr(args, f.name, None)
