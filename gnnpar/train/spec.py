@@ -141,13 +141,13 @@ def resolved(spec: TrainSpec, cfg: Any) -> TrainSpec:
     return spec if other is None else get(other)
 
 
-def given_grid(cfg: Any) -> GridPlan:
+def given_grid(cfg: Any, otherwise: str = "data parallel") -> GridPlan:
     """The plan of a task whose grid is the config's ``grid`` option (none: every rank on
-    the data axis); for tasks that choose nothing themselves."""
+    the data axis, described as ``otherwise``); for tasks that choose nothing themselves."""
     from gnnpar.grid import parse_grid_spec
 
     spec = getattr(cfg, "grid", None)
-    return GridPlan(parse_grid_spec(spec) if spec else {}, "given" if spec else "data parallel")
+    return GridPlan(parse_grid_spec(spec), "given") if spec else GridPlan({}, otherwise)
 
 
 def build_task(

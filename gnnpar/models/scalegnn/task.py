@@ -27,7 +27,7 @@ import torch
 
 from gnnpar import comm
 from gnnpar.fmt import count
-from gnnpar.grid import ProcessGrid, parse_grid_spec
+from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.model import FullGraphGNN
 from gnnpar.models.fullgraph.parallelize import parallelize_fullgraph
 from gnnpar.models.fullgraph.task import sharded_scores
@@ -42,7 +42,7 @@ from gnnpar.train.loop import BaseTask, load_trainable
 from gnnpar.train.metrics import metric_for
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
-from gnnpar.train.spec import GridPlan
+from gnnpar.train.spec import GridPlan, given_grid
 
 _DROPOUT = 0xD809  # the salt of the other samplers' dropout seeds
 _LOW31 = (1 << 31) - 1
@@ -52,9 +52,7 @@ _MASKS = ("label", "train_mask", "val_mask", "test_mask")
 def plan(cfg: Any, world: ProcessGrid, progress: Progress) -> GridPlan:
     """The config's ``grid`` (4D: data × x × y × z), else every rank on the data axis with
     a sample of its own."""
-    if cfg.grid:
-        return GridPlan(parse_grid_spec(cfg.grid), "given")
-    return GridPlan({}, "data parallel, one sample per rank")
+    return given_grid(cfg, otherwise="data parallel, one sample per rank")
 
 
 class VertexTask(BaseTask):
