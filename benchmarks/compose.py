@@ -340,8 +340,9 @@ def planner_memory(cfg: dict[str, Any], stages: tuple[int, ...] = (0, 1, 2, 3)) 
     """Predicted vs measured per-rank memory of the gpt task's step, every 8-rank shape with
     data ≥ 2, for each ZeRO stage of ``stages``."""
     from gnnpar.grid import factorizations
+    from gnnpar.models.gpt.cost import GPTProblem
     from gnnpar.models.gpt.model import GPTConfig
-    from gnnpar.plan import GPTProblem, rank_gpt
+    from gnnpar.models.gpt.planning import rank_gpt
     from gnnpar.plan.machines import local_machine
 
     machine = local_machine("gloo", devices=8)
@@ -382,8 +383,9 @@ def checkpointing(cfg: dict[str, Any], grid: str, stage: int, repeats: int) -> d
     """Each mode of :data:`CKPT_MODES` on ``grid``, alternating in fresh worlds, with the
     planner's prediction for the same run (memory of rank 0, step seconds)."""
     from gnnpar.grid import parse_grid_spec
+    from gnnpar.models.gpt.cost import GPTProblem
     from gnnpar.models.gpt.model import GPTConfig
-    from gnnpar.plan import GPTProblem, rank_gpt
+    from gnnpar.models.gpt.planning import rank_gpt
     from gnnpar.plan.machines import local_machine
 
     shape = {"data": 1, "x": 1, "y": 1, "z": 1, **parse_grid_spec(grid)}

@@ -84,7 +84,7 @@ def _rank(grid: str, batch: int, seq: int, steps: int) -> dict[str, Any]:
     # the code every side imports while it builds (its pages count in RSS), and torch's lazy
     # set-up of backward and the optimizer: before the baseline
     import gnnpar.data.text
-    import gnnpar.plan
+    import gnnpar.models.gpt.planning
     import gnnpar.shard
     import gnnpar.tensor.context  # noqa: F401
 
@@ -111,8 +111,8 @@ def _rank(grid: str, batch: int, seq: int, steps: int) -> dict[str, Any]:
 
 def _predicted_mb(grid: str, world: int, batch: int, seq: int) -> float:
     from gnnpar.grid import fit_shape, parse_grid_spec
+    from gnnpar.models.gpt.memory import gpt_memory
     from gnnpar.models.gpt.task import plan_problem
-    from gnnpar.plan.memory import gpt_memory
 
     cfg = _config(grid, batch, seq, 1)
     problem = dataclasses.replace(plan_problem(cfg), stage=0)

@@ -392,8 +392,8 @@ def _eight_rank_worker(shards: str, dims: list[int], epochs: int, shapes: list, 
     import gnnpar
     from gnnpar import comm
     from gnnpar.models.fullgraph import parallelize_fullgraph
+    from gnnpar.models.fullgraph.planning import fullgraph_epoch_bytes
     from gnnpar.models.fullgraph.shards import DiskSource
-    from gnnpar.plan import fullgraph_epoch_bytes
 
     source = DiskSource(shards)
     result: dict = {"bytes": {}, "times": {}, "nnz": {}}

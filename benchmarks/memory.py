@@ -1,4 +1,5 @@
-"""Memory per rank, measured, beside the planner's model (:func:`gnnpar.plan.memory.gcn_memory`).
+"""Memory per rank, measured, beside the planner's model
+(:func:`gnnpar.models.fullgraph.memory.gcn_memory`).
 
 (a) Full-graph 3-layer GCN (width 128) on R-MAT ``--scale`` (default 18; 128 features):
     for P = 1, 2, 4, 8 ranks on the shape the planner picks (what ``gnnpar train gcn``
@@ -15,9 +16,9 @@
     ranks (``--data-ranks``; D > 1 partitioned with METIS as ``gnnpar train sage --nprocs D
     --parts D`` writes it): each rank's peak over its setup, one training epoch and one
     layer-wise evaluation, minus its idle baseline, beside
-    :func:`gnnpar.plan.memory.minibatch_memory` for its part; run twice, the second time with
-    glibc's mmap threshold fixed (``mallopt(M_MMAP_THRESHOLD)`` in each rank), which returns
-    large freed blocks to the system instead of keeping them in the heap (the model's
+    :func:`gnnpar.models.minibatch.cost.minibatch_memory` for its part; run twice, the second
+    time with glibc's mmap threshold fixed (``mallopt(M_MMAP_THRESHOLD)`` in each rank), which
+    returns large freed blocks to the system instead of keeping them in the heap (the model's
     ``heap`` part), at a cost in time (each phase's seconds are in the JSON).
 
 Every figure is a process's resident-set high-water mark (``VmHWM``) from
@@ -102,10 +103,11 @@ def _fullgraph_worker(shards: str, dims: list[int], shape: dict[str, int]) -> di
 def fullgraph_table(scale: int, ranks: list[int], tmp: Path) -> dict:
     """(a): the measured peaks per rank beside the model, for each world size."""
     from gnnpar.data.rmat import rmat
+    from gnnpar.models.fullgraph.cost import GCNProblem
+    from gnnpar.models.fullgraph.memory import gcn_memory
+    from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
     from gnnpar.models.fullgraph.shards import prepare_shards, read_shard_manifest
-    from gnnpar.plan import choose_fullgraph_grid, local_machine
-    from gnnpar.plan.memory import gcn_memory
-    from gnnpar.plan.problems import GCNProblem
+    from gnnpar.plan import local_machine
     from gnnpar.testing import run_distributed
 
     graph = rmat(scale=scale, feat_dim=128, num_classes=16)
@@ -241,8 +243,8 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
     """(c): each data rank's measured peak beside :func:`minibatch_memory`, for each D."""
     from gnnpar.data.rmat import rmat
     from gnnpar.data.storage import load_graph, save_graph
+    from gnnpar.models.minibatch.cost import minibatch_memory
     from gnnpar.models.minibatch.task import MiniBatchConfig, _write_parts, plan_problem
-    from gnnpar.plan.memory import minibatch_memory
     from gnnpar.testing import run_distributed
     from gnnpar.train.progress import Progress
     from partitioners import load_meta
@@ -404,12 +406,11 @@ MINIBATCH_SCALE_HEADER = (
 
 def minibatch_scale_ranks(graph: Path, part: Path, run: Path) -> list[dict]:
     """Each rank's peak over its idle baseline (the run's ``memory`` record) beside
-    :func:`~gnnpar.plan.memory.minibatch_memory` for its part of the partition, with the
+    :func:`~gnnpar.models.minibatch.cost.minibatch_memory` for its part of the partition, with the
     graph's degree histogram."""
     import numpy as np
 
-    from gnnpar.plan.memory import degree_histogram, minibatch_memory
-    from gnnpar.plan.problems import MiniBatchProblem
+    from gnnpar.models.minibatch.cost import MiniBatchProblem, degree_histogram, minibatch_memory
     from gnnpar.train.metrics import read_metrics
     from partitioners import load_meta
 

@@ -217,8 +217,11 @@ def paper_scale() -> dict:
     """The model's picks at paper scale (no measurement): 3-layer GCN, hidden 128, on
     ogbn-products and ogbn-papers100M with 64-1,024 GPUs, and a 20B GPT on 1,024 GPUs."""
     from gnnpar.data.sizes import gcn_datasets
-    from gnnpar.plan import GCNProblem, GPTProblem, get_machine, rank_gcn, rank_gpt
-    from gnnpar.plan.problems import gpt_sizes
+    from gnnpar.models.fullgraph.cost import GCNProblem
+    from gnnpar.models.fullgraph.planning import rank_gcn
+    from gnnpar.models.gpt.cost import GPTProblem, gpt_sizes
+    from gnnpar.models.gpt.planning import rank_gpt
+    from gnnpar.plan import get_machine
     from gnnpar.plan.rank import shape_label
 
     out: dict = {"gcn": [], "gpt": []}
@@ -295,9 +298,13 @@ def main() -> None:
         return
 
     from gnnpar.data import rmat
+    from gnnpar.models.fullgraph.cost import GCNProblem
+    from gnnpar.models.fullgraph.planning import rank_gcn
     from gnnpar.models.fullgraph.shards import prepare_shards, read_shard_manifest
+    from gnnpar.models.gpt.cost import GPTProblem
     from gnnpar.models.gpt.model import GPTConfig
-    from gnnpar.plan import GCNProblem, GPTProblem, local_machine, rank_gcn, rank_gpt
+    from gnnpar.models.gpt.planning import rank_gpt
+    from gnnpar.plan import local_machine
     from gnnpar.plan.compute import measure_local_rates
     from gnnpar.plan.machines import load_bandwidth_table
     from gnnpar.testing import run_distributed

@@ -31,8 +31,8 @@ from gnnpar.grid import parse_grid_spec
 from gnnpar.launch import launch_local, strip_nprocs, under_launcher
 from gnnpar.models.fullgraph import parallelize_fullgraph
 from gnnpar.models.fullgraph.model import GCN
+from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
 from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
-from gnnpar.plan import choose_fullgraph_grid
 from gnnpar.verified import MANIFEST
 
 

@@ -194,7 +194,7 @@ class ProcessGrid(GridShape):
             if not 0 <= v < self._size_of(a):
                 raise GridError(f"coordinate {a}={v} is outside an axis of size {self._size_of(a)}")
             mine[a] = v
-        return _rank_at(self.sizes(), mine)
+        return rank_at(self.sizes(), mine)
 
     def rank(self, axis: str) -> int:
         """This rank's index within its group along ``axis`` (x fastest within combinations)."""
@@ -239,7 +239,7 @@ class ProcessGrid(GridShape):
         )
 
 
-def _rank_at(shape: Mapping[str, int], coords: Mapping[str, int]) -> int:
+def rank_at(shape: Mapping[str, int], coords: Mapping[str, int]) -> int:
     """The global rank at ``coords`` (x fastest, pipe slowest; absent axes count as 0)."""
     rank, stride = 0, 1
     for a in AXES:
@@ -259,7 +259,7 @@ def _group_members(
         c = dict(coords)
         for a, v in zip(reversed(axes), combo, strict=True):
             c[a] = v
-        out.append(_rank_at(shape, c))
+        out.append(rank_at(shape, c))
     return out
 
 

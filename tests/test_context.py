@@ -136,8 +136,8 @@ def _train(spec: str | None, stage: int) -> dict:
     bytes autograd saved in the first step beside the planner's activation memory."""
     import gnnpar
     from gnnpar import comm
+    from gnnpar.models.gpt.memory import gpt_memory
     from gnnpar.models.gpt.task import plan_problem
-    from gnnpar.plan.memory import gpt_memory
     from gnnpar.train.spec import build_task
 
     task = build_task("gpt", _config(spec, stage), corpus=_Tokens())
@@ -153,7 +153,7 @@ def _train(spec: str | None, stage: int) -> dict:
     val = task.evaluate(STEPS)["val_loss"]
     params = {k: v.detach().cpu().numpy() for k, v in task.dp.full_state_dict().items()}
     if spec is not None:
-        from gnnpar.plan import gpt_collectives
+        from gnnpar.models.gpt.cost import gpt_collectives
         from gnnpar.plan.comm_model import bytes_by_axis_kind
 
         problem = dataclasses.replace(plan_problem(task.cfg), stage=stage)
@@ -261,10 +261,11 @@ def test_longest_sequence_grows_with_the_context_axis():
     not; four context ranks hold more than twice the sequence of one rank (batch 1), less than
     four times (the replicated model, and the ring's score tiles, 3·L² per head and sequence
     with L = T/8, where one rank's fused attention keeps none)."""
+    from gnnpar.models.gpt.cost import GPTProblem
+    from gnnpar.models.gpt.memory import gpt_memory
+    from gnnpar.models.gpt.planning import longest_sequence
     from gnnpar.plan import get_machine
-    from gnnpar.plan.memory import USABLE_FRACTION, gpt_memory
-    from gnnpar.plan.problems import GPTProblem
-    from gnnpar.plan.rank import longest_sequence
+    from gnnpar.plan.memory import USABLE_FRACTION
 
     problem = GPTProblem.sized(4, 256, 8, seq=64, vocab=512, batch=1, element_size=4)
     machine = dataclasses.replace(get_machine("cpu"), memory_gb=0.2)

@@ -292,8 +292,8 @@ def test_planner_gat_and_gin_bytes_equal_the_written_formulas_and_count_attentio
     uneven shape (GAT every rank, GIN one) equal the formulas written in
     tests/byte_formulas.py (loss left out), and GAT's memory holds the per-edge, per-head
     attention tensors, growing with the heads."""
-    from gnnpar.plan import GCNProblem, gcn_collectives
-    from gnnpar.plan.memory import gcn_memory
+    from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives
+    from gnnpar.models.fullgraph.memory import gcn_memory
     from tests.byte_formulas import gat3d_bytes, gin_bytes
 
     dims, heads = [37, 12, 12, 5], [4, 4, 3]

@@ -45,17 +45,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Imports that still go up, each with the reason it is there; the test fails when one
 #: disappears (remove it here) as well as when a new one appears.
 KNOWN_UPWARD = {
-    # The planner's communication and memory models of the full-graph GNN and the GPT still
-    # live in plan/ and read the layers' schedules and the GPT's sizes from the workloads;
-    # they move into gnnpar/models/<workload>/ as each workload's cost model.
-    ("plan", "models"): "the workloads' cost models are still in plan/",
     # A plain or tensor-parallel module's checkpoint layout is described by
     # gnnpar.tensor.state; checkpoint falls back to it for a module that describes nothing.
     ("checkpoint", "tensor"): "the default layout of a plain or tensor-parallel module",
 }
 
 #: Of the pairs above, those that are also a cycle (the other side imports back).
-KNOWN_CYCLES = {("models", "plan"), ("checkpoint", "tensor")}
+KNOWN_CYCLES = {("checkpoint", "tensor")}
 
 
 def _unit(path: Path) -> str:

@@ -19,7 +19,7 @@ the plain run, in one world of 8 ranks.
 - **Resume**: stage 3 with the file tier on data = 4 saves a checkpoint after 2 steps; a new
   model, also on the file tier, loads it (the optimizer state goes back into files) and its
   third step equals 3 uninterrupted plain steps.
-- **The planner** (:func:`gnnpar.plan.rank.largest_gpt`): given the per-rank memory that
+- **The planner** (:func:`gnnpar.models.gpt.planning.largest_gpt`): given the per-rank memory that
   the device parts of a 4-layer GPT (width 24, 8 heads, 9 positions, vocabulary 37) take at
   data = 8, stage 3, file tier, the deepest GPT that fits is 4 layers; that model then
   trains here, and the file tier maps the bytes the memory model moved off the device
@@ -50,10 +50,12 @@ from torch import nn
 
 import gnnpar
 from gnnpar import checkpoint
+from gnnpar.models.gpt.cost import GPTProblem
+from gnnpar.models.gpt.memory import gpt_memory
 from gnnpar.models.gpt.model import GPT, Block, GPTConfig
-from gnnpar.plan import GPTProblem, local_machine
-from gnnpar.plan.memory import USABLE_FRACTION, device_bytes, gpt_memory
-from gnnpar.plan.rank import largest_gpt
+from gnnpar.models.gpt.planning import largest_gpt
+from gnnpar.plan import local_machine
+from gnnpar.plan.memory import USABLE_FRACTION, device_bytes
 from gnnpar.shard import MixedPrecision, by_type, shard
 from gnnpar.shard.offload import OffloadError
 from gnnpar.testing import run_distributed

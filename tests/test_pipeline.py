@@ -363,8 +363,9 @@ def test_p2p_bytes_and_in_flight_bound(world_results, i):
 
 # ------------------------------------------------------------------------------ the planner
 def _planned(spec, schedule, m, v, tied, batch=BATCH):
-    from gnnpar.plan import GPTProblem, get_machine
-    from gnnpar.plan.rank import rank_gpt
+    from gnnpar.models.gpt.cost import GPTProblem
+    from gnnpar.models.gpt.planning import rank_gpt
+    from gnnpar.plan import get_machine
 
     problem = GPTProblem(
         GPTConfig(**CFG, tie_weights=tied), batch=batch, element_size=8, grad_clip=False,
@@ -403,8 +404,9 @@ def test_planner_shares_the_cores_among_stages():
     """Four ranks on the 2-core box: a pipeline stage computes a quarter of the step on half
     a core, like a data rank, then waits for the bubble, so data parallelism wins; the
     trainer without a grid (what the planner picks) keeps running without a pipeline."""
+    from gnnpar.models.gpt.planning import choose_gpt_plan
     from gnnpar.models.gpt.task import GPTTaskConfig, plan_problem
-    from gnnpar.plan import choose_gpt_plan, get_machine
+    from gnnpar.plan import get_machine
 
     problem = plan_problem(GPTTaskConfig(grad_accum=4))
     shape, _ = choose_gpt_plan(problem, 4, get_machine("cpu"))
@@ -416,8 +418,8 @@ def test_planner_shares_the_cores_among_stages():
 
 
 def _planned_shape(problem, shape):
+    from gnnpar.models.gpt.planning import rank_gpt
     from gnnpar.plan import get_machine
-    from gnnpar.plan.rank import rank_gpt
 
     for c in rank_gpt(problem, 4, get_machine("cpu")):
         if {a: c.shape.get(a, 1) for a in shape} == shape:

@@ -12,26 +12,15 @@ import pytest
 from gnnpar.cli import main
 from gnnpar.fmt import format_count
 from gnnpar.grid import factorizations
-from gnnpar.plan import (
-    GCNProblem,
-    GPTProblem,
-    Link,
-    Machine,
-    PlanError,
-    bytes_by_axis,
-    choose_fullgraph_grid,
-    comm_seconds,
-    gcn_collectives,
-    get_machine,
-    gpt_collectives,
-    intra_node_axes,
-    load_bandwidth_table,
-    rank_gcn,
-    rank_gpt,
-)
+from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives
+from gnnpar.models.fullgraph.planning import choose_fullgraph_grid, rank_gcn
+from gnnpar.models.gpt.cost import GPTProblem, gpt_collectives
+from gnnpar.models.gpt.planning import rank_gpt, rank_gpt_stages
+from gnnpar.plan import Link, Machine, PlanError, get_machine, load_bandwidth_table
+from gnnpar.plan.comm_model import bytes_by_axis, comm_seconds, intra_node_axes
 from gnnpar.plan.compute import measure_local_rates
-from gnnpar.plan.problems import parse_count
-from gnnpar.plan.rank import rank_gpt_stages, shape_label
+from gnnpar.plan.inputs import parse_count
+from gnnpar.plan.rank import shape_label
 from tests.byte_formulas import plexus_bytes
 
 # 12 nodes, widths 6 -> 4 -> 2, float32, biases: small enough to follow by hand
@@ -106,8 +95,8 @@ def test_gpt_memory_by_hand_on_data2_z2(stage):
     data=2, z=2, float32, written out: matrices M = V·h + T·h + L·(3h² + h² + 4h² + 4h²)
     = 512 + 128 + 6144 = 6784, each rank stores M/z = 3392 of them; biases 9h per layer
     (288) and the norms' 2h·(2L + 1) = 160 stay whole over z: n = 3840 elements."""
+    from gnnpar.models.gpt.memory import gpt_memory
     from gnnpar.models.gpt.model import GPTConfig
-    from gnnpar.plan.memory import gpt_memory
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     got = gpt_memory(GPTProblem(cfg, batch=4, element_size=4, stage=stage),
@@ -413,8 +402,8 @@ def test_gcn_memory_host_parts():
     """The host parts of a CPU rank: on one rank a 3-layer GCN maps Â in two orders (layers
     0 and 2 share Â₁), 12 bytes an entry and 8 a row, and all features, and no all-reduce
     buffer; on z=2 the depth all-reduce of layer 0's input gradient adds a buffer."""
-    from gnnpar.plan.memory import gcn_memory
-    from gnnpar.plan.problems import GCNProblem
+    from gnnpar.models.fullgraph.cost import GCNProblem
+    from gnnpar.models.fullgraph.memory import gcn_memory
 
     n, nnz, feats = 1000, 9000, 32
     problem = GCNProblem.from_widths(n, nnz, [feats, 16, 16, 4])
@@ -440,7 +429,7 @@ def test_gcn_memory_host_parts():
 
 # ------------------------------------------------------------------ mini-batch memory
 def _mb_problem(**kw):
-    from gnnpar.plan.problems import MiniBatchProblem
+    from gnnpar.models.minibatch.cost import MiniBatchProblem
 
     args = dict(nodes=1000, edges=8000, features=16, classes=4, hidden=8, layers=2,
                 fanouts=(3, 2), batch_size=20, train_nodes=600, feature_cache=5)  # fmt: skip
@@ -453,7 +442,7 @@ def test_minibatch_memory_parts_by_hand():
     (no histogram), 10 seeds per rank and batch (20 over two ranks), fan-outs 3 then 2."""
     import math
 
-    from gnnpar.plan.memory import (
+    from gnnpar.models.minibatch.cost import (
         HEAP_RETAINED,
         RUNTIME_BYTES,
         expected_blocks,
@@ -501,7 +490,12 @@ def test_minibatch_heap_leaves_out_mapped_blocks():
     2,048 features (8 KiB a row) a batch's 13,000 input rows are 103 MiB; they leave the
     heap part in the three batches alive, the first layer's dropout output and backward's
     copy of it (the one-byte dropout mask, 26 MiB, stays), and nothing else does."""
-    from gnnpar.plan.memory import HEAP_CEILING, HEAP_RETAINED, expected_blocks, minibatch_memory
+    from gnnpar.models.minibatch.cost import (
+        HEAP_CEILING,
+        HEAP_RETAINED,
+        expected_blocks,
+        minibatch_memory,
+    )
 
     wide = _mb_problem(nodes=20000, edges=400000, features=2048, batch_size=2000,
                        train_nodes=20000, feature_cache=0)  # fmt: skip
@@ -518,7 +512,7 @@ def test_minibatch_expected_blocks_match_the_sampler():
     import torch
 
     from gnnpar.graph import Graph
-    from gnnpar.plan.memory import degree_histogram, expected_blocks
+    from gnnpar.models.minibatch.cost import degree_histogram, expected_blocks
     from gnnpar.sampling import NeighborSampler
 
     gen = torch.Generator().manual_seed(0)
@@ -542,7 +536,7 @@ def test_minibatch_expected_blocks_match_the_sampler():
 def test_minibatch_memory_monotone():
     """More data ranks at ZeRO-3 hold fewer weight bytes; a bigger batch more batch and
     activation bytes; the estimated part shrinks with the data size."""
-    from gnnpar.plan.memory import estimated_part, minibatch_memory
+    from gnnpar.models.minibatch.cost import estimated_part, minibatch_memory
 
     part = {"num_owned": 500, "num_halo": 100, "num_local_edges": 4000}
     big = _mb_problem(hidden=256, stage=3)
@@ -567,7 +561,7 @@ def test_minibatch_memory_monotone():
     ],
 )
 def test_minibatch_memory_errors(call, message):
-    from gnnpar.plan.memory import minibatch_memory
+    from gnnpar.models.minibatch.cost import minibatch_memory
 
     with pytest.raises(PlanError) as err:
         call(minibatch_memory, _mb_problem)
@@ -581,8 +575,12 @@ def test_cli_plan_sage_prints_the_memory_model_per_data_rank(tmp_path, capsys):
     (its own records); a model or sampler it does not describe, a partition of another graph
     and a --gpus that contradicts the folder are one-line errors."""
     from gnnpar.data import sbm
-    from gnnpar.plan.memory import degree_histogram, estimated_part, minibatch_memory
-    from gnnpar.plan.problems import MiniBatchProblem
+    from gnnpar.models.minibatch.cost import (
+        MiniBatchProblem,
+        degree_histogram,
+        estimated_part,
+        minibatch_memory,
+    )
     from partitioners import load_meta
     from partitioners.cli import main as partition_main
 

@@ -12,7 +12,8 @@ import torch
 import gnnpar
 from gnnpar import comm
 from gnnpar.grid import factorizations
-from gnnpar.plan import GCNProblem, GPTProblem, gcn_collectives, gpt_collectives
+from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives
+from gnnpar.models.gpt.cost import GPTProblem, gpt_collectives
 from gnnpar.plan.comm_model import bytes_by_axis_kind
 from gnnpar.testing import run_distributed
 from tests.fullgraph_utils import make_source, normalise, serial_model, small_graph

@@ -259,15 +259,15 @@ def test_modes_are_checked():
 def test_the_option_is_checked_per_task_and_counted_by_the_planner():
     """One spelling as TOML key and flag; gcn refuses selective and gpt refuses it on GPT-2
     in one line; the planner keeps less with full recompute and adds its forward again."""
+    from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives
+    from gnnpar.models.fullgraph.memory import gcn_memory
     from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.models.gpt.cost import GPTProblem, gpt_collectives, gpt_compute_seconds, gpt_layout
+    from gnnpar.models.gpt.memory import gpt_memory
     from gnnpar.models.gpt.model import GPTConfig as Sizes
     from gnnpar.models.gpt.task import GPTTaskConfig
-    from gnnpar.plan import GPTProblem
-    from gnnpar.plan.comm_model import gcn_collectives, gpt_collectives, gpt_layout
-    from gnnpar.plan.compute import gpt_compute_seconds
+    from gnnpar.plan.inputs import PlanError
     from gnnpar.plan.machines import get_machine
-    from gnnpar.plan.memory import gcn_memory, gpt_memory
-    from gnnpar.plan.problems import GCNProblem, PlanError
     from gnnpar.train.config import ConfigError, from_mapping
 
     key = "activation_checkpointing"

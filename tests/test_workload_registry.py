@@ -2,7 +2,8 @@
 features, written by this test as a package of its own outside gnnpar and registered by an
 entry point of the group ``gnnpar.train_specs`` (the way an installed distribution does),
 trains through ``gnnpar train`` on two data ranks, resumes on one, and is listed in
-``gnnpar train --help`` — no file of gnnpar touched."""
+``gnnpar train --help``; its planner (a cost model of its own) is ``gnnpar plan mlp`` — no
+file of gnnpar touched."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gnnpar.plan.command import PlanCommand
+from gnnpar.plan.memory import sharded_state
 from gnnpar.shard import shard
-from gnnpar.train.config import TrainerConfig, option
+from gnnpar.train.config import TrainerConfig, option, resolve
 from gnnpar.train.loop import BaseTask, load_trainable
 from gnnpar.train.spec import TrainSpec, given_grid
 
@@ -95,6 +98,25 @@ class MLPTask(BaseTask):
         return {"task": "mlp", "hidden": self.cfg.hidden}
 
 
+def plan_memory(args):
+    """The MLP's parameters, gradients and Adam state per data rank (ZeRO-1), for 1 and
+    ``--gpus`` data ranks: its cost model, on sbm's 32 features and 4 classes."""
+    hidden = resolve(MLPConfig, args, None).hidden
+    n = 32 * hidden + hidden + hidden * 4 + 4
+    for d in (1, args.gpus):
+        print(f"data={d}: {sum(sharded_state(n, 4, 1, d, n).values()):.0f} bytes")
+    return 0
+
+
+PLANNER = PlanCommand(
+    help="the MLP's state per data rank",
+    description="Bytes of the MLP's parameters, gradients and optimizer state per data rank.",
+    options=("hidden",),
+    run=plan_memory,
+    add_arguments=lambda p: p.add_argument("--gpus", type=int, default=2),
+)
+
+
 SPEC = TrainSpec(
     name="mlp",
     help="a two-layer MLP on the node features (a workload registered from outside)",
@@ -102,6 +124,8 @@ SPEC = TrainSpec(
     task=MLPTask,
     plan=lambda cfg, world, progress: given_grid(cfg),
     axes=(),
+    parallelize=shard,
+    planner=PLANNER,
 )
 '''
 
@@ -158,3 +182,20 @@ def test_a_name_registered_twice_is_one_error_naming_both(registered):
     info.write_text(f"[{ENTRY_POINT_GROUP}]\ngcn = twice:GCN\n")
     with pytest.raises(ValueError, match="task 'gcn' is registered twice: by gnnpar and by entry"):
         specs()
+
+
+def test_the_planner_asks_each_spec_for_its_costs(registered, capsys):
+    """``gnnpar plan NAME`` is every spec's planner, a registered one's included: the MLP's
+    own cost model, ZeRO-1 with Adam in float32 on D data ranks: 4n parameters, 4n + 4n/D
+    gradients (the full buffer and the reduced chunk), 8n/D moments and a 4n/D master chunk
+    (n = 32·8 + 8 + 8·4 + 4 = 300 at hidden 8)."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    listing = " ".join(capsys.readouterr().out.split())
+    assert "mlp the MLP's state per data rank" in listing
+    commands = set(listing.split("{", 1)[1].split("}", 1)[0].split(","))
+    assert commands == {n for n, s in specs().items() if s.planner is not None} | {"machines"}
+    assert main(["plan", "mlp", "--hidden", "8", "--gpus", "2"]) == 0
+    n = 300
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"data=1: {8 * n + 16 * n} bytes", f"data=2: {8 * n + 16 * n // 2} bytes"]

@@ -1,4 +1,6 @@
-"""Compute time of one training step on the busiest rank (rank 0 holds the largest chunks).
+"""Compute time on the busiest rank (rank 0 holds the largest chunks): the roofline every
+workload's cost model prices its operations with (:func:`gemm_seconds`,
+:func:`stream_seconds`), and this machine's measured rates.
 
 Each GEMM costs ``max(flops / gemm rate, bytes / memory bandwidth)`` (a roofline: small or
 skinny products are bound by memory), each SpMM ``max(2·nnz·width / SpMM rate, bytes /
@@ -17,108 +19,24 @@ CPU box can be described by what it actually does.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 
 import torch
 
-from gnnpar.grid import GridShape
-from gnnpar.plan.comm_model import (
-    ShardedLayer,
-    batch_per_rank,
-    gcn_local_layers,
-    gpt_layout,
-    grid_shape,
-    seq_per_rank,
-)
 from gnnpar.plan.machines import Machine
-from gnnpar.plan.problems import GCNProblem, GPTProblem
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM
 
-__all__ = ["gcn_compute_seconds", "gpt_compute_seconds", "measure_local_rates"]
+__all__ = ["gemm_seconds", "measure_local_rates", "stream_seconds"]
 
 
-def _gemm(m: float, k: float, n: float, e: int, machine: Machine) -> float:
+def gemm_seconds(m: float, k: float, n: float, e: int, machine: Machine) -> float:
     flops = 2.0 * m * k * n
     moved = (m * k + k * n + m * n) * e
     return max(flops / (machine.gemm_tflops * 1e12), moved / (machine.mem_gbps * 1e9))
 
 
-def _stream(nbytes: float, machine: Machine) -> float:
+def stream_seconds(nbytes: float, machine: Machine) -> float:
     return nbytes / (machine.mem_gbps * 1e9)
-
-
-def gcn_compute_seconds(
-    problem: GCNProblem, shape: Mapping[str, int], machine: Machine
-) -> dict[str, float]:
-    """Seconds of one full-graph epoch on rank 0: ``{"spmm", "gemm", "elementwise"}``.
-    Nonzeros are assumed spread evenly over blocks (Plexus's permutation gets within 1%).
-    Full activation checkpointing runs every layer's forward once more."""
-    e, ops = problem.element_size, problem.num_ops
-    out = {"spmm": 0.0, "gemm": 0.0, "elementwise": 0.0}
-    g = grid_shape(shape)
-    for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
-        spmm_flops = 2.0 * nnz * fin * ops
-        spmm_bytes = ops * (nnz * (8 + e) + (rows + cols) * fin * e)
-        one = max(spmm_flops / (machine.spmm_gflops * 1e9), _stream(spmm_bytes, machine))
-        passes = 2 if (i > 0 or problem.input_grad) else 1
-        again = problem.activation_checkpointing == "full"  # the forward, once more
-        out["spmm"] += (passes + again) * one
-        out["gemm"] += (3 + again) * _gemm(rows, ops * fin, fout, e, machine)
-        out["elementwise"] += _stream((8 + 4 * again) * rows * fout * e, machine)
-        out["elementwise"] += _stream(28 * ops * fin * fout / g.size(lay.depth), machine)
-    share = machine.compute_share(g.world_size)
-    return {k: v / share for k, v in out.items()}
-
-
-def _linear_seconds(m: ShardedLayer, tokens: int, e: int, machine: Machine) -> float:
-    """Forward and backward GEMMs of one Linear on rank 0's block (r × c)."""
-    r, c = m.layout.block_shape(0, 0)
-    return 3 * _gemm(tokens, c, r, e, machine)
-
-
-def gpt_compute_seconds(
-    problem: GPTProblem,
-    shape: Mapping[str, int],
-    machine: Machine,
-    layout: list[ShardedLayer] | None = None,
-) -> dict[str, float]:
-    """Seconds of one GPT optimizer step on rank 0: ``{"gemm", "attention",
-    "elementwise", "optimizer"}`` (``layout``: :func:`gpt_layout` of the shape). Activation
-    checkpointing adds the recompute: the blocks' forward (full) or the attention core's
-    (selective)."""
-    g: GridShape = grid_shape(shape, None)
-    mods = gpt_layout(problem, shape) if layout is None else layout
-    b_loc = batch_per_rank(problem, g)
-    e, h, t = problem.element_size, problem.hidden, problem.seq
-    t_loc = seq_per_rank(problem, g)  # with context, each rank's queries meet all T keys
-    tokens = b_loc * t_loc
-    out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "optimizer": 0.0}
-    full = problem.activation_checkpointing == "full"
-    local = 0
-    for m in mods:
-        local += m.layout.shard_numel(0, 0) * m.count
-        if m.kind == "linear":
-            # the blocks' forward GEMMs (a third of forward + backward) run again
-            again = 4 / 3 if full and m.name.startswith("blocks.") else 1
-            out["gemm"] += again * _linear_seconds(m, tokens, e, machine) * m.count
-    by_name = {m.name.split(".", 2)[-1]: m for m in mods}
-    qkv, fc, head = by_name["attn.qkv"], by_name["mlp.fc"], by_name["lm_head"]
-    h_heads = h / qkv.layout.row_parts  # features of the heads this rank holds
-    # causal attention (flash: the masked half skipped), forward + backward ≈ 3 × forward
-    # (full and selective recompute run the forward's third once more)
-    passes = 3 if problem.activation_checkpointing == "none" else 4
-    attn_flops = passes * 2.0 * b_loc * t_loc * t * h_heads
-    out["attention"] = problem.layers * attn_flops / (machine.gemm_tflops * 1e12)
-    # norms, residuals, dropout: full width on every rank; GELU on this rank's 4h chunk
-    # (full recompute: the forward's half once more)
-    per_layer = tokens * (24 * h + 16 * 4 * h / fc.layout.row_parts) * e * (1.5 if full else 1)
-    loss = tokens * problem.vocab / head.layout.row_parts * 4 * 4
-    out["elementwise"] = _stream(problem.layers * per_layer + loss, machine)
-    shard = g.data * g.context if problem.stage >= 1 else 1  # context ranks shard too
-    out["optimizer"] = _stream(28 * local / shard, machine)
-    share = machine.compute_share(g.world_size)
-    return {k: v / share for k, v in out.items()}
 
 
 def measure_local_rates(seconds: float = 0.5, size: int = 256) -> dict[str, float]:

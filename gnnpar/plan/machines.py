@@ -60,7 +60,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from gnnpar.plan.problems import PlanError
+from gnnpar.plan.inputs import PlanError
 
 __all__ = [
     "BandwidthFit",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gnnpar.fmt import time_unit
-from gnnpar.plan.problems import PlanError
+from gnnpar.plan.inputs import PlanError
 from gnnpar.plan.rank import Candidate, shape_label
 from gnnpar.plotting import new_figure, plain_axis, save_figure
 

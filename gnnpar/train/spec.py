@@ -4,7 +4,8 @@ A workload (a package of :mod:`gnnpar.models`, or of another distribution) descr
 by one :class:`TrainSpec`: its name on the command line, its typed config, how it plans its
 grid, how it builds its task on that grid, and its checks before launch. Everything that
 runs a task goes through here: ``gnnpar train``, ``gnnpar evaluate`` / ``predict`` and
-:func:`gnnpar.train.fit` (``gnnpar plan`` still reads the workloads' configs itself).
+:func:`gnnpar.train.fit`; ``gnnpar plan NAME`` is the spec's :attr:`~TrainSpec.planner`, which
+ranks shapes with the workload's own cost and memory models.
 
 Registering a workload is one line:
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from gnnpar.train.config import ConfigError
 
 if TYPE_CHECKING:
+    from gnnpar.plan.command import PlanCommand
     from gnnpar.train.loop import Task
     from gnnpar.train.progress import Progress
 
@@ -81,7 +83,10 @@ class TrainSpec:
     behind ``sage``), or None. ``axes``: the grid axes beyond data a ``grid`` option may
     name (checked before launch). ``node_task``: every node gets a class, so ``gnnpar
     evaluate`` and ``predict`` work on its runs. ``listed``: shown as ``gnnpar train NAME``
-    (a variant is reached through its parent instead).
+    (a variant is reached through its parent instead). ``parallelize``: the public function
+    that puts the workload's plain model on the grid (what its task calls; for a user's own
+    model). ``planner``: ``gnnpar plan NAME``, ranking shapes with the workload's cost and
+    memory models (the same ones its ``plan`` chooses from), or None.
     """
 
     name: str
@@ -94,6 +99,8 @@ class TrainSpec:
     axes: tuple[str, ...] = ("x", "y", "z")
     node_task: bool = False
     listed: bool = True
+    parallelize: Callable[..., Any] | None = None
+    planner: PlanCommand | None = None
 
 
 def _load(target: str, where: str) -> TrainSpec:

@@ -8,7 +8,7 @@ full (padded) buffer. Everything that needs those bytes computes them from these
 
 - the layers' own accounting (``expected_bytes()`` of the parallel models), which the tests
   hold the measured traffic against;
-- the planner's communication model (:func:`gnnpar.plan.comm_model.gcn_collectives`).
+- the planner's communication model (:func:`gnnpar.models.fullgraph.cost.gcn_collectives`).
 
 So a layer's formulas are written once, beside the code that sends the bytes.
 """

@@ -1,5 +1,7 @@
 """The full-graph workload's registration: ``gnnpar train gcn``."""
 
+from gnnpar.models.fullgraph.parallelize import parallelize_fullgraph
+from gnnpar.models.fullgraph.planning import PLANNER
 from gnnpar.models.fullgraph.task import FullGraphConfig, FullGraphTask, plan
 from gnnpar.train.config import choice_words
 from gnnpar.train.spec import TrainSpec
@@ -12,4 +14,6 @@ SPEC = TrainSpec(
     plan=plan,
     preflight=FullGraphTask.preflight,
     node_task=True,
+    parallelize=parallelize_fullgraph,
+    planner=PLANNER,
 )

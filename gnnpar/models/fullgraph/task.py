@@ -6,7 +6,7 @@ is given and rebuilds a folder it owns that was made from other data or options 
 on stderr), or refuses a given ``shards`` folder made from another graph. Every rank then
 reads only its own blocks, each file checked against the manifest when first mapped
 (``verify``: checksum, or size for very large folders). The grid comes from ``grid`` or, when
-not given, from the communication model in :mod:`gnnpar.plan`.
+not given, from the workload's cost model (:mod:`gnnpar.models.fullgraph.planning`).
 
 ``mixed_precision = "bf16"``: master weights and Adam's state in ``dtype`` (float32), Â,
 features, activations, products and every collective in bfloat16, the loss in float32 from
@@ -33,6 +33,7 @@ from gnnpar.fmt import parse_bytes
 from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
 from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
+from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
 from gnnpar.models.fullgraph.shards import (
     DiskSource,
     OldShardFolderError,
@@ -41,7 +42,7 @@ from gnnpar.models.fullgraph.shards import (
     read_shard_manifest,
     shard_provenance,
 )
-from gnnpar.plan import choose_fullgraph_grid, local_machine
+from gnnpar.plan import local_machine
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train import schedule
 from gnnpar.train.config import (

@@ -1,6 +1,8 @@
 """The GPT workload's registration: ``gnnpar train gpt``."""
 
+from gnnpar.models.gpt.planning import PLANNER
 from gnnpar.models.gpt.task import GPTTask, GPTTaskConfig, plan
+from gnnpar.tensor import parallelize
 from gnnpar.train.config import choice_words
 from gnnpar.train.spec import TrainSpec
 
@@ -13,4 +15,6 @@ SPEC = TrainSpec(
     plan=plan,
     preflight=GPTTask.preflight,
     axes=("x", "y", "z", "pipe", "context"),
+    parallelize=parallelize,
+    planner=PLANNER,
 )

@@ -328,9 +328,9 @@ def load_pretrained(model: nn.Module, folder: Path, grid: ProcessGrid) -> None:
 
 # ------------------------------------------------------------------------------- the grid
 def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
-    """The planner's :class:`~gnnpar.plan.GPTProblem` for a run of ``cfg`` (the model's
+    """The planner's :class:`~gnnpar.models.gpt.cost.GPTProblem` for a run of ``cfg`` (the model's
     ``sizes``, default: the config's own), what the trainer and ``gnnpar plan gpt`` rank."""
-    from gnnpar.plan import GPTProblem
+    from gnnpar.models.gpt.cost import GPTProblem
 
     if sizes is None:
         names = [f.name for f in dataclasses.fields(GPTConfig)]
@@ -351,7 +351,8 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
 def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[dict, int]:
     """The grid shape and ZeRO stage to run: the given ones, and what the planner predicts
     fastest on this machine for the rest (``gnnpar plan gpt`` for the same model)."""
-    from gnnpar.plan import choose_gpt_plan, local_machine
+    from gnnpar.models.gpt.planning import choose_gpt_plan
+    from gnnpar.plan import local_machine
 
     shape = parse_grid_spec(cfg.grid) if cfg.grid else None
     if shape is not None and cfg.zero_stage is not None:

@@ -3,7 +3,9 @@ the ScaleGNN spec, :mod:`gnnpar.models.scalegnn.spec`)."""
 
 from typing import Any
 
+from gnnpar.models.minibatch.planning import PLANNER
 from gnnpar.models.minibatch.task import MiniBatchConfig, MiniBatchTask
+from gnnpar.shard import shard
 from gnnpar.train.config import choice_words
 from gnnpar.train.spec import GridPlan, TrainSpec
 
@@ -29,4 +31,6 @@ SPEC = TrainSpec(
     variant=_variant,
     axes=(),
     node_task=True,
+    parallelize=shard,
+    planner=PLANNER,
 )

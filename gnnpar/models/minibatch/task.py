@@ -289,12 +289,12 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
 
 
 def plan_problem(cfg: MiniBatchConfig, graph: Any) -> Any:
-    """The planner's :class:`~gnnpar.plan.problems.MiniBatchProblem` for a run of ``cfg`` on
-    ``graph`` (a :class:`~gnnpar.graph.Graph`): what ``gnnpar plan sage`` and
-    ``benchmarks/memory.py`` hold against :func:`~gnnpar.plan.memory.minibatch_memory`, for
-    the neighbour sampler's GraphSAGE (the model the memory model describes)."""
-    from gnnpar.plan.memory import degree_histogram
-    from gnnpar.plan.problems import MiniBatchProblem
+    """The planner's :class:`~gnnpar.models.minibatch.cost.MiniBatchProblem` for a run of
+    ``cfg`` on ``graph`` (a :class:`~gnnpar.graph.Graph`): what ``gnnpar plan sage`` and
+    ``benchmarks/memory.py`` hold against
+    :func:`~gnnpar.models.minibatch.cost.minibatch_memory`, for the neighbour sampler's GraphSAGE
+    (the model the memory model describes)."""
+    from gnnpar.models.minibatch.cost import MiniBatchProblem, degree_histogram
 
     if cfg.sampler != "neighbor" or cfg.model != "sage":
         raise ConfigError(

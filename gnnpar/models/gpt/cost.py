@@ -1,0 +1,469 @@
+"""The GPT's cost model: what the planner plans (:class:`GPTProblem`, with the built-in sizes
+of :func:`gpt_sizes`), the sharded layers as :func:`gnnpar.tensor.parallelize` lays them out
+(:func:`gpt_layout`), the collectives of one optimizer step of
+:func:`gnnpar.tensor.train.train_step` (:func:`gpt_collectives`: embeddings, every 3D
+tensor-parallel ``Linear``, the vocabulary-parallel loss, the data/z gradient reduction, the
+gradient-norm and loss all-reduces, and with a context axis the ring attention's
+point-to-point sends), byte for byte what :mod:`gnnpar.comm` measures (tests check every grid
+of 8 ranks), and the step's compute time (:func:`gpt_compute_seconds`). Memory:
+:mod:`.memory`; pipelines, ranking and the plan the trainer runs: :mod:`.planning`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+
+from gnnpar.grid import GridShape
+from gnnpar.models.gpt.model import GPTConfig
+from gnnpar.plan.comm_model import Collective, Infeasible, collective, grid_shape
+from gnnpar.plan.compute import gemm_seconds, stream_seconds
+from gnnpar.plan.inputs import PlanError, checkpointing, positive
+from gnnpar.plan.machines import Machine
+from gnnpar.tensor.layout import ShardLayout
+
+__all__ = [
+    "GPTProblem",
+    "ShardedLayer",
+    "batch_per_rank",
+    "context_collectives",
+    "gpt_collectives",
+    "gpt_compute_seconds",
+    "gpt_layout",
+    "gpt_sizes",
+    "local_params",
+    "meta_gpt",
+    "seq_per_rank",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTProblem:
+    """A GPT training step (the ``gpt`` task): ``batch`` sequences of the model's
+    ``block_size`` tokens per step over all ranks, pre-norm blocks with fused q/k/v, a 4×
+    MLP, learned positions and a head tied to the token embedding (``tie_weights``).
+
+    ``model`` is the one description of the GPT's sizes, the
+    :class:`~gnnpar.models.gpt.model.GPTConfig`
+    the model and the task use too; ``layers``, ``hidden``, ``heads``, ``seq``, ``vocab``,
+    ``bias`` and ``tie`` read it in the planner's words. ``element_size`` is the bytes of
+    parameters, gradients and activations (2: bf16 with fp32 master weights and Adam state, as
+    at scale; 4: float32). ``stage`` is the data-axis sharding (:mod:`gnnpar.shard`): 0
+    replicates everything, 1 shards optimizer state, 2 also gradients, 3 also parameters.
+    ``grad_clip`` includes the gradient-norm all-reduce of the trainer. ``micro_batches``
+    (the trainer's ``grad_accum``), ``schedule`` and ``virtual`` describe the pipeline a grid
+    with a ``pipe`` axis runs (:mod:`gnnpar.pipeline`; ``virtual`` counts only for the
+    interleaved schedule; ``schedule`` None: no pipelines). ``activation_checkpointing``:
+    ``"full"`` recomputes each block in backward, ``"selective"`` its attention core
+    (:mod:`gnnpar.recompute`). ``offload`` (the trainer's option,
+    :mod:`gnnpar.shard.offload`): ``"host"`` or ``"file"`` moves the optimizer's masters and
+    state off the device (stages 1–3 only; the ranking skips stage 0 then).
+    """
+
+    model: GPTConfig
+    batch: int = 1024
+    element_size: int = 2
+    stage: int = 0
+    grad_clip: bool = True
+    name: str = ""
+    micro_batches: int = 1
+    schedule: str | None = "1f1b"
+    virtual: int = 2
+    activation_checkpointing: str = "none"
+    offload: str = "none"
+
+    def __post_init__(self) -> None:
+        from gnnpar.shard.config import OFFLOAD_MODES
+
+        checkpointing(self.activation_checkpointing, ("none", "full", "selective"))
+        for key in ("batch", "element_size", "micro_batches", "virtual"):
+            positive(key, getattr(self, key))
+        if self.stage not in (0, 1, 2, 3):
+            raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.offload not in OFFLOAD_MODES:
+            raise PlanError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
+
+    @classmethod
+    def sized(
+        cls,
+        layers: int,
+        hidden: int,
+        heads: int,
+        seq: int = 2048,
+        vocab: int = 50304,
+        bias: bool = True,
+        tie: bool = True,
+        **kwargs,
+    ) -> GPTProblem:
+        """A problem from sizes in the planner's words (``layers``, ``hidden``, ...)."""
+        for key, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
+            positive(key, value)
+        if hidden % heads:
+            raise PlanError(f"hidden {hidden} is not a multiple of heads {heads}")
+        model = GPTConfig(
+            vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden,
+            bias=bias, tie_weights=tie,
+        )  # fmt: skip
+        return cls(model, **kwargs)
+
+    @property
+    def layers(self) -> int:  # noqa: D102
+        return self.model.n_layer
+
+    @property
+    def hidden(self) -> int:  # noqa: D102
+        return self.model.n_embd
+
+    @property
+    def heads(self) -> int:  # noqa: D102
+        return self.model.n_head
+
+    @property
+    def seq(self) -> int:  # noqa: D102
+        return self.model.block_size
+
+    @property
+    def vocab(self) -> int:  # noqa: D102
+        return self.model.vocab_size
+
+    @property
+    def bias(self) -> bool:  # noqa: D102
+        return self.model.bias
+
+    @property
+    def tie(self) -> bool:  # noqa: D102
+        return self.model.tie_weights
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the model (a tied head counted once)."""
+        h, v = self.hidden, self.vocab
+        # 12h² of matrices; biases 9h and two LayerNorms (weight and bias: 4h), or 2h
+        block = 12 * h * h + (13 * h if self.bias else 2 * h)
+        head = 0 if self.tie else v * h
+        final_norm = (2 if self.bias else 1) * h
+        return self.layers * block + v * h + self.seq * h + head + final_norm
+
+
+def gpt_sizes() -> Mapping[str, dict[str, int]]:
+    """GPT shapes by parameter count (GPT-3 family; 20B as GPT-NeoX-20B; 40B and 80B
+    chosen here with head width 128)."""
+    return MappingProxyType(
+        {
+            "125M": {"layers": 12, "hidden": 768, "heads": 12},
+            "350M": {"layers": 24, "hidden": 1024, "heads": 16},
+            "1.3B": {"layers": 24, "hidden": 2048, "heads": 16},
+            "2.7B": {"layers": 32, "hidden": 2560, "heads": 20},
+            "6.7B": {"layers": 32, "hidden": 4096, "heads": 32},
+            "13B": {"layers": 40, "hidden": 5120, "heads": 40},
+            "20B": {"layers": 44, "hidden": 6144, "heads": 64},
+            "40B": {"layers": 48, "hidden": 8192, "heads": 64},
+            "80B": {"layers": 80, "hidden": 9216, "heads": 72},
+            "175B": {"layers": 96, "hidden": 12288, "heads": 96},
+        }
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayer:
+    """One sharded layer of the GPT as :func:`gnnpar.tensor.parallelize` lays it out."""
+
+    name: str
+    kind: str  # "linear" or "embedding"
+    layout: ShardLayout
+    transpose: bool
+    scatter_input: bool
+    gather_output: bool
+    tokens: str  # "batch" (B·T tokens of this rank) or "positions" (T)
+    bias: ShardLayout | None
+    count: int
+    tied_to: str | None = None
+
+
+def meta_gpt(problem: GPTProblem) -> torch.nn.Module:
+    """A one-block GPT of ``problem``'s widths on the meta device (no memory): what
+    :func:`gpt_layout` lays out. Build it once when laying out many shapes."""
+    from gnnpar.models.gpt.model import GPT
+
+    with torch.device("meta"):
+        return GPT(dataclasses.replace(problem.model, n_layer=1))
+
+
+def gpt_layout(
+    problem: GPTProblem, shape: Mapping[str, int], model: torch.nn.Module | None = None
+) -> list[ShardedLayer]:
+    """The sharded layers of one GPT (block 0 stands for all ``layers`` blocks), with the
+    styles :func:`gnnpar.tensor.plan_styles` chooses on this shape; raises
+    :class:`Infeasible` when the shape cannot hold the model (heads or features that do
+    not split). ``model`` is :func:`meta_gpt` of the problem (built when not given)."""
+    from gnnpar.tensor.parallelize import plan_styles
+
+    g = grid_shape(shape, None)
+    model = meta_gpt(problem) if model is None else model
+    try:
+        styles = plan_styles(model, g)["styles"]
+    except ValueError as err:
+        raise Infeasible(str(err)) from None
+    mods = dict(model.named_modules())
+    out = []
+    for name, style in styles.items():
+        m = mods[name]
+        in_axis, out_axis = ("y", "x") if style.transpose else ("x", "y")
+        count = problem.layers if name.startswith("blocks.") else 1
+        try:
+            if isinstance(m, torch.nn.Embedding):
+                lay = ShardLayout.matrix(m.num_embeddings, m.embedding_dim, g, out_axis, in_axis)
+                kind, bias = "embedding", None
+            else:
+                lay = ShardLayout.matrix(
+                    m.out_features, m.in_features, g, out_axis, in_axis, style.fused
+                )
+                kind = "linear"
+                bias = None
+                if m.bias is not None:
+                    bias = ShardLayout.vector(m.out_features, g, out_axis, style.fused)
+        except ValueError as err:
+            raise Infeasible(f"{name}: {err}") from None
+        tied = "lm_head" if (problem.tie and name == "wte") else None
+        out.append(
+            ShardedLayer(
+                name,
+                kind,
+                lay,
+                style.transpose,
+                style.scatter_input,
+                style.gather_output,
+                "positions" if name == "wpe" else "batch",
+                bias,
+                count,
+                tied,
+            )
+        )
+    return out
+
+
+def batch_per_rank(problem: GPTProblem, g: GridShape) -> int:
+    """Sequences each rank holds (the batch is split over data and z)."""
+    shards = g.data * g.z
+    if problem.batch % shards:
+        raise Infeasible(f"batch {problem.batch} does not divide over data*z = {shards}")
+    return problem.batch // shards
+
+
+def seq_per_rank(problem: GPTProblem, g: GridShape) -> int:
+    """Tokens of each sequence a rank holds (the sequence is split over context)."""
+    if g.context > 1 and problem.seq % (2 * g.context):
+        raise Infeasible(
+            f"sequence of {problem.seq} does not cut into 2·context = {2 * g.context} chunks"
+        )
+    return problem.seq // g.context
+
+
+def _folded(g: GridShape, coords: Mapping[str, int]) -> tuple[GridShape, dict[str, int]]:
+    """The grid and coordinates :mod:`gnnpar.shard` sees (:func:`gnnpar.grid.fold_context`)."""
+    if g.context == 1:
+        return g, dict(coords)
+    folded = dataclasses.replace(g, data=g.data * g.context, context=1)
+    c = dict(coords)
+    c["data"], c["context"] = c["context"] + g.context * c["data"], 0
+    return folded, c
+
+
+def context_collectives(
+    problem: GPTProblem, g: GridShape, heads_parts: int
+) -> list[Collective]:
+    """The ring attention's point-to-point sends of one step (:mod:`gnnpar.tensor.context`):
+    per layer, forward (C−1) hops of this rank's keys and values, backward (C−1) hops of them
+    and C hops of their gradients; ``heads_parts`` ranks split the heads."""
+    from gnnpar.tensor.context import ring_bytes as context_ring_bytes
+
+    c = g.context
+    if c == 1:
+        return []
+    keys = (
+        batch_per_rank(problem, g) * (problem.heads // heads_parts) * seq_per_rank(problem, g)
+        * (problem.hidden // problem.heads) * problem.element_size
+    )  # fmt: skip
+    forward, backward = context_ring_bytes(keys, c)
+    return [
+        Collective("context", "p2p", c, forward, "ring attention: keys and values", problem.layers),
+        Collective("context", "p2p", c, backward, "ring attention backward: keys, values and "
+                   "their gradients", problem.layers),
+    ]  # fmt: skip
+
+
+def _module_collectives(
+    m: ShardedLayer,
+    g: GridShape,
+    coords: Mapping[str, int],
+    tokens: int,
+    e: int,
+    forward_only: bool = False,
+) -> list[Collective]:
+    """One sharded layer's collectives, forward and backward (``forward_only``: the forward's,
+    which a recompute runs again)."""
+    lay = m.layout
+    r, c = coords[lay.row_axis], coords[lay.col_axis]
+    rs, cs = lay.row_sizes(), lay.col_sizes()
+    po, pi, pz = lay.row_parts, lay.col_parts, lay.depth
+    z_full = pz * lay.shard_numel(r, c) * e
+    out: list[Collective] = []
+    if m.kind == "linear" and po * pi * pz == 1:
+        return out
+    i_ax, o_ax, n = lay.col_axis, lay.row_axis, m.count
+    out += collective("z", "all_gather", pz, z_full, f"{m.name} gather W over z", n)
+    if m.kind == "embedding":
+        out += collective(o_ax, "all_reduce", po, tokens * cs[c] * e, f"{m.name} lookup", n)
+        if m.gather_output:
+            out += collective(i_ax, "all_gather", pi, pi * max(cs) * tokens * e, f"{m.name} out", n)
+        out += collective("z", "reduce_scatter", pz, z_full, f"{m.name} dW over z", n)
+        return out
+    out += collective(i_ax, "all_reduce", pi, tokens * rs[r] * e, f"{m.name} Y = X·Wᵀ", n)
+    if m.gather_output:
+        gathered = po * max(rs) * tokens * e
+        out += collective(o_ax, "all_gather", po, gathered, f"{m.name} gather Y", n)
+    if forward_only:
+        return out
+    out += collective(o_ax, "all_reduce", po, tokens * cs[c] * e, f"{m.name} dX", n)
+    out += collective("z", "reduce_scatter", pz, z_full, f"{m.name} dW over z", n)
+    if m.scatter_input:
+        gathered = pi * max(cs) * tokens * e
+        out += collective(i_ax, "all_gather", pi, gathered, f"{m.name} gather dX", n)
+    return out
+
+
+def local_params(
+    problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]
+) -> tuple[int, int]:
+    """(matrix elements, other elements) this rank stores (tied matrices once)."""
+    matrix = vector = 0
+    for m in mods:
+        lay = m.layout
+        if m.name != "lm_head" or not problem.tie:
+            matrix += lay.shard_numel(coords[lay.row_axis], coords[lay.col_axis]) * m.count
+        if m.bias is not None:
+            vector += m.bias.row_sizes()[coords[m.bias.row_axis]] * m.count
+    norms = (2 if problem.bias else 1) * problem.hidden
+    vector += norms * (2 * problem.layers + 1)
+    return matrix, vector
+
+
+def gpt_collectives(
+    problem: GPTProblem,
+    shape: Mapping[str, int],
+    coords: Mapping[str, int] | None = None,
+    layout: list[ShardedLayer] | None = None,
+) -> list[Collective]:
+    """Collectives of one GPT optimizer step on the rank at ``coords`` (default rank 0);
+    ``layout`` is :func:`gpt_layout` of the shape (computed when not given)."""
+    g = grid_shape(shape, None)
+    coords = g.coords(0) if coords is None else dict(coords)
+    mods = gpt_layout(problem, shape) if layout is None else layout
+    b_loc, t_loc = batch_per_rank(problem, g), seq_per_rank(problem, g)
+    e = problem.element_size
+    out: list[Collective] = []
+    for m in mods:
+        tokens = t_loc if m.tokens == "positions" else b_loc * t_loc
+        out += _module_collectives(m, g, coords, tokens, e)
+        if problem.activation_checkpointing == "full" and m.name.startswith("blocks."):
+            again = _module_collectives(m, g, coords, tokens, e, forward_only=True)
+            out += [dataclasses.replace(c, what=f"recompute: {c.what}") for c in again]
+    qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
+    out += context_collectives(problem, g, qkv.layout.row_parts)
+    head = next(m for m in mods if m.name == "lm_head")
+    p = head.layout.row_parts
+    ce = max(e, 4)  # the loss works in float32 at least
+    tokens = b_loc * t_loc
+    out += collective(head.layout.row_axis, "all_reduce", p, tokens * ce, "loss max")
+    out += collective(head.layout.row_axis, "all_reduce", p, 2 * tokens * ce, "loss sums")
+    # context ranks reduce their gradients with the data ranks (bytes count under "data")
+    fg, fcoords = _folded(g, coords)
+    out += _gradient_sync(problem, mods, fg, fcoords)
+    if problem.grad_clip:
+        if problem.stage > 0:  # each data rank holds part of every gradient
+            out += collective("data", "all_reduce", fg.data, 8, "grad norm over data (float64)")
+        out += collective("tensor", "all_reduce", g.size("tensor"), 8, "grad norm (float64)")
+    out += collective("z", "all_reduce", g.z, 8, "loss mean over z (float64)")
+    out += collective("context", "all_reduce", g.context, 8, "loss mean over context (float64)")
+    out += collective("data", "all_reduce", g.data, 8, "loss mean over data (float64)")
+    return out
+
+
+def _gradient_sync(
+    problem: GPTProblem, mods: list[ShardedLayer], g: GridShape, coords: Mapping[str, int]
+) -> list[Collective]:
+    """:mod:`gnnpar.shard`'s gradient reduction (stage 0): every gradient all-reduced over
+    data, those the tensor layers replicate over z (not the matrices) first summed over z;
+    stages 1–3 replace the data-axis all-reduce with ZeRO's reduce-scatter and all-gathers."""
+    e = problem.element_size
+    matrix, other = local_params(problem, mods, coords)
+    buckets: dict[tuple[str, ...], int] = {}
+    for axes, n in ((("data",), matrix), (("z", "data"), other)):
+        key = tuple(a for a in axes if g.size(a) > 1)
+        if key:
+            buckets[key] = buckets.get(key, 0) + n
+    out: list[Collective] = []
+    for axes, n in buckets.items():
+        for a in axes:
+            if a == "data" and problem.stage > 0:
+                what = "ZeRO gradient reduce-scatter"
+                out += collective(a, "reduce_scatter", g.data, n * e, what)
+                out += collective(a, "all_gather", g.data, n * e, "ZeRO parameter all-gather")
+                if problem.stage == 3:
+                    out += collective(a, "all_gather", g.data, n * e, "ZeRO-3 backward re-gather")
+            else:
+                out += collective(a, "all_reduce", g.size(a), n * e, f"gradient sync over {a}")
+    return out
+
+
+def _linear_seconds(m: ShardedLayer, tokens: int, e: int, machine: Machine) -> float:
+    """Forward and backward GEMMs of one Linear on rank 0's block (r × c)."""
+    r, c = m.layout.block_shape(0, 0)
+    return 3 * gemm_seconds(tokens, c, r, e, machine)
+
+
+def gpt_compute_seconds(
+    problem: GPTProblem,
+    shape: Mapping[str, int],
+    machine: Machine,
+    layout: list[ShardedLayer] | None = None,
+) -> dict[str, float]:
+    """Seconds of one GPT optimizer step on rank 0: ``{"gemm", "attention",
+    "elementwise", "optimizer"}`` (``layout``: :func:`gpt_layout` of the shape). Activation
+    checkpointing adds the recompute: the blocks' forward (full) or the attention core's
+    (selective)."""
+    g: GridShape = grid_shape(shape, None)
+    mods = gpt_layout(problem, shape) if layout is None else layout
+    b_loc = batch_per_rank(problem, g)
+    e, h, t = problem.element_size, problem.hidden, problem.seq
+    t_loc = seq_per_rank(problem, g)  # with context, each rank's queries meet all T keys
+    tokens = b_loc * t_loc
+    out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "optimizer": 0.0}
+    full = problem.activation_checkpointing == "full"
+    local = 0
+    for m in mods:
+        local += m.layout.shard_numel(0, 0) * m.count
+        if m.kind == "linear":
+            # the blocks' forward GEMMs (a third of forward + backward) run again
+            again = 4 / 3 if full and m.name.startswith("blocks.") else 1
+            out["gemm"] += again * _linear_seconds(m, tokens, e, machine) * m.count
+    by_name = {m.name.split(".", 2)[-1]: m for m in mods}
+    qkv, fc, head = by_name["attn.qkv"], by_name["mlp.fc"], by_name["lm_head"]
+    h_heads = h / qkv.layout.row_parts  # features of the heads this rank holds
+    # causal attention (flash: the masked half skipped), forward + backward ≈ 3 × forward
+    # (full and selective recompute run the forward's third once more)
+    passes = 3 if problem.activation_checkpointing == "none" else 4
+    attn_flops = passes * 2.0 * b_loc * t_loc * t * h_heads
+    out["attention"] = problem.layers * attn_flops / (machine.gemm_tflops * 1e12)
+    # norms, residuals, dropout: full width on every rank; GELU on this rank's 4h chunk
+    # (full recompute: the forward's half once more)
+    per_layer = tokens * (24 * h + 16 * 4 * h / fc.layout.row_parts) * e * (1.5 if full else 1)
+    loss = tokens * problem.vocab / head.layout.row_parts * 4 * 4
+    out["elementwise"] = stream_seconds(problem.layers * per_layer + loss, machine)
+    shard = g.data * g.context if problem.stage >= 1 else 1  # context ranks shard too
+    out["optimizer"] = stream_seconds(28 * local / shard, machine)
+    share = machine.compute_share(g.world_size)
+    return {k: v / share for k, v in out.items()}
