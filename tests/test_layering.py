@@ -180,3 +180,29 @@ def test_partitioners_and_the_verified_folder_toolkit_import_without_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def _private_imports() -> list[str]:
+    """``file:line name`` of every private name one module imports from another (a private
+    submodule imported inside its own package is that package's business)."""
+    out = []
+    files = [*(ROOT / "gnnpar").rglob("*.py"), *(ROOT / "partitioners").rglob("*.py")]
+    for path in files:
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if node.module.split(".")[0] not in ("gnnpar", "partitioners"):
+                continue
+            for alias in node.names:
+                name = alias.name
+                own_submodule = node.module == package and (path.parent / f"{name}.py").exists()
+                if name.startswith("_") and name != "__version__" and not own_submodule:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{name}")
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Modules meet through public names only (a private one is free to change)."""
+    found = _private_imports()
+    assert not found, "private names imported across modules:\n  " + "\n  ".join(found)

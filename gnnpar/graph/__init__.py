@@ -175,7 +175,7 @@ def _coalesce_coo(
     return _indptr_from_counts(counts), unique - new_rows * num_nodes, new_weight
 
 
-def _weights_or_ones(graph: Graph) -> torch.Tensor:
+def weights_or_ones(graph: Graph) -> torch.Tensor:
     """The edge weights, or ones in the dtype of float features (float32 by default)."""
     if graph.edge_weight is not None:
         return graph.edge_weight
@@ -647,7 +647,7 @@ class Graph:
         Self loops are added with :meth:`add_self_loops` (existing ones are kept).
         """
         g = self.add_self_loops() if add_self_loops else self
-        w = _weights_or_ones(g)
+        w = weights_or_ones(g)
         rows = g.rows()
         deg = _segment_sum(w, rows, g.num_nodes)
         inv_sqrt = deg.pow(-0.5)
@@ -660,11 +660,11 @@ class Graph:
         loop of weight 1 where a node has none: the adjacency GAT and GIN read (the
         ``"raw"`` normalisation of :func:`gnnpar.sparse.prepare_shards`)."""
         g = self.add_self_loops()
-        return g._derive(g.indptr, g.indices, _weights_or_ones(g))
+        return g._derive(g.indptr, g.indices, weights_or_ones(g))
 
     def row_normalize(self) -> Graph:
         """Scale every row to sum to 1 (mean aggregation, ``D^-1 A``); empty rows stay empty."""
-        w = _weights_or_ones(self)
+        w = weights_or_ones(self)
         rows = self.rows()
         inv = 1.0 / _segment_sum(w, rows, self.num_nodes)
         inv[~torch.isfinite(inv)] = 0.0
@@ -751,7 +751,7 @@ class Graph:
 
     def to_torch_sparse(self, layout: torch.layout = torch.sparse_csr) -> torch.Tensor:
         """The weighted adjacency as a torch sparse tensor (``sparse_csr`` or ``sparse_coo``)."""
-        w = _weights_or_ones(self)
+        w = weights_or_ones(self)
         shape = (self.num_nodes, self.num_nodes)
         if layout == torch.sparse_csr:
             with warnings.catch_warnings():  # "sparse CSR support is in beta"

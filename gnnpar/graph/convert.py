@@ -69,9 +69,9 @@ def _graph_class() -> type[Graph]:
 
 
 def _weights_or_ones(graph: Graph) -> torch.Tensor:
-    from gnnpar.graph import _weights_or_ones
+    from gnnpar.graph import weights_or_ones  # the package imports this module
 
-    return _weights_or_ones(graph)
+    return weights_or_ones(graph)
 
 
 def _with_classes(graph: Graph, num_classes: Any) -> Graph:

@@ -18,7 +18,7 @@ import torch
 from gnnpar.graph import Graph
 from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits
-from gnnpar.sampling.saint import _csr, _graph_weight, _train_mask, subgraph_batch
+from gnnpar.sampling.saint import graph_csr, graph_weight, subgraph_batch, train_mask_of
 
 __all__ = ["ClusterSampler"]
 
@@ -51,8 +51,8 @@ class ClusterSampler:
         method: str = "metis",
         owner: Any = None,
     ):
-        self.indptr, self.indices = _csr(graph)
-        self.weight = _graph_weight(graph)  # a weighted graph's: the blocks record them
+        self.indptr, self.indices = graph_csr(graph)
+        self.weight = graph_weight(graph)  # a weighted graph's: the blocks record them
         self.num_nodes = self.indptr.numel() - 1
         for name, value in (
             ("num_layers", num_layers),
@@ -69,7 +69,7 @@ class ClusterSampler:
             )
         self.num_layers, self.seed = num_layers, int(seed)
         self.num_clusters, self.clusters_per_batch = num_clusters, clusters_per_batch
-        self.train_mask = _train_mask(graph, train_mask, self.num_nodes)
+        self.train_mask = train_mask_of(graph, train_mask, self.num_nodes)
         if owner is None:
             import partitioners
 

@@ -43,7 +43,7 @@ _MAX_DEGREE = 2**31 - 1
 BACKENDS = ("auto", "torch", "numba")
 
 
-def _use_numba(backend: str, *tensors: torch.Tensor) -> bool:
+def use_numba(backend: str, *tensors: torch.Tensor) -> bool:
     """Whether to run the compiled kernels: ``auto`` uses them when numba is installed and
     the tensors are on the CPU."""
     if backend not in BACKENDS:
@@ -104,7 +104,7 @@ def as_node_ids(ids: Any, num_nodes: int, what: str = "seeds") -> torch.Tensor:
     return t
 
 
-def _all_positions(start: torch.Tensor, deg: torch.Tensor) -> torch.Tensor:
+def all_positions(start: torch.Tensor, deg: torch.Tensor) -> torch.Tensor:
     """Concatenated ``start[i] + arange(deg[i])``."""
     total = int(deg.sum())
     offsets = torch.zeros(deg.numel() + 1, dtype=torch.int64, device=deg.device)
@@ -192,13 +192,13 @@ def sample_rows(
     deg = indptr.index_select(0, rows + 1) - start
     m = rows.numel()
     if fanout < 0:
-        return deg, _all_positions(start, deg)
+        return deg, all_positions(start, deg)
     if m == 0:
         return deg, torch.zeros(0, dtype=torch.int64, device=rows.device)
     k = fanout
     if int(deg.max()) > _MAX_DEGREE:
         raise ValueError(f"sampling supports degrees below 2**31, got {int(deg.max())}")
-    if _use_numba(backend, indptr, rows):
+    if use_numba(backend, indptr, rows):
         return compiled.sample_rows(
             indptr, rows, k, replace, key, rows if row_keys is None else row_keys
         )
@@ -239,7 +239,7 @@ class Relabeler:
     _STAMPS = 1 << 30
 
     def __init__(self, num_nodes: int, backend: str = "auto"):
-        _use_numba(backend)  # checks the name
+        use_numba(backend)  # checks the name
         self.backend = backend
         self.num_nodes = int(num_nodes)
         self._scratch: torch.Tensor | None = None
@@ -274,7 +274,7 @@ class Relabeler:
                 self._scratch.fill_(torch.iinfo(torch.int64).max)
                 self._stamp = 1
             tag = (self._STAMPS - self._stamp) << 32
-            if _use_numba(self.backend, ids):
+            if use_numba(self.backend, ids):
                 src, local, dup = compiled.relabel(self._scratch, tag, ids, num_dst)
                 if check_unique and dup >= 0:
                     raise ValueError(

@@ -50,7 +50,10 @@ _PRESAMPLE = 0x5A1E  # salts that keep pre-sampling and training draws apart
 _TRAIN = 0x7A15
 
 
-def _csr(graph: Graph | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def graph_csr(
+    graph: Graph | tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A graph's (or an ``(indptr, indices)`` pair's) CSR as int64 tensors."""
     indptr, indices = (graph.indptr, graph.indices) if isinstance(graph, Graph) else graph
     indptr = torch.as_tensor(indptr, dtype=torch.int64)
     indices = torch.as_tensor(indices, dtype=torch.int64)
@@ -59,13 +62,13 @@ def _csr(graph: Graph | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor
     return indptr, indices
 
 
-def _graph_weight(graph: Any) -> torch.Tensor | None:
+def graph_weight(graph: Any) -> torch.Tensor | None:
     """A weighted :class:`~gnnpar.graph.Graph`'s edge weights (float64), else None."""
     w = graph.edge_weight if isinstance(graph, Graph) else None
     return None if w is None else w.to(torch.float64)
 
 
-def _train_mask(graph: Any, train_mask: Any, num_nodes: int) -> torch.Tensor:
+def train_mask_of(graph: Any, train_mask: Any, num_nodes: int) -> torch.Tensor:
     """The training mask (default: the graph's ``train_mask``, else every node)."""
     if train_mask is None and isinstance(graph, Graph):
         train_mask = graph.ndata.get("train_mask")
@@ -132,15 +135,15 @@ class SaintSampler:
         presample: int = 50,
         seed: int = 0,
     ):
-        self.indptr, self.indices = _csr(graph)
-        self.weight = _graph_weight(graph)
+        self.indptr, self.indices = graph_csr(graph)
+        self.weight = graph_weight(graph)
         self.num_nodes = self.indptr.numel() - 1
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
         if isinstance(presample, bool) or not isinstance(presample, int) or presample < 1:
             raise ValueError(f"presample must be an integer >= 1, got {presample!r}")
         self.num_layers, self.presample, self.seed = num_layers, presample, int(seed)
-        self.train_mask = _train_mask(graph, train_mask, self.num_nodes)
+        self.train_mask = train_mask_of(graph, train_mask, self.num_nodes)
         self.degree = self.indptr[1:] - self.indptr[:-1]
         self._normalise()
 
@@ -241,7 +244,7 @@ class SaintNodeSampler(SaintSampler):
                 f"probability must be one of {', '.join(NODE_PROBABILITIES)}, got {probability!r}"
             )
         self.probability = probability
-        indptr, indices = _csr(graph)
+        indptr, indices = graph_csr(graph)
         degree = indptr[1:] - indptr[:-1]
         if probability == "degree":
             norm = degree.to(torch.float64)
@@ -271,7 +274,7 @@ class SaintEdgeSampler(SaintSampler):
 
     def __init__(self, graph: Any, num_layers: int, budget: int, **kwargs: Any):
         self.budget = _check_budget(budget, "budget")
-        indptr, indices = _csr(graph)
+        indptr, indices = graph_csr(graph)
         if indices.numel() == 0:
             raise ValueError("the edge sampler needs a graph with edges")
         deg = indptr[1:] - indptr[:-1]

@@ -49,7 +49,7 @@ import torch
 from gnnpar.graph import Graph
 from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
-from gnnpar.sampling.neighbor import _all_positions, _use_numba
+from gnnpar.sampling.neighbor import all_positions, use_numba
 from gnnpar.sampling.rng import derive_key, random_bits, uniform_below
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
@@ -140,13 +140,13 @@ def induced_block(
         and hi == b
         and row_start == 0
         and col_ids is None
-        and _use_numba("auto", indptr, indices, nodes)
+        and use_numba("auto", indptr, indices, nodes)
     ):  # the compiled loop: the same block in one pass
         out, local, eids = compiled.induced(indptr, indices, nodes)
         return Block(nodes, b, out, local, eids)
     start = indptr.index_select(0, rows)
     deg = indptr.index_select(0, rows + 1) - start
-    pos = _all_positions(start, deg)
+    pos = all_positions(start, deg)
     nbr = indices.index_select(0, pos)
     if col_ids is not None:
         nbr = col_ids.index_select(0, nbr)

@@ -48,7 +48,7 @@ from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import NodeGroups, node_groups
 from gnnpar.shard.offload import HostTier, make_tier
-from gnnpar.shard.zero3 import Stage3, Unit, _cast_floats
+from gnnpar.shard.zero3 import Stage3, Unit, cast_floats
 
 __all__ = ["ShardedModel", "UnitSpec", "by_numel", "by_type", "shard"]
 
@@ -806,12 +806,12 @@ def shard(
         def pre(module, args, kwargs):
             dp._sync_before_forward()
             if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
-                return _cast_floats((args, kwargs), mp.param_dtype)
+                return cast_floats((args, kwargs), mp.param_dtype)
             return None
 
         def post(module, args, output):
             if mp is not None and mp.output_dtype is not None:
-                return _cast_floats(output, mp.output_dtype)
+                return cast_floats(output, mp.output_dtype)
             return None
 
         dp._hooks.append(model.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))

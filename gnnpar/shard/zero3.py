@@ -186,7 +186,7 @@ class Stage3:
                 unit.saved = set()
         if self.mp is not None and self.mp.cast_forward_inputs and self.mp.param_dtype:
             cast = self.mp.param_dtype
-            args, kwargs = _cast_floats((args, kwargs), cast)
+            args, kwargs = cast_floats((args, kwargs), cast)
             return args, kwargs
         return None
 
@@ -205,7 +205,7 @@ class Stage3:
                 if unit.depth == 0:
                     unit.pending.pop(kind).wait()
         if self.mp is not None and self.mp.output_dtype is not None:
-            return _cast_floats(output, self.mp.output_dtype)
+            return cast_floats(output, self.mp.output_dtype)
         return None
 
     def _pre(self, unit: Unit) -> None:
@@ -523,14 +523,14 @@ class Stage3:
                 self._drop(unit)
 
 
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     """``obj`` with every floating tensor inside tuples, lists and dicts cast to ``dtype``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, tuple):
-        return tuple(_cast_floats(o, dtype) for o in obj)
+        return tuple(cast_floats(o, dtype) for o in obj)
     if isinstance(obj, list):
-        return [_cast_floats(o, dtype) for o in obj]
+        return [cast_floats(o, dtype) for o in obj]
     if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
     return obj
