@@ -44,14 +44,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 #: Imports that still go up, each with the reason it is there; the test fails when one
 #: disappears (remove it here) as well as when a new one appears.
-KNOWN_UPWARD = {
-    # A plain or tensor-parallel module's checkpoint layout is described by
-    # gnnpar.tensor.state; checkpoint falls back to it for a module that describes nothing.
-    ("checkpoint", "tensor"): "the default layout of a plain or tensor-parallel module",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 #: Of the pairs above, those that are also a cycle (the other side imports back).
-KNOWN_CYCLES = {("checkpoint", "tensor")}
+KNOWN_CYCLES: set[tuple[str, str]] = set()
 
 
 def _unit(path: Path) -> str:

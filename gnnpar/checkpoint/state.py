@@ -6,8 +6,9 @@ local tensors (*pieces*), where each lies in the full tensors of the plain model
 (replicated values are written once). Parallel wrappers describe themselves — a
 :class:`~gnnpar.shard.ShardedModel`, a full-graph model from
 :func:`~gnnpar.models.fullgraph.parallelize_fullgraph` — through a ``checkpoint_layout()`` method; a
-plain or tensor-parallel module (:func:`gnnpar.tensor.parallelize`) is described by
-:func:`gnnpar.tensor.state.checkpoint_layout`. The optimizer's per-element state follows its
+plain or tensor-parallel module (:func:`gnnpar.tensor.parallelize`) by :func:`module_layout`,
+its sharded layers each saying how their parameters are stored (:class:`ShardedParameters`,
+which the layers of :mod:`gnnpar.tensor` implement). The optimizer's per-element state follows its
 parameter's chunks (:func:`optimizer_pieces`).
 
 Full tensors are named ``model/<plain state-dict key>`` and ``optim/<state>/<key>``.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -95,9 +96,22 @@ def replicated_piece(name: str, key: str, tensor: torch.Tensor, write: bool) -> 
     return Piece(name, tensor, concat([box]), write)
 
 
+@runtime_checkable
+class ShardedParameters(Protocol):
+    """A module that stores some of its parameters sharded (the tensor-parallel layers of
+    :mod:`gnnpar.tensor`) says how each is saved: :meth:`stored_piece`."""
+
+    def stored_piece(
+        self, name: str, key: str, value: torch.Tensor, grid: ProcessGrid
+    ) -> tuple[tuple[int, ...], Piece] | None:
+        """The full tensor's shape and this rank's :class:`Piece` of its parameter ``name``,
+        saved under the plain state-dict ``key``; None when ``name`` is not sharded."""
+
+
 def model_layout(model: Any, grid: ProcessGrid) -> ModelLayout:
     """The :class:`ModelLayout` of ``model`` on this rank: its own ``checkpoint_layout()``
-    if it has one, else that of a plain or tensor-parallel module."""
+    if it has one, else that of a plain module whose layers may shard their parameters
+    (:func:`module_layout`)."""
     describe = getattr(model, "checkpoint_layout", None)
     if describe is not None:
         return describe()
@@ -106,9 +120,49 @@ def model_layout(model: Any, grid: ProcessGrid) -> ModelLayout:
             f"cannot checkpoint a {type(model).__name__}: give an nn.Module, a ShardedModel or "
             "a parallel full-graph model"
         )
-    from gnnpar.tensor.state import checkpoint_layout
+    return module_layout(model, grid)
 
-    return checkpoint_layout(model, grid)
+
+def _sharding_modules(model: torch.nn.Module) -> dict[str, tuple[ShardedParameters, str]]:
+    """Every state-dict key of a parameter whose module may shard it → (module, local
+    name). Tied parameters appear under each of their names; a weight a module only borrows
+    (a pipeline stage's tied head, not among its parameters) is left out."""
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, ShardedParameters):
+            for name in module._parameters:
+                out[f"{prefix}.{name}" if prefix else name] = (module, name)
+    return out
+
+
+def module_layout(model: torch.nn.Module, grid: ProcessGrid) -> ModelLayout:
+    """The layout of a plain or tensor-parallel ``model`` on this rank: each parameter a
+    :class:`ShardedParameters` layer shards as its piece says, everything else replicated;
+    data-axis replicas write nothing (the model is the same on each)."""
+    sharding = _sharding_modules(model)
+    pieces, tensors, aliases, params = [], {}, {}, {}
+    canonical: dict[int, str] = {}
+    keys = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        keys.append(key)
+        if id(value) in canonical:
+            aliases[key] = canonical[id(value)]
+            continue
+        canonical[id(value)] = key
+        stored = None
+        if key in sharding:
+            module, name = sharding[key]
+            stored = module.stored_piece(name, key, value.detach(), grid)
+        if stored is None:
+            shape = tuple(value.shape)
+            piece = replicated_piece(key, key, value.detach(), writes(grid, ()))
+        else:
+            shape, piece = stored
+        tensors[MODEL + key] = TensorSpec.of(shape, value.dtype)
+        pieces.append(piece)
+        if isinstance(value, torch.nn.Parameter):
+            params[id(value)] = (piece.chunks, piece.write)
+    return ModelLayout(pieces, tensors, keys, aliases, params)
 
 
 def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.checkpoint.state import MODEL, Piece, writes
 from gnnpar.comm import chunk_offsets, chunk_sizes
 from gnnpar.grad_destination import grad_destination
 from gnnpar.grid import ProcessGrid
@@ -177,6 +178,22 @@ class ShardedModule(nn.Module):
         """Whether the original module's state dict holds parameter ``name`` as the transpose
         of its layout (what :meth:`to_full_format` undoes)."""
         return False
+
+    def stored_piece(
+        self, name: str, key: str, value: torch.Tensor, grid: ProcessGrid
+    ) -> tuple[tuple[int, ...], Piece] | None:
+        """How a checkpoint stores parameter ``name`` (saved under the plain state-dict
+        ``key``): the full tensor's shape and this rank's piece of it, its chunks placed by
+        the parameter's layout; None for a parameter this layer does not shard
+        (:class:`gnnpar.checkpoint.state.ShardedParameters`)."""
+        layout = self.layouts().get(name)
+        if layout is None:
+            return None
+        transposed = self.stored_transposed(name)
+        shape = tuple(reversed(layout.shape)) if transposed else layout.shape
+        r, c, d = layout.coords(grid)
+        chunks = layout.chunks(MODEL + key, r, c, d, transposed)
+        return shape, Piece(key, value, chunks, writes(grid, layout.split_axes))
 
     # ------------------------------------------------------------------- z gather/prefetch
     def prefetch(self) -> None:
