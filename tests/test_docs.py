@@ -7,7 +7,8 @@ all pages share, so a page's commands see what its earlier commands made and not
 another page's. Python blocks of a page share one interpreter, as when pasted into one
 session. Blocks marked ``# no-run: REASON`` are compiled (Python) or parsed by ``bash -n``,
 and every ``gnnpar``, ``gnnpar-partition``, example and benchmark command in them must name
-flags that exist. What a block may say about its test: ``tests/doc_blocks.py``.
+flags that exist. What a block may say about its test: ``tests/doc_blocks.py``. Every relative
+link of the Markdown pages names a file that exists, and a heading of it where it names one.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ PAGES = pages()
 RUN_PAGES = [p for p in PAGES if any(b.runnable for b in blocks(p))]
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b|: error: ")
 RANK_ERROR = re.compile(r"^\[rank\d+\]:.*(Error|Exception)\b|: error: ")
+MARKDOWN = [p for p in PAGES if p.suffix == ".md"]
+FENCE_LINE = re.compile(r"^\s*```")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 LINKED = ("examples", "benchmarks", "tests", "gnnpar", "partitioners", "Makefile",
           "pyproject.toml", "README.md")  # fmt: skip
 
@@ -352,3 +357,66 @@ def test_every_test_directive_still_applies() -> None:
         for block in blocks(page):
             if block.runnable:
                 block.to_run()  # raises naming the block and the directive
+
+
+# ------------------------------------------------------------------------------- links
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """``(line number, line)`` of a Markdown page outside its fenced blocks."""
+    out, inside = [], False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE_LINE.match(line):
+            inside = not inside
+        elif not inside:
+            out.append((n, line))
+    return out
+
+
+@functools.cache
+def _anchors(path: Path) -> frozenset[str]:
+    """The anchors of a page's headings, as GitHub makes them (lower case, punctuation
+    dropped, blanks to hyphens, ``-1``, ``-2`` for repeats)."""
+    slugs, count = set(), {}
+    for _, line in _prose(path):
+        match = HEADING.match(line)
+        if match:
+            slug = re.sub(r"[^\w\- ]", "", match.group(2).strip().lower()).replace(" ", "-")
+            slugs.add(f"{slug}-{count[slug]}" if slug in count else slug)
+            count[slug] = count.get(slug, 0) + 1
+    return frozenset(slugs)
+
+
+def link_errors(page: Path) -> list[str]:
+    """The relative links of a Markdown page whose file, or heading, does not exist."""
+    errors = []
+    for n, line in _prose(page):
+        for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
+            if re.match(r"^[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                errors.append(f"{page.name}:{n}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                errors.append(f"{page.name}:{n}: {target}: no such heading in {dest.name}")
+    return errors
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=_page_id)
+def test_relative_links_resolve(page: Path) -> None:
+    """A page moved or a heading renamed cannot leave a link pointing nowhere."""
+    assert not link_errors(page), "\n".join(link_errors(page))
+
+
+def test_the_link_check_catches_a_broken_link(tmp_path) -> None:
+    page = tmp_path / "page.md"
+    (tmp_path / "other.md").write_text("# Other\n\n## A `code` part: here\n\n## Twice\n## Twice\n")
+    page.write_text(
+        "# Page\n\n[ok](other.md#a-code-part-here) [ok](other.md#twice-1) [ok](#page)\n"
+        "[web](https://example.org/x) `[code](nowhere.md)`\n```text\n[fenced](nowhere.md)\n```\n"
+        "[gone](missing.md) [no heading](other.md#nothing) [self](#nothing)\n"
+    )
+    assert [e.split(": ", 1)[1] for e in link_errors(page)] == [
+        "missing.md: no such file",
+        "other.md#nothing: no such heading in other.md",
+        "#nothing: no such heading in page.md",
+    ]
