@@ -234,9 +234,10 @@ def test_metrics_log_after_a_torn_line(tmp_path):
     assert [r.get("epoch", r.get("event")) for r in records] == [1, "resume"]
 
 
-def test_every_train_option_has_help_and_a_readme_row():
-    """Every flag of the three tasks says what it does, and README's option table has a row
-    for every config key (a new option cannot be added undocumented)."""
+def test_every_train_option_has_help_and_a_row_in_the_option_table():
+    """Every flag of the three tasks says what it does, and the option table of
+    docs/training.md has a row for every config key (a new option cannot be added
+    undocumented)."""
     import argparse
     import dataclasses
 
@@ -246,19 +247,17 @@ def test_every_train_option_has_help_and_a_readme_row():
     parser = build_parser()
     train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     tasks = next(
-        a
-        for a in train.choices["train"]._actions
-        if isinstance(a, argparse._SubParsersAction)
+        a for a in train.choices["train"]._actions if isinstance(a, argparse._SubParsersAction)
     )
     for name, sub in tasks.choices.items():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help and len(action.help) > 10, (name, action.option_strings)
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "training.md").read_text()
     table = text[text.index("**Trainer options.**") : text.index("A run folder holds")]
     for spec in specs().values():
         for f in dataclasses.fields(spec.config):
-            assert f"`{f.name}`" in table, f"README's option table lacks {f.name}"
+            assert f"`{f.name}`" in table, f"docs/training.md's option table lacks {f.name}"
 
 
 # ------------------------------------------------------------------- what a run prints
