@@ -386,7 +386,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def table(summary: dict[str, Any]) -> str:
-    """The printed (and README) table."""
+    """The printed table (and docs/sharding.md's)."""
     head = (
         "| ranks | implementation | step (s) | × FSDP2 | CPU s/step/rank | × FSDP2 "
         "| peak RSS (MB) | × FSDP2 | data all-gather (MB) | intra-node all-gather (MB) | loss |"

@@ -10,7 +10,7 @@ Every collective takes the :class:`~gnnpar.grid.ProcessGrid` and an axis name, a
 - turns a failure or timeout of a peer into a :class:`CommError` that names the collective,
   the axis, its ranks and this rank, instead of a hang.
 
-Bytes are counted with the ring costs of DESIGN, per rank, for a group of p ranks and a full
+Bytes are counted with the ring costs of docs/grid.md, per rank, for a group of p ranks and a full
 buffer of V bytes: all-gather and reduce-scatter (p−1)/p·V, all-reduce 2(p−1)/p·V, broadcast
 (p−1)/p·V (the average each rank receives), all-to-all the bytes this rank sends to others,
 and a point-to-point :func:`send` its tensor's bytes (on the sender; :func:`recv` counts

@@ -4,7 +4,7 @@ Nothing here calls gnnpar's own byte formulas (``comm.ring_bytes``, the layers' 
 ``expected_bytes``, the planner): the tests hold gnnpar's measured traffic against these, so a
 wrong factor in the implementation's formulas cannot hide behind the same factor here.
 
-Ring costs (DESIGN, per rank, a group of p ranks, a full buffer of V bytes): all-gather and
+Ring costs (docs/grid.md, per rank, a group of p ranks, a full buffer of V bytes): all-gather and
 reduce-scatter (p−1)/p·V, all-reduce 2(p−1)/p·V, broadcast (p−1)/p·V (what a rank receives
 on average), all-to-all the bytes a rank sends to the others. Uneven pieces are padded to
 the largest before they move, so V counts the padding. Chunks are balanced, the first ranks
