@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gnnpar import shm
+from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
@@ -53,7 +54,7 @@ COMBINED_AXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 DEFAULT_TIMEOUT_S = float(os.environ.get("GNNPAR_TIMEOUT", "600"))
 
 
-class GridError(ValueError):
+class GridError(UserError):
     """A grid that cannot be built (sizes that do not match the world, bad axis names)."""
 
 

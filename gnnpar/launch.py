@@ -48,6 +48,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from gnnpar.errors import UserError
+
 #: Port of the rendezvous under MPI when ``MASTER_PORT`` is not set (torch's default).
 DEFAULT_MPI_PORT = 29500
 #: How :meth:`Launch.describe` names each launcher.
@@ -79,7 +81,7 @@ SECONDARY_MARKERS = (
 )
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """The launcher's environment is incomplete or inconsistent."""
 
 

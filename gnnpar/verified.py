@@ -37,6 +37,7 @@ import numpy as np
 import xxhash
 
 from gnnpar.atomic import atomic_write, write_json
+from gnnpar.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +67,7 @@ LEVELS = ("checksum", "size", "none")
 _BLOCK = 8 << 20
 
 
-class FormatError(ValueError):
+class FormatError(UserError):
     """A folder or file that is not what its format says: missing, truncated, corrupted,
     another schema or version, or unsafe content. The message names the file."""
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from gnnpar.errors import UserError
 from partitioners.assignment import METHODS, Partition, partition, supported_balance
 from partitioners.format import PartitionBalanceWarning, load_manifest, load_meta, load_part
 from partitioners.metrics import Quality, format_table, human_bytes, measure, quality
@@ -37,7 +38,7 @@ __all__ = ["main"]
 PROG = "gnnpar-partition"
 
 
-class CliError(Exception):
+class CliError(UserError):
     """An error to report as one line (exit status 2)."""
 
 

@@ -87,6 +87,7 @@ from typing import Any
 
 import numpy as np
 
+from gnnpar.errors import UserError
 from gnnpar.verified import (
     FormatError,
     Manifest,
@@ -125,7 +126,7 @@ class PartitionFormatError(FormatError):
     :class:`~gnnpar.verified.FormatError`, so a ValueError)."""
 
 
-class PartitionSourceError(ValueError):
+class PartitionSourceError(UserError):
     """A partition folder was cut from another graph than the one it is used with."""
 
 

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The layers, lowest first. A unit may import units of its own layer or of lower ones,
 #: never of a higher one (and never in a cycle, whatever the layers).
 LAYERS: tuple[tuple[str, ...], ...] = (
+    # the kinds of error (a user's, a peer's), raised everywhere: imports nothing of gnnpar
+    ("errors",),
     # plain helpers: formatting, files, numbers, no process group
     ("fmt", "atomic", "arrays", "chunking", "plotting", "recompute", "grad_destination"),
     ("verified", "virtual_device", "launch"),

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from gnnpar.atomic import mark_latest
+from gnnpar.errors import UserError
 from gnnpar.verified import MANIFEST, OlderFormatError
 
 __all__ = [
@@ -41,7 +42,7 @@ VERSION = 2
 READABLE = (1, 2)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used here: none usable, or one of another model."""
 
 

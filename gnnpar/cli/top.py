@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from gnnpar.atomic import os_error_message
+from gnnpar.errors import UserError
 from gnnpar.grid import GridError
 from gnnpar.train.config import ConfigError
 
 
-class CLIError(Exception):
+class CLIError(UserError):
     """An error the user can fix; printed as one line, exit code 2."""
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, BinaryIO
 
+from gnnpar.errors import UserError
+
 __all__ = ["RestrictedUnpickler", "UnsafePickleError", "load_pickle", "planetoid_globals"]
 
 
-class UnsafePickleError(pickle.UnpicklingError):
+class UnsafePickleError(pickle.UnpicklingError, UserError):
     """A pickle asked for a class or function outside the allow-list."""
 
 

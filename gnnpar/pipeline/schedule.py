@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from gnnpar.errors import UserError
+
 __all__ = [
     "SCHEDULES",
     "Op",
@@ -48,7 +50,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MESSAGES = ("act", "grad", "weight", "tie")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError):
     """A schedule that cannot run: bad sizes, or a program that would deadlock."""
 
 

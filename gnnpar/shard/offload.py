@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from gnnpar.atomic import os_error_message, write_json
+from gnnpar.errors import UserError
 from gnnpar.shard.flat import FlatGroup
 
 __all__ = ["FileTier", "HostTier", "OffloadError", "make_tier"]
@@ -55,7 +56,7 @@ __all__ = ["FileTier", "HostTier", "OffloadError", "make_tier"]
 OWNER = "owner.json"
 
 
-class OffloadError(ValueError):
+class OffloadError(UserError):
     """A problem with the offload folder (one line, naming it)."""
 
 

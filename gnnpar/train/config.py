@@ -25,13 +25,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from gnnpar.errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration that cannot be used (unknown key, wrong type, bad value)."""
 
 

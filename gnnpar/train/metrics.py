@@ -27,10 +27,11 @@ from typing import Any
 import torch
 
 from gnnpar.atomic import naming
+from gnnpar.errors import UserError
 from gnnpar.graph import is_multilabel
 
 
-class UndefinedScoreError(ValueError):
+class UndefinedScoreError(UserError):
     """A score has no value on these rows (no rows; ROC-AUC: no task with both classes)."""
 
 
