@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import re
 
+from gnnpar.errors import UserError
+
 __all__ = [
     "byte_unit",
     "count",
@@ -91,12 +93,12 @@ def parse_bytes(text: str | int) -> int:
     except ValueError:
         value = math.nan
     if math.isnan(value):
-        raise ValueError(f"not a byte count: {text!r} (write e.g. 4GB, 512MiB or 1e9)")
+        raise UserError(f"not a byte count: {text!r} (write e.g. 4GB, 512MiB or 1e9)")
     if match.group(2):
         base = 1024.0 if match.group(3) else 1000.0
         value *= base ** ("kmgt".index(match.group(2).lower()) + 1)
     if not math.isfinite(value) or value < 1:
-        raise ValueError(f"a byte count must be positive, got {text!r}")
+        raise UserError(f"a byte count must be positive, got {text!r}")
     return int(value)
 
 

@@ -22,6 +22,7 @@ environment, ``init()`` returns a world of one whose groups are all trivial.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import os
 import socket
@@ -406,7 +407,7 @@ def _launch_store(launch: Launch, timeout: timedelta) -> dist.TCPStore:
         # torch's message runs on with C++ frames: its first line says what went wrong
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         who = f"{LAUNCHER_NAMES[launch.launcher]} rank {launch.rank} of {launch.world_size}"
-        if launch.rank == 0 and "address already in use" in first.lower():
+        if launch.rank == 0 and _address_in_use(e):
             # the bind fails at once; the other ranks wait for this one until their timeout
             # (or until the launcher, e.g. srun --kill-on-bad-exit, stops them)
             raise LaunchError(
@@ -418,6 +419,18 @@ def _launch_store(launch: Launch, timeout: timedelta) -> dist.TCPStore:
         raise LaunchError(
             f"{who} could not {doing} {where} ({first}); set MASTER_ADDR / MASTER_PORT"
         ) from None
+
+
+def _address_in_use(err: BaseException) -> bool:
+    """Whether the rendezvous server could not bind its port because another process holds
+    it. torch raises a ``DistNetworkError`` for every socket failure of its store and keeps
+    no errno (its message names it: "name: EADDRINUSE, message: address already in use"),
+    so this is the one place that reads that error's text; a plain OSError of the bind (an
+    older store) has the errno."""
+    if getattr(err, "errno", None) == errno.EADDRINUSE:
+        return True
+    text = str(err).lower()
+    return "eaddrinuse" in text or "address already in use" in text
 
 
 def _hosts_via_store(store: dist.Store, rank: int, world: int) -> list[str]:

@@ -68,16 +68,14 @@ AGENT_GRACE_S = 30.0
 FORK_ENV = "GNNPAR_LAUNCH_FORK"
 #: Set for the ranks of a local launch: the launching process ran the checks before launch.
 PREFLIGHT_DONE_ENV = "GNNPAR_PREFLIGHT_DONE"
-#: Words of an error that only says a peer went away (the consequence, not the cause).
-SECONDARY_MARKERS = (
+#: What gloo's own errors say when a peer went away (see :func:`_gloo_lost_peer`).
+_GLOO_PEER_LOSS = (
     "connection reset",
     "connection closed",
     "connection refused",
     "broken pipe",
     "connectfullmesh",
     "timed out",
-    "see its error",
-    "peer",
 )
 
 
@@ -430,7 +428,7 @@ def launch_local(
     the ranks. ``agent``: a :class:`ForkedAgent` to run the launch in (else the agent starts
     as a new interpreter)."""
     if nprocs < 1:
-        raise ValueError(f"--nprocs must be at least 1, got {nprocs}")
+        raise UserError(f"--nprocs must be at least 1, got {nprocs}")
     target = [script] if script is not None else ["-m", module]
     agent_argv = [
         "--standalone",
@@ -603,18 +601,68 @@ def rank_and_world() -> tuple[int, int]:
     return (0, 1) if launch is None else (launch.rank, launch.world_size)
 
 
-def is_secondary(message: str) -> bool:
-    """Whether an error only says that a peer went away (a lost connection, a timeout, "see
-    its error"): the consequence of another rank's failure, not its cause."""
-    text = message.lower()
-    return any(marker in text for marker in SECONDARY_MARKERS)
+def is_secondary(err: BaseException) -> bool:
+    """Whether ``err`` only says that a peer went away: the consequence of another rank's
+    failure, not its cause. Told by type, of ``err`` and of the errors it was raised from
+    (``raise ... from``, its ``__cause__`` chain: a :class:`~gnnpar.comm.CommError` raised
+    from a lost connection counts, one raised for a tensor on the wrong device does not; an
+    error raised while handling a lost connection, its ``__context__``, is its own):
+
+    - :class:`~gnnpar.errors.PeerFailedError`: a rank that stops because another one failed
+      (rank 0 could not prepare the shards, "see its error");
+    - ``ConnectionError`` (reset, refused, aborted, broken pipe) and ``TimeoutError``;
+    - torch.distributed's ``DistNetworkError`` (a socket to a peer failed or timed out) and
+      ``DistStoreError`` (a peer never wrote what the store waited for);
+    - gloo's lost connections and timeouts, which torch raises untyped
+      (:func:`_gloo_lost_peer`).
+
+    Not ``DistBackendError``: NCCL raises it for every failed call, a misuse (a bug) too.
+    """
+    from gnnpar.errors import PeerFailedError
+
+    dist = sys.modules.get("torch.distributed")  # none of its errors without it imported
+    lost: tuple[type[BaseException], ...] = (PeerFailedError, ConnectionError, TimeoutError)
+    if dist is not None:
+        lost += (dist.DistNetworkError, dist.DistStoreError)
+    return any(isinstance(e, lost) or _gloo_lost_peer(e) for e in _chain(err))
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the errors it was raised from (``raise ... from``), innermost last."""
+    out: list[BaseException] = []
+    cur: BaseException | None = err
+    while cur is not None and not any(cur is e for e in out):
+        out.append(cur)
+        cur = cur.__cause__
+    return out
+
+
+def _gloo_lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is gloo's report of a lost peer: a connection reset or closed by the
+    peer, refused, a broken pipe, a failed ``connectFullMesh``, or a send or receive that
+    timed out. torch turns gloo's exceptions (``gloo::IoException``, ``gloo::TimeoutException``,
+    its enforce failures) into a plain ``RuntimeError`` (torch 2.13 still does: only NCCL's
+    and the store's errors get a ``DistError`` type), whose message starts with the gloo
+    source file that raised it; so this is the one place that reads an error's text, and only
+    a plain ``RuntimeError``'s that names gloo."""
+    if type(err) is not RuntimeError:
+        return False
+    text = str(err).lower()
+    return "gloo" in text and any(marker in text for marker in _GLOO_PEER_LOSS)
 
 
 def record_failure(
-    directory: str | os.PathLike, rank: int, message: str, code: int, detail: str = ""
+    directory: str | os.PathLike,
+    rank: int,
+    message: str,
+    code: int,
+    detail: str = "",
+    secondary: bool = False,
 ) -> None:
     """Write this rank's failure (one line, the exit code it will have, and e.g. a traceback
-    as ``detail``) for the launch agent; the newest attempt's records are the ones read."""
+    as ``detail``) for the launch agent; the newest attempt's records are the ones read.
+    ``secondary``: the failure only echoes a peer's (:func:`is_secondary` of the error), so
+    the agent names another rank's first."""
     record = {
         "rank": rank,
         "attempt": restart_count(),
@@ -622,7 +670,7 @@ def record_failure(
         "message": message,
         "code": code,
         "detail": detail,
-        "secondary": is_secondary(message),
+        "secondary": bool(secondary),
     }
     path = Path(directory) / f"rank-{rank}-{os.getpid()}.json"
     tmp = path.with_suffix(".tmp")
@@ -687,9 +735,11 @@ def agent(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    # The agent's own log lines ("failed (exitcode: 2)", "Sending process ... SIGTERM")
-    # repeat what the summary says.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The agent's own log lines ("failed (exitcode: 2)", "Sending process ... SIGTERM", and
+    # from forked ranks "Terminating process ... via signal SIGTERM") repeat what the summary
+    # says.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     args = parse_args(list(argv))
     directory = tempfile.mkdtemp(prefix="gnnpar-errors-")
     os.environ[ERROR_DIR_ENV] = directory

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from gnnpar.errors import UserError
+
 __all__ = ["MODES", "check_mode", "in_backward", "recompute"]
 
 MODES = ("none", "full", "selective")
@@ -37,7 +39,7 @@ MODES = ("none", "full", "selective")
 def check_mode(mode: str, allowed: tuple[str, ...] = MODES) -> str:
     """``mode`` if it is one of ``allowed``, else a ``ValueError`` naming them."""
     if mode not in allowed:
-        raise ValueError(
+        raise UserError(
             f"activation_checkpointing must be one of {', '.join(allowed)}, got {mode!r}"
         )
     return mode

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from gnnpar.chunking import chunk_offsets, chunk_sizes
+from gnnpar.errors import UserError
 
 DEFAULT_MIN_BYTES = 256 * 1024
 DEFAULT_MAX_BYTES = 16 << 20
@@ -72,9 +73,9 @@ def _env_bytes(name: str, default: int, minimum: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a byte count, got {raw!r}") from None
+        raise UserError(f"{name} must be a byte count, got {raw!r}") from None
     if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+        raise UserError(f"{name} must be at least {minimum}, got {value}")
     return value
 
 

@@ -142,8 +142,11 @@ def _worker(
     try:
         out = fn(*args, **kwargs)
         results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - the parent reports whatever the rank raised
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as err:  # noqa: BLE001 - the parent reports whatever the rank raised
+        from gnnpar.launch import is_secondary
+
+        # the type is known here only: the parent gets the traceback's text and the verdict
+        results.put((rank, "error", (traceback.format_exc(), is_secondary(err))))
     finally:
         import torch.distributed as dist
 
@@ -249,18 +252,18 @@ def _run_world(
         rank = _root_cause(errors)
         others = sorted(set(errors) - {rank})
         also = f" (ranks {others} failed after it)" if others else ""
-        raise DistributedTestError(f"rank {rank} of {world_size} failed{also}:\n{errors[rank]}")
+        text = errors[rank][0]
+        raise DistributedTestError(f"rank {rank} of {world_size} failed{also}:\n{text}")
     return [outcomes[r][1] for r in range(world_size)]
 
 
-_CONSEQUENTIAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _root_cause(errors: dict[int, str]) -> int:
-    """The failing rank whose error is not just a peer's crash seen through a socket (dicts
-    keep arrival order, so ties go to the first to fail)."""
-    for rank, text in errors.items():
-        if not any(marker in text for marker in _CONSEQUENTIAL):
+def _root_cause(errors: dict[int, tuple[str, bool]]) -> int:
+    """The failing rank whose error is not just a peer's failure seen through a socket
+    (each error is its traceback and whether the rank found it secondary,
+    :func:`gnnpar.launch.is_secondary`; dicts keep arrival order, so ties go to the first to
+    fail)."""
+    for rank, (_, secondary) in errors.items():
+        if not secondary:
             return rank
     return next(iter(errors))
 
@@ -280,4 +283,4 @@ def _first_error(outcomes: dict) -> str:
     if not errs:
         return ""
     rank = _root_cause(errs)
-    return f"\nrank {rank} failed first:\n{errs[rank]}"
+    return f"\nrank {rank} failed first:\n{errs[rank][0]}"

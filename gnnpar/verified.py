@@ -96,7 +96,7 @@ def check_level(level: Any) -> str:
     if level is True or level is False:
         return "checksum" if level else "size"
     if level not in LEVELS:
-        raise ValueError(f"verify must be one of {', '.join(LEVELS)}, got {level!r}")
+        raise UserError(f"verify must be one of {', '.join(LEVELS)}, got {level!r}")
     return str(level)
 
 
@@ -236,7 +236,7 @@ def save_npy(path: str | os.PathLike, array: np.ndarray) -> dict[str, Any]:
     the checksum is computed from memory while writing, so the file is never read back."""
     array = np.ascontiguousarray(array)
     if array.dtype.hasobject:
-        raise ValueError(f"cannot store {Path(path).name}: object arrays are not supported")
+        raise UserError(f"cannot store {Path(path).name}: object arrays are not supported")
     header = _npy_header(array.dtype, array.shape)
     data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
     digest = xxhash.xxh3_64(header)
@@ -275,7 +275,7 @@ class NpyWriter:
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
         if self.dtype.hasobject:
-            raise ValueError(f"cannot store {self.path.name}: object arrays are not supported")
+            raise UserError(f"cannot store {self.path.name}: object arrays are not supported")
         self.tail = tuple(int(t) for t in tail)
         self.rows = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)

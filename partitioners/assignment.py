@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from gnnpar.errors import UserError
 from partitioners.csr import CSR, as_csr
 from partitioners.metis import BALANCE_NAMES, metis_owner
 from partitioners.simple import hash_owner, random_owner, range_owner
@@ -89,7 +90,7 @@ class Partition:
             raise ValueError(f"owner holds part {bad}, outside [0, {k})")
         empty = np.flatnonzero(self.sizes() == 0)
         if n >= k and empty.size:
-            raise ValueError(f"{empty.size} of {k} parts are empty (first: part {int(empty[0])})")
+            raise UserError(f"{empty.size} of {k} parts are empty (first: part {int(empty[0])})")
 
 
 def supported_balance(method: str) -> tuple[str, ...]:
@@ -100,12 +101,12 @@ def supported_balance(method: str) -> tuple[str, ...]:
 def check_num_parts(num_parts: Any, num_nodes: int) -> int:
     """``num_parts`` as an int, or ValueError if it is not in ``[1, num_nodes]``."""
     if isinstance(num_parts, bool) or not isinstance(num_parts, (int, np.integer)):
-        raise ValueError(f"num_parts must be an integer, got {num_parts!r}")
+        raise UserError(f"num_parts must be an integer, got {num_parts!r}")
     k = int(num_parts)
     if k < 1:
-        raise ValueError(f"num_parts must be >= 1, got {k}")
+        raise UserError(f"num_parts must be >= 1, got {k}")
     if k > num_nodes:
-        raise ValueError(
+        raise UserError(
             f"cannot split {num_nodes} nodes into {k} parts: num_parts must be <= num_nodes"
         )
     return k
@@ -135,7 +136,7 @@ def _normalise_balance(balance: str | Sequence[str] | None) -> tuple[str, ...]:
     items = (balance,) if isinstance(balance, str) else tuple(balance)
     unknown = [b for b in items if b not in BALANCE_NAMES]
     if unknown:
-        raise ValueError(f"unknown balance {unknown}; choose from {BALANCE_NAMES}")
+        raise UserError(f"unknown balance {unknown}; choose from {BALANCE_NAMES}")
     return items or ("nodes",)
 
 
@@ -178,7 +179,7 @@ def partition(
             ``[1, num_nodes]``.
     """
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     if isinstance(graph, (str, Path)):
         graph = _folder_input(graph, method)
     if _is_reader(graph):  # a graph folder for LDG/Fennel: edges read from disk in chunks
@@ -192,14 +193,14 @@ def partition(
     bal = _normalise_balance(balance)
     supported = supported_balance(method)
     if any(b not in supported for b in bal):
-        raise ValueError(
+        raise UserError(
             f"method {method!r} can balance only {', '.join(supported)}, not {', '.join(bal)} "
             "(METIS balances nodes, training nodes and edges)"
         )
     unknown = sorted(set(options) - set(_OPTIONS.get(method, ())))
     if unknown:
         allowed = ", ".join(_OPTIONS.get(method, ())) or "none"
-        raise ValueError(f"method {method!r} does not take {unknown} (options: {allowed})")
+        raise UserError(f"method {method!r} does not take {unknown} (options: {allowed})")
     start = time.perf_counter()
     info: dict[str, Any] = {}
     if method == "random":

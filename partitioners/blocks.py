@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gnnpar.errors import UserError
 from partitioners.csr import csr_rows
 
 __all__ = [
@@ -192,7 +193,7 @@ def block2d(
     n = indptr.shape[0] - 1
     m = n if num_cols is None else int(num_cols)
     if R < 1 or C < 1:
-        raise ValueError(f"grid shape must be at least 1 x 1, got {R} x {C}")
+        raise UserError(f"grid shape must be at least 1 x 1, got {R} x {C}")
     row_perm = _check_perm(row_perm, n, "row_perm")
     col_perm = _check_perm(col_perm, m, "col_perm")
     row_off, col_off = block_ranges(n, R), block_ranges(m, C)
@@ -396,11 +397,11 @@ def balanced_permutation(
     indices = np.asarray(indices, dtype=np.int64)
     n = indptr.shape[0] - 1
     if R < 1 or C < 1:
-        raise ValueError(f"grid shape must be at least 1 x 1, got {R} x {C}")
+        raise UserError(f"grid shape must be at least 1 x 1, got {R} x {C}")
     if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+        raise UserError(f"rounds must be >= 1, got {rounds}")
     if within not in ("shuffle", "locality"):
-        raise ValueError(f"within must be 'shuffle' or 'locality', got {within!r}")
+        raise UserError(f"within must be 'shuffle' or 'locality', got {within!r}")
     rng = np.random.default_rng(seed)
     if heavy is None:
         heavy = min(n, 512 * (R + C))

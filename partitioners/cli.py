@@ -14,7 +14,9 @@
 to it, spelled as for ``gnnpar train``. With ``--memory-limit SIZE`` (e.g. ``3GB``) and a
 graph folder, the edges are streamed from disk in chunks that fit the limit (LDG and Fennel
 partition that way; the writer always does), and the quality table, which needs the whole
-graph, is left out. Errors print one line and exit with status 2.
+graph, is left out. A user error (a bad value, a missing or damaged file: a
+:class:`~gnnpar.errors.UserError` or an OSError) prints one line and exits with status 2; a bug
+shows its traceback.
 """
 
 from __future__ import annotations
@@ -393,10 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_partition(argv)
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
         return int(exit_.code or 0) if isinstance(exit_.code, int) else 2
-    except (CliError, ValueError, OSError, RuntimeError, ImportError, KeyError) as err:
-        message = str(err) if not isinstance(err, KeyError) else f"missing {err}"
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as err:  # what the user gave (gnnpar.errors), the OS's refusal
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2  # anything else is a bug: its traceback, status 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

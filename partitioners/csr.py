@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gnnpar.arrays import to_numpy
+from gnnpar.errors import UserError
 
 __all__ = ["CSR", "as_csr", "csr_rows", "has_self_loops", "symmetrize", "to_numpy"]
 
@@ -132,7 +133,7 @@ def as_csr(graph: Any, check: bool = False) -> CSR:
 
 def _from_scipy(mat: Any) -> CSR:
     if mat.shape[0] != mat.shape[1]:
-        raise ValueError(f"adjacency must be square, got shape {mat.shape}")
+        raise UserError(f"adjacency must be square, got shape {mat.shape}")
     csr = mat.tocsr()
     data = np.asarray(csr.data)
     weight = None if data.size == 0 or np.all(data == 1) else data

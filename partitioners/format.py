@@ -141,7 +141,7 @@ def part_dir(k: int) -> str:
 def check_key(key: str) -> str:
     """A node-data key usable as a file name, or ValueError."""
     if not _KEY.match(key):
-        raise ValueError(
+        raise UserError(
             f"node data key {key!r} cannot be a file name: use letters, digits, '_', '.', '-'"
         )
     return key

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from gnnpar.errors import UserError
 from partitioners.csr import CSR, symmetrize, to_numpy
 
 __all__ = ["BALANCE_NAMES", "constraints", "metis_owner"]
@@ -45,7 +46,7 @@ def constraints(
     """
     unknown = [b for b in balance if b not in BALANCE_NAMES]
     if unknown:
-        raise ValueError(f"unknown balance constraint(s) {unknown}; choose from {BALANCE_NAMES}")
+        raise UserError(f"unknown balance constraint(s) {unknown}; choose from {BALANCE_NAMES}")
     n = graph.num_nodes
     cols: list[np.ndarray] = []
     names: list[str] = []
@@ -53,7 +54,7 @@ def constraints(
     if "train" in balance:
         mask = graph.train_mask()
         if mask is None:
-            raise ValueError("balance 'train' needs ndata['train_mask'], which the graph lacks")
+            raise UserError("balance 'train' needs ndata['train_mask'], which the graph lacks")
         groups = [("train", mask), ("other", ~mask)]
         for name, m in groups:
             cols.append(m.astype(np.int64))
@@ -63,9 +64,9 @@ def constraints(
         if w.ndim == 1:
             w = w[:, None]
         if w.ndim != 2 or w.shape[0] != n:
-            raise ValueError(f"node_weight must have shape ({n},) or ({n}, c), got {w.shape}")
+            raise UserError(f"node_weight must have shape ({n},) or ({n}, c), got {w.shape}")
         if not np.issubdtype(w.dtype, np.integer) or (w.size and int(w.min()) < 0):
-            raise ValueError("node_weight must hold non-negative integers (METIS weights)")
+            raise UserError("node_weight must hold non-negative integers (METIS weights)")
         for j in range(w.shape[1]):
             cols.append(w[:, j].astype(np.int64))
             names.append(f"weight{j}")
@@ -131,7 +132,7 @@ def metis_owner(
     weights = None
     if edge_weight is True:
         if graph.edge_weight is None:
-            raise ValueError("edge_weight=True but the graph has no edge weights")
+            raise UserError("edge_weight=True but the graph has no edge weights")
         weights = to_numpy(graph.edge_weight)
     elif edge_weight is not None and edge_weight is not False:
         weights = to_numpy(edge_weight)
@@ -141,7 +142,7 @@ def metis_owner(
                 f"shape {weights.shape}"
             )
     if weights is not None and np.any(weights <= 0):
-        raise ValueError("METIS edge weights must be positive")
+        raise UserError("METIS edge weights must be positive")
     xadj, adjncy, adjwgt = symmetrize(graph.indptr, graph.indices, n, weights)
     if adjwgt is not None:
         adjwgt = _integer_weights(adjwgt)
@@ -201,7 +202,7 @@ def _integer_weights(w: np.ndarray) -> np.ndarray:
     smallest = float(w[w > 0].min()) if w.size else 1.0
     scaled = np.rint(w / smallest)
     if scaled.size and float(scaled.max()) > 2**40:
-        raise ValueError(
+        raise UserError(
             f"edge weights span {float(scaled.max()):.3g}x their smallest value; too wide to "
             "turn into METIS integer weights"
         )
@@ -220,12 +221,12 @@ def _pymetis_fallback(
     import pymetis
 
     if pymetis.zero_copy_dtype() == np.dtype(np.int32) and adjncy.shape[0] >= 2**31:
-        raise ValueError(
+        raise UserError(
             f"this pymetis uses 32-bit METIS indices, too small for {adjncy.shape[0]} "
             "adjacency entries; install a pymetis built with 64-bit indices"
         )
     if vwgt is not None and vwgt.shape[1] > 1:
-        raise RuntimeError(
+        raise UserError(
             "multi-constraint METIS needs METIS_PartGraphKway from pymetis's shared library, "
             "which could not be loaded; install a 64-bit pymetis or balance on one constraint"
         )

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from gnnpar.errors import UserError
 from partitioners.assignment import Partition
 from partitioners.csr import as_csr, to_numpy
 
@@ -120,7 +121,7 @@ def quality(
     csr = as_csr(graph)
     owner, k = part.owner, part.num_parts
     if owner.shape[0] != csr.num_nodes:
-        raise ValueError(f"partition covers {owner.shape[0]} nodes, graph has {csr.num_nodes}")
+        raise UserError(f"partition covers {owner.shape[0]} nodes, graph has {csr.num_nodes}")
     cut, frac = edge_cut(csr.indptr, csr.indices, owner)
     sizes = np.bincount(owner, minlength=k)
     edges = np.bincount(owner, weights=np.diff(csr.indptr), minlength=k)

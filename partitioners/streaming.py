@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from gnnpar.errors import UserError
+
 __all__ = ["STREAM_METHODS", "streaming_owner"]
 
 STREAM_METHODS = ("ldg", "fennel")
@@ -68,15 +70,15 @@ def streaming_owner(
         gamma, alpha: Fennel's parameters (``alpha`` defaults to the paper's value).
     """
     if method not in STREAM_METHODS:
-        raise ValueError(f"unknown streaming method {method!r}; choose from {STREAM_METHODS}")
+        raise UserError(f"unknown streaming method {method!r}; choose from {STREAM_METHODS}")
     if order not in ("random", "natural"):
-        raise ValueError(f"order must be 'random' or 'natural', got {order!r}")
+        raise UserError(f"order must be 'random' or 'natural', got {order!r}")
     if passes < 1:
-        raise ValueError(f"passes must be >= 1, got {passes}")
+        raise UserError(f"passes must be >= 1, got {passes}")
     if slack < 1.0:
-        raise ValueError(f"slack must be >= 1.0, got {slack}")
+        raise UserError(f"slack must be >= 1.0, got {slack}")
     if chunk_edges < 1:
-        raise ValueError(f"chunk_edges must be >= 1, got {chunk_edges}")
+        raise UserError(f"chunk_edges must be >= 1, got {chunk_edges}")
     if read is None:
         if indices is None:
             raise ValueError("streaming_owner needs indices or read")

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from gnnpar.errors import UserError
 from gnnpar.verified import write_folder, write_manifest
 from partitioners.assignment import Partition
 from partitioners.csr import CSR, as_csr, to_numpy
@@ -110,9 +111,9 @@ def write(
         k = int(owner.max()) + 1 if owner.size else 1
         part = Partition(owner.astype(np.int64, copy=False), k, method="custom")
     if halo not in (0, 1):
-        raise ValueError(f"halo must be 0 or 1 hops, got {halo!r}")
+        raise UserError(f"halo must be 0 or 1 hops, got {halo!r}")
     if part.num_nodes != csr.num_nodes:
-        raise ValueError(
+        raise UserError(
             f"the partition covers {part.num_nodes} nodes but the graph has {csr.num_nodes}"
         )
     part.validate()
@@ -120,7 +121,7 @@ def write(
     for key in keys:
         check_key(key)
         if key not in csr.ndata:
-            raise ValueError(f"the graph has no node data {key!r} (it has {sorted(csr.ndata)})")
+            raise UserError(f"the graph has no node data {key!r} (it has {sorted(csr.ndata)})")
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"output folder {out} already exists; remove it or choose another")
@@ -238,9 +239,9 @@ def _write_streamed(
     reader = GraphReader(graph, verify="size")
     part = _as_partition(part)
     if halo not in (0, 1):
-        raise ValueError(f"halo must be 0 or 1 hops, got {halo!r}")
+        raise UserError(f"halo must be 0 or 1 hops, got {halo!r}")
     if part.num_nodes != reader.num_nodes:
-        raise ValueError(
+        raise UserError(
             f"the partition covers {part.num_nodes} nodes but the graph has {reader.num_nodes}"
         )
     part.validate()
@@ -249,7 +250,7 @@ def _write_streamed(
     for key in keys:
         check_key(key)
         if key not in known:
-            raise ValueError(f"the graph has no node data {key!r} (it has {sorted(known)})")
+            raise UserError(f"the graph has no node data {key!r} (it has {sorted(known)})")
     if out.exists() and not overwrite:
         raise FileExistsError(f"output folder {out} already exists; remove it or choose another")
     if chunk_edges is None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gnnpar.cli import main
+from gnnpar.errors import UserError
 from gnnpar.train.loop import BaseTask
 from tests.conftest import CITESEER, DATASETS, needs_dataset
 
@@ -133,7 +134,7 @@ def test_a_tasks_preflight_hook_runs_before_launch(one_process, tmp_path, monkey
 
     def preflight(cfg, world_size):
         seen.append((cfg.dataset, world_size))
-        raise ValueError(f"dataset {cfg.dataset} does not match partition P")
+        raise UserError(f"dataset {cfg.dataset} does not match partition P")
 
     monkeypatch.setattr(spec, "SPEC", dataclasses.replace(spec.SPEC, preflight=preflight))
     assert main(["train", "gcn", "--nprocs", "3", "--out", str(tmp_path / "r")]) == 2
@@ -187,6 +188,113 @@ def test_under_plain_torchrun_an_error_every_rank_raises_is_printed_by_rank_0(
     monkeypatch.setenv("RANK", "0")
     assert main(argv) == 2
     assert "config key 'lr' must be a finite number" in _one_line(capsys)
+
+
+# ---------------------------------------------------------------- user errors and bugs
+def _user_errors():
+    """One error of each family the command reports as a user error (one line, exit 2)."""
+    from gnnpar.checkpoint.protocol import CheckpointError
+    from gnnpar.cli.top import CLIError
+    from gnnpar.data.imports import UnsafeFileError
+    from gnnpar.data.safe_pickle import UnsafePickleError
+    from gnnpar.errors import MissingPackageError
+    from gnnpar.grid import GridError
+    from gnnpar.launch import LaunchError
+    from gnnpar.models.fullgraph.shards import OldShardFolderError, ShardFormatError
+    from gnnpar.pipeline.schedule import ScheduleError
+    from gnnpar.plan.inputs import PlanError
+    from gnnpar.shard.offload import OffloadError
+    from gnnpar.train.config import ConfigError, UnknownKeyError
+    from gnnpar.train.metrics import UndefinedScoreError
+    from gnnpar.verified import FormatError, OlderFormatError, UnsafeContentError
+    from partitioners.cli import CliError
+    from partitioners.format import PartitionFormatError, PartitionSourceError
+
+    kinds = [
+        UserError, CLIError, ConfigError, UnknownKeyError, GridError, LaunchError, FormatError,
+        OlderFormatError, UnsafeContentError, ShardFormatError, OldShardFolderError,
+        PartitionFormatError, PartitionSourceError, CheckpointError, OffloadError,
+        ScheduleError, UndefinedScoreError, UnsafePickleError, UnsafeFileError,
+        MissingPackageError, CliError, PlanError,
+    ]  # fmt: skip
+    errors = [kind(f"{kind.__name__} of what was given") for kind in kinds]
+    errors += [
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/given/file"),
+        PermissionError(errno.EACCES, "Permission denied", "/given/folder"),
+        OSError(errno.ENOSPC, "No space left on device", "/given/disk"),
+    ]
+    return errors
+
+
+def _raising(monkeypatch, err: BaseException) -> None:
+    """The checks before launch of ``gnnpar train`` raise ``err`` (the first thing they do)."""
+
+    def check(cfg):
+        raise err
+
+    monkeypatch.setattr("gnnpar.train.loop.check_dataset_options", check)
+
+
+@pytest.mark.parametrize("err", _user_errors(), ids=lambda e: type(e).__name__)
+def test_a_user_error_of_each_family_is_one_line_exit_2(
+    one_process, tmp_path, monkeypatch, capsys, err
+):
+    _raising(monkeypatch, err)
+    assert main(["train", "gcn", "--out", str(tmp_path / "run")]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(
+        "gnnpar train: error: /given/" if isinstance(err, OSError) else "gnnpar train: error: "
+    ), line
+    assert "Traceback" not in line
+
+
+@pytest.mark.parametrize(
+    "err",
+    [ValueError("shapes (3,) and (4,) disagree"), TypeError("bad operand"), KeyError("feat"),
+     RuntimeError("a state that cannot happen"), IndexError("index 5 is out of bounds")],
+    ids=lambda e: type(e).__name__,
+)  # fmt: skip
+def test_a_bug_inside_the_library_is_not_a_user_error(
+    one_process, tmp_path, monkeypatch, capsys, err
+):
+    """A plain ValueError (or TypeError, KeyError...) from inside gnnpar or torch is a bug: not
+    the one line and exit 2 of a user error, but its traceback (the console script exits 1);
+    under a gnnpar launch the rank records it with its traceback for the agent, exit 1."""
+    _raising(monkeypatch, err)
+    argv = ["train", "gcn", "--out", str(tmp_path / "run")]
+    with pytest.raises(type(err)):
+        main(argv)
+    assert "error:" not in capsys.readouterr().err
+    from gnnpar.launch import ERROR_DIR_ENV, read_failures
+
+    folder = tmp_path / "failures"
+    folder.mkdir()
+    monkeypatch.setenv(ERROR_DIR_ENV, str(folder))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv) == 1
+    (record,) = read_failures(folder)
+    assert record["code"] == 1 and not record["secondary"], record
+    assert record["message"].startswith(f"{type(err).__name__}: ")
+    assert "Traceback" in record["detail"] and "check_dataset_options" in record["detail"]
+
+
+def test_the_console_script_shows_a_bugs_traceback_with_status_1(tmp_path):
+    code = (
+        "import sys, gnnpar.train.loop as loop\n"
+        "def check(cfg): raise ValueError('shapes (3,) and (4,) disagree')\n"
+        "loop.check_dataset_options = check\n"
+        "from gnnpar.cli import console\n"
+        f"sys.argv = ['gnnpar', 'train', 'gcn', '--out', {str(tmp_path / 'run')!r}]\n"
+        "sys.exit(console())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr and "ValueError: shapes (3,) and (4,) disagree" in proc.stderr
+    assert "gnnpar train: error:" not in proc.stderr
 
 
 # --------------------------------------------------------------------- non-finite loss
@@ -296,9 +404,9 @@ def test_the_root_cause_comes_before_peers_lost_connections(tmp_path, monkeypatc
     from gnnpar.launch import read_failures, record_failure, summarise_failure
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    record_failure(tmp_path, 0, "RuntimeError: Connection reset by peer", 1, "tb0")
+    record_failure(tmp_path, 0, "RuntimeError: Connection reset by peer", 1, "tb0", True)
     record_failure(tmp_path, 1, "no ind.citeseer.* files under /x", 2)
-    record_failure(tmp_path, 2, "RuntimeError: rank 0 failed (see its error)", 1, "tb2")
+    record_failure(tmp_path, 2, "PeerFailedError: rank 0 failed (see its error)", 1, "tb2", True)
     records = read_failures(tmp_path)
     assert [r["rank"] for r in records] == [1, 0, 2]
     assert summarise_failure(None, records, 3) == (
@@ -317,6 +425,54 @@ def test_the_root_cause_comes_before_peers_lost_connections(tmp_path, monkeypatc
         record_failure(tmp_path, rank, "loss is nan at epoch 2 of 3", 1)
     line, _ = summarise_failure(None, read_failures(tmp_path), 3)
     assert line == "rank 0 of 3: loss is nan at epoch 2 of 3"
+
+
+def _raised(err: BaseException, cause: BaseException | None = None, context=None):
+    """``err`` as raised: ``from cause``, or while handling ``context``."""
+    try:
+        if context is None:
+            raise err from cause
+        try:
+            raise context
+        except BaseException:
+            raise err  # noqa: B904 - raised while handling ``context``, not from it
+    except BaseException as got:
+        return got
+
+
+def test_a_peers_failure_is_told_by_the_errors_type_not_its_text():
+    import torch.distributed as dist
+
+    from gnnpar.comm import CommError
+    from gnnpar.errors import PeerFailedError
+    from gnnpar.launch import is_secondary
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:54468: Connection reset by peer")  # fmt: skip
+    secondary = [
+        ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+        BrokenPipeError(errno.EPIPE, "Broken pipe"),
+        TimeoutError("timed out"),
+        PeerFailedError("rank 0 could not prepare the graph shards (see its error)"),
+        dist.DistNetworkError("Socket Timeout"),
+        dist.DistStoreError("wait timeout"),
+        gloo,
+        _raised(CommError("all_reduce over grid axis 'x' failed"), cause=gloo),
+        _raised(CommError("barrier failed"), cause=dist.DistNetworkError("Connection reset")),
+    ]
+    for err in secondary:
+        assert is_secondary(err), repr(err)
+    primary = [
+        ValueError("connection closed by peer"),
+        UserError("timed out waiting for the data: see its error"),
+        RuntimeError("peer index 3 is not another rank of the group of 2"),
+        CommError("all_reduce over grid axis 'x': tensor on cpu, the grid's device is cuda:0"),
+        dist.DistBackendError("NCCL error: invalid usage"),
+        _raised(ValueError("a bug"), context=ConnectionResetError("reset")),
+        _raised(UserError("bad file"), cause=ValueError("connection reset")),
+    ]
+    for err in primary:
+        assert not is_secondary(err), repr(err)
 
 
 # --------------------------------------------------------------------------- OS errors

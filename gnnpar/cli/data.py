@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 import time
 from collections.abc import Callable
@@ -12,10 +11,12 @@ from typing import Any
 
 import torch
 
+from gnnpar.cli.top import USER_ERRORS
 from gnnpar.data.catalogue import build, catalogue, default_root, get_entry, load, source_record
 from gnnpar.data.options import add_dataset_options, check_dataset, parse_options, split_options
 from gnnpar.data.storage import is_graph_folder, save_graph
 from gnnpar.data.structure import STRUCTURE_DEFAULTS, apply_structure, split_structure
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = ["add_data_commands", "describe"]
@@ -110,7 +111,7 @@ def _prepare_to_disk(args: argparse.Namespace, options: dict, start: float) -> i
     entry = get_entry(args.name)
     own, structure = split_structure(options)
     if entry is None or entry.name != "rmat" or structure:
-        raise ValueError(
+        raise UserError(
             f"--memory-limit generates rmat to disk in chunks; {args.name!r}"
             + (" with structure options" if structure else "")
             + " is built in memory (leave out --memory-limit)"
@@ -139,7 +140,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     options = parse_options(split_options(args.dataset_options), STRUCTURE_DEFAULTS)
     own, structure = split_structure(options)
     if own:
-        raise ValueError(
+        raise UserError(
             f"unknown option(s) {', '.join(own)} for an imported file; known: "
             f"{', '.join(STRUCTURE_DEFAULTS)}"
         )
@@ -170,7 +171,7 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
-        except (ValueError, TypeError, OSError, ImportError, pickle.UnpicklingError) as err:
+        except USER_ERRORS as err:  # a bug goes on to gnnpar's own report (its traceback)
             print(f"gnnpar data {args.data_command}: error: {err}", file=sys.stderr)
             return 2
 

@@ -18,16 +18,21 @@ from typing import Any, NoReturn
 
 from gnnpar.atomic import os_error_message
 from gnnpar.errors import UserError
-from gnnpar.grid import GridError
-from gnnpar.train.config import ConfigError
 
 
 class CLIError(UserError):
     """An error the user can fix; printed as one line, exit code 2."""
 
 
-#: Errors the user can fix (bad values, files): one line, exit code 2.
-USER_ERRORS = (CLIError, ConfigError, GridError, ValueError, OSError)
+#: Errors the user can fix: one line, exit code 2. A UserError is a problem with what the
+#: user gave (gnnpar.errors; CLIError, ConfigError, GridError, FormatError... are ones). An
+#: OSError is the operating system refusing something about the user's files, disk or
+#: network, and error_message names the path and the reason: a missing or existing path, a
+#: permission, a full disk (ENOSPC, a plain OSError), an address in use. gnnpar raises no
+#: OSError for its own invariants, so every one counts, plain OSError included; a peer's lost
+#: connection (a ConnectionError) is told apart by is_secondary when it is reported. Anything
+#: else, a bare ValueError, TypeError or KeyError included, is a bug: its traceback, exit 1.
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, OSError)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -212,11 +217,11 @@ def _report(args: argparse.Namespace, err: BaseException, code: int, detail: str
     rank, world = rank_and_world()
     directory = os.environ.get(ERROR_DIR_ENV)
     if world > 1 and directory:
-        record_failure(directory, rank, message, code, detail)
+        record_failure(directory, rank, message, code, detail, secondary=is_secondary(err))
         return True
     if world > 1:
         alike = getattr(err, "same_on_every_rank", False)
-        if (alike and rank != 0) or is_secondary(message):
+        if (alike and rank != 0) or is_secondary(err):
             return False
         if not alike:
             message = f"rank {rank} of {world}: {message}"
@@ -301,4 +306,4 @@ def is_rank_echo(err: BaseException) -> bool:
     stays silent: the failing rank reports)."""
     from gnnpar.launch import is_secondary, rank_and_world
 
-    return rank_and_world()[1] > 1 and is_secondary(str(err))
+    return rank_and_world()[1] > 1 and is_secondary(err)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gnnpar.errors import UserError
 from gnnpar.train.config import ConfigError, add_flags, resolve, to_toml
 from gnnpar.train.run import check_launch_flags, launch_ranks, train_here, world_size
 from gnnpar.train.spec import TrainSpec, build_task, get, resolved, specs
@@ -35,7 +36,7 @@ def _checked_config(args: argparse.Namespace, launching: bool) -> Any:
         if not args.print_config:
             check_launch_flags(args)
             _preflight(args, resolved(spec, cfg), cfg, launching)
-    except (ValueError, OSError) as err:
+    except (UserError, OSError) as err:
         err.same_on_every_rank = True
         raise
     return cfg
@@ -116,7 +117,7 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, TrainSpec]:
             check_dataset_options(cfg)
             if spec.preflight is not None:
                 spec.preflight(cfg, world)
-    except (ValueError, OSError) as err:
+    except (UserError, OSError) as err:
         err.same_on_every_rank = True
         raise
     return name, cfg, spec

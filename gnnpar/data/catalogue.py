@@ -18,6 +18,7 @@ from gnnpar.data.rmat import rmat
 from gnnpar.data.sbm import sbm
 from gnnpar.data.storage import is_graph_folder, load_graph, read_meta, read_source
 from gnnpar.data.structure import apply_structure, split_structure
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = [
@@ -60,7 +61,7 @@ class CatalogueEntry:
         """The defaults updated with ``kwargs``; unknown keys raise ValueError."""
         unknown = sorted(set(kwargs) - set(self.defaults))
         if unknown:
-            raise ValueError(
+            raise UserError(
                 f"unknown option(s) {', '.join(unknown)} for dataset {self.name!r}; known: "
                 f"{', '.join(self.defaults) or 'none'}"
             )
@@ -215,12 +216,12 @@ def load_path(path: str | Path, **kwargs: Any) -> Graph:
     if names:
         if "name" not in kwargs:
             if len(names) > 1:
-                raise ValueError(f"{folder} holds Planetoid datasets {names}: pass name=...")
+                raise UserError(f"{folder} holds Planetoid datasets {names}: pass name=...")
             kwargs["name"] = names[0]
         return planetoid(folder, **kwargs)
     if is_ogb_folder(folder):
         return ogb(folder, **kwargs)
-    raise ValueError(
+    raise UserError(
         f"{folder} is not a gnnpar graph folder (manifest.json), a Planetoid folder "
         "(ind.<name>.* files) or an OGB folder (raw/edge.csv.gz)"
     )
@@ -238,7 +239,7 @@ def build(name_or_path: str, root: str | Path | None = None, **kwargs: Any) -> G
     if entry is None:
         if not Path(name_or_path).exists():
             names = ", ".join(e.name for e in catalogue())
-            raise ValueError(
+            raise UserError(
                 f"unknown dataset {name_or_path!r}: not a catalogue name ({names}) and no "
                 "such folder"
             )

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gnnpar.errors import UserError
 from gnnpar.verified import check_level
 
 __all__ = [
@@ -52,7 +53,7 @@ def chunk_edges_for(memory_limit: int | None, fixed_bytes: int, what: str = "thi
         return DEFAULT_CHUNK_EDGES
     room = int(memory_limit) - int(fixed_bytes)
     if room < 1024 * BYTES_PER_EDGE:
-        raise ValueError(
+        raise UserError(
             f"memory limit {memory_limit:,} bytes is too small: {what} keeps {fixed_bytes:,} "
             f"bytes of per-node arrays and needs at least {1024 * BYTES_PER_EDGE:,} more for "
             "its chunks"
@@ -147,7 +148,7 @@ class GraphReader:
             self._record["num_classes"] = self.num_classes
             self.indptr = self._read("indptr", slice(None))
             if self.indptr.shape[0] != self.num_nodes + 1:
-                raise ValueError(f"{self._folder}: indptr does not match {self.num_nodes} nodes")
+                raise UserError(f"{self._folder}: indptr does not match {self.num_nodes} nodes")
         else:
             self._graph = graph
             self.name = graph.name

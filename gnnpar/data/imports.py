@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from gnnpar.data.safe_pickle import UnsafePickleError
+from gnnpar.errors import MissingPackageError, UserError
 from gnnpar.graph import Graph, convert
 from gnnpar.verified import file_entry
 
@@ -93,7 +94,7 @@ def _read_pyg(path: Path, name: str) -> Graph:
     try:
         import torch_geometric  # noqa: F401 - the classes of the allow-list
     except ImportError as err:
-        raise ImportError(f"{path}: reading a PyG file needs torch_geometric") from err
+        raise MissingPackageError(f"{path}: reading a PyG file needs torch_geometric") from err
     try:
         with torch.serialization.safe_globals(_pyg_classes()), warnings.catch_warnings():
             # a plain pickle of protocol > 2 draws a multi-line warning before the refusal
@@ -108,13 +109,13 @@ def _read_pyg(path: Path, name: str) -> Graph:
         ) from None
     except Exception as err:  # torch raises RuntimeError, EOFError... for a damaged file
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{path}: not a torch.save file of a PyG Data: {first}") from None
+        raise UserError(f"{path}: not a torch.save file of a PyG Data: {first}") from None
     if not hasattr(data, "edge_index") and not convert.is_heterogeneous(data):
-        raise ValueError(f"{path}: holds a {type(data).__name__}, not a PyG Data")
+        raise UserError(f"{path}: holds a {type(data).__name__}, not a PyG Data")
     try:
         return convert.from_pyg(data, name=name)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
 
 
 def _read_dgl(path: Path, name: str) -> Graph:
@@ -124,14 +125,14 @@ def _read_dgl(path: Path, name: str) -> Graph:
     try:
         graphs, labels = load_graphs(str(path))
     except Exception as err:  # DGLError for a file of another format
-        raise ValueError(f"{path}: not a dgl.save_graphs file: {err}") from None
+        raise UserError(f"{path}: not a dgl.save_graphs file: {err}") from None
     if len(graphs) != 1:
-        raise ValueError(f"{path} holds {len(graphs)} graphs: import one graph per file")
+        raise UserError(f"{path} holds {len(graphs)} graphs: import one graph per file")
     classes = labels.get("num_classes")
     try:
         return convert.from_dgl(graphs[0], name=name, num_classes=classes)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
 
 
 def _read_npz(path: Path, name: str) -> Graph:
@@ -142,13 +143,13 @@ def _read_npz(path: Path, name: str) -> Graph:
         with np.load(path, allow_pickle=False) as arrays:
             extra = {k: arrays[k] for k in arrays.files if k not in _SCIPY_KEYS}
     except (ValueError, OSError) as err:
-        raise ValueError(f"{path}: not a scipy.sparse.save_npz file: {err}") from None
+        raise UserError(f"{path}: not a scipy.sparse.save_npz file: {err}") from None
     classes = extra.pop("num_classes", None)
     n = mat.shape[0]
     ndata = {}
     for key, array in extra.items():
         if array.ndim == 0 or array.shape[0] != n:
-            raise ValueError(
+            raise UserError(
                 f"{path}: array {key!r} has shape {array.shape}, expected {n} rows (one per "
                 "node) or a scalar num_classes"
             )
@@ -157,8 +158,8 @@ def _read_npz(path: Path, name: str) -> Graph:
         classes = int(classes)
     try:
         return convert.from_scipy(mat, ndata=ndata, name=name, num_classes=classes)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
 
 
 def _read_edges(path: Path, name: str) -> Graph:
@@ -174,11 +175,11 @@ def file_kind(path: str | Path, kind: str | None = None) -> str:
     """``kind`` when given (checked), else the kind its suffix names (:data:`KINDS`)."""
     if kind is not None:
         if kind not in _READERS:
-            raise ValueError(f"unknown file kind {kind!r}: one of {', '.join(_READERS)}")
+            raise UserError(f"unknown file kind {kind!r}: one of {', '.join(_READERS)}")
         return kind
     suffix = Path(path).suffix.lower()
     if suffix not in KINDS:
-        raise ValueError(
+        raise UserError(
             f"{path}: cannot tell its kind from the suffix {suffix or '(none)'!r}: known "
             f"suffixes {', '.join(KINDS)} (or pass the kind: {', '.join(_READERS)})"
         )

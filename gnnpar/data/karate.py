@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from gnnpar.data.splits import per_class_split
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = ["karate"]
@@ -31,7 +32,7 @@ def karate(features: str = "identity", feat_dim: int = 16, seed: int = 0) -> Gra
         rng = np.random.default_rng(seed)
         feat = torch.from_numpy(rng.standard_normal((n, feat_dim), dtype=np.float32))
     else:
-        raise ValueError(f"features must be 'identity' or 'random', got {features!r}")
+        raise UserError(f"features must be 'identity' or 'random', got {features!r}")
     ndata = {"feat": feat, "label": labels, **per_class_split(labels, 2, seed=seed)}
     graph = Graph.from_networkx(g, weight_key=None, ndata=ndata, name="karate").coalesce()
     graph.num_classes = 2

@@ -38,6 +38,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = [
@@ -117,7 +118,7 @@ def read_csv_table(path: str | Path, dtype: type = np.int64) -> np.ndarray:
         with opener(path, "rb") as f:
             raw = f.read().strip()
     except (OSError, EOFError) as err:  # a truncated or non-gzip .gz file
-        raise ValueError(f"{path}: cannot read ({err})") from None
+        raise UserError(f"{path}: cannot read ({err})") from None
     if not raw:
         return np.zeros((0, 1), dtype=dtype)
     num_cols = raw.split(b"\n", 1)[0].count(b",") + 1
@@ -125,9 +126,9 @@ def read_csv_table(path: str | Path, dtype: type = np.int64) -> np.ndarray:
     try:
         values = np.fromstring(raw.replace(b",", b" "), dtype=dtype, sep=" ")
     except ValueError as err:
-        raise ValueError(f"{path}: cannot parse as {np.dtype(dtype).name} numbers: {err}") from None
+        raise UserError(f"{path}: cannot parse as {np.dtype(dtype).name} numbers: {err}") from None
     if values.size != num_rows * num_cols:
-        raise ValueError(
+        raise UserError(
             f"{path}: expected {num_rows} rows of {num_cols} values, read {values.size} values"
         )
     return values.reshape(num_rows, num_cols)
@@ -141,9 +142,9 @@ class _Npz:
         try:
             self._file = np.load(path, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-            raise ValueError(f"{path}: not a readable .npz file ({err})") from None
+            raise UserError(f"{path}: not a readable .npz file ({err})") from None
         if not isinstance(self._file, np.lib.npyio.NpzFile):
-            raise ValueError(f"{path}: a single .npy array, not an .npz archive of named arrays")
+            raise UserError(f"{path}: a single .npy array, not an .npz archive of named arrays")
 
     def __contains__(self, key: str) -> bool:
         return key in self._file.files
@@ -152,12 +153,12 @@ class _Npz:
         """The array ``key`` (None if absent and not ``required``)."""
         if key not in self._file.files:
             if required:
-                raise ValueError(f"{self.path}: has no array {key!r} (has {self._file.files})")
+                raise UserError(f"{self.path}: has no array {key!r} (has {self._file.files})")
             return None
         try:
             return self._file[key]
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-            raise ValueError(f"{self.path}: array {key!r} is unreadable ({err})") from None
+            raise UserError(f"{self.path}: array {key!r} is unreadable ({err})") from None
 
 
 @dataclass
@@ -175,7 +176,7 @@ class _Raw:
 def _single_count(values: np.ndarray, where: str) -> int:
     counts = np.asarray(values).reshape(-1)
     if counts.size != 1:
-        raise ValueError(
+        raise UserError(
             f"{where} lists {counts.size} graphs; only single-graph (node property) "
             "datasets are supported"
         )
@@ -188,7 +189,7 @@ def _read_csv_raw(raw: Path) -> _Raw:
         raise FileNotFoundError(f"{raw.parent} is not an OGB folder: {raw}/edge.csv.gz is missing")
     edges = read_csv_table(edge_file, np.int64)
     if edges.shape[0] and edges.shape[1] != 2:
-        raise ValueError(f"{edge_file}: expected 2 columns (src,dst), got {edges.shape[1]}")
+        raise UserError(f"{edge_file}: expected 2 columns (src,dst), got {edges.shape[1]}")
     edges = edges.reshape(-1, 2)
     count_file = _find(raw, "num-node-list")
     num_nodes = None
@@ -198,7 +199,7 @@ def _read_csv_raw(raw: Path) -> _Raw:
     if edge_count_file is not None:
         listed = _single_count(read_csv_table(edge_count_file, np.int64), str(edge_count_file))
         if listed != edges.shape[0]:
-            raise ValueError(f"{edge_count_file} says {listed} edges, {edge_file} has {len(edges)}")
+            raise UserError(f"{edge_count_file} says {listed} edges, {edge_file} has {len(edges)}")
     tables = {}
     for stem, dtype in (
         ("node-feat", np.float32),
@@ -223,13 +224,13 @@ def _read_npz_raw(raw: Path) -> _Raw:
     data = _Npz(raw / "data.npz")
     edge_index = data.get("edge_index")
     if edge_index.ndim != 2 or edge_index.shape[0] != 2:
-        raise ValueError(f"{data.path}: 'edge_index' has shape {edge_index.shape}, expected 2 x E")
+        raise UserError(f"{data.path}: 'edge_index' has shape {edge_index.shape}, expected 2 x E")
     if not np.issubdtype(edge_index.dtype, np.integer):
-        raise ValueError(f"{data.path}: 'edge_index' is {edge_index.dtype}, expected integers")
+        raise UserError(f"{data.path}: 'edge_index' is {edge_index.dtype}, expected integers")
     num_nodes = _single_count(data.get("num_nodes_list"), f"{data.path} 'num_nodes_list'")
     num_edges = _single_count(data.get("num_edges_list"), f"{data.path} 'num_edges_list'")
     if num_edges != edge_index.shape[1]:
-        raise ValueError(
+        raise UserError(
             f"{data.path}: 'num_edges_list' says {num_edges} edges, 'edge_index' has "
             f"{edge_index.shape[1]}"
         )
@@ -268,15 +269,15 @@ def _node_data(raw: _Raw, where: Path) -> tuple[dict[str, torch.Tensor], int]:
         num_nodes = len(sized[0]) if sized else int(raw.edges.max()) + 1 if raw.edges.size else 0
     ndata: dict[str, torch.Tensor] = {}
     if raw.edges.size and (raw.edges.min() < 0 or raw.edges.max() >= num_nodes):
-        raise ValueError(f"{where}: edge endpoints must lie in [0, {num_nodes})")
+        raise UserError(f"{where}: edge endpoints must lie in [0, {num_nodes})")
     for key, arr in (("feat", raw.node_feat), ("label", raw.label), ("species", raw.species)):
         if arr is not None and len(arr) != num_nodes:
-            raise ValueError(f"{where}: node {key} has {len(arr)} rows for {num_nodes} nodes")
+            raise UserError(f"{where}: node {key} has {len(arr)} rows for {num_nodes} nodes")
     if raw.node_feat is not None:
         ndata["feat"] = torch.from_numpy(np.ascontiguousarray(raw.node_feat, dtype=np.float32))
     elif raw.edge_feat is not None:
         if len(raw.edge_feat) != len(raw.edges):
-            raise ValueError(
+            raise UserError(
                 f"{where}: {len(raw.edge_feat)} edge feature rows for {len(raw.edges)} edges"
             )
         ndata["feat"] = _mean_edge_features(raw.edges, raw.edge_feat, num_nodes)
@@ -347,7 +348,7 @@ def ogbn(root: str | Path, name: str, undirected: bool = True) -> Graph:
     split and class count; ``undirected`` adds the reverse edges (as the leaderboard
     baselines train on every one of these graphs)."""
     if name not in ogbn_datasets():
-        raise ValueError(f"unknown OGB dataset {name!r}; known: {', '.join(ogbn_datasets())}")
+        raise UserError(f"unknown OGB dataset {name!r}; known: {', '.join(ogbn_datasets())}")
     spec = ogbn_datasets()[name]
     folder = find_ogbn(root, name)
     return ogb(folder, spec.split, undirected, name=name, num_classes=spec.num_classes)
@@ -361,12 +362,12 @@ def _split_masks(folder: Path, scheme: str | None, num_nodes: int) -> dict[str, 
     schemes = sorted(p.name for p in folder.iterdir() if p.is_dir())
     if scheme is None:
         if len(schemes) > 1:
-            raise ValueError(f"{folder} holds several split schemes {schemes}: pass split=...")
+            raise UserError(f"{folder} holds several split schemes {schemes}: pass split=...")
         if not schemes:
             return {}
         scheme = schemes[0]
     if scheme not in schemes:
-        raise ValueError(f"split {scheme!r} not found in {folder}; available: {schemes}")
+        raise UserError(f"split {scheme!r} not found in {folder}; available: {schemes}")
     masks = {}
     for part, key in (("train", "train_mask"), ("valid", "val_mask"), ("test", "test_mask")):
         path = _find(folder / scheme, part)
@@ -374,7 +375,7 @@ def _split_masks(folder: Path, scheme: str | None, num_nodes: int) -> dict[str, 
             raise FileNotFoundError(f"{folder / scheme}/{part}.csv.gz is missing")
         ids = read_csv_table(path, np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= num_nodes):
-            raise ValueError(f"{path}: node ids must lie in [0, {num_nodes})")
+            raise UserError(f"{path}: node ids must lie in [0, {num_nodes})")
         mask = torch.zeros(num_nodes, dtype=torch.bool)
         mask[torch.from_numpy(ids)] = True
         masks[key] = mask

@@ -11,6 +11,7 @@ from typing import Any
 
 from gnnpar.data.catalogue import catalogue, get_entry
 from gnnpar.data.structure import STRUCTURE_DEFAULTS, split_structure
+from gnnpar.errors import UserError
 
 __all__ = [
     "DATASET_OPTIONS_HELP",
@@ -31,7 +32,7 @@ def _parse_bool(key: str, text: str) -> bool:
         return True
     if text.lower() in _FALSE:
         return False
-    raise ValueError(f"option {key}: expected true or false, got {text!r}")
+    raise UserError(f"option {key}: expected true or false, got {text!r}")
 
 
 def _guess(text: str) -> Any:
@@ -72,9 +73,9 @@ def parse_options(pairs: Sequence[str], defaults: Mapping[str, Any] | None = Non
         key, sep, text = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
-            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
+            raise UserError(f"expected KEY=VALUE, got {pair!r}")
         if not key.isidentifier():  # also keeps every message that names the key one line
-            raise ValueError(f"option names are letters, digits and _, got {key!r}")
+            raise UserError(f"option names are letters, digits and _, got {key!r}")
         default = None if defaults is None else defaults.get(key)
         if isinstance(default, bool):
             options[key] = _parse_bool(key, text)  # its own error names the key
@@ -90,7 +91,7 @@ def parse_options(pairs: Sequence[str], defaults: Mapping[str, Any] | None = Non
                 value = _guess(text)
         except ValueError:
             kind = type(default).__name__
-            raise ValueError(f"option {key}: expected {kind}, got {text!r}") from None
+            raise UserError(f"option {key}: expected {kind}, got {text!r}") from None
         options[key] = value
     return options
 
@@ -108,14 +109,14 @@ def check_dataset(name: str, pairs: Sequence[str]) -> dict[str, Any]:
     a :class:`ValueError` of one line otherwise. Returns the options."""
     options = parse_options(pairs, _defaults_for(name))
     if "root" in options:
-        raise ValueError("give the data root as the root option (--root DIR), not as root=")
+        raise UserError("give the data root as the root option (--root DIR), not as root=")
     own, _ = split_structure(options)
     entry = get_entry(name)
     if entry is not None:
         entry.resolve_kwargs(own)
     elif not Path(name).exists():
         names = ", ".join(e.name for e in catalogue())
-        raise ValueError(
+        raise UserError(
             f"unknown dataset {name!r}: not a catalogue name ({names}) and no such folder"
         )
     return options

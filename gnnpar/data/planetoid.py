@@ -13,6 +13,7 @@ import scipy.sparse as sp
 import torch
 
 from gnnpar.data.safe_pickle import load_pickle
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = ["planetoid", "planetoid_names", "PLANETOID_PARTS"]
@@ -30,7 +31,7 @@ def _dense(matrix: object, what: str) -> np.ndarray:
         return np.asarray(matrix.toarray(), dtype=np.float32)
     if isinstance(matrix, np.ndarray):
         return matrix.astype(np.float32)
-    raise ValueError(f"{what}: expected a numpy array or scipy sparse matrix, got {type(matrix)}")
+    raise UserError(f"{what}: expected a numpy array or scipy sparse matrix, got {type(matrix)}")
 
 
 def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool = False) -> Graph:
@@ -60,14 +61,14 @@ def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool
     x, tx, allx = (_dense(parts[k], f"ind.{name}.{k}") for k in ("x", "tx", "allx"))
     y, ty, ally = (np.asarray(parts[k], dtype=np.float32) for k in ("y", "ty", "ally"))
     if len(tx) != len(test_index) or len(ty) != len(test_index):
-        raise ValueError(
+        raise UserError(
             f"ind.{name}.tx has {len(tx)} rows and ty {len(ty)}, but test.index lists "
             f"{len(test_index)} nodes"
         )
     sorted_test = np.sort(test_index)
     lo, hi = int(sorted_test[0]), int(sorted_test[-1])
     if lo != len(allx):
-        raise ValueError(f"test ids should start right after allx ({len(allx)}), start at {lo}")
+        raise UserError(f"test ids should start right after allx ({len(allx)}), start at {lo}")
     # Pad tx/ty to the full id range: ids missing from test.index are isolated nodes.
     tx_full = np.zeros((hi - lo + 1, tx.shape[1]), dtype=np.float32)
     tx_full[sorted_test - lo] = tx
@@ -87,7 +88,7 @@ def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool
 
     adjacency = parts["graph"]
     if not isinstance(adjacency, dict):
-        raise ValueError(f"ind.{name}.graph: expected a dict of adjacency lists")
+        raise UserError(f"ind.{name}.graph: expected a dict of adjacency lists")
     dst = np.fromiter((u for u, vs in adjacency.items() for _ in vs), dtype=np.int64, count=-1)
     src = np.fromiter((v for vs in adjacency.values() for v in vs), dtype=np.int64, count=-1)
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from gnnpar.data.splits import random_split
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = ["rmat", "rmat_to_disk"]
@@ -17,11 +18,11 @@ __all__ = ["rmat", "rmat_to_disk"]
 def _check(scale, edge_factor, a, b, c, feat_dim, num_classes) -> None:
     d = 1.0 - a - b - c
     if min(a, b, c, d) < 0:
-        raise ValueError(f"a, b, c must be >= 0 with a + b + c <= 1, got a={a}, b={b}, c={c}")
+        raise UserError(f"a, b, c must be >= 0 with a + b + c <= 1, got a={a}, b={b}, c={c}")
     if not 1 <= scale <= 40 or edge_factor < 0:
-        raise ValueError(f"need 1 <= scale <= 40 and edge_factor >= 0, got {scale}, {edge_factor}")
+        raise UserError(f"need 1 <= scale <= 40 and edge_factor >= 0, got {scale}, {edge_factor}")
     if feat_dim < 1 or num_classes < 1:
-        raise ValueError(f"feat_dim and num_classes must be >= 1, got {feat_dim}, {num_classes}")
+        raise UserError(f"feat_dim and num_classes must be >= 1, got {feat_dim}, {num_classes}")
 
 
 def _draw(
@@ -142,7 +143,7 @@ def rmat_to_disk(
     budget = 10**9 if memory_limit is None else int(memory_limit)
     fixed = 50 * n
     if budget < fixed + 64 * DISK_BATCH:
-        raise ValueError(
+        raise UserError(
             f"memory limit {budget:,} bytes is too small for R-MAT {scale}: it needs "
             f"{fixed + 64 * DISK_BATCH:,} (per-node arrays and one batch of edges)"
         )

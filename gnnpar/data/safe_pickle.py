@@ -85,10 +85,14 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def load_pickle(path: str | Path, allowed: Mapping[tuple[str, str], Any] | None = None) -> Any:
     """Unpickle ``path`` with :class:`RestrictedUnpickler` (default allow-list:
-    :func:`planetoid_globals`). Raises :class:`UnsafePickleError` naming the refused class."""
+    :func:`planetoid_globals`). Raises :class:`UnsafePickleError` naming the refused class,
+    and a :class:`~gnnpar.errors.UserError` naming the file when it is not a whole pickle."""
     allowed = planetoid_globals() if allowed is None else allowed
     with open(path, "rb") as f:
         try:
             return RestrictedUnpickler(f, allowed).load()
         except UnsafePickleError as err:
             raise UnsafePickleError(f"{path}: {err}") from None
+        except Exception as err:  # UnpicklingError, EOFError, ... for a truncated or damaged file
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"{path}: not a readable pickle ({first})") from None

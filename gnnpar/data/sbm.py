@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from gnnpar.data.splits import per_class_split
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = ["sbm"]
@@ -37,12 +38,12 @@ def sbm(
     scaled down for small graphs). Everything is determined by ``seed``.
     """
     if num_nodes < 1 or num_classes < 1 or num_classes > num_nodes:
-        raise ValueError(
+        raise UserError(
             f"need 1 <= num_classes <= num_nodes, got num_classes={num_classes}, "
             f"num_nodes={num_nodes}"
         )
     if avg_degree < 0 or p_ratio <= 0 or feature_noise < 0 or feat_dim < 1:
-        raise ValueError(
+        raise UserError(
             "avg_degree and feature_noise must be >= 0, p_ratio > 0 and feat_dim >= 1, got "
             f"avg_degree={avg_degree}, p_ratio={p_ratio}, feature_noise={feature_noise}, "
             f"feat_dim={feat_dim}"

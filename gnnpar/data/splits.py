@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gnnpar.errors import UserError
+
 __all__ = ["per_class_split", "random_split", "scaled_split_sizes"]
 
 
@@ -70,7 +72,7 @@ def random_split(
 ) -> dict[str, torch.Tensor]:
     """Random split by fractions; the nodes left over after train and val form the test set."""
     if not (0 <= train_frac <= 1 and 0 <= val_frac <= 1 and train_frac + val_frac <= 1):
-        raise ValueError(
+        raise UserError(
             f"train_frac ({train_frac}) and val_frac ({val_frac}) must lie in [0, 1] and sum "
             "to at most 1"
         )

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 from gnnpar.verified import (
     FormatError,
@@ -80,7 +81,7 @@ def _to_numpy(tensor: torch.Tensor, name: str) -> np.ndarray:
     try:
         return tensor.detach().cpu().contiguous().numpy()
     except TypeError as err:  # e.g. bfloat16 has no numpy dtype
-        raise ValueError(f"cannot store {name} with dtype {tensor.dtype}: {err}") from None
+        raise UserError(f"cannot store {name} with dtype {tensor.dtype}: {err}") from None
 
 
 def _arrays_of(graph: Graph) -> list[tuple[str, str, torch.Tensor]]:
@@ -108,7 +109,7 @@ def save_graph(
     """
     for key in graph.ndata:
         if not _KEY.match(key):
-            raise ValueError(f"ndata key {key!r} cannot be a file name (use letters, digits, _.-)")
+            raise UserError(f"ndata key {key!r} cannot be a file name (use letters, digits, _.-)")
     graph.validate()
     arrays = [(name, file, _to_numpy(t, name)) for name, file, t in _arrays_of(graph)]
     meta: dict[str, Any] = {
@@ -300,5 +301,5 @@ def load_graph(
             validate=validate,
             num_classes=meta.get("num_classes"),
         )
-    except ValueError as err:
-        raise ValueError(f"{manifest.folder}: {err}") from None
+    except UserError as err:
+        raise UserError(f"{manifest.folder}: {err}") from None

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 
 __all__ = [
@@ -54,10 +55,10 @@ def check_structure(structure: Mapping[str, Any]) -> None:
     """One ValueError naming the option for a value of the wrong kind."""
     undirected = structure.get("to_undirected", False)
     if not isinstance(undirected, bool):
-        raise ValueError(f"option to_undirected: expected true or false, got {undirected!r}")
+        raise UserError(f"option to_undirected: expected true or false, got {undirected!r}")
     loops = structure.get("self_loops", "keep")
     if loops not in SELF_LOOPS:
-        raise ValueError(
+        raise UserError(
             f"option self_loops: expected one of {', '.join(SELF_LOOPS)}, got {loops!r}"
         )
 

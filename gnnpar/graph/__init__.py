@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gnnpar.errors import UserError
+
 __all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel"]
 
 _REDUCTIONS = ("sum", "max", "mean")
@@ -31,7 +33,7 @@ def _as_num_classes(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"num_classes must be a non-negative int or None, got {value!r}")
+        raise UserError(f"num_classes must be a non-negative int or None, got {value!r}")
     return int(value)
 
 
@@ -41,16 +43,16 @@ def _as_index(x: Any, what: str) -> torch.Tensor:
         t = x
     elif isinstance(x, np.ndarray):
         if not np.issubdtype(x.dtype, np.integer):
-            raise ValueError(f"{what} must have an integer dtype, got numpy {x.dtype}")
+            raise UserError(f"{what} must have an integer dtype, got numpy {x.dtype}")
         t = torch.from_numpy(np.ascontiguousarray(x.astype(np.int64, copy=False)))
     elif isinstance(x, Sequence) and len(x) == 0:
         t = torch.zeros(0, dtype=torch.int64)
     else:
         t = torch.as_tensor(x)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise ValueError(f"{what} must have an integer dtype, got {t.dtype}")
+        raise UserError(f"{what} must have an integer dtype, got {t.dtype}")
     if t.dim() != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
+        raise UserError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
     return t.to(torch.int64)
 
 
@@ -60,9 +62,9 @@ def _as_weight(x: Any, num: int | None = None, what: str = "edge_weight") -> tor
     if not t.is_floating_point():
         t = t.to(torch.float32)
     if t.dim() != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
+        raise UserError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
     if num is not None and t.numel() != num:
-        raise ValueError(f"{what} has {t.numel()} entries but there are {num} edges")
+        raise UserError(f"{what} has {t.numel()} entries but there are {num} edges")
     return t
 
 
@@ -81,10 +83,10 @@ def _check_node_ids(ids: torch.Tensor, num_nodes: int, what: str) -> None:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0:
         pos = int(torch.nonzero(ids < 0)[0, 0])
-        raise ValueError(f"{what} contain a negative node id {lo} (first at position {pos})")
+        raise UserError(f"{what} contain a negative node id {lo} (first at position {pos})")
     if hi >= num_nodes:
         pos = int(torch.nonzero(ids >= num_nodes)[0, 0])
-        raise ValueError(
+        raise UserError(
             f"{what} contain node id {hi} (first bad one at position {pos}), but num_nodes is "
             f"{num_nodes}: ids must lie in [0, {num_nodes})"
         )
@@ -150,7 +152,7 @@ def _coalesce_coo(
     if reduce not in _REDUCTIONS:
         raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
     if num_nodes > 3_037_000_499:  # num_nodes**2 must fit in int64 for the sort key
-        raise ValueError(f"coalesce supports at most 3,037,000,499 nodes, got {num_nodes}")
+        raise UserError(f"coalesce supports at most 3,037,000,499 nodes, got {num_nodes}")
     keys = rows * num_nodes + cols
     if weight is None:
         keys, order = _sort_values(keys), None
@@ -256,12 +258,12 @@ class Graph:
         self.indices = _as_index(indices, "indices")
         if num_nodes is None:
             if self.indptr.numel() == 0:
-                raise ValueError("indptr is empty: it needs num_nodes + 1 entries (at least [0])")
+                raise UserError("indptr is empty: it needs num_nodes + 1 entries (at least [0])")
             num_nodes = self.indptr.numel() - 1
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)):
-            raise ValueError(f"num_nodes must be an int, got {num_nodes!r}")
+            raise UserError(f"num_nodes must be an int, got {num_nodes!r}")
         if num_nodes < 0:
-            raise ValueError(f"num_nodes must be >= 0, got {num_nodes}")
+            raise UserError(f"num_nodes must be >= 0, got {num_nodes}")
         self.num_nodes = int(num_nodes)
         self.edge_weight = None if edge_weight is None else _as_weight(edge_weight)
         self.ndata: dict[str, torch.Tensor] = {
@@ -393,36 +395,36 @@ class Graph:
     def _check_shapes(self) -> None:
         n = self.num_nodes
         if self.indptr.numel() != n + 1:
-            raise ValueError(
+            raise UserError(
                 f"indptr has length {self.indptr.numel()}, expected num_nodes + 1 = {n + 1}"
             )
         if int(self.indptr[0]) != 0:
-            raise ValueError(f"indptr[0] must be 0, got {int(self.indptr[0])}")
+            raise UserError(f"indptr[0] must be 0, got {int(self.indptr[0])}")
         if int(self.indptr[-1]) != self.indices.numel():
-            raise ValueError(
+            raise UserError(
                 f"indptr[-1] ({int(self.indptr[-1])}) must equal len(indices) "
                 f"({self.indices.numel()})"
             )
         if self.edge_weight is not None and self.edge_weight.numel() != self.num_edges:
-            raise ValueError(
+            raise UserError(
                 f"edge_weight has {self.edge_weight.numel()} entries but the graph has "
                 f"{self.num_edges} edges"
             )
         for key, value in self.ndata.items():
             if value.dim() == 0 or value.shape[0] != n:
                 rows = "a scalar" if value.dim() == 0 else f"{value.shape[0]} rows"
-                raise ValueError(f"ndata[{key!r}] has {rows} but the graph has {n} nodes")
+                raise UserError(f"ndata[{key!r}] has {rows} but the graph has {n} nodes")
 
     def validate(self) -> None:
         """Check the whole structure; raise ValueError naming the first problem found."""
         for what, t in (("indptr", self.indptr), ("indices", self.indices)):
             if t.dtype != torch.int64:
-                raise ValueError(f"{what} must be torch.int64, got {t.dtype}")
+                raise UserError(f"{what} must be torch.int64, got {t.dtype}")
         self._check_shapes()
         steps = self.indptr[1:] - self.indptr[:-1]
         if steps.numel() and int(steps.min()) < 0:
             i = int(torch.nonzero(steps < 0)[0, 0])
-            raise ValueError(
+            raise UserError(
                 f"indptr is not monotone non-decreasing: indptr[{i}] = {int(self.indptr[i])} > "
                 f"indptr[{i + 1}] = {int(self.indptr[i + 1])}"
             )
@@ -451,7 +453,7 @@ class Graph:
         src = _as_index(src, "src")
         dst = _as_index(dst, "dst")
         if src.numel() != dst.numel():
-            raise ValueError(f"src has {src.numel()} entries but dst has {dst.numel()}")
+            raise UserError(f"src has {src.numel()} entries but dst has {dst.numel()}")
         weight = None if edge_weight is None else _as_weight(edge_weight, src.numel())
         if num_nodes is None:
             num_nodes = 0 if src.numel() == 0 else int(torch.maximum(src.max(), dst.max())) + 1
@@ -470,11 +472,11 @@ class Graph:
         disjoint split masks (the checks that do not concern topology)."""
         if self.edge_weight is not None and not bool(torch.isfinite(self.edge_weight).all()):
             bad = int((~torch.isfinite(self.edge_weight)).sum())
-            raise ValueError(f"edge_weight contains {bad} non-finite values (NaN or inf)")
+            raise UserError(f"edge_weight contains {bad} non-finite values (NaN or inf)")
         for key, value in self.ndata.items():
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 bad = int((~torch.isfinite(value)).sum())
-                raise ValueError(f"ndata[{key!r}] contains {bad} non-finite values (NaN or inf)")
+                raise UserError(f"ndata[{key!r}] contains {bad} non-finite values (NaN or inf)")
         self._check_labels()
         self._check_masks()
 
@@ -487,13 +489,13 @@ class Graph:
         k = self._num_classes
         if self.is_multilabel:
             if k is not None and k != y.shape[1]:
-                raise ValueError(
+                raise UserError(
                     f"ndata['label'] has {y.shape[1]} columns (multi-label) but num_classes is {k}"
                 )
             bad = (y != 0) & (y != 1)
             if bool(bad.any()):
                 node, task = (int(i) for i in torch.nonzero(bad)[0])
-                raise ValueError(
+                raise UserError(
                     f"ndata['label'][{node}, {task}] = {y[node, task].item()!r}: a multi-label "
                     "(N x C) label holds 0 or 1 in every entry"
                 )
@@ -502,17 +504,17 @@ class Graph:
         if ids.is_floating_point() or ids.is_complex():
             if ids.is_floating_point() and not bool((ids == torch.round(ids)).all()):
                 node = int(torch.nonzero(ids != torch.round(ids))[0, 0])
-                raise ValueError(
+                raise UserError(
                     f"ndata['label'] holds fractional class ids (node {node}: "
                     f"{ids[node].item()!r}): class ids must be integers"
                 )
-            raise ValueError(
+            raise UserError(
                 f"ndata['label'] is {ids.dtype}: class ids must have an integer dtype "
                 "(cast them, e.g. label.long())"
             )
         if k is not None and ids.numel() and bool((ids >= k).any()):
             node = int(torch.nonzero(ids >= k)[0, 0])
-            raise ValueError(
+            raise UserError(
                 f"ndata['label'][{node}] = {int(ids[node])} is not a class of this {k}-class "
                 f"graph: labels must lie in [0, {k}) (negative = unlabelled)"
             )
@@ -525,10 +527,10 @@ class Graph:
             if m is None:
                 continue
             if m.dim() != 1:
-                raise ValueError(f"ndata[{key!r}] must be 1-D, got shape {tuple(m.shape)}")
+                raise UserError(f"ndata[{key!r}] must be 1-D, got shape {tuple(m.shape)}")
             if m.dtype != torch.bool:
                 if m.is_floating_point() or m.is_complex() or bool(((m != 0) & (m != 1)).any()):
-                    raise ValueError(f"ndata[{key!r}] must be boolean (or 0/1), got {m.dtype}")
+                    raise UserError(f"ndata[{key!r}] must be boolean (or 0/1), got {m.dtype}")
             masks[key] = m.to(torch.bool)
         names = list(masks)
         for i, a in enumerate(names):
@@ -536,7 +538,7 @@ class Graph:
                 both = masks[a] & masks[b]
                 if bool(both.any()):
                     node = int(torch.nonzero(both)[0, 0])
-                    raise ValueError(
+                    raise UserError(
                         f"node {node} is in both {a} and {b} ({int(both.sum())} nodes are): "
                         "the split masks must be disjoint"
                     )
@@ -887,14 +889,14 @@ def check_trainable_data(name: str, ndata: Mapping[str, torch.Tensor]) -> None:
     what a check of a graph folder too large to load reads."""
     for key in ("feat", "label", "train_mask"):
         if key not in ndata:
-            raise ValueError(f"graph {name!r} has no node data {key!r}")
+            raise UserError(f"graph {name!r} has no node data {key!r}")
     train = ndata["train_mask"].to(torch.bool)
     if not bool(train.any()):
-        raise ValueError(
+        raise UserError(
             f"graph {name!r} has no training nodes (train_mask is all False): nothing to train on"
         )
     y = ndata["label"]
     if y.dim() == 1 and bool((y[train] < 0).any()):
         node = int(torch.nonzero(train & (y < 0))[0, 0])
         label = int(y[node])
-        raise ValueError(f"graph {name!r}: training node {node} is unlabelled (label {label})")
+        raise UserError(f"graph {name!r}: training node {node} is unlabelled (label {label})")

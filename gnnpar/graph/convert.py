@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from gnnpar.errors import MissingPackageError, UserError
+
 if TYPE_CHECKING:
     from gnnpar.graph import Graph
 
@@ -114,7 +116,7 @@ def from_scipy(
     if not sp.issparse(mat):
         raise TypeError(f"expected a scipy sparse matrix, got {type(mat).__name__}")
     if mat.shape[0] != mat.shape[1]:
-        raise ValueError(f"adjacency must be square, got shape {mat.shape}")
+        raise UserError(f"adjacency must be square, got shape {mat.shape}")
     csr = sp.csr_matrix(mat)
     data = np.asarray(csr.data)
     if weighted is None:
@@ -176,12 +178,12 @@ def from_pyg(data: Any, name: str = "graph", num_classes: int | None = None) -> 
     argument, else an int ``data.num_classes``) is stored with the labels.
     """
     if is_heterogeneous(data):
-        raise ValueError(f"PyG HeteroData: {HETEROGENEOUS}")
+        raise UserError(f"PyG HeteroData: {HETEROGENEOUS}")
     edge_index = getattr(data, "edge_index", None)
     if edge_index is None:
-        raise ValueError("PyG data has no edge_index")
+        raise UserError("PyG data has no edge_index")
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        raise ValueError(f"edge_index must have shape (2, E), got {tuple(edge_index.shape)}")
+        raise UserError(f"edge_index must have shape (2, E), got {tuple(edge_index.shape)}")
     num_nodes = int(data.num_nodes)
     weight = getattr(data, "edge_weight", None)
     if weight is None:
@@ -213,7 +215,7 @@ def import_dgl(caller: str) -> Any:
     try:
         import dgl
     except ImportError as err:  # DGL is optional and heavy
-        raise ImportError(
+        raise MissingPackageError(
             f"Graph.{caller} needs DGL, which is not installed: pip install 'gnnpar[dgl]' "
             "(dgl==1.1.3)"
         ) from err
@@ -242,7 +244,7 @@ def from_dgl(
     ``*_mask``, as ``dgl.save_graphs`` stores masks, as bool)."""
     import_dgl("from_dgl")
     if len(g.ntypes) != 1 or len(g.etypes) != 1:
-        raise ValueError(
+        raise UserError(
             f"DGL graph with node types {g.ntypes} and edge types {g.etypes}: {HETEROGENEOUS}"
         )
     src, dst = g.edges()
@@ -320,7 +322,7 @@ def from_networkx(
         values = []
         for v in nodes:
             if attr not in g.nodes[v]:
-                raise ValueError(f"node {v!r} has no attribute {attr!r}")
+                raise UserError(f"node {v!r} has no attribute {attr!r}")
             values.append(g.nodes[v][attr])
         data[attr] = _stack_values(values, attr)
     if name is None:
@@ -336,7 +338,7 @@ def _stack_values(values: list[Any], attr: str) -> torch.Tensor:
     try:
         return torch.tensor(values)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"node attribute {attr!r} cannot be turned into a tensor: {err}") from err
+        raise UserError(f"node attribute {attr!r} cannot be turned into a tensor: {err}") from err
 
 
 # ------------------------------------------------------------------ edge lists
@@ -376,16 +378,14 @@ def read_edge_list(path: str | Path) -> tuple[np.ndarray, np.ndarray | None, int
     try:
         table = np.loadtxt(path, comments="#", ndmin=2, dtype=np.float64)
     except ValueError as err:
-        raise ValueError(f"{path}: not an edge list (src dst [weight] per line): {err}") from None
+        raise UserError(f"{path}: not an edge list (src dst [weight] per line): {err}") from None
     if table.size == 0:
         table = table.reshape(0, 2)
     if table.shape[1] not in (2, 3):
-        raise ValueError(
-            f"{path}: expected 2 or 3 columns (src dst [weight]), got {table.shape[1]}"
-        )
+        raise UserError(f"{path}: expected 2 or 3 columns (src dst [weight]), got {table.shape[1]}")
     ids = table[:, :2]
     if not np.all(ids == np.round(ids)):
-        raise ValueError(f"{path}: node ids must be integers")
+        raise UserError(f"{path}: node ids must be integers")
     weight = table[:, 2].astype(np.float32) if table.shape[1] == 3 else None
     return ids.astype(np.int64), weight, num_nodes
 
@@ -408,11 +408,11 @@ def from_edge_list(
             num_nodes = stated
         try:
             return from_edge_list(edges, num_nodes, edge_weight, ndata, name)
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
     edges = np.asarray(edges)
     if edges.ndim != 2 or edges.shape[1] != 2:
-        raise ValueError(f"edge list must have shape (E, 2), got {edges.shape}")
+        raise UserError(f"edge list must have shape (E, 2), got {edges.shape}")
     return _graph_class().from_edges(edges[:, 0], edges[:, 1], num_nodes, edge_weight, ndata, name)
 
 

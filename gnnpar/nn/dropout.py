@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from gnnpar.errors import UserError
+
 _M1 = -49064778989728563  # 0xff51afd7ed558ccd as a signed 64-bit integer
 _M2 = -4265267296055464877  # 0xc4ceb9fe1a85ec53
 _GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15
@@ -66,7 +68,7 @@ def index_dropout(
     if not training or p == 0.0 or seed is None:
         return h
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        raise UserError(f"dropout probability must be in [0, 1), got {p}")
     cols = torch.arange(col_start, col_start + h.shape[1], device=row_ids.device)
     # x >= p·2^32 − 2^31 keeps a fraction 1 − p of uniform int32 values; only the
     # (well-mixed) high bits decide, as in hash_uniform.
@@ -89,7 +91,7 @@ def edge_dropout(
     if not training or p == 0.0 or seed is None:
         return att
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"attention dropout probability must be in [0, 1), got {p}")
+        raise UserError(f"attention dropout probability must be in [0, 1), got {p}")
     base = _mix(torch.tensor(seed, dtype=torch.int64) * _GOLDEN + 3)  # not feature dropout's
     dev = dst_ids.device
     edge = _keys(dst_ids, base) ^ _keys(src_ids, _mix(base + 7))

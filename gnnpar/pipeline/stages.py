@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gnnpar.errors import UserError
+
 __all__ = ["gpt_layer_costs", "split_layers"]
 
 
@@ -26,9 +28,9 @@ def split_layers(
     head and loss); ties go to the split that puts layers earliest.
     """
     if not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"the number of stages must be a positive integer, got {parts!r}")
+        raise UserError(f"the number of stages must be a positive integer, got {parts!r}")
     if n_layers < parts:
-        raise ValueError(f"{n_layers} layers cannot fill {parts} pipeline stages (one each)")
+        raise UserError(f"{n_layers} layers cannot fill {parts} pipeline stages (one each)")
     if costs is None:
         base, extra = divmod(n_layers, parts)
         out, start = [], 0

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 
+from gnnpar.errors import UserError
+
 __all__ = ["PlanError", "checkpointing", "parse_count", "positive"]
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """Input the planner cannot use; the message names the problem (one line)."""
 
 

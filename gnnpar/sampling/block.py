@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from gnnpar.errors import MissingPackageError
+
 __all__ = ["Block", "MiniBatch"]
 
 
@@ -161,7 +163,7 @@ class Block:
         try:
             import dgl
         except ImportError as err:
-            raise ImportError(
+            raise MissingPackageError(
                 "Block.to_dgl needs DGL, which is not installed: pip install 'gnnpar[dgl]'"
             ) from err
         b = dgl.create_block(

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits
@@ -60,11 +61,11 @@ class ClusterSampler:
             ("clusters_per_batch", clusters_per_batch),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise UserError(f"{name} must be an integer >= 1, got {value!r}")
         if num_clusters > self.num_nodes:
-            raise ValueError(f"num_clusters {num_clusters} exceeds the {self.num_nodes} nodes")
+            raise UserError(f"num_clusters {num_clusters} exceeds the {self.num_nodes} nodes")
         if clusters_per_batch > num_clusters:
-            raise ValueError(
+            raise UserError(
                 f"clusters_per_batch {clusters_per_batch} exceeds num_clusters {num_clusters}"
             )
         self.num_layers, self.seed = num_layers, int(seed)
@@ -79,9 +80,9 @@ class ClusterSampler:
             owner = cut.owner
         self.owner = torch.as_tensor(owner, dtype=torch.int64)
         if self.owner.shape != (self.num_nodes,):
-            raise ValueError(f"owner must have shape ({self.num_nodes},), got {self.owner.shape}")
+            raise UserError(f"owner must have shape ({self.num_nodes},), got {self.owner.shape}")
         if int(self.owner.min()) < 0 or int(self.owner.max()) >= num_clusters:
-            raise ValueError(f"owner must hold part ids in [0, {num_clusters})")
+            raise UserError(f"owner must hold part ids in [0, {num_clusters})")
         # Every part's nodes in id order, so a batch gathers its parts' nodes by slicing
         # (its own size) instead of testing every node of the graph.
         self._part_nodes = torch.argsort(self.owner, stable=True)

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gnnpar.errors import UserError
+
 __all__ = ["KERNELS", "WarmUp", "available", "induced", "relabel", "sample_rows", "warm_up"]
 
 #: The kernels: neighbour sampling uses ``sample_rows`` and ``relabel`` (as do the blocks of
@@ -98,7 +100,7 @@ def warm_up(kernels: Sequence[str] = KERNELS) -> WarmUp | None:
     ``compiled`` nor ``loaded``."""
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
-        raise ValueError(f"unknown sampling kernel {unknown[0]!r}; kernels are {KERNELS}")
+        raise UserError(f"unknown sampling kernel {unknown[0]!r}; kernels are {KERNELS}")
     if not available():
         return None
     start = time.perf_counter()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 from gnnpar.sampling.block import Block, MiniBatch
@@ -156,7 +157,7 @@ class LocalPart:
         """The part as a block: destinations = owned nodes, sources = owned then halo
         nodes, every in-edge of the owned nodes (needs ``halo_hops = 1``)."""
         if self.halo_hops != 1:
-            raise ValueError("the part has no halo (halo_hops = 0): write the folder with halo=1")
+            raise UserError("the part has no halo (halo_hops = 0): write the folder with halo=1")
         n = self.num_owned
         edges = int(self.indptr[n])
         w = None if self.edge_weight is None else self.edge_weight[:edges]
@@ -167,7 +168,7 @@ class LocalPart:
 
 def _check_group(part: LocalPart, grid: ProcessGrid, axis: str) -> None:
     if grid.size(axis) != part.num_parts or grid.rank(axis) != part.part_id:
-        raise ValueError(
+        raise UserError(
             f"part {part.part_id} of {part.num_parts} does not fit rank {grid.rank(axis)} of "
             f"the {count(grid.size(axis), 'rank')} on axis {axis!r}: each rank must load the "
             "part with its own index, and there must be one part per rank"
@@ -235,7 +236,7 @@ class DistNeighborSampler:
     ):
         _check_group(part, grid, axis)
         if part.halo_hops != 1:
-            raise ValueError("distributed sampling needs parts written with halo=1")
+            raise UserError("distributed sampling needs parts written with halo=1")
         self.part = part
         self.fanouts = parse_fanouts(fanouts)
         self.grid, self.axis = grid, axis
@@ -367,9 +368,9 @@ class FeatureFetcher:
     ):
         _check_group(part, grid, axis)
         if key not in part.ndata:
-            raise ValueError(f"the part has no node data {key!r} (it has {sorted(part.ndata)})")
+            raise UserError(f"the part has no node data {key!r} (it has {sorted(part.ndata)})")
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
-            raise ValueError(f"cache_size must be an integer >= 0, got {cache_size!r}")
+            raise UserError(f"cache_size must be an integer >= 0, got {cache_size!r}")
         self.part, self.grid, self.axis, self.key = part, grid, axis, key
         self.table = part.ndata[key]
         self.stats: dict[str, int] = dict.fromkeys(

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 from gnnpar.sampling.block import Block
 from gnnpar.sampling.neighbor import NeighborSampler
@@ -36,7 +37,7 @@ def full_blocks(
     sampler = NeighborSampler(graph, [-1])
     n = sampler.num_nodes
     if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise UserError(f"batch_size must be >= 1, got {batch_size}")
     nodes = torch.arange(n, dtype=torch.int64)
     chunks = [nodes] if batch_size is None or n == 0 else list(torch.split(nodes, batch_size))
     return [sampler.sample(chunk).blocks[0] for chunk in chunks]
@@ -64,7 +65,7 @@ def layerwise_inference(
     if features is None:
         features = graph.feat if isinstance(graph, Graph) else None
         if features is None:
-            raise ValueError("no features: pass features= or a graph with ndata['feat']")
+            raise UserError("no features: pass features= or a graph with ndata['feat']")
     if blocks is None:
         blocks = full_blocks(graph, batch_size)
     was_training = getattr(model, "training", False)

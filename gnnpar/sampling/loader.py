@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from gnnpar.comm import chunk_sizes
+from gnnpar.errors import UserError
 from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.neighbor import as_node_ids
 from gnnpar.sampling.rng import derive_key, random_bits
@@ -169,11 +170,11 @@ class NodeLoader:
         micro_batches: int = 1,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+            raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+            raise UserError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+            raise UserError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.micro_batches = micro_batches
         bound = num_nodes if num_nodes is not None else getattr(sampler, "num_nodes", None)
         if bound is None:
@@ -218,11 +219,11 @@ class NodeLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from :meth:`state_dict`; a different ``seed`` is refused."""
         if int(state["seed"]) != self.seed:
-            raise ValueError(
+            raise UserError(
                 f"loader state was saved with seed {state['seed']}, this loader has {self.seed}"
             )
         if not 0 <= int(state["position"]) <= len(self):
-            raise ValueError(f"loader position {state['position']} is outside 0..{len(self)}")
+            raise UserError(f"loader position {state['position']} is outside 0..{len(self)}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def batch_key(self, epoch: int, index: int) -> int:
@@ -395,14 +396,14 @@ class SubgraphLoader:
             raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
         per_step = ranks if per_step is None else per_step
         if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
-            raise ValueError(f"per_step must be an integer >= 1, got {per_step!r}")
+            raise UserError(f"per_step must be an integer >= 1, got {per_step!r}")
         if per_step % ranks:
-            raise ValueError(f"per_step ({per_step}) must be a multiple of the {ranks} ranks")
+            raise UserError(f"per_step ({per_step}) must be a multiple of the {ranks} ranks")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+            raise UserError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         batches = sampler.batches_per_epoch if batches is None else batches
         if batches < 1:
-            raise ValueError(f"batches must be >= 1, got {batches}")
+            raise UserError(f"batches must be >= 1, got {batches}")
         self.sampler, self.features, self.labels = sampler, features, labels
         self.rank, self.ranks, self.prefetch = rank, ranks, prefetch
         #: Subgraphs per step over all ranks, and this rank's share of them.

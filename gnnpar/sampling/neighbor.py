@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gnnpar.errors import MissingPackageError, UserError
 from gnnpar.graph import Graph
 from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
@@ -47,11 +48,13 @@ def use_numba(backend: str, *tensors: torch.Tensor) -> bool:
     """Whether to run the compiled kernels: ``auto`` uses them when numba is installed and
     the tensors are on the CPU."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown sampling backend {backend!r}; use one of {BACKENDS}")
+        raise UserError(f"unknown sampling backend {backend!r}; use one of {BACKENDS}")
     if backend == "torch":
         return False
     if backend == "numba" and not compiled.available():
-        raise ImportError("the numba sampling backend needs numba: pip install 'gnnpar[fast]'")
+        raise MissingPackageError(
+            "the numba sampling backend needs numba: pip install 'gnnpar[fast]'"
+        )
     return compiled.available() and all(t.device.type == "cpu" for t in tensors)
 
 
@@ -66,20 +69,20 @@ def parse_fanouts(fanouts: Sequence[int] | str) -> list[int]:
         try:
             values: list[Any] = [int(p) for p in parts]
         except ValueError:
-            raise ValueError(
+            raise UserError(
                 f"fan-outs must be comma-separated integers such as '15,10', got {fanouts!r}"
             ) from None
     else:
         values = list(fanouts)
     if not values:
-        raise ValueError("the fan-out list is empty: give one fan-out per layer, e.g. [15, 10]")
+        raise UserError("the fan-out list is empty: give one fan-out per layer, e.g. [15, 10]")
     out = []
     for i, f in enumerate(values):
         if isinstance(f, bool) or not isinstance(f, int) and not hasattr(f, "__index__"):
-            raise ValueError(f"fan-out {i} must be an integer, got {f!r}")
+            raise UserError(f"fan-out {i} must be an integer, got {f!r}")
         f = int(f)
         if f < 1 and f != -1:
-            raise ValueError(
+            raise UserError(
                 f"fan-out {i} is {f}: use a positive number of neighbours, or -1 for all"
             )
         out.append(f)
@@ -197,7 +200,7 @@ def sample_rows(
         return deg, torch.zeros(0, dtype=torch.int64, device=rows.device)
     k = fanout
     if int(deg.max()) > _MAX_DEGREE:
-        raise ValueError(f"sampling supports degrees below 2**31, got {int(deg.max())}")
+        raise UserError(f"sampling supports degrees below 2**31, got {int(deg.max())}")
     if use_numba(backend, indptr, rows):
         return compiled.sample_rows(
             indptr, rows, k, replace, key, rows if row_keys is None else row_keys
@@ -259,7 +262,7 @@ class Relabeler:
         as sampled neighbours."""
         n = ids.numel()
         if n >= 1 << 32:
-            raise ValueError(f"cannot relabel {n} ids at once (at most 2**32)")
+            raise UserError(f"cannot relabel {n} ids at once (at most 2**32)")
         with self._lock:
             if self._scratch is None or self._scratch.device != ids.device:
                 self._scratch = torch.full(

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits, random_unit, uniform_below
@@ -139,9 +140,9 @@ class SaintSampler:
         self.weight = graph_weight(graph)
         self.num_nodes = self.indptr.numel() - 1
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+            raise UserError(f"num_layers must be an integer >= 1, got {num_layers!r}")
         if isinstance(presample, bool) or not isinstance(presample, int) or presample < 1:
-            raise ValueError(f"presample must be an integer >= 1, got {presample!r}")
+            raise UserError(f"presample must be an integer >= 1, got {presample!r}")
         self.num_layers, self.presample, self.seed = num_layers, presample, int(seed)
         self.train_mask = train_mask_of(graph, train_mask, self.num_nodes)
         self.degree = self.indptr[1:] - self.indptr[:-1]
@@ -212,7 +213,7 @@ class SaintSampler:
 
 def _check_budget(budget: Any, what: str) -> int:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"{what} must be an integer >= 1, got {budget!r}")
+        raise UserError(f"{what} must be an integer >= 1, got {budget!r}")
     return budget
 
 
@@ -240,7 +241,7 @@ class SaintNodeSampler(SaintSampler):
     ):
         self.budget = _check_budget(budget, "budget")
         if probability not in NODE_PROBABILITIES:
-            raise ValueError(
+            raise UserError(
                 f"probability must be one of {', '.join(NODE_PROBABILITIES)}, got {probability!r}"
             )
         self.probability = probability
@@ -276,7 +277,7 @@ class SaintEdgeSampler(SaintSampler):
         self.budget = _check_budget(budget, "budget")
         indptr, indices = graph_csr(graph)
         if indices.numel() == 0:
-            raise ValueError("the edge sampler needs a graph with edges")
+            raise UserError("the edge sampler needs a graph with edges")
         deg = indptr[1:] - indptr[:-1]
         self._row = torch.repeat_interleave(
             torch.arange(indptr.numel() - 1), deg, output_size=indices.numel()
@@ -304,7 +305,7 @@ class SaintWalkSampler(SaintSampler):
     ):
         self.budget = _check_budget(budget, "budget (roots)")
         if isinstance(walk_length, bool) or not isinstance(walk_length, int) or walk_length < 0:
-            raise ValueError(f"walk_length must be an integer >= 0, got {walk_length!r}")
+            raise UserError(f"walk_length must be an integer >= 0, got {walk_length!r}")
         self.walk_length = walk_length
         super().__init__(graph, num_layers, **kwargs)
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
@@ -71,7 +72,7 @@ def edge_scale(num_nodes: int, size: int) -> float:
     """``(N − 1) / (b − 1)``: the factor of an edge between two distinct vertices of a
     uniform ``b``-subset of ``N`` (1 over the whole graph)."""
     if size < 2 or size > num_nodes:
-        raise ValueError(f"a vertex sample needs 2..{num_nodes} vertices, got {size}")
+        raise UserError(f"a vertex sample needs 2..{num_nodes} vertices, got {size}")
     return (num_nodes - 1) / (size - 1)
 
 
@@ -88,7 +89,7 @@ def uniform_subset(key: int, num_nodes: int, size: int) -> torch.Tensor:
     per node instead.
     """
     if size < 0 or size > num_nodes:
-        raise ValueError(f"cannot draw {size} distinct nodes out of {num_nodes}")
+        raise UserError(f"cannot draw {size} distinct nodes out of {num_nodes}")
     if size == num_nodes:
         return torch.arange(num_nodes, dtype=torch.int64)
     if 4 * size > num_nodes:
@@ -205,11 +206,11 @@ class VertexSampler:
         self.num_rows = self.indptr.numel() - 1
         self.num_nodes = self.num_rows if num_nodes is None else int(num_nodes)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+            raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if batch_size > self.num_nodes:
-            raise ValueError(f"batch_size {batch_size} exceeds the {self.num_nodes} nodes")
+            raise UserError(f"batch_size {batch_size} exceeds the {self.num_nodes} nodes")
         if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+            raise UserError(f"num_layers must be >= 1, got {num_layers}")
         self.batch_size, self.num_layers = batch_size, num_layers
         self.row_start = int(row_start)
         self.col_ids = None if col_ids is None else torch.as_tensor(col_ids, dtype=torch.int64)

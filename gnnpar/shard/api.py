@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.buckets import GradBuckets, build_buckets
 from gnnpar.shard.clip import clip_factor, scale_grads_
@@ -67,7 +68,7 @@ def by_numel(min_params: int) -> Callable[[str, nn.Module], bool]:
     """A unit policy: every module holding at least ``min_params`` parameters of its own
     subtree (outer modules first take what they hold, as FSDP's size-based policy)."""
     if not isinstance(min_params, int) or min_params < 1:
-        raise ValueError(f"min_params must be a positive integer, got {min_params!r}")
+        raise UserError(f"min_params must be a positive integer, got {min_params!r}")
     return lambda name, module: sum(p.numel() for p in module.parameters()) >= min_params
 
 
@@ -86,11 +87,11 @@ def _select_units(model: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Modul
             if isinstance(spec, str):
                 hits = [(n, m) for n, m in model.named_modules() if n and _name_matches(n, spec)]
                 if not hits:
-                    raise ValueError(f"unit pattern {spec!r} matches no submodule of the model")
+                    raise UserError(f"unit pattern {spec!r} matches no submodule of the model")
                 chosen.extend(hits)
             elif isinstance(spec, nn.Module):
                 if id(spec) not in names:
-                    raise ValueError(f"unit {type(spec).__name__} is not a submodule of the model")
+                    raise UserError(f"unit {type(spec).__name__} is not a submodule of the model")
                 if spec is not model:
                     chosen.append((names[id(spec)], spec))
             else:
@@ -180,7 +181,7 @@ def _uniform_dtype(slots: list[Slot], what: str) -> torch.dtype:
     dtypes = {s.dtype for s in slots}
     if len(dtypes) > 1:
         names = {str(d): next(s.name for s in slots if s.dtype == d) for d in dtypes}
-        raise ValueError(
+        raise UserError(
             f"{what} mixes parameter dtypes {names}; give a MixedPrecision policy or convert "
             "the model to one dtype"
         )
@@ -581,10 +582,10 @@ class ShardedModel:
         piece, whole over data): masters, pieces and model parameters. No communication."""
         for s in self.slots:
             if s.name not in values:
-                raise ValueError(f"no value for parameter {s.name!r}")
+                raise UserError(f"no value for parameter {s.name!r}")
             v = values[s.name]
             if tuple(v.shape) != tuple(s.shape) and v.numel() != s.numel:
-                raise ValueError(
+                raise UserError(
                     f"{s.name}: got shape {tuple(v.shape)}, this rank holds {tuple(s.shape)}"
                 )
         for g in self._groups():
@@ -609,7 +610,7 @@ class ShardedModel:
             missing = sorted(set(self._keys) - set(state_dict))
             unexpected = sorted(set(state_dict) - set(self._keys))
             if missing or unexpected:
-                raise ValueError(
+                raise UserError(
                     f"state dict does not match the model: missing keys {missing}, "
                     f"unexpected keys {unexpected}"
                 )
@@ -617,19 +618,19 @@ class ShardedModel:
         for s in self.slots:
             key = next((k for k in s.aliases if k in state_dict), None)
             if key is None:
-                raise ValueError(f"state dict has no entry for parameter {s.name!r}")
+                raise UserError(f"state dict has no entry for parameter {s.name!r}")
             src = state_dict[key]
             if s.layout is not None:
                 src = s.owner.from_full_format(s.owner_attr, src)
                 if tuple(src.shape) != tuple(s.layout.shape):
-                    raise ValueError(
+                    raise UserError(
                         f"{key}: full tensor has shape {tuple(src.shape)}, the layer expects "
                         f"{tuple(s.layout.shape)}"
                     )
                 r, c, d = s.layout.coords(self.grid)
                 src = s.layout.shard(src, r, c, d)
             if tuple(src.shape) != tuple(s.shape):
-                raise ValueError(
+                raise UserError(
                     f"{key}: got shape {tuple(src.shape)}, the model holds {tuple(s.shape)}"
                 )
             local[s.name] = src
@@ -729,25 +730,25 @@ def shard(
     if not isinstance(model, nn.Module):
         raise ValueError(f"shard needs an nn.Module, got {type(model).__name__}")
     if not isinstance(stage, int) or isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        raise UserError(f"stage must be one of {STAGES}, got {stage!r}")
     if fcdp is not None and not isinstance(fcdp, FCDP):
         raise ValueError(f"fcdp must be an FCDP configuration, got {type(fcdp).__name__}")
     if fcdp is not None and stage != 3:
-        raise ValueError(f"FCDP builds on stage 3 (parameters sharded), not stage {stage}")
+        raise UserError(f"FCDP builds on stage 3 (parameters sharded), not stage {stage}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ValueError(
             f"mixed_precision must be a MixedPrecision policy, got {type(mixed_precision)}"
         )
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        raise UserError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     if offload not in OFFLOAD_MODES:
-        raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+        raise UserError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     if offload != "none" and stage == 0:
-        raise ValueError(
+        raise UserError(
             f"offload={offload!r} needs stage 1, 2 or 3 (sharded masters); stage 0 has none"
         )
     if (offload == "file") != (offload_dir is not None):
-        raise ValueError(
+        raise UserError(
             "offload='file' needs offload_dir (the folder of its files)"
             if offload == "file"
             else f"offload_dir is only used with offload='file', not offload={offload!r}"
@@ -759,7 +760,7 @@ def shard(
     # pieces are no ShardLayout that the other stages and full state dicts could cut.
     complete = bool(getattr(model, "tensor_grads_complete", False))
     if complete and (stage != 0 or mixed_precision is not None):
-        raise ValueError(
+        raise UserError(
             f"{type(model).__name__} reduces its gradients over x, y and z itself: shard it "
             f"at stage 0 without a mixed-precision policy, not stage {stage}"
         )

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from gnnpar.errors import UserError
+
 __all__ = ["FCDP", "OFFLOAD_MODES", "STAGES", "MixedPrecision"]
 
 #: The sharding stages: 0 = bucketed all-reduce (DDP), 1 = optimizer state sharded (ZeRO-1),
@@ -21,7 +23,7 @@ def _check_dtype(name: str, value: object, *, optional: bool = True) -> None:
     if value is None and optional:
         return
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"MixedPrecision.{name} must be a floating torch.dtype, got {value!r}")
+        raise UserError(f"MixedPrecision.{name} must be a floating torch.dtype, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +87,9 @@ class FCDP:
 
     def __post_init__(self) -> None:
         if self.cache not in CACHE_MODES:
-            raise ValueError(f"FCDP.cache must be one of {CACHE_MODES}, got {self.cache!r}")
+            raise UserError(f"FCDP.cache must be one of {CACHE_MODES}, got {self.cache!r}")
         if not isinstance(self.device_budget_bytes, int) or self.device_budget_bytes < 0:
-            raise ValueError(
+            raise UserError(
                 "FCDP.device_budget_bytes must be a non-negative integer, got "
                 f"{self.device_budget_bytes!r}"
             )

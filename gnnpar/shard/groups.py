@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 
@@ -52,14 +53,14 @@ def split_by_node(members: list[int], ranks_per_node: int) -> list[list[int]]:
     """``members`` cut into lists of ranks on the same node (node = rank // ranks_per_node),
     nodes in order of first appearance; ValueError unless every node holds as many."""
     if ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node must be positive, got {ranks_per_node}")
+        raise UserError(f"ranks_per_node must be positive, got {ranks_per_node}")
     nodes: dict[int, list[int]] = {}
     for r in members:
         nodes.setdefault(r // ranks_per_node, []).append(r)
     parts = list(nodes.values())
     sizes = {len(p) for p in parts}
     if len(sizes) != 1:
-        raise ValueError(
+        raise UserError(
             f"the data group {members} does not spread evenly over nodes of "
             f"{count(ranks_per_node, 'rank')} (ranks per node: {[len(p) for p in parts]}); "
             "choose ranks_per_node so that each node holds the same number of data ranks"

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from gnnpar.errors import UserError
 from gnnpar.nn.dropout import edge_dropout
 from gnnpar.sparse.csr import CSRBlock, coo_rows
 
@@ -52,7 +53,7 @@ def log_weights(weight: torch.Tensor) -> torch.Tensor | None:
     if bool((weight == 1).all()):
         return None
     if bool((weight < 0).any()):
-        raise ValueError("attention edge weights must be non-negative (they scale exp(e))")
+        raise UserError("attention edge weights must be non-negative (they scale exp(e))")
     return torch.log(weight)
 
 

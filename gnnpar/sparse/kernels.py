@@ -68,6 +68,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gnnpar.errors import UserError
 from gnnpar.sparse.csr import CSRBlock, select, transpose
 
 __all__ = ["EXACT_GROUPS", "VARIANTS", "LocalSpMM", "SpMMFunction", "csr_spmm", "spmm"]
@@ -203,7 +204,7 @@ class LocalSpMM:
     ):
         unknown = [v for v in variants or () if v not in VARIANTS]
         if unknown:
-            raise ValueError(f"unknown SpMM variant {unknown[0]!r}; use one of {list(VARIANTS)}")
+            raise UserError(f"unknown SpMM variant {unknown[0]!r}; use one of {list(VARIANTS)}")
         self.block = block
         self.shape = block.shape
         self.autotune = autotune
@@ -254,7 +255,7 @@ class LocalSpMM:
                 self._choice[key] = variant
         elif variant not in VARIANTS or not VARIANTS[variant].supports(self.block, dense.dtype):
             usable = [n for n, v in VARIANTS.items() if v.supports(self.block, dense.dtype)]
-            raise ValueError(
+            raise UserError(
                 f"SpMM variant {variant!r} cannot multiply this block by {dense.dtype}; "
                 f"use one of {usable}"
             )

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.graph import is_multilabel
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
@@ -81,7 +82,7 @@ def make_permutations(
             indptr.numpy(), indices.numpy(), blocks, blocks, seed, within=within
         )
     else:
-        raise ValueError(f"unknown permutation {method!r}; use one of {', '.join(PERMUTATIONS)}")
+        raise UserError(f"unknown permutation {method!r}; use one of {', '.join(PERMUTATIONS)}")
     return torch.as_tensor(p, dtype=torch.int64), torch.as_tensor(p2, dtype=torch.int64)
 
 
@@ -111,7 +112,7 @@ class MemorySource:
         n = indptr.numel() - 1
         self.norm, self.norm_where = norm, "MemorySource(norm=...)"
         if features.shape[0] != n:
-            raise ValueError(f"features have {features.shape[0]} rows for {n} nodes")
+            raise UserError(f"features have {features.shape[0]} rows for {n} nodes")
         dtype = dtype or features.dtype
         if permutations is None:
             ident = torch.arange(n)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 
 __all__ = [
@@ -64,7 +65,7 @@ def chunk_ids(c: int, r: int) -> tuple[int, int]:
 
 def _chunk_len(t: int, c: int) -> int:
     if t % (2 * c):
-        raise ValueError(
+        raise UserError(
             f"a sequence of {t} tokens does not cut into 2·context = {2 * c} equal chunks"
         )
     return t // (2 * c)
@@ -308,7 +309,7 @@ def context_parallel(model: nn.Module, grid: ProcessGrid) -> nn.Module:
     for name, m in model.named_modules():
         if getattr(type(m), "ring_attention", False):
             if m.dropout > 0:
-                raise ValueError(f"{name}: ring attention has no attention dropout (dropout=0)")
+                raise UserError(f"{name}: ring attention has no attention dropout (dropout=0)")
             m.attention = ring
             found = True
     if not found:

@@ -56,6 +56,7 @@ from torch import nn
 from gnnpar import comm
 from gnnpar.checkpoint.state import MODEL, Piece, writes
 from gnnpar.comm import chunk_offsets, chunk_sizes
+from gnnpar.errors import UserError
 from gnnpar.grad_destination import grad_destination
 from gnnpar.grid import ProcessGrid
 from gnnpar.recompute import in_backward
@@ -236,7 +237,7 @@ class ShardedModule(nn.Module):
 
 def _check_features(n: int, axis: str, grid: ProcessGrid, what: str) -> None:
     if n < grid.size(axis):
-        raise ValueError(
+        raise UserError(
             f"cannot split {n} {what} over {axis}={grid.size(axis)}: some ranks would hold "
             "none; use a smaller axis or leave this module out of the plan"
         )
@@ -287,12 +288,10 @@ class Linear(ShardedModule):
     ):
         super().__init__()
         if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(
-                f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}"
-            )
+            raise UserError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise UserError(f"{name} must be a positive integer, got {v!r}")
         self._init_sharding(grid)
         self.in_features, self.out_features = in_features, out_features
         self.transpose = transpose
@@ -472,7 +471,7 @@ class Embedding(ShardedModule):
         super().__init__()
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise UserError(f"{name} must be a positive integer, got {v!r}")
         self._init_sharding(grid)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.transpose = transpose
@@ -504,7 +503,7 @@ class Embedding(ShardedModule):
             ("scale_grad_by_freq", False),
         ):
             if getattr(module, attr, ok) != ok:
-                raise ValueError(
+                raise UserError(
                     f"the parallel Embedding does not support {attr}="
                     f"{getattr(module, attr)!r}; leave this module out of the plan"
                 )
@@ -527,7 +526,7 @@ class Embedding(ShardedModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # noqa: D102
         n = self.num_embeddings
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
-            raise ValueError(
+            raise UserError(
                 f"Embedding({n}, {self.embedding_dim}): ids must lie in [0, {n}), got "
                 f"[{int(ids.min())}, {int(ids.max())}]"
             )
@@ -593,7 +592,7 @@ def vocab_parallel_cross_entropy(
     t = targets.reshape(-1)
     valid = t != ignore_index
     if bool(((t < 0) | (t >= vocab_size))[valid].any()):
-        raise ValueError(f"targets must lie in [0, {vocab_size}) or equal {ignore_index}")
+        raise UserError(f"targets must lie in [0, {vocab_size}) or equal {ignore_index}")
     m = lg.detach().amax(-1)
     comm.all_reduce(m, grid, axis, op="max")
     z = lg - m.unsqueeze(-1)
@@ -623,7 +622,7 @@ def cross_entropy(
     ``F.cross_entropy``."""
     if isinstance(head, Linear) and not head.gather_output:
         if head.fused > 1:
-            raise ValueError("a fused output head cannot produce vocabulary-sharded logits")
+            raise UserError("a fused output head cannot produce vocabulary-sharded logits")
         if head.grid.size(head.out_axis) > 1:
             return vocab_parallel_cross_entropy(
                 logits,

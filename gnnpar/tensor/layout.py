@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from gnnpar.comm import chunk_offsets, chunk_sizes
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 
 __all__ = ["ShardLayout"]
@@ -70,14 +71,14 @@ class ShardLayout:
         if self.fused < 1 or rows % self.fused:
             raise ValueError(f"{rows} rows cannot be fused into {self.fused} equal parts")
         if rows // self.fused < self.row_parts:
-            raise ValueError(
+            raise UserError(
                 f"cannot split {rows // self.fused} rows"
                 + (f" (per fused part of {self.fused})" if self.fused > 1 else "")
                 + f" over {self.row_axis}={self.row_parts}: some ranks would hold none; "
                 "use a smaller axis or leave this module out of the plan"
             )
         if self.kind == "matrix" and self.shape[1] < self.col_parts:
-            raise ValueError(
+            raise UserError(
                 f"cannot split {self.shape[1]} columns over {self.col_axis}={self.col_parts}: "
                 "some ranks would hold none; use a smaller axis or leave this module out"
             )

@@ -38,6 +38,7 @@ from types import MappingProxyType
 from torch import nn
 
 from gnnpar.comm import ring_bytes
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.tensor.deferred import InitProgram, materialize, named_tensors, record_init
 from gnnpar.tensor.layers import Embedding, Linear, PrefetchChain, ShardedModule
@@ -204,7 +205,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
             heads = getattr(blocks[block], rule.heads)
             p = grid.size(out_axis)
             if heads % p:
-                raise ValueError(
+                raise UserError(
                     f"attention block {block!r} has {heads} heads, which do not divide over "
                     f"{out_axis}={p}; choose another grid or pass Plan(chain=False)"
                 )
@@ -221,7 +222,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
         inside = [n for n in group if n in cands]
         if inside and len(inside) != len(group):
             left = sorted(set(group) - set(inside))
-            raise ValueError(
+            raise UserError(
                 f"modules {list(group)} share one weight, but {left} would be left alone; "
                 "skip all of them or none"
             )
@@ -232,7 +233,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
         head = heads[0] if heads else None
     if head is not None and head in cands and head not in styles:
         if isinstance(cands[head], nn.Embedding):
-            raise ValueError(f"the head {head!r} is an Embedding, not a Linear")
+            raise UserError(f"the head {head!r} is an Embedding, not a Linear")
         h, v = _io(cands[head])
         transpose = _head_cost(h, v, y, x) < _head_cost(h, v, x, y)
         styles[head] = LayerStyle(transpose, True, not plan.loss_parallel)
@@ -256,7 +257,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
 
     for name, style in plan.styles.items():
         if name not in cands:
-            raise ValueError(
+            raise UserError(
                 f"plan gives a style for {name!r}, which is not a Linear or "
                 "Embedding of this model (or is skipped)"
             )
@@ -265,7 +266,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
     for group in ties:
         ts = {styles[n].transpose for n in group if n in styles}
         if len(ts) > 1:
-            raise ValueError(f"modules {list(group)} share one weight but differ in transpose")
+            raise UserError(f"modules {list(group)} share one weight but differ in transpose")
     return {"styles": styles, "chains": applied}
 
 

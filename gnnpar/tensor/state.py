@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.tensor.layers import ShardedModule
 from gnnpar.tensor.layout import ShardLayout
@@ -108,7 +109,7 @@ def load_full_state_dict(
         missing = sorted(set(mine) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(mine))
         if missing or unexpected:
-            raise ValueError(
+            raise UserError(
                 f"state dict does not match the model: missing keys {missing}, unexpected "
                 f"keys {unexpected}"
             )
@@ -124,11 +125,11 @@ def load_full_state_dict(
             transposed = module.stored_transposed(pname)
             want = tuple(reversed(layout.shape)) if transposed else layout.shape
             if got != want:
-                raise ValueError(f"{key}: full tensor has shape {got}, the layer expects {want}")
+                raise UserError(f"{key}: full tensor has shape {got}, the layer expects {want}")
             plan.append((target, src, layout, transposed))
             continue
         if got != tuple(target.shape):
-            raise ValueError(f"{key}: got shape {got}, the model holds {tuple(target.shape)}")
+            raise UserError(f"{key}: got shape {got}, the model holds {tuple(target.shape)}")
         plan.append((target, src, None, False))
     with torch.no_grad():
         for target, src, layout, transposed in plan:

@@ -20,6 +20,7 @@ import torch
 
 from gnnpar import checkpoint, comm
 from gnnpar.atomic import check_writable
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid, fit_shape, parse_grid_spec
 from gnnpar.launch import restart_count
 from gnnpar.train.config import RUN_CONFIG, ConfigError, write_run_config
@@ -195,7 +196,7 @@ def check_dataset_options(cfg: Any) -> None:
     pairs = dataset_option_pairs(cfg)
     try:
         check_dataset(cfg.dataset, pairs)
-    except ValueError as err:
+    except UserError as err:
         key = "dataset_options" if pairs else "dataset"
         raise ConfigError(f"config key '{key}': {err}") from None
 
@@ -221,7 +222,7 @@ def load_trainable(cfg: Any) -> Any:
     graph = load_dataset(cfg)
     try:
         graph.check_trainable()
-    except ValueError as err:
+    except UserError as err:
         raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
     return graph
 
@@ -241,7 +242,7 @@ def check_stored_dataset(cfg: Any, folder: str | Path) -> None:
         meta = read_meta(folder)
         keys = [k for k in ("feat", "label", "train_mask") if f"ndata/{k}" in meta["arrays"]]
         check_trainable_data(meta["name"], load_node_data(folder, keys, "size"))
-    except ValueError as err:
+    except UserError as err:
         raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
     if rank_and_world()[0] == 0:
         message = directed_folder_warning(folder, split_structure(dataset_options(cfg))[1])

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gnnpar.atomic import naming
-from gnnpar.errors import UserError
+from gnnpar.errors import MissingPackageError, UserError
 from gnnpar.graph import is_multilabel
 
 
@@ -247,7 +247,7 @@ def _summary_writer(logdir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:  # torch's writer needs the tensorboard package
-        raise RuntimeError(
+        raise MissingPackageError(
             "--tensorboard needs the tensorboard package: pip install tensorboard"
         ) from err
     return SummaryWriter(log_dir=str(logdir))

@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from gnnpar.errors import UserError
 from gnnpar.fmt import byte_unit, format_bytes, significant
 from gnnpar.plotting import new_figure, plain_axis, save_figure
 from gnnpar.train.metrics import read_metrics
@@ -88,7 +89,7 @@ def _unit(records: list[dict]) -> str:
     for key in ("epoch", "step"):
         if any(key in r for r in records):
             return key
-    raise ValueError("the metrics file has no epoch or step records")
+    raise UserError("the metrics file has no epoch or step records")
 
 
 def _is_flat(values: list[float]) -> bool:

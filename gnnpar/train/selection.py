@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from gnnpar.errors import UserError
+
 __all__ = ["Selection"]
 
 
@@ -37,7 +39,7 @@ class Selection:
 
     def __post_init__(self) -> None:
         if self.mode not in ("max", "min"):
-            raise ValueError(f"selection mode must be max or min, got {self.mode!r}")
+            raise UserError(f"selection mode must be max or min, got {self.mode!r}")
 
     def update(self, evaluation: dict[str, float], step: int) -> bool:
         """Compare the evaluation of ``step`` with the best; return whether it is the new

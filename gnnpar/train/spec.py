@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from gnnpar.errors import UserError
 from gnnpar.train.config import ConfigError
 
 if TYPE_CHECKING:
@@ -78,7 +79,8 @@ class TrainSpec:
     ``task(cfg, grid, plan, progress)`` builds the task (a :class:`~gnnpar.train.loop.Task`)
     on the grid ``plan(cfg, world, progress, **extras)`` chose (:func:`build_task`).
     ``preflight(cfg, world_size)`` runs in the launching process before any rank starts and
-    raises one-line errors (``ConfigError``, ``ValueError``, ``OSError``). ``variant(cfg)``
+    raises one-line errors (a :class:`~gnnpar.errors.UserError` such as ``ConfigError``, or
+    an ``OSError``; any other error is reported as a bug, with its traceback). ``variant(cfg)``
     names another registered spec that runs this config instead (ScaleGNN's vertex sampling
     behind ``sage``), or None. ``axes``: the grid axes beyond data a ``grid`` option may
     name (checked before launch). ``node_task``: every node gets a class, so ``gnnpar
@@ -126,7 +128,7 @@ def specs() -> dict[str, TrainSpec]:
     for target, where in entries:
         spec = _load(target, where)
         if spec.name in found:
-            raise ValueError(
+            raise UserError(
                 f"task {spec.name!r} is registered twice: by {found[spec.name][1]} and by {where}"
             )
         found[spec.name] = (spec, where)

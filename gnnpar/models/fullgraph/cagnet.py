@@ -27,6 +27,7 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.layout import chunk
 from gnnpar.models.fullgraph.parallelize import ShardedGNN
@@ -179,7 +180,7 @@ class Parallel2DGNN(ShardedGNN):
     ):
         super().__init__(model, grid, source, dtype, compute_dtype)
         if grid.z != 1:
-            raise ValueError(f"the 2D algorithm runs on x × y grids; this grid has z={grid.z}")
+            raise UserError(f"the 2D algorithm runs on x × y grids; this grid has z={grid.z}")
         n = self.num_nodes
         r, c = grid.size("x"), grid.size("y")
         i, j = grid.rank("x"), grid.rank("y")

@@ -59,6 +59,7 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
+from gnnpar.errors import UserError
 from gnnpar.grid import GridShape, ProcessGrid
 from gnnpar.models.fullgraph.layout import Layout3D, chunk, layout3d
 from gnnpar.models.fullgraph.model import ACTIVATIONS, gin_aggregate, gin_batch_norm
@@ -441,7 +442,7 @@ class _Layout2D(_GemmFirst):
     ):
         super().__init__(model, grid, source, dtype, compute_dtype)
         if grid.z != 1:
-            raise ValueError(f"the 2D algorithm runs on x × y grids; this grid has z={grid.z}")
+            raise UserError(f"the 2D algorithm runs on x × y grids; this grid has z={grid.z}")
         n, r, c = self.num_nodes, grid.size("x"), grid.size("y")
         i, j = grid.rank("x"), grid.rank("y")
         self.row_sizes = chunk_sizes(n, r)

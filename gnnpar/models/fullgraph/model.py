@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gnnpar.errors import UserError
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse import attention
 from gnnpar.sparse.kernels import LocalSpMM, spmm
@@ -109,7 +110,7 @@ class GATLayer(nn.Module):
     ):
         super().__init__()
         if concat and out_dim % heads:
-            raise ValueError(f"a GAT layer of width {out_dim} cannot split into {heads} heads")
+            raise UserError(f"a GAT layer of width {out_dim} cannot split into {heads} heads")
         self.heads, self.concat = heads, concat
         self.head_dim = out_dim // heads if concat else out_dim
         self.out_dim = out_dim
@@ -261,9 +262,9 @@ class FullGraphGNN(nn.Module):
     ):
         super().__init__()
         if num_layers < 1:
-            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+            raise UserError(f"num_layers must be at least 1, got {num_layers}")
         if kind not in ACTIVATIONS:
-            raise ValueError(f"unknown full-graph model {kind!r}; use one of {list(ACTIVATIONS)}")
+            raise UserError(f"unknown full-graph model {kind!r}; use one of {list(ACTIVATIONS)}")
         dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
         self.kind = kind
         self.dropout = dropout

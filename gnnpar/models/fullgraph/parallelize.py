@@ -30,6 +30,7 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.comm import chunk_sizes
+from gnnpar.errors import UserError
 from gnnpar.graph import is_multilabel
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.layout import Layout3D, layout3d
@@ -93,18 +94,18 @@ class ShardedGNN(nn.Module):
     ) -> None:
         super().__init__()
         if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
+            raise UserError(
                 f"compute_dtype {compute_dtype} is not supported for full-graph training "
                 "(the local SpMM has kernels for float32, float64 and bfloat16)"
             )
         if grid.data != 1 and not data_parallel:
-            raise ValueError(
+            raise UserError(
                 f"full-graph training has no batch to split over data={grid.data}; "
                 "use a grid with data=1"
             )
         dims = model.dims
         if dims[0] != source.feat_dim:
-            raise ValueError(
+            raise UserError(
                 f"model expects {dims[0]} input features, the graph has {source.feat_dim}"
             )
         self.grid = grid
@@ -325,7 +326,7 @@ class Parallel3DGNN(ShardedGNN):
     ):
         super().__init__(model, grid, source, dtype, compute_dtype, data_parallel)
         if overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be at least 1, got {overlap_chunks}")
+            raise UserError(f"overlap_chunks must be at least 1, got {overlap_chunks}")
         dtype = self.dtype
         dims = self.dims
         self.overlap_chunks = overlap_chunks
@@ -351,7 +352,7 @@ class Parallel3DGNN(ShardedGNN):
         weights stay; a mini-batch sampler (ScaleGNN's vertex sampling,
         :mod:`gnnpar.sampling.vertex`) calls it with every step's subgraph."""
         if source.feat_dim != self.dims[0]:
-            raise ValueError(
+            raise UserError(
                 f"model expects {self.dims[0]} input features, the graph has {source.feat_dim}"
             )
         dims, n = self.dims, source.num_nodes
@@ -495,7 +496,7 @@ def check_norm(kind: str, source: ShardSource) -> None:
 
     norm = getattr(source, "norm", None)
     if norm is not None and norm != NORMS[kind]:
-        raise ValueError(
+        raise UserError(
             f"{source.norm_where} is {norm!r}, but a {kind} model reads the {NORMS[kind]!r} "
             f"adjacency: prepare the shards with norm={NORMS[kind]!r}"
         )
@@ -522,7 +523,7 @@ def parallelize_fullgraph(
     split over data, so it is refused by default."""
     check_norm(model.kind, source)
     if data_parallel and (algorithm != "3d" or model.kind not in ("gcn", "sage")):
-        raise ValueError(
+        raise UserError(
             f"data_parallel takes the 3d algorithm and a gcn or sage model, not "
             f"{algorithm!r} with {model.kind!r}"
         )
@@ -530,7 +531,7 @@ def parallelize_fullgraph(
         from gnnpar.models.fullgraph.gat import parallel_gemm_first
 
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
+            raise UserError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
         cls = parallel_gemm_first(model, algorithm)
         return cls(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
     if algorithm == "3d":
@@ -543,4 +544,4 @@ def parallelize_fullgraph(
         return Parallel2DGNN(model, grid, source, dtype, compute_dtype)
     if algorithm == "1d":
         return Parallel1DGNN(model, grid, source, dtype=dtype, compute_dtype=compute_dtype)
-    raise ValueError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")
+    raise UserError(f"unknown full-graph algorithm {algorithm!r}; use one of {ALGORITHMS}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from gnnpar.data.sizes import gcn_datasets
+from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives, gcn_compute_seconds
 from gnnpar.models.fullgraph.memory import gcn_memory
@@ -161,7 +162,7 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
             )
         try:
             graph = load_dataset(cfg)
-        except (KeyError, FileNotFoundError, ValueError) as err:
+        except (KeyError, FileNotFoundError, UserError) as err:
             known = ", ".join(presets)
             raise PlanError(
                 f"cannot load dataset {cfg.dataset!r} ({err}); sizes are built in for {known}, "

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gnnpar.errors import UserError
 from gnnpar.models.fullgraph.layout import chunk
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
@@ -134,7 +135,7 @@ def _normalised(graph, norm: str):
         return graph.row_normalize()
     if norm == "raw":
         return graph.weighted_self_loops()
-    raise ValueError(f"unknown normalisation {norm!r}; use one of {', '.join(NORMALISATIONS)}")
+    raise UserError(f"unknown normalisation {norm!r}; use one of {', '.join(NORMALISATIONS)}")
 
 
 def prepare_shards(
@@ -171,12 +172,12 @@ def prepare_shards(
             graph, out, norm, blocks, seed, permutation, overwrite, memory_limit, chunk_edges
         )
     if graph.feat is None:
-        raise ValueError(f"graph {graph.name!r} has no node features ('feat')")
+        raise UserError(f"graph {graph.name!r} has no node features ('feat')")
     g = _normalised(graph, norm)
     n = graph.num_nodes
     r_parts, c_parts = blocks
     if r_parts < 1 or c_parts < 1:
-        raise ValueError(f"file blocks must be positive, got {blocks}")
+        raise UserError(f"file blocks must be positive, got {blocks}")
     source = shard_provenance(fingerprint or graph.fingerprint(), norm, blocks, seed, permutation)
     values = g.edge_weight.to(torch.float32)
     p, p2 = make_permutations(permutation, g.indptr, g.indices, seed, max(r_parts, c_parts))
@@ -271,16 +272,16 @@ def _prepare_streamed(
     if chunk_edges is None:
         chunk_edges = chunk_edges_for(memory_limit, _STREAM_BYTES_PER_NODE * n, "preparing shards")
     if "feat" not in reader.ndata_keys():
-        raise ValueError(f"graph {reader.name!r} has no node features ('feat')")
+        raise UserError(f"graph {reader.name!r} has no node features ('feat')")
     if norm not in NORMALISATIONS:
-        raise ValueError(f"unknown normalisation {norm!r}; use one of {', '.join(NORMALISATIONS)}")
+        raise UserError(f"unknown normalisation {norm!r}; use one of {', '.join(NORMALISATIONS)}")
     r_parts, c_parts = blocks
     if r_parts < 1 or c_parts < 1:
-        raise ValueError(f"file blocks must be positive, got {blocks}")
+        raise UserError(f"file blocks must be positive, got {blocks}")
     source = shard_provenance(reader.fingerprint(), norm, blocks, seed, permutation)
     if permutation not in ("random", "none"):
         # the degree-aware permutations look at all of Â at once
-        raise ValueError(
+        raise UserError(
             f"permutation {permutation!r} needs the whole graph in memory; streamed "
             "preparation (a graph folder, a memory limit) takes 'random' or 'none'"
         )

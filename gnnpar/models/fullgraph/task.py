@@ -29,6 +29,7 @@ import torch
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.errors import PeerFailedError, UserError
 from gnnpar.fmt import parse_bytes
 from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
@@ -152,7 +153,7 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
         if self.memory_limit is not None:
             try:
                 parse_bytes(self.memory_limit)
-            except ValueError as err:
+            except UserError as err:
                 raise ConfigError(f"config key 'memory_limit': {err}") from None
             if self.permutation not in ("random", "none"):
                 raise ConfigError(
@@ -269,7 +270,7 @@ def _prepare(
             raise
     comm.all_reduce(outcome, world, "world")
     if outcome[0].item():
-        raise RuntimeError("rank 0 could not prepare the graph shards (see its error)")
+        raise PeerFailedError("rank 0 could not prepare the graph shards (see its error)")
     return folder, int(outcome[1].item())
 
 
@@ -292,7 +293,7 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
     meta = source.meta
     try:  # a given folder cut for another model (a folder the run owns was rebuilt)
         check_norm(cfg.model, source)
-    except ValueError as err:
+    except UserError as err:
         raise ConfigError(f"{err}, or point 'shards' elsewhere") from None
     dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
     prepared = _Prepared(source, num_edges, dims)

@@ -19,6 +19,8 @@ import inspect
 import torch
 from torch import nn
 
+from gnnpar.errors import UserError
+
 __all__ = ["HFGPT2Chunk", "causal_mask", "check_hf_gpt2", "is_hf_gpt2"]
 
 #: Attention implementations that take the additive mask (flash attention takes none).
@@ -36,14 +38,14 @@ def check_hf_gpt2(model: nn.Module) -> None:
     blocks must take ``attention_mask`` and its attention must accept an additive mask."""
     block = model.transformer.h[0]
     if "attention_mask" not in inspect.signature(block.forward).parameters:
-        raise ValueError(
+        raise UserError(
             f"{type(block).__name__}.forward of this transformers version takes no "
             "attention_mask: HF GPT-2 cannot run as a pipeline"
         )
     # the one private field read: which attention the model was built with
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in MASKED_ATTENTION:
-        raise ValueError(
+        raise UserError(
             f"HF GPT-2 attention '{impl}' takes no additive causal mask: build the model with "
             f"attn_implementation in {', '.join(MASKED_ATTENTION)} to run it as a pipeline"
         )
@@ -85,7 +87,7 @@ class HFGPT2Chunk(nn.Module):
         if self.first:
             t = x.shape[-1]
             if t > self.config.n_positions:
-                raise ValueError(
+                raise UserError(
                     f"sequence of {t} tokens is longer than n_positions={self.config.n_positions}"
                 )
             if self.tie is not None:

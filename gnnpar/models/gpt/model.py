@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gnnpar.errors import UserError
 from gnnpar.recompute import MODES, check_mode, recompute
 
 __all__ = [
@@ -58,11 +59,11 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
+                raise UserError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+            raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+            raise UserError(f"dropout must lie in [0, 1), got {self.dropout}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -220,7 +221,7 @@ class GPT(nn.Module):
         (default 0..T−1; a context-parallel rank passes those of the chunks it holds)."""
         t = ids.shape[-1]
         if t > self.config.block_size:
-            raise ValueError(
+            raise UserError(
                 f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
             )
         if pos is None:
@@ -286,7 +287,7 @@ class GPTChunk(nn.Module):
         if self.first:
             t = x.shape[-1]
             if t > self.config.block_size:
-                raise ValueError(
+                raise UserError(
                     f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
                 )
             if self.tie is not None:
@@ -316,7 +317,7 @@ def generate(
     (ids ``(B, T)`` → logits ``(B, T, V)``) to ``ids``, feeding it the last ``block_size``
     tokens; see :meth:`GPT.generate`."""
     if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+        raise UserError(f"temperature must be positive, got {temperature}")
     for _ in range(max_new_tokens):
         logits = model(ids[:, -block_size:])[:, -1, :]
         if full_logits is not None:

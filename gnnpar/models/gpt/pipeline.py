@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.gpt.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2, is_hf_gpt2
 from gnnpar.models.gpt.model import GPT, Block, GPTChunk, model_sizes
@@ -44,7 +45,7 @@ def gpt_stage_layers(model: nn.Module, stages: int, split: str = "layers") -> li
             cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size
         )
         return split_layers(cfg.n_layer, stages, costs, first, last)
-    raise ValueError(f"unknown pipeline split {split!r}; use {', '.join(SPLITS)}")
+    raise UserError(f"unknown pipeline split {split!r}; use {', '.join(SPLITS)}")
 
 
 @dataclasses.dataclass

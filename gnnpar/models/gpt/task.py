@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.gpt.model import GPTConfig, generate, model_sizes, set_activation_checkpointing
@@ -485,7 +486,7 @@ class GPTTask(BaseTask):
                     shard_fn=shard_fn,
                     tie_dtype=compute_dtype(cfg),
                 )
-            except ValueError as err:
+            except UserError as err:
                 raise ConfigError(f"config key 'grid': {err}") from None
             self.net = None  # the stages run through self.pipeline
             if not self.pipeline.pipeline.is_last:  # the head's sizes only, not its weight

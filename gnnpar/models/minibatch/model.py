@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gnnpar.errors import UserError
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse.attention import log_weights, weigh_logits
 from gnnpar.sparse.kernels import csr_spmm
@@ -169,9 +170,9 @@ class GATConv(nn.Module):
     ):
         super().__init__()
         if heads < 1:
-            raise ValueError(f"heads must be >= 1, got {heads}")
+            raise UserError(f"heads must be >= 1, got {heads}")
         if concat and out_dim % heads:
-            raise ValueError(f"out_dim {out_dim} is not divisible by {heads} heads")
+            raise UserError(f"out_dim {out_dim} is not divisible by {heads} heads")
         self.heads, self.concat = heads, concat
         self.head_dim = out_dim // heads if concat else out_dim
         self.negative_slope, self.attn_dropout = negative_slope, attn_dropout
@@ -240,11 +241,11 @@ class BlockGNN(nn.Module):
     ):
         super().__init__()
         if kind not in _KINDS:
-            raise ValueError(f"unknown block model {kind!r}; use one of {', '.join(_KINDS)}")
+            raise UserError(f"unknown block model {kind!r}; use one of {', '.join(_KINDS)}")
         if num_layers < 1:
-            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+            raise UserError(f"num_layers must be at least 1, got {num_layers}")
         if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+            raise UserError(f"dropout must be in [0, 1), got {dropout}")
         dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
         layers: list[nn.Module] = []
         for i in range(num_layers):
@@ -296,13 +297,13 @@ class BlockGNN(nn.Module):
         graph's weight per edge (its CSR order), looked up through each block's
         ``edge_ids``; without it, the weights the blocks record (a weighted graph's)."""
         if len(blocks) != self.num_layers:
-            raise ValueError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
+            raise UserError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
         h = x
         for i, block in enumerate(blocks):
             w = None
             if edge_weight is not None:
                 if block.edge_ids is None:
-                    raise ValueError(
+                    raise UserError(
                         "edge weights need the blocks' edge ids, which this sampler does not "
                         "record (distributed sampling: its blocks carry the weights instead)"
                     )

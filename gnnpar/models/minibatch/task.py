@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 import gnnpar
 from gnnpar import comm
+from gnnpar.errors import PeerFailedError, UserError
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
@@ -185,7 +186,7 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
             return self._check_common()
         try:
             fanouts = parse_fanouts(self.fanouts)
-        except ValueError as err:
+        except UserError as err:
             raise ConfigError(f"config key 'fanouts': {err}") from None
         if len(fanouts) != self.layers:
             raise ConfigError(
@@ -409,7 +410,9 @@ def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int, progress
             raise
     comm.all_reduce(error, grid, "world")
     if error.item():
-        raise RuntimeError("rank 0 refused or could not write the partition folder (see its error)")
+        raise PeerFailedError(
+            "rank 0 refused or could not write the partition folder (see its error)"
+        )
     return folder
 
 
