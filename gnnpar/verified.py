@@ -29,7 +29,7 @@ import os
 import pickle
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,9 @@ __all__ = [
     "FormatError",
     "Manifest",
     "NpyWriter",
+    "OutputError",
     "check_level",
+    "check_output",
     "file_entry",
     "load_npy",
     "load_tensors",
@@ -345,39 +347,137 @@ def load_npy(
     return array
 
 
-def write_folder(
-    dest: str | os.PathLike, fill: Callable[[Path], None], overwrite: bool = False
+class OutputError(UserError):
+    """An output folder a command will not write: it is, holds or lies inside one of the
+    command's inputs, or replacing it would remove something gnnpar did not make."""
+
+
+def check_output(
+    dest: str | os.PathLike,
+    schema: str,
+    overwrite: bool = False,
+    inputs: Sequence[str | os.PathLike] = (),
 ) -> Path:
-    """Build a folder atomically: ``fill(tmp)`` writes everything (its manifest last) into a
-    hidden sibling of ``dest`` that is renamed to ``dest`` only when complete, so a failure
-    leaves nothing behind. An existing ``dest`` is FileExistsError unless ``overwrite``; then
-    it is moved aside and removed only once the new folder is in place."""
+    """Check that a ``schema`` folder may be written at ``dest`` (before the work starts;
+    :func:`write_folder` checks again when it replaces): ``dest`` must not be one of
+    ``inputs``, hold one, or lie inside an input that is a verified folder (which lists its
+    own files); an existing ``dest`` is FileExistsError unless ``overwrite``, and then it
+    must be empty or a ``schema`` folder holding only what its manifest lists (or a folder
+    of an older gnnpar, whose ``meta.json`` lists every file in it), so that replacing it
+    removes only what gnnpar made. OutputError (one line naming the path)
+    otherwise."""
     dest = Path(dest)
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest} already exists (remove it or choose another)")
-    if dest.exists() and not dest.is_dir():
-        raise FileExistsError(f"{dest} exists and is not a folder")
+    _check_apart(dest, inputs)
+    if not dest.exists() and not dest.is_symlink():
+        return dest
+    if not overwrite:
+        raise FileExistsError(f"{dest} already exists (overwrite it, or choose another)")
+    _check_replaceable(dest, schema)
+    return dest
+
+
+def _check_apart(dest: Path, inputs: Sequence[str | os.PathLike]) -> None:
+    """OutputError if ``dest`` and one of ``inputs`` overlap (see :func:`check_output`)."""
+    out = dest.resolve()
+    for given in inputs:
+        path = Path(given).resolve()
+        if path == out:
+            raise OutputError(
+                f"{dest} is this command's input: writing there would replace it; choose "
+                "another output folder"
+            )
+        if path.is_relative_to(out):
+            raise OutputError(
+                f"{dest} holds this command's input {given}: writing there would replace it; "
+                "choose another output folder"
+            )
+        if out.is_relative_to(path) and (path / MANIFEST).is_file():
+            raise OutputError(
+                f"{dest} lies inside the input folder {given}, whose manifest lists its own "
+                "files: choose an output folder outside it"
+            )
+
+
+def _check_replaceable(dest: Path, schema: str) -> None:
+    """OutputError unless replacing the existing ``dest`` removes only a ``schema`` folder
+    that gnnpar wrote: an empty folder, or one whose manifest is of ``schema`` and lists
+    every file in it."""
+    if dest.is_symlink() or not dest.is_dir():
+        raise OutputError(f"{dest} exists and is not a folder: not replacing it")
+    entries = sorted(dest.rglob("*"))
+    if not entries:
+        return
+    manifest = dest / MANIFEST
+    remedy = "remove it yourself, or choose another output folder"
+    older = not manifest.is_file() and (dest / "meta.json").is_file()
+    if not manifest.is_file() and not older:
+        raise OutputError(
+            f"{dest}: not a folder gnnpar wrote (no {MANIFEST}); overwriting replaces only "
+            f"a {schema} folder: {remedy}"
+        )
+    record = dest / "meta.json" if older else manifest
+    try:
+        doc = json.loads(record.read_text())
+        found, listed = (schema if older else doc["schema"]), set(doc["files"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise OutputError(
+            f"{record}: unreadable, so {dest} is not known to be a {schema} folder: "
+            f"not replacing it; {remedy}"
+        ) from None
+    listed.add(record.name)  # an older gnnpar's meta.json listed its files, not its schema
+    if found != schema:
+        raise OutputError(
+            f"{dest} is a {found} folder, not a {schema} one: not replacing it; choose another "
+            "output folder"
+        )
+    for path in entries:
+        name = path.relative_to(dest).as_posix()
+        if (path.is_dir() and not path.is_symlink()) or name in listed:
+            continue
+        raise OutputError(
+            f"{path}: not a file of the {schema} folder {dest} (its manifest does not list "
+            "it): not replacing the folder; move the file out, or choose another output folder"
+        )
+
+
+def write_folder(
+    dest: str | os.PathLike,
+    fill: Callable[[Path], None],
+    overwrite: bool = False,
+    *,
+    schema: str,
+    inputs: Sequence[str | os.PathLike] = (),
+) -> Path:
+    """Build a ``schema`` folder atomically: ``fill(tmp)`` writes everything (its manifest
+    last) into a hidden sibling of ``dest`` that is renamed to ``dest`` only when complete,
+    so a failure leaves nothing behind. ``dest`` is checked by :func:`check_output` (with
+    ``overwrite`` and the command's ``inputs``) before ``fill`` and again before an existing
+    one is replaced; that one is moved aside and removed only once the new folder is in
+    place."""
+    dest = check_output(dest, schema, overwrite, inputs)
     dest.parent.mkdir(parents=True, exist_ok=True)
     # mkdir, not mkdtemp: the folder gets the usual permissions, not 0700
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         fill(tmp)
-        _replace(tmp, dest, overwrite)
+        _replace(tmp, dest, overwrite, schema)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
 
 
-def _replace(tmp: Path, dest: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``dest``; an existing ``dest`` is moved aside first and removed
-    only after the new folder is in place (and restored if the rename fails)."""
+def _replace(tmp: Path, dest: Path, overwrite: bool, schema: str) -> None:
+    """Rename ``tmp`` to ``dest``; an existing ``dest`` (checked again: it may have changed
+    while ``tmp`` was filled) is moved aside first and removed only after the new folder is
+    in place (and restored if the rename fails)."""
     if not dest.exists():
         os.rename(tmp, dest)  # fails if someone created dest meanwhile: never merge folders
         return
     if not overwrite:
         raise FileExistsError(f"{dest} appeared while it was being written; not replacing it")
+    _check_replaceable(dest, schema)
     old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
     os.rename(dest, old)
     try:

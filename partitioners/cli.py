@@ -30,8 +30,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gnnpar.errors import UserError
+from gnnpar.verified import check_output
 from partitioners.assignment import METHODS, Partition, partition, supported_balance
-from partitioners.format import PartitionBalanceWarning, load_manifest, load_meta, load_part
+from partitioners.format import (
+    FORMAT,
+    PartitionBalanceWarning,
+    load_manifest,
+    load_meta,
+    load_part,
+)
 from partitioners.metrics import Quality, format_table, human_bytes, measure, quality
 from partitioners.writer import write
 
@@ -63,6 +70,16 @@ def _load_dataset(args: argparse.Namespace) -> Any:
         raise CliError(f"loading datasets needs the gnnpar package: {err}") from err
     options = check_dataset(args.dataset, split_options(args.dataset_options))
     return load(args.dataset, root=args.root, **options)
+
+
+def _inputs(args: argparse.Namespace) -> list[Path]:
+    """What the partition is made from, to keep ``--out`` apart from: the dataset folder,
+    or for a catalogue name its prepared copy and files under the data root."""
+    if Path(args.dataset).exists():
+        return [Path(args.dataset)]
+    from gnnpar.data.catalogue import default_root
+
+    return [(default_root() if args.root is None else Path(args.root)) / args.dataset]
 
 
 def _partition_parser() -> argparse.ArgumentParser:
@@ -149,6 +166,7 @@ def _cmd_partition(argv: Sequence[str]) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise CliError(f"output folder {out} already exists: add --overwrite, or another --out")
+    check_output(out, FORMAT, args.overwrite, _inputs(args))
     show = not args.no_progress
     if args.memory_limit is not None:
         return _partition_streamed(args, out, show)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from gnnpar.errors import UserError
-from gnnpar.verified import write_folder, write_manifest
+from gnnpar.verified import check_output, write_folder, write_manifest
 from partitioners.assignment import Partition
 from partitioners.csr import CSR, as_csr, to_numpy
 from partitioners.format import (
@@ -70,7 +70,9 @@ def write(
         name: graph name stored in the meta (default: the graph's own name).
         ndata: node-data keys to store (default: all of them).
         progress: show a progress bar over the parts.
-        overwrite: replace an existing ``out_dir`` (only once the new folder is complete).
+        overwrite: replace an existing ``out_dir`` (only once the new folder is complete);
+            it must be a partition folder holding only the files its manifest lists, and
+            not the graph folder read (:func:`gnnpar.verified.check_output`).
         memory_limit, chunk_edges: stream the edges (:func:`_write_streamed`): the process
             keeps per-node arrays (about 40 bytes a node) and one chunk of ``chunk_edges``
             edges (by default as many as ``memory_limit`` bytes allow). A graph folder
@@ -87,6 +89,7 @@ def write(
 
     Raises:
         FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
+        OutputError: ``out_dir`` is not a folder overwriting may replace (see above).
         ValueError: ``halo`` not 0 or 1; the partition does not fit the graph.
 
     The folder is built under a temporary name beside ``out_dir`` and renamed when complete;
@@ -123,15 +126,15 @@ def write(
         if key not in csr.ndata:
             raise UserError(f"the graph has no node data {key!r} (it has {sorted(csr.ndata)})")
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"output folder {out} already exists; remove it or choose another")
+    inputs: tuple[Any, ...] = ()  # an in-memory graph: no input on disk to keep apart
+    check_output(out, FORMAT, overwrite, inputs)
     source = source_of(graph)
     meta: dict[str, Any] = {}
 
     def fill(tmp: Path) -> None:
         meta.update(_write_into(tmp, csr, part, halo, name or csr.name, keys, progress, source))
 
-    write_folder(out, fill, overwrite=overwrite)
+    write_folder(out, fill, overwrite=overwrite, schema=FORMAT, inputs=inputs)
     warn_idle_parts(meta, out)
     return out
 
@@ -251,8 +254,9 @@ def _write_streamed(
         check_key(key)
         if key not in known:
             raise UserError(f"the graph has no node data {key!r} (it has {sorted(known)})")
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"output folder {out} already exists; remove it or choose another")
+    # the graph folder read while the partition is written
+    inputs = (graph,) if isinstance(graph, (str, Path)) else ()
+    check_output(out, FORMAT, overwrite, inputs)
     if chunk_edges is None:
         chunk_edges = chunk_edges_for(
             memory_limit, _STREAM_BYTES_PER_NODE * reader.num_nodes, "writing a partition"
@@ -266,7 +270,7 @@ def _write_streamed(
             )
         )
 
-    write_folder(out, fill, overwrite=overwrite)
+    write_folder(out, fill, overwrite=overwrite, schema=FORMAT, inputs=inputs)
     warn_idle_parts(meta, out)
     return out
 

@@ -14,10 +14,11 @@ import torch
 from gnnpar.cli.top import USER_ERRORS
 from gnnpar.data.catalogue import build, catalogue, default_root, get_entry, load, source_record
 from gnnpar.data.options import add_dataset_options, check_dataset, parse_options, split_options
-from gnnpar.data.storage import is_graph_folder, save_graph
+from gnnpar.data.storage import FORMAT, is_graph_folder, save_graph
 from gnnpar.data.structure import STRUCTURE_DEFAULTS, apply_structure, split_structure
 from gnnpar.errors import UserError
 from gnnpar.graph import Graph
+from gnnpar.verified import check_output
 
 __all__ = ["add_data_commands", "describe"]
 
@@ -87,12 +88,20 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     options = check_dataset(args.name, split_options(args.dataset_options))
+    # a folder given by path is the input; a catalogue dataset's files under the root are
+    # kept safe by check_output's rule that --overwrite replaces only a graph folder's files
+    inputs = [args.name] if Path(args.name).exists() else []
+    check_output(args.out, FORMAT, args.overwrite, inputs)
     start = time.perf_counter()
     if args.memory_limit is not None:
         return _prepare_to_disk(args, options, start)
     graph = build(args.name, args.root, **options)
     out = save_graph(
-        graph, args.out, overwrite=args.overwrite, source=source_record(args.name, options)
+        graph,
+        args.out,
+        overwrite=args.overwrite,
+        source=source_record(args.name, options),
+        inputs=inputs,
     )
     print(
         f"wrote {out}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges "
@@ -144,12 +153,12 @@ def _cmd_import(args: argparse.Namespace) -> int:
             f"unknown option(s) {', '.join(own)} for an imported file; known: "
             f"{', '.join(STRUCTURE_DEFAULTS)}"
         )
+    check_output(args.out, FORMAT, args.overwrite, [args.file])
     start = time.perf_counter()
     kind = file_kind(args.file, args.kind)
     graph = apply_structure(read_graph_file(args.file, kind, args.name), structure)
-    out = save_graph(
-        graph, args.out, overwrite=args.overwrite, source=import_source(args.file, kind, structure)
-    )
+    source = import_source(args.file, kind, structure)
+    out = save_graph(graph, args.out, overwrite=args.overwrite, source=source, inputs=[args.file])
     print(
         f"wrote {out}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges from {kind} file "
         f"{args.file} ({time.perf_counter() - start:.1f} s)"

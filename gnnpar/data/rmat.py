@@ -132,12 +132,11 @@ def rmat_to_disk(
     from gnnpar.data.splits import random_split
     from gnnpar.data.storage import FORMAT, SCHEMA_VERSION
     from gnnpar.graph import content_fingerprint
-    from gnnpar.verified import NpyWriter, save_npy, write_folder, write_manifest
+    from gnnpar.verified import NpyWriter, check_output, save_npy, write_folder, write_manifest
 
     _check(scale, edge_factor, a, b, c, feat_dim, num_classes)
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists (remove it or choose another)")
+    check_output(out, FORMAT, overwrite)
     n = 1 << scale
     m = edge_factor * n
     budget = 10**9 if memory_limit is None else int(memory_limit)
@@ -226,7 +225,7 @@ def rmat_to_disk(
         }
         write_manifest(tmp, FORMAT, SCHEMA_VERSION, files, meta)
 
-    return write_folder(out, fill, overwrite=overwrite)
+    return write_folder(out, fill, overwrite=overwrite, schema=FORMAT)
 
 
 def _file_pieces(path: Path, block: int = 8 << 20):

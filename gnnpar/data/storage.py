@@ -31,6 +31,7 @@ gnnpar (``meta.json``, no manifest) is refused: prepare it again. See ``datasets
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +99,16 @@ def save_graph(
     path: str | Path,
     overwrite: bool = False,
     source: dict[str, Any] | None = None,
+    inputs: Sequence[str | Path] = (),
 ) -> Path:
     """Write ``graph`` to the folder ``path`` atomically.
 
     Everything is written into a temporary sibling folder that is renamed to ``path`` only
     when complete (:func:`gnnpar.verified.write_folder`), so a failure leaves no (partial)
-    folder behind. An existing ``path`` is an error unless ``overwrite=True``. ``source``
+    folder behind. An existing ``path`` is an error unless ``overwrite=True``, and then it
+    must be a graph folder holding only its listed files; ``path`` must not be, hold or lie
+    inside one of ``inputs`` (the files the graph was read from:
+    :func:`gnnpar.verified.check_output`). ``source``
     (JSON-serialisable) is stored in the manifest's meta to record how the graph was made,
     with the graph's fingerprint and number of classes. Returns the folder path.
     """
@@ -130,7 +135,7 @@ def save_graph(
         files = {file: save_npy(tmp / file, a) for _, file, a in arrays}
         write_manifest(tmp, FORMAT, SCHEMA_VERSION, files, meta)
 
-    return write_folder(path, fill, overwrite=overwrite)
+    return write_folder(path, fill, overwrite=overwrite, schema=FORMAT, inputs=inputs)
 
 
 def is_graph_folder(path: str | Path) -> bool:

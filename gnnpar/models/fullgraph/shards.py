@@ -67,6 +67,7 @@ from gnnpar.verified import (
     Manifest,
     NpyWriter,
     check_level,
+    check_output,
     read_manifest,
     save_npy,
     write_folder,
@@ -165,8 +166,7 @@ def prepare_shards(
     ``chunk_edges`` edges (by default as many as ``memory_limit`` allows); the folder is the
     same, byte for byte, as the one written from memory."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"shard folder {out} already exists (pass overwrite=True)")
+    check_output(out, SCHEMA, overwrite, (graph,) if isinstance(graph, (str, Path)) else ())
     if isinstance(graph, (str, Path)) or memory_limit is not None or chunk_edges is not None:
         return _prepare_streamed(
             graph, out, norm, blocks, seed, permutation, overwrite, memory_limit, chunk_edges
@@ -221,7 +221,7 @@ def prepare_shards(
         )  # fmt: skip
         write_manifest(tmp, SCHEMA, VERSION, files, meta)
 
-    write_folder(out, fill, overwrite)
+    write_folder(out, fill, overwrite, schema=SCHEMA)
     return out
 
 
@@ -333,7 +333,8 @@ def _prepare_streamed(
         )  # fmt: skip
         write_manifest(tmp, SCHEMA, VERSION, files, meta)
 
-    write_folder(out, fill, overwrite)
+    inputs = (graph,) if isinstance(graph, (str, Path)) else ()  # the folder streamed from
+    write_folder(out, fill, overwrite, schema=SCHEMA, inputs=inputs)
     return out
 
 
