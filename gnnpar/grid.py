@@ -52,7 +52,25 @@ COMBINED_AXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "yz": ("y", "z"),
     }
 )
-DEFAULT_TIMEOUT_S = float(os.environ.get("GNNPAR_TIMEOUT", "600"))
+#: Seconds a collective waits for a peer unless ``timeout`` or ``$GNNPAR_TIMEOUT`` says.
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "GNNPAR_TIMEOUT"
+
+
+def default_timeout_s() -> float:
+    """``$GNNPAR_TIMEOUT`` (seconds) if set, else :data:`DEFAULT_TIMEOUT_S`; read when a
+    grid is built, so a launcher or a test can set it. GridError naming the variable if it
+    is not a positive number."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise GridError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return seconds
 
 
 class GridError(UserError):
@@ -506,11 +524,12 @@ def init(
     gloo ↔ CPU, NCCL ↔ CUDA; with neither given, CUDA and NCCL are used when a GPU is present,
     the local rank's GPU. ``ranks_per_node`` (default: the launcher's, e.g.
     ``LOCAL_WORLD_SIZE`` or Slurm's tasks per node, else the world size) tells which groups
-    are intra-node; tests set it to simulate several nodes. ``timeout`` (seconds) bounds every
-    collective, so a dead peer gives an error instead of a hang.
+    are intra-node; tests set it to simulate several nodes. ``timeout`` (seconds; default
+    :func:`default_timeout_s`) bounds every collective, so a dead peer gives an error
+    instead of a hang.
     """
     if timeout is None:
-        timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+        timeout = timedelta(seconds=default_timeout_s())
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     launch = detect_launch()

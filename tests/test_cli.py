@@ -507,3 +507,29 @@ def test_train_help_names_every_model_of_each_task():
     assert re.search(r"\bgat\b.*\bgin\b", tasks["gcn"].help)
     for sampler in choices_of(tasks["sage"].config, "sampler"):
         assert sampler in tasks["sage"].help
+
+
+def test_the_collective_timeout_is_a_trainer_option(tmp_path, monkeypatch, capsys):
+    """``--timeout`` reaches the grid every task builds (the variable is its default), and a
+    bad value of either is one line naming it."""
+    from datetime import timedelta
+
+    from gnnpar.train.spec import build_task, get
+
+    spec = get("gcn")
+    out = str(tmp_path / "run")
+    monkeypatch.setenv("GNNPAR_TIMEOUT", "41")
+    assert build_task(spec, spec.config(dataset="karate", out=out)).grid.timeout == timedelta(
+        seconds=41
+    )
+    task = build_task(spec, spec.config(dataset="karate", out=out, timeout=7.5))
+    assert task.grid.timeout == timedelta(seconds=7.5)
+    assert "--timeout" in subprocess.run(
+        [sys.executable, "-m", "gnnpar.cli", "train", "gcn", "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert main(["train", "gcn", "--timeout", "0", "--out", out]) == 2
+    assert "config key 'timeout' must be > 0" in _err_line(capsys)
+    monkeypatch.setenv("GNNPAR_TIMEOUT", "soon")
+    assert main(["train", "gcn", "--dataset", "karate", "--epochs", "1", "--out", out]) == 2
+    assert "$GNNPAR_TIMEOUT must be a positive number of seconds, got 'soon'" in _err_line(capsys)

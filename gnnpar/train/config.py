@@ -178,6 +178,10 @@ class TrainerConfig:
         0, "steps whose loss is NaN or infinite that are skipped (undone, counted as "
         "skipped_steps in the metrics) before the run stops with an error"
     )  # fmt: skip
+    timeout: float | None = option(
+        None, "seconds a collective waits for a peer before the run stops with an error "
+        "naming it (default: $GNNPAR_TIMEOUT, else 600)"
+    )  # fmt: skip
 
     def check_trainer(self) -> None:
         """Reject trainer values that cannot work, naming the key."""
@@ -187,6 +191,8 @@ class TrainerConfig:
         _at_least(self, 0, "eval_every", "checkpoint_every", "keep_checkpoints", "skip_nonfinite")
         if self.ranks_per_node is not None:
             _at_least(self, 1, "ranks_per_node")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ConfigError(f"config key 'timeout' must be > 0 seconds, got {self.timeout:g}")
 
 
 @dataclasses.dataclass

@@ -171,7 +171,11 @@ def build_task(
 
     spec = resolved(get(spec) if isinstance(spec, str) else spec, cfg)
     progress = progress if progress is not None else Progress(enabled=False)
-    world = gnnpar.init(backend=backend_for_choice(cfg.device), ranks_per_node=cfg.ranks_per_node)
+    world = gnnpar.init(
+        backend=backend_for_choice(cfg.device),
+        ranks_per_node=cfg.ranks_per_node,
+        timeout=cfg.timeout,
+    )
     plan = spec.plan(cfg, world, progress, **extras)
     sizes = fit_shape(world.world_size, plan.shape)
     grid = world

@@ -645,7 +645,9 @@ class MiniBatchTask(BaseTask):
         self.part = part
         # The loader samples and fetches in a background thread: it gets process groups of
         # its own, so its all-to-alls never interleave with this thread's collectives.
-        self.sample_grid = gnnpar.init(backend="gloo", ranks_per_node=cfg.ranks_per_node)
+        self.sample_grid = gnnpar.init(
+            backend="gloo", ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout
+        )
         sampler = DistNeighborSampler(
             part, self.fanouts, self.sample_grid, replace=cfg.replace, seed=cfg.seed
         )
