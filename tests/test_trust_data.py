@@ -193,6 +193,27 @@ def test_graph_without_training_nodes_is_refused_by_the_trainer(tmp_path, capsys
     assert code == 2 and "no training nodes" in _one_line(err)
 
 
+@pytest.mark.parametrize("key", ["val_mask", "test_mask"])
+def test_an_empty_split_that_selection_or_the_report_needs_is_refused(tmp_path, capsys, key):
+    """An empty validation split once trained, reported val_acc=0.0000 and picked a "best"
+    model on no nodes. Every path into training refuses it before any rank starts: gcn,
+    sage, and sage on 2 ranks from a partition (where the folder is checked unloaded)."""
+    g = sbm(num_nodes=300, feat_dim=8, seed=3)
+    g.ndata[key] = torch.zeros(300, dtype=torch.bool)
+    folder = save_graph(g, tmp_path / "g")
+    parts = tmp_path / "parts"
+    argv = [str(folder), "--parts", "2", "--out", str(parts), "--no-progress"]
+    assert partition_main(argv) == 0
+    words = f"empty {key.split('_')[0]} split ({key} is all False)"
+    base = ["--dataset", str(folder), "--out", str(tmp_path / "run")]
+    code, err = _train(capsys, *base)
+    assert code == 2 and words in _one_line(err)
+    code, err = _train(capsys, *base, "--partitions", str(parts), "--nprocs", "2")
+    assert code == 2 and words in _one_line(err)
+    assert main(["train", "gcn", *base, "--epochs", "1", "--quiet"]) == 2
+    assert words in _one_line(capsys.readouterr().err)
+
+
 def test_overlapping_split_masks_are_refused():
     g = sbm(num_nodes=300, feat_dim=8, seed=3)
     first = int(torch.nonzero(g.train_mask)[0, 0])

@@ -332,9 +332,10 @@ class Graph:
         return is_multilabel(self.label)
 
     def check_trainable(self) -> None:
-        """What a node-classification trainer needs, one ValueError naming what is missing:
-        ``feat``, ``label`` and ``train_mask``, at least one training node, and a class id
-        (not "unlabelled") for every training node."""
+        """What a node-classification trainer needs, one UserError naming what is missing:
+        ``feat``, ``label`` and ``train_mask``, at least one training node, a class id
+        (not "unlabelled") for every training node, and no empty ``val_mask`` or
+        ``test_mask`` (model selection and the final report are computed on them)."""
         check_trainable_data(self.name, self.ndata)
 
     def fingerprint(self) -> str:
@@ -895,6 +896,12 @@ def check_trainable_data(name: str, ndata: Mapping[str, torch.Tensor]) -> None:
         raise UserError(
             f"graph {name!r} has no training nodes (train_mask is all False): nothing to train on"
         )
+    for key, used in (("val_mask", "model selection"), ("test_mask", "the final report")):
+        if key in ndata and not bool(ndata[key].to(torch.bool).any()):
+            raise UserError(
+                f"graph {name!r} has an empty {key.split('_')[0]} split ({key} is all False): "
+                f"{used} would be computed on no nodes; give it nodes, or drop {key}"
+            )
     y = ndata["label"]
     if y.dim() == 1 and bool((y[train] < 0).any()):
         node = int(torch.nonzero(train & (y < 0))[0, 0])

@@ -240,7 +240,8 @@ def check_stored_dataset(cfg: Any, folder: str | Path) -> None:
 
     try:
         meta = read_meta(folder)
-        keys = [k for k in ("feat", "label", "train_mask") if f"ndata/{k}" in meta["arrays"]]
+        needed = ("feat", "label", "train_mask", "val_mask", "test_mask")
+        keys = [k for k in needed if f"ndata/{k}" in meta["arrays"]]
         check_trainable_data(meta["name"], load_node_data(folder, keys, "size"))
     except UserError as err:
         raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
