@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,26 @@ def test_resume_continues_exactly(tmp_path):
     assert all((half / "plots" / f"{n}.png").is_file() for n in ("loss", "accuracy", "throughput"))
     # A second run into the same folder must say how to proceed.
     assert _train(half, 2) == 2
+
+
+def test_a_resumed_run_records_each_epoch_once(tmp_path):
+    """A run killed after epoch 6 whose last checkpoint is epoch 4 redoes epochs 5 and 6:
+    metrics.jsonl (and so the plots) keeps them once, the resumed attempt's."""
+    from gnnpar.train.metrics import read_metrics
+
+    out = tmp_path / "run"
+    assert _train(out, 6, ["--checkpoint-every", "2", "--keep-checkpoints", "0"]) == 0
+    first = {r["epoch"]: r["time"] for r in read_metrics(out / "metrics.jsonl") if "epoch" in r}
+    shutil.rmtree(out / "checkpoints" / "step-000006")  # as if killed before it was written
+    (out / "checkpoints" / "latest").write_text("step-000004")
+    assert _train(out, 6, ["--checkpoint-every", "2", "--resume"]) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    epochs = [r["epoch"] for r in records if "epoch" in r]
+    assert epochs == [1, 2, 3, 4, 5, 6], epochs
+    (resume,) = [r for r in records if r.get("event") == "resume"]
+    assert resume["step"] == 4 and resume["dropped_records"] == 2
+    redone = {r["epoch"]: r["time"] for r in records if r.get("epoch", 0) > 4}
+    assert all(redone[e] > first[e] for e in (5, 6))  # the new attempt's, not the old
 
 
 def test_interrupted_checkpoint_leaves_previous_usable(tmp_path):

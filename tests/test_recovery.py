@@ -116,6 +116,8 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
     assert resumes[0]["step"] >= 20 and resumes[0]["step"] % 20 == 0
     assert records[-1]["event"] == "end"
     assert max(r.get("epoch", 0) for r in records) == epochs
+    seen = [r["epoch"] for r in records if "epoch" in r]
+    assert len(seen) == len(set(seen)), "the killed attempt's redone epochs are kept twice"
     from gnnpar.train.report import write_report
 
     summary = write_report(out)

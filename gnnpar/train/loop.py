@@ -482,12 +482,15 @@ class Trainer:
         # gnnpar's own randomness (dropout, sampling) is counter-based and needs none.
         if "torch_rng" in found.local:
             torch.set_rng_state(found.local["torch_rng"])
+        # the killed attempt's records past the checkpoint are redone: not kept twice
+        dropped = self.metrics.drop_after(self.task.unit, found.step)
         self.metrics.write(
             {
                 "event": "resume",
                 "step": found.step,
                 "attempt": self.attempt,
                 "from_grid": found.grid,
+                "dropped_records": dropped,
             }
         )
         return found.step

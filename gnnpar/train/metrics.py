@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gnnpar.atomic import naming
+from gnnpar.atomic import atomic_write, naming
 from gnnpar.errors import MissingPackageError, UserError
 from gnnpar.graph import is_multilabel
 
@@ -209,6 +209,28 @@ class MetricsLog:
         if self._tb is not None:
             self._write_scalars(record)
 
+    def drop_after(self, unit: str, last: int) -> int:
+        """Remove the records of ``unit`` (``"epoch"``, ``"step"``) beyond ``last``: a
+        resumed run redoes them, so a killed attempt's would otherwise appear twice. The
+        file is rewritten atomically (temporary name, then rename); lines that do not parse
+        (a torn last line) are kept as they are. Returns the number removed."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        try:
+            lines = self.path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+            kept = [line for line in lines if not _beyond(line, unit, last)]
+            if len(kept) < len(lines):
+                text = "".join(f"{line}\n" for line in kept)
+                atomic_write(
+                    self.path,
+                    lambda tmp: Path(tmp).write_text(
+                        text, encoding="utf-8", errors="surrogateescape"
+                    ),
+                )
+        except OSError as err:
+            raise naming(err, self.path) from None
+        return len(lines) - len(kept)
+
     def _append(self, line: str) -> None:
         with open(self.path, "a") as f:
             f.write(line)
@@ -226,6 +248,16 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _beyond(line: str, unit: str, last: int) -> bool:
+    """Whether a metrics line is a record whose ``unit`` is past ``last``."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    value = record.get(unit) if isinstance(record, dict) else None
+    return isinstance(value, int) and not isinstance(value, bool) and value > last
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
