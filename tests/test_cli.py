@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -149,6 +150,37 @@ def test_a_resumed_run_records_each_epoch_once(tmp_path):
     assert resume["step"] == 4 and resume["dropped_records"] == 2
     redone = {r["epoch"]: r["time"] for r in records if r.get("epoch", 0) > 4}
     assert all(redone[e] > first[e] for e in (5, 6))  # the new attempt's, not the old
+
+
+def test_damaged_checkpoints_are_reported_alike(tmp_path, capsys):
+    """Every damage to a checkpoint warns naming it (a deleted manifest was skipped
+    silently), a step that is not the folder's is damage, and a checkpoint past the run's
+    length is one line instead of a run that trains nothing and reports the old result."""
+    from gnnpar.verified import META_CHECKSUM, meta_digest
+
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    assert _train(out, 6, ["--checkpoint-every", "2", "--keep-checkpoints", "0"]) == 0
+    (ckpts / "step-000006" / "manifest.json").unlink()
+    capsys.readouterr()
+    assert _train(out, 6, ["--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"{ckpts / 'step-000006'}: no manifest.json (incomplete or damaged)" in err, err
+
+    manifest = ckpts / "step-000006" / "manifest.json"
+    for step in (-5, 10**6):  # edited, with the meta checksum recomputed to match
+        doc = json.loads(manifest.read_text())
+        doc["meta"]["step"] = step
+        doc[META_CHECKSUM] = meta_digest(doc["meta"])
+        manifest.write_text(json.dumps(doc))
+        assert _train(out, 6, ["--resume"]) == 0
+        err = capsys.readouterr().err
+        assert f"{manifest}: " in err and "trying the previous checkpoint" in err, err
+
+    shutil.rmtree(ckpts / "step-000006")
+    assert _train(out, 3, ["--resume"]) == 2
+    line = _err_line(capsys)
+    assert "at epoch 4, past this run's 3 epochs: pass --epochs 4 or more" in line, line
 
 
 def test_interrupted_checkpoint_leaves_previous_usable(tmp_path):

@@ -31,7 +31,9 @@ __all__ = [
     "candidates",
     "commit",
     "complete_steps",
+    "incomplete_steps",
     "step_folder",
+    "step_of",
     "temporary_folder",
 ]
 
@@ -58,7 +60,8 @@ def temporary_folder(final: Path) -> Path:
     return final.parent / f".tmp-{final.name}"
 
 
-def _step_of(folder: Path) -> int | None:
+def step_of(folder: Path) -> int | None:
+    """The step a folder's name ``step-NNNNNN`` gives, or None for another name."""
     try:
         return int(folder.name.split("-", 1)[1])
     except (IndexError, ValueError):
@@ -70,8 +73,19 @@ def complete_steps(directory: str | os.PathLike) -> list[int]:
     root = Path(directory)
     if not root.is_dir():
         return []
-    steps = [_step_of(d) for d in root.glob("step-*") if (d / MANIFEST).is_file()]
+    steps = [step_of(d) for d in root.glob("step-*") if (d / MANIFEST).is_file()]
     return sorted(s for s in steps if s is not None)
+
+
+def incomplete_steps(directory: str | os.PathLike) -> list[Path]:
+    """Step folders under ``directory`` without a manifest (nor an older gnnpar's
+    ``meta.json``), oldest first: a checkpoint is renamed into place only when complete, so
+    each is damage (a deleted manifest, a removal cut short), never a write in progress."""
+    root = Path(directory)
+    if not root.is_dir() or is_checkpoint(root):
+        return []
+    found = [(step_of(d), d) for d in root.glob("step-*") if d.is_dir() and not is_checkpoint(d)]
+    return [d for step, d in sorted((s, d) for s, d in found if s is not None)]
 
 
 def is_checkpoint(path: Path) -> bool:

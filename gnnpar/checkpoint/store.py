@@ -30,7 +30,9 @@ from gnnpar.checkpoint.protocol import (
     CheckpointError,
     candidates,
     commit,
+    incomplete_steps,
     step_folder,
+    step_of,
     temporary_folder,
 )
 from gnnpar.checkpoint.state import (
@@ -44,6 +46,7 @@ from gnnpar.checkpoint.state import (
 from gnnpar.checkpoint.validate import check_stored, entry_digest, read_checkpoint
 from gnnpar.grid import ProcessGrid
 from gnnpar.verified import (
+    MANIFEST,
     FormatError,
     Manifest,
     OlderFormatError,
@@ -366,9 +369,15 @@ def load(
     """
     layout = model_layout(model, grid)
     folders = candidates(path)
+    newest = step_of(folders[0]) if folders else None
+    incomplete = [d for d in incomplete_steps(path) if newest is None or step_of(d) > newest]
+    problems = [f"{d}: no {MANIFEST} (incomplete or damaged)" for d in incomplete]
+    for problem in problems:
+        _warn(grid, f"{problem}; {'using the previous checkpoint' if folders else 'skipped'}")
+    if not folders and problems:
+        raise CheckpointError(f"no usable checkpoint in {path}: " + "; ".join(problems[:3]))
     if not folders:
         return None
-    problems = []
     for folder in folders:
         try:
             manifest = read_checkpoint(folder)

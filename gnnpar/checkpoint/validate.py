@@ -24,15 +24,28 @@ from gnnpar.checkpoint.chunks import Chunk, overlap_volume
 from gnnpar.checkpoint.protocol import READABLE, SCHEMA
 from gnnpar.verified import MANIFEST, FormatError, Manifest, read_manifest
 
-__all__ = ["check_layout", "check_stored", "entry_digest", "read_checkpoint"]
+__all__ = ["check_layout", "check_step", "check_stored", "entry_digest", "read_checkpoint"]
 
 
 def read_checkpoint(folder: str | os.PathLike) -> Manifest:
     """The manifest of the step folder ``folder``, read (:func:`gnnpar.verified.read_manifest`)
     and its layout checked (:func:`check_layout`)."""
     manifest = read_manifest(folder, SCHEMA, READABLE, sealed=False)
+    check_step(manifest)
     check_layout(manifest)
     return manifest
+
+
+def check_step(manifest: Manifest) -> None:
+    """FormatError unless the manifest's step is a count (an int >= 0) and, in a step
+    folder (``step-NNNNNN``), the one its name says."""
+    where, step = manifest.folder / MANIFEST, manifest.meta.get("step")
+    if not _is_size(step):
+        raise FormatError(f"{where}: the step must be a whole number >= 0, got {step!r}")
+    name = manifest.folder.name
+    named = name.removeprefix("step-")
+    if name.startswith("step-") and named.isdigit() and int(named) != step:
+        raise FormatError(f"{where}: says step {step}, but its folder is {name}")
 
 
 def _is_size(v: Any) -> bool:

@@ -475,6 +475,15 @@ class Trainer:
         )
         if found is None:
             return 0
+        unit, total = self.task.unit, self.task.num_steps
+        if found.step > total:  # it would train nothing and report the old run as this one
+            err = ConfigError(
+                f"{found.folder}: the checkpoint is at {unit} {found.step}, past this run's "
+                f"{total} {unit}s: pass --{unit}s {found.step} or more to continue it, or "
+                "--overwrite to start again"
+            )
+            err.same_on_every_rank = True
+            raise err
         self.task.load_extra_state(found.extra.get("task", {}))
         if self.selection is not None:
             self.selection.load(found.extra.get("selection", {}))
