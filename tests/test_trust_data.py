@@ -113,7 +113,7 @@ def test_missing_dataset_with_partitions_fails_on_every_rank(tmp_path):
     values = {"dataset": str(tmp_path / "no" / "such" / "folder"), "partitions": str(parts)}
     values |= {"out": str(tmp_path / "run"), "fanouts": "3,3", "quiet": True}
     out = run_distributed(_dist_task, 2, values, timeout=120)
-    assert "no such folder" in out[0] and "ValueError" in out[0], out
+    assert "no such folder" in out[0] and "UserError" in out[0], out
     assert out[1] != "ok" and "rank 0" in out[1], out
     # and the check a launcher can run before starting ranks says the same
     from gnnpar.models.minibatch.task import MiniBatchConfig, check_partitions
