@@ -162,3 +162,50 @@ def test_shard_folders_keep_their_graph_folder(made, tmp_path):
     assert snapshot(graph) == before
     shards = prepare_shards(graph, tmp_path / "shards", blocks=(1, 1))
     prepare_shards(graph, shards, blocks=(1, 1), overwrite=True)  # its own: replaced
+
+
+# ---------------------------------------------------------------------- one run per folder
+def test_one_run_per_run_folder_and_the_lock_dies_with_its_holder(tmp_path, capsys):
+    """Two runs into one --out at once both finished and left a mixed folder. The second
+    is refused in one line naming the holder (in the process, and from the launching
+    process of --nprocs 2, before any rank starts); once the holder is SIGKILLed the
+    folder is free again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from gnnpar.train.lock import LOCK_FILE
+
+    out = tmp_path / "run"
+    data = ["--dataset", "sbm", *SBM, "--root", str(tmp_path / "data"), "--quiet"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "gnnpar.cli", "train", "gcn", *data, "--epochs", "100000",
+         "--eval-every", "0", "--out", str(out)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while f"pid {holder.pid} " not in _read(out / LOCK_FILE):
+            assert holder.poll() is None, holder.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "the first run never took the lock"
+            time.sleep(0.1)
+        for extra in ([], ["--nprocs", "2"]):
+            argv = ["train", "gcn", *data, "--epochs", "1", "--overwrite", "--out", str(out)]
+            refused(capsys, [*argv, *extra], f"is in use by another run (pid {holder.pid} on")
+        assert (out / "config.toml").is_file()  # the holder's run, not removed by --overwrite
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    argv = ["train", "gcn", *data, "--epochs", "1", "--overwrite", "--out", str(out)]
+    assert run(argv) == 0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

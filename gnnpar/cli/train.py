@@ -54,7 +54,9 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress.for_this_process(quiet=cfg.quiet)
     if launching:
         argv = _strip_flag(strip_nprocs(args.argv), "--max-restarts")
-        return launch_ranks(args.nprocs, argv, args.max_restarts, progress, args.launch_agent)
+        return launch_ranks(
+            args.nprocs, argv, args.max_restarts, progress, args.launch_agent, out=cfg.out
+        )
     train_here(get(args.task), cfg, progress)
     return 0
 

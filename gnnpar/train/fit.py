@@ -137,7 +137,7 @@ def fit(
     progress = Progress.for_this_process(quiet=cfg.quiet)
     if not launching:
         return train_here(spec, cfg, progress)
-    code = launch_ranks(nprocs, ["train", task, *_flags(cfg)], max_restarts, progress)
+    code = launch_ranks(nprocs, ["train", task, *_flags(cfg)], max_restarts, progress, out=cfg.out)
     if code:
         raise RuntimeError(f"gnnpar train {task} on {nprocs} processes failed (exit code {code})")
     return _final_metrics(cfg.out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import shutil
 import signal
 import sys
@@ -22,8 +23,9 @@ from gnnpar import checkpoint, comm
 from gnnpar.atomic import check_writable
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid, fit_shape, parse_grid_spec
-from gnnpar.launch import restart_count
+from gnnpar.launch import rank_and_world, restart_count
 from gnnpar.train.config import RUN_CONFIG, ConfigError, write_run_config
+from gnnpar.train.lock import LOCKED_ENV, check_free
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 from gnnpar.train.progress import Progress, metric_text, start_lines
 from gnnpar.train.selection import Selection
@@ -157,6 +159,9 @@ def check_run_folder(cfg: Any) -> None:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"run folder {out} is a file, not a folder")
+    # the process that will hold the lock looks (not a rank whose launcher or rank 0 does)
+    if os.environ.get(LOCKED_ENV) != "1" and rank_and_world()[0] == 0:
+        check_free(out)
     resume = getattr(cfg, "resume", False) or restart_count() > 0
     holds_run = any((out / name).exists() for name in RUN_MARKERS)
     if holds_run and not resume and not getattr(cfg, "overwrite", False):
@@ -236,7 +241,6 @@ def check_stored_dataset(cfg: Any, folder: str | Path) -> None:
     from gnnpar.data.storage import load_node_data, read_meta
     from gnnpar.data.structure import directed_folder_warning, split_structure
     from gnnpar.graph import check_trainable_data
-    from gnnpar.launch import rank_and_world
 
     try:
         meta = read_meta(folder)
@@ -260,7 +264,6 @@ def load_dataset(cfg: Any, warn_directed: bool = False) -> Any:
     run says it once, before any rank starts)."""
     from gnnpar.data import load
     from gnnpar.data.structure import directed_warning, split_structure
-    from gnnpar.launch import rank_and_world
 
     options = dataset_options(cfg)
     graph = load(cfg.dataset, root=cfg.root, **options)

@@ -5,9 +5,12 @@ training to the end. ``gnnpar train``, ``gnnpar evaluate`` / ``predict`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from typing import Any
 
 from gnnpar.train.config import ConfigError
+from gnnpar.train.lock import LOCKED_ENV, run_lock
 from gnnpar.train.spec import TrainSpec, build_task
 
 
@@ -31,23 +34,47 @@ def world_size(args: argparse.Namespace, launching: bool) -> int:
 
 
 def launch_ranks(
-    nprocs: int, argv: list[str], max_restarts: int, progress: Any, agent: Any = None
+    nprocs: int,
+    argv: list[str],
+    max_restarts: int,
+    progress: Any,
+    agent: Any = None,
+    out: str | None = None,
 ) -> int:
     """Start ``gnnpar ARGV`` on ``nprocs`` local ranks (:func:`gnnpar.launch.launch_local`,
     in ``agent``, a :class:`~gnnpar.launch.ForkedAgent`, when given), the checks before
-    launch marked as done (the caller ran them); return the exit code."""
+    launch marked as done (the caller ran them); return the exit code. ``out``: the run
+    folder, whose lock (:func:`gnnpar.train.lock.run_lock`) this process holds until every
+    attempt has ended."""
     from gnnpar.launch import PREFLIGHT_DONE_ENV, launch_local
 
-    # the ranks can take seconds to start (where each is a new interpreter importing
-    # torch): say what is happening
-    env = {PREFLIGHT_DONE_ENV: "1", **progress.launching(nprocs)}
-    return launch_local(nprocs, argv, max_restarts=max_restarts, env=env, agent=agent)
+    with contextlib.ExitStack() as stack:
+        env = {PREFLIGHT_DONE_ENV: "1"}
+        if out is not None:
+            stack.enter_context(run_lock(out))
+            env[LOCKED_ENV] = "1"
+        # the ranks can take seconds to start (where each is a new interpreter importing
+        # torch): say what is happening
+        env.update(progress.launching(nprocs))
+        return launch_local(nprocs, argv, max_restarts=max_restarts, env=env, agent=agent)
 
 
 def train_here(spec: TrainSpec, cfg: Any, progress: Any) -> dict[str, float]:
     """Build the task in this process (one rank of the launcher's world, or a world of its
     own), run :class:`~gnnpar.train.loop.Trainer` to the end, print the outcome on rank 0
-    and shut the grid down; return the final evaluation."""
+    and shut the grid down; return the final evaluation. The process that owns the run
+    (rank 0, where no launching process does) holds the run folder's lock
+    (:func:`gnnpar.train.lock.run_lock`) until the end."""
+    from gnnpar.launch import rank_and_world
+
+    with contextlib.ExitStack() as stack:
+        if os.environ.get(LOCKED_ENV) != "1" and rank_and_world()[0] == 0:
+            stack.enter_context(run_lock(cfg.out))  # no launching process holds it
+        return _train_to_the_end(spec, cfg, progress)
+
+
+def _train_to_the_end(spec: TrainSpec, cfg: Any, progress: Any) -> dict[str, float]:
+    """:func:`train_here` once the run folder's lock is held."""
     import gnnpar
     from gnnpar.train.loop import Trainer
     from gnnpar.train.metrics import memory_text, rss_mb
