@@ -586,3 +586,30 @@ def test_the_collective_timeout_is_a_trainer_option(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("GNNPAR_TIMEOUT", "soon")
     assert main(["train", "gcn", "--dataset", "karate", "--epochs", "1", "--out", out]) == 2
     assert "$GNNPAR_TIMEOUT must be a positive number of seconds, got 'soon'" in _err_line(capsys)
+
+
+@pytest.mark.parametrize("task", ["gcn", "sage"])
+def test_a_resume_onto_other_data_of_the_same_shapes_is_refused(tmp_path, capsys, task):
+    """The checkpoint recorded only the dataset's name: a resume onto another graph of the
+    same sizes reported the old graph's metrics as its own. It records the fingerprint, and
+    a resume onto other data is one line unless --other-data says so (then recorded)."""
+    from gnnpar.train.metrics import read_metrics
+
+    out = tmp_path / "run"
+    data = ["--dataset", "sbm", "--root", str(tmp_path / "data"), "--quiet", "--out", str(out)]
+    data += ["--eval-every", "1"]
+    data += ["--fanouts", "3,3", "--hidden", "8"] if task == "sage" else []
+    first, other = "num_nodes=200,feat_dim=8,seed=1", "num_nodes=200,feat_dim=8,seed=2"
+    assert main(["train", task, *data, "--epochs", "1", "--dataset-options", first]) == 0
+    capsys.readouterr()
+    argv = ["train", task, *data, "--epochs", "2", "--resume", "--dataset-options", other]
+    assert main(argv) == 2
+    line = _err_line(capsys)
+    assert "the checkpoint was trained on sbm (fingerprint " in line and "--other-data" in line
+    assert main([*argv, "--other-data"]) == 0
+    (resume,) = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"]
+    change = resume["data_changed"]
+    assert change["from"]["fingerprint"] != change["to"]["fingerprint"]
+    # the checkpoint now records the new data: a further resume on it needs no flag
+    again = ["train", task, *data, "--epochs", "3", "--resume", "--dataset-options", other]
+    assert main(again) == 0

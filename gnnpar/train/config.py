@@ -166,6 +166,10 @@ class TrainerConfig:
     )
     keep_checkpoints: int = option(2, "newest checkpoints kept in the run folder (0: all)")
     resume: bool = option(False, "continue from the newest usable checkpoint, on any grid")
+    other_data: bool = option(
+        False, "with resume: continue a checkpoint trained on other data (fine-tuning; "
+        "recorded in metrics.jsonl) instead of refusing it"
+    )  # fmt: skip
     overwrite: bool = option(False, "start again in a run folder that holds a run")
     quiet: bool = option(False, "log lines instead of a progress bar")
     tensorboard: bool = option(False, "also write TensorBoard scalars to OUT/tensorboard")

@@ -60,6 +60,13 @@ class BaseTask:
         """What rank 0 prints after a finished run (a generated sample), or None."""
         return None
 
+    def data_record(self) -> dict[str, Any] | None:
+        """What the run trains on, the same on every rank: at least a ``fingerprint`` of
+        the data's content (a graph's :meth:`~gnnpar.graph.Graph.fingerprint`, a token
+        stream's digest) and its ``name``. Checkpoints record it and a resume compares it
+        (:meth:`Trainer._check_data`); None: the task records nothing."""
+        return None
+
 
 class Task(Protocol):
     """What a workload provides to :class:`Trainer`; tasks derive from :class:`BaseTask`,
@@ -101,6 +108,9 @@ class Task(Protocol):
 
     def finish(self) -> str | None:
         """What rank 0 prints after a finished run, or None."""
+
+    def data_record(self) -> dict[str, Any] | None:
+        """What the run trains on (see :meth:`BaseTask.data_record`), or None."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -315,6 +325,11 @@ def _state_tensors(model: Any, optimizer: torch.optim.Optimizer) -> list[torch.T
     return list(found.values())
 
 
+def _data_text(record: dict[str, Any]) -> str:
+    """A data record as an error names it: its name and fingerprint."""
+    return f"{record.get('name', '?')} (fingerprint {record.get('fingerprint', '?')})"
+
+
 class Trainer:
     """Runs a :class:`Task`: progress bar on rank 0, JSONL metrics with bytes per axis and
     peak memory, a checkpoint every ``checkpoint_every`` steps and always one at the end
@@ -337,6 +352,7 @@ class Trainer:
         early_stop: int = 0,
         config: tuple[str, Any] | None = None,
         baseline_rss_mb: float | None = None,
+        other_data: bool = False,
     ):
         """``progress``: the run's console (the one its task printed its preparation on);
         by default one of its own. It prints on rank 0 only, whatever it is given.
@@ -344,8 +360,12 @@ class Trainer:
         (0: never; for tasks with a ``selection``). ``config``: (task name, config) written
         to the run folder's ``config.toml`` at the start (what evaluate and predict read).
         ``baseline_rss_mb``: this process's resident memory before the task was built (its
-        idle baseline), reported beside each rank's peak at the end (:meth:`rank_memory`)."""
+        idle baseline), reported beside each rank's peak at the end (:meth:`rank_memory`).
+        ``other_data``: a resume may continue a checkpoint of other data (recorded)."""
         self.task = task
+        self.other_data = other_data
+        #: The data a resume moved the run onto, for the ``resume`` event (None: the same).
+        self._data_change: dict[str, Any] | None = None
         self.baseline_rss_mb = baseline_rss_mb
         #: Every rank's peak and baseline resident memory, set at the end of :meth:`run`.
         self.memory: dict[str, list[float]] | None = None
@@ -408,6 +428,7 @@ class Trainer:
             early_stop=getattr(cfg, "early_stop", 0),
             config=(task.describe()["task"], cfg),
             baseline_rss_mb=baseline_rss_mb,
+            other_data=getattr(cfg, "other_data", False),
         )
 
     def _check_run_folder(self, overwrite: bool) -> None:
@@ -433,6 +454,9 @@ class Trainer:
     def _extra(self) -> dict[str, Any]:
         """The JSON state of a checkpoint: the task's, and the trainer's selection."""
         extra: dict[str, Any] = {"task": self.task.extra_state()}
+        data = self.task.data_record()
+        if data is not None:
+            extra["data"] = data
         if self.selection is not None:
             extra["selection"] = self.selection.state()
         return extra
@@ -487,6 +511,7 @@ class Trainer:
             )
             err.same_on_every_rank = True
             raise err
+        self._check_data(found)
         self.task.load_extra_state(found.extra.get("task", {}))
         if self.selection is not None:
             self.selection.load(found.extra.get("selection", {}))
@@ -503,9 +528,30 @@ class Trainer:
                 "attempt": self.attempt,
                 "from_grid": found.grid,
                 "dropped_records": dropped,
+                **({"data_changed": self._data_change} if self._data_change else {}),
             }
         )
         return found.step
+
+    def _check_data(self, found: Any) -> None:
+        """A checkpoint of other data is refused (the run would report the old data's
+        metrics as its own) unless ``other_data`` was given; then the change is recorded
+        in the ``resume`` event. Every rank compares the same records."""
+        saved, now = found.extra.get("data"), self.task.data_record()
+        if saved is None or now is None:
+            return
+        if saved.get("fingerprint") == now.get("fingerprint"):
+            return
+        if self.other_data:
+            self._data_change = {"from": saved, "to": now}
+            return
+        err = ConfigError(
+            f"{found.folder}: the checkpoint was trained on {_data_text(saved)}, this run "
+            f"trains on {_data_text(now)}: pass --other-data to continue on it (recorded in "
+            "metrics.jsonl), or --overwrite to start again"
+        )
+        err.same_on_every_rank = True
+        raise err
 
     def run(self) -> dict[str, float]:
         """Train to the end; return the final evaluation. A SIGTERM (Slurm's ``--signal``

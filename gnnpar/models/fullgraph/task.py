@@ -378,6 +378,10 @@ class FullGraphTask(BaseTask):
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self._param_groups(self.cfg), lr=self.cfg.lr)
 
+    def data_record(self) -> dict[str, Any]:
+        """The graph the shards were made from (their provenance; every rank has it)."""
+        return {"name": self.cfg.dataset, "fingerprint": self.source.meta["source"]["graph"]}
+
     def summary(self) -> str:
         """What the run trains on what: ``gcn on sbm: 2,000 nodes, 19,874 edges, ...``."""
         meta = self.source.meta

@@ -506,6 +506,17 @@ class GPTTask(BaseTask):
         opt.register_step_post_hook(lambda *a: self.pipeline.sync_params())
         return opt
 
+    def data_record(self) -> dict[str, Any]:
+        """The token stream trained on: its digest (XXH3-64 of the token ids, computed
+        once) and the text's name."""
+        if not hasattr(self, "_fingerprint"):
+            import numpy as np
+            import xxhash
+
+            tokens = np.ascontiguousarray(self.corpus.tokens)  # no copy: it is contiguous
+            self._fingerprint = xxhash.xxh3_64_hexdigest(memoryview(tokens).cast("B"))
+        return {"name": self.corpus.name, "fingerprint": self._fingerprint}
+
     def summary(self) -> str:
         """What the run trains on what: the model's size and the text's tokens."""
         cfg = self.cfg

@@ -538,6 +538,16 @@ class MiniBatchTask(BaseTask):
             torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         )
 
+    def data_record(self) -> dict[str, Any] | None:
+        """The graph trained on: the one the partition was cut from (its recorded source),
+        or the loaded graph's fingerprint (computed once)."""
+        if getattr(self, "part", None) is not None:
+            source = self.part.meta.get("source") or {}
+            return {"name": self.cfg.dataset, "fingerprint": source.get("fingerprint")}
+        if not hasattr(self, "_fingerprint"):
+            self._fingerprint = self.graph.fingerprint()
+        return {"name": self.cfg.dataset, "fingerprint": self._fingerprint}
+
     def summary(self) -> str:
         """What the run trains on what: the graph's sizes and its training seeds (with the
         partition, when distributed)."""

@@ -129,6 +129,12 @@ class VertexTask(BaseTask):
             torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         )
 
+    def data_record(self) -> dict[str, Any]:
+        """The graph trained on (its fingerprint, computed once)."""
+        if not hasattr(self, "_fingerprint"):
+            self._fingerprint = self.graph.fingerprint()
+        return {"name": self.cfg.dataset, "fingerprint": self._fingerprint}
+
     def summary(self) -> str:
         """What the run trains on what."""
         g = self.graph
