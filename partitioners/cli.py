@@ -221,6 +221,8 @@ def _partition_streamed(args: argparse.Namespace, out: Path, show: bool) -> int:
             "first with 'gnnpar data prepare NAME --out DIR --memory-limit SIZE')"
         )
     reader = GraphReader(args.dataset, verify="size")
+    # the checks a loaded graph gets (Graph.validate), streamed under the same limit
+    reader.validate(chunk_edges_for(limit, 24 * reader.num_nodes, "checking the graph"))
     options: dict[str, Any] = {}
     if args.method in ("ldg", "fennel"):
         # the assignment, the stream order and indptr: 24 bytes a node

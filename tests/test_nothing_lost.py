@@ -187,9 +187,10 @@ def test_one_run_per_run_folder_and_the_lock_dies_with_its_holder(tmp_path, caps
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while f"pid {holder.pid} " not in _read(out / LOCK_FILE):
+        # the holder has the lock and has started writing its run
+        while not (f"pid {holder.pid} " in _read(out / LOCK_FILE) and _read(out / "config.toml")):
             assert holder.poll() is None, holder.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "the first run never took the lock"
+            assert time.monotonic() < deadline, "the first run never started"
             time.sleep(0.1)
         for extra in ([], ["--nprocs", "2"]):
             argv = ["train", "gcn", *data, "--epochs", "1", "--overwrite", "--out", str(out)]

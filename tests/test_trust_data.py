@@ -214,6 +214,53 @@ def test_an_empty_split_that_selection_or_the_report_needs_is_refused(tmp_path, 
     assert words in _one_line(capsys.readouterr().err)
 
 
+def _tamper(folder: Path, array: str, change) -> None:
+    """Change one array of a graph folder and record its new size and checksum in the
+    manifest, as a hostile user who knows the format would: only the content checks can
+    tell."""
+    from gnnpar.verified import file_entry
+
+    manifest = folder / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    name = doc["meta"]["arrays"][array]["file"]
+    values = np.load(folder / name)
+    change(values)
+    np.save(folder / name, values)
+    doc["files"][name] = file_entry(folder / name)
+    manifest.write_text(json.dumps(doc))
+
+
+DAMAGE = {
+    "negative id": ("indices", lambda a: a.__setitem__(3, -1), "is not a node id in [0, 300)"),
+    "id out of range": ("indices", lambda a: a.__setitem__(5, 10**6), "is not a node id"),
+    "NaN feature": ("ndata/feat", lambda a: a.__setitem__((7, 1), np.nan), "non-finite"),
+    "label past the classes": ("ndata/label", lambda a: a.__setitem__(9, 99), "[9] = 99"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_every_path_into_training_checks_the_graph(tmp_path, capsys, damage):
+    """The streamed partitioners (--memory-limit: ldg, fennel) wrote partitions of such
+    graphs (an out-of-range id was an IndexError) and `train sage --partitions` trained on
+    them; each is one line naming the folder now, as loading the graph always was."""
+    folder = save_graph(sbm(num_nodes=300, feat_dim=8, seed=3), tmp_path / "g")
+    parts = tmp_path / "parts"
+    assert partition_main([str(folder), "--parts", "2", "--out", str(parts), "--no-progress"]) == 0
+    array, change, words = DAMAGE[damage]
+    _tamper(folder, array, change)
+    for method in ("ldg", "fennel"):
+        argv = [str(folder), "--parts", "2", "--method", method, "--memory-limit", "64MB"]
+        capsys.readouterr()
+        assert partition_main([*argv, "--out", str(tmp_path / method), "--no-progress"]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert str(folder) in line and words in line, line
+    code, err = _train(
+        capsys, "--dataset", str(folder), "--partitions", str(parts), "--nprocs", "2",
+        "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert code == 2 and str(folder) in _one_line(err) and words in err, err
+
+
 def test_overlapping_split_masks_are_refused():
     g = sbm(num_nodes=300, feat_dim=8, seed=3)
     first = int(torch.nonzero(g.train_mask)[0, 0])

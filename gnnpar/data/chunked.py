@@ -158,6 +158,50 @@ class GraphReader:
             self._record = None
             self.indptr = graph.indptr.cpu().numpy()
 
+    def validate(self, chunk_edges: int = 1 << 22, chunk_rows: int = 1 << 16) -> None:
+        """:meth:`Graph.validate <gnnpar.graph.Graph.validate>` without loading the edges:
+        ``indptr`` from 0 to ``num_edges`` and non-decreasing, every index in
+        ``[0, num_nodes)`` and every weight finite, ``chunk_edges`` at a time, and the node
+        data as :func:`~gnnpar.graph.check_node_data` checks it (float data ``chunk_rows``
+        rows at a time). UserError naming the folder and the first problem. A graph in
+        memory was validated when it was built."""
+        if self._graph is not None:
+            return
+        import torch
+
+        from gnnpar.graph import check_node_data
+
+        n, where = self.num_nodes, self._folder
+        steps = np.diff(self.indptr)
+        if self.indptr[0] != 0 or self.indptr[-1] != self.num_edges or (steps < 0).any():
+            raise UserError(
+                f"{where}: indptr must run from 0 to {self.num_edges}, non-decreasing"
+            )
+        for lo in range(0, self.num_edges, chunk_edges):
+            pos = slice(lo, min(lo + chunk_edges, self.num_edges))
+            ids = self.indices(pos)
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                bad = int(lo + np.flatnonzero((ids < 0) | (ids >= n))[0])
+                raise UserError(
+                    f"{where}: indices[{bad}] = {int(ids[bad - lo])} is not a node id in [0, {n})"
+                )
+            weights = self.weights(pos)
+            if weights is not None and not np.isfinite(weights).all():
+                raise UserError(f"{where}: edge_weight holds non-finite values (NaN or inf)")
+        small = {}
+        for key in self.ndata_keys():
+            dtype, shape = self.ndata_spec(key)
+            if dtype.kind != "f":
+                small[key] = torch.from_numpy(self.ndata(key, slice(None)))
+                continue
+            for lo in range(0, shape[0] if shape else 0, chunk_rows):
+                if not np.isfinite(self.ndata(key, slice(lo, lo + chunk_rows))).all():
+                    raise UserError(f"{where}: ndata[{key!r}] holds non-finite values (NaN or inf)")
+        try:
+            check_node_data(n, small, self.num_classes)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
+
     @property
     def weighted(self) -> bool:
         """Whether the graph stores edge weights."""

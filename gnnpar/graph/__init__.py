@@ -885,6 +885,17 @@ class Graph:
         return convert.from_edge_list(edges, num_nodes, edge_weight, ndata, name)
 
 
+def check_node_data(
+    num_nodes: int, ndata: Mapping[str, Any], num_classes: int | None = None
+) -> None:
+    """The checks :meth:`Graph.validate` makes of node data, on node data alone (a graph
+    folder read without its edges): shapes, finite floats, class-id labels within
+    ``num_classes``, boolean disjoint split masks. UserError naming the first problem."""
+    empty = torch.zeros(int(num_nodes) + 1, dtype=torch.int64)
+    graph = Graph(empty, empty[:0], num_nodes, ndata=ndata, validate=False, num_classes=num_classes)
+    graph._validate_data()
+
+
 def check_trainable_data(name: str, ndata: Mapping[str, torch.Tensor]) -> None:
     """:meth:`Graph.check_trainable` on node data alone (``feat`` need only be present):
     what a check of a graph folder too large to load reads."""

@@ -246,13 +246,17 @@ def check_stored_dataset(cfg: Any, folder: str | Path) -> None:
     """The checks before launch of :func:`load_trainable` and ``load_dataset(cfg,
     warn_directed=True)`` for a dataset stored as the graph folder ``folder``, without
     loading it (for ranks that read only what was derived from it, such as a partition):
-    its training node data, memory-mapped, and whether it is directed, read in pieces.
-    ConfigError naming the dataset as :func:`load_trainable`'s."""
+    the checks :meth:`~gnnpar.graph.Graph.validate` makes, streamed
+    (:meth:`~gnnpar.data.chunked.GraphReader.validate`), its training node data,
+    memory-mapped, and whether it is directed, read in pieces. ConfigError naming the
+    dataset as :func:`load_trainable`'s."""
+    from gnnpar.data.chunked import GraphReader
     from gnnpar.data.storage import load_node_data, read_meta
     from gnnpar.data.structure import directed_folder_warning, split_structure
     from gnnpar.graph import check_trainable_data
 
     try:
+        GraphReader(folder, verify="size").validate()
         meta = read_meta(folder)
         needed = ("feat", "label", "train_mask", "val_mask", "test_mask")
         keys = [k for k in needed if f"ndata/{k}" in meta["arrays"]]

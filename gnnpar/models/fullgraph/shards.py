@@ -271,6 +271,7 @@ def _prepare_streamed(
     n = reader.num_nodes
     if chunk_edges is None:
         chunk_edges = chunk_edges_for(memory_limit, _STREAM_BYTES_PER_NODE * n, "preparing shards")
+    reader.validate(chunk_edges)  # what a loaded graph is checked for, streamed
     if "feat" not in reader.ndata_keys():
         raise UserError(f"graph {reader.name!r} has no node features ('feat')")
     if norm not in NORMALISATIONS:
