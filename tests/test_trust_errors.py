@@ -544,3 +544,70 @@ def test_a_read_only_run_folder_is_one_line_before_launch(
             assert line == f"gnnpar train: error: {parent}: not writable (permission denied)"
     finally:
         parent.chmod(0o755)
+
+
+# ------------------------------------------------------------------ crafted and damaged files
+PLANETOID_DAMAGE = {
+    # a file that unpickles (numpy and scipy objects only) but is not what Planetoid holds
+    "graph": ({0: [10**7]}, "ind.citeseer.graph names node 10000000"),
+    "y": (["a", "b"], "not a consistent Planetoid dataset (ValueError"),
+    "test.index": (b"1 2 x\n", "ind.citeseer.test.index: not a list of node ids"),
+}
+
+
+@needs_dataset(CITESEER)
+@pytest.mark.parametrize("part", sorted(PLANETOID_DAMAGE))
+def test_a_crafted_planetoid_file_is_one_line(tmp_path, capsys, part):
+    """A crafted Planetoid file was a traceback in train and gnnpar-partition (an
+    IndexError, a ValueError from numpy); now one line naming the file."""
+    import pickle
+    import shutil
+
+    from partitioners.cli import main as partition_main
+
+    root = tmp_path / "planetoid"
+    root.mkdir()
+    for path in (DATASETS / CITESEER).parent.glob("ind.citeseer.*"):
+        shutil.copy(path, root)
+    value, words = PLANETOID_DAMAGE[part]
+    target = root / f"ind.citeseer.{part}"
+    target.write_bytes(value if isinstance(value, bytes) else pickle.dumps(value))
+    capsys.readouterr()
+    argv = ["citeseer", "--root", str(tmp_path)]
+    assert main(["train", "gcn", "--dataset", *argv, "--out", str(tmp_path / "r")]) == 2
+    assert words in _one_line(capsys)
+    argv += ["--parts", "2", "--out", str(tmp_path / "p"), "--no-progress"]
+    assert partition_main(argv) == 2
+    assert words in _one_line(capsys)
+
+
+def test_a_file_that_is_not_dgl_is_one_line(tmp_path, capsys):
+    """A .bin that is not a DGL file printed DGL's 13-line C++ stack."""
+    pytest.importorskip("dgl")
+    (tmp_path / "g.bin").write_bytes(os.urandom(3000))
+    assert main(["data", "import", str(tmp_path / "g.bin"), "--out", str(tmp_path / "g")]) == 2
+    assert "g.bin: not a dgl.save_graphs file (no DGL header)" in _one_line(capsys)
+
+
+def test_a_corrupt_pretrained_safetensors_is_one_line(tmp_path, capsys):
+    """A corrupt model.safetensors given to --pretrained was safetensors' traceback."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config
+
+    from gnnpar.data.text import load_corpus
+
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 200)
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    GPT2Config(vocab_size=300, n_positions=16, n_embd=16, n_layer=1, n_head=2).save_pretrained(
+        folder
+    )
+    load_corpus(text, 300).tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "model.safetensors").write_bytes(os.urandom(5000))
+    argv = ["train", "gpt", "--model", "hf-gpt2", "--pretrained", str(folder), "--data"]
+    argv += [str(text), "--steps", "1", "--block-size", "8", "--quiet"]
+    argv += ["--out", str(tmp_path / "r")]
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert f"{folder / 'model.safetensors'}: not a readable safetensors file" in _one_line(capsys)

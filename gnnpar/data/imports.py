@@ -118,14 +118,23 @@ def _read_pyg(path: Path, name: str) -> Graph:
         raise UserError(f"{path}: {err}") from None
 
 
+#: The first 8 bytes of a ``dgl.save_graphs`` file (DGL's kDGLSerializeMagic, little-endian).
+_DGL_MAGIC = (0xDD2E4FF046B4A13F).to_bytes(8, "little")
+
+
 def _read_dgl(path: Path, name: str) -> Graph:
     convert.import_dgl("from_dgl")
     from dgl.data.utils import load_graphs
 
+    with open(path, "rb") as f:
+        if f.read(8) != _DGL_MAGIC:  # checked here: DGL's own check prints its C++ stack
+            raise UserError(f"{path}: not a dgl.save_graphs file (no DGL header)")
     try:
         graphs, labels = load_graphs(str(path))
-    except Exception as err:  # DGLError for a file of another format
-        raise UserError(f"{path}: not a dgl.save_graphs file: {err}") from None
+    except Exception as err:  # noqa: BLE001 - DGLError for a damaged file, with a C++ stack
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = reason.split("Check failed: ")[-1][:200]  # not its "[time] file.cc:line:"
+        raise UserError(f"{path}: not a readable dgl.save_graphs file ({reason})") from None
     if len(graphs) != 1:
         raise UserError(f"{path} holds {len(graphs)} graphs: import one graph per file")
     classes = labels.get("num_classes")

@@ -7,6 +7,7 @@ Welling's GCN code and builds the standard split exactly as that code and PyG do
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -56,8 +57,33 @@ def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool
     if missing:
         raise FileNotFoundError(f"Planetoid {name!r} files missing in {root}: {', '.join(missing)}")
     parts = {part: load_pickle(files[part]) for part in PLANETOID_PARTS if part != "test.index"}
-    test_index = np.loadtxt(files["test.index"], dtype=np.int64, ndmin=1)
+    try:
+        test_index = np.loadtxt(files["test.index"], dtype=np.int64, ndmin=1)
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{files['test.index']}: not a list of node ids ({_first(err)})") from None
+    try:
+        return _assemble(parts, test_index, name, normalize_features)
+    except UserError as err:
+        raise UserError(f"{root / f'ind.{name}'}.*: {err}") from None
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as err:
+        # a crafted file that unpickles (numpy and scipy objects only) but holds the wrong
+        # kinds or sizes of thing: one line naming the files, not a traceback
+        raise UserError(
+            f"{root / f'ind.{name}'}.*: not a consistent Planetoid dataset "
+            f"({type(err).__name__}: {_first(err)})"
+        ) from None
 
+
+def _first(err: BaseException) -> str:
+    """The first line of an error's message, at most 200 characters."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def _assemble(
+    parts: dict[str, Any], test_index: np.ndarray, name: str, normalize_features: bool
+) -> Graph:
+    """The graph of :func:`planetoid` from its unpickled parts (UserError, or the errors
+    of a part of the wrong kind, which the caller names the files for)."""
     x, tx, allx = (_dense(parts[k], f"ind.{name}.{k}") for k in ("x", "tx", "allx"))
     y, ty, ally = (np.asarray(parts[k], dtype=np.float32) for k in ("y", "ty", "ally"))
     if len(tx) != len(test_index) or len(ty) != len(test_index):
@@ -91,6 +117,12 @@ def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool
         raise UserError(f"ind.{name}.graph: expected a dict of adjacency lists")
     dst = np.fromiter((u for u, vs in adjacency.items() for _ in vs), dtype=np.int64, count=-1)
     src = np.fromiter((v for vs in adjacency.values() for v in vs), dtype=np.int64, count=-1)
+    for ids in (dst, src):
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = int(ids[(ids < 0) | (ids >= n)][0])
+            raise UserError(f"ind.{name}.graph names node {bad}, but the dataset has {n} nodes")
+    if test_index.size and (int(test_index.min()) < 0 or int(test_index.max()) >= n):
+        raise UserError(f"ind.{name}.test.index names a node outside [0, {n})")
 
     def mask(ids: np.ndarray) -> torch.Tensor:
         m = torch.zeros(n, dtype=torch.bool)

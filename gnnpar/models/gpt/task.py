@@ -58,6 +58,7 @@ from gnnpar.train.precision import (
 )
 from gnnpar.train.progress import Progress
 from gnnpar.train.spec import GridPlan
+from gnnpar.verified import FormatError
 
 __all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "parallel_model"]
 
@@ -258,10 +259,14 @@ def _hf_weights(folder: Path) -> Iterator[dict[str, Any]]:
     safe = folder / "model.safetensors"
     binary = folder / "pytorch_model.bin"
     if safe.is_file():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(safe), framework="pt") as f:
-            yield {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        try:
+            with safe_open(str(safe), framework="pt") as f:
+                yield {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        except SafetensorError as err:  # a damaged header or a truncated slice, when read
+            first = (str(err).strip().splitlines() or ["damaged"])[0][:200]
+            raise FormatError(f"{safe}: not a readable safetensors file ({first})") from None
     elif binary.is_file():
         from gnnpar.verified import load_tensors
 
