@@ -235,6 +235,8 @@ DAMAGE = {
     "id out of range": ("indices", lambda a: a.__setitem__(5, 10**6), "is not a node id"),
     "NaN feature": ("ndata/feat", lambda a: a.__setitem__((7, 1), np.nan), "non-finite"),
     "label past the classes": ("ndata/label", lambda a: a.__setitem__(9, 99), "[9] = 99"),
+    # Fennel's own message for it named neither the folder nor the array
+    "indptr not monotone": ("indptr", lambda a: a.__setitem__(10, a[9] - 1), "indptr must run"),
 }
 
 

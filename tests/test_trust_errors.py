@@ -611,3 +611,26 @@ def test_a_corrupt_pretrained_safetensors_is_one_line(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 2
     assert f"{folder / 'model.safetensors'}: not a readable safetensors file" in _one_line(capsys)
+
+
+def test_errors_name_their_file_or_key(tmp_path, capsys):
+    """Errors that named neither file nor key (a numpy or torch traceback since user
+    errors are typed): a seed no generator takes, an .npz with a string array, a metrics
+    file that is not UTF-8."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    for seed in ("-1", str(10**25)):
+        argv = ["train", "gcn", "--dataset", "karate", "--seed", seed]
+        assert main([*argv, "--out", str(tmp_path / "r")]) == 2
+        assert f"config key 'seed' must lie in [0, 2**63), got {seed}" in _one_line(capsys)
+    sp.save_npz(tmp_path / "g.npz", sp.csr_matrix(np.eye(4)))
+    arrays = dict(np.load(tmp_path / "g.npz"))
+    np.savez(tmp_path / "g.npz", **arrays, label=np.array(list("abcd")))
+    assert main(["data", "import", str(tmp_path / "g.npz"), "--out", str(tmp_path / "g")]) == 2
+    assert "g.npz: array 'label' holds <U1 values" in _one_line(capsys)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(b'{"epoch": 1, "loss": 1.0}\n\xff\xfe\n')
+    assert main(["report", str(run)]) == 2
+    assert f"{run / 'metrics.jsonl'}: line 2 is not UTF-8 text" in _one_line(capsys)

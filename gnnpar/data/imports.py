@@ -162,8 +162,15 @@ def _read_npz(path: Path, name: str) -> Graph:
                 f"{path}: array {key!r} has shape {array.shape}, expected {n} rows (one per "
                 "node) or a scalar num_classes"
             )
+        if array.dtype.kind not in "biuf":  # strings, objects, complex: not node data
+            raise UserError(
+                f"{path}: array {key!r} holds {array.dtype} values; node data are numbers "
+                "or booleans"
+            )
         ndata[key] = torch.from_numpy(array)
     if classes is not None:
+        if classes.dtype.kind not in "iu":
+            raise UserError(f"{path}: num_classes holds {classes.dtype}, not a whole number")
         classes = int(classes)
     try:
         return convert.from_scipy(mat, ndata=ndata, name=name, num_classes=classes)

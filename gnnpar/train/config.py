@@ -195,6 +195,8 @@ class TrainerConfig:
         _at_least(self, 0, "eval_every", "checkpoint_every", "keep_checkpoints", "skip_nonfinite")
         if self.ranks_per_node is not None:
             _at_least(self, 1, "ranks_per_node")
+        if not 0 <= self.seed < 2**63:  # what every generator (torch, numpy) accepts
+            raise ConfigError(f"config key 'seed' must lie in [0, 2**63), got {self.seed}")
         if self.timeout is not None and not self.timeout > 0:
             raise ConfigError(f"config key 'timeout' must be > 0 seconds, got {self.timeout:g}")
 

@@ -286,11 +286,22 @@ def _summary_writer(logdir: Path):
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a metrics file (a torn last line from a crash is skipped)."""
+    """Every record of a metrics file (a torn last line from a crash is skipped; so is a
+    line that is not a JSON object). UserError naming the file and line for bytes that are
+    not UTF-8."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    for number, raw in enumerate(Path(path).read_bytes().splitlines(), start=1):
         try:
-            out.append(json.loads(line))
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(
+                f"{path}: line {number} is not UTF-8 text (byte {err.start}); a metrics file "
+                "holds JSON lines"
+            ) from None
+        try:
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
