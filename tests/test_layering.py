@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the kinds of error (a user's, a peer's), raised everywhere: imports nothing of gnnpar
     ("errors",),
     # plain helpers: formatting, files, numbers, no process group
-    ("fmt", "atomic", "arrays", "chunking", "plotting", "recompute", "grad_destination"),
+    ("fmt", "atomic", "arrays", "chunking", "plotting", "recompute", "grad_destination",
+     "allocation"),
     ("verified", "virtual_device", "launch"),
     # the process grid and the one door to torch.distributed
     ("shm", "grid"),

@@ -634,3 +634,29 @@ def test_errors_name_their_file_or_key(tmp_path, capsys):
     (run / "metrics.jsonl").write_bytes(b'{"epoch": 1, "loss": 1.0}\n\xff\xfe\n')
     assert main(["report", str(run)]) == 2
     assert f"{run / 'metrics.jsonl'}: line 2 is not UTF-8 text" in _one_line(capsys)
+
+
+def test_sizes_are_checked_before_they_are_allocated(tmp_path, capsys, monkeypatch):
+    """A two-line edge list naming node 3e9 grew data import to 21 GB until the kernel
+    killed it; a huge `# nodes:` line, num_nodes=2**40 in a PyG file and num_nodes=1e13 in
+    a generator's options were allocation tracebacks. Each is one line naming the file or
+    the options and the bytes, before anything is allocated. The machine is made to have
+    8 GiB available, so that the test means the same everywhere."""
+    monkeypatch.setattr("gnnpar.allocation.available_bytes", lambda: 8 << 30)
+    files = {
+        "ids.txt": "0 1\n1 3000000000\n",
+        "header.txt": "# nodes: 100000000000000\n0 1\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        assert main(["data", "import", str(tmp_path / name), "--out", str(tmp_path / "g")]) == 2
+        line = _one_line(capsys)
+        assert f"{name}: a graph of " in line and "8 GiB is available" in line, line
+    pyg = pytest.importorskip("torch_geometric.data")
+    edges = torch.tensor([[0, 1], [1, 0]])
+    torch.save(pyg.Data(edge_index=edges, num_nodes=2**40), tmp_path / "g.pt")
+    assert main(["data", "import", str(tmp_path / "g.pt"), "--out", str(tmp_path / "g")]) == 2
+    assert "g.pt: a graph of 1,099,511,627,776 nodes needs at least 16 TiB" in _one_line(capsys)
+    argv = ["train", "gcn", "--dataset", "sbm", "--dataset-options", "num_nodes=10000000000000"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 2
+    assert "sbm with num_nodes=10000000000000" in _one_line(capsys)

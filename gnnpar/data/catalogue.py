@@ -11,6 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from gnnpar.allocation import check_room
 from gnnpar.data.karate import karate
 from gnnpar.data.ogb import is_ogb_folder, ogb, ogbn, ogbn_datasets
 from gnnpar.data.planetoid import planetoid, planetoid_names
@@ -75,11 +76,33 @@ def _defaults_of(func: Callable[..., Any], skip: tuple[str, ...] = ()) -> Mappin
     )
 
 
-def _generated(func: Callable[..., Graph]) -> Callable[..., Graph]:
+def _generated(
+    func: Callable[..., Graph], bytes_needed: Callable[..., int] | None = None
+) -> Callable[..., Graph]:
+    """A generator as a builder; ``bytes_needed(**kwargs)``, a lower bound of the memory
+    it allocates, is checked against the memory available first (one line naming the
+    options instead of an allocation traceback for ``num_nodes=1e13``)."""
+
     def builder(root: Path, **kwargs: Any) -> Graph:
+        if bytes_needed is not None:
+            shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+            check_room(bytes_needed(**kwargs), f"{func.__name__} with {shown}")
         return func(**kwargs)
 
     return builder
+
+
+def _sbm_bytes(num_nodes: int, feat_dim: int, avg_degree: float, **_: Any) -> int:
+    """At least what :func:`sbm` holds: float32 features, and each edge twice as int64
+    (the edge list and the CSR)."""
+    return int(4 * num_nodes * max(feat_dim, 0) + 32 * num_nodes * max(avg_degree, 0))
+
+
+def _rmat_bytes(scale: int, edge_factor: int, feat_dim: int, **_: Any) -> int:
+    """At least what :func:`rmat` holds for its ``2**scale`` nodes and
+    ``edge_factor * 2**scale`` draws (features, the drawn and the symmetric edges)."""
+    n = 2 ** max(int(scale), 0)
+    return int(4 * n * max(feat_dim, 0) + 48 * n * max(edge_factor, 0))
 
 
 def _planetoid_builder(name: str) -> Callable[..., Graph]:
@@ -150,13 +173,13 @@ def catalogue() -> list[CatalogueEntry]:
             "sbm",
             "stochastic block model with class-correlated features (synthetic, learnable)",
             _defaults_of(sbm),
-            _generated(sbm),
+            _generated(sbm, _sbm_bytes),
         ),
         CatalogueEntry(
             "rmat",
             "Graph500 R-MAT power-law graph, random features and labels (synthetic, scaling)",
             _defaults_of(rmat),
-            _generated(rmat),
+            _generated(rmat, _rmat_bytes),
         ),
     ]
     for name, what in (

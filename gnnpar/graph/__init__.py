@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gnnpar.allocation import check_room
 from gnnpar.errors import UserError
 
 __all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel"]
@@ -458,6 +459,9 @@ class Graph:
         weight = None if edge_weight is None else _as_weight(edge_weight, src.numel())
         if num_nodes is None:
             num_nodes = 0 if src.numel() == 0 else int(torch.maximum(src.max(), dst.max())) + 1
+        # the CSR's row pointers and counts: 16 bytes a node, before any is allocated (an id
+        # of 3e9 in a two-line edge list once grew the process to 21 GB until it was killed)
+        check_room(16 * (int(num_nodes) + 1), f"a graph of {int(num_nodes):,} nodes")
         _check_node_ids(src, num_nodes, "src")
         _check_node_ids(dst, num_nodes, "dst")
         if coalesce:
