@@ -57,6 +57,7 @@ __all__ = [
     "meta_digest",
     "read_manifest",
     "save_npy",
+    "torch_save",
     "write_folder",
     "write_manifest",
 ]
@@ -491,10 +492,43 @@ def _replace(tmp: Path, dest: Path, overwrite: bool, schema: str) -> None:
 def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
     """Write a flat ``{name: tensor}`` file atomically (``torch.save``; plain tensors only,
     so it loads with ``weights_only=True``)."""
+    plain = {k: v.detach().contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: torch_save(plain, tmp))
+
+
+class _KeptErrorFile:
+    """A binary file whose write errors are kept: torch's zip writer turns the OSError of
+    a full disk into its own ``[enforce fail at inline_container.cc] unexpected pos``."""
+
+    def __init__(self, file: Any):
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)``, with the OSError a write met (ENOSPC: "disk full")
+    raised as itself, naming no torch internals (:func:`gnnpar.atomic.atomic_write` adds
+    the path)."""
     import torch  # the rest of this module needs no torch (the partitioners' format)
 
-    plain = {k: v.detach().contiguous() for k, v in tensors.items()}
-    atomic_write(path, lambda tmp: torch.save(plain, tmp))
+    with open(path, "wb") as f:
+        kept = _KeptErrorFile(f)
+        try:
+            torch.save(obj, kept)
+        except RuntimeError:
+            if kept.error is not None:
+                raise kept.error from None
+            raise
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

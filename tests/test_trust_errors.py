@@ -660,3 +660,45 @@ def test_sizes_are_checked_before_they_are_allocated(tmp_path, capsys, monkeypat
     argv = ["train", "gcn", "--dataset", "sbm", "--dataset-options", "num_nodes=10000000000000"]
     assert main([*argv, "--out", str(tmp_path / "r")]) == 2
     assert "sbm with num_nodes=10000000000000" in _one_line(capsys)
+
+
+def test_a_full_disk_while_checkpointing_names_the_file_and_keeps_the_last(
+    one_process, tmp_path, monkeypatch, capsys
+):
+    """A full disk while a checkpoint's tensors were written was torch's "[enforce fail at
+    inline_container.cc] unexpected pos" traceback (torch's zip writer swallows the OS
+    error): one line naming the file and "disk full" now, and the previous checkpoint is
+    still the newest."""
+    from gnnpar import checkpoint, verified
+
+    run = tmp_path / "run"
+    argv = ["train", "gcn", "--dataset", "karate", "--quiet", "--out", str(run)]
+    assert main([*argv, "--epochs", "2"]) == 0
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        return _FullDisk(f) if "w" in mode and "step-000004" in str(path) else f
+
+    _FullDisk.flush = lambda self: None
+    monkeypatch.setattr(verified, "open", full_open, raising=False)
+    capsys.readouterr()
+    assert main([*argv, "--epochs", "4", "--resume"]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("gnnpar train: error: ")
+    assert line.endswith("rank-00000.pt: disk full (the previous checkpoint is kept)"), line
+    assert "step-000004" in line and "inline_container" not in line
+    assert checkpoint.complete_steps(run / "checkpoints") == [2]
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_torch_save_on_a_full_device_raises_the_os_error():
+    """On a real device that is full (Linux's /dev/full: every write is ENOSPC), torch's
+    own zip writer raises its "unexpected pos" RuntimeError; gnnpar's raises the OSError."""
+    from gnnpar.verified import torch_save
+
+    with pytest.raises(RuntimeError, match="unexpected pos|failed writing"):
+        torch.save({"a": torch.zeros(100_000)}, open("/dev/full", "wb"))  # noqa: SIM115
+    with pytest.raises(OSError) as info:
+        torch_save({"a": torch.zeros(100_000)}, "/dev/full")
+    assert info.value.errno == errno.ENOSPC

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gnnpar import comm
+from gnnpar.atomic import os_error_message
 from gnnpar.checkpoint.chunks import Chunk, concat, copy_overlap, overlap_volume
 from gnnpar.checkpoint.protocol import (
     SCHEMA,
@@ -117,7 +118,8 @@ def save(
             error: BaseException = err
     if _agree(grid, failed):
         if rank == 0:
-            raise CheckpointError(f"cannot write checkpoint folder {tmp}: {error}") from None
+            reason = os_error_message(error, tmp)  # type: ignore[arg-type]
+            raise CheckpointError(f"{reason} (the previous checkpoint is kept)") from None
         raise CheckpointError(f"rank 0 could not create the checkpoint folder {tmp}")
     stem = _rank_stem(rank)
     try:
@@ -142,8 +144,11 @@ def save(
         failed, error = 1, err
     who = _agree(grid, rank if failed else -1)
     if who >= 0:
+        if rank == 0:  # every rank is done with it (the agreement above): nothing half-written
+            shutil.rmtree(tmp, ignore_errors=True)
         if failed:
-            raise CheckpointError(f"cannot write {tmp / stem}.pt: {error}") from None
+            reason = os_error_message(error, tmp / f"{stem}.pt")  # type: ignore[arg-type]
+            raise CheckpointError(f"{reason} (the previous checkpoint is kept)") from None
         raise CheckpointError(f"rank {who} could not write its part of checkpoint {final}")
     if rank == 0:
         try:

@@ -25,9 +25,9 @@ def _write_state(out: Path, state: dict) -> None:
         plain = {k: v.contiguous().clone() for k, v in state.items()}
         atomic_write(out, lambda tmp: save_file(plain, tmp))
         return
-    import torch
+    from gnnpar.verified import torch_save
 
-    atomic_write(out, lambda tmp: torch.save(state, tmp))
+    atomic_write(out, lambda tmp: torch_save(state, tmp))
 
 
 def _consolidate(args: argparse.Namespace) -> int:
