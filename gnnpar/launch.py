@@ -444,10 +444,10 @@ def launch_local(
     # The launcher logs a warning per rank about OMP_NUM_THREADS; keep the console readable.
     env.setdefault("LOGLEVEL", "ERROR")
     if agent is not None:
-        return agent.launch(agent_argv, env)
+        return _agent_outcome(agent.launch(agent_argv, env), module_argv, nprocs)
     proc = subprocess.Popen([sys.executable, "-c", _AGENT, *agent_argv], env=env)
     try:
-        return proc.wait()
+        return _agent_outcome(proc.wait(), module_argv, nprocs)
     except KeyboardInterrupt:
         try:
             proc.wait(timeout=AGENT_GRACE_S)
@@ -456,6 +456,26 @@ def launch_local(
             proc.wait()
             raise
         raise ReportedInterrupt from None
+
+
+#: What to do after a death the launcher reports: a training run's checkpoints outlive it.
+RESUME_HINT = "run the same command again with --resume to continue from the newest checkpoint"
+
+
+def _agent_outcome(code: int, module_argv: Sequence[str], nprocs: int) -> int:
+    """The launch's exit code; an agent killed by a signal (negative ``code``: it printed
+    nothing, and its exit status was 247 for SIGKILL) is one line saying so and what to
+    do, and exit status 128 + the signal, as a shell reports it."""
+    if code >= 0:
+        return code
+    name = _signal_name(code).strip(" ()") or f"signal {-code}"
+    print(
+        f"{_command_name(module_argv)}: error: the launch agent of the {nprocs} ranks was "
+        f"killed by {name}, which stops its ranks; {RESUME_HINT}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 - code
 
 
 class ReportedInterrupt(KeyboardInterrupt):
@@ -702,10 +722,33 @@ def _signal_name(exitcode: int) -> str:
         return ""
 
 
+def _killed_without_record(error: Any, records: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """(rank, exit code) of the first rank the launcher saw end by a signal (a SIGKILL, the
+    kernel's out-of-memory killer) that wrote no failure record, or None."""
+    reported = {r["rank"] for r in records}
+    failures = getattr(error, "failures", None) or {}
+    dead = [
+        (f.timestamp, rank, f.exitcode)
+        for rank, f in failures.items()
+        if f.exitcode < 0 and rank not in reported and _signal_name(f.exitcode)
+    ]
+    return (min(dead)[1], min(dead)[2]) if dead else None
+
+
 def summarise_failure(error: Any, records: list[dict[str, Any]], nprocs: int) -> tuple[str, int]:
     """The agent's report of a failed launch (its first line names the rank and the root
     cause) and the exit code, from the ranks' records or, without any, from the launcher's
     ``ChildFailedError``."""
+    killed = _killed_without_record(error, records)
+    if killed is not None and all(r["secondary"] for r in records):
+        # the others only lost their connection to it: the dead rank is the cause
+        rank, code = killed
+        return (
+            f"rank {rank} of {nprocs} was killed by {_signal_name(code).strip(' ()')} before "
+            f"it could report anything (the other ranks lost their connection to it); "
+            f"{RESUME_HINT}",
+            128 - code,
+        )
     if records:
         # an error several ranks raised alike (a NaN loss every rank sees) is named by the
         # lowest of them, not by whichever wrote first

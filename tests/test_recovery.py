@@ -157,3 +157,60 @@ def test_kill_during_checkpoint_writes_leaves_a_loadable_one(tmp_path):
         found = checkpoint.load(root, grid, model)
         assert found is not None
         assert torch.equal(model.weight, torch.full((1_000, 2_000), float(found.step)))
+
+
+def _start_long_run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """A 2-rank gcn run that would last for hours, started once its ranks are training."""
+    out = tmp_path / name
+    cmd = [
+        sys.executable, "-m", "gnnpar.cli", "train", "gcn", "--dataset", "sbm",
+        "--dataset-options", "num_nodes=300,feat_dim=8", "--root", str(tmp_path / "data"),
+        "--epochs", "1000000", "--eval-every", "0", "--checkpoint-every", "5", "--quiet",
+        "--nprocs", "2", "--grid", "x=2", "--out", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True)
+    deadline = time.monotonic() + 240
+    while not checkpoint.complete_steps(out / "checkpoints"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no checkpoint appeared:\n{proc.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    return proc, out
+
+
+def test_a_killed_rank_or_agent_is_named_with_what_to_do(tmp_path):
+    """After a SIGKILL of rank 1 the error blamed another rank's dropped connection; after
+    one of the launch agent, gnnpar exited 247 without a word. Each is one line naming what
+    died, exit 128 + 9, and the way on (--resume), which then continues the run."""
+    for victim in ("rank", "agent"):
+        proc, out = _start_long_run(tmp_path, victim)
+        try:
+            (agent,) = _descendants(proc.pid, depth=1)
+            ranks = sorted(_descendants(agent, depth=1))  # forked in rank order
+            os.kill(ranks[1] if victim == "rank" else agent, signal.SIGKILL)
+            err = proc.communicate(timeout=120)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        lines = err.strip().splitlines()
+        assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+        assert len(lines) == 1 and "--resume" in lines[0], err[-3000:]
+        if victim == "rank":
+            assert "rank 1 of 2 was killed by SIGKILL" in lines[0], lines
+        else:
+            assert "the launch agent of the 2 ranks was killed by SIGKILL" in lines[0], lines
+        deadline = time.monotonic() + 30  # the ranks end too (with the agent, or stopped by it)
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in ranks)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
