@@ -248,9 +248,34 @@ def _check_meta(manifest: Manifest) -> None:
         raise PartitionFormatError(f"{where}: the node ranges cover {stop} nodes, num_nodes is {n}")
     ndata = meta.get("ndata", {})
     if not isinstance(ndata, dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("shape"), list) for v in ndata.values()
+        isinstance(v, dict)
+        and isinstance(v.get("shape"), list)
+        and all(map(_is_int, v["shape"]))
+        and isinstance(v.get("dtype"), str)
+        for v in ndata.values()
     ):
         raise PartitionFormatError(f"{where}: the ndata table is malformed")
+    _check_descriptions(meta, where)
+
+
+#: The descriptive meta fields (what ``inspect`` shows) and the types they must have.
+_DESCRIPTIONS = {
+    "graph_name": str, "method": str, "seed": int, "balance": list, "source": (dict, type(None)),
+}  # fmt: skip
+
+
+def _check_descriptions(meta: dict[str, Any], where: Path) -> None:
+    """The descriptive fields, where present, have their types (a resealed manifest may
+    hold anything); each part's ``num_train`` is a count or absent."""
+    for key, kind in _DESCRIPTIONS.items():
+        value = meta.get(key)
+        if key in meta and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise PartitionFormatError(f"{where}: meta field {key!r} is {value!r}")
+    if not all(isinstance(b, str) for b in meta.get("balance", [])):
+        raise PartitionFormatError(f"{where}: meta field 'balance' must list names")
+    for i, info in enumerate(meta["parts"]):
+        if info.get("num_train") is not None and not _is_int(info["num_train"]):
+            raise PartitionFormatError(f"{where}: part {i}'s num_train is not a count")
 
 
 def load_manifest(path: str | Path) -> Manifest:

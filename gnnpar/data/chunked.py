@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from gnnpar.errors import UserError
-from gnnpar.verified import check_level
+from gnnpar.verified import FormatError, check_level
 
 __all__ = [
     "BYTES_PER_EDGE",
@@ -254,8 +254,18 @@ class GraphReader:
         return self._read("edge_weight", pos) if self.weighted else None
 
     def _read(self, name: str, where: Any) -> np.ndarray:
-        path = self._folder / self._arrays[name]["file"]
-        mapped = np.load(path, mmap_mode="r", allow_pickle=False)
+        record = self._arrays[name]
+        path = self._folder / record["file"]
+        try:
+            mapped = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError, SyntaxError) as err:  # a damaged header
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise FormatError(f"{path}: not a readable .npy file ({first})") from None
+        if mapped.dtype.name != record.get("dtype") or list(mapped.shape) != record.get("shape"):
+            raise FormatError(
+                f"{path}: holds {mapped.dtype.name} {list(mapped.shape)}, the manifest says "
+                f"{record.get('dtype')} {record.get('shape')}"
+            )
         try:
             if isinstance(where, np.ndarray) and mapped.size:
                 # scattered positions: no read-around, so only the pages read are mapped

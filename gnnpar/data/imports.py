@@ -27,6 +27,7 @@ from __future__ import annotations
 import pickle
 import re
 import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -151,8 +152,10 @@ def _read_npz(path: Path, name: str) -> Graph:
         mat = sp.load_npz(path)  # np.load(allow_pickle=False) inside
         with np.load(path, allow_pickle=False) as arrays:
             extra = {k: arrays[k] for k in arrays.files if k not in _SCIPY_KEYS}
-    except (ValueError, OSError) as err:
-        raise UserError(f"{path}: not a scipy.sparse.save_npz file: {err}") from None
+    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as err:
+        # np.load's errors for a damaged archive (a bad CRC, a truncated file, no matrix)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"{path}: not a readable scipy.sparse.save_npz file ({first})") from None
     classes = extra.pop("num_classes", None)
     n = mat.shape[0]
     ndata = {}
