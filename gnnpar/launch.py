@@ -749,6 +749,17 @@ def summarise_failure(error: Any, records: list[dict[str, Any]], nprocs: int) ->
             f"{RESUME_HINT}",
             128 - code,
         )
+    silent = sorted(set(range(int(nprocs))) - {r["rank"] for r in records})
+    if records and silent and all(r["secondary"] for r in records):
+        # torchrun names one failed rank, not always the first: when it names a peer that
+        # only lost its connection, the ranks that reported nothing are where it began
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"one of ranks {silent}"
+        return (
+            f"{who} of {nprocs} ended without reporting an error (killed by a signal, such as "
+            f"the out-of-memory killer's; the other ranks lost their connection to it); "
+            f"{RESUME_HINT}",
+            1,
+        )
     if records:
         # an error several ranks raised alike (a NaN loss every rank sees) is named by the
         # lowest of them, not by whichever wrote first

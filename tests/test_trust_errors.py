@@ -717,3 +717,20 @@ def test_torch_save_on_a_full_device_raises_the_os_error():
     with pytest.raises(OSError) as info:
         torch_save({"a": torch.zeros(100_000)}, "/dev/full")
     assert info.value.errno == errno.ENOSPC
+
+
+def test_a_rank_that_said_nothing_is_named_before_its_peers_lost_connections():
+    """torchrun's ChildFailedError names one failed rank, and under load it may be a peer
+    that only lost its connection to a rank killed without a word: the silent rank is named
+    (seen once in a full run: rank 0's "connection reset" was reported for a SIGKILLed
+    rank 1)."""
+    from gnnpar.launch import summarise_failure
+
+    peer = {"rank": 0, "message": "connection reset", "code": 1, "detail": "", "secondary": True}
+
+    class Failure:
+        failures = {0: type("F", (), {"exitcode": 1, "timestamp": 0})()}
+
+    line, code = summarise_failure(Failure(), [peer], 2)
+    assert line.startswith("rank 1 of 2 ended without reporting an error") and code == 1
+    assert "--resume" in line

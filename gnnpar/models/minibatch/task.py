@@ -544,8 +544,6 @@ class MiniBatchTask(BaseTask):
         if getattr(self, "part", None) is not None:
             source = self.part.meta.get("source") or {}
             return {"name": self.cfg.dataset, "fingerprint": source.get("fingerprint")}
-        if not hasattr(self, "_fingerprint"):
-            self._fingerprint = self.graph.fingerprint()
         return {"name": self.cfg.dataset, "fingerprint": self._fingerprint}
 
     def summary(self) -> str:
@@ -568,6 +566,9 @@ class MiniBatchTask(BaseTask):
     def _setup_graph(self) -> None:
         cfg = self.cfg
         graph = load_trainable(cfg)
+        # the graph as stored, before its features take the compute dtype: what a partition
+        # of it records, so that a run resumes across process counts (data_record)
+        self._fingerprint = graph.fingerprint()
         if cfg.partitions:  # one process trains on the whole graph: only check provenance
             import partitioners.format as pformat
 

@@ -84,6 +84,7 @@ class VertexTask(BaseTask):
                 f"config key 'budget' ({cfg.budget}) exceeds the graph's {graph.num_nodes} nodes"
             )
         self.graph = graph
+        self._fingerprint = graph.fingerprint()
         norm = graph.row_normalize() if cfg.model == "sage" else graph.gcn_norm()
         dtype = master_dtype(cfg)
         self.adjacency = (norm.indptr, norm.indices, norm.edge_weight.to(dtype))
@@ -130,9 +131,7 @@ class VertexTask(BaseTask):
         )
 
     def data_record(self) -> dict[str, Any]:
-        """The graph trained on (its fingerprint, computed once)."""
-        if not hasattr(self, "_fingerprint"):
-            self._fingerprint = self.graph.fingerprint()
+        """The graph trained on (its fingerprint as loaded)."""
         return {"name": self.cfg.dataset, "fingerprint": self._fingerprint}
 
     def summary(self) -> str:
