@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gnnpar.cli import main as gnnpar_main
-from gnnpar.verified import OutputError, check_output, checksum
+from gnnpar.verified import checksum
 from partitioners.cli import main as partition_main
 
 SBM = ["--dataset-options", "num_nodes=120,num_classes=3,num_val=20,num_test=20"]
@@ -124,6 +124,8 @@ def test_overwrite_replaces_only_a_folder_the_command_made(capsys, work, command
 
 def test_check_output_rules(tmp_path, made):
     """The rules in the one home, as a library caller meets them."""
+    from gnnpar.verified import OutputError, check_output
+
     graph = made / "graph"
     with pytest.raises(OutputError, match="is this command's input"):
         check_output(graph, "gnnpar.graph", True, [graph])
@@ -150,6 +152,7 @@ def test_shard_folders_keep_their_graph_folder(made, tmp_path):
     """The library's shard writer streams from a graph folder: never onto it."""
     from gnnpar.data import load
     from gnnpar.models.fullgraph.shards import prepare_shards
+    from gnnpar.verified import OutputError
 
     graph = tmp_path / "graph"
     shutil.copytree(made / "graph", graph)
