@@ -194,7 +194,9 @@ class GraphReader:
             if dtype.kind != "f":
                 small[key] = torch.from_numpy(self.ndata(key, slice(None)))
                 continue
-            for lo in range(0, shape[0] if shape else 0, chunk_rows):
+            if not shape or shape[0] != n:
+                raise UserError(f"{where}: ndata[{key!r}] has shape {list(shape)}, not {n} rows")
+            for lo in range(0, shape[0], chunk_rows):
                 if not np.isfinite(self.ndata(key, slice(lo, lo + chunk_rows))).all():
                     raise UserError(f"{where}: ndata[{key!r}] holds non-finite values (NaN or inf)")
         try:
