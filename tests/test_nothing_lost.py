@@ -213,3 +213,17 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def test_consolidate_never_writes_into_a_checkpoint(tmp_path, capsys):
+    """`gnnpar ckpt consolidate RUN OUT --overwrite` with OUT a file of the checkpoint it
+    reads replaced that file; an OUT inside any verified folder is refused, unchanged."""
+    run = tmp_path / "run"
+    argv = ["train", "gcn", "--dataset", "karate", "--epochs", "1", "--quiet", "--out", str(run)]
+    assert gnnpar_main(argv) == 0
+    (step,) = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")]
+    before = snapshot(run)
+    for out in (step / "rank-00000.pt", step / "model.pt"):
+        refused(capsys, ["ckpt", "consolidate", str(run), str(out), "--overwrite"], "lies inside")
+    assert snapshot(run) == before
+    assert gnnpar_main(["ckpt", "consolidate", str(run), str(run / "model.pt")]) == 0

@@ -32,8 +32,18 @@ def _write_state(out: Path, state: dict) -> None:
 
 def _consolidate(args: argparse.Namespace) -> int:
     from gnnpar.checkpoint import consolidate
+    from gnnpar.errors import UserError
+    from gnnpar.verified import MANIFEST
 
     out = Path(args.out)
+    # a file written into a verified folder (a step folder of the checkpoint read) would
+    # replace or add to what its manifest lists
+    inside = next((p for p in out.resolve().parents if (p / MANIFEST).is_file()), None)
+    if inside is not None:
+        raise UserError(
+            f"{out} lies inside {inside}, a folder whose manifest lists its own files: "
+            "write the state dict elsewhere"
+        )
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     state = consolidate(args.path)
