@@ -18,7 +18,15 @@ these.
 
 from __future__ import annotations
 
-__all__ = ["MissingPackageError", "PeerFailedError", "UserError"]
+__all__ = ["MissingPackageError", "PeerFailedError", "UserError", "first_line"]
+
+
+def first_line(err: BaseException, limit: int | None = None) -> str:
+    """The first line of ``err``'s message (its type's name when it has none), cut to
+    ``limit`` characters: what a one-line error quotes of a library's multi-line one
+    (torch's and DGL's run on with C++ frames)."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return line if limit is None else line[:limit]
 
 
 class UserError(ValueError):

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gnnpar import shm
-from gnnpar.errors import UserError
+from gnnpar.errors import UserError, first_line
 from gnnpar.fmt import count
 from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
@@ -423,7 +423,7 @@ def _launch_store(launch: Launch, timeout: timedelta) -> dist.TCPStore:
         )
     except (RuntimeError, OSError) as e:
         # torch's message runs on with C++ frames: its first line says what went wrong
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         who = f"{LAUNCHER_NAMES[launch.launcher]} rank {launch.rank} of {launch.world_size}"
         if launch.rank == 0 and _address_in_use(e):
             # the bind fails at once; the other ranks wait for this one until their timeout

@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 
 from gnnpar.atomic import atomic_write, write_json
-from gnnpar.errors import UserError
+from gnnpar.errors import UserError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -337,8 +337,7 @@ def load_npy(
     try:
         array = np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise FormatError(f"{path}: not a readable .npy file ({first[:200]})") from None
+        raise FormatError(f"{path}: not a readable .npy file ({first_line(err, 200)})") from None
     if not isinstance(array, np.ndarray):
         raise FormatError(f"{path}: not a single .npy array")
     if dtype is not None and array.dtype != np.dtype(dtype):
@@ -544,8 +543,7 @@ def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             "refused without running them)"
         ) from None
     except Exception as err:  # noqa: BLE001 - every failure becomes one line naming the file
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise FormatError(f"{path}: not a readable tensor file ({first[:200]})") from None
+        raise FormatError(f"{path}: not a readable tensor file ({first_line(err, 200)})") from None
     if not isinstance(data, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
     ):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gnnpar.errors import UserError
+from gnnpar.errors import UserError, first_line
 from gnnpar.verified import FormatError, check_level
 
 __all__ = [
@@ -261,8 +261,8 @@ class GraphReader:
         try:
             mapped = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError, EOFError, SyntaxError) as err:  # a damaged header
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            raise FormatError(f"{path}: not a readable .npy file ({first})") from None
+            reason = first_line(err, 200)
+            raise FormatError(f"{path}: not a readable .npy file ({reason})") from None
         if mapped.dtype.name != record.get("dtype") or list(mapped.shape) != record.get("shape"):
             raise FormatError(
                 f"{path}: holds {mapped.dtype.name} {list(mapped.shape)}, the manifest says "

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from gnnpar.data.safe_pickle import UnsafePickleError
-from gnnpar.errors import MissingPackageError, UserError
+from gnnpar.errors import MissingPackageError, UserError, first_line
 from gnnpar.graph import Graph, convert
 from gnnpar.verified import file_entry
 
@@ -109,8 +109,7 @@ def _read_pyg(path: Path, name: str) -> Graph:
             "torch_geometric Data files are read, never unpickled freely)"
         ) from None
     except Exception as err:  # torch raises RuntimeError, EOFError... for a damaged file
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"{path}: not a torch.save file of a PyG Data: {first}") from None
+        raise UserError(f"{path}: not a torch.save file of a PyG Data: {first_line(err)}") from None
     if not hasattr(data, "edge_index") and not convert.is_heterogeneous(data):
         raise UserError(f"{path}: holds a {type(data).__name__}, not a PyG Data")
     try:
@@ -133,8 +132,8 @@ def _read_dgl(path: Path, name: str) -> Graph:
     try:
         graphs, labels = load_graphs(str(path))
     except Exception as err:  # noqa: BLE001 - DGLError for a damaged file, with a C++ stack
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        reason = reason.split("Check failed: ")[-1][:200]  # not its "[time] file.cc:line:"
+        # not DGL's "[time] file.cc:line: Check failed:" prefix
+        reason = first_line(err).split("Check failed: ")[-1][:200]
         raise UserError(f"{path}: not a readable dgl.save_graphs file ({reason})") from None
     if len(graphs) != 1:
         raise UserError(f"{path} holds {len(graphs)} graphs: import one graph per file")
@@ -154,8 +153,9 @@ def _read_npz(path: Path, name: str) -> Graph:
             extra = {k: arrays[k] for k in arrays.files if k not in _SCIPY_KEYS}
     except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as err:
         # np.load's errors for a damaged archive (a bad CRC, a truncated file, no matrix)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UserError(f"{path}: not a readable scipy.sparse.save_npz file ({first})") from None
+        raise UserError(
+            f"{path}: not a readable scipy.sparse.save_npz file ({first_line(err, 200)})"
+        ) from None
     classes = extra.pop("num_classes", None)
     n = mat.shape[0]
     ndata = {}

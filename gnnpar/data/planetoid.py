@@ -14,7 +14,7 @@ import scipy.sparse as sp
 import torch
 
 from gnnpar.data.safe_pickle import load_pickle
-from gnnpar.errors import UserError
+from gnnpar.errors import UserError, first_line
 from gnnpar.graph import Graph
 
 __all__ = ["planetoid", "planetoid_names", "PLANETOID_PARTS"]
@@ -60,7 +60,8 @@ def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool
     try:
         test_index = np.loadtxt(files["test.index"], dtype=np.int64, ndmin=1)
     except (ValueError, OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{files['test.index']}: not a list of node ids ({_first(err)})") from None
+        reason = first_line(err, 200)
+        raise UserError(f"{files['test.index']}: not a list of node ids ({reason})") from None
     try:
         return _assemble(parts, test_index, name, normalize_features)
     except UserError as err:
@@ -70,13 +71,8 @@ def planetoid(root: str | Path, name: str = "citeseer", normalize_features: bool
         # kinds or sizes of thing: one line naming the files, not a traceback
         raise UserError(
             f"{root / f'ind.{name}'}.*: not a consistent Planetoid dataset "
-            f"({type(err).__name__}: {_first(err)})"
+            f"({type(err).__name__}: {first_line(err, 200)})"
         ) from None
-
-
-def _first(err: BaseException) -> str:
-    """The first line of an error's message, at most 200 characters."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def _assemble(

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, BinaryIO
 
-from gnnpar.errors import UserError
+from gnnpar.errors import UserError, first_line
 
 __all__ = ["RestrictedUnpickler", "UnsafePickleError", "load_pickle", "planetoid_globals"]
 
@@ -94,5 +94,4 @@ def load_pickle(path: str | Path, allowed: Mapping[tuple[str, str], Any] | None 
         except UnsafePickleError as err:
             raise UnsafePickleError(f"{path}: {err}") from None
         except Exception as err:  # UnpicklingError, EOFError, ... for a truncated or damaged file
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(f"{path}: not a readable pickle ({first})") from None
+            raise UserError(f"{path}: not a readable pickle ({first_line(err)})") from None

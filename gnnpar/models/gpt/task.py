@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
-from gnnpar.errors import UserError
+from gnnpar.errors import UserError, first_line
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.gpt.model import GPTConfig, generate, model_sizes, set_activation_checkpointing
@@ -265,8 +266,8 @@ def _hf_weights(folder: Path) -> Iterator[dict[str, Any]]:
             with safe_open(str(safe), framework="pt") as f:
                 yield {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 - not a dict
         except SafetensorError as err:  # a damaged header or a truncated slice, when read
-            first = (str(err).strip().splitlines() or ["damaged"])[0][:200]
-            raise FormatError(f"{safe}: not a readable safetensors file ({first})") from None
+            reason = first_line(err, 200)
+            raise FormatError(f"{safe}: not a readable safetensors file ({reason})") from None
     elif binary.is_file():
         from gnnpar.verified import load_tensors
 
@@ -512,15 +513,17 @@ class GPTTask(BaseTask):
         return opt
 
     def data_record(self) -> dict[str, Any]:
-        """The token stream trained on: its digest (XXH3-64 of the token ids, computed
-        once) and the text's name."""
-        if not hasattr(self, "_fingerprint"):
-            import numpy as np
-            import xxhash
+        """The token stream trained on: its digest and the text's name."""
+        return {"name": self.corpus.name, "fingerprint": self._token_digest}
 
-            tokens = np.ascontiguousarray(self.corpus.tokens)  # no copy: it is contiguous
-            self._fingerprint = xxhash.xxh3_64_hexdigest(memoryview(tokens).cast("B"))
-        return {"name": self.corpus.name, "fingerprint": self._fingerprint}
+    @functools.cached_property
+    def _token_digest(self) -> str:
+        """XXH3-64 of the token ids (computed on first use, once)."""
+        import numpy as np
+        import xxhash
+
+        tokens = np.ascontiguousarray(self.corpus.tokens)  # no copy: it is contiguous
+        return xxhash.xxh3_64_hexdigest(memoryview(tokens).cast("B"))
 
     def summary(self) -> str:
         """What the run trains on what: the model's size and the text's tokens."""
