@@ -540,8 +540,8 @@ class MiniBatchTask(BaseTask):
 
     def data_record(self) -> dict[str, Any] | None:
         """The graph trained on: the one the partition was cut from (its recorded source),
-        or the loaded graph's fingerprint (computed once)."""
-        if getattr(self, "part", None) is not None:
+        or the loaded graph's fingerprint (taken when it was loaded)."""
+        if self.distributed:
             source = self.part.meta.get("source") or {}
             return {"name": self.cfg.dataset, "fingerprint": source.get("fingerprint")}
         return {"name": self.cfg.dataset, "fingerprint": self._fingerprint}
