@@ -151,8 +151,13 @@ def _read_npz(path: Path, name: str) -> Graph:
         mat = sp.load_npz(path)  # np.load(allow_pickle=False) inside
         with np.load(path, allow_pickle=False) as arrays:
             extra = {k: arrays[k] for k in arrays.files if k not in _SCIPY_KEYS}
-    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as err:
-        # np.load's errors for a damaged archive (a bad CRC, a truncated file, no matrix)
+    except (
+        ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, NotImplementedError,
+        RuntimeError,
+    ) as err:  # fmt: skip
+        # np.load's and zipfile's errors for a damaged archive: a bad CRC, a truncated file,
+        # no matrix, or header flags that now say "compressed by an unknown method" or
+        # "encrypted" (zipfile raises NotImplementedError and RuntimeError for those)
         raise UserError(
             f"{path}: not a readable scipy.sparse.save_npz file ({first_line(err, 200)})"
         ) from None
