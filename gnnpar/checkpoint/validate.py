@@ -24,28 +24,45 @@ from gnnpar.checkpoint.chunks import Chunk, overlap_volume
 from gnnpar.checkpoint.protocol import READABLE, SCHEMA
 from gnnpar.verified import MANIFEST, FormatError, Manifest, read_manifest
 
-__all__ = ["check_layout", "check_step", "check_stored", "entry_digest", "read_checkpoint"]
+__all__ = ["check_header", "check_layout", "check_stored", "entry_digest", "read_checkpoint"]
 
 
 def read_checkpoint(folder: str | os.PathLike) -> Manifest:
     """The manifest of the step folder ``folder``, read (:func:`gnnpar.verified.read_manifest`)
     and its layout checked (:func:`check_layout`)."""
     manifest = read_manifest(folder, SCHEMA, READABLE, sealed=False)
-    check_step(manifest)
+    check_header(manifest)
     check_layout(manifest)
     return manifest
 
 
-def check_step(manifest: Manifest) -> None:
+def check_header(manifest: Manifest) -> None:
     """FormatError unless the manifest's step is a count (an int >= 0) and, in a step
-    folder (``step-NNNNNN``), the one its name says."""
-    where, step = manifest.folder / MANIFEST, manifest.meta.get("step")
+    folder (``step-NNNNNN``), the one its name says, and the fields that describe the run
+    have their types: ``grid`` axis sizes and ``world_size`` positive counts, ``aliases``
+    names to names, ``info`` a table (a resealed manifest may hold anything)."""
+    meta, where = manifest.meta, manifest.folder / MANIFEST
+    step = meta.get("step")
     if not _is_size(step):
         raise FormatError(f"{where}: the step must be a whole number >= 0, got {step!r}")
     name = manifest.folder.name
     named = name.removeprefix("step-")
     if name.startswith("step-") and named.isdigit() and int(named) != step:
         raise FormatError(f"{where}: says step {step}, but its folder is {name}")
+    grid, world = meta.get("grid"), meta.get("world_size")
+    if not isinstance(grid, dict) or not all(
+        isinstance(a, str) and _is_size(v) and v >= 1 for a, v in grid.items()
+    ):
+        raise FormatError(f"{where}: the grid must map axes to sizes, got {grid!r}")
+    if not (_is_size(world) and world >= 1):
+        raise FormatError(f"{where}: world_size must be a count >= 1, got {world!r}")
+    aliases = meta.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    ):
+        raise FormatError(f"{where}: the aliases must map names to names")
+    if not isinstance(meta.get("info") or {}, dict):
+        raise FormatError(f"{where}: the info field must be a table")
 
 
 def _is_size(v: Any) -> bool:
