@@ -126,15 +126,14 @@ def write(
         if key not in csr.ndata:
             raise UserError(f"the graph has no node data {key!r} (it has {sorted(csr.ndata)})")
     out = Path(out_dir)
-    inputs: tuple[Any, ...] = ()  # an in-memory graph: no input on disk to keep apart
-    check_output(out, FORMAT, overwrite, inputs)
+    check_output(out, FORMAT, overwrite)  # an in-memory graph: no input on disk to keep apart
     source = source_of(graph)
     meta: dict[str, Any] = {}
 
     def fill(tmp: Path) -> None:
         meta.update(_write_into(tmp, csr, part, halo, name or csr.name, keys, progress, source))
 
-    write_folder(out, fill, overwrite=overwrite, schema=FORMAT, inputs=inputs)
+    write_folder(out, fill, overwrite=overwrite, schema=FORMAT)
     warn_idle_parts(meta, out)
     return out
 

@@ -568,11 +568,12 @@ class MiniBatchTask(BaseTask):
         graph = load_trainable(cfg)
         # the graph as stored, before its features take the compute dtype: what a partition
         # of it records, so that a run resumes across process counts (data_record)
-        self._fingerprint = graph.fingerprint()
+        record = graph.record()
+        self._fingerprint = record["fingerprint"]
         if cfg.partitions:  # one process trains on the whole graph: only check provenance
             import partitioners.format as pformat
 
-            pformat.check_source(cfg.partitions, graph, label=f"--dataset {cfg.dataset}")
+            pformat.check_source(cfg.partitions, record, label=f"--dataset {cfg.dataset}")
         graph.ndata["feat"] = graph.feat.to(compute_dtype(cfg))
         self.graph = graph
         self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
