@@ -56,7 +56,7 @@ class ShardSource(Protocol):
         """``label`` or a mask (``train_mask``...) at positions ``rows`` of ``order``."""
 
 
-PERMUTATIONS = ("random", "balanced", "balanced-local", "none")
+PERMUTATIONS = ("random", "balanced", "balanced-local", "symmetric", "none")
 """Names :func:`make_permutations` accepts."""
 
 
@@ -76,6 +76,9 @@ def make_permutations(
         return ident, ident
     if method == "random":
         p, p2 = pb.double_permutation(n, seed)
+    elif method == "symmetric":
+        p = pb.double_permutation(n, seed)[0]
+        p2 = p.copy()
     elif method in ("balanced", "balanced-local"):
         within = "locality" if method == "balanced-local" else "shuffle"
         p, p2 = pb.balanced_permutation(

@@ -23,8 +23,8 @@ version 2); every array is a ``.npy`` file, memory-mappable::
   ``"raw"`` holds
   the edge weights themselves, GAT's and GIN's).
 - ``num_nodes``, ``num_edges`` (int), ``feat_dim``, ``num_classes`` (int).
-- ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"`` or ``"none"``) and its
-  ``seed`` (int).
+- ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"``, ``"symmetric"`` or
+  ``"none"``) and its ``seed`` (int).
 - ``row_bounds``, ``col_bounds`` (lists of R+1 / C+1 ints): file-block boundaries.
 - ``node_data`` (list of str): names under ``node/``.
 - ``source`` (provenance, :func:`shard_provenance`): ``graph`` (the source graph's
@@ -280,11 +280,11 @@ def _prepare_streamed(
     if r_parts < 1 or c_parts < 1:
         raise UserError(f"file blocks must be positive, got {blocks}")
     source = shard_provenance(reader.fingerprint(), norm, blocks, seed, permutation)
-    if permutation not in ("random", "none"):
+    if permutation not in ("random", "symmetric", "none"):
         # the degree-aware permutations look at all of Â at once
         raise UserError(
             f"permutation {permutation!r} needs the whole graph in memory; streamed "
-            "preparation (a graph folder, a memory limit) takes 'random' or 'none'"
+            "preparation (a graph folder, a memory limit) takes 'random', 'symmetric' or 'none'"
         )
     p, p2 = make_permutations(permutation, torch.from_numpy(reader.indptr), torch.zeros(0), seed)
     inv = (p2.numpy(), p.numpy())

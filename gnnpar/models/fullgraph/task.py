@@ -35,6 +35,7 @@ from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
 from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
+from gnnpar.models.fullgraph.pyg import build_user_model, choose_share_grid, parallelize_pyg
 from gnnpar.models.fullgraph.shards import (
     DiskSource,
     OldShardFolderError,
@@ -77,8 +78,12 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
     )
     model: str = option(
         "gcn",
-        "gcn, sage (GraphSAGE-mean), gat (graph attention) or gin (isomorphism network)",
+        "gcn, sage (GraphSAGE-mean), gat (graph attention), gin (isomorphism network), or "
+        "your own PyG model as module:factory or file.py:factory (docs/models.md)",
         MODELS,
+    )
+    model_options: str | None = option(
+        None, "a module:factory model's hyper-parameters as k=v,k=v (e.g. K=10,alpha=0.1)"
     )
     hidden: int = option(16, "hidden width (gat: of all heads together)")
     heads: int = option(8, "gat: attention heads of each hidden layer (concatenated)")
@@ -123,9 +128,17 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                 "attention core; full-graph layers take none or full"
             )
         self.check_recompute(("none", "full"))
-        if self.model not in MODELS:
+        if self.model not in MODELS and not is_user_model(self.model):
             raise ConfigError(
-                f"config key 'model' must be one of {', '.join(MODELS)}, got {self.model!r}"
+                f"config key 'model' must be one of {', '.join(MODELS)} or module:factory, "
+                f"got {self.model!r}"
+            )
+        if is_user_model(self.model):
+            self._check_user_model()
+        elif self.model_options:
+            raise ConfigError(
+                "config key 'model_options' is for a module:factory model; the built-in "
+                "models take their own keys (hidden, layers, heads...)"
             )
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
@@ -162,12 +175,54 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                 )
 
 
+    def _check_user_model(self) -> None:
+        """A module:factory model runs in its own dtype, on shards of one node order."""
+        if self.mixed_precision != "none":
+            raise ConfigError(
+                "config key 'mixed_precision': a module:factory model runs in its parameters' "
+                "dtype; use none"
+            )
+        if self.algorithm != "3d":
+            raise ConfigError(
+                "config key 'algorithm': a module:factory model has one layout (rows over the "
+                "grid, the adjacency in 2D over x and y·z; docs/models.md): leave it at 3d"
+            )
+        if self.permutation not in ("random", "symmetric", "none"):
+            raise ConfigError(
+                "config key 'permutation': a module:factory model needs one node order: "
+                f"random (read as symmetric), symmetric or none, not {self.permutation!r}"
+            )
+        try:
+            user_options(self)
+        except UserError as err:
+            raise ConfigError(f"config key 'model_options': {err}") from None
+
+
+def is_user_model(model: str) -> bool:
+    """Whether ``model`` names a user's factory (``module:factory``)."""
+    return ":" in model
+
+
+def user_options(cfg: FullGraphConfig) -> dict[str, Any]:
+    """The factory's keyword arguments from ``model_options``."""
+    from gnnpar.data.options import parse_options, split_options
+
+    return parse_options(split_options(cfg.model_options))
+
+
+def _permutation(cfg: FullGraphConfig) -> str:
+    """The shards' relabelling: a user model's ``random`` is one random order (symmetric)."""
+    if is_user_model(cfg.model) and cfg.permutation == "random":
+        return "symmetric"
+    return cfg.permutation
+
+
 def _shard_folder(cfg: FullGraphConfig) -> Path:
     """The given folder, or one under the run folder named by the options that shape the
     shards (its content is checked against the dataset's fingerprint by :func:`_prepare`)."""
     if cfg.shards:
         return Path(cfg.shards)
-    keys = (cfg.dataset, cfg.root, cfg.dataset_options, cfg.model, cfg.blocks, cfg.permutation)
+    keys = (cfg.dataset, cfg.root, cfg.dataset_options, _norm(cfg), cfg.blocks, _permutation(cfg))
     digest = hashlib.sha1(json.dumps([*keys, cfg.seed]).encode()).hexdigest()[:10]
     name = Path(cfg.dataset).name or "graph"
     return Path(cfg.out) / "shards" / f"{name}-{digest}"
@@ -177,8 +232,9 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
 def _norm(cfg: FullGraphConfig) -> str:
     """The adjacency the model reads (:data:`~gnnpar.models.fullgraph.model.NORMS`: GAT and GIN the
     ``raw``
-    one, whose values are the edge weights)."""
-    return NORMS[cfg.model]
+    one, whose values are the edge weights; a user's PyG model the ``raw`` one, which each of
+    its convolutions normalises its own way)."""
+    return "raw" if is_user_model(cfg.model) else NORMS[cfg.model]
 
 
 def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
@@ -211,7 +267,7 @@ def _options_text(source: dict[str, Any]) -> str:
 def _expected_source(cfg: FullGraphConfig, fingerprint: str) -> dict[str, Any]:
     """The provenance shards made from the graph ``fingerprint`` with ``cfg`` would record."""
     blocks = (cfg.blocks, cfg.blocks)
-    return shard_provenance(fingerprint, _norm(cfg), blocks, cfg.seed, cfg.permutation)
+    return shard_provenance(fingerprint, _norm(cfg), blocks, cfg.seed, _permutation(cfg))
 
 
 def _check_given_shards(cfg: FullGraphConfig, fingerprint: str) -> None:
@@ -245,7 +301,7 @@ def _build_or_check(cfg: FullGraphConfig, folder: Path, progress: Progress) -> i
             norm=_norm(cfg),
             blocks=(cfg.blocks, cfg.blocks),
             seed=cfg.seed,
-            permutation=cfg.permutation,
+            permutation=_permutation(cfg),
             overwrite=True,
             fingerprint=fingerprint,
             memory_limit=None if cfg.memory_limit is None else parse_bytes(cfg.memory_limit),
@@ -291,6 +347,11 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
     folder, num_edges = _prepare(cfg, world, progress)
     source = DiskSource(folder, verify=cfg.verify)
     meta = source.meta
+    if is_user_model(cfg.model):
+        prepared = _Prepared(source, num_edges, [meta["feat_dim"], meta["num_classes"]])
+        if cfg.grid:
+            return GridPlan(parse_grid_spec(cfg.grid), "given", prepared)
+        return GridPlan(choose_share_grid(world.world_size), "chosen by the planner", prepared)
     try:  # a given folder cut for another model (a folder the run owns was rebuilt)
         check_norm(cfg.model, source)
     except UserError as err:
@@ -334,6 +395,8 @@ class FullGraphTask(BaseTask):
         folder was made from it (a folder the run owns is rebuilt by rank 0 instead)."""
         graph = load_dataset(cfg, warn_directed=True)
         graph.check_trainable()
+        if is_user_model(cfg.model):  # the factory runs and its modules are checked here
+            build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, user_options(cfg))
         if cfg.shards and Path(cfg.shards).exists():
             _check_given_shards(cfg, graph.fingerprint())
 
@@ -357,6 +420,13 @@ class FullGraphTask(BaseTask):
         """The parallel model on this rank's blocks, its input features and Adam."""
         dtype = master_dtype(cfg)
         torch.manual_seed(cfg.seed)
+        if is_user_model(cfg.model):
+            plain = build_user_model(cfg.model, dims[0], dims[-1], user_options(cfg)).to(dtype)
+            self.model = parallelize_pyg(plain, self.grid, self.source)
+            self.model.activation_checkpointing = cfg.activation_checkpointing
+            self.features = self.model.input_features()
+            self.metric = metric_for(self.model.node_data("label"))
+            return
         model = FullGraphGNN(
             dims[0], cfg.hidden, dims[-1], cfg.layers, cfg.dropout, kind=cfg.model,
             heads=cfg.heads, out_heads=cfg.out_heads, attn_dropout=cfg.attn_dropout,
@@ -395,6 +465,8 @@ class FullGraphTask(BaseTask):
         return f"{self.cfg.model} on {self.cfg.dataset}: {sizes}"
 
     def _param_groups(self, cfg: FullGraphConfig) -> list[dict[str, Any]]:
+        if is_user_model(cfg.model):  # a user's model: the weight decay on every parameter
+            return [{"params": list(self.model.parameters()), "weight_decay": cfg.weight_decay}]
         groups = []
         for i in range(self.model.num_layers):
             params = [p for name, p in self.model.named_parameters() if _layer_of(name) == i]

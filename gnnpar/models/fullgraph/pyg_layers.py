@@ -1,0 +1,287 @@
+"""The parallel forward of each supported PyG layer on a :class:`~.share.GraphShare`.
+
+Each function has the signature of the PyG module's own ``forward`` (``edge_index`` is the
+share) and the same arithmetic, in the same order, on this rank's node rows; the module's
+parameters are used as they are (replicated: their gradients are summed over the grid by
+:func:`gnnpar.models.fullgraph.pyg.parallelize_pyg`). :data:`FORWARDS` maps each class to
+its function, :data:`OPERATORS_OF` to the adjacency values it reads, and :func:`refusal`
+says why a module's options cannot run (None when they can).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg
+from torch import nn
+
+from gnnpar.errors import UserError
+from gnnpar.models.fullgraph.share import GraphShare
+from gnnpar.recompute import in_backward, recompute
+
+
+def _share_of(edge_index: Any, module: nn.Module) -> GraphShare:
+    if not isinstance(edge_index, GraphShare):
+        raise UserError(
+            f"{type(module).__name__} is parallelized: call the model with the graph share "
+            "(ParallelPyG.forward does), not an edge_index tensor"
+        )
+    return edge_index
+
+
+def _no_weights(edge_weight: Any, module: nn.Module) -> None:
+    if edge_weight is not None:
+        raise UserError(
+            f"{type(module).__name__}: a parallelized model takes its edge weights from the "
+            "graph; call the convolution without edge_weight"
+        )
+
+
+def _checkpointed(body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``body(module, share, *tensors)`` recomputed in backward when the share says so."""
+
+    def run(module: nn.Module, share: GraphShare, *tensors: torch.Tensor) -> torch.Tensor:
+        fn = lambda *t: body(module, share, *t)  # noqa: E731
+        return recompute(fn, *tensors, enabled=share.checkpointing)
+
+    return run
+
+
+# ---------------------------------------------------------------------- convolutions
+@_checkpointed
+def _gcn(m: pyg.GCNConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+    out = g.propagate("gcn", m.lin(x), "Â·XW (GCNConv)")
+    return out if m.bias is None else out + m.bias
+
+
+def gcn_conv(m, x, edge_index, edge_weight=None):  # noqa: D103
+    _no_weights(edge_weight, m)
+    return _gcn(m, _share_of(edge_index, m), x)
+
+
+@_checkpointed
+def _sage(m: pyg.SAGEConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+    src = F.relu(m.lin(x)) if m.project and hasattr(m, "lin") else x
+    if str(m.aggr) == "max":
+        agg = g.neighbour_max(src)
+    else:
+        agg = g.propagate("mean", src, "mean(H) (SAGEConv)")
+    out = m.lin_l(agg)
+    if m.root_weight:
+        out = out + m.lin_r(x)
+    return F.normalize(out, p=2.0, dim=-1) if m.normalize else out
+
+
+def sage_conv(m, x, edge_index, size=None):  # noqa: D103
+    return _sage(m, _share_of(edge_index, m), x)
+
+
+def _attend(m, g: GraphShare, src: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """softmax → attention dropout → Σ att·src over each row's edges, summed over x:
+    this rank's rows (heads × channels), heads concatenated or averaged."""
+    rows, cols = g.edges("attention")
+    heads, channels = m.heads, m.out_channels
+    att = g.softmax(logits, rows)
+    att = F.dropout(att, p=m.dropout, training=m.training)
+    msg = src[cols] * att[..., None]
+    part = src.new_zeros(g.num_block_rows, heads, channels).index_add(0, rows, msg)
+    out = g.scatter_rows(part.reshape(part.shape[0], -1), "OUT = att·Z").view(-1, heads, channels)
+    return out.reshape(out.shape[0], -1) if m.concat else out.mean(dim=1)
+
+
+@_checkpointed
+def _gat(m: pyg.GATConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+    heads, channels = m.heads, m.out_channels
+    res = m.res(x) if getattr(m, "res", None) is not None else None
+    lin = m.lin if getattr(m, "lin", None) is not None else m.lin_src
+    z = lin(x).view(-1, heads, channels)
+    a_src = (z * m.att_src).sum(-1)
+    a_dst = (z * m.att_dst).sum(-1)
+    both = g.gather_cols(torch.cat([z.reshape(z.shape[0], -1), a_src], 1), "gather Z, α_src")
+    z_cols = both[:, : heads * channels].view(-1, heads, channels)
+    a_src_cols = both[:, heads * channels :]
+    a_dst_rows = g.gather_rows(a_dst, "gather α_dst")
+    rows, cols = g.edges("attention")
+    logits = F.leaky_relu(a_src_cols[cols] + a_dst_rows[rows], m.negative_slope)
+    out = _attend(m, g, z_cols, logits)
+    if res is not None:
+        out = out + res
+    return out if m.bias is None else out + m.bias
+
+
+def gat_conv(m, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):  # noqa: D103
+    _no_weights(edge_attr, m)
+    return _gat(m, _share_of(edge_index, m), x)
+
+
+@_checkpointed
+def _gatv2(m: pyg.GATv2Conv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+    heads, channels = m.heads, m.out_channels
+    res = m.res(x) if getattr(m, "res", None) is not None else None
+    x_l = m.lin_l(x).view(-1, heads, channels)
+    x_r = x_l if m.share_weights else m.lin_r(x).view(-1, heads, channels)
+    l_cols = g.gather_cols(x_l.reshape(x_l.shape[0], -1), "gather X_l").view(-1, heads, channels)
+    r_rows = g.gather_rows(x_r.reshape(x_r.shape[0], -1), "gather X_r")
+    r_rows = r_rows.view(-1, heads, channels)
+    rows, cols = g.edges("attention")
+    # GATv2: the nonlinearity before the dot product with the attention vector
+    z = F.leaky_relu(r_rows[rows] + l_cols[cols], m.negative_slope)
+    out = _attend(m, g, l_cols, (z * m.att).sum(-1))
+    if res is not None:
+        out = out + res
+    return out if m.bias is None else out + m.bias
+
+
+def gatv2_conv(m, x, edge_index, edge_attr=None, return_attention_weights=None):  # noqa: D103
+    _no_weights(edge_attr, m)
+    return _gatv2(m, _share_of(edge_index, m), x)
+
+
+@_checkpointed
+def _gin(m: pyg.GINConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+    out = g.propagate("sum", x, "Σ neighbours (GINConv)") + (1 + m.eps) * x
+    return m.nn(out)
+
+
+def gin_conv(m, x, edge_index, size=None):  # noqa: D103
+    return _gin(m, _share_of(edge_index, m), x)
+
+
+@_checkpointed
+def _sgc(m: pyg.SGConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+    for k in range(m.K):
+        x = g.propagate("gcn", x, f"Â·H step {k} (SGConv)")
+    return m.lin(x)
+
+
+def sg_conv(m, x, edge_index, edge_weight=None):  # noqa: D103
+    _no_weights(edge_weight, m)
+    return _sgc(m, _share_of(edge_index, m), x)
+
+
+@_checkpointed
+def _appnp(m: pyg.APPNP, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+    h = x
+    for k in range(m.K):
+        x = g.propagate("gcn", x, f"Â·H step {k} (APPNP)")
+        x = x * (1 - m.alpha)
+        x = x + m.alpha * h
+    return x
+
+
+def appnp(m, x, edge_index, edge_weight=None):  # noqa: D103
+    _no_weights(edge_weight, m)
+    return _appnp(m, _share_of(edge_index, m), x)
+
+
+@_checkpointed
+def _gcn2(m: pyg.GCN2Conv, g: GraphShare, x: torch.Tensor, x_0: torch.Tensor) -> torch.Tensor:
+    x = g.propagate("gcn", x, "Â·H (GCN2Conv)") * (1 - m.alpha)
+    x_0 = m.alpha * x_0[: x.shape[0]]
+    if m.weight2 is None:
+        out = x + x_0
+        return torch.addmm(out, out, m.weight1, beta=1.0 - m.beta, alpha=m.beta)
+    out = torch.addmm(x, x, m.weight1, beta=1.0 - m.beta, alpha=m.beta)
+    return out + torch.addmm(x_0, x_0, m.weight2, beta=1.0 - m.beta, alpha=m.beta)
+
+
+def gcn2_conv(m, x, x_0, edge_index, edge_weight=None):  # noqa: D103
+    _no_weights(edge_weight, m)
+    return _gcn2(m, _share_of(edge_index, m), x, x_0)
+
+
+# ----------------------------------------------------------------------------- norms
+def batch_norm(m: nn.BatchNorm1d, x: torch.Tensor) -> torch.Tensor:
+    """``BatchNorm1d`` over every node of the graph: the mean and the biased variance of
+    each feature summed over the grid (two passes), the running statistics updated as
+    torch does (unbiased variance, ``momentum`` or the cumulative average), and not again
+    when activation checkpointing runs the layer a second time in backward."""
+    share: GraphShare = m._gnnpar_share
+    batch_stats = m.training or not m.track_running_stats
+    if not batch_stats:
+        return F.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
+    n = share.num_nodes
+    mean = share.node_sum(x.sum(0), "BatchNorm mean") / n
+    centred = x - mean
+    var = share.node_sum((centred * centred).sum(0), "BatchNorm variance") / n
+    if m.training and m.track_running_stats and not in_backward():
+        with torch.no_grad():
+            m.num_batches_tracked.add_(1)
+            factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else float(m.momentum)
+            unbiased = var.detach() * (n / max(n - 1, 1))
+            m.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
+            m.running_var.mul_(1 - factor).add_(unbiased * factor)
+    out = centred * torch.rsqrt(var + m.eps)
+    if m.weight is not None:
+        out = out * m.weight + m.bias
+    return out
+
+
+def graph_layer_norm(
+    m: pyg.LayerNorm, x: torch.Tensor, batch=None, batch_size=None
+) -> torch.Tensor:
+    """PyG's ``LayerNorm(mode="graph")`` of the one graph: every entry shifted by the mean of
+    all N × D entries and divided by their (biased) standard deviation plus ε."""
+    if batch is not None:
+        raise UserError("LayerNorm(mode='graph'): a parallelized model has one graph, no batch")
+    share: GraphShare = m._gnnpar_share
+    count = share.num_nodes * x.shape[1]
+    x = x - share.node_sum(x.sum().reshape(1), "LayerNorm mean") / count
+    var = share.node_sum((x * x).sum().reshape(1), "LayerNorm variance") / count
+    out = x / (var.sqrt() + m.eps)
+    if m.weight is not None and m.bias is not None:
+        out = out * m.weight + m.bias
+    return out
+
+
+#: The parallel forward of each supported class that talks to the grid.
+FORWARDS: dict[type, Callable[..., torch.Tensor]] = {
+    pyg.GCNConv: gcn_conv,
+    pyg.SAGEConv: sage_conv,
+    pyg.GATConv: gat_conv,
+    pyg.GATv2Conv: gatv2_conv,
+    pyg.GINConv: gin_conv,
+    pyg.SGConv: sg_conv,
+    pyg.APPNP: appnp,
+    pyg.GCN2Conv: gcn2_conv,
+    nn.BatchNorm1d: batch_norm,
+}
+
+
+def operators_of(module: nn.Module) -> list[str]:
+    """The adjacency values (:data:`~.share.OPERATORS`) ``module`` reads."""
+    if isinstance(module, (pyg.GCNConv, pyg.SGConv, pyg.APPNP, pyg.GCN2Conv)):
+        return ["gcn"]
+    if isinstance(module, pyg.SAGEConv):
+        return ["mean"]
+    if isinstance(module, pyg.GINConv):
+        return ["sum"]
+    if isinstance(module, (pyg.GATConv, pyg.GATv2Conv)):
+        return ["attention"]
+    return []
+
+
+def refusal(module: nn.Module) -> str | None:
+    """Why ``module``'s options cannot run parallelized (the option, in words), or None."""
+    cls = type(module).__name__
+    gcn_like = (pyg.GCNConv, pyg.SGConv, pyg.APPNP, pyg.GCN2Conv)
+    if isinstance(module, gcn_like):
+        if getattr(module, "improved", False):
+            return f"{cls}(improved=True) weighs the self loops 2"
+        if not getattr(module, "add_self_loops", True) or not getattr(module, "normalize", True):
+            return f"{cls} without add_self_loops or normalize (the GCN normalisation is built in)"
+    if isinstance(module, pyg.APPNP) and module.dropout > 0:
+        return f"APPNP(dropout={module.dropout}) drops edges of the adjacency"
+    if isinstance(module, pyg.SAGEConv) and str(module.aggr) not in ("mean", "max"):
+        return f"SAGEConv(aggr={module.aggr!r}): mean and max are supported"
+    if isinstance(module, (pyg.GATConv, pyg.GATv2Conv)):
+        if getattr(module, "edge_dim", None) is not None:
+            return f"{cls}(edge_dim=...) reads edge features"
+        if not module.add_self_loops:
+            return f"{cls}(add_self_loops=False)"
+    if isinstance(module, pyg.LayerNorm) and module.mode not in ("graph", "node"):
+        return f"LayerNorm(mode={module.mode!r})"
+    return None

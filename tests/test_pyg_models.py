@@ -1,0 +1,233 @@
+"""Bring your own GNN: plain PyG models (examples/pyg_models.py) parallelized by
+``parallelize_pyg`` against the same PyG model in one process, same weights, float64:
+logits, loss, every parameter gradient and the BatchNorm running statistics, on every grid
+shape of 1, 2, 4 and 8 ranks and on 3 (odd chunks), with the bytes of each pass equal to
+the ops' own schedule and, for the models that only aggregate, to a formula written out
+here. Then the refusals, and ``gnnpar train gcn --model FILE:FACTORY`` through the trainer
+(checkpoint, resume on another grid, consolidate into the user's class with strict=True)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_geometric import nn as gnn
+
+from gnnpar.comm import chunk_sizes, ring_bytes
+from gnnpar.errors import UserError
+from gnnpar.models.fullgraph.layout import chunk
+from gnnpar.models.fullgraph.pyg import check_model, choose_share_grid
+from tests.fullgraph_utils import dense_to_block, small_graph
+
+SBM = "num_nodes=60,num_classes=3,feat_dim=5"
+ZOO = Path(__file__).resolve().parent.parent / "examples" / "pyg_models.py"
+N, FEAT, CLASSES = 23, 7, 3
+
+
+def zoo():
+    """examples/pyg_models.py as a module (it is a user's file, not a package)."""
+    spec = importlib.util.spec_from_file_location("pyg_models", ZOO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases(z) -> dict:
+    """Each supported layer in a small model, and the four composed models of the issue."""
+    return {
+        "gcn": lambda: z.gcn(FEAT, CLASSES, hidden=6, dropout=0.0),
+        "sage-mean": lambda: z.sage(FEAT, CLASSES, hidden=6, dropout=0.0),
+        "sage-max": lambda: z.sage(FEAT, CLASSES, hidden=6, aggr="max", dropout=0.0),
+        "gat": lambda: z.gat(FEAT, CLASSES, hidden=2, heads=3, dropout=0.0),
+        "sgc": lambda: z.sgc(FEAT, CLASSES, K=3),
+        "gatv2-residual-layernorm": lambda: z.gatv2_residual(
+            FEAT, CLASSES, hidden=6, heads=2, layers=2, dropout=0.0
+        ),
+        "appnp-k10": lambda: z.appnp(FEAT, CLASSES, hidden=6, K=10, dropout=0.0),
+        "gcnii-16": lambda: z.gcnii(FEAT, CLASSES, hidden=6, layers=16, dropout=0.0),
+        "gin-jk-cat": lambda: z.gin_jk(FEAT, CLASSES, hidden=6, layers=3, dropout=0.0),
+        "gin-jk-max": lambda: z.gin_jk(FEAT, CLASSES, hidden=5, layers=2, mode="max", dropout=0.0),
+    }
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:
+    """Equal to 1e-12 of the larger of the tensor's own size and ``scale`` (a gradient that
+    is zero but for rounding, such as a bias before a BatchNorm, is held to the model's)."""
+    err = (got - want).abs().max().item()
+    ref = max(want.abs().max().item(), scale)
+    assert err <= 1e-12 * ref, f"{what}: {err:.2e} off (scale {ref:.2e})"
+
+
+def aggregation_bytes(shape: dict, coords: dict, n: int, width: int) -> tuple[float, float]:
+    """Written out: one Â·H of ``width`` features on this rank, forward and backward. The
+    rank at x = a, y·z = c gathers chunk a of the nodes over y·z (its sub-chunks padded to
+    the largest) and reduce-scatters the rows X (sub-chunk c of every x chunk, padded)."""
+    x, yz = shape.get("x", 1), shape.get("y", 1) * shape.get("z", 1)
+    a, c = coords["x"], coords["y"] + shape.get("y", 1) * coords["z"]
+    lo, hi = chunk(n, x, a)
+    sub = max(chunk_sizes(hi - lo, yz))
+    rows = max(chunk_sizes(b_hi - b_lo, yz)[c] for b_lo, b_hi in (chunk(n, x, b) for b in range(x)))
+    gather = (yz - 1) / yz * yz * sub * width * 8 if yz > 1 else 0.0
+    scatter = (x - 1) / x * x * rows * width * 8 if x > 1 else 0.0
+    return gather + scatter, gather + scatter
+
+
+def _grid_check(shape: dict) -> int:
+    import gnnpar
+    from gnnpar import comm
+    from gnnpar.models.fullgraph.pyg import parallelize_pyg
+    from gnnpar.sparse.source import MemorySource, make_permutations
+    from tests.fullgraph_utils import check_schedule
+
+    grid = gnnpar.init(**shape)
+    a, x, y, train = small_graph(n=N, feat=FEAT, classes=CLASSES)
+    raw = dense_to_block(a + torch.eye(N, dtype=a.dtype))
+    p = make_permutations("symmetric", raw.indptr, raw.indices, 3)
+    data = {"label": y, "train_mask": train}
+    source = MemorySource(raw.indptr, raw.indices, raw.values, x, data, p, norm="raw")
+    edge_index = a.nonzero().T
+    checked = 0
+    for name, make in cases(zoo()).items():
+        torch.manual_seed(0)
+        ref = make().double()
+        torch.manual_seed(0)
+        mine = make().double()
+        logits = ref(x, edge_index)
+        loss_ref = F.cross_entropy(logits[train], y[train])
+        loss_ref.backward()
+        par = parallelize_pyg(mine, grid, source)
+        features = par.input_features()
+        with comm.record(grid) as fwd:
+            out = par(features)
+        tag = f"{name} on {grid.describe()}"
+        ids = source.node_ids(0, par.logits_rows)
+        _close(out.detach(), logits.detach()[ids], 0.0, f"logits {tag}")
+        loss = par.loss(out)
+        _close(loss.detach(), loss_ref.detach(), 0.0, f"loss {tag}")
+        with comm.record(grid) as bwd:
+            loss.backward()
+        want = dict(ref.named_parameters())
+        scale = max(p.grad.abs().max().item() for p in want.values() if p.grad is not None)
+        for key, param in mine.named_parameters():
+            _close(param.grad, want[key].grad, 1e-3 * scale, f"{key} gradient {tag}")
+        buffers = dict(ref.named_buffers())
+        for key, buf in mine.named_buffers():  # BatchNorm running statistics after the step
+            _close(buf.double(), buffers[key].double(), 0.0, f"{key} {tag}")
+        check_schedule(fwd, bwd, par.expected_bytes(), tag)
+        if name in ("gcn", "sgc", "appnp-k10"):  # only aggregations (and the gradient sums)
+            convs = {"gcn": [(6, True), (3, True)], "sgc": [(FEAT, False)] * 3,
+                     "appnp-k10": [(CLASSES, True)] * 10}[name]  # fmt: skip
+            want_f = want_b = 0.0
+            for width, grad in convs:
+                f_bytes, b_bytes = aggregation_bytes(shape, grid.coords(), N, width)
+                want_f, want_b = want_f + f_bytes, want_b + (b_bytes if grad else 0.0)
+            p_world = grid.size("tensor")
+            numel = sum(p.numel() for p in mine.parameters())
+            want_b += ring_bytes("all_reduce", numel * 8, p_world) if p_world > 1 else 0.0
+            got_f, got_b = sum(fwd.by_axis().values()), sum(bwd.by_axis().values())
+            assert abs(got_f - want_f) <= fwd.calls() + 1, (tag, got_f, want_f)
+            assert abs(got_b - want_b) <= bwd.calls() + 1, (tag, got_b, want_b)
+        checked += 1
+    # evaluation: BatchNorm reads its running statistics, the rest is unchanged
+    ref.eval(), par.eval()
+    logits = ref(x, edge_index)
+    _close(par(features).detach(), logits.detach()[ids], 0.0, f"eval logits {tag}")
+    gnnpar.release(grid)
+    return checked
+
+
+def _world(world: int) -> int:
+    from gnnpar.testing import grid_shapes
+
+    return sum(_grid_check(shape) for shape in grid_shapes(world))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_pyg_models_equal_pyg_on_every_grid(world):
+    """Every x·y·z shape of the world (3: one per axis): the ten models equal PyG."""
+    from gnnpar.testing import grid_shapes, run_distributed
+
+    counts = run_distributed(_world, world, world, timeout=900)
+    assert counts == [len(cases(zoo())) * len(grid_shapes(world))] * world
+
+
+# ------------------------------------------------------------------------------ refusals
+class _Unsupported(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleList([gnn.GCNConv(4, 4), gnn.ChebConv(4, 4, K=2)])
+
+    def forward(self, x, edge_index):
+        return self.body[1](self.body[0](x, edge_index), edge_index)
+
+
+def test_an_unsupported_layer_is_one_error_naming_class_place_and_the_list():
+    with pytest.raises(
+        UserError, match=r"ChebConv at 'body\.1' is a message-passing layer.*GCNConv"
+    ):
+        check_model(_Unsupported())
+    with pytest.raises(UserError, match=r"GCNConv\(improved=True\).*at 'conv1'"):
+        check_model(zoo().TwoLayer(lambda i, o: gnn.GCNConv(i, o, improved=True), 4, 4, 2))
+    with pytest.raises(UserError, match=r"APPNP\(dropout=0.5\) drops edges.*at 'prop'"):
+        m = zoo().appnp(4, 2)
+        m.prop.dropout = 0.5
+        check_model(m)
+    with pytest.raises(UserError, match=r"GRU at 'rnn' is not supported.*supported: GCNConv"):
+        m = zoo().gcn(4, 2)
+        m.rnn = nn.GRU(4, 4)
+        check_model(m)
+
+
+def test_the_planner_splits_the_grid_to_move_the_fewest_bytes():
+    assert choose_share_grid(1) == {"x": 1, "y": 1, "z": 1}
+    assert choose_share_grid(2) == {"x": 1, "y": 2, "z": 1}
+    assert choose_share_grid(8) == {"x": 2, "y": 4, "z": 1}
+
+
+# ------------------------------------------------------------------- through the trainer
+def _train(tmp_path: Path, out: str, *extra: str) -> None:
+    from gnnpar.cli import main
+
+    argv = ["train", "gcn", "--dataset", "sbm", "--dataset-options", SBM,
+            "--model", f"{ZOO}:gin_jk", "--model-options", "hidden=6,layers=2,dropout=0.0",
+            "--eval-every", "2",
+            "--out", str(tmp_path / out), "--quiet", "--dtype", "float64", *extra]  # fmt: skip
+    assert main(argv) == 0
+
+
+def test_a_user_model_trains_resumes_on_another_grid_and_goes_back_home(tmp_path, capsys):
+    """2 ranks on x=2 for 4 epochs, resumed on y=2 to 6; the same 6 epochs straight on one
+    rank give the same parameters to rounding; the consolidated checkpoint loads into the
+    user's class with strict=True and predicts what the trainer predicted."""
+    from gnnpar.checkpoint import consolidate
+
+    _train(tmp_path, "a", "--epochs", "4", "--nprocs", "2", "--grid", "x=2")
+    _train(tmp_path, "a", "--epochs", "6", "--nprocs", "2", "--grid", "y=2", "--resume")
+    _train(tmp_path, "b", "--epochs", "6")
+    got = consolidate(tmp_path / "a")
+    want = consolidate(tmp_path / "b")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        _close(got[key].double(), want[key].double(), 0.0, key)
+    model = zoo().gin_jk(5, 3, hidden=6, layers=2, dropout=0.0).double()
+    model.load_state_dict(got, strict=True)
+    model.eval()
+    from gnnpar.cli import main
+    from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.train.loop import load_dataset
+
+    pred_dir = tmp_path / "pred"
+    argv = ["predict", str(tmp_path / "a"), "--checkpoint", "latest", "--out", str(pred_dir)]
+    assert main(argv) == 0
+    predicted = torch.from_numpy(np.load(pred_dir / "predictions.npy"))
+    graph = load_dataset(FullGraphConfig(dataset="sbm", dataset_options=SBM))
+    dst = torch.repeat_interleave(torch.arange(graph.num_nodes), graph.indptr.diff())
+    edge_index = torch.stack([graph.indices, dst])
+    with torch.no_grad():
+        plain = model(graph.feat.double(), edge_index).argmax(1)
+    assert torch.equal(predicted.long(), plain)
