@@ -21,7 +21,8 @@ from torch_geometric import nn as gnn
 from gnnpar.comm import chunk_sizes, ring_bytes
 from gnnpar.errors import UserError
 from gnnpar.models.fullgraph.layout import chunk
-from gnnpar.models.fullgraph.pyg import check_model, choose_share_grid
+from gnnpar.models.fullgraph.pyg import choose_share_grid
+from gnnpar.models.pyg.model import check_model
 from tests.fullgraph_utils import dense_to_block, small_graph
 
 SBM = "num_nodes=60,num_classes=3,feat_dim=5"

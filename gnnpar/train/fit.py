@@ -77,6 +77,40 @@ def _final_metrics(out: str | Path) -> dict[str, float]:
     return {k: v for k, v in ends[-1].items() if k not in ("event", "time", "skipped_steps")}
 
 
+def _findable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def factory_name(factory: Any) -> str:
+    """``module:name`` (or ``file.py:name`` for a script's own function) of a model factory
+    given to :func:`fit` as ``model=``: what every rank imports it by."""
+    import sys
+
+    name = getattr(factory, "__qualname__", "")
+    module = getattr(factory, "__module__", None)
+    if not name or "<" in name or module is None:
+        raise ConfigError(
+            "config key 'model': a factory function must be defined at the top level of a "
+            "module or script (ranks import it by name)"
+        )
+    loaded = sys.modules.get(module)
+    file = getattr(loaded, "__file__", None)
+    importable = module != "__main__" and _findable(module)
+    if not importable:
+        if file is None:
+            raise ConfigError(
+                "config key 'model': a factory defined interactively cannot be imported by "
+                "the ranks; put it in a file and give file.py:factory"
+            )
+        return f"{Path(file).resolve()}:{name}"
+    return f"{module}:{name}"
+
+
 def fit(
     task: str, graph: Any = None, *, nprocs: int = 1, max_restarts: int = 0, **options: Any
 ) -> dict[str, float]:
@@ -92,7 +126,10 @@ def fit(
             with the launcher of ``gnnpar train`` (not under torchrun: there, run the
             script on every rank with ``nprocs=1`` and ``dataset=`` a graph folder).
         max_restarts: with ``nprocs > 1``: restart all ranks this often after a failure.
-        **options: config keys of the task (``epochs=3``, ``out="runs/x"``, ...).
+        **options: config keys of the task (``epochs=3``, ``out="runs/x"``, ...);
+            ``model=`` also takes your own PyG model's factory function (``gcn``:
+            :func:`gnnpar.models.fullgraph.pyg.parallelize_pyg`), with its keyword
+            arguments as ``model_options="k=v,k=v"``.
 
     Raises:
         ConfigError: one line naming the key, as ``gnnpar train`` says it, for an unknown
@@ -113,6 +150,8 @@ def fit(
     launching = nprocs > 1 and not under_launcher()
     # a path is a str in the config (what a flag or a TOML file gives)
     values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
+    if callable(values.get("model")):
+        values["model"] = factory_name(values["model"])
     if graph is not None:
         if "dataset" not in {f.name for f in dataclasses.fields(spec.config)}:
             raise ConfigError(f"task {task!r} trains on no graph: call it without graph=")

@@ -16,24 +16,18 @@ where it takes ``x`` and the graph share (:class:`~.share.GraphShare`) where it 
 ``edge_index``; anything it does row by row between convolutions (residuals, ``torch.cat``,
 ``JumpingKnowledge``, activations, dropout, ``log_softmax``) is correct as written.
 
-What it supports is :data:`SUPPORTED` (and any module of the user's own whose children are
-supported); anything else is refused before a rank launches by :func:`check_model`, naming
-the class, where it sits and the list. Dropout masks are drawn by each rank from torch's
-generator, so a parallel run's masks are not a serial run's (evaluation and dropout-free
-training equal serial to rounding).
+What it supports is :data:`~gnnpar.models.pyg.model.SUPPORTED` (and any module of the
+user's own whose children are supported); anything else is refused before a rank launches by
+:func:`~gnnpar.models.pyg.model.check_model`, naming the class, where it sits and the list.
+Dropout masks are drawn by each rank from torch's generator, so a parallel run's masks are
+not a serial run's (evaluation and dropout-free training equal serial to rounding).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
-import torch_geometric.nn as pyg
 from torch import nn
 
 from gnnpar import comm
@@ -41,70 +35,10 @@ from gnnpar.comm import ring_bytes
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.parallelize import ShardedGNN
-from gnnpar.models.fullgraph.pyg_layers import FORWARDS, graph_layer_norm, operators_of, refusal
 from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.models.fullgraph.share import NODE_AXIS, GraphShare
+from gnnpar.models.pyg.model import check_model, install_forwards
 from gnnpar.sparse.source import ShardSource
-
-#: Modules that run as they are on a rank's node rows (no communication).
-ROW_WISE: tuple[type, ...] = (
-    nn.Linear, pyg.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.Sequential,
-    nn.ModuleList, nn.ModuleDict, pyg.BatchNorm, pyg.JumpingKnowledge, pyg.MLP,
-    nn.ReLU, nn.ELU, nn.GELU, nn.LeakyReLU, nn.PReLU, nn.SiLU, nn.Tanh, nn.Sigmoid,
-    nn.Softplus, nn.LogSoftmax, nn.Softmax,
-)  # fmt: skip
-
-#: What :func:`parallelize_pyg` takes, by name (for the refusal of anything else).
-SUPPORTED = (
-    "GCNConv", "SAGEConv (mean, max)", "GATConv", "GATv2Conv", "GINConv", "SGConv", "APPNP",
-    "GCN2Conv", "Linear", "BatchNorm / BatchNorm1d", "LayerNorm (graph, node)", "MLP",
-    "JumpingKnowledge (cat, max, lstm)", "Dropout", "activations", "Sequential / ModuleList",
-)  # fmt: skip
-
-
-def _own_class(module: nn.Module) -> bool:
-    """A class of the user's (not torch's nor PyG's): a container whose forward is theirs."""
-    root = type(module).__module__.split(".")[0]
-    return root not in ("torch", "torch_geometric")
-
-
-def _allowed_inside(parent: nn.Module | None, module: nn.Module) -> bool:
-    """The LSTM and attention of ``JumpingKnowledge(mode="lstm")`` work per node."""
-    return isinstance(parent, pyg.JumpingKnowledge) and isinstance(module, (nn.LSTM, nn.Linear))
-
-
-def check_model(model: nn.Module) -> None:
-    """Every module of ``model`` is supported (:data:`SUPPORTED`, or a class of the user's
-    own), with options that can run: otherwise one UserError naming the class, where it
-    sits in the model and what is supported."""
-    if not isinstance(model, nn.Module):
-        raise UserError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_tree(model, "", None)
-
-
-def _check_tree(module: nn.Module, path: str, parent: nn.Module | None) -> None:
-    where = f"'{path}'" if path else "the model itself"
-    if isinstance(module, pyg.MessagePassing) and type(module) not in FORWARDS:
-        raise UserError(
-            f"{type(module).__name__} at {where} is a message-passing layer gnnpar has no "
-            f"parallel form of; supported: {', '.join(SUPPORTED)}"
-        )
-    known = isinstance(module, (*FORWARDS, *ROW_WISE, pyg.LayerNorm))
-    if not known and not _own_class(module) and not _allowed_inside(parent, module):
-        raise UserError(
-            f"{type(module).__name__} at {where} is not supported by parallelize_pyg; "
-            f"supported: {', '.join(SUPPORTED)}"
-        )
-    why = refusal(module)
-    if why is not None:
-        raise UserError(f"{why}: not supported by parallelize_pyg (at {where})")
-    if isinstance(module, pyg.MessagePassing):
-        # a convolution's own parts run inside its parallel forward; GINConv's MLP is the user's
-        children = [("nn", module.nn)] if isinstance(module, pyg.GINConv) else []
-    else:
-        children = list(module.named_children())
-    for name, child in children:
-        _check_tree(child, f"{path}.{name}" if path else name, module)
 
 
 def _sum_gradient(grid: ProcessGrid) -> Callable[[torch.Tensor], None]:
@@ -229,17 +163,7 @@ def parallelize_pyg(
     module first (:func:`check_model`). Every rank must build the same model (same seed)."""
     check_model(model)
     par = ParallelPyG(model, grid, source, compute_dtype)
-    kinds: list[str] = []
-    for module in model.modules():
-        forward = FORWARDS.get(type(module))
-        if isinstance(module, pyg.LayerNorm) and module.mode == "graph":
-            forward = graph_layer_norm
-        if forward is None:
-            continue
-        kinds += [k for k in operators_of(module) if k not in kinds]
-        module._gnnpar_share = par.share
-        module.forward = forward.__get__(module)
-    par.share.prepare(kinds)
+    par.share.prepare(install_forwards(model, par.share))
     if grid.size(NODE_AXIS) > 1:
         hook = _sum_gradient(grid)
         for p in model.parameters():
@@ -271,42 +195,3 @@ def choose_share_grid(world: int, num_nodes: int = 1 << 20) -> dict[str, int]:
     return {"x": x, "y": world // x, "z": 1}
 
 
-# --------------------------------------------------------------------------- factories
-def load_factory(target: str) -> Callable[..., nn.Module]:
-    """The function ``module:factory`` names (``module`` importable, or a ``.py`` file),
-    one UserError otherwise."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"model {target!r}: give module:factory (e.g. mymodels:appnp)")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise UserError(f"model {target!r}: no file {path}")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))
-            module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(f"model {target!r}: cannot import {module_name} ({err})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UserError(f"model {target!r}: {module_name} has no function {attr!r}")
-    return factory
-
-
-def build_user_model(
-    target: str, in_channels: int, out_channels: int, options: dict[str, Any]
-) -> nn.Module:
-    """``factory(in_channels=..., out_channels=..., **options)`` of ``target``, checked
-    (:func:`check_model`); one UserError naming the target if the call fails."""
-    factory = load_factory(target)
-    try:
-        model = factory(in_channels=in_channels, out_channels=out_channels, **options)
-    except TypeError as err:
-        raise UserError(f"model {target!r}: {err}") from None
-    check_model(model)
-    return model

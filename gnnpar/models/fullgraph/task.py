@@ -35,7 +35,7 @@ from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
 from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
-from gnnpar.models.fullgraph.pyg import build_user_model, choose_share_grid, parallelize_pyg
+from gnnpar.models.fullgraph.pyg import choose_share_grid, parallelize_pyg
 from gnnpar.models.fullgraph.shards import (
     DiskSource,
     OldShardFolderError,
@@ -44,6 +44,7 @@ from gnnpar.models.fullgraph.shards import (
     read_shard_manifest,
     shard_provenance,
 )
+from gnnpar.models.pyg.model import build_user_model
 from gnnpar.plan import local_machine
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train import schedule

@@ -1,17 +1,19 @@
-"""The parallel forward of each supported PyG layer on a :class:`~.share.GraphShare`.
+"""The parallel forward of each supported PyG layer on a graph *share*.
 
-Each function has the signature of the PyG module's own ``forward`` (``edge_index`` is the
-share) and the same arithmetic, in the same order, on this rank's node rows; the module's
-parameters are used as they are (replicated: their gradients are summed over the grid by
-:func:`gnnpar.models.fullgraph.pyg.parallelize_pyg`). :data:`FORWARDS` maps each class to
-its function, :data:`OPERATORS_OF` to the adjacency values it reads, and :func:`refusal`
-says why a module's options cannot run (None when they can).
+Each function has the signature of the PyG module's own ``forward``, ``edge_index`` being
+the share (a plain ``edge_index`` runs the module's own forward), and the same arithmetic, in
+the same order, on this rank's node rows; the module's parameters are used as they are. A
+share is what one rank holds of the graph and how its rows meet the others' (:class:`Share`):
+the full-graph grid's :class:`~gnnpar.models.fullgraph.share.GraphShare`, or a partition's
+for layer-wise inference (:mod:`gnnpar.models.minibatch.pyg`). :data:`FORWARDS` maps each
+class to its function, :func:`operators_of` to the adjacency values it reads, and
+:func:`refusal` says why a module's options cannot run (None when they can).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +21,57 @@ import torch_geometric.nn as pyg
 from torch import nn
 
 from gnnpar.errors import UserError
-from gnnpar.models.fullgraph.share import GraphShare
 from gnnpar.recompute import in_backward, recompute
 
 
-def _share_of(edge_index: Any, module: nn.Module) -> GraphShare:
-    if not isinstance(edge_index, GraphShare):
-        raise UserError(
-            f"{type(module).__name__} is parallelized: call the model with the graph share "
-            "(ParallelPyG.forward does), not an edge_index tensor"
-        )
-    return edge_index
+class Share(Protocol):
+    """What the parallel forwards ask of a share: this rank's rows ``R``, the block's rows
+    ``X`` and columns ``C`` (its ``Â`` is X × C), and the collectives between them."""
+
+    num_nodes: int
+    num_block_rows: int
+    checkpointing: bool
+
+    def propagate(self, kind: str, h: torch.Tensor, what: str = "") -> torch.Tensor:
+        """``Â·h`` (R rows in, R rows out) with the values of ``kind``."""
+
+    def gather_cols(self, h: torch.Tensor, what: str = "") -> torch.Tensor:
+        """R rows → the block's columns C."""
+
+    def gather_rows(self, v: torch.Tensor, what: str = "") -> torch.Tensor:
+        """R rows → the block's rows X."""
+
+    def scatter_rows(self, p: torch.Tensor, what: str = "") -> torch.Tensor:
+        """Partial sums over X → R rows."""
+
+    def edges(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row in X, column in C) of each edge of ``kind``."""
+
+    def softmax(self, e: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """PyG's softmax over each row's edges."""
+
+    def neighbour_max(self, h: torch.Tensor) -> torch.Tensor:
+        """Max over each row's neighbours (R rows in, R rows out)."""
+
+    def node_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """A sum over every node of the graph."""
+
+
+def _is_share(edge_index: Any) -> bool:
+    return hasattr(edge_index, "propagate") and not isinstance(edge_index, torch.Tensor)
+
+
+def _dispatch(parallel: Callable[..., torch.Tensor], where: int = 1):
+    """``parallel`` when argument ``where`` (``edge_index``) is a share, else the class's
+    own forward (a module keeps working on a plain ``edge_index``)."""
+
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) > where and _is_share(args[where]):
+            return parallel(module, *args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
+
+    forward.__doc__ = parallel.__doc__
+    return forward
 
 
 def _no_weights(edge_weight: Any, module: nn.Module) -> None:
@@ -43,7 +85,7 @@ def _no_weights(edge_weight: Any, module: nn.Module) -> None:
 def _checkpointed(body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``body(module, share, *tensors)`` recomputed in backward when the share says so."""
 
-    def run(module: nn.Module, share: GraphShare, *tensors: torch.Tensor) -> torch.Tensor:
+    def run(module: nn.Module, share: Share, *tensors: torch.Tensor) -> torch.Tensor:
         fn = lambda *t: body(module, share, *t)  # noqa: E731
         return recompute(fn, *tensors, enabled=share.checkpointing)
 
@@ -52,18 +94,18 @@ def _checkpointed(body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
 
 # ---------------------------------------------------------------------- convolutions
 @_checkpointed
-def _gcn(m: pyg.GCNConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+def _gcn(m: pyg.GCNConv, g: Share, x: torch.Tensor) -> torch.Tensor:
     out = g.propagate("gcn", m.lin(x), "Â·XW (GCNConv)")
     return out if m.bias is None else out + m.bias
 
 
 def gcn_conv(m, x, edge_index, edge_weight=None):  # noqa: D103
     _no_weights(edge_weight, m)
-    return _gcn(m, _share_of(edge_index, m), x)
+    return _gcn(m, edge_index, x)
 
 
 @_checkpointed
-def _sage(m: pyg.SAGEConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+def _sage(m: pyg.SAGEConv, g: Share, x: torch.Tensor) -> torch.Tensor:
     src = F.relu(m.lin(x)) if m.project and hasattr(m, "lin") else x
     if str(m.aggr) == "max":
         agg = g.neighbour_max(src)
@@ -76,10 +118,10 @@ def _sage(m: pyg.SAGEConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
 
 
 def sage_conv(m, x, edge_index, size=None):  # noqa: D103
-    return _sage(m, _share_of(edge_index, m), x)
+    return _sage(m, edge_index, x)
 
 
-def _attend(m, g: GraphShare, src: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def _attend(m, g: Share, src: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """softmax → attention dropout → Σ att·src over each row's edges, summed over x:
     this rank's rows (heads × channels), heads concatenated or averaged."""
     rows, cols = g.edges("attention")
@@ -93,7 +135,7 @@ def _attend(m, g: GraphShare, src: torch.Tensor, logits: torch.Tensor) -> torch.
 
 
 @_checkpointed
-def _gat(m: pyg.GATConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+def _gat(m: pyg.GATConv, g: Share, x: torch.Tensor) -> torch.Tensor:
     heads, channels = m.heads, m.out_channels
     res = m.res(x) if getattr(m, "res", None) is not None else None
     lin = m.lin if getattr(m, "lin", None) is not None else m.lin_src
@@ -114,11 +156,11 @@ def _gat(m: pyg.GATConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
 
 def gat_conv(m, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):  # noqa: D103
     _no_weights(edge_attr, m)
-    return _gat(m, _share_of(edge_index, m), x)
+    return _gat(m, edge_index, x)
 
 
 @_checkpointed
-def _gatv2(m: pyg.GATv2Conv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+def _gatv2(m: pyg.GATv2Conv, g: Share, x: torch.Tensor) -> torch.Tensor:
     heads, channels = m.heads, m.out_channels
     res = m.res(x) if getattr(m, "res", None) is not None else None
     x_l = m.lin_l(x).view(-1, heads, channels)
@@ -137,21 +179,21 @@ def _gatv2(m: pyg.GATv2Conv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
 
 def gatv2_conv(m, x, edge_index, edge_attr=None, return_attention_weights=None):  # noqa: D103
     _no_weights(edge_attr, m)
-    return _gatv2(m, _share_of(edge_index, m), x)
+    return _gatv2(m, edge_index, x)
 
 
 @_checkpointed
-def _gin(m: pyg.GINConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+def _gin(m: pyg.GINConv, g: Share, x: torch.Tensor) -> torch.Tensor:
     out = g.propagate("sum", x, "Σ neighbours (GINConv)") + (1 + m.eps) * x
     return m.nn(out)
 
 
 def gin_conv(m, x, edge_index, size=None):  # noqa: D103
-    return _gin(m, _share_of(edge_index, m), x)
+    return _gin(m, edge_index, x)
 
 
 @_checkpointed
-def _sgc(m: pyg.SGConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+def _sgc(m: pyg.SGConv, g: Share, x: torch.Tensor) -> torch.Tensor:
     for k in range(m.K):
         x = g.propagate("gcn", x, f"Â·H step {k} (SGConv)")
     return m.lin(x)
@@ -159,11 +201,11 @@ def _sgc(m: pyg.SGConv, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
 
 def sg_conv(m, x, edge_index, edge_weight=None):  # noqa: D103
     _no_weights(edge_weight, m)
-    return _sgc(m, _share_of(edge_index, m), x)
+    return _sgc(m, edge_index, x)
 
 
 @_checkpointed
-def _appnp(m: pyg.APPNP, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
+def _appnp(m: pyg.APPNP, g: Share, x: torch.Tensor) -> torch.Tensor:
     h = x
     for k in range(m.K):
         x = g.propagate("gcn", x, f"Â·H step {k} (APPNP)")
@@ -174,11 +216,11 @@ def _appnp(m: pyg.APPNP, g: GraphShare, x: torch.Tensor) -> torch.Tensor:
 
 def appnp(m, x, edge_index, edge_weight=None):  # noqa: D103
     _no_weights(edge_weight, m)
-    return _appnp(m, _share_of(edge_index, m), x)
+    return _appnp(m, edge_index, x)
 
 
 @_checkpointed
-def _gcn2(m: pyg.GCN2Conv, g: GraphShare, x: torch.Tensor, x_0: torch.Tensor) -> torch.Tensor:
+def _gcn2(m: pyg.GCN2Conv, g: Share, x: torch.Tensor, x_0: torch.Tensor) -> torch.Tensor:
     x = g.propagate("gcn", x, "Â·H (GCN2Conv)") * (1 - m.alpha)
     x_0 = m.alpha * x_0[: x.shape[0]]
     if m.weight2 is None:
@@ -190,7 +232,7 @@ def _gcn2(m: pyg.GCN2Conv, g: GraphShare, x: torch.Tensor, x_0: torch.Tensor) ->
 
 def gcn2_conv(m, x, x_0, edge_index, edge_weight=None):  # noqa: D103
     _no_weights(edge_weight, m)
-    return _gcn2(m, _share_of(edge_index, m), x, x_0)
+    return _gcn2(m, edge_index, x, x_0)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -199,7 +241,9 @@ def batch_norm(m: nn.BatchNorm1d, x: torch.Tensor) -> torch.Tensor:
     each feature summed over the grid (two passes), the running statistics updated as
     torch does (unbiased variance, ``momentum`` or the cumulative average), and not again
     when activation checkpointing runs the layer a second time in backward."""
-    share: GraphShare = m._gnnpar_share
+    share: Share | None = getattr(m, "_gnnpar_share", None)
+    if share is None:  # not inside a parallel pass
+        return type(m).forward(m, x)
     batch_stats = m.training or not m.track_running_stats
     if not batch_stats:
         return F.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
@@ -227,7 +271,9 @@ def graph_layer_norm(
     all N × D entries and divided by their (biased) standard deviation plus ε."""
     if batch is not None:
         raise UserError("LayerNorm(mode='graph'): a parallelized model has one graph, no batch")
-    share: GraphShare = m._gnnpar_share
+    share: Share | None = getattr(m, "_gnnpar_share", None)
+    if share is None:
+        return type(m).forward(m, x, batch, batch_size)
     count = share.num_nodes * x.shape[1]
     x = x - share.node_sum(x.sum().reshape(1), "LayerNorm mean") / count
     var = share.node_sum((x * x).sum().reshape(1), "LayerNorm variance") / count
@@ -239,14 +285,14 @@ def graph_layer_norm(
 
 #: The parallel forward of each supported class that talks to the grid.
 FORWARDS: dict[type, Callable[..., torch.Tensor]] = {
-    pyg.GCNConv: gcn_conv,
-    pyg.SAGEConv: sage_conv,
-    pyg.GATConv: gat_conv,
-    pyg.GATv2Conv: gatv2_conv,
-    pyg.GINConv: gin_conv,
-    pyg.SGConv: sg_conv,
-    pyg.APPNP: appnp,
-    pyg.GCN2Conv: gcn2_conv,
+    pyg.GCNConv: _dispatch(gcn_conv),
+    pyg.SAGEConv: _dispatch(sage_conv),
+    pyg.GATConv: _dispatch(gat_conv),
+    pyg.GATv2Conv: _dispatch(gatv2_conv),
+    pyg.GINConv: _dispatch(gin_conv),
+    pyg.SGConv: _dispatch(sg_conv),
+    pyg.APPNP: _dispatch(appnp),
+    pyg.GCN2Conv: _dispatch(gcn2_conv, where=2),
     nn.BatchNorm1d: batch_norm,
 }
 

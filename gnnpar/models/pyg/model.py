@@ -1,0 +1,161 @@
+"""What a user's PyG model may hold, and how its modules get their parallel forward.
+
+:func:`check_model` refuses, in one line naming the class, where it sits and what is
+supported, any module that cannot run on a graph share; :func:`install_forwards` gives each
+supported convolution and norm its parallel forward (:mod:`.layers`) in place, as an
+instance attribute, so its parameters, its ``state_dict`` keys and its class are untouched,
+and :func:`remove_forwards` takes them away again. :func:`build_user_model` makes a model
+from the ``module:factory`` the command line names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch_geometric.nn as pyg
+from torch import nn
+
+from gnnpar.errors import UserError
+from gnnpar.models.pyg.layers import FORWARDS, graph_layer_norm, operators_of, refusal
+
+#: Modules that run as they are on a rank's node rows (no communication).
+ROW_WISE: tuple[type, ...] = (
+    nn.Linear, pyg.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.Sequential,
+    nn.ModuleList, nn.ModuleDict, pyg.BatchNorm, pyg.JumpingKnowledge, pyg.MLP,
+    nn.ReLU, nn.ELU, nn.GELU, nn.LeakyReLU, nn.PReLU, nn.SiLU, nn.Tanh, nn.Sigmoid,
+    nn.Softplus, nn.LogSoftmax, nn.Softmax,
+)  # fmt: skip
+
+#: What :func:`parallelize_pyg` takes, by name (for the refusal of anything else).
+SUPPORTED = (
+    "GCNConv", "SAGEConv (mean, max)", "GATConv", "GATv2Conv", "GINConv", "SGConv", "APPNP",
+    "GCN2Conv", "Linear", "BatchNorm / BatchNorm1d", "LayerNorm (graph, node)", "MLP",
+    "JumpingKnowledge (cat, max, lstm)", "Dropout", "activations", "Sequential / ModuleList",
+)  # fmt: skip
+
+
+def _own_class(module: nn.Module) -> bool:
+    """A class of the user's (not torch's nor PyG's): a container whose forward is theirs."""
+    root = type(module).__module__.split(".")[0]
+    return root not in ("torch", "torch_geometric")
+
+
+def _allowed_inside(parent: nn.Module | None, module: nn.Module) -> bool:
+    """The LSTM and attention of ``JumpingKnowledge(mode="lstm")`` work per node."""
+    return isinstance(parent, pyg.JumpingKnowledge) and isinstance(module, (nn.LSTM, nn.Linear))
+
+
+def check_model(model: nn.Module) -> None:
+    """Every module of ``model`` is supported (:data:`SUPPORTED`, or a class of the user's
+    own), with options that can run: otherwise one UserError naming the class, where it
+    sits in the model and what is supported."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_tree(model, "", None)
+
+
+def _check_tree(module: nn.Module, path: str, parent: nn.Module | None) -> None:
+    where = f"'{path}'" if path else "the model itself"
+    if isinstance(module, pyg.MessagePassing) and type(module) not in FORWARDS:
+        raise UserError(
+            f"{type(module).__name__} at {where} is a message-passing layer gnnpar has no "
+            f"parallel form of; supported: {', '.join(SUPPORTED)}"
+        )
+    known = isinstance(module, (*FORWARDS, *ROW_WISE, pyg.LayerNorm))
+    if not known and not _own_class(module) and not _allowed_inside(parent, module):
+        raise UserError(
+            f"{type(module).__name__} at {where} is not supported by parallelize_pyg; "
+            f"supported: {', '.join(SUPPORTED)}"
+        )
+    why = refusal(module)
+    if why is not None:
+        raise UserError(f"{why}: not supported by parallelize_pyg (at {where})")
+    if isinstance(module, pyg.MessagePassing):
+        # a convolution's own parts run inside its parallel forward; GINConv's MLP is the user's
+        children = [("nn", module.nn)] if isinstance(module, pyg.GINConv) else []
+    else:
+        children = list(module.named_children())
+    for name, child in children:
+        _check_tree(child, f"{path}.{name}" if path else name, module)
+
+
+def install_forwards(model: nn.Module, share: Any) -> list[str]:
+    """Give every supported convolution and norm of ``model`` its parallel forward on
+    ``share`` (checked first, :func:`check_model`); returns the adjacency values the
+    convolutions read (:data:`~gnnpar.models.fullgraph.share.OPERATORS`)."""
+    check_model(model)
+    kinds: list[str] = []
+    for module in model.modules():
+        forward = FORWARDS.get(type(module))
+        if isinstance(module, pyg.LayerNorm) and module.mode == "graph":
+            forward = graph_layer_norm
+        if forward is None:
+            continue
+        kinds += [k for k in operators_of(module) if k not in kinds]
+        module._gnnpar_share = share
+        module.forward = forward.__get__(module)
+    return kinds
+
+
+def remove_forwards(model: nn.Module) -> None:
+    """Undo :func:`install_forwards`: every module runs its class's own forward again."""
+    for module in model.modules():
+        if "_gnnpar_share" in module.__dict__:
+            del module._gnnpar_share
+            module.__dict__.pop("forward", None)
+
+
+@contextmanager
+def parallel_forwards(model: nn.Module, share: Any) -> Iterator[list[str]]:
+    """:func:`install_forwards` for the duration of a ``with`` block."""
+    try:
+        yield install_forwards(model, share)
+    finally:
+        remove_forwards(model)
+
+
+# --------------------------------------------------------------------------- factories
+def load_factory(target: str) -> Callable[..., nn.Module]:
+    """The function ``module:factory`` names (``module`` importable, or a ``.py`` file),
+    one UserError otherwise."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"model {target!r}: give module:factory (e.g. mymodels:appnp)")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise UserError(f"model {target!r}: no file {path}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(f"model {target!r}: cannot import {module_name} ({err})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"model {target!r}: {module_name} has no function {attr!r}")
+    return factory
+
+
+def build_user_model(
+    target: str, in_channels: int, out_channels: int, options: dict[str, Any]
+) -> nn.Module:
+    """``factory(in_channels=..., out_channels=..., **options)`` of ``target``, checked
+    (:func:`check_model`); one UserError naming the target if the call fails."""
+    factory = load_factory(target)
+    try:
+        model = factory(in_channels=in_channels, out_channels=out_channels, **options)
+    except TypeError as err:
+        raise UserError(f"model {target!r}: {err}") from None
+    check_model(model)
+    return model
