@@ -44,7 +44,7 @@ from gnnpar.models.fullgraph.shards import (
     read_shard_manifest,
     shard_provenance,
 )
-from gnnpar.models.pyg.model import build_user_model
+from gnnpar.models.pyg.model import build_user_model, factory_options, is_user_model
 from gnnpar.plan import local_machine
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train import schedule
@@ -194,21 +194,9 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                 f"random (read as symmetric), symmetric or none, not {self.permutation!r}"
             )
         try:
-            user_options(self)
+            factory_options(self.model_options)
         except UserError as err:
             raise ConfigError(f"config key 'model_options': {err}") from None
-
-
-def is_user_model(model: str) -> bool:
-    """Whether ``model`` names a user's factory (``module:factory``)."""
-    return ":" in model
-
-
-def user_options(cfg: FullGraphConfig) -> dict[str, Any]:
-    """The factory's keyword arguments from ``model_options``."""
-    from gnnpar.data.options import parse_options, split_options
-
-    return parse_options(split_options(cfg.model_options))
 
 
 def _permutation(cfg: FullGraphConfig) -> str:
@@ -397,7 +385,8 @@ class FullGraphTask(BaseTask):
         graph = load_dataset(cfg, warn_directed=True)
         graph.check_trainable()
         if is_user_model(cfg.model):  # the factory runs and its modules are checked here
-            build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, user_options(cfg))
+            options = factory_options(cfg.model_options)
+            build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, options)
         if cfg.shards and Path(cfg.shards).exists():
             _check_given_shards(cfg, graph.fingerprint())
 
@@ -422,7 +411,8 @@ class FullGraphTask(BaseTask):
         dtype = master_dtype(cfg)
         torch.manual_seed(cfg.seed)
         if is_user_model(cfg.model):
-            plain = build_user_model(cfg.model, dims[0], dims[-1], user_options(cfg)).to(dtype)
+            options = factory_options(cfg.model_options)
+            plain = build_user_model(cfg.model, dims[0], dims[-1], options).to(dtype)
             self.model = parallelize_pyg(plain, self.grid, self.source)
             self.model.activation_checkpointing = cfg.activation_checkpointing
             self.features = self.model.input_features()

@@ -54,6 +54,8 @@ from gnnpar.errors import PeerFailedError, UserError
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
+from gnnpar.models.minibatch.pyg import full_graph_logits, part_logits, subgraph_logits
+from gnnpar.models.pyg.model import build_user_model, factory_options, is_user_model
 from gnnpar.sampling import (
     ClusterSampler,
     DistNeighborSampler,
@@ -118,7 +120,15 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
     dataset_options: str | None = option(
         None, "dataset options as k=v,k=v (e.g. normalize_features=true)"
     )
-    model: str = option("sage", "sage (GraphSAGE-mean), gcn or gat", _MODELS)
+    model: str = option(
+        "sage",
+        "sage (GraphSAGE-mean), gcn or gat, or your own PyG model as module:factory or "
+        "file.py:factory, trained on each batch's sampled subgraph (docs/models.md)",
+        _MODELS,
+    )
+    model_options: str | None = option(
+        None, "a module:factory model's hyper-parameters as k=v,k=v (e.g. hidden=64)"
+    )
     parts: int | None = option(None, "parts of the partition, one per process (default: all)")
     partition_method: str = option("metis", "partitioning method (see gnnpar-partition)")
     partitions: str | None = option(
@@ -179,8 +189,17 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
                 f"config key 'offload' = {self.offload} needs zero_stage 1, 2 or 3 (sage runs "
                 "stage 0 unless told)"
             )
-        if self.model not in _MODELS:
-            raise ConfigError(f"config key 'model' must be one of {_MODELS}, got {self.model!r}")
+        if self.model not in _MODELS and not is_user_model(self.model):
+            raise ConfigError(
+                f"config key 'model' must be one of {_MODELS} or module:factory, got {self.model!r}"
+            )
+        if is_user_model(self.model):
+            self._check_user_model()
+        elif self.model_options:
+            raise ConfigError(
+                "config key 'model_options' is for a module:factory model; the built-in "
+                "models take their own keys (hidden, layers, heads...)"
+            )
         self._check_sampler()
         if self.sampler != "neighbor":
             return self._check_common()
@@ -188,7 +207,7 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
             fanouts = parse_fanouts(self.fanouts)
         except UserError as err:
             raise ConfigError(f"config key 'fanouts': {err}") from None
-        if len(fanouts) != self.layers:
+        if len(fanouts) != self.layers and not is_user_model(self.model):
             raise ConfigError(
                 f"config key 'fanouts' gives {len(fanouts)} fan-outs but 'layers' is "
                 f"{self.layers}: give one fan-out per layer"
@@ -213,6 +232,24 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
             )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
+
+    def _check_user_model(self) -> None:
+        """A module:factory model samples neighbours (its depth is its own: the fan-outs
+        say how many hops the subgraph has) and runs in its parameters' dtype."""
+        if self.sampler != "neighbor":
+            raise ConfigError(
+                "config key 'sampler': a module:factory model trains on neighbour samples; "
+                f"use neighbor, not {self.sampler!r}"
+            )
+        if self.mixed_precision != "none":
+            raise ConfigError(
+                "config key 'mixed_precision': a module:factory model runs in its parameters' "
+                "dtype; use none"
+            )
+        try:
+            factory_options(self.model_options)
+        except UserError as err:
+            raise ConfigError(f"config key 'model_options': {err}") from None
 
     def _check_sampler(self) -> None:
         if self.sampler not in SAMPLERS:
@@ -462,7 +499,11 @@ class MiniBatchTask(BaseTask):
         if folder is not None:
             check_stored_dataset(cfg, folder)
         else:
-            load_dataset(cfg, warn_directed=True).check_trainable()
+            graph = load_dataset(cfg, warn_directed=True)
+            graph.check_trainable()
+            if is_user_model(cfg.model):  # the factory runs and its modules are checked here
+                options = factory_options(cfg.model_options)
+                build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, options)
         if given:
             check_partitions(cfg)
 
@@ -516,16 +557,23 @@ class MiniBatchTask(BaseTask):
     def _build_model(self, cfg: MiniBatchConfig) -> None:
         """The GNN, sharded over the data axis, and its Adam."""
         torch.manual_seed(cfg.seed)
-        self.net = BlockGNN(
-            self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model, cfg.heads
-        ).to(self.device, master_dtype(cfg))
+        self.user_model = is_user_model(cfg.model)
+        if self.user_model:
+            options = factory_options(cfg.model_options)
+            net = build_user_model(cfg.model, self.in_dim, self.num_classes, options)
+        else:
+            net = BlockGNN(
+                self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model,
+                cfg.heads,
+            )  # fmt: skip
+        self.net = net.to(self.device, master_dtype(cfg))
         # the one data-parallel path: each layer a unit (its parameters gathered together at
         # stage 3, its gradients in one bucket at stages 0-2)
         self.model = shard(
             self.net,
             self.grid,
             cfg.zero_stage or 0,
-            units=by_type(SAGEConv, GCNConv, GATConv),
+            units=None if self.user_model else by_type(SAGEConv, GCNConv, GATConv),
             mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None,
             offload=cfg.offload,
@@ -732,7 +780,7 @@ class MiniBatchTask(BaseTask):
                 last = batch.micro == cfg.grad_accum - 1
                 dropout_seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
                 with contextlib.nullcontext() if last else dp.no_sync():
-                    logits = full_precision(net(batch.blocks, batch.x, dropout_seed=dropout_seed))
+                    logits = full_precision(self._forward(batch, dropout_seed))
                     loss = self._loss_sum(logits, batch.y)
                     # the data axis averages gradients: scale the summed loss so the result is
                     # the gradient of the mean loss over the global batch
@@ -779,6 +827,15 @@ class MiniBatchTask(BaseTask):
             record["cache_hit_rate"] = hits / remote if remote else 0.0
         return record
 
+    def _forward(self, batch: Any, dropout_seed: int) -> torch.Tensor:
+        """The seeds' logits: the built-in model on the blocks, or a user's model on the
+        batch's sampled subgraph with its dropout drawn from ``dropout_seed``."""
+        if not self.user_model:
+            return self.net(batch.blocks, batch.x, dropout_seed=dropout_seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(dropout_seed)
+            return subgraph_logits(self.net, batch.blocks, batch.x)
+
     def _subgraph_update(self, batch: Any, sums: torch.Tensor) -> None:
         """One subgraph of this rank's share of a step: the sum of its seeds' losses
         weighted by the sampler's ``seed_weight`` (an estimate of the mean training loss),
@@ -810,6 +867,15 @@ class MiniBatchTask(BaseTask):
         """Logits of every node this rank owns (all of them on one rank), with full
         neighbourhoods (layer-wise inference)."""
         dev = self.device
+        if self.user_model and not self.distributed:
+            was_training = self.net.training
+            self.net.eval()
+            try:
+                return full_graph_logits(self.net, self.graph, dev)
+            finally:
+                self.net.train(was_training)
+        if self.user_model:
+            return part_logits(self.net, self.part, self.sample_grid).to(dev)
         if not self.distributed:
             g = self.graph
             return layerwise_inference(

@@ -121,6 +121,18 @@ def parallel_forwards(model: nn.Module, share: Any) -> Iterator[list[str]]:
 
 
 # --------------------------------------------------------------------------- factories
+def is_user_model(model: str) -> bool:
+    """Whether a task's ``model`` names a user's factory (``module:factory``)."""
+    return ":" in model
+
+
+def factory_options(text: str | None) -> dict[str, Any]:
+    """A factory's keyword arguments from ``model_options`` (``k=v,k=v``)."""
+    from gnnpar.data.options import parse_options, split_options
+
+    return parse_options(split_options(text))
+
+
 def load_factory(target: str) -> Callable[..., nn.Module]:
     """The function ``module:factory`` names (``module`` importable, or a ``.py`` file),
     one UserError otherwise."""

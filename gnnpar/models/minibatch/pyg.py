@@ -1,0 +1,168 @@
+"""A user's PyG model in mini-batch training (``gnnpar train sage --model FILE:FACTORY``).
+
+**Training** runs the plain model, unchanged, on each batch's sampled subgraph, as PyG's
+``NeighborLoader`` feeds it: the union of the batch's blocks (every sampled edge once, its
+nodes those of ``blocks[0]``, whose first rows are the seeds), then the seeds' rows of its
+output (:func:`subgraph_logits`). Data parallelism, ZeRO and gradient accumulation are the
+task's, as for the built-in models.
+
+**Evaluation** is exact full-neighbour inference: with local sampling the whole graph on
+every rank; with distributed sampling each rank runs the model on its part through a
+:class:`PartShare` (the parallel forwards of :mod:`gnnpar.models.pyg.layers`), which
+before each aggregation fetches the halo nodes' rows from their owners, as DistDGL's
+layer-wise inference does for its own models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnnpar import comm
+from gnnpar.grid import ProcessGrid
+from gnnpar.models.pyg.model import parallel_forwards
+from gnnpar.sampling.distributed import LocalPart, request_rows
+from gnnpar.sparse import csr
+from gnnpar.sparse.kernels import LocalSpMM, spmm
+
+
+def subgraph_edge_index(blocks: list[Any]) -> torch.Tensor:
+    """``(2, E)`` source → destination positions among ``blocks[0]``'s source nodes: every
+    edge of every block once (the sampled subgraph PyG's loaders give a model)."""
+    nodes = blocks[0].src_nodes
+    order = torch.argsort(nodes)
+    sorted_nodes = nodes[order]
+    pairs = []
+    for block in blocks:
+        src = block.src_nodes[block.indices]
+        dst = block.src_nodes[block.dst_index()]
+        pos = order[torch.searchsorted(sorted_nodes, torch.stack([src, dst]))]
+        pairs.append(pos)
+    both = torch.cat(pairs, dim=1)
+    n = nodes.numel()
+    unique = torch.unique(both[1] * n + both[0])  # sorted by destination, then source
+    return torch.stack([unique % n, unique // n])
+
+
+def subgraph_logits(model: nn.Module, blocks: list[Any], x: torch.Tensor) -> torch.Tensor:
+    """The seeds' rows of ``model(x, edge_index)`` on the batch's sampled subgraph."""
+    edge_index = subgraph_edge_index(blocks).to(x.device)
+    return model(x, edge_index)[: blocks[-1].num_dst]
+
+
+def full_graph_logits(model: nn.Module, graph: Any, device: torch.device) -> torch.Tensor:
+    """Every node's logits from the whole graph (local sampling: each rank holds it)."""
+    dst = torch.repeat_interleave(torch.arange(graph.num_nodes), graph.indptr.diff())
+    edge_index = torch.stack([graph.indices, dst]).to(device)
+    return model(graph.feat.to(device), edge_index)
+
+
+class PartShare:
+    """One part's share for full-neighbour inference (no gradients): rows = the owned
+    nodes, the block = their every in-edge (sources owned, then halo), the halo rows fetched
+    from their owners before each aggregation (:func:`request_rows`, collective over
+    ``axis``). The adjacency values follow :class:`~gnnpar.models.fullgraph.share.GraphShare`
+    (PyG's normalisations, one self loop where a node has none)."""
+
+    checkpointing = False
+
+    def __init__(self, part: LocalPart, grid: ProcessGrid, axis: str, dtype: torch.dtype):
+        self.part, self.grid, self.axis, self.dtype = part, grid, axis, dtype
+        block = part.local_block()
+        n = part.num_owned
+        self.num_nodes = int(part.meta["num_nodes"])
+        self.num_block_rows = n
+        self.halo = part.halo_nodes
+        self.owner = part.owner(self.halo)
+        rows, cols = block.dst_index(), block.indices
+        weight = block.weight if block.weight is not None else torch.ones(rows.numel())
+        loops = block.src_nodes[cols] == part.start + rows  # owned sources come first
+        missing = torch.ones(n, dtype=torch.bool)
+        missing[rows[loops]] = False
+        own = torch.arange(n)[missing]
+        self._rows = torch.cat([rows, own])
+        self._cols = torch.cat([cols, own])
+        self._weight = torch.cat([weight.to(dtype), torch.ones(own.numel(), dtype=dtype)])
+        self._loops = torch.cat([loops, torch.ones(own.numel(), dtype=torch.bool)])
+        self._shape = (n, block.num_src)
+        self._ops: dict[str, LocalSpMM] = {}
+        self._edges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _values(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, cols, w = self._rows, self._cols, self._weight
+        if kind == "attention":
+            return rows, cols, w
+        if kind == "gcn":
+            deg = torch.zeros(self.num_block_rows, dtype=self.dtype).index_add_(0, rows, w)
+            deg_src = self.gather_cols(deg[:, None])[:, 0]
+            inv, inv_src = deg.pow(-0.5), deg_src.pow(-0.5)
+            inv[deg == 0], inv_src[deg_src == 0] = 0.0, 0.0
+            return rows, cols, inv[rows] * w * inv_src[cols]
+        keep = ~self._loops
+        rows, cols = rows[keep], cols[keep]
+        ones = torch.ones(rows.numel(), dtype=self.dtype)
+        if kind == "sum":
+            return rows, cols, ones
+        count = torch.zeros(self.num_block_rows, dtype=self.dtype).index_add_(0, rows, ones)
+        return rows, cols, 1.0 / count.clamp(min=1.0)[rows]
+
+    def prepare(self, kinds: list[str]) -> None:
+        """Derive the values of ``kinds`` now (collective: the halo's degrees)."""
+        for kind in kinds:
+            rows, cols, values = self._values(kind)
+            block = csr.from_coo(rows, cols, values, self._shape)
+            self._ops[kind] = LocalSpMM(block)
+            self._edges[kind] = (csr.coo_rows(block), block.indices)
+
+    def edges(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
+        return self._edges[kind]
+
+    def gather_cols(self, h: torch.Tensor, what: str = "") -> torch.Tensor:  # noqa: D102
+        halo = request_rows(self.halo, self.owner, h.contiguous(), self.part.start, self.grid,
+                            self.axis)  # fmt: skip
+        return torch.cat([h, halo])
+
+    def gather_rows(self, v: torch.Tensor, what: str = "") -> torch.Tensor:  # noqa: D102
+        return v
+
+    def scatter_rows(self, p: torch.Tensor, what: str = "") -> torch.Tensor:  # noqa: D102
+        return p
+
+    def propagate(self, kind: str, h: torch.Tensor, what: str = "") -> torch.Tensor:  # noqa: D102
+        return spmm(self._ops[kind], self.gather_cols(h))
+
+    def softmax(self, e: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        n = self.num_block_rows
+        idx = rows[:, None].expand_as(e)
+        top = e.new_full((n, e.shape[1]), -torch.inf).scatter_reduce(0, idx, e, "amax")
+        top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+        ex = (e - top[rows]).exp()
+        return ex / (e.new_zeros(n, e.shape[1]).index_add(0, rows, ex)[rows] + 1e-16)
+
+    def neighbour_max(self, h: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        rows, cols = self._edges["mean"]
+        vals = self.gather_cols(h)[cols]
+        top = h.new_full((self.num_block_rows, h.shape[1]), -torch.inf)
+        top = top.scatter_reduce(0, rows[:, None].expand_as(vals), vals, "amax")
+        return torch.where(torch.isinf(top), torch.zeros_like(top), top)
+
+    def node_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:  # noqa: D102
+        return comm.all_reduce(t.contiguous(), self.grid, self.axis)
+
+
+@torch.no_grad()
+def part_logits(model: nn.Module, part: LocalPart, grid: ProcessGrid, axis: str = "data"):
+    """The owned nodes' logits of ``model`` over the whole partitioned graph (collective)."""
+    features = part.ndata["feat"][: part.num_owned]
+    share = PartShare(part, grid, axis, features.dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        with parallel_forwards(model, share) as kinds:
+            share.prepare(kinds)
+            return model(features, share)
+    finally:
+        model.train(was_training)
+
