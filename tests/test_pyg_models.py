@@ -38,12 +38,27 @@ def zoo():
     return module
 
 
+class _Ties(nn.Module):
+    """Max aggregation over values that tie (rounded features times a learnable scale per
+    feature): the scale's gradient sees how the maximum's gradient is shared."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(FEAT))
+        self.conv = gnn.SAGEConv(FEAT, CLASSES, aggr="max")
+
+    def forward(self, x, edge_index):
+        return self.conv(torch.round(x) * self.scale, edge_index)
+
+
 def cases(z) -> dict:
-    """Each supported layer in a small model, and the four composed models of the issue."""
+    """Each supported layer in a small model (max aggregation also over ties), and the four
+    composed models of the issue."""
     return {
         "gcn": lambda: z.gcn(FEAT, CLASSES, hidden=6, dropout=0.0),
         "sage-mean": lambda: z.sage(FEAT, CLASSES, hidden=6, dropout=0.0),
         "sage-max": lambda: z.sage(FEAT, CLASSES, hidden=6, aggr="max", dropout=0.0),
+        "sage-max-ties": _Ties,
         "gat": lambda: z.gat(FEAT, CLASSES, hidden=2, heads=3, dropout=0.0),
         "sgc": lambda: z.sgc(FEAT, CLASSES, K=3),
         "gatv2-residual-layernorm": lambda: z.gatv2_residual(

@@ -45,7 +45,7 @@ from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.layout import chunk
 from gnnpar.models.fullgraph.schedule import Step, step
-from gnnpar.sparse import csr
+from gnnpar.sparse import attention, csr
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 from gnnpar.sparse.source import ShardSource
@@ -140,6 +140,7 @@ class GraphShare:
         self._loops = global_rows[self._edge_rows] == self._raw.indices + self.cols[0]
         self._blocks: dict[str, CSRBlock] = {}
         self._ops: dict[str, LocalSpMM] = {}
+        self._attention: attention.Edges | None = None
         self._edges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         #: The collectives of the ops run since :meth:`start_recording`.
         self.steps: list[Step] = []
@@ -158,6 +159,9 @@ class GraphShare:
         for kind in kinds:
             if kind not in OPERATORS:
                 raise ValueError(f"unknown operator {kind!r}; one of {OPERATORS}")
+            if kind == "attention":
+                self.attention_edges()
+                continue
             self.operator(kind)
             self.edges(kind)
 
@@ -200,6 +204,13 @@ class GraphShare:
         if kind not in self._ops:
             self._ops[kind] = LocalSpMM(self._block(kind).to(self.dtype, self.device))
         return self._ops[kind]
+
+    def attention_edges(self) -> attention.Edges:
+        """The ``"attention"`` block's edges (one self loop per node) for the attention
+        SpMM (:func:`gnnpar.sparse.attention.attend`), on the device; built once."""
+        if self._attention is None:
+            self._attention = attention.Edges(self._block("attention")).to(self.device)
+        return self._attention
 
     def edges(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(row in X, column in ``cols``) of each edge of ``kind``'s block, on the device."""
@@ -278,15 +289,13 @@ class GraphShare:
 
     def softmax(self, e: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """PyG's ``softmax(e, index=rows)`` over each row's edges (``e``: edges × heads),
-        a row's edges spread over the x group."""
-        n = self.num_block_rows
-        top = e.new_full((n, e.shape[1]), -torch.inf)
-        top = top.scatter_reduce(0, rows[:, None].expand_as(e), e.detach(), "amax")
-        top = self.row_max(top)
-        top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-        ex = (e - top[rows]).exp()
-        total = self.row_sum(e.new_zeros(n, e.shape[1]).index_add(0, rows, ex))
-        return ex / (total[rows] + 1e-16)
+        a row's edges spread over the x group (:func:`gnnpar.sparse.attention.edge_softmax`
+        with the row maximum and sum reduced over x)."""
+        reduce = self.px > 1
+        return attention.edge_softmax(
+            e, rows, self.num_block_rows,
+            self.row_max if reduce else None, self.row_sum if reduce else None,
+        )  # fmt: skip
 
     def neighbour_max(self, h: torch.Tensor) -> torch.Tensor:
         """PyG's max aggregation over each row's neighbours (0 for a row with none), the

@@ -24,7 +24,7 @@ from gnnpar import comm
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.pyg.model import parallel_forwards
 from gnnpar.sampling.distributed import LocalPart, request_rows
-from gnnpar.sparse import csr
+from gnnpar.sparse import attention, csr
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 
 
@@ -88,6 +88,7 @@ class PartShare:
         self._loops = torch.cat([loops, torch.ones(own.numel(), dtype=torch.bool)])
         self._shape = (n, block.num_src)
         self._ops: dict[str, LocalSpMM] = {}
+        self._attention: attention.Edges | None = None
         self._edges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _values(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,6 +114,8 @@ class PartShare:
         for kind in kinds:
             rows, cols, values = self._values(kind)
             block = csr.from_coo(rows, cols, values, self._shape)
+            if kind == "attention":
+                self._attention = attention.Edges(block)
             self._ops[kind] = LocalSpMM(block)
             self._edges[kind] = (csr.coo_rows(block), block.indices)
 
@@ -134,12 +137,10 @@ class PartShare:
         return spmm(self._ops[kind], self.gather_cols(h))
 
     def softmax(self, e: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        n = self.num_block_rows
-        idx = rows[:, None].expand_as(e)
-        top = e.new_full((n, e.shape[1]), -torch.inf).scatter_reduce(0, idx, e, "amax")
-        top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-        ex = (e - top[rows]).exp()
-        return ex / (e.new_zeros(n, e.shape[1]).index_add(0, rows, ex)[rows] + 1e-16)
+        return attention.edge_softmax(e, rows, self.num_block_rows)
+
+    def attention_edges(self) -> attention.Edges:  # noqa: D102
+        return self._attention
 
     def neighbour_max(self, h: torch.Tensor) -> torch.Tensor:  # noqa: D102
         rows, cols = self._edges["mean"]

@@ -22,6 +22,7 @@ from torch import nn
 
 from gnnpar.errors import UserError
 from gnnpar.recompute import in_backward, recompute
+from gnnpar.sparse import attention
 
 
 class Share(Protocol):
@@ -46,6 +47,9 @@ class Share(Protocol):
 
     def edges(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(row in X, column in C) of each edge of ``kind``."""
+
+    def attention_edges(self) -> attention.Edges:
+        """The block's edges with one self loop per node, as the attention SpMM reads them."""
 
     def softmax(self, e: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """PyG's softmax over each row's edges."""
@@ -122,14 +126,14 @@ def sage_conv(m, x, edge_index, size=None):  # noqa: D103
 
 
 def _attend(m, g: Share, src: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """softmax → attention dropout → Σ att·src over each row's edges, summed over x:
-    this rank's rows (heads × channels), heads concatenated or averaged."""
-    rows, cols = g.edges("attention")
+    """softmax → attention dropout → Σ att·src over each row's edges (the attention SpMM of
+    :func:`gnnpar.sparse.attention.attend`), summed over x: this rank's rows, heads
+    concatenated or averaged."""
+    e = g.attention_edges()
     heads, channels = m.heads, m.out_channels
-    att = g.softmax(logits, rows)
+    att = g.softmax(logits, e.rows)
     att = F.dropout(att, p=m.dropout, training=m.training)
-    msg = src[cols] * att[..., None]
-    part = src.new_zeros(g.num_block_rows, heads, channels).index_add(0, rows, msg)
+    part = attention.attend(att, src, e)
     out = g.scatter_rows(part.reshape(part.shape[0], -1), "OUT = att·Z").view(-1, heads, channels)
     return out.reshape(out.shape[0], -1) if m.concat else out.mean(dim=1)
 
@@ -146,8 +150,8 @@ def _gat(m: pyg.GATConv, g: Share, x: torch.Tensor) -> torch.Tensor:
     z_cols = both[:, : heads * channels].view(-1, heads, channels)
     a_src_cols = both[:, heads * channels :]
     a_dst_rows = g.gather_rows(a_dst, "gather α_dst")
-    rows, cols = g.edges("attention")
-    logits = F.leaky_relu(a_src_cols[cols] + a_dst_rows[rows], m.negative_slope)
+    e = g.attention_edges()
+    logits = attention.edge_logits(a_dst_rows, a_src_cols, e.rows, e.cols, m.negative_slope)
     out = _attend(m, g, z_cols, logits)
     if res is not None:
         out = out + res
@@ -168,9 +172,10 @@ def _gatv2(m: pyg.GATv2Conv, g: Share, x: torch.Tensor) -> torch.Tensor:
     l_cols = g.gather_cols(x_l.reshape(x_l.shape[0], -1), "gather X_l").view(-1, heads, channels)
     r_rows = g.gather_rows(x_r.reshape(x_r.shape[0], -1), "gather X_r")
     r_rows = r_rows.view(-1, heads, channels)
-    rows, cols = g.edges("attention")
+    e = g.attention_edges()
     # GATv2: the nonlinearity before the dot product with the attention vector
-    z = F.leaky_relu(r_rows[rows] + l_cols[cols], m.negative_slope)
+    z = F.leaky_relu(r_rows.index_select(0, e.rows) + l_cols.index_select(0, e.cols),
+                     m.negative_slope)  # fmt: skip
     out = _attend(m, g, l_cols, (z * m.att).sum(-1))
     if res is not None:
         out = out + res
