@@ -172,6 +172,50 @@ def test_pyg_models_equal_pyg_on_every_grid(world):
     assert counts == [len(cases(zoo())) * len(grid_shapes(world))] * world
 
 
+def _bf16_world() -> int:
+    import gnnpar
+    from gnnpar import comm
+    from gnnpar.models.fullgraph.pyg import parallelize_pyg
+    from gnnpar.sparse.source import MemorySource, make_permutations
+    from tests.fullgraph_utils import check_schedule
+
+    grid = gnnpar.init(x=2)
+    a, x, y, train = small_graph(n=N, feat=FEAT, classes=CLASSES)
+    raw = dense_to_block(a + torch.eye(N, dtype=a.dtype))
+    p = make_permutations("symmetric", raw.indptr, raw.indices, 3)
+    data = {"label": y, "train_mask": train}
+    source = MemorySource(raw.indptr, raw.indices, raw.values, x, data, p, norm="raw")
+    edge_index = a.nonzero().T
+    checked = 0
+    for name, make in cases(zoo()).items():
+        torch.manual_seed(0)
+        ref = make().double()
+        torch.manual_seed(0)
+        par = parallelize_pyg(make(), grid, source, compute_dtype=torch.bfloat16)
+        with comm.record(grid) as fwd:
+            out = par(par.input_features())
+        assert out.dtype in (torch.bfloat16, torch.float32), (name, out.dtype)
+        loss = par.loss(out)
+        with comm.record(grid) as bwd:
+            loss.backward()
+        want = ref(x, edge_index).detach()[source.node_ids(0, par.logits_rows)]
+        err = (out.double() - want).abs().max() / want.abs().max()
+        assert err < 0.05, f"{name}: bf16 logits {err:.3f} off"  # bf16: 8 bits of mantissa
+        assert all(p.grad.dtype == torch.float32 for p in par.parameters())  # the masters
+        check_schedule(fwd, bwd, par.expected_bytes(), f"{name} bf16")
+        checked += 1
+    gnnpar.release(grid)
+    return checked
+
+
+def test_bf16_computes_and_sends_in_bfloat16_with_float32_masters():
+    """``compute_dtype=bfloat16`` on x=2: the logits within bf16's precision of float64's,
+    float32 gradients, and the bytes of every collective those of its recorded dtype."""
+    from gnnpar.testing import run_distributed
+
+    assert run_distributed(_bf16_world, 2) == [len(cases(zoo()))] * 2
+
+
 # ------------------------------------------------------------------------------ refusals
 class _Unsupported(nn.Module):
     def __init__(self):

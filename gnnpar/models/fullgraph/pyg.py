@@ -71,10 +71,10 @@ class ParallelPyG(ShardedGNN):
         first = next(iter(model.parameters()), None)
         self.dtype = first.dtype if first is not None else torch.float32
         self.compute_dtype = compute_dtype or self.dtype
-        if self.compute_dtype != self.dtype:
+        if self.compute_dtype not in (self.dtype, torch.bfloat16):
             raise UserError(
-                "a PyG model runs in its parameters' dtype; mixed precision is not supported "
-                "for user models"
+                f"a PyG model computes in its parameters' dtype or bfloat16, not "
+                f"{self.compute_dtype}"
             )
         self.grid, self.source, self.device = grid, source, grid.device
         self.kind, self.dropout = "pyg", 0.0
@@ -99,6 +99,7 @@ class ParallelPyG(ShardedGNN):
                 grid.size(NODE_AXIS),
                 p.numel(),
                 "parameter gradient",
+                p.element_size(),
             )  # fmt: skip
         ]
 
@@ -122,7 +123,12 @@ class ParallelPyG(ShardedGNN):
         """This rank's rows of ``model(x, edge_index)``. ``dropout_seed`` is not used: the
         model's own dropout draws from torch's generator."""
         self.share.start_recording()
-        return self.module(x, self.share)
+        if self.compute_dtype == self.dtype:
+            return self.module(x, self.share)
+        # bf16: the masters stay in their dtype; autocast runs the products in bfloat16 and
+        # the share sends and multiplies what it gathers in bfloat16
+        with torch.autocast(self.device.type, dtype=self.compute_dtype):
+            return self.module(x, self.share)
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of the last forward (as each op recorded them) and of its

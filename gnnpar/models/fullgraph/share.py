@@ -105,8 +105,9 @@ class GraphShare:
     model's ``forward`` where the plain model takes ``edge_index``.
 
     ``source`` must present one node order (its shards cut with permutation ``symmetric``
-    or ``none``) and the ``"raw"`` adjacency. ``dtype``: that of the derived values (the
-    compute dtype)."""
+    or ``none``) and the ``"raw"`` adjacency. ``dtype``: that of the derived values and of
+    everything the share sends (the compute dtype: bfloat16 under mixed precision, where the
+    degrees are still taken in float32)."""
 
     def __init__(
         self, grid: ProcessGrid, source: ShardSource, dtype: torch.dtype, device: torch.device
@@ -134,7 +135,8 @@ class GraphShare:
                 "'symmetric' or 'none'"
             )
         raw = _vstack([source.adjacency(0, r, self.cols) for r in self.row_ranges])
-        self._raw = raw.to(dtype=dtype)
+        # the values are derived in at least float32 and cast to ``dtype`` once derived
+        self._raw = raw.to(dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         self._edge_rows = csr.coo_rows(self._raw)
         global_rows = torch.cat([torch.arange(lo, hi) for lo, hi in self.row_ranges])
         self._loops = global_rows[self._edge_rows] == self._raw.indices + self.cols[0]
@@ -176,7 +178,8 @@ class GraphShare:
             return raw
         if kind == "gcn":
             # PyG's gcn_norm: weighted in-degree of each destination, self loops included
-            local = torch.zeros(raw.shape[0], dtype=self.dtype).index_add_(0, rows, raw.values)
+            zeros = torch.zeros(raw.shape[0], dtype=raw.values.dtype)
+            local = zeros.index_add_(0, rows, raw.values)
             deg_x = comm.all_reduce(local, self.grid, COL_AXIS) if self.px > 1 else local
             a = self.grid.rank(COL_AXIS)
             start = sum(self.scatter_sizes[:a])
@@ -187,11 +190,11 @@ class GraphShare:
             values = inv_x[rows] * raw.values * inv_c[raw.indices]
             return CSRBlock(raw.indptr, raw.indices, values, raw.shape, 0, raw.col_offset)
         keep = ~self._loops
-        ones = torch.ones(int(keep.sum()), dtype=self.dtype)
+        ones = torch.ones(int(keep.sum()), dtype=raw.values.dtype)
         block = csr.from_coo(rows[keep], raw.indices[keep], ones, raw.shape, 0, raw.col_offset)
         if kind == "sum":
             return block
-        count = torch.zeros(raw.shape[0], dtype=self.dtype).index_add_(0, rows[keep], ones)
+        count = torch.zeros(raw.shape[0], dtype=raw.values.dtype).index_add_(0, rows[keep], ones)
         if self.px > 1:
             count = comm.all_reduce(count, self.grid, COL_AXIS)
         scale = 1.0 / count.clamp(min=1.0)
@@ -227,56 +230,63 @@ class GraphShare:
         """Forget the recorded steps: the next ops' collectives are recorded afresh."""
         self.steps = []
 
-    def _record(self, axis: str, fw: str, bw: str | None, elements: int, what: str) -> None:
+    def _record(
+        self, axis: str, fw: str, bw: str | None, elements: int, what: str, itemsize: int
+    ) -> None:
+        """A collective of ``elements`` values of ``itemsize`` bytes, and its adjoint's."""
         group = self.grid.size(axis)
-        self.steps += step("forward", axis, fw, group, elements, what)
+        self.steps += step("forward", axis, fw, group, elements, what, itemsize)
         if bw is not None:
-            self.steps += step("backward", axis, bw, group, elements, what + " (gradient)")
+            self.steps += step("backward", axis, bw, group, elements, what + " (gradient)",
+                               itemsize)  # fmt: skip
 
     def gather_cols(self, h: torch.Tensor, what: str = "gather H") -> torch.Tensor:
         """This rank's rows of ``h`` → the rows of its block's columns (all-gather over y·z;
         backward: reduce-scatter)."""
+        h = h.to(self.dtype)
         width = h[0].numel() if h.dim() > 1 else 1
         full = self.pyz * max(self.sub_sizes) * width
         self._record(ROW_AXIS, "all_gather", "reduce_scatter" if h.requires_grad else None,
-                     full, what)  # fmt: skip
+                     full, what, h.element_size())  # fmt: skip
         return comm.gather_from(h, self.grid, ROW_AXIS, sizes=self.sub_sizes)
 
     def gather_rows(self, v: torch.Tensor, what: str = "gather destination rows") -> torch.Tensor:
         """This rank's rows of ``v`` → the block's rows X (all-gather over x; backward:
         reduce-scatter)."""
+        v = v.to(self.dtype)
         width = v[0].numel() if v.dim() > 1 else 1
         full = self.px * max(self.scatter_sizes) * width
         self._record(COL_AXIS, "all_gather", "reduce_scatter" if v.requires_grad else None,
-                     full, what)  # fmt: skip
+                     full, what, v.element_size())  # fmt: skip
         return comm.gather_from(v, self.grid, COL_AXIS, sizes=self.scatter_sizes)
 
     def scatter_rows(self, p: torch.Tensor, what: str = "OUT = Â·H") -> torch.Tensor:
         """Partial sums over the block's rows X → this rank's rows, summed over x
         (reduce-scatter; backward: all-gather)."""
+        p = p.to(self.dtype)
         width = p[0].numel() if p.dim() > 1 else 1
         full = self.px * max(self.scatter_sizes) * width
         self._record(COL_AXIS, "reduce_scatter", "all_gather" if p.requires_grad else None,
-                     full, what)  # fmt: skip
+                     full, what, p.element_size())  # fmt: skip
         return comm.scatter_to(p, self.grid, COL_AXIS, sizes=self.scatter_sizes)
 
     def row_sum(self, s: torch.Tensor, what: str = "softmax row sum") -> torch.Tensor:
         """Per-row partial sums over the block's columns, summed over x (forward and the
         gradient backward)."""
         self._record(COL_AXIS, "all_reduce", "all_reduce" if s.requires_grad else None,
-                     s.numel(), what)  # fmt: skip
+                     s.numel(), what, s.element_size())  # fmt: skip
         return _all_reduce_both(s, self.grid, COL_AXIS) if self.px > 1 else s
 
     def row_max(self, m: torch.Tensor, what: str = "softmax row max") -> torch.Tensor:
         """Per-row maxima over the block's columns, the maximum over x (no gradient)."""
-        self._record(COL_AXIS, "all_reduce", None, m.numel(), what)
+        self._record(COL_AXIS, "all_reduce", None, m.numel(), what, m.element_size())
         return comm.all_reduce(m.contiguous(), self.grid, COL_AXIS, op="max") if self.px > 1 else m
 
     def node_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """A sum over every node's row (BatchNorm statistics): over the whole tensor grid,
         forward and the gradient backward."""
         self._record(NODE_AXIS, "all_reduce", "all_reduce" if t.requires_grad else None,
-                     t.numel(), what)  # fmt: skip
+                     t.numel(), what, t.element_size())  # fmt: skip
         if self.grid.size(NODE_AXIS) == 1:
             return t
         return _all_reduce_both(t, self.grid, NODE_AXIS)
@@ -320,14 +330,15 @@ class _NeighbourMax(torch.autograd.Function):
         top = share.row_max(top, "max aggregation")
         hits = (vals == top[rows]).to(hc.dtype)
         ties = hc.new_zeros(n, width).index_add(0, rows, hits)
-        share._record(COL_AXIS, "all_reduce", None, ties.numel(), "max aggregation ties")
+        share._record(COL_AXIS, "all_reduce", None, ties.numel(), "max aggregation ties",
+                      ties.element_size())  # fmt: skip
         if share.px > 1:
             ties = comm.all_reduce(ties, share.grid, COL_AXIS)
         out = torch.where(torch.isinf(top), torch.zeros_like(top), top)
         if ctx.needs_input_grad[0]:
             full = share.px * max(share.scatter_sizes) * width
             share.steps += step("backward", COL_AXIS, "all_gather", share.px, full,
-                                "max aggregation (gradient)")  # fmt: skip
+                                "max aggregation (gradient)", hc.element_size())  # fmt: skip
         ctx.save_for_backward(hits, ties, rows, cols)
         ctx.share, ctx.num_cols = share, hc.shape[0]
         a = share.grid.rank(COL_AXIS)

@@ -177,12 +177,7 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
 
 
     def _check_user_model(self) -> None:
-        """A module:factory model runs in its own dtype, on shards of one node order."""
-        if self.mixed_precision != "none":
-            raise ConfigError(
-                "config key 'mixed_precision': a module:factory model runs in its parameters' "
-                "dtype; use none"
-            )
+        """A module:factory model has one layout, on shards of one node order."""
         if self.algorithm != "3d":
             raise ConfigError(
                 "config key 'algorithm': a module:factory model has one layout (rows over the "
@@ -413,7 +408,7 @@ class FullGraphTask(BaseTask):
         if is_user_model(cfg.model):
             options = factory_options(cfg.model_options)
             plain = build_user_model(cfg.model, dims[0], dims[-1], options).to(dtype)
-            self.model = parallelize_pyg(plain, self.grid, self.source)
+            self.model = parallelize_pyg(plain, self.grid, self.source, compute_dtype(cfg))
             self.model.activation_checkpointing = cfg.activation_checkpointing
             self.features = self.model.input_features()
             self.metric = metric_for(self.model.node_data("label"))

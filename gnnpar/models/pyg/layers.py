@@ -133,7 +133,7 @@ def _attend(m, g: Share, src: torch.Tensor, logits: torch.Tensor) -> torch.Tenso
     heads, channels = m.heads, m.out_channels
     att = g.softmax(logits, e.rows)
     att = F.dropout(att, p=m.dropout, training=m.training)
-    part = attention.attend(att, src, e)
+    part = attention.attend(att.to(src.dtype), src, e)
     out = g.scatter_rows(part.reshape(part.shape[0], -1), "OUT = att·Z").view(-1, heads, channels)
     return out.reshape(out.shape[0], -1) if m.concat else out.mean(dim=1)
 
