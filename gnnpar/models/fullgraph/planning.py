@@ -12,6 +12,7 @@ from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives, gcn_compute_seconds
 from gnnpar.models.fullgraph.memory import gcn_memory
+from gnnpar.models.pyg.model import is_user_model
 from gnnpar.plan.comm_model import bytes_by_axis
 from gnnpar.plan.command import PlanCommand, add_machine_options, machine_from, report
 from gnnpar.plan.inputs import PlanError, parse_count
@@ -128,8 +129,9 @@ def choose_fullgraph_grid(
 # ------------------------------------------------------------------ gnnpar plan gcn
 # The trainer's options that ``gnnpar plan`` takes, spelled and defaulted as the trainer's:
 # the same flags describe the same run, so both pick the same grid.
-GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "hidden", "heads", "out_heads",
-               "layers", "dtype", "mixed_precision", "activation_checkpointing")  # fmt: skip
+GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "model_options", "hidden",
+               "heads", "out_heads", "layers", "dtype", "mixed_precision",
+               "activation_checkpointing")  # fmt: skip
 
 
 def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
@@ -142,7 +144,7 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
     common = {
         "hidden": cfg.hidden,
         "layers": cfg.layers,
-        "model": cfg.model,
+        "model": "gcn" if is_user_model(cfg.model) else cfg.model,  # a user model: its sizes
         "element_size": compute_dtype(cfg).itemsize,
         "heads": cfg.heads,
         "out_heads": cfg.out_heads,
@@ -194,11 +196,37 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
 def _cmd_gcn(args: argparse.Namespace) -> int:
     problem = _gcn_problem(args)
     machine = machine_from(args)
+    if is_user_model(args.model or ""):
+        return _cmd_user_model(args, problem, machine)
     cands = rank_gcn(problem, args.gpus, machine)
     title = (
         f"{problem.model} on {problem.name}: {problem.nodes:,} nodes, {problem.nnz:,} nonzeros, "
         f"widths {problem.dims}; {count(args.gpus, 'rank')} on {machine.name} "
         f"({machine.ranks_per_node(args.gpus)} per node)"
+    )
+    return report(cands, args, title)
+
+
+def _cmd_user_model(args: argparse.Namespace, problem: GCNProblem, machine: Machine) -> int:
+    """``gnnpar plan gcn --model FILE:FACTORY``: the user's model traced and priced on every
+    shape (:mod:`gnnpar.models.fullgraph.pyg_planning`)."""
+    from gnnpar.models.fullgraph.pyg_planning import rank_pyg
+    from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.models.pyg.model import build_user_model, factory_options
+
+    cfg = resolve(FullGraphConfig, args, None)
+    try:
+        options = factory_options(cfg.model_options)
+        model = build_user_model(cfg.model, problem.features, problem.classes, options)
+    except UserError as err:
+        raise PlanError(str(err)) from None
+    recompute = cfg.activation_checkpointing == "full"
+    cands = rank_pyg(model, problem.features, problem.nodes, problem.nnz, args.gpus, machine,
+                     problem.element_size, recompute)  # fmt: skip
+    title = (
+        f"{cfg.model} on {problem.name}: {problem.nodes:,} nodes, {problem.nnz:,} nonzeros, "
+        f"{problem.features} features, {problem.classes} classes; {count(args.gpus, 'rank')} "
+        f"on {machine.name} ({machine.ranks_per_node(args.gpus)} per node)"
     )
     return report(cands, args, title)
 

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from gnnpar import comm
-from gnnpar.comm import ring_bytes
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.parallelize import ShardedGNN
@@ -176,28 +175,3 @@ def parallelize_pyg(
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(hook)
     return par
-
-
-def aggregation_bytes_per_width(n: int, x: int, yz: int, element_size: int = 4) -> float:
-    """Per-rank bytes of one aggregation ``Â·H`` per feature of H on an ``x`` × ``yz`` split
-    of ``n`` nodes, forward and backward (:meth:`~.share.GraphShare.propagate`): the y·z
-    all-gather of the block's columns and the x reduce-scatter of its rows, each paired with
-    its adjoint."""
-    cols, rows = -(-n // x), -(-n // yz)
-    gather = ring_bytes("all_gather", yz * -(-cols // yz) * element_size, yz)
-    scatter = ring_bytes("reduce_scatter", x * -(-rows // x) * element_size, x)
-    return 2 * (gather + scatter)
-
-
-def choose_share_grid(world: int, num_nodes: int = 1 << 20) -> dict[str, int]:
-    """The x × y·z split of ``world`` ranks whose aggregation moves the fewest bytes
-    (:func:`aggregation_bytes_per_width`; ties: the smaller x), the y·z ranks on y."""
-    best = min(
-        (aggregation_bytes_per_width(num_nodes, x, world // x), x)
-        for x in range(1, world + 1)
-        if world % x == 0
-    )
-    x = best[1]
-    return {"x": x, "y": world // x, "z": 1}
-
-

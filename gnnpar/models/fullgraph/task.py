@@ -35,7 +35,8 @@ from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
 from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
-from gnnpar.models.fullgraph.pyg import choose_share_grid, parallelize_pyg
+from gnnpar.models.fullgraph.pyg import parallelize_pyg
+from gnnpar.models.fullgraph.pyg_planning import choose_pyg_grid
 from gnnpar.models.fullgraph.shards import (
     DiskSource,
     OldShardFolderError,
@@ -335,7 +336,15 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
         prepared = _Prepared(source, num_edges, [meta["feat_dim"], meta["num_classes"]])
         if cfg.grid:
             return GridPlan(parse_grid_spec(cfg.grid), "given", prepared)
-        return GridPlan(choose_share_grid(world.world_size), "chosen by the planner", prepared)
+        options = factory_options(cfg.model_options)
+        model = build_user_model(cfg.model, meta["feat_dim"], meta["num_classes"], options)
+        gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
+        shape = choose_pyg_grid(
+            model, meta["feat_dim"], meta["num_nodes"], meta["num_edges"] + meta["num_nodes"],
+            world.world_size, local_machine(world.backend, gpus_per_node),
+            compute_dtype(cfg).itemsize, cfg.activation_checkpointing == "full",
+        )  # fmt: skip
+        return GridPlan(shape, "chosen by the planner", prepared)
     try:  # a given folder cut for another model (a folder the run owns was rebuilt)
         check_norm(cfg.model, source)
     except UserError as err:
