@@ -425,3 +425,35 @@ def test_a_user_model_trains_mini_batch_on_two_parts_and_predicts_exactly(tmp_pa
     with torch.no_grad():
         plain = model(graph.feat.double(), _plain_edge_index(graph)).argmax(1)
     assert torch.equal(predicted.long(), plain)
+
+
+def test_a_bad_model_option_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    """``--model`` naming no file, no function, a failing call or an unsupported layer: one
+    line on stderr and exit code 2, with no rank started (``--nprocs 2``)."""
+    from gnnpar.cli import main
+
+    mine = tmp_path / "mine.py"
+    mine.write_text(
+        "from torch_geometric import nn as gnn\n"
+        "def cheb(in_channels, out_channels):\n"
+        "    return gnn.ChebConv(in_channels, out_channels, K=2)\n"
+        "def broken(in_channels, out_channels):\n"
+        "    return 1 / 0\n"
+    )
+    cases = {
+        f"{tmp_path}/none.py:f": "no file",
+        f"{mine}:nosuch": "has no function 'nosuch'",
+        f"{mine}:cheb": "ChebConv at the model itself is a message-passing layer",
+        f"{ZOO}:gcn --model-options nosuch=1": "unexpected keyword argument 'nosuch'",
+    }
+    for model, words in cases.items():
+        argv = ["train", "gcn", "--dataset", "sbm", "--nprocs", "2", "--out",
+                str(tmp_path / "run"), "--model", *model.split()]  # fmt: skip
+        assert main(argv) == 2, model
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "run").exists()
+    argv = ["train", "gcn", "--dataset", "sbm", "--out", str(tmp_path / "run"), "--model",
+            f"{mine}:broken"]  # fmt: skip
+    with pytest.raises(ZeroDivisionError):  # the user's own bug: its traceback, as any bug's
+        main(argv)
