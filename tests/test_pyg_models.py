@@ -94,19 +94,27 @@ def aggregation_bytes(shape: dict, coords: dict, n: int, width: int) -> tuple[fl
     return gather + scatter, gather + scatter
 
 
-def _grid_check(shape: dict) -> int:
-    import gnnpar
-    from gnnpar import comm
-    from gnnpar.models.fullgraph.pyg import parallelize_pyg
+def _small_source():
+    """The small graph (a dense float64 adjacency, features, labels, train mask) and its
+    memory source: the raw adjacency in one random node order."""
     from gnnpar.sparse.source import MemorySource, make_permutations
-    from tests.fullgraph_utils import check_schedule
 
-    grid = gnnpar.init(**shape)
     a, x, y, train = small_graph(n=N, feat=FEAT, classes=CLASSES)
     raw = dense_to_block(a + torch.eye(N, dtype=a.dtype))
     p = make_permutations("symmetric", raw.indptr, raw.indices, 3)
     data = {"label": y, "train_mask": train}
     source = MemorySource(raw.indptr, raw.indices, raw.values, x, data, p, norm="raw")
+    return (a, x, y, train), source
+
+
+def _grid_check(shape: dict) -> int:
+    import gnnpar
+    from gnnpar import comm
+    from gnnpar.models.fullgraph.pyg import parallelize_pyg
+    from tests.fullgraph_utils import check_schedule
+
+    grid = gnnpar.init(**shape)
+    (a, x, y, train), source = _small_source()
     edge_index = a.nonzero().T
     checked = 0
     for name, make in cases(zoo()).items():
@@ -190,15 +198,10 @@ def _bf16_world() -> int:
     import gnnpar
     from gnnpar import comm
     from gnnpar.models.fullgraph.pyg import parallelize_pyg
-    from gnnpar.sparse.source import MemorySource, make_permutations
     from tests.fullgraph_utils import check_schedule
 
     grid = gnnpar.init(x=2)
-    a, x, y, train = small_graph(n=N, feat=FEAT, classes=CLASSES)
-    raw = dense_to_block(a + torch.eye(N, dtype=a.dtype))
-    p = make_permutations("symmetric", raw.indptr, raw.indices, 3)
-    data = {"label": y, "train_mask": train}
-    source = MemorySource(raw.indptr, raw.indices, raw.values, x, data, p, norm="raw")
+    (a, x, y, train), source = _small_source()
     edge_index = a.nonzero().T
     checked = 0
     for name, make in cases(zoo()).items():

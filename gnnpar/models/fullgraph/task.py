@@ -45,7 +45,12 @@ from gnnpar.models.fullgraph.shards import (
     read_shard_manifest,
     shard_provenance,
 )
-from gnnpar.models.pyg.model import build_user_model, factory_options, is_user_model
+from gnnpar.models.pyg.model import (
+    build_user_model,
+    check_model_option,
+    factory_options,
+    is_user_model,
+)
 from gnnpar.plan import local_machine
 from gnnpar.sparse.source import PERMUTATIONS
 from gnnpar.train import schedule
@@ -130,18 +135,9 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                 "attention core; full-graph layers take none or full"
             )
         self.check_recompute(("none", "full"))
-        if self.model not in MODELS and not is_user_model(self.model):
-            raise ConfigError(
-                f"config key 'model' must be one of {', '.join(MODELS)} or module:factory, "
-                f"got {self.model!r}"
-            )
+        check_model_option(self.model, MODELS, self.model_options)
         if is_user_model(self.model):
             self._check_user_model()
-        elif self.model_options:
-            raise ConfigError(
-                "config key 'model_options' is for a module:factory model; the built-in "
-                "models take their own keys (hidden, layers, heads...)"
-            )
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"config key 'algorithm' must be one of {ALGORITHMS}")
         if self.permutation not in PERMUTATIONS:
@@ -189,10 +185,6 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                 "config key 'permutation': a module:factory model needs one node order: "
                 f"random (read as symmetric), symmetric or none, not {self.permutation!r}"
             )
-        try:
-            factory_options(self.model_options)
-        except UserError as err:
-            raise ConfigError(f"config key 'model_options': {err}") from None
 
 
 def _permutation(cfg: FullGraphConfig) -> str:

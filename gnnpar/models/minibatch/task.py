@@ -55,7 +55,12 @@ from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.models.minibatch.pyg import full_graph_logits, part_logits, subgraph_logits
-from gnnpar.models.pyg.model import build_user_model, factory_options, is_user_model
+from gnnpar.models.pyg.model import (
+    build_user_model,
+    check_model_option,
+    factory_options,
+    is_user_model,
+)
 from gnnpar.sampling import (
     ClusterSampler,
     DistNeighborSampler,
@@ -189,17 +194,9 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
                 f"config key 'offload' = {self.offload} needs zero_stage 1, 2 or 3 (sage runs "
                 "stage 0 unless told)"
             )
-        if self.model not in _MODELS and not is_user_model(self.model):
-            raise ConfigError(
-                f"config key 'model' must be one of {_MODELS} or module:factory, got {self.model!r}"
-            )
+        check_model_option(self.model, _MODELS, self.model_options)
         if is_user_model(self.model):
             self._check_user_model()
-        elif self.model_options:
-            raise ConfigError(
-                "config key 'model_options' is for a module:factory model; the built-in "
-                "models take their own keys (hidden, layers, heads...)"
-            )
         self._check_sampler()
         if self.sampler != "neighbor":
             return self._check_common()
@@ -246,10 +243,6 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
                 "config key 'mixed_precision': a module:factory model runs in its parameters' "
                 "dtype; use none"
             )
-        try:
-            factory_options(self.model_options)
-        except UserError as err:
-            raise ConfigError(f"config key 'model_options': {err}") from None
 
     def _check_sampler(self) -> None:
         if self.sampler not in SAMPLERS:

@@ -126,6 +126,29 @@ def is_user_model(model: str) -> bool:
     return ":" in model
 
 
+def check_model_option(model: str, builtin: tuple[str, ...], options: str | None) -> None:
+    """A task's ``model`` is one of its ``builtin`` names or a ``module:factory`` whose
+    ``model_options`` (only for those) parse: ConfigError naming the key otherwise."""
+    from gnnpar.train.config import ConfigError
+
+    if model not in builtin and not is_user_model(model):
+        raise ConfigError(
+            f"config key 'model' must be one of {', '.join(builtin)} or module:factory, "
+            f"got {model!r}"
+        )
+    if not is_user_model(model):
+        if options:
+            raise ConfigError(
+                "config key 'model_options' is for a module:factory model; the built-in "
+                "models take their own keys (hidden, layers, heads...)"
+            )
+        return
+    try:
+        factory_options(options)
+    except UserError as err:
+        raise ConfigError(f"config key 'model_options': {err}") from None
+
+
 def factory_options(text: str | None) -> dict[str, Any]:
     """A factory's keyword arguments from ``model_options`` (``k=v,k=v``)."""
     from gnnpar.data.options import parse_options, split_options
