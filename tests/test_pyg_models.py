@@ -94,6 +94,28 @@ def aggregation_bytes(shape: dict, coords: dict, n: int, width: int) -> tuple[fl
     return gather + scatter, gather + scatter
 
 
+def attention_layernorm_bytes(shape: dict, coords: dict, n: int, heads: int, channels: int):
+    """Written out: one GATv2 layer (heads × channels wide) and a graph LayerNorm after it,
+    forward and backward, on this rank: X_l gathered over y·z and X_r over x (the rows X:
+    sub-chunk c of every x chunk), the softmax's row maximum (no gradient) and row sum
+    all-reduced over x (|X| × heads), the output reduce-scattered over x, and the norm's two
+    scalar sums over every rank; backward the adjoint of each but the maximum."""
+    x, yz = shape.get("x", 1), shape.get("y", 1) * shape.get("z", 1)
+    a, c = coords["x"], coords["y"] + shape.get("y", 1) * coords["z"]
+    lo, hi = chunk(n, x, a)
+    sub = max(chunk_sizes(hi - lo, yz))
+    parts = [chunk_sizes(b_hi - b_lo, yz)[c] for b_lo, b_hi in (chunk(n, x, b) for b in range(x))]
+    width, e = heads * channels, 8
+    gather_cols = (yz - 1) * sub * width * e
+    rows_x = (x - 1) * max(parts) * width * e  # gather X_r, scatter the output: each once
+    stats = 2 * (x - 1) / x * sum(parts) * heads * e if x > 1 else 0.0  # one all-reduce
+    p = x * yz
+    norm = 2 * 2 * (p - 1) / p * e if p > 1 else 0.0  # two scalar all-reduces
+    forward = gather_cols + 2 * rows_x + 2 * stats + norm
+    backward = gather_cols + 2 * rows_x + stats + norm  # the maximum has no adjoint
+    return forward, backward
+
+
 def _small_source():
     """The small graph (a dense float64 adjacency, features, labels, train mask) and its
     memory source: the raw adjacency in one random node order."""
@@ -170,6 +192,14 @@ def _grid_check(shape: dict) -> int:
             got_f, got_b = sum(fwd.by_axis().values()), sum(bwd.by_axis().values())
             assert abs(got_f - want_f) <= fwd.calls() + 1, (tag, got_f, want_f)
             assert abs(got_b - want_b) <= bwd.calls() + 1, (tag, got_b, want_b)
+        if name == "gatv2-residual-layernorm":  # 2 GATv2 layers of 2 heads × 3, LayerNorms
+            f_one, b_one = attention_layernorm_bytes(shape, grid.coords(), N, 2, 3)
+            p_world = grid.size("tensor")
+            numel = sum(p.numel() for p in mine.parameters())
+            params = ring_bytes("all_reduce", numel * 8, p_world) if p_world > 1 else 0.0
+            got_f, got_b = sum(fwd.by_axis().values()), sum(bwd.by_axis().values())
+            assert abs(got_f - 2 * f_one) <= fwd.calls() + 1, (tag, got_f, 2 * f_one)
+            assert abs(got_b - 2 * b_one - params) <= bwd.calls() + 1, (tag, got_b, 2 * b_one)
         checked += 1
     # evaluation: BatchNorm reads its running statistics, the rest is unchanged
     ref.eval(), par.eval()
