@@ -25,6 +25,7 @@ not a serial run's (evaluation and dropout-free training equal serial to roundin
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -36,7 +37,7 @@ from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.parallelize import ShardedGNN
 from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.models.fullgraph.share import NODE_AXIS, GraphShare
-from gnnpar.models.pyg.model import check_model, install_forwards
+from gnnpar.models.pyg.model import check_model, install_forwards, seeded
 from gnnpar.sparse.source import ShardSource
 
 
@@ -119,14 +120,19 @@ class ParallelPyG(ShardedGNN):
         self.share.checkpointing = mode == "full"
 
     def forward(self, x: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
-        """This rank's rows of ``model(x, edge_index)``. ``dropout_seed`` is not used: the
-        model's own dropout draws from torch's generator."""
+        """This rank's rows of ``model(x, edge_index)``. ``dropout_seed`` (training): the
+        model's own dropout draws from torch's generator seeded with it and this rank (a
+        step's masks are the same after a resume on the same grid; another grid draws
+        others)."""
         self.share.start_recording()
-        if self.compute_dtype == self.dtype:
-            return self.module(x, self.share)
-        # bf16: the masters stay in their dtype; autocast runs the products in bfloat16 and
-        # the share sends and multiplies what it gathers in bfloat16
-        with torch.autocast(self.device.type, dtype=self.compute_dtype):
+        with contextlib.ExitStack() as stack:
+            if dropout_seed is not None and self.training:
+                seed = dropout_seed * 1009 + self.grid.global_rank
+                stack.enter_context(seeded(seed, self.device))
+            if self.compute_dtype != self.dtype:
+                # bf16: the masters stay in their dtype; autocast runs the products in
+                # bfloat16, the share sends and multiplies what it gathers in bfloat16
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
             return self.module(x, self.share)
 
     def schedule(self, input_grad: bool = False) -> list[Step]:

@@ -60,6 +60,7 @@ from gnnpar.models.pyg.model import (
     check_model_option,
     factory_options,
     is_user_model,
+    seeded,
 )
 from gnnpar.sampling import (
     ClusterSampler,
@@ -825,8 +826,7 @@ class MiniBatchTask(BaseTask):
         batch's sampled subgraph with its dropout drawn from ``dropout_seed``."""
         if not self.user_model:
             return self.net(batch.blocks, batch.x, dropout_seed=dropout_seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(dropout_seed)
+        with seeded(dropout_seed, self.device):
             return subgraph_logits(self.net, batch.blocks, batch.x)
 
     def _subgraph_update(self, batch: Any, sums: torch.Tensor) -> None:

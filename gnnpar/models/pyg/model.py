@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch_geometric.nn as pyg
 from torch import nn
 
@@ -118,6 +119,17 @@ def parallel_forwards(model: nn.Module, share: Any) -> Iterator[list[str]]:
         yield install_forwards(model, share)
     finally:
         remove_forwards(model)
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """torch's generators (the host's, and ``device``'s if a GPU) seeded with ``seed`` for a
+    ``with`` block and restored after: a user model's dropout masks are then a function of
+    the seed (the same step draws the same masks after a resume)."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 # --------------------------------------------------------------------------- factories
