@@ -70,6 +70,8 @@ def _dispatch(parallel: Callable[..., torch.Tensor], where: int = 1):
     own forward (a module keeps working on a plain ``edge_index``)."""
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) <= where and _is_share(kwargs.get("edge_index")):  # edge_index=share
+            args = (*args, kwargs.pop("edge_index"))
         if len(args) > where and _is_share(args[where]):
             return parallel(module, *args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
