@@ -679,6 +679,12 @@ def reduce_from(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:
     return x if grid.group(axis) is None else _ReduceFrom.apply(x, grid, axis)
 
 
+def all_reduce_both(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:
+    """All-reduce (sum) over ``axis`` forward, and of the gradient backward: for a sum whose
+    consumers differ from rank to rank (:func:`reduce_from` then :func:`copy_to`)."""
+    return copy_to(reduce_from(x, grid, axis), grid, axis)
+
+
 def _pair(
     fn: type[torch.autograd.Function],
     x: torch.Tensor,

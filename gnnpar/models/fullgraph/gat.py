@@ -73,12 +73,6 @@ if TYPE_CHECKING:
     from gnnpar.models.fullgraph.model import FullGraphGNN
 
 
-def _all_reduce_both(x: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:
-    """Sum over ``axis`` forward, and of the gradient backward (the sum feeds computations
-    that differ across the group)."""
-    return comm.copy_to(comm.reduce_from(x, grid, axis), grid, axis)
-
-
 class _Block:
     """One rank's edges of one layer: local (row, column) of each nonzero of the ``"raw"``
     adjacency's block and its weight (the block's value, in ``dtype``), the edges' global
@@ -252,9 +246,9 @@ class _GATKind:
         alpha_dst = blk.move_rows((z_root * self.param("att_dst", i, ax.part, ax.rows)).sum(-1))
         row_max = row_sum = None
         if ax.part is not None:
-            alpha_dst = _all_reduce_both(alpha_dst, grid, ax.part)
+            alpha_dst = comm.all_reduce_both(alpha_dst, grid, ax.part)
             row_max = lambda m: comm.all_reduce(m, grid, ax.part, op="max")  # noqa: E731
-            row_sum = lambda s: _all_reduce_both(s, grid, ax.part)  # noqa: E731
+            row_sum = lambda s: comm.all_reduce_both(s, grid, ax.part)  # noqa: E731
         out = attention.gat_aggregate(
             z_cols, alpha_dst, self.param("att_src", i, ax.part, ax.rows), blk.edges,
             (blk.dst, blk.src), seed, _Settings(layer, self.training),
@@ -308,7 +302,7 @@ class _GINKind:
             # this rank holds some rows of its features: the ranks along ax.rows the others
             h = gin_batch_norm(
                 h, self.param("norm_weight", i, ax.rows), self.param("norm_bias", i, ax.rows),
-                self.num_nodes, lambda t: _all_reduce_both(t, self.grid, ax.rows),
+                self.num_nodes, lambda t: comm.all_reduce_both(t, self.grid, ax.rows),
             )  # fmt: skip
         h = self._scatter(torch.relu(h) @ self.param("weight_out", i, ax.rows), i)
         if self.has_bias:
@@ -466,7 +460,7 @@ class _Layout2D(_GemmFirst):
         return _Axes("y", "x", "y", "y")
 
     def _z(self, i: int, h: torch.Tensor):
-        z = _all_reduce_both(h @ self.param("weight", i, "x"), self.grid, "y")  # rows i
+        z = comm.all_reduce_both(h @ self.param("weight", i, "x"), self.grid, "y")  # rows i
         z = comm.gather_from(z, self.grid, "x", sizes=self.row_sizes)  # every node
         z = z[self.cols[0] : self.cols[1]]  # the block's columns
         return z, z

@@ -87,7 +87,6 @@ class ParallelPyG(ShardedGNN):
         self.input_block = (rows, (0, source.feat_dim))
         self.logits_rows, self.logits_cols = rows, (0, source.num_classes)
         self.row_axis, self.class_axis = NODE_AXIS, None
-        self._gather_buffers = {}
         self._grad_steps = [
             s
             for p in model.parameters()

@@ -95,11 +95,6 @@ def _vstack(blocks: list[CSRBlock]) -> CSRBlock:
     )
 
 
-def _all_reduce_both(t: torch.Tensor, grid: ProcessGrid, axis: str) -> torch.Tensor:
-    """Sum over ``axis`` forward, and of the gradient backward (consumers differ per rank)."""
-    return comm.copy_to(comm.reduce_from(t, grid, axis), grid, axis)
-
-
 class GraphShare:
     """This rank's share of the graph (see the module docstring), passed to a parallelized
     model's ``forward`` where the plain model takes ``edge_index``.
@@ -240,34 +235,35 @@ class GraphShare:
             self.steps += step("backward", axis, bw, group, elements, what + " (gradient)",
                                itemsize)  # fmt: skip
 
+    def _rows(self, t: torch.Tensor, axis: str, sizes: list[int], kinds: tuple[str, str],
+              what: str) -> torch.Tensor:  # fmt: skip
+        """``t`` in the share's dtype, its rows' collective over ``axis`` (``kinds``: forward,
+        backward) recorded for pieces of ``sizes`` rows padded to the largest."""
+        t = t.to(self.dtype)
+        width = t[0].numel() if t.dim() > 1 else 1
+        full = self.grid.size(axis) * max(sizes) * width
+        self._record(axis, kinds[0], kinds[1] if t.requires_grad else None, full, what,
+                     t.element_size())  # fmt: skip
+        return t
+
     def gather_cols(self, h: torch.Tensor, what: str = "gather H") -> torch.Tensor:
         """This rank's rows of ``h`` → the rows of its block's columns (all-gather over y·z;
         backward: reduce-scatter)."""
-        h = h.to(self.dtype)
-        width = h[0].numel() if h.dim() > 1 else 1
-        full = self.pyz * max(self.sub_sizes) * width
-        self._record(ROW_AXIS, "all_gather", "reduce_scatter" if h.requires_grad else None,
-                     full, what, h.element_size())  # fmt: skip
+        h = self._rows(h, ROW_AXIS, self.sub_sizes, ("all_gather", "reduce_scatter"), what)
         return comm.gather_from(h, self.grid, ROW_AXIS, sizes=self.sub_sizes)
 
     def gather_rows(self, v: torch.Tensor, what: str = "gather destination rows") -> torch.Tensor:
         """This rank's rows of ``v`` → the block's rows X (all-gather over x; backward:
         reduce-scatter)."""
-        v = v.to(self.dtype)
-        width = v[0].numel() if v.dim() > 1 else 1
-        full = self.px * max(self.scatter_sizes) * width
-        self._record(COL_AXIS, "all_gather", "reduce_scatter" if v.requires_grad else None,
-                     full, what, v.element_size())  # fmt: skip
+        kinds = ("all_gather", "reduce_scatter")
+        v = self._rows(v, COL_AXIS, self.scatter_sizes, kinds, what)
         return comm.gather_from(v, self.grid, COL_AXIS, sizes=self.scatter_sizes)
 
     def scatter_rows(self, p: torch.Tensor, what: str = "OUT = Â·H") -> torch.Tensor:
         """Partial sums over the block's rows X → this rank's rows, summed over x
         (reduce-scatter; backward: all-gather)."""
-        p = p.to(self.dtype)
-        width = p[0].numel() if p.dim() > 1 else 1
-        full = self.px * max(self.scatter_sizes) * width
-        self._record(COL_AXIS, "reduce_scatter", "all_gather" if p.requires_grad else None,
-                     full, what, p.element_size())  # fmt: skip
+        kinds = ("reduce_scatter", "all_gather")
+        p = self._rows(p, COL_AXIS, self.scatter_sizes, kinds, what)
         return comm.scatter_to(p, self.grid, COL_AXIS, sizes=self.scatter_sizes)
 
     def row_sum(self, s: torch.Tensor, what: str = "softmax row sum") -> torch.Tensor:
@@ -275,7 +271,7 @@ class GraphShare:
         gradient backward)."""
         self._record(COL_AXIS, "all_reduce", "all_reduce" if s.requires_grad else None,
                      s.numel(), what, s.element_size())  # fmt: skip
-        return _all_reduce_both(s, self.grid, COL_AXIS) if self.px > 1 else s
+        return comm.all_reduce_both(s, self.grid, COL_AXIS)
 
     def row_max(self, m: torch.Tensor, what: str = "softmax row max") -> torch.Tensor:
         """Per-row maxima over the block's columns, the maximum over x (no gradient)."""
@@ -287,9 +283,7 @@ class GraphShare:
         forward and the gradient backward."""
         self._record(NODE_AXIS, "all_reduce", "all_reduce" if t.requires_grad else None,
                      t.numel(), what, t.element_size())  # fmt: skip
-        if self.grid.size(NODE_AXIS) == 1:
-            return t
-        return _all_reduce_both(t, self.grid, NODE_AXIS)
+        return comm.all_reduce_both(t, self.grid, NODE_AXIS)
 
     # -------------------------------------------------------------------------- the ops
     def propagate(self, kind: str, h: torch.Tensor, what: str = "Â·H") -> torch.Tensor:
