@@ -103,9 +103,10 @@ def speed(scale: int, reps: int, only: str | None = None) -> dict:
     graph = rmat(scale=scale, feat_dim=128, num_classes=16, seed=0)
     x, y = graph.ndata["feat"].float(), graph.ndata["label"]
     train = graph.ndata["train_mask"]
-    edge_index = torch.stack([graph.indices, graph.rows()])  # (source, target)
+    src, dst = graph.edges()
+    edge_index = torch.stack([src, dst])  # (source, target)
     n = graph.num_nodes
-    pairs = torch.stack([graph.rows(), graph.indices])  # adj_t: (target, source)
+    pairs = torch.stack([dst, src])  # adj_t: (target, source)
     adj_t = torch.sparse_coo_tensor(pairs, torch.ones(graph.num_edges), (n, n)).to_sparse_csr()
     source = _source(graph, x)
     grid = gnnpar.init()

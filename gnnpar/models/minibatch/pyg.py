@@ -54,8 +54,7 @@ def subgraph_logits(model: nn.Module, blocks: list[Any], x: torch.Tensor) -> tor
 
 def full_graph_logits(model: nn.Module, graph: Any, device: torch.device) -> torch.Tensor:
     """Every node's logits from the whole graph (local sampling: each rank holds it)."""
-    dst = torch.repeat_interleave(torch.arange(graph.num_nodes), graph.indptr.diff())
-    edge_index = torch.stack([graph.indices, dst]).to(device)
+    edge_index = torch.stack(graph.edges()).to(device)  # (source, destination), PyG's order
     return model(graph.feat.to(device), edge_index)
 
 
