@@ -14,6 +14,7 @@ from typing import Any
 from gnnpar.allocation import check_room
 from gnnpar.data.karate import karate
 from gnnpar.data.ogb import is_ogb_folder, ogb, ogbn, ogbn_datasets
+from gnnpar.data.ogbl import is_ogbl_folder, ogbl, ogbl_datasets, read_ogbl
 from gnnpar.data.planetoid import planetoid, planetoid_names
 from gnnpar.data.rmat import rmat
 from gnnpar.data.sbm import sbm
@@ -48,7 +49,8 @@ class CatalogueEntry:
         builder: ``builder(root, **kwargs) -> Graph``; ``root`` is the data root.
         needs_files: whether the dataset is read from files under the root (not generated).
         metric: what the trainer reports on it (``acc``, or ``rocauc`` for a multi-label
-            dataset; see :func:`gnnpar.train.metrics.metric_for`).
+            dataset; see :func:`gnnpar.train.metrics.metric_for`; for a link-prediction
+            benchmark its split's :attr:`~gnnpar.graph.edge_split.EdgeSplit.metric`).
     """
 
     name: str
@@ -159,6 +161,33 @@ def _ogbn_entries() -> list[CatalogueEntry]:
     return entries
 
 
+def _ogbl_builder(name: str) -> Callable[..., Graph]:
+    def builder(root: Path, **kwargs: Any) -> Graph:
+        return ogbl(root, name, **kwargs)
+
+    return builder
+
+
+def _ogbl_entries() -> list[CatalogueEntry]:
+    """The OGB link-property benchmarks, read from their unpacked archives: each loads as
+    its split's message-passing graph with the split as ``graph.edge_split``."""
+    defaults = _defaults_of(ogbl, skip=("root", "name"))
+    entries = []
+    for name, spec in ogbl_datasets().items():
+        negatives = "per-source negatives" if spec.protocol == "per-source" else "negative pairs"
+        description = (
+            f"OGB {spec.what}, link prediction: {spec.nodes:,} nodes, {spec.edges:,} edges, "
+            f"{spec.features} features; official {spec.split!r} split, {negatives}, "
+            f"metric {spec.metric} (needs the OGB archive under <root>/{name})"
+        )
+        entries.append(
+            CatalogueEntry(
+                name, description, defaults, _ogbl_builder(name), True, metric=spec.metric
+            )
+        )
+    return entries
+
+
 def catalogue() -> list[CatalogueEntry]:
     """All named datasets (a new list on every call)."""
     planetoid_defaults = _defaults_of(planetoid, skip=("root", "name"))
@@ -196,7 +225,7 @@ def catalogue() -> list[CatalogueEntry]:
                 needs_files=True,
             )
         )
-    return entries + _ogbn_entries()
+    return entries + _ogbn_entries() + _ogbl_entries()
 
 
 def get_entry(name: str) -> CatalogueEntry | None:
@@ -228,8 +257,10 @@ def source_record(name_or_path: str, kwargs: Mapping[str, Any]) -> dict[str, Any
 
 def load_path(path: str | Path, **kwargs: Any) -> Graph:
     """Load a folder: gnnpar format (``manifest.json``), Planetoid (``ind.<name>.*``; pass
-    ``name=`` if it holds several datasets) or OGB layout (``raw/edge.csv.gz``). A graph
-    folder of an older gnnpar (``meta.json``) is refused with one line: prepare it again."""
+    ``name=`` if it holds several datasets), OGB link layout (``split/<scheme>/train.pt``;
+    :func:`gnnpar.data.ogbl.read_ogbl`, ``name=`` when the folder's name does not say which
+    benchmark it is) or OGB node layout (``raw/edge.csv.gz``). A graph folder of an older
+    gnnpar (``meta.json``) is refused with one line: prepare it again."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"no dataset folder at {folder}")
@@ -242,11 +273,14 @@ def load_path(path: str | Path, **kwargs: Any) -> Graph:
                 raise UserError(f"{folder} holds Planetoid datasets {names}: pass name=...")
             kwargs["name"] = names[0]
         return planetoid(folder, **kwargs)
+    if is_ogbl_folder(folder):
+        return read_ogbl(folder, **kwargs)
     if is_ogb_folder(folder):
         return ogb(folder, **kwargs)
     raise UserError(
         f"{folder} is not a gnnpar graph folder (manifest.json), a Planetoid folder "
-        "(ind.<name>.* files) or an OGB folder (raw/edge.csv.gz)"
+        "(ind.<name>.* files), an OGB link folder (split/<scheme>/train.pt) or an OGB folder "
+        "(raw/edge.csv.gz)"
     )
 
 

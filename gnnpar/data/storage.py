@@ -8,6 +8,9 @@ Layout::
     <folder>/indices.npy         int64 (num_edges,)
     <folder>/edge_weight.npy     float (num_edges,), only for weighted graphs
     <folder>/ndata/<key>.npy     one per node-data tensor, first dimension num_nodes
+    <folder>/link/<key>.npy      only for a link-prediction split (:mod:`gnnpar.graph.edge_split`):
+                                 int64 ``train``, ``val``, ``test`` (2, E) positive pairs and
+                                 ``val_neg``, ``test_neg`` (2, M) pairs or (E, K) per source
 
 ``manifest.json`` example::
 
@@ -20,7 +23,12 @@ Layout::
                                     "shape": [2001]}, ...}},
      "meta_xxh3_64": "..."}
 
-Array names are ``indptr``, ``indices``, ``edge_weight`` and ``ndata/<key>``. ``source``
+Array names are ``indptr``, ``indices``, ``edge_weight``, ``ndata/<key>`` and ``link/<key>``.
+A folder with a split is the split's message-passing graph (its training edges only) and its
+meta has a ``link`` table: ``protocol`` (``pairs`` or ``per-source``), ``metric`` (the score
+models are selected by), ``source`` (the record of the graph the split was cut from: its
+fingerprint, name and sizes), ``how`` (method and options) and ``digest`` (of the split's
+arrays, checked on load). ``source``
 records how the graph was made (or is ``null``); ``fingerprint`` is
 :meth:`Graph.fingerprint` of the stored graph, so a consumer can name the graph without
 rehashing it (:func:`read_source`); ``num_classes`` is the number of classes of ``label``
@@ -40,6 +48,7 @@ import torch
 
 from gnnpar.errors import UserError
 from gnnpar.graph import Graph
+from gnnpar.graph.edge_split import EdgeSplit
 from gnnpar.verified import (
     FormatError,
     Manifest,
@@ -91,6 +100,8 @@ def _arrays_of(graph: Graph) -> list[tuple[str, str, torch.Tensor]]:
     if graph.edge_weight is not None:
         arrays.append(("edge_weight", "edge_weight.npy", graph.edge_weight))
     arrays += [(f"ndata/{k}", f"ndata/{k}.npy", v) for k, v in graph.ndata.items()]
+    if graph.edge_split is not None:
+        arrays += [(f"link/{k}", f"link/{k}.npy", v) for k, v in graph.edge_split.arrays().items()]
     return arrays
 
 
@@ -116,6 +127,8 @@ def save_graph(
         if not _KEY.match(key):
             raise UserError(f"ndata key {key!r} cannot be a file name (use letters, digits, _.-)")
     graph.validate()
+    if graph.edge_split is not None:
+        graph.edge_split.validate(graph.num_nodes, f"{graph.name}'s edge split")
     arrays = [(name, file, _to_numpy(t, name)) for name, file, t in _arrays_of(graph)]
     meta: dict[str, Any] = {
         "name": graph.name,
@@ -130,6 +143,8 @@ def save_graph(
             for name, file, a in arrays
         },
     }
+    if graph.edge_split is not None:
+        meta["link"] = graph.edge_split.meta()
 
     def fill(tmp: Path) -> None:
         files = {file: save_npy(tmp / file, a) for _, file, a in arrays}
@@ -296,7 +311,7 @@ def load_graph(
             )
     ndata = {name[len("ndata/") :]: t for name, t in arrays.items() if name.startswith("ndata/")}
     try:
-        return Graph(
+        graph = Graph(
             arrays["indptr"],
             arrays["indices"],
             meta["num_nodes"],
@@ -306,5 +321,13 @@ def load_graph(
             validate=validate,
             num_classes=meta.get("num_classes"),
         )
+        link = {name[len("link/") :]: t for name, t in arrays.items() if name.startswith("link/")}
+        if link or "link" in meta:
+            where = str(manifest.folder)
+            graph.edge_split = EdgeSplit.from_arrays(link, meta.get("link") or {}, where)
+            graph.edge_split.validate(graph.num_nodes, where)
     except UserError as err:
-        raise UserError(f"{manifest.folder}: {err}") from None
+        message = str(err)
+        raise UserError(message if message.startswith(str(manifest.folder)) else
+                        f"{manifest.folder}: {message}") from None
+    return graph

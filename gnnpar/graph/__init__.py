@@ -15,13 +15,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gnnpar.allocation import check_room
 from gnnpar.errors import UserError
+
+if TYPE_CHECKING:
+    from gnnpar.graph.edge_split import EdgeSplit
 
 __all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel"]
 
@@ -271,6 +274,9 @@ class Graph:
             str(k): _as_tensor(v, k) for k, v in (ndata or {}).items()
         }
         self.name = str(name)
+        #: Link prediction's train / val / test edges when this is the message-passing
+        #: graph of a split (:mod:`gnnpar.graph.edge_split`), else None.
+        self.edge_split: EdgeSplit | None = None
         self._check_shapes()
         if validate:
             self.validate()

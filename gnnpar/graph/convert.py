@@ -18,6 +18,11 @@ edge list     none (structure only)           none
 Heterogeneous graphs (PyG ``HeteroData``, DGL graphs with several node or edge types) are
 refused with one ValueError: they are not supported yet.
 
+**Link-prediction splits** (:mod:`gnnpar.graph.edge_split`: a message-passing graph with its
+:attr:`~gnnpar.graph.Graph.edge_split`): :func:`from_pyg_link_split` takes the three outputs
+of PyG's ``RandomLinkSplit``; :func:`from_dgl_link` and :func:`to_dgl_link` hold a split as
+boolean edge masks of one DGL graph (``edata["train_mask"]`` etc.).
+
 **The edge-list text format** (:func:`write_edge_list`, :func:`read_edge_list`): one edge
 per line, ``src dst`` or ``src dst weight``, separated by blanks or tabs, node ids are
 integers in ``[0, num_nodes)``; ``#`` starts a comment; a comment line ``# nodes: N`` gives
@@ -26,6 +31,7 @@ the number of nodes (otherwise the largest id + 1: trailing isolated nodes need 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -36,6 +42,8 @@ import numpy as np
 import torch
 
 from gnnpar.errors import MissingPackageError, UserError
+from gnnpar.graph import edge_split
+from gnnpar.graph.edge_split import EdgeSplit, edge_keys
 
 if TYPE_CHECKING:
     from gnnpar.graph import Graph
@@ -46,11 +54,14 @@ __all__ = [
     "is_heterogeneous",
     "from_dgl",
     "from_edge_list",
+    "from_dgl_link",
     "from_networkx",
     "from_pyg",
+    "from_pyg_link_split",
     "from_scipy",
     "read_edge_list",
     "to_dgl",
+    "to_dgl_link",
     "to_edge_list",
     "to_networkx",
     "to_pyg",
@@ -259,6 +270,268 @@ def _mask_as_bool(key: str, value: torch.Tensor) -> torch.Tensor:
     if key.endswith("_mask") and value.dtype == torch.uint8 and bool((value <= 1).all()):
         return value.to(torch.bool)
     return value
+
+
+# ------------------------------------------------------------------ link prediction
+#: PyG's attributes of a link split's labelled pairs: they are not node data.
+_PYG_LINK_KEYS = ("edge_label", "edge_label_index", "pos_edge_label", "pos_edge_label_index",
+                  "neg_edge_label", "neg_edge_label_index")  # fmt: skip
+
+
+def _labelled_pairs(data: Any, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positives (2, P), negatives (2, M))`` of one ``RandomLinkSplit`` output: its
+    ``edge_label_index`` split by ``edge_label`` (1 positive, 0 negative), or its
+    ``pos_edge_label_index`` / ``neg_edge_label_index`` (``split_labels=True``)."""
+    if is_heterogeneous(data):
+        raise UserError(f"PyG HeteroData ({which}): {HETEROGENEOUS}")
+    pos = getattr(data, "pos_edge_label_index", None)
+    if pos is not None:
+        neg = getattr(data, "neg_edge_label_index", None)
+        neg = torch.zeros(2, 0, dtype=torch.int64) if neg is None else neg
+    else:
+        index = getattr(data, "edge_label_index", None)
+        label = getattr(data, "edge_label", None)
+        if index is None or label is None:
+            raise UserError(
+                f"PyG {which} data has no edge_label_index and edge_label (nor "
+                "pos_edge_label_index): pass the outputs of RandomLinkSplit"
+            )
+        if label.dim() != 1 or label.numel() != index.shape[-1]:
+            raise UserError(
+                f"PyG {which} data: edge_label has shape {tuple(label.shape)} for "
+                f"{index.shape[-1]} pairs in edge_label_index"
+            )
+        positive, negative = label == 1, label == 0
+        if not bool((positive | negative).all()):
+            raise UserError(
+                f"PyG {which} data: edge_label holds values other than 0 and 1 (a link "
+                "split's labels are 1 for an edge, 0 for a negative pair)"
+            )
+        pos, neg = index[:, positive], index[:, negative]
+    for what, t in (("positive", pos), ("negative", neg)):
+        if t.dim() != 2 or t.shape[0] != 2:
+            raise UserError(f"PyG {which} data: {what} pairs must be (2, E), got {tuple(t.shape)}")
+    return pos.to(torch.int64).contiguous(), neg.to(torch.int64).contiguous()
+
+
+def _whole_graph(message: Graph, extra: list[torch.Tensor], symmetric: bool) -> Graph:
+    """The graph a split was cut from: the message-passing edges and the ``extra`` positive
+    pairs (both directions when the message graph is symmetric), duplicates merged."""
+    src, dst = message.edges()
+    pairs = [torch.stack([src, dst]), *extra]
+    if symmetric:
+        pairs += [p.flip(0) for p in extra]
+    both = torch.cat(pairs, dim=1)
+    whole = _graph_class().from_edges(
+        both[0], both[1], message.num_nodes, ndata=message.ndata, name=message.name,
+        coalesce=True,
+    )  # fmt: skip
+    return _with_classes(whole, message.num_classes if message.label is not None else None)
+
+
+def from_pyg_link_split(
+    train_data: Any, val_data: Any, test_data: Any, name: str = "graph"
+) -> Graph:
+    """The message-passing graph and :class:`~gnnpar.graph.edge_split.EdgeSplit` of the three
+    outputs of PyG's ``RandomLinkSplit``.
+
+    The graph is ``train_data`` as :func:`from_pyg` converts it (``edge_index``: the edges
+    that carry messages; node data, weights). The split's positives are each part's
+    ``edge_label_index`` pairs whose ``edge_label`` is 1, its negatives (validation and
+    test: protocol ``"pairs"``) those whose label is 0 (with ``split_labels=True``: the
+    ``pos_``/``neg_edge_label_index`` pairs); training negatives are dropped (a trainer draws
+    its own). Metric ``rocauc``; ``source`` records the message-passing graph with every
+    validation and test positive added (both directions when it is symmetric).
+    """
+    for which, data in (("train", train_data), ("val", val_data), ("test", test_data)):
+        if is_heterogeneous(data):
+            raise UserError(f"PyG HeteroData ({which}): {HETEROGENEOUS}")
+    sizes = {int(d.num_nodes) for d in (train_data, val_data, test_data)}
+    if len(sizes) != 1:
+        raise UserError(
+            f"the three PyG link split parts have {sorted(sizes)} nodes: pass the outputs "
+            "of one RandomLinkSplit"
+        )
+    train, _ = _labelled_pairs(train_data, "train")
+    val, val_neg = _labelled_pairs(val_data, "val")
+    test, test_neg = _labelled_pairs(test_data, "test")
+    plain = copy.copy(train_data)  # shallow: the tensors are shared, not copied
+    for key in _PYG_LINK_KEYS:
+        if key in plain.keys():
+            del plain[key]
+    graph = from_pyg(plain, name=name)
+    symmetric = graph.is_symmetric()
+    graph.edge_split = EdgeSplit(
+        train, val, test, val_neg, test_neg, protocol="pairs", metric="rocauc",
+        source=_whole_graph(graph, [val, test], symmetric).record(),
+        how={"method": "pyg", "transform": "RandomLinkSplit", "symmetric": symmetric},
+    )  # fmt: skip
+    graph.edge_split.validate(graph.num_nodes, "PyG link split")
+    return graph
+
+
+def _edge_mask(g: Any, key: str) -> torch.Tensor:
+    """``g.edata[key]`` as a boolean vector (a 0/1 integer one, as ``dgl.save_graphs`` stores
+    masks, too); UserError naming the key otherwise."""
+    if key not in g.edata:
+        raise UserError(f"DGL graph has no edge mask edata[{key!r}] (it has {list(g.edata)})")
+    mask = g.edata[key]
+    if mask.dim() != 1:
+        raise UserError(f"DGL edata[{key!r}] must be a vector, got shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or not bool(((mask == 0) | (mask == 1)).all()):
+            raise UserError(f"DGL edata[{key!r}] must be a boolean (or 0/1) edge mask")
+        mask = mask.to(torch.bool)
+    return mask
+
+
+def _masked_pairs(
+    src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor, num_nodes: int, undirected: bool
+) -> torch.Tensor:
+    """The masked edges as ``(2, E)`` pairs in edge order; ``undirected``: each unordered pair
+    once, as its first masked edge lists it."""
+    s, d = src[mask], dst[mask]
+    if undirected and s.numel():
+        keys = edge_keys(torch.minimum(s, d), torch.maximum(s, d), num_nodes)
+        _, first = np.unique(keys.numpy(), return_index=True)
+        keep = torch.from_numpy(np.sort(first))
+        s, d = s[keep], d[keep]
+    return torch.stack([s, d]).to(torch.int64)
+
+
+def from_dgl_link(
+    g: Any,
+    train_key: str = "train_mask",
+    val_key: str = "val_mask",
+    test_key: str = "test_mask",
+    seed: int = 0,
+    edge_weight_key: str = "w",
+    name: str = "graph",
+    num_classes: int | None = None,
+) -> Graph:
+    """The message-passing graph and :class:`~gnnpar.graph.edge_split.EdgeSplit` of a
+    homogeneous DGL graph whose boolean edge masks ``edata[train_key]``, ``edata[val_key]``
+    and ``edata[test_key]`` split its edges (an edge in two masks is refused; an edge in
+    none is neither a message edge nor a positive, but no negative either).
+
+    The graph holds the training edges (their ``edata[edge_weight_key]`` as weights) and
+    every node array. The positives are each mask's edges, in edge order; when the
+    training edges are symmetric (an undirected graph) each unordered pair once, as its first
+    masked edge lists it. Validation and test negatives (protocol ``"pairs"``, one per
+    positive) are drawn from the non-edges of the whole graph, deterministically by
+    ``seed``. Metric ``rocauc``; ``source`` records the whole DGL graph (every edge).
+    """
+    import_dgl("from_dgl_link")
+    if len(g.ntypes) != 1 or len(g.etypes) != 1:
+        raise UserError(
+            f"DGL graph with node types {g.ntypes} and edge types {g.etypes}: {HETEROGENEOUS}"
+        )
+    src, dst = (t.to(torch.int64) for t in g.edges())
+    n = int(g.num_nodes())
+    keys = (train_key, val_key, test_key)
+    masks = [_edge_mask(g, key) for key in keys]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            both = torch.nonzero(masks[i] & masks[j]).flatten()
+            if both.numel():
+                e = int(both[0])
+                raise UserError(
+                    f"DGL edge {e} ({int(src[e])} -> {int(dst[e])}) is in both "
+                    f"edata[{keys[i]!r}] and edata[{keys[j]!r}]"
+                )
+    weight = g.edata[edge_weight_key] if edge_weight_key in g.edata else None
+    ndata = {key: _mask_as_bool(key, g.ndata[key]) for key in g.ndata}
+    train_mask = masks[0]
+    graph_cls = _graph_class()
+    graph = graph_cls.from_edges(
+        src[train_mask], dst[train_mask], n, None if weight is None else weight[train_mask],
+        ndata, name,
+    )  # fmt: skip
+    graph = _with_classes(graph, num_classes)
+    whole = _with_classes(graph_cls.from_edges(src, dst, n, weight, ndata, name), num_classes)
+    symmetric = graph.is_symmetric()
+    train, val, test = (_masked_pairs(src, dst, m, n, symmetric) for m in masks)
+    true_keys = torch.unique(torch.cat([edge_keys(src, dst, n), edge_keys(dst, src, n)]))
+    gen = torch.Generator().manual_seed(int(seed))
+    # the sampler split_edges draws its negatives with (same package, not yet public)
+    negatives = edge_split.negative_pairs(n, true_keys, val.shape[1] + test.shape[1], gen)
+    graph.edge_split = EdgeSplit(
+        train, val, test, negatives[:, : val.shape[1]], negatives[:, val.shape[1] :],
+        protocol="pairs", metric="rocauc", source=whole.record(),
+        how={"method": "dgl", "masks": list(keys), "seed": int(seed), "symmetric": symmetric,
+             "negatives": "pairs", "num_negatives": 1},
+    )  # fmt: skip
+    graph.edge_split.validate(n, "DGL link split")
+    return graph
+
+
+def to_dgl_link(
+    graph: Graph,
+    train_key: str = "train_mask",
+    val_key: str = "val_mask",
+    test_key: str = "test_mask",
+    edge_weight_key: str = "w",
+) -> Any:
+    """A ``dgl.DGLGraph`` holding ``graph`` (a message-passing graph) and its
+    :attr:`~gnnpar.graph.Graph.edge_split` as boolean edge masks, the inverse of
+    :func:`from_dgl_link`.
+
+    Its edges: the training positives first (each must be an edge of ``graph``), then the
+    rest of ``graph``'s edges (``edata[train_key]``); the validation positives
+    (``edata[val_key]``), then the test positives (``edata[test_key]``), each followed by
+    its reverse when ``graph`` is symmetric. Node data go to ``ndata``, weights to
+    ``edata[edge_weight_key]`` (0 on validation and test edges). DGL masks hold no
+    negatives: :func:`from_dgl_link` draws new ones. A split whose training positives are
+    exactly one direction of each message edge (:func:`~gnnpar.graph.edge_split.split_edges`)
+    comes back with the same positives, in the same order; a training positive listed twice
+    (ogbl-collab's repeated pairs) is an edge listed twice here, and on an undirected graph
+    comes back once.
+    """
+    dgl = import_dgl("to_dgl_link")
+    split = graph.edge_split
+    if split is None:
+        raise UserError(
+            f"{graph.name} has no edge split (Graph.edge_split): cut one with "
+            "gnnpar.graph.edge_split.split_edges, or use to_dgl"
+        )
+    n = graph.num_nodes
+    msrc, mdst = graph.edges()
+    mkeys = edge_keys(msrc, mdst, n)
+    order = torch.argsort(mkeys, stable=True)
+    sorted_keys = mkeys[order]
+    tkeys = edge_keys(split.train[0], split.train[1], n)
+    pos = torch.searchsorted(sorted_keys, tkeys).clamp(max=max(mkeys.numel() - 1, 0))
+    found = (
+        sorted_keys[pos] == tkeys if mkeys.numel() else torch.zeros_like(tkeys, dtype=torch.bool)
+    )
+    if not bool(found.all()):
+        i = int(torch.nonzero(~found)[0, 0])
+        raise UserError(
+            f"{graph.name}: training positive {int(split.train[0, i])} -> "
+            f"{int(split.train[1, i])} is not an edge of the message-passing graph (DGL "
+            "masks hold training positives as message edges only)"
+        )
+    first = order[pos]  # one message edge of each training positive
+    rest = torch.ones(mkeys.numel(), dtype=torch.bool)
+    rest[first] = False
+    symmetric = graph.is_symmetric()
+    held = [split.val, split.test]
+    if symmetric:
+        held = [torch.cat([p, p.flip(0)], dim=1) for p in held]
+    index = torch.cat([first, torch.nonzero(rest).flatten()])
+    src = torch.cat([msrc[index], held[0][0], held[1][0]])
+    dst = torch.cat([mdst[index], held[0][1], held[1][1]])
+    counts = (index.numel(), held[0].shape[1], held[1].shape[1])
+    g = dgl.graph((src, dst), num_nodes=n)
+    part = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
+    for i, key in enumerate((train_key, val_key, test_key)):
+        g.edata[key] = part == i
+    for key, value in graph.ndata.items():
+        g.ndata[key] = value
+    if graph.edge_weight is not None:
+        zeros = torch.zeros(counts[1] + counts[2], dtype=graph.edge_weight.dtype)
+        g.edata[edge_weight_key] = torch.cat([graph.edge_weight[index], zeros])
+    return g
 
 
 # ------------------------------------------------------------------ networkx
