@@ -24,7 +24,9 @@ Modules: :mod:`~gnnpar.sampling.rng` (counter-based random numbers),
 :mod:`~gnnpar.sampling.loader` (``NodeLoader``, ``SubgraphLoader``),
 :mod:`~gnnpar.sampling.inference`
 (``layerwise_inference``), :mod:`~gnnpar.sampling.distributed` (``LocalPart``,
-``DistNeighborSampler``, ``FeatureFetcher``, ``distributed_inference``).
+``DistNeighborSampler``, ``FeatureFetcher``, ``distributed_inference``),
+:mod:`~gnnpar.sampling.negative` (link prediction's ``NegativeSampler``, ``per_source``,
+``load_candidates``).
 """
 
 from gnnpar.sampling.block import Block, MiniBatch
@@ -38,6 +40,7 @@ from gnnpar.sampling.distributed import (
 )
 from gnnpar.sampling.inference import BlockModel, full_blocks, layerwise_inference
 from gnnpar.sampling.loader import NodeLoader, Sampler, SubgraphLoader, batch_sizes
+from gnnpar.sampling.negative import NegativeSampler, load_candidates, per_source
 from gnnpar.sampling.neighbor import (
     NeighborSampler,
     Relabeler,
@@ -62,6 +65,7 @@ __all__ = [
     "FeatureFetcher",
     "LocalPart",
     "MiniBatch",
+    "NegativeSampler",
     "NeighborSampler",
     "NodeLoader",
     "Relabeler",
@@ -79,7 +83,9 @@ __all__ = [
     "full_blocks",
     "induced_block",
     "layerwise_inference",
+    "load_candidates",
     "parse_fanouts",
+    "per_source",
     "random_bits",
     "request_rows",
     "sample_rows",

@@ -198,6 +198,10 @@ class MiniBatch:
         seed_weight: the weight of each seed's loss, where a subgraph sampler sets it (0 for
             seeds that are not training nodes; GraphSAINT's loss normalisation), else None.
         stats: counters of the batch (sampling and fetch bytes, cache hits, timings).
+        pairs: link prediction (:class:`~gnnpar.sampling.edge.EdgeSampler`): ``(2, b)`` the
+            positive pairs' source and destination as rows of the seeds' outputs, else None.
+        neg: ``(b, k)`` each positive's negative destinations as rows of the outputs.
+        edge_ids: ``(b,)`` the positives' ids (their columns of the split's ``train``).
     """
 
     seeds: torch.Tensor
@@ -210,6 +214,9 @@ class MiniBatch:
     global_size: int | None = None
     seed_weight: torch.Tensor | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    pairs: torch.Tensor | None = None
+    neg: torch.Tensor | None = None
+    edge_ids: torch.Tensor | None = None
 
     @property
     def input_nodes(self) -> torch.Tensor:
@@ -234,6 +241,8 @@ class MiniBatch:
             x=move(self.x),
             y=move(self.y),
             seed_weight=move(self.seed_weight),
+            pairs=move(self.pairs),
+            neg=move(self.neg),
         )
 
     def pin_memory(self) -> MiniBatch:
@@ -249,4 +258,6 @@ class MiniBatch:
             x=pin(self.x),
             y=pin(self.y),
             seed_weight=pin(self.seed_weight),
+            pairs=pin(self.pairs),
+            neg=pin(self.neg),
         )

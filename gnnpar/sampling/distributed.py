@@ -53,6 +53,7 @@ __all__ = [
     "FeatureFetcher",
     "LocalPart",
     "distributed_inference",
+    "fetch_rows",
     "request_rows",
 ]
 
@@ -207,6 +208,50 @@ def request_rows(
     out = torch.empty_like(back)
     out[order] = back
     return out
+
+
+class _FetchRows(torch.autograd.Function):
+    """:func:`fetch_rows`: forward as :func:`request_rows`; backward sends each row's
+    gradient back to its owner, which sums the gradients of a row asked for several times."""
+
+    @staticmethod
+    def forward(ctx, table, ids, owner, start, grid, axis):  # noqa: D102
+        p = grid.size(axis)
+        order, send, counts = _group_by_owner(ids, owner, p)
+        recv_counts = comm.exchange_counts(counts, grid, axis)
+        wanted = comm.all_to_all(send, grid, axis, counts, recv_counts)
+        rows = table.index_select(0, wanted - start)
+        back = comm.all_to_all(rows, grid, axis, recv_counts, counts)
+        out = torch.empty_like(back)
+        out[order] = back
+        ctx.save_for_backward(order, wanted)
+        ctx.meta = (counts, recv_counts, start, grid, axis, table.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        order, wanted = ctx.saved_tensors
+        counts, recv_counts, start, grid, axis, shape = ctx.meta
+        sent = comm.all_to_all(grad.index_select(0, order).contiguous(), grid, axis, counts,
+                               recv_counts)  # fmt: skip
+        out = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+        out.index_add_(0, wanted - start, sent)
+        return out, None, None, None, None, None
+
+
+def fetch_rows(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    owner: torch.Tensor,
+    start: int,
+    grid: ProcessGrid,
+    axis: str,
+) -> torch.Tensor:
+    """:func:`request_rows` with its adjoint: the rows of ``ids`` from their owners'
+    ``table`` (row ``i`` = global id ``start + i``), differentiable with respect to
+    ``table``. Forward: one all-to-all of counts, one of ids, one of rows; backward: one of
+    gradients (the same row splits, reversed), summed into the owners' rows."""
+    return _FetchRows.apply(table, ids, owner, int(start), grid, axis)
 
 
 class DistNeighborSampler:

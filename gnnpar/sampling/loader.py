@@ -244,6 +244,17 @@ class NodeLoader:
         position[order] = torch.arange(n, dtype=torch.int64)
         return position
 
+    def global_batch(self, epoch: int, index: int) -> torch.Tensor:
+        """The keys of every seed of global batch ``index`` of ``epoch``, over all ranks, in
+        batch order (for a sampler whose batch depends on the whole global batch, such as
+        link prediction's exclusion of every target edge: ``reads_global_batch``)."""
+        cached = getattr(self, "_order", None)
+        if cached is None or cached[0] != epoch:
+            order = torch.argsort(self.epoch_positions(epoch))
+            cached = self._order = (epoch, self.all_keys.index_select(0, order))
+        start = sum(self.global_sizes()[:index])
+        return cached[1][start : start + self.global_sizes()[index]]
+
     def epoch_batches(self, epoch: int) -> list[torch.Tensor]:
         """This loader's seed ids in every global batch (every micro-batch) of ``epoch``,
         in order; some may be empty."""
@@ -272,7 +283,11 @@ class NodeLoader:
         runs)."""
         t0 = time.perf_counter()
         whole, micro = divmod(index, self.micro_batches)
-        batch = self.sampler.sample(seeds, key=self.batch_key(epoch, whole))
+        key = self.batch_key(epoch, whole)
+        if getattr(self.sampler, "reads_global_batch", False):  # e.g. an EdgeSampler
+            batch = self.sampler.sample(seeds, key=key, batch=self.global_batch(epoch, whole))
+        else:
+            batch = self.sampler.sample(seeds, key=key)
         t1 = time.perf_counter()
         batch.x = _gather(self.features, batch.input_nodes)
         batch.y = _gather(self.labels, batch.seeds)

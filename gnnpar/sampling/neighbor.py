@@ -304,6 +304,19 @@ class Relabeler:
         return src_nodes, local[m:]
 
 
+def _without(
+    counts: torch.Tensor, pos: torch.Tensor, exclude: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts, pos)`` of a row-by-row sample with the positions in ``exclude`` (sorted)
+    removed."""
+    at = torch.searchsorted(exclude, pos).clamp_(max=exclude.numel() - 1)
+    keep = exclude.index_select(0, at) != pos
+    if bool(keep.all()):
+        return counts, pos
+    rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return torch.bincount(rows[keep], minlength=counts.numel()), pos[keep]
+
+
 def _indptr(counts: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, out=out[1:])
@@ -381,9 +394,14 @@ class NeighborSampler:
         """Number of blocks per mini-batch."""
         return len(self.fanouts)
 
-    def sample(self, seeds: Any, key: int | None = None) -> MiniBatch:
+    def sample(
+        self, seeds: Any, key: int | None = None, exclude: torch.Tensor | None = None
+    ) -> MiniBatch:
         """Sample the blocks of the distinct ``seeds``; ``key`` fixes the random draw
-        (default: derived from the sampler's seed)."""
+        (default: derived from the sampler's seed). ``exclude``: sorted CSR positions (edge
+        ids) that carry no message in this batch (link prediction's target edges and their
+        reverses): drawn like the others, then dropped, so a node next to one gets one
+        neighbour fewer where it was drawn (the draws of every other edge are unchanged)."""
         seeds = as_node_ids(seeds, self.num_nodes)
         key = derive_key(self.seed) if key is None else int(key)
         frontier = seeds
@@ -399,6 +417,8 @@ class NeighborSampler:
                 row_keys=row_keys,
                 backend=self.backend,
             )
+            if exclude is not None and exclude.numel():
+                counts, pos = _without(counts, pos, exclude)
             m = frontier.numel()
             ids = torch.empty(m + pos.numel(), dtype=torch.int64, device=self.indices.device)
             ids[:m] = frontier

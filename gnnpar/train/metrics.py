@@ -11,6 +11,21 @@ Scores (:data:`SCORES`), each from logits (or scores) and labels of the evaluate
 
 A task reports the score :func:`metric_for` names for its labels, as ``{split}_{metric}``
 (``test_acc``, ``test_rocauc``).
+
+Link prediction (:func:`link_scores`), OGB's evaluators' semantics, from the scores of the
+positive pairs and of their negatives in either protocol of
+:mod:`gnnpar.graph.edge_split` (``"pairs"``: 1-D negatives shared by every positive;
+``"per-source"``: an ``E x K`` row of negatives per positive):
+
+- a positive's rank is 1 + the mean of the number of negatives scoring above it
+  (optimistic) and of those scoring at least as high (pessimistic), so a tie counts one
+  half: :func:`ranks_per_source`, :func:`ranks_against_shared`;
+- ``mrr``: the mean of 1 / rank (:func:`mrr` is ogbl-citation2's);
+- ``hits@K``: per source, the fraction of positives ranked K or better
+  (:func:`hits_from_ranks`, ogbl-citation2's); against shared negatives, the fraction of
+  positives scoring strictly above the K-th highest negative, 1.0 when there are fewer
+  than K negatives (:func:`hits_at_k`, ogbl-collab's and ogbl-ppa's);
+- ``rocauc``: the positives (label 1) against every negative (label 0).
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -29,6 +44,7 @@ import torch
 from gnnpar.atomic import atomic_write, naming
 from gnnpar.errors import MissingPackageError, UserError
 from gnnpar.graph import is_multilabel
+from gnnpar.graph.edge_split import check_metric
 
 
 class UndefinedScoreError(UserError):
@@ -126,6 +142,118 @@ def rocauc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 SCORES: Mapping[str, Callable[[torch.Tensor, torch.Tensor], float]] = MappingProxyType(
     {"acc": accuracy, "f1_micro": f1_micro, "f1_macro": f1_macro, "rocauc": rocauc}
 )
+
+
+# ---------------------------------------------------------------------------- link prediction
+
+
+def _link_pos(pos: torch.Tensor) -> torch.Tensor:
+    if pos.dim() != 1:
+        raise ValueError(f"expected 1-D positive scores, got shape {tuple(pos.shape)}")
+    if pos.numel() == 0:
+        raise UndefinedScoreError("no positive pairs to score")
+    return pos.detach().double()
+
+
+def ranks_per_source(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """OGB's rank of each positive ``pos[i]`` among its own negatives ``neg[i, :]``
+    (``E`` and ``E x K`` scores): ``1 + (optimistic + pessimistic) / 2``, where optimistic
+    counts the negatives scoring above it and pessimistic those scoring at least as high."""
+    pos = _link_pos(pos)
+    if neg.dim() != 2 or neg.shape[0] != pos.shape[0]:
+        raise ValueError(
+            f"expected E x K negative scores for {pos.shape[0]} positives, got "
+            f"{tuple(neg.shape)}"
+        )
+    neg = neg.detach().double()
+    optimistic = (neg > pos[:, None]).sum(1)
+    pessimistic = (neg >= pos[:, None]).sum(1)
+    return 0.5 * (optimistic + pessimistic).double() + 1
+
+
+def mrr(pos: torch.Tensor, neg: torch.Tensor) -> float:
+    """Mean reciprocal rank of each positive among its own negatives (ogbl-citation2's
+    evaluator): ``pos`` ``(E,)``, ``neg`` ``(E, K)``; ranks as :func:`ranks_per_source`."""
+    return float((1.0 / ranks_per_source(pos, neg)).mean())
+
+
+def ranks_against_shared(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """OGB's rank (as :func:`ranks_per_source`) of each positive ``(E,)`` against all the
+    shared negatives ``(M,)``, by binary search in the sorted negatives: ``O((E + M) log M)``
+    time, no ``E x M`` matrix."""
+    pos = _link_pos(pos)
+    if neg.dim() != 1:
+        raise ValueError(f"expected 1-D shared negative scores, got shape {tuple(neg.shape)}")
+    ordered = torch.sort(neg.detach().double().to(pos.device)).values
+    m = ordered.numel()
+    optimistic = m - torch.searchsorted(ordered, pos, right=True)
+    pessimistic = m - torch.searchsorted(ordered, pos, right=False)
+    return 0.5 * (optimistic + pessimistic).double() + 1
+
+
+def hits_from_ranks(ranks: torch.Tensor, k: int) -> float:
+    """The fraction of ``ranks`` that are ``k`` or better (ogbl-citation2's ``hits@K``)."""
+    if ranks.numel() == 0:
+        raise UndefinedScoreError("no positive pairs to score")
+    return float((ranks <= k).double().mean())
+
+
+def hits_at_k(pos: torch.Tensor, neg: torch.Tensor, k: int) -> float:
+    """ogbl-collab's and ogbl-ppa's ``hits@K``: the fraction of positives ``(E,)`` scoring
+    strictly above the ``k``-th highest of the shared negatives ``(M,)``; 1.0 when there
+    are fewer than ``k`` negatives."""
+    pos = _link_pos(pos)
+    if neg.dim() != 1:
+        raise ValueError(f"expected 1-D shared negative scores, got shape {tuple(neg.shape)}")
+    if k < 1:
+        raise ValueError(f"hits@K needs K >= 1, got {k}")
+    if neg.numel() < k:
+        return 1.0
+    kth = torch.topk(neg.detach().double().to(pos.device), k).values[-1]
+    return float((pos > kth).double().mean())
+
+
+#: The protocols :func:`link_scores` reads negatives in.
+LINK_PROTOCOLS = ("pairs", "per-source")
+
+
+def link_scores(
+    pos: torch.Tensor, neg: torch.Tensor, protocol: str, metrics: Iterable[str]
+) -> dict[str, float]:
+    """Link-prediction ``metrics`` (each ``"mrr"``, ``"rocauc"`` or ``"hits@K"``) of the
+    positive scores ``pos`` ``(E,)`` and negative scores ``neg``: ``(M,)`` shared by every
+    positive for ``protocol="pairs"``, ``(E, K)`` per positive for ``"per-source"``
+    (module docstring). UndefinedScoreError when there are no positives (``rocauc``: or no
+    negatives)."""
+    if protocol not in LINK_PROTOCOLS:
+        raise UserError(f"link prediction protocol {protocol!r}: one of {LINK_PROTOCOLS}")
+    names = [check_metric(m) for m in metrics]
+    pairs = protocol == "pairs"
+    if neg.dim() != (1 if pairs else 2):
+        raise ValueError(
+            f"protocol {protocol!r} takes {'1-D' if pairs else 'E x K'} negative scores, got "
+            f"shape {tuple(neg.shape)}"
+        )
+    ranks = None
+    out: dict[str, float] = {}
+    for name in names:
+        if name == "rocauc":
+            p, n = _link_pos(pos), neg.detach().double().reshape(-1).to(pos.device)
+            if n.numel() == 0:
+                raise UndefinedScoreError("ROC-AUC is undefined: no negative pairs")
+            truth = torch.cat([torch.ones_like(p), torch.zeros_like(n)])
+            out[name] = _binary_auc(torch.cat([p, n]), truth)
+            continue
+        if name.startswith("hits@") and pairs:
+            out[name] = hits_at_k(pos, neg, int(name[5:]))
+            continue
+        if ranks is None:
+            ranks = ranks_against_shared(pos, neg) if pairs else ranks_per_source(pos, neg)
+        if name == "mrr":
+            out[name] = float((1.0 / ranks).mean())
+        else:
+            out[name] = hits_from_ranks(ranks, int(name[5:]))
+    return out
 
 
 def global_mean(
