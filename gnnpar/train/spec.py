@@ -53,6 +53,7 @@ BUILTIN = (
     "gnnpar.models.fullgraph.spec",
     "gnnpar.models.minibatch.spec",
     "gnnpar.models.scalegnn.spec",
+    "gnnpar.models.link.spec",
     "gnnpar.models.gpt.spec",
 )
 

@@ -1,0 +1,654 @@
+"""Link prediction (the ``link`` task): an encoder embeds every node, a decoder scores node
+pairs, and the model learns to score the training edges above sampled negatives.
+
+**Data.** The dataset's own edge split where it has one (an ``ogbl-*`` catalogue entry, a
+folder written by ``gnnpar data split-edges``), else one cut here (``split``: ``random`` or
+``time:ATTR``, fractions ``val_fraction`` / ``test_fraction``). The graph the encoder reads is
+the split's message-passing graph: validation and test edges never carry messages.
+
+**Mini-batch** (``mode = "minibatch"``, the default). The batches are global batches of
+training edges (``batch_size`` positives over all ranks) handed out by the one
+:class:`~gnnpar.sampling.NodeLoader`, whose "seeds" are edge ids
+(:class:`~gnnpar.sampling.edge.EdgeSampler`): each positive's ``num_negatives`` negatives
+(:class:`~gnnpar.sampling.negative.NegativeSampler`, keyed by the edge id) and the
+neighbourhoods of every endpoint are sampled in one set of blocks, with the batch's target
+edges and their reverses left out of message passing (``exclude``). Every rank holds the
+graph and trains the edges of each global batch it owns (edge id mod ranks); the gradients
+are reduced by :mod:`gnnpar.shard` (ZeRO stages, FCDP, offload), so a run is the same on any
+number of ranks.
+
+**Full graph** (``mode = "full"``). The encoder (a PyG model: the built-in
+:class:`~gnnpar.models.link.encoders.PyGEncoder` or the user's ``module:factory``) runs on the
+x × y × z grid through :func:`~gnnpar.models.fullgraph.pyg.parallelize_pyg` (each rank holds
+its rows of every embedding); each step scores every training positive and its negatives,
+each rank a slice of them, with the endpoints' rows fetched from their owners
+(:func:`~gnnpar.sampling.distributed.fetch_rows`, differentiable).
+
+**Evaluation.** Embeddings of every node with full neighbourhoods, then the split's
+validation and test positives against its negatives: ``mrr``, ``rocauc`` and ``hits@K``
+(OGB's semantics, :func:`gnnpar.train.metrics.link_scores`); the best model is the one of the
+best validation score of the split's metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gnnpar import comm
+from gnnpar.errors import PeerFailedError, UserError
+from gnnpar.fmt import count
+from gnnpar.graph import Graph
+from gnnpar.graph.edge_split import check_metric, split_edges
+from gnnpar.grid import ProcessGrid
+from gnnpar.models.link.decoders import DECODERS, LOSSES, bce_sum, make_decoder, margin_sum
+from gnnpar.models.link.encoders import ENCODERS, LinkModel, PyGEncoder
+from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
+from gnnpar.models.minibatch.pyg import full_graph_logits
+from gnnpar.models.pyg.model import (
+    build_user_model,
+    check_model_option,
+    factory_options,
+    is_user_model,
+    seeded,
+)
+from gnnpar.sampling import NeighborSampler, NodeLoader, full_blocks, parse_fanouts
+from gnnpar.sampling.edge import EXCLUDE, EdgeSampler, graph_keys
+from gnnpar.sampling.negative import NegativeSampler, load_candidates
+from gnnpar.sampling.rng import derive_key
+from gnnpar.shard import by_type, shard
+from gnnpar.train import schedule
+from gnnpar.train.config import (
+    ConfigError,
+    DataParallelConfig,
+    ScheduleConfig,
+    SelectionConfig,
+    TrainerConfig,
+    option,
+)
+from gnnpar.train.loop import BaseTask, load_dataset
+from gnnpar.train.metrics import UndefinedScoreError, link_scores
+from gnnpar.train.precision import master_dtype
+from gnnpar.train.progress import Progress
+from gnnpar.train.spec import GridPlan
+
+MODES = ("minibatch", "full")
+NEGATIVES = ("uniform", "degree")
+_DROPOUT = 0xD809  # salt of the dropout masks' seeds (as the node task's)
+_FULL_NEG = 0x46E6  # salt of the full-graph step's negatives
+_LOW31 = (1 << 31) - 1
+
+
+@dataclasses.dataclass
+class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerConfig):
+    """Options of ``gnnpar train link`` (and ``--config FILE`` keys)."""
+
+    dataset: str = option("sbm", "dataset name or path (see `gnnpar data list`)")
+    root: str | None = option(None, "dataset root folder (default: datasets/)")
+    dataset_options: str | None = option(None, "dataset options as k=v,k=v")
+    split: str = option(
+        "auto",
+        "the edge split: auto (the dataset's own, else random), stored (the dataset's own: an "
+        "ogbl-* entry or a folder of `gnnpar data split-edges`), random, or time:ATTR (the "
+        "latest edges by a node attribute test)",
+    )
+    val_fraction: float = option(0.05, "validation edges of a split cut here")
+    test_fraction: float = option(0.1, "test edges of a split cut here")
+    eval_negatives: str = option(
+        "pairs", "negatives of a split cut here: pairs (1 per positive, shared) or per-source"
+    )
+    eval_num_negatives: int = option(1, "negatives per positive of a split cut here")
+    mode: str = option(
+        "minibatch",
+        "minibatch (sampled edge batches, data parallel) or full (full-graph encoder on an "
+        "x × y × z grid)",
+        MODES,
+    )
+    grid: str | None = option(None, "full mode's grid such as x=2,y=1,z=2 (default: x = all)")
+    blocks: int = option(8, "full mode: file blocks per side when cutting the graph's shards")
+    model: str = option(
+        "sage", "the encoder: sage, gcn or gat, or your own PyG model as module:factory",
+        ENCODERS,
+    )  # fmt: skip
+    model_options: str | None = option(None, "a module:factory model's options as k=v,k=v")
+    hidden: int = option(64, "hidden and embedding width")
+    layers: int = option(2, "encoder layers (one fan-out each in minibatch mode)")
+    heads: int = option(4, "attention heads of hidden GAT layers")
+    dropout: float = option(0.0, "dropout probability of the encoder")
+    decoder: str = option("dot", "dot, mlp (on h_s * h_d) or distmult", DECODERS)
+    decoder_layers: int = option(2, "layers of the MLP decoder")
+    loss: str = option("bce", "bce (positives 1, negatives 0) or margin", LOSSES)
+    margin: float = option(1.0, "margin of the margin loss")
+    negatives: str = option(
+        "uniform",
+        "training negatives: uniform, degree (degree^0.75) or a .npy file of hard-negative "
+        "candidates per source node (num_nodes x C, -1 pads)",
+    )
+    num_negatives: int = option(1, "training negatives per positive")
+    exclude_true: bool = option(False, "redraw training negatives that are true edges")
+    exclude: str = option(
+        "reverse",
+        "what a batch's target edges take out of its message passing: reverse (the edge and "
+        "its reverse), self (the edge) or none (leaks the target; for ablations)",
+        EXCLUDE,
+    )
+    fanouts: str = option("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
+    replace: bool = option(False, "sample neighbours with replacement")
+    batch_size: int = option(1024, "positive edges per step over all ranks (minibatch)")
+    lr: float = option(0.01, "Adam learning rate")
+    weight_decay: float = option(0.0, "Adam weight decay")
+    epochs: int = option(20, "training epochs (full mode: one step over every edge each)")
+    hits: str = option("10,50,100", "the K of the Hits@K reported")
+    prefetch: int = option(1, "batches sampled ahead in a background thread (0: none)")
+    out: str = option("runs/link", "run folder: metrics.jsonl, checkpoints/")
+    eval_every: int = option(1, "evaluate every N epochs (0: only at the end)")
+
+    def check(self) -> None:
+        """Reject values that cannot work, naming the key."""
+        self.check_trainer()
+        self.check_data_parallel()
+        self.check_schedule()
+        self.check_selection()
+        check_model_option(self.model, ENCODERS, self.model_options)
+        if self.mode not in MODES:
+            raise ConfigError(f"config key 'mode' must be one of {MODES}, got {self.mode!r}")
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"config key 'decoder' must be one of {DECODERS}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"config key 'loss' must be one of {LOSSES}")
+        if self.exclude not in EXCLUDE:
+            raise ConfigError(f"config key 'exclude' must be one of {EXCLUDE}")
+        self._check_split()
+        for key in ("hidden", "layers", "heads", "epochs", "batch_size", "num_negatives",
+                    "decoder_layers", "eval_num_negatives", "blocks"):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.prefetch < 0:
+            raise ConfigError(f"config key 'prefetch' must be >= 0, got {self.prefetch}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"config key 'dropout' must be in [0, 1), got {self.dropout}")
+        if self.lr <= 0:
+            raise ConfigError(f"config key 'lr' must be positive, got {self.lr}")
+        if self.negatives not in NEGATIVES and not self.negatives.endswith(".npy"):
+            raise ConfigError(
+                f"config key 'negatives' must be uniform, degree or a .npy file, got "
+                f"{self.negatives!r}"
+            )
+        try:
+            ks = hits_ks(self.hits)
+        except ValueError:
+            ks = []
+        if not ks:
+            raise ConfigError(f"config key 'hits' must list integers >= 1, got {self.hits!r}")
+        self._check_mode()
+
+    def _check_split(self) -> None:
+        if not (self.split in ("auto", "stored", "random") or self.split.startswith("time:")):
+            raise ConfigError(
+                f"config key 'split' must be auto, stored, random or time:ATTR, got {self.split!r}"
+            )
+        for key in ("val_fraction", "test_fraction"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"config key '{key}' must be in [0, 1)")
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ConfigError("config keys 'val_fraction' + 'test_fraction' must be below 1")
+        if self.eval_negatives not in ("pairs", "per-source"):
+            raise ConfigError("config key 'eval_negatives' must be pairs or per-source")
+
+    def _check_mode(self) -> None:
+        if self.mode == "minibatch":
+            if self.grid is not None:
+                raise ConfigError("config key 'grid' is for mode full (minibatch is data parallel)")
+            try:
+                fanouts = parse_fanouts(self.fanouts)
+            except UserError as err:
+                raise ConfigError(f"config key 'fanouts': {err}") from None
+            if len(fanouts) != self.layers and not is_user_model(self.model):
+                raise ConfigError(
+                    f"config key 'fanouts' gives {len(fanouts)} fan-outs but 'layers' is "
+                    f"{self.layers}: give one fan-out per layer"
+                )
+            if self.mixed_precision != "none":
+                raise ConfigError("config key 'mixed_precision': the link task runs in its dtype")
+            return
+        if (self.zero_stage or 0) != 0 or self.fcdp or self.offload != "none":
+            raise ConfigError(
+                "mode full replicates its weights over the grid (the graph is what is split): "
+                "no zero_stage, fcdp or offload"
+            )
+        if self.mixed_precision != "none" or self.grad_accum != 1:
+            raise ConfigError("mode full: no mixed_precision, grad_accum 1")
+        if self.grid is not None:
+            from gnnpar.grid import GridError, parse_grid_spec
+
+            try:
+                shape = parse_grid_spec(self.grid)
+            except GridError as err:
+                raise ConfigError(f"config key 'grid': {err}") from None
+            extra = [a for a in shape if a not in ("x", "y", "z") and shape[a] > 1]
+            if extra:
+                raise ConfigError(f"config key 'grid': mode full runs on x, y, z, not {extra}")
+
+
+def hits_ks(text: str) -> list[int]:
+    """The K values of ``hits`` ("10,50,100")."""
+    ks = [int(k) for k in str(text).split(",") if k.strip()]
+    if any(k < 1 for k in ks):
+        raise ValueError(text)
+    return ks
+
+
+def load_link_graph(cfg: LinkConfig) -> Graph:
+    """The message-passing graph of ``cfg``'s dataset with its edge split (the dataset's
+    own, or one cut with ``cfg.seed``), coalesced; ConfigError naming the key otherwise."""
+    graph = load_dataset(cfg)
+    stored = graph.edge_split
+    if cfg.split == "stored" and stored is None:
+        raise ConfigError(
+            f"config key 'split' is stored but dataset {cfg.dataset!r} has no edge split "
+            "(cut one with `gnnpar data split-edges`, or use split random)"
+        )
+    if stored is not None and cfg.split not in ("auto", "stored"):
+        raise ConfigError(
+            f"config key 'split' is {cfg.split} but dataset {cfg.dataset!r} has its own edge "
+            "split: use split auto or stored"
+        )
+    if graph.feat is None:
+        raise ConfigError(f"dataset {cfg.dataset!r} has no node features (ndata 'feat')")
+    if stored is None:
+        time_key = cfg.split.partition(":")[2] if cfg.split.startswith("time:") else None
+        graph = split_edges(
+            graph, cfg.val_fraction, cfg.test_fraction, cfg.seed, time_key,
+            cfg.eval_negatives, cfg.eval_num_negatives,
+        )  # fmt: skip
+    split = graph.edge_split
+    try:
+        graph_keys(graph)
+    except UserError:
+        graph = graph.coalesce()
+    graph.edge_split = split
+    split.validate(graph.num_nodes, f"dataset {cfg.dataset!r}")
+    check_metric(split.metric)
+    return graph
+
+
+def _shard_folder(cfg: LinkConfig, graph: Graph) -> Path:
+    """Where full mode's shards of the message-passing graph go (named by the graph)."""
+    keys = [graph.fingerprint(), cfg.seed, cfg.blocks]
+    digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:10]
+    return Path(cfg.out) / "shards" / f"{Path(cfg.dataset).name or 'graph'}-{digest}"
+
+
+def _full_source(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Progress) -> Any:
+    """Full mode's shard source: rank 0 writes the message graph's ``raw`` shards (one node
+    order, ``symmetric``) unless a folder made from it exists; every rank reads its blocks."""
+    from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
+
+    folder = _shard_folder(cfg, graph)
+    failed = torch.zeros(1)
+    if grid.global_rank == 0:
+        try:
+            if not folder.exists():
+                with progress.stage(f"writing the graph's shards into {folder}"):
+                    prepare_shards(graph, folder, norm="raw", permutation="symmetric",
+                                   seed=cfg.seed, blocks=(cfg.blocks, cfg.blocks))  # fmt: skip
+        except Exception:
+            failed += 1
+            comm.all_reduce(failed, grid, "world")
+            raise
+    comm.all_reduce(failed, grid, "world")
+    if failed.item():
+        raise PeerFailedError("rank 0 could not write the link task's shards (see its error)")
+    source = DiskSource(folder)
+    if source.meta["source"]["graph"] != graph.fingerprint():
+        raise UserError(f"{folder} was cut from another graph: remove it")
+    return source
+
+
+def plan(cfg: LinkConfig, world: ProcessGrid, progress: Progress) -> GridPlan:
+    """Minibatch: every rank on the data axis; full: the given grid, else x = every rank."""
+    if cfg.mode == "minibatch":
+        return GridPlan()
+    if cfg.grid:
+        from gnnpar.grid import parse_grid_spec
+
+        return GridPlan(parse_grid_spec(cfg.grid), "given")
+    return GridPlan({"x": world.world_size}, "x = every rank (give grid to choose)")
+
+
+class LinkTask(BaseTask):
+    """The ``link`` task (module docstring)."""
+
+    unit = "epoch"
+
+    @staticmethod
+    def preflight(cfg: LinkConfig, world_size: int) -> None:
+        """Before launch: the dataset loads with a usable split, a negatives file reads,
+        and a user's encoder builds and is supported."""
+        graph = load_link_graph(cfg)
+        if cfg.negatives.endswith(".npy"):
+            load_candidates(cfg.negatives, graph.num_nodes)
+        if is_user_model(cfg.model):
+            build_user_model(cfg.model, graph.feat.shape[1], cfg.hidden,
+                             factory_options(cfg.model_options))  # fmt: skip
+
+    def __init__(self, cfg: LinkConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress):
+        self.cfg, self.grid, self.progress = cfg, grid, progress
+        self.device = grid.device
+        self.grid_choice = plan.choice if cfg.mode == "full" else None
+        with progress.stage(f"loading {cfg.dataset} and its edge split"):
+            graph = load_link_graph(cfg)
+        self.graph, self.split = graph, graph.edge_split
+        self.num_train = int(self.split.train.shape[1])
+        self.metric = self.split.metric
+        self.hits = hits_ks(cfg.hits)
+        self.user_model = is_user_model(cfg.model)
+        self.num_steps = cfg.epochs
+        torch.manual_seed(cfg.seed)
+        self.negatives = self._negative_sampler()
+        with progress.stage("building the model"):
+            if cfg.mode == "minibatch":
+                self._setup_minibatch()
+            else:
+                self._setup_full(progress)
+
+    @property
+    def selection(self) -> tuple[str, str]:
+        """The best model is the one of the best validation score of the split's metric."""
+        return (f"val_{self.metric}", "max")
+
+    # ------------------------------------------------------------------ setup
+    def _negative_sampler(self) -> NegativeSampler:
+        cfg, g = self.cfg, self.graph
+        kwargs: dict[str, Any] = {"seed": cfg.seed}
+        method = cfg.negatives
+        if method == "degree":
+            kwargs["degrees"] = (g.in_degrees() + g.out_degrees()).to(torch.float64)
+        elif method.endswith(".npy"):
+            kwargs["candidates"] = load_candidates(method, g.num_nodes)
+            method = "candidates"
+        if cfg.exclude_true:
+            kwargs["exclude"] = (g.indptr, g.indices)
+        return NegativeSampler(g.num_nodes, method, cfg.num_negatives, **kwargs)
+
+    def _encoder(self, block: bool) -> torch.nn.Module:
+        cfg, in_dim = self.cfg, int(self.graph.feat.shape[1])
+        if self.user_model:
+            options = factory_options(cfg.model_options)
+            return build_user_model(cfg.model, in_dim, cfg.hidden, options)
+        if block:
+            return BlockGNN(in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout, cfg.model,
+                            cfg.heads)  # fmt: skip
+        return PyGEncoder(cfg.model, in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout,
+                          cfg.heads)  # fmt: skip
+
+    def _setup_minibatch(self) -> None:
+        cfg, g, grid = self.cfg, self.graph, self.grid
+        decoder = make_decoder(cfg.decoder, cfg.hidden, cfg.hidden, cfg.decoder_layers)
+        self.net = LinkModel(self._encoder(block=True), decoder).to(self.device, master_dtype(cfg))
+        self.features = g.feat.to(master_dtype(cfg))
+        units = None if self.user_model else by_type(SAGEConv, GCNConv, GATConv)
+        self.model = shard(
+            self.net, grid, cfg.zero_stage or 0, units=units, offload=cfg.offload,
+            offload_dir=cfg.offload_folder(),
+        )  # fmt: skip
+        sampler = NeighborSampler(g, parse_fanouts(cfg.fanouts), replace=cfg.replace, seed=cfg.seed)
+        edges = EdgeSampler(sampler, self.split.train, self.negatives, graph_keys(g), cfg.exclude)
+        data, rank = grid.size("data"), grid.rank("data")
+        ids = torch.arange(self.num_train, dtype=torch.int64)
+        owned = ids[rank::data]  # every rank knows every edge: the global batches match
+        self.loader = NodeLoader(
+            edges, owned, cfg.batch_size, seed=cfg.seed, features=self.features,
+            prefetch=cfg.prefetch, keys=owned, all_keys=ids, micro_batches=cfg.grad_accum,
+            device=self.device, num_nodes=self.num_train,
+        )  # fmt: skip
+        self._eval_blocks = None if self.user_model else [b.to(self.device) for b in full_blocks(g)]
+
+    def _setup_full(self, progress: Progress) -> None:
+        from gnnpar.models.fullgraph.pyg import parallelize_pyg
+
+        cfg = self.cfg
+        source = _full_source(cfg, self.graph, self.grid, progress)
+        decoder = make_decoder(cfg.decoder, cfg.hidden, cfg.hidden, cfg.decoder_layers)
+        plain = LinkModel(self._encoder(block=False), decoder).to(master_dtype(cfg))
+        self.model = parallelize_pyg(plain, self.grid, source)
+        self.net = self.model.module
+        self.features = self.model.input_features()
+        self.source = source
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        params = self.model.parameters()
+        opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return self.model.attach(opt) if cfg.mode == "minibatch" else opt
+
+    # ------------------------------------------------------------------ records
+    def data_record(self) -> dict[str, Any]:
+        """The message-passing graph and the split it carries."""
+        record = self.split.record()
+        return {
+            "name": self.cfg.dataset,
+            "fingerprint": f"{self.graph.fingerprint()}+{record['digest']}",
+        }
+
+    def summary(self) -> str:
+        """The encoder, the graph and the split's sizes."""
+        g, s = self.graph, self.split
+        return (
+            f"link prediction, {self.cfg.model} encoder + {self.cfg.decoder} decoder on "
+            f"{self.cfg.dataset}: {count(g.num_nodes, 'node')}, "
+            f"{count(g.num_edges, 'message edge')}, edges train/val/test "
+            f"{s.train.shape[1]}/{s.val.shape[1]}/{s.test.shape[1]} ({s.protocol} negatives, "
+            f"selected by {s.metric}, {self.cfg.mode})"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The run's task, model and sizes (recorded in its checkpoints)."""
+        c = self.cfg
+        return {"task": "link", "model": c.model, "decoder": c.decoder, "mode": c.mode,
+                "in_dim": int(self.graph.feat.shape[1]), "hidden": c.hidden,
+                "layers": c.layers}  # fmt: skip
+
+    def extra_state(self) -> dict[str, Any]:
+        """The loader's position (minibatch)."""
+        return {"loader": self.loader.state_dict()} if self.cfg.mode == "minibatch" else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`extra_state`."""
+        if self.cfg.mode == "minibatch":
+            self.loader.load_state_dict(state["loader"])
+
+    # ------------------------------------------------------------------ training
+    def _loss(self, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        """The summed loss of positives (b,) and their negatives (b, k), each positive's
+        terms averaged over its 1 + k pairs (bce) or its k pairs (margin)."""
+        k = neg.shape[1]
+        if self.cfg.loss == "bce":
+            return bce_sum(pos, neg) / (1 + k)
+        return margin_sum(pos, neg, self.cfg.margin) / k
+
+    def score_batch(self, batch: Any, dropout_seed: int | None) -> tuple[torch.Tensor, ...]:
+        """``(pos (b,), neg (b, k))`` scores of a mini-batch's pairs (one call of the model:
+        ZeRO-3 gathers its parameters once)."""
+        src, dst = batch.pairs
+        targets = torch.cat([dst[:, None], batch.neg], 1)
+        if self.user_model:
+            from gnnpar.models.minibatch.pyg import subgraph_edge_index
+
+            edge_index = subgraph_edge_index(batch.blocks).to(batch.x.device)
+            with seeded(dropout_seed or 0, self.device):
+                scores = self.net(batch.x, edge_index, src=src, dst=targets)
+        else:
+            scores = self.net(batch.blocks, batch.x, dropout_seed=dropout_seed, src=src,
+                              dst=targets)  # fmt: skip
+        return scores[:, 0], scores[:, 1:]
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One epoch over the training edges; returns its loss and throughput."""
+        if self.cfg.mode == "full":
+            return self._full_step(step)
+        cfg, dp = self.cfg, self.model
+        lr = schedule.apply(self.optimizer, cfg, step, self.num_steps)
+        self.loader.set_epoch(step)
+        self.net.train()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, positives
+        data = self.grid.size("data")
+        t0 = time.perf_counter()
+        with self.progress.bar(len(self.loader), unit="batch", show=len(self.loader) > 1,
+                               desc=f"epoch {step + 1}", leave=False) as bar:  # fmt: skip
+            for batch in self.loader:
+                last = batch.micro == cfg.grad_accum - 1
+                seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
+                with contextlib.nullcontext() if last else dp.no_sync():
+                    pos, neg = self.score_batch(batch, seed)
+                    loss = self._loss(pos.float(), neg.float())
+                    (loss * (data / batch.global_size)).backward()
+                if last:
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                sums[0] += float(loss.detach())
+                sums[1] += pos.numel()
+                bar.update(1)
+        elapsed = time.perf_counter() - t0
+        comm.all_reduce(sums, self.grid, "data")
+        edges = max(float(sums[1]), 1.0)
+        return {"loss": float(sums[0]) / edges, "edges_per_s": float(sums[1]) / elapsed,
+                "batches": float(len(self.loader)), "lr": lr}  # fmt: skip
+
+    # ------------------------------------------------------------------ full graph
+    def _owners(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, owner)`` of nodes in the share's one order: each node's row and
+        the tensor-axis rank holding it."""
+        if not hasattr(self, "_perm"):
+            src = self.source
+            n = src.num_nodes
+            self._perm = torch.empty(n, dtype=torch.int64)
+            self._perm[src.node_ids(0, (0, n))] = torch.arange(n)
+            rows = self.model.share.rows
+            bounds = torch.tensor([rows[0], rows[1]], dtype=torch.int64)
+            starts = comm.all_gather(bounds, self.grid, "tensor").view(-1, 2)[:, 0]
+            # the tensor ranks' rows are not in rank order (x varies fastest, rows by x chunk)
+            self._starts, self._rank_of = torch.sort(starts)
+        pos = self._perm.index_select(0, nodes)
+        owner = self._rank_of[torch.bucketize(pos, self._starts, right=True) - 1]
+        return pos, owner
+
+    def _fetch(self, h: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``nodes`` from their owners (differentiable)."""
+        from gnnpar.sampling.distributed import fetch_rows
+
+        pos, owner = self._owners(nodes)
+        return fetch_rows(h, pos.to(h.device), owner.to(h.device), self.model.share.rows[0],
+                          self.grid, "tensor")  # fmt: skip
+
+    def full_pairs(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's slice of the step's positives and their negatives: ``(src, dst,
+        neg (b, k))``; the slices of the tensor ranks, in order, are every training edge."""
+        from gnnpar.models.fullgraph.layout import chunk
+
+        p, r = self.grid.size("tensor"), self.grid.rank("tensor")
+        lo, hi = chunk(self.num_train, p, r)
+        ids = torch.arange(lo, hi, dtype=torch.int64)
+        src, dst = self.split.train[:, lo:hi]
+        key = derive_key(self.cfg.seed, _FULL_NEG, step)
+        return src, dst, self.negatives.sample(src, ids, key)
+
+    def full_scores(self, h: torch.Tensor, src, dst, neg) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores of this rank's pairs from the rows ``h`` every rank holds (collective)."""
+        b, k = neg.shape
+        rows = self._fetch(h, torch.cat([src, dst, neg.reshape(-1)]))
+        first = torch.arange(b)
+        # rows: the b sources, the b destinations, then each source's k negatives
+        targets = torch.cat([(b + first)[:, None], 2 * b + first[:, None] * k + torch.arange(k)], 1)
+        scores = self.net(embeddings=rows, src=first, dst=targets)
+        return scores[:, 0], scores[:, 1:]
+
+    def _full_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        lr = schedule.apply(self.optimizer, cfg, step, self.num_steps)
+        self.model.train()
+        t0 = time.perf_counter()
+        seed = derive_key(cfg.seed, _DROPOUT, step) & _LOW31
+        h = self.model(self.features, dropout_seed=seed)
+        pos, neg = self.full_scores(h, *self.full_pairs(step))
+        loss = self._loss(pos, neg) / self.num_train
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = comm.all_reduce(loss.detach().reshape(1).clone(), self.grid, "tensor")
+        return {"loss": float(total), "edges_per_s": self.num_train / (time.perf_counter() - t0),
+                "lr": lr}  # fmt: skip
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def embeddings(self) -> torch.Tensor:
+        """Every node's embedding with full neighbourhoods (minibatch mode, every rank)."""
+        from gnnpar.sampling import layerwise_inference
+
+        g = self.graph
+        if self.user_model:
+            was = self.net.training
+            self.net.eval()
+            try:
+                return full_graph_logits(self.net, g, self.device)
+            finally:
+                self.net.train(was)
+        return layerwise_inference(self.net, g, features=self.features.to(self.device),
+                                   blocks=self._eval_blocks)  # fmt: skip
+
+    @torch.no_grad()
+    def score_pairs(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """The model's scores of the pairs ``(src[i], dst[i])`` (every rank; collective),
+        ``dst`` may be (b, k) for k destinations per source."""
+        if self.cfg.mode == "minibatch":
+            scores = self.net(embeddings=self.embeddings(), src=src, dst=dst.view(src.numel(), -1))
+            return scores.view(dst.shape)
+        return self._full_pair_scores(src, dst)
+
+    def _full_pair_scores(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        from gnnpar.models.fullgraph.layout import chunk
+
+        self.model.eval()
+        try:
+            h = self.model(self.features)
+            p, r = self.grid.size("tensor"), self.grid.rank("tensor")
+            lo, hi = chunk(src.numel(), p, r)
+            mine_dst = dst[lo:hi]
+            k = mine_dst.shape[1] if mine_dst.dim() == 2 else 0
+            rows = self._fetch(h, torch.cat([src[lo:hi], mine_dst.reshape(-1)]))
+            b = hi - lo
+            targets = torch.arange(b, b + b * max(k, 1)).view(b, max(k, 1))
+            scores = self.net(embeddings=rows, src=torch.arange(b), dst=targets)
+            scores = (scores if k else scores[:, 0]).contiguous()
+            sizes = comm.gather_sizes(scores.shape[0], self.grid, "tensor")
+            return comm.all_gather(scores, self.grid, "tensor", sizes=sizes)
+        finally:
+            self.model.train()
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """``mrr``, ``rocauc`` and ``hits@K`` of the validation and test positives against
+        the split's negatives."""
+        split, out = self.split, {}
+        names = [self.metric, "mrr", "rocauc", *(f"hits@{k}" for k in self.hits)]
+        names = list(dict.fromkeys(names))
+        for which in ("val", "test"):
+            pos_pairs, neg = getattr(split, which), getattr(split, f"{which}_neg")
+            if neg is None or pos_pairs.shape[1] == 0:
+                continue
+            pos = self.score_pairs(pos_pairs[0], pos_pairs[1]).double()
+            if split.protocol == "pairs":
+                neg_scores = self.score_pairs(neg[0], neg[1]).double()
+            else:
+                neg_scores = self.score_pairs(pos_pairs[0], neg).double()
+            with contextlib.suppress(UndefinedScoreError):
+                scores = link_scores(pos.cpu(), neg_scores.cpu(), split.protocol, names)
+                out.update({f"{which}_{k}": v for k, v in scores.items()})
+        return out
