@@ -1,4 +1,5 @@
-"""``gnnpar data list | prepare | info``: the dataset sub-commands of the ``gnnpar`` CLI."""
+"""``gnnpar data list | prepare | import | info | split-edges``: the dataset sub-commands of the
+``gnnpar`` CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from typing import Any
 import torch
 
 from gnnpar.cli.top import USER_ERRORS
-from gnnpar.data.catalogue import build, catalogue, default_root, get_entry, load, source_record
+from gnnpar.data.catalogue import (
+    build,
+    catalogue,
+    default_root,
+    get_entry,
+    load,
+    source_record,
+    stored_folder,
+)
 from gnnpar.data.options import add_dataset_options, check_dataset, parse_options, split_options
 from gnnpar.data.storage import FORMAT, is_graph_folder, save_graph
 from gnnpar.data.structure import STRUCTURE_DEFAULTS, apply_structure, split_structure
@@ -21,6 +30,7 @@ from gnnpar.graph import Graph
 from gnnpar.verified import check_output
 
 __all__ = ["add_data_commands", "describe"]
+
 
 def describe(graph: Graph) -> list[tuple[str, str]]:
     """``(field, value)`` rows summarising a graph, as printed by ``gnnpar data info``."""
@@ -63,6 +73,16 @@ def describe(graph: Graph) -> list[tuple[str, str]]:
                 f"min {int(deg.min())}, mean {float(d.mean()):.2f}, "
                 f"median {float(d.median()):.0f}, max {int(deg.max())}; "
                 f"isolated nodes: {int(((deg == 0) & (graph.out_degrees() == 0)).sum()):,}",
+            )
+        )
+    if graph.edge_split is not None:
+        rec = graph.edge_split.record()
+        sizes = " / ".join(f"{k} {v:,}" for k, v in rec["edges"].items())
+        rows.append(
+            (
+                "edge split",
+                f"{sizes} edges; negatives {rec['protocol']}, metric {rec['metric']}; "
+                f"cut from {rec['source'] or 'an unrecorded graph'} (digest {rec['digest']})",
             )
         )
     others = sorted(set(graph.ndata) - {"feat", "label", "train_mask", "val_mask", "test_mask"})
@@ -174,6 +194,49 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_split_edges(args: argparse.Namespace) -> int:
+    from gnnpar.graph.edge_split import check_metric, split_edges
+
+    options = check_dataset(args.dataset, split_options(args.dataset_options))
+    if args.metric is not None:
+        check_metric(args.metric, "--metric")
+    # never write over what is read: the folder given, or the prepared copy a name loads
+    if Path(args.dataset).exists():
+        inputs: list[str | Path] = [args.dataset]
+    else:
+        stored = stored_folder(args.dataset, args.root, **options)
+        inputs = [stored] if stored is not None else []
+    check_output(args.out, FORMAT, args.overwrite, inputs)
+    start = time.perf_counter()
+    graph = load(args.dataset, args.root, **options)
+    if graph.edge_split is not None:
+        raise UserError(
+            f"{args.dataset} already has an edge split (train it with --split stored, or "
+            "split the graph it was cut from)"
+        )
+    message = split_edges(
+        graph,
+        val=args.val,
+        test=args.test,
+        seed=args.seed,
+        time=args.by_time,
+        negatives=args.negatives,
+        num_negatives=args.num_negatives,
+        metric=args.metric,
+    )
+    split = message.edge_split
+    # the split's options in the source too, so the folder is never taken for a prepared
+    # copy of the whole dataset (gnnpar.data.catalogue.load)
+    source = {**source_record(args.dataset, options), "split_edges": split.how}
+    out = save_graph(message, args.out, overwrite=args.overwrite, source=source, inputs=inputs)
+    sizes = " / ".join(f"{k} {int(getattr(split, k).shape[1]):,}" for k in ("train", "val", "test"))
+    print(
+        f"wrote {out}: edges {sizes} ({split.how['method']} split), negatives "
+        f"{split.protocol}, metric {split.metric} ({time.perf_counter() - start:.1f} s)"
+    )
+    return 0
+
+
 def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Report expected failures (bad input, missing files) as one line and exit code 2."""
 
@@ -188,8 +251,8 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def add_data_commands(subparsers: Any) -> None:
-    """Register ``data`` (with ``list``, ``prepare``, ``import``, ``info``) on an argparse
-    sub-parsers object. Each command sets ``func``: ``func(args) -> exit code``."""
+    """Register ``data`` (``list``, ``prepare``, ``import``, ``info``, ``split-edges``) on an
+    argparse sub-parsers object. Each command sets ``func``: ``func(args) -> exit code``."""
     data = subparsers.add_parser(
         "data",
         help="list, prepare, import and inspect datasets",
@@ -208,7 +271,7 @@ def add_data_commands(subparsers: Any) -> None:
         return 2
 
     data.set_defaults(func=usage, data_command=None)
-    sub = data.add_subparsers(dest="data_command", metavar="{list,prepare,import,info}")
+    sub = data.add_subparsers(dest="data_command", metavar="{list,prepare,import,info,split-edges}")
 
     p = sub.add_parser("list", help="the dataset catalogue and its options")
     p.add_argument("--root", default=None, help="data root (default: $GNNPAR_DATA or datasets)")
@@ -269,3 +332,44 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--root", default=None, help="data root (default: $GNNPAR_DATA or datasets)")
     add_dataset_options(p)
     p.set_defaults(func=_guarded(_cmd_info))
+
+    p = sub.add_parser(
+        "split-edges",
+        help="cut a link-prediction edge split and save it with its message-passing graph",
+        description="Load DATASET, cut train / validation / test edges (random, or the latest "
+        "by a node attribute) with their evaluation negatives, and save the message-passing "
+        "graph (the training edges) with the split atomically to --out; train on it with "
+        "'gnnpar train link --dataset OUT --split stored'.",
+    )
+    p.add_argument("dataset", metavar="DATASET", help="a catalogue name or a folder")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--root", default=None, help="data root (default: $GNNPAR_DATA or datasets)")
+    add_dataset_options(p)
+    p.add_argument("--val", type=float, default=0.05, help="validation fraction of the edges")
+    p.add_argument("--test", type=float, default=0.1, help="test fraction of the edges")
+    p.add_argument("--seed", type=int, default=0, help="seed of the cut and the negatives")
+    p.add_argument(
+        "--by-time",
+        default=None,
+        metavar="ATTR",
+        help="order edges by this node attribute (an edge's time: the later endpoint's); "
+        "the latest test, the next validate (default: a random split)",
+    )
+    p.add_argument(
+        "--negatives",
+        choices=("pairs", "per-source"),
+        default="pairs",
+        help="evaluation negatives: random non-edge pairs shared by all positives, or "
+        "corrupted destinations per positive",
+    )
+    p.add_argument(
+        "--num-negatives", type=int, default=1, help="negatives per positive (default: 1)"
+    )
+    p.add_argument(
+        "--metric",
+        default=None,
+        metavar="mrr|rocauc|hits@K",
+        help="the score models are selected by (default: rocauc for pairs, mrr per source)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    p.set_defaults(func=_guarded(_cmd_split_edges))

@@ -47,6 +47,7 @@ __all__ = [
     "ogbn",
     "ogbn_datasets",
     "find_ogbn",
+    "find_table",
     "read_csv_table",
     "is_ogb_folder",
 ]
@@ -92,7 +93,8 @@ def ogbn_datasets() -> Mapping[str, OGBNodeDataset]:
     return MappingProxyType({d.name: d for d in _OGBN})
 
 
-def _find(folder: Path, stem: str) -> Path | None:
+def find_table(folder: Path, stem: str) -> Path | None:
+    """``folder/stem.csv.gz`` or ``folder/stem.csv``, whichever is there (None if neither)."""
     for suffix in (".csv.gz", ".csv"):
         path = folder / f"{stem}{suffix}"
         if path.is_file():
@@ -103,7 +105,7 @@ def _find(folder: Path, stem: str) -> Path | None:
 def is_ogb_folder(path: str | Path) -> bool:
     """True if ``path`` has ``raw/edge.csv.gz`` (or ``raw/edge.csv``, or ``raw/data.npz``)."""
     raw = Path(path) / "raw"
-    return _find(raw, "edge") is not None or (raw / "data.npz").is_file()
+    return find_table(raw, "edge") is not None or (raw / "data.npz").is_file()
 
 
 def read_csv_table(path: str | Path, dtype: type = np.int64) -> np.ndarray:
@@ -184,18 +186,18 @@ def _single_count(values: np.ndarray, where: str) -> int:
 
 
 def _read_csv_raw(raw: Path) -> _Raw:
-    edge_file = _find(raw, "edge")
+    edge_file = find_table(raw, "edge")
     if edge_file is None:
         raise FileNotFoundError(f"{raw.parent} is not an OGB folder: {raw}/edge.csv.gz is missing")
     edges = read_csv_table(edge_file, np.int64)
     if edges.shape[0] and edges.shape[1] != 2:
         raise UserError(f"{edge_file}: expected 2 columns (src,dst), got {edges.shape[1]}")
     edges = edges.reshape(-1, 2)
-    count_file = _find(raw, "num-node-list")
+    count_file = find_table(raw, "num-node-list")
     num_nodes = None
     if count_file is not None:
         num_nodes = _single_count(read_csv_table(count_file, np.int64), str(count_file))
-    edge_count_file = _find(raw, "num-edge-list")
+    edge_count_file = find_table(raw, "num-edge-list")
     if edge_count_file is not None:
         listed = _single_count(read_csv_table(edge_count_file, np.int64), str(edge_count_file))
         if listed != edges.shape[0]:
@@ -206,9 +208,9 @@ def _read_csv_raw(raw: Path) -> _Raw:
         ("edge-feat", np.float32),
         ("node-label", np.float64),
     ):
-        path = _find(raw, stem)
+        path = find_table(raw, stem)
         tables[stem] = None if path is None else read_csv_table(path, dtype)
-    species_file = _find(raw, "node_species") or _find(raw, "species")
+    species_file = find_table(raw, "node_species") or find_table(raw, "species")
     species = None if species_file is None else read_csv_table(species_file, np.int64)[:, 0]
     return _Raw(
         edges,
@@ -313,7 +315,7 @@ def ogb(
     """
     root = Path(root)
     raw_dir = root / "raw"
-    if _find(raw_dir, "edge") is None and (raw_dir / "data.npz").is_file():
+    if find_table(raw_dir, "edge") is None and (raw_dir / "data.npz").is_file():
         raw = _read_npz_raw(raw_dir)
     else:
         raw = _read_csv_raw(raw_dir)
@@ -370,7 +372,7 @@ def _split_masks(folder: Path, scheme: str | None, num_nodes: int) -> dict[str, 
         raise UserError(f"split {scheme!r} not found in {folder}; available: {schemes}")
     masks = {}
     for part, key in (("train", "train_mask"), ("valid", "val_mask"), ("test", "test_mask")):
-        path = _find(folder / scheme, part)
+        path = find_table(folder / scheme, part)
         if path is None:
             raise FileNotFoundError(f"{folder / scheme}/{part}.csv.gz is missing")
         ids = read_csv_table(path, np.int64).reshape(-1)

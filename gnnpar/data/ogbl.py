@@ -50,7 +50,6 @@ or the folder names OGB's own loader and archive use: ``<root>/ogbl_collab``,
 
 from __future__ import annotations
 
-import importlib
 import pickle
 import re
 import warnings
@@ -63,7 +62,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gnnpar.data.ogb import read_csv_table
+from gnnpar.data.ogb import find_table, read_csv_table
+from gnnpar.data.safe_pickle import numpy_reconstruct
 from gnnpar.errors import UserError, first_line
 from gnnpar.graph import Graph
 from gnnpar.graph.edge_split import EdgeSplit
@@ -134,15 +134,6 @@ def ogbl_datasets() -> Mapping[str, OGBLinkDataset]:
     return MappingProxyType({d.name: d for d in _OGBL})
 
 
-def _find(folder: Path, stem: str) -> Path | None:
-    """``folder/stem.csv.gz`` or ``folder/stem.csv``, whichever is there (None if neither)."""
-    for suffix in (".csv.gz", ".csv"):
-        path = folder / f"{stem}{suffix}"
-        if path.is_file():
-            return path
-    return None
-
-
 def _count(path: Path) -> int:
     """The single number of a ``num-*-list`` table (one graph)."""
     counts = read_csv_table(path, np.int64).reshape(-1)
@@ -151,23 +142,13 @@ def _count(path: Path) -> int:
     return int(counts[0])
 
 
-def _numpy_reconstruct() -> Any:
-    # numpy 2 moved numpy.core to numpy._core; files of numpy 1 still name numpy.core
-    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        try:
-            return importlib.import_module(module)._reconstruct
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError("cannot find numpy's multiarray._reconstruct")
-
-
 def numpy_safe_globals() -> list[Any]:
     """What ``torch.load(weights_only=True)`` must allow to rebuild numpy arrays of numbers
     (for ``torch.serialization.safe_globals``): ``_reconstruct`` under the names numpy 1
     (``numpy.core``) and numpy 2 (``numpy._core``) pickle it by, ``ndarray``, ``dtype``, and
     the classes of the boolean, integer and float dtypes (a pickled dtype is rebuilt as an
     instance of one of them). Object, string and void arrays stay refused."""
-    reconstruct = _numpy_reconstruct()
+    reconstruct = numpy_reconstruct()
     allowed: list[Any] = [
         (reconstruct, "numpy.core.multiarray._reconstruct"),
         (reconstruct, "numpy._core.multiarray._reconstruct"),
@@ -301,8 +282,8 @@ def _spec_of_folder(folder: Path, name: str | None) -> OGBLinkDataset:
 
 def _node_data(raw: Path, parts: Mapping[str, _Part]) -> tuple[dict[str, torch.Tensor], int]:
     """Node features (and years) and the number of nodes, checked for length."""
-    count_file = _find(raw, "num-node-list")
-    feat_file, year_file = _find(raw, "node-feat"), _find(raw, "node_year")
+    count_file = find_table(raw, "num-node-list")
+    feat_file, year_file = find_table(raw, "node-feat"), find_table(raw, "node_year")
     feat = None if feat_file is None else read_csv_table(feat_file, np.float32)
     year = None if year_file is None else read_csv_table(year_file, np.int64)
     if count_file is not None:

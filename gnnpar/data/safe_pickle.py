@@ -17,14 +17,21 @@ from typing import Any, BinaryIO
 
 from gnnpar.errors import UserError, first_line
 
-__all__ = ["RestrictedUnpickler", "UnsafePickleError", "load_pickle", "planetoid_globals"]
+__all__ = [
+    "RestrictedUnpickler",
+    "UnsafePickleError",
+    "load_pickle",
+    "numpy_reconstruct",
+    "planetoid_globals",
+]
 
 
 class UnsafePickleError(pickle.UnpicklingError, UserError):
     """A pickle asked for a class or function outside the allow-list."""
 
 
-def _numpy_reconstruct() -> Any:
+def numpy_reconstruct() -> Any:
+    """numpy's ``multiarray._reconstruct`` (under numpy 2's or numpy 1's module name)."""
     # numpy 2 moved numpy.core to numpy._core; old pickles still name numpy.core.
     for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
         try:
@@ -41,7 +48,7 @@ def planetoid_globals() -> Mapping[tuple[str, str], Any]:
     import numpy as np
     import scipy.sparse as sp
 
-    reconstruct = _numpy_reconstruct()
+    reconstruct = numpy_reconstruct()
     allowed: dict[tuple[str, str], Any] = {
         ("numpy", "ndarray"): np.ndarray,
         ("numpy", "dtype"): np.dtype,

@@ -199,15 +199,8 @@ def request_rows(
     from ``table``, its owned rows (row ``i`` = global id ``start + i``). Two all-to-alls
     (ids, then rows) plus one of counts.
     """
-    p = grid.size(axis)
-    order, send, counts = _group_by_owner(ids, owner, p)
-    recv_counts = comm.exchange_counts(counts, grid, axis)
-    wanted = comm.all_to_all(send, grid, axis, counts, recv_counts)
-    rows = table.index_select(0, wanted - start)
-    back = comm.all_to_all(rows, grid, axis, recv_counts, counts)
-    out = torch.empty_like(back)
-    out[order] = back
-    return out
+    with torch.no_grad():
+        return fetch_rows(table, ids, owner, start, grid, axis)
 
 
 class _FetchRows(torch.autograd.Function):
