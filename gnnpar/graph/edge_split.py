@@ -249,13 +249,19 @@ def _per_source_negatives(
     """``(len(sources), k)`` random destinations per source, none an edge of it (drawn with
     replacement among the non-edges; redrawn where they hit one)."""
     out = torch.randint(num_nodes, (sources.numel(), k), generator=gen)
+    src = sources[:, None].expand_as(out)
+    todo = torch.ones_like(out, dtype=torch.bool)  # only redrawn entries are checked again
     for _ in range(64):
-        keys = edge_keys(sources[:, None].expand_as(out), out, num_nodes)
+        cand, s = out[todo], src[todo]
+        keys = edge_keys(s, cand, num_nodes)
         pos = torch.searchsorted(true_keys, keys).clamp(max=max(true_keys.numel() - 1, 0))
-        bad = (true_keys[pos] == keys) | (out == sources[:, None])
+        bad = (true_keys[pos] == keys) | (cand == s)
         if not bool(bad.any()):
             return out
-        out[bad] = torch.randint(num_nodes, (int(bad.sum()),), generator=gen)
+        where = todo.nonzero(as_tuple=True)
+        todo = torch.zeros_like(todo)
+        todo[where[0][bad], where[1][bad]] = True
+        out[todo] = torch.randint(num_nodes, (int(bad.sum()),), generator=gen)
     raise UserError("could not draw per-source negatives: some sources link to almost every node")
 
 
