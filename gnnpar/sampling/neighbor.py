@@ -305,15 +305,15 @@ class Relabeler:
 
 
 def _without(
-    counts: torch.Tensor, pos: torch.Tensor, exclude: torch.Tensor
+    counts: torch.Tensor, pos: torch.Tensor, excluded: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts, pos)`` of a row-by-row sample with the positions in ``exclude`` (sorted)
-    removed."""
-    at = torch.searchsorted(exclude, pos).clamp_(max=exclude.numel() - 1)
-    keep = exclude.index_select(0, at) != pos
-    if bool(keep.all()):
+    """``(counts, pos)`` of a row-by-row sample without the positions marked in
+    ``excluded`` (a boolean mask over the CSR positions)."""
+    drop = excluded.index_select(0, pos)
+    if not bool(drop.any()):
         return counts, pos
-    rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    keep = ~drop
+    rows = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=pos.numel())
     return torch.bincount(rows[keep], minlength=counts.numel()), pos[keep]
 
 
@@ -388,6 +388,8 @@ class NeighborSampler:
         self.node_keys = node_keys
         self.backend = backend
         self.relabel = Relabeler(self.num_nodes, backend)
+        self._mask: torch.Tensor | None = None
+        self._exclusion_lock = threading.Lock()
 
     @property
     def num_layers(self) -> int:
@@ -404,6 +406,23 @@ class NeighborSampler:
         neighbour fewer where it was drawn (the draws of every other edge are unchanged)."""
         seeds = as_node_ids(seeds, self.num_nodes)
         key = derive_key(self.seed) if key is None else int(key)
+        if exclude is not None and exclude.numel():
+            with self._exclusion_lock:  # one mask over the CSR positions, marked per batch
+                mask = self._exclusion_mask()
+                mask.index_fill_(0, exclude, True)
+                try:
+                    return self._sample(seeds, key, mask)
+                finally:
+                    mask.index_fill_(0, exclude, False)
+        return self._sample(seeds, key, None)
+
+    def _exclusion_mask(self) -> torch.Tensor:
+        if self._mask is None or self._mask.device != self.indices.device:
+            self._mask = torch.zeros(self.indices.numel(), dtype=torch.bool,
+                                     device=self.indices.device)  # fmt: skip
+        return self._mask
+
+    def _sample(self, seeds: torch.Tensor, key: int, excluded: torch.Tensor | None) -> MiniBatch:
         frontier = seeds
         blocks = []
         for hop, fanout in enumerate(self.fanouts):
@@ -417,8 +436,8 @@ class NeighborSampler:
                 row_keys=row_keys,
                 backend=self.backend,
             )
-            if exclude is not None and exclude.numel():
-                counts, pos = _without(counts, pos, exclude)
+            if excluded is not None:
+                counts, pos = _without(counts, pos, excluded)
             m = frontier.numel()
             ids = torch.empty(m + pos.numel(), dtype=torch.int64, device=self.indices.device)
             ids[:m] = frontier
