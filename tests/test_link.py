@@ -436,3 +436,44 @@ def test_citeseer_link_prediction_on_four_ranks_reaches_the_published_auc(tmp_pa
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     end = [r for r in map(json.loads, lines) if r.get("event") == "end"][-1]  # the best model
     assert end["test_rocauc"] >= 0.88, end
+
+
+def test_edge_classification_and_regression_on_edge_labels(tmp_path):
+    """Labels per edge: classification of intra- versus inter-community edges (the SBM's
+    planted signal) beats the majority class; regression of a value per edge reports rmse
+    and mae and is selected by the lowest rmse; the full-graph mode takes the same labels on
+    2 ranks; a dot decoder is refused for classes."""
+    import numpy as np
+
+    from gnnpar.cli import main
+    from tests.cli_world import run_commands
+
+    g = _sbm(num_nodes=300, feat_dim=8, avg_degree=8.0)
+    src, dst = g.edges()
+    classes = (g.label[src] == g.label[dst]).long()
+    np.save(tmp_path / "classes.npy", classes.numpy())
+    np.save(tmp_path / "values.npy", (g.feat[src] * g.feat[dst]).sum(1).numpy())
+    opts = ["--dataset-options", "num_nodes=300,num_classes=3,feat_dim=8,avg_degree=8"]
+    base = ["train", "link", "--dataset", "sbm", *opts, "--decoder", "mlp", "--quiet",
+            "--hidden", "16", "--batch-size", "128", "--fanouts", "5,5", "--eval-every", "3",
+            "--lr", "0.02"]
+    assert main([*base, "--edge-labels", str(tmp_path / "classes.npy"), "--epochs", "6",
+                 "--out", str(tmp_path / "c")]) == 0  # fmt: skip
+    majority = max(float(classes.float().mean()), 1 - float(classes.float().mean()))
+    end = _end(tmp_path / "c")
+    assert end["test_acc"] > majority + 0.05, (end, majority)
+    run_commands(2, [[*base, "--edge-labels", str(tmp_path / "values.npy"), "--epochs", "3",
+                      "--mode", "full", "--model", "gcn", "--blocks", "1", "--nprocs", "2",
+                      "--out", str(tmp_path / "r")]])  # fmt: skip
+    end = _end(tmp_path / "r")
+    assert {"val_rmse", "val_mae", "test_rmse"} <= set(end)
+    config = json.loads(json.dumps(end))
+    assert config["best_step"] == 3
+    assert main([*base, "--edge-labels", str(tmp_path / "classes.npy"), "--decoder", "dot",
+                 "--epochs", "1", "--out", str(tmp_path / "d")]) != 0  # fmt: skip
+
+
+def _end(run: Path) -> dict:
+    """The run's final record (the best model's evaluation)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == "end"][-1]

@@ -51,21 +51,24 @@ __all__ = [
 ]
 
 #: The arrays of a split, in storage order (``val_neg``/``test_neg`` may be absent).
-KEYS = ("train", "val", "test", "val_neg", "test_neg")
+KEYS = ("train", "val", "test", "val_neg", "test_neg", "train_label", "val_label", "test_label")
+#: The positives' label arrays of an edge classification or regression split.
+LABELS = ("train_label", "val_label", "test_label")
 #: How evaluation negatives are laid out (module docstring).
 PROTOCOLS = ("pairs", "per-source")
-#: Scores a split may select models by (``hits@K`` for any K >= 1).
-METRICS = ("mrr", "rocauc", "hits@K")
+#: Scores a split may select models by (``hits@K`` for any K >= 1; ``acc`` for edge
+#: classification, ``rmse`` for edge regression).
+METRICS = ("mrr", "rocauc", "hits@K", "acc", "rmse")
 
 
 def check_metric(metric: str, where: str = "metric") -> str:
     """``metric`` if it is one of :data:`METRICS` (``hits@K`` with an integer K >= 1)."""
-    if metric in ("mrr", "rocauc"):
+    if metric in ("mrr", "rocauc", "acc", "rmse"):
         return metric
     head, _, k = metric.partition("@")
     if head == "hits" and k.isdigit() and int(k) >= 1:
         return metric
-    raise UserError(f"{where} {metric!r}: one of mrr, rocauc, hits@K (K >= 1)")
+    raise UserError(f"{where} {metric!r}: one of mrr, rocauc, hits@K (K >= 1), acc, rmse")
 
 
 def edge_keys(src: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -85,12 +88,31 @@ class EdgeSplit:
     test: torch.Tensor
     val_neg: torch.Tensor | None = None
     test_neg: torch.Tensor | None = None
+    #: Edge classification / regression: one label per positive of each set, else None.
+    train_label: torch.Tensor | None = None
+    val_label: torch.Tensor | None = None
+    test_label: torch.Tensor | None = None
     protocol: str = "pairs"
     metric: str = "mrr"
     #: The record (:meth:`Graph.record`) of the graph the split was cut from.
     source: dict[str, Any] | None = None
     #: How it was cut: method and options (JSON), e.g. ``{"method": "random", ...}``.
     how: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def label_kind(self) -> str | None:
+        """``"classify"`` (int64 labels: a class per positive), ``"regress"`` (float
+        labels) or None (link prediction: positives against negatives)."""
+        if self.train_label is None:
+            return None
+        return "classify" if self.train_label.dtype == torch.int64 else "regress"
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of an edge classification split (largest label + 1), else 0."""
+        if self.label_kind != "classify":
+            return 0
+        return int(max(int(getattr(self, k).max()) for k in LABELS if getattr(self, k).numel())) + 1
 
     def arrays(self) -> dict[str, torch.Tensor]:
         """The split's arrays by key (:data:`KEYS`), absent ones left out."""
@@ -136,7 +158,10 @@ class EdgeSplit:
         if self.protocol not in PROTOCOLS:
             raise UserError(f"{where}: protocol {self.protocol!r}: one of {PROTOCOLS}")
         check_metric(self.metric, f"{where}: metric")
+        self._validate_labels(where)
         for key, t in self.arrays().items():
+            if key in LABELS:
+                continue
             if t.dtype != torch.int64:
                 raise UserError(f"{where}: array {key!r} has dtype {t.dtype}, expected int64")
             pairs = key in ("train", "val", "test") or self.protocol == "pairs"
@@ -154,6 +179,36 @@ class EdgeSplit:
                 )
         if self.train.shape[1] == 0:
             raise UserError(f"{where}: no training edges")
+
+    def _validate_labels(self, where: str) -> None:
+        """All three label arrays or none; one label per positive; classes non-negative;
+        the metric one of the labels' kind."""
+        given = [k for k in LABELS if getattr(self, k) is not None]
+        if not given:
+            if self.metric in ("acc", "rmse"):
+                raise UserError(f"{where}: metric {self.metric} needs edge labels")
+            return
+        if len(given) != len(LABELS):
+            missing = next(k for k in LABELS if k not in given)
+            raise UserError(f"{where}: the edge split has labels but no {missing!r} array")
+        kinds = {getattr(self, k).dtype.is_floating_point for k in LABELS}
+        if len(kinds) != 1 or (not kinds.pop() and self.train_label.dtype != torch.int64):
+            raise UserError(f"{where}: edge labels must all be int64 (classes) or all float")
+        for key in LABELS:
+            t, pairs = getattr(self, key), getattr(self, key[: -len("_label")])
+            if t.shape != (pairs.shape[1],):
+                raise UserError(
+                    f"{where}: array {key!r} must hold one label per positive "
+                    f"({pairs.shape[1]}), got shape {tuple(t.shape)}"
+                )
+            if self.label_kind == "classify" and t.numel() and int(t.min()) < 0:
+                raise UserError(f"{where}: array {key!r} has a negative class {int(t.min())}")
+            if self.label_kind == "regress" and not bool(torch.isfinite(t).all()):
+                raise UserError(f"{where}: array {key!r} has non-finite values")
+        want = "acc" if self.label_kind == "classify" else "rmse"
+        if self.metric != want:
+            raise UserError(f"{where}: metric {self.metric!r} of an edge {self.label_kind} "
+                            f"split must be {want}")  # fmt: skip
 
     def digest(self) -> str:
         """Digest of the arrays and protocol (XXH3-64 hex): what a run records, so a
@@ -274,6 +329,7 @@ def split_edges(
     negatives: str = "pairs",
     num_negatives: int = 1,
     metric: str | None = None,
+    labels: torch.Tensor | None = None,
 ) -> Graph:
     """Cut a link-prediction split from ``graph``; returns the message-passing graph (the
     training edges, in both directions where ``graph`` is symmetric, node data kept) with
@@ -287,7 +343,11 @@ def split_edges(
             its endpoints'): the latest edges test, the next validate; None: random.
         negatives: ``"pairs"`` (``num_negatives`` random non-edges per positive, shared by
             all) or ``"per-source"`` (``num_negatives`` corrupted destinations per positive).
-        metric: the model-selection score (default ``rocauc`` for pairs, ``mrr`` per source).
+        metric: the model-selection score (default ``rocauc`` for pairs, ``mrr`` per source;
+            ``acc`` or ``rmse`` with ``labels``).
+        labels: one label per edge of ``graph`` in its CSR order (:meth:`Graph.edges`): int64
+            classes (edge classification) or floats (edge regression, e.g. the edge
+            weights). Each positive takes its edge's label; no negatives are drawn.
     """
     if not (0 <= val < 1 and 0 <= test < 1 and val + test < 1):
         raise UserError(f"edge split fractions val={val}, test={test}: each in [0, 1), sum < 1")
@@ -295,7 +355,13 @@ def split_edges(
         raise UserError(f"negatives {negatives!r}: one of {PROTOCOLS}")
     if num_negatives < 1:
         raise UserError(f"num_negatives must be >= 1, got {num_negatives}")
-    metric = check_metric(metric or ("rocauc" if negatives == "pairs" else "mrr"))
+    kind = None if labels is None else "acc" if labels.dtype == torch.int64 else "rmse"
+    metric = check_metric(metric or kind or ("rocauc" if negatives == "pairs" else "mrr"))
+    if labels is not None and labels.shape != (graph.num_edges,):
+        raise UserError(
+            f"{graph.name}: edge labels must hold one value per edge ({graph.num_edges}), got "
+            f"shape {tuple(labels.shape)}"
+        )
     pairs, symmetric = _undirected_pairs(graph)
     m = pairs.shape[1]
     n_test, n_val = int(round(test * m)), int(round(val * m))
@@ -311,7 +377,16 @@ def split_edges(
                                         edge_keys(dst, src, graph.num_nodes)]))  # fmt: skip
     gen = torch.Generator().manual_seed(int(seed) + 1)
     n = graph.num_nodes
-    if negatives == "pairs":
+    label_sets: list[torch.Tensor | None] = [None, None, None]
+    if labels is not None:  # each positive's label is its edge's (the first of repeats)
+        keys = edge_keys(src, dst, n)
+        order_keys, by_key = torch.sort(keys, stable=True)
+        label_sets = []
+        for part in (train, val_pos, test_pos):
+            at = torch.searchsorted(order_keys, edge_keys(part[0], part[1], n))
+            label_sets.append(labels[by_key[at]])
+        val_neg = test_neg = None
+    elif negatives == "pairs":
         both = negative_pairs(n, true_keys, num_negatives * (n_val + n_test), gen)
         val_neg, test_neg = both[:, : num_negatives * n_val], both[:, num_negatives * n_val :]
     else:
@@ -319,11 +394,11 @@ def split_edges(
         test_neg = _per_source_negatives(n, true_keys, test_pos[0], num_negatives, gen)
     message = _message_graph(graph, train, symmetric)
     message.edge_split = EdgeSplit(
-        train, val_pos, test_pos, val_neg, test_neg, protocol=negatives, metric=metric,
-        source=graph.record(),
+        train, val_pos, test_pos, val_neg, test_neg, *label_sets, protocol=negatives,
+        metric=metric, source=graph.record(),
         how={"method": "time" if time else "random", "val": val, "test": test, "seed": seed,
              "time": time, "negatives": negatives, "num_negatives": num_negatives,
-             "symmetric": symmetric},
+             "symmetric": symmetric, "labels": kind},
     )  # fmt: skip
     return message
 

@@ -44,13 +44,15 @@ class DotDecoder(nn.Module):
 
 
 class MLPDecoder(nn.Module):
-    """``score = MLP(h_s ⊙ h_d)``: ``layers`` Linear layers (ReLU between), the last to 1."""
+    """``score = MLP(h_s ⊙ h_d)``: ``layers`` Linear layers (ReLU between), the last to
+    ``out`` (1: a score per pair, squeezed; C: one logit per class of edge classification)."""
 
-    def __init__(self, dim: int, hidden: int, layers: int = 2) -> None:
+    def __init__(self, dim: int, hidden: int, layers: int = 2, out: int = 1) -> None:
         super().__init__()
         if layers < 1:
             raise UserError(f"the MLP decoder needs at least 1 layer, got {layers}")
-        widths = [dim] + [hidden] * (layers - 1) + [1]
+        self.out = out
+        widths = [dim] + [hidden] * (layers - 1) + [out]
         self.lins = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False))
 
     def forward(self, h_src: torch.Tensor, h_dst: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ class MLPDecoder(nn.Module):
             h = lin(h)
             if i < len(self.lins) - 1:
                 h = torch.relu(h)
-        return h.squeeze(-1)
+        return h.squeeze(-1) if self.out == 1 else h
 
 
 class DistMultDecoder(nn.Module):
@@ -83,12 +85,15 @@ class DistMultDecoder(nn.Module):
         return (h_src * r * h_dst).sum(-1)
 
 
-def make_decoder(name: str, dim: int, hidden: int, layers: int = 2) -> nn.Module:
-    """The decoder ``name`` (one of :data:`DECODERS`) for embeddings of width ``dim``."""
+def make_decoder(name: str, dim: int, hidden: int, layers: int = 2, out: int = 1) -> nn.Module:
+    """The decoder ``name`` (one of :data:`DECODERS`) for embeddings of width ``dim``;
+    ``out`` > 1 (edge classification) only for ``mlp``."""
+    if out != 1 and name != "mlp":
+        raise UserError(f"edge labels need the mlp decoder (one output per class), not {name!r}")
     if name == "dot":
         return DotDecoder()
     if name == "mlp":
-        return MLPDecoder(dim, hidden, layers)
+        return MLPDecoder(dim, hidden, layers, out)
     if name == "distmult":
         return DistMultDecoder(dim)
     raise UserError(f"unknown decoder {name!r}: one of {', '.join(DECODERS)}")

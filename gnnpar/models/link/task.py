@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from gnnpar import comm
 from gnnpar.errors import PeerFailedError, UserError
@@ -105,6 +106,11 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
         "pairs", "negatives of a split cut here: pairs (1 per positive, shared) or per-source"
     )
     eval_num_negatives: int = option(1, "negatives per positive of a split cut here")
+    edge_labels: str | None = option(
+        None,
+        "edge classification or regression on a split cut here: weight (regress the graph's "
+        "edge weights) or a .npy of one label per edge in CSR order (int64 classes, or floats)",
+    )
     mode: str = option(
         "minibatch",
         "minibatch (sampled edge batches, data parallel) or full (full-graph encoder on an "
@@ -201,6 +207,10 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
             raise ConfigError("config keys 'val_fraction' + 'test_fraction' must be below 1")
         if self.eval_negatives not in ("pairs", "per-source"):
             raise ConfigError("config key 'eval_negatives' must be pairs or per-source")
+        if self.edge_labels not in (None, "weight") and not str(self.edge_labels).endswith(".npy"):
+            raise ConfigError(
+                f"config key 'edge_labels' must be weight or a .npy file, got {self.edge_labels!r}"
+            )
 
     def _check_mode(self) -> None:
         if self.mode == "minibatch":
@@ -266,8 +276,13 @@ def load_link_graph(cfg: LinkConfig) -> Graph:
         time_key = cfg.split.partition(":")[2] if cfg.split.startswith("time:") else None
         graph = split_edges(
             graph, cfg.val_fraction, cfg.test_fraction, cfg.seed, time_key,
-            cfg.eval_negatives, cfg.eval_num_negatives,
+            cfg.eval_negatives, cfg.eval_num_negatives, labels=edge_labels(cfg, graph),
         )  # fmt: skip
+    elif cfg.edge_labels is not None:
+        raise ConfigError(
+            f"config key 'edge_labels' is for a split cut by the run; dataset {cfg.dataset!r} "
+            "has its own split"
+        )
     split = graph.edge_split
     try:
         graph_keys(graph)
@@ -277,6 +292,30 @@ def load_link_graph(cfg: LinkConfig) -> Graph:
     split.validate(graph.num_nodes, f"dataset {cfg.dataset!r}")
     check_metric(split.metric)
     return graph
+
+
+def edge_labels(cfg: LinkConfig, graph: Graph) -> torch.Tensor | None:
+    """The per-edge labels ``edge_labels`` names (CSR order), or None; one line naming the
+    file or the graph otherwise."""
+    if cfg.edge_labels is None:
+        return None
+    if cfg.edge_labels == "weight":
+        if graph.edge_weight is None:
+            raise ConfigError(f"config key 'edge_labels': dataset {cfg.dataset!r} is unweighted")
+        return graph.edge_weight
+    import numpy as np
+
+    path = Path(cfg.edge_labels)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: not a readable .npy of edge labels ({err})") from None
+    if array.dtype.kind not in "if" or array.shape != (graph.num_edges,):
+        raise ConfigError(
+            f"{path}: edge labels must be {graph.num_edges} integers or floats (one per edge), "
+            f"got {array.dtype} {array.shape}"
+        )
+    return torch.from_numpy(array.astype(np.int64 if array.dtype.kind == "i" else np.float32))
 
 
 def _shard_folder(cfg: LinkConfig, graph: Graph) -> Path:
@@ -348,11 +387,13 @@ class LinkTask(BaseTask):
         self.graph, self.split = graph, graph.edge_split
         self.num_train = int(self.split.train.shape[1])
         self.metric = self.split.metric
+        #: ``"classify"`` or ``"regress"`` on edge labels, None for link prediction.
+        self.edge_task = self.split.label_kind
         self.hits = hits_ks(cfg.hits)
         self.user_model = is_user_model(cfg.model)
         self.num_steps = cfg.epochs
         torch.manual_seed(cfg.seed)
-        self.negatives = self._negative_sampler()
+        self.negatives = None if self.edge_task else self._negative_sampler()
         with progress.stage("building the model"):
             if cfg.mode == "minibatch":
                 self._setup_minibatch()
@@ -362,7 +403,7 @@ class LinkTask(BaseTask):
     @property
     def selection(self) -> tuple[str, str]:
         """The best model is the one of the best validation score of the split's metric."""
-        return (f"val_{self.metric}", "max")
+        return (f"val_{self.metric}", "min" if self.metric == "rmse" else "max")
 
     # ------------------------------------------------------------------ setup
     def _negative_sampler(self) -> NegativeSampler:
@@ -389,9 +430,18 @@ class LinkTask(BaseTask):
         return PyGEncoder(cfg.model, in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout,
                           cfg.heads)  # fmt: skip
 
+    def _decoder(self) -> torch.nn.Module:
+        """The decoder: a score per pair, or one logit per class of edge classification."""
+        cfg = self.cfg
+        out = self.split.num_classes if self.edge_task == "classify" else 1
+        try:
+            return make_decoder(cfg.decoder, cfg.hidden, cfg.hidden, cfg.decoder_layers, out)
+        except UserError as err:
+            raise ConfigError(f"config key 'decoder': {err}") from None
+
     def _setup_minibatch(self) -> None:
         cfg, g, grid = self.cfg, self.graph, self.grid
-        decoder = make_decoder(cfg.decoder, cfg.hidden, cfg.hidden, cfg.decoder_layers)
+        decoder = self._decoder()
         self.net = LinkModel(self._encoder(block=True), decoder).to(self.device, master_dtype(cfg))
         self.features = g.feat.to(master_dtype(cfg))
         units = None if self.user_model else by_type(SAGEConv, GCNConv, GATConv)
@@ -416,7 +466,7 @@ class LinkTask(BaseTask):
 
         cfg = self.cfg
         source = _full_source(cfg, self.graph, self.grid, progress)
-        decoder = make_decoder(cfg.decoder, cfg.hidden, cfg.hidden, cfg.decoder_layers)
+        decoder = self._decoder()
         plain = LinkModel(self._encoder(block=False), decoder).to(master_dtype(cfg))
         self.model = parallelize_pyg(plain, self.grid, source)
         self.net = self.model.module
@@ -474,6 +524,18 @@ class LinkTask(BaseTask):
             return bce_sum(pos, neg) / (1 + k)
         return margin_sum(pos, neg, self.cfg.margin) / k
 
+    def loss_of(self, first: torch.Tensor, rest: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The summed loss of the positives ``ids`` (columns of the split's ``train``) from
+        their scores ``first`` and their negatives' ``rest`` (link prediction: :meth:`_loss`),
+        or, on edge labels, cross-entropy of the class logits ``first`` (b, C) or the squared
+        error of the values ``first`` (b,)."""
+        if self.edge_task is None:
+            return self._loss(first, rest)
+        labels = self.split.train_label.index_select(0, ids.cpu()).to(first.device)
+        if self.edge_task == "classify":
+            return F.cross_entropy(first, labels, reduction="sum")
+        return F.mse_loss(first, labels.to(first.dtype), reduction="sum")
+
     def score_batch(self, batch: Any, dropout_seed: int | None) -> tuple[torch.Tensor, ...]:
         """``(pos (b,), neg (b, k))`` scores of a mini-batch's pairs (one call of the model:
         ZeRO-3 gathers its parameters once)."""
@@ -508,7 +570,7 @@ class LinkTask(BaseTask):
                 seed = derive_key(cfg.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
                 with contextlib.nullcontext() if last else dp.no_sync():
                     pos, neg = self.score_batch(batch, seed)
-                    loss = self._loss(pos.float(), neg.float())
+                    loss = self.loss_of(pos, neg, batch.edge_ids)
                     (loss * (data / batch.global_size)).backward()
                 if last:
                     self.optimizer.step()
@@ -557,8 +619,17 @@ class LinkTask(BaseTask):
         lo, hi = chunk(self.num_train, p, r)
         ids = torch.arange(lo, hi, dtype=torch.int64)
         src, dst = self.split.train[:, lo:hi]
+        if self.negatives is None:  # edge labels: the positives only
+            return src, dst, torch.zeros((hi - lo, 0), dtype=torch.int64)
         key = derive_key(self.cfg.seed, _FULL_NEG, step)
         return src, dst, self.negatives.sample(src, ids, key)
+
+    def _full_ids(self) -> torch.Tensor:
+        """The edge ids of this rank's slice (:meth:`full_pairs`)."""
+        from gnnpar.models.fullgraph.layout import chunk
+
+        lo, hi = chunk(self.num_train, self.grid.size("tensor"), self.grid.rank("tensor"))
+        return torch.arange(lo, hi, dtype=torch.int64)
 
     def full_scores(self, h: torch.Tensor, src, dst, neg) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores of this rank's pairs from the rows ``h`` every rank holds (collective)."""
@@ -578,7 +649,7 @@ class LinkTask(BaseTask):
         seed = derive_key(cfg.seed, _DROPOUT, step) & _LOW31
         h = self.model(self.features, dropout_seed=seed)
         pos, neg = self.full_scores(h, *self.full_pairs(step))
-        loss = self._loss(pos, neg) / self.num_train
+        loss = self.loss_of(pos, neg, self._full_ids()) / self.num_train
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -609,7 +680,7 @@ class LinkTask(BaseTask):
         ``dst`` may be (b, k) for k destinations per source."""
         if self.cfg.mode == "minibatch":
             scores = self.net(embeddings=self.embeddings(), src=src, dst=dst.view(src.numel(), -1))
-            return scores.view(dst.shape)
+            return scores.view(*dst.shape, *scores.shape[2:])  # (b[, k][, classes])
         return self._full_pair_scores(src, dst)
 
     def _full_pair_scores(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -637,6 +708,8 @@ class LinkTask(BaseTask):
         """``mrr``, ``rocauc`` and ``hits@K`` of the validation and test positives against
         the split's negatives."""
         split, out = self.split, {}
+        if self.edge_task is not None:
+            return self._evaluate_labels()
         names = [self.metric, "mrr", "rocauc", *(f"hits@{k}" for k in self.hits)]
         names = list(dict.fromkeys(names))
         for which in ("val", "test"):
@@ -651,4 +724,21 @@ class LinkTask(BaseTask):
             with contextlib.suppress(UndefinedScoreError):
                 scores = link_scores(pos.cpu(), neg_scores.cpu(), split.protocol, names)
                 out.update({f"{which}_{k}": v for k, v in scores.items()})
+        return out
+
+    def _evaluate_labels(self) -> dict[str, float]:
+        """Edge classification: ``acc`` of the validation and test pairs; regression:
+        ``rmse`` and ``mae``."""
+        out = {}
+        for which in ("val", "test"):
+            pairs, labels = getattr(self.split, which), getattr(self.split, f"{which}_label")
+            if pairs.shape[1] == 0:
+                continue
+            scores = self.score_pairs(pairs[0], pairs[1]).cpu()
+            if self.edge_task == "classify":
+                out[f"{which}_acc"] = float((scores.argmax(-1) == labels).double().mean())
+            else:
+                err = scores.double() - labels.double()
+                out[f"{which}_rmse"] = float(err.pow(2).mean().sqrt())
+                out[f"{which}_mae"] = float(err.abs().mean())
         return out
