@@ -477,3 +477,20 @@ def _end(run: Path) -> dict:
     """The run's final record (the best model's evaluation)."""
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("event") == "end"][-1]
+
+
+def test_partitioned_edge_batches_equal_the_local_run(tmp_path):
+    """Edge batches over 2 METIS parts of the message graph (neighbours drawn by the parts'
+    owners, the target edges dropped there by their original ids, features fetched across
+    parts) train exactly the parameters of the one-process run, and evaluate the same."""
+    from tests.cli_world import run_commands
+
+    mb = ["--batch-size", "40", "--fanouts", "4,3", "--dropout", "0.2", "--num-negatives", "2",
+          "--prefetch", "1", "--epochs", "2"]  # fmt: skip
+    run_commands(2, [_link_argv(tmp_path / "a", *mb, "--nprocs", "2", "--sampling",
+                                "partitioned")])  # fmt: skip
+    run_commands(1, [_link_argv(tmp_path / "b", *mb)])
+    _same_parameters(tmp_path / "a", tmp_path / "b", 1e-9)
+    got, want = _end(tmp_path / "a"), _end(tmp_path / "b")
+    for key in ("val_rocauc", "test_mrr", "test_hits@10"):
+        assert abs(got[key] - want[key]) < 1e-9, (key, got[key], want[key])

@@ -203,6 +203,26 @@ def request_rows(
         return fetch_rows(table, ids, owner, start, grid, axis)
 
 
+def _without_pairs(
+    counts: torch.Tensor,
+    pos: torch.Tensor,
+    local: torch.Tensor,
+    orig_ids: torch.Tensor,
+    row_keys: torch.Tensor,
+    exclude: torch.Tensor,
+    num_nodes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row-by-row sample (``counts`` per row, CSR ``pos``, local source ids) without the
+    messages whose original (source, destination) pair is in ``exclude`` (sorted keys)."""
+    rows = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=pos.numel())
+    keys = row_keys.index_select(0, rows) * num_nodes + orig_ids.index_select(0, local)
+    at = torch.searchsorted(exclude, keys).clamp_(max=exclude.numel() - 1)
+    keep = exclude.index_select(0, at) != keys
+    if bool(keep.all()):
+        return counts, pos, local
+    return torch.bincount(rows[keep], minlength=counts.numel()), pos[keep], local[keep]
+
+
 class _FetchRows(torch.autograd.Function):
     """:func:`fetch_rows`: forward as :func:`request_rows`; backward sends each row's
     gradient back to its owner, which sums the gradients of a row asked for several times."""
@@ -291,7 +311,9 @@ class DistNeighborSampler:
         """Number of blocks per mini-batch."""
         return len(self.fanouts)
 
-    def _hop(self, frontier: torch.Tensor, fanout: int, key: int) -> tuple[torch.Tensor, ...]:
+    def _hop(
+        self, frontier: torch.Tensor, fanout: int, key: int, exclude: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """Counts, original ids of every frontier node, and sampled neighbours (global ids,
         original ids and, for a weighted graph, the edges' weights (else None), row by row).
         The owners send the original ids with their answers, so every node of a batch is
@@ -315,6 +337,11 @@ class DistNeighborSampler:
             row_keys=self._row_keys.index_select(0, rows),
         )
         local = part.indices.index_select(0, pos)
+        if exclude is not None and exclude.numel():  # drop the batch's target edges
+            n_out, pos, local = _without_pairs(
+                n_out, pos, local, part.orig_ids, self._row_keys.index_select(0, rows), exclude,
+                self.num_nodes,
+            )  # fmt: skip
         columns = [
             part.local_to_global.index_select(0, local),
             part.orig_ids.index_select(0, local),
@@ -350,8 +377,14 @@ class DistNeighborSampler:
             weight = got_nbr[:, 2].contiguous().view(torch.float64).to(part.edge_weight.dtype)
         return f_counts, f_keys, got_nbr[:, 0].contiguous(), got_nbr[:, 1].contiguous(), weight
 
-    def sample(self, seeds: Any, key: int | None = None) -> MiniBatch:
-        """Blocks of the distinct global ``seeds`` (collective; see the class docstring)."""
+    def sample(
+        self, seeds: Any, key: int | None = None, exclude: torch.Tensor | None = None
+    ) -> MiniBatch:
+        """Blocks of the distinct global ``seeds`` (collective; see the class docstring).
+        ``exclude``: sorted :func:`~gnnpar.graph.edge_split.edge_keys` of original-id pairs
+        (source, destination) that carry no message (link prediction's target edges; every
+        rank passes the same set): the owners draw as usual, then drop them, as
+        :meth:`NeighborSampler.sample <gnnpar.sampling.NeighborSampler.sample>` does."""
         seeds = as_node_ids(seeds, self.num_nodes)
         key = derive_key(self.seed) if key is None else int(key)
         frontier = seeds
@@ -359,7 +392,7 @@ class DistNeighborSampler:
         with comm.record(self.grid) as traffic:
             for hop, fanout in enumerate(self.fanouts):
                 counts, f_keys, nbr, nbr_keys, w = self._hop(
-                    frontier, fanout, derive_key(key, hop)
+                    frontier, fanout, derive_key(key, hop), exclude
                 )
                 src, local = self.relabel(frontier, nbr, check_unique=hop == 0)
                 indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)

@@ -59,10 +59,13 @@ class EdgeSampler:
         pairs: ``(2, E)`` the training positives (edge id = column).
         negatives: draws ``(b, k)`` negative destinations (``sample(src, ids, key)``), or
             None for none (edge classification on labelled pairs).
-        keys: :func:`graph_keys` of the sampler's graph (the CSR positions to exclude are
-            found in it).
+        keys: :func:`graph_keys` of a local sampler's graph (the CSR positions to exclude
+            are found in it), or None for a :class:`~gnnpar.sampling.DistNeighborSampler`,
+            whose part owners drop the excluded pairs by their original ids.
         exclude: ``"reverse"`` (the edge and its reverse), ``"self"`` (the edge) or
             ``"none"`` (nothing: leaks the target, for ablations only).
+        node_map: the sampler's id of every node by original id (a partition's global ids),
+            or None when they are the same; ``pairs`` and the negatives are original ids.
     """
 
     def __init__(
@@ -70,15 +73,16 @@ class EdgeSampler:
         sampler: NeighborSampler,
         pairs: torch.Tensor,
         negatives: Any | None,
-        keys: torch.Tensor,
+        keys: torch.Tensor | None,
         exclude: str = "reverse",
+        node_map: torch.Tensor | None = None,
     ) -> None:
         if exclude not in EXCLUDE:
             raise UserError(f"exclude {exclude!r}: one of {', '.join(EXCLUDE)}")
         if pairs.dim() != 2 or pairs.shape[0] != 2:
             raise UserError(f"pairs must be (2, E), got {tuple(pairs.shape)}")
         self.sampler, self.pairs, self.negatives = sampler, pairs, negatives
-        self.keys, self.exclude = keys, exclude
+        self.keys, self.exclude, self.node_map = keys, exclude, node_map
         self.node_count = sampler.num_nodes
         #: The loader's id bound: edge ids lie in ``[0, num_nodes)``.
         self.num_nodes = int(pairs.shape[1])
@@ -88,13 +92,16 @@ class EdgeSampler:
 
     def excluded(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """Sorted CSR positions of ``src→dst`` (and ``dst→src`` with ``"reverse"``) where
-        they are edges of the graph."""
-        if self.exclude == "none" or self.keys.numel() == 0:
+        they are edges of the graph; for a distributed sampler (no ``keys``), the sorted
+        original-id pair keys themselves."""
+        if self.exclude == "none" or (self.keys is not None and self.keys.numel() == 0):
             return torch.zeros(0, dtype=torch.int64)
         n = self.node_count
         wanted = edge_keys(src, dst, n)
         if self.exclude == "reverse":
             wanted = torch.cat([wanted, edge_keys(dst, src, n)])
+        if self.keys is None:
+            return torch.unique(wanted)
         pos = torch.searchsorted(self.keys, wanted).clamp_(max=self.keys.numel() - 1)
         return torch.unique(pos[self.keys.index_select(0, pos) == wanted])
 
@@ -114,7 +121,10 @@ class EdgeSampler:
             neg = self.negatives.sample(src, ids, derive_key(key, _NEGATIVES))
         else:
             neg = torch.zeros((b, 0), dtype=torch.int64)
-        nodes, where = torch.unique(torch.cat([src, dst, neg.reshape(-1)]), return_inverse=True)
+        ends = torch.cat([src, dst, neg.reshape(-1)])
+        if self.node_map is not None:
+            ends = self.node_map.index_select(0, ends)
+        nodes, where = torch.unique(ends, return_inverse=True)
         excluded = self.excluded(self.pairs[0][every], self.pairs[1][every])
         batch = self.sampler.sample(nodes, key, exclude=excluded)
         batch.pairs = torch.stack([where[:b], where[b : 2 * b]])

@@ -117,6 +117,13 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
         "x × y × z grid)",
         MODES,
     )
+    sampling: str = option(
+        "local",
+        "minibatch: local (every rank holds the graph) or partitioned (each rank one METIS part "
+        "of the message graph, sampling and features fetched across parts)",
+        ("local", "partitioned"),
+    )
+    partition_method: str = option("metis", "partitioned sampling's method (see gnnpar-partition)")
     grid: str | None = option(None, "full mode's grid such as x=2,y=1,z=2 (default: x = all)")
     blocks: int = option(8, "full mode: file blocks per side when cutting the graph's shards")
     model: str = option(
@@ -213,6 +220,15 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
             )
 
     def _check_mode(self) -> None:
+        if self.sampling not in ("local", "partitioned"):
+            raise ConfigError(f"config key 'sampling' must be local or partitioned, got "
+                              f"{self.sampling!r}")  # fmt: skip
+        partitioned = self.sampling == "partitioned"
+        if partitioned and (self.mode != "minibatch" or is_user_model(self.model)):
+            raise ConfigError(
+                "config key 'sampling': partitioned sampling is for mode minibatch with a "
+                "built-in encoder"
+            )
         if self.mode == "minibatch":
             if self.grid is not None:
                 raise ConfigError("config key 'grid' is for mode full (minibatch is data parallel)")
@@ -316,6 +332,37 @@ def edge_labels(cfg: LinkConfig, graph: Graph) -> torch.Tensor | None:
             f"got {array.dtype} {array.shape}"
         )
     return torch.from_numpy(array.astype(np.int64 if array.dtype.kind == "i" else np.float32))
+
+
+def _link_parts(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Progress) -> Path:
+    """Rank 0 partitions the message graph into one part per data rank (unless a folder
+    cut from it exists under the run folder); every rank gets the folder."""
+    import warnings
+
+    import partitioners
+
+    parts = grid.size("data")
+    keys = [graph.fingerprint(), cfg.partition_method, cfg.seed, parts]
+    digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:10]
+    folder = Path(cfg.out) / "parts" / f"{Path(cfg.dataset).name or 'graph'}-{parts}-{digest}"
+    failed = torch.zeros(1)
+    if grid.global_rank == 0:
+        try:
+            if not folder.exists():
+                with progress.stage(f"partitioning the message graph into {parts} parts"):
+                    part = partitioners.partition(graph, parts, method=cfg.partition_method,
+                                                  seed=cfg.seed, balance=["nodes"])  # fmt: skip
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", partitioners.format.PartitionBalanceWarning)
+                    partitioners.write(graph, part, folder, halo=1)
+        except Exception:
+            failed += 1
+            comm.all_reduce(failed, grid, "world")
+            raise
+    comm.all_reduce(failed, grid, "world")
+    if failed.item():
+        raise PeerFailedError("rank 0 could not partition the message graph (see its error)")
+    return folder
 
 
 def _shard_folder(cfg: LinkConfig, graph: Graph) -> Path:
@@ -449,17 +496,52 @@ class LinkTask(BaseTask):
             self.net, grid, cfg.zero_stage or 0, units=units, offload=cfg.offload,
             offload_dir=cfg.offload_folder(),
         )  # fmt: skip
-        sampler = NeighborSampler(g, parse_fanouts(cfg.fanouts), replace=cfg.replace, seed=cfg.seed)
-        edges = EdgeSampler(sampler, self.split.train, self.negatives, graph_keys(g), cfg.exclude)
         data, rank = grid.size("data"), grid.rank("data")
         ids = torch.arange(self.num_train, dtype=torch.int64)
-        owned = ids[rank::data]  # every rank knows every edge: the global batches match
+        self.part = None
+        if cfg.sampling == "partitioned" and data > 1:
+            edges, owned, features = self._partitioned_sampler()
+        else:
+            sampler = NeighborSampler(g, parse_fanouts(cfg.fanouts), replace=cfg.replace,
+                                      seed=cfg.seed)  # fmt: skip
+            edges = EdgeSampler(sampler, self.split.train, self.negatives, graph_keys(g),
+                                cfg.exclude)  # fmt: skip
+            owned, features = ids[rank::data], self.features  # every rank knows every edge
         self.loader = NodeLoader(
-            edges, owned, cfg.batch_size, seed=cfg.seed, features=self.features,
+            edges, owned, cfg.batch_size, seed=cfg.seed, features=features,
             prefetch=cfg.prefetch, keys=owned, all_keys=ids, micro_batches=cfg.grad_accum,
             device=self.device, num_nodes=self.num_train,
         )  # fmt: skip
         self._eval_blocks = None if self.user_model else [b.to(self.device) for b in full_blocks(g)]
+
+    def _partitioned_sampler(self) -> tuple[EdgeSampler, torch.Tensor, Any]:
+        """Each rank one part of the message graph (rank 0 writes the partition folder
+        under the run folder): the distributed neighbour sampler, the feature fetcher, the
+        map of original to partition ids, and the training edges this rank owns (those
+        whose destination its part owns, as DistDGL assigns them)."""
+        import gnnpar
+        from gnnpar.sampling import DistNeighborSampler, FeatureFetcher, LocalPart
+
+        cfg, grid = self.cfg, self.grid
+        folder = _link_parts(cfg, self.graph, grid, self.progress)
+        part = LocalPart.load(folder, grid.rank("data"), verify="checksum")
+        part.ndata["feat"] = part.ndata["feat"].to(master_dtype(cfg))
+        # the prefetch thread's collectives run on process groups of their own
+        host = gnnpar.init(backend="gloo", ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout)
+        sampler = DistNeighborSampler(part, parse_fanouts(cfg.fanouts), host, replace=cfg.replace,
+                                      seed=cfg.seed)  # fmt: skip
+        fetcher = FeatureFetcher(part, host)
+        owned_ids = torch.arange(part.start, part.start + part.num_owned, dtype=torch.int64)
+        pairs = torch.stack([part.orig_ids[: part.num_owned], owned_ids], 1)
+        sizes = comm.gather_sizes(pairs.shape[0], host, "data")
+        every = comm.all_gather(pairs, host, "data", sizes=sizes)
+        node_map = torch.empty(part.num_nodes, dtype=torch.int64)
+        node_map[every[:, 0]] = every[:, 1]
+        self.part, self.sample_grid, self.node_map = part, host, node_map
+        edges = EdgeSampler(sampler, self.split.train, self.negatives, None, cfg.exclude, node_map)
+        dst = node_map.index_select(0, self.split.train[1])
+        owned = torch.nonzero(part.owner(dst) == part.part_id, as_tuple=True)[0]
+        return edges, owned, fetcher.fetch
 
     def _setup_full(self, progress: Progress) -> None:
         from gnnpar.models.fullgraph.pyg import parallelize_pyg
@@ -678,10 +760,35 @@ class LinkTask(BaseTask):
     def score_pairs(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """The model's scores of the pairs ``(src[i], dst[i])`` (every rank; collective),
         ``dst`` may be (b, k) for k destinations per source."""
+        if self.cfg.mode == "minibatch" and self.part is not None:
+            return self._part_pair_scores(src, dst)
         if self.cfg.mode == "minibatch":
             scores = self.net(embeddings=self.embeddings(), src=src, dst=dst.view(src.numel(), -1))
             return scores.view(*dst.shape, *scores.shape[2:])  # (b[, k][, classes])
         return self._full_pair_scores(src, dst)
+
+    def _part_pair_scores(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Partitioned sampling: every node's full-neighbour embedding at its owner, then
+        each rank scores a slice of the pairs with their rows fetched from the owners."""
+        from gnnpar.models.fullgraph.layout import chunk
+        from gnnpar.sampling import distributed_inference, request_rows
+
+        part, host = self.part, self.sample_grid
+        if getattr(self, "_embedded", None) is None:  # one inference per evaluation
+            h = distributed_inference(self.net, part, part.ndata["feat"], host, device=self.device)
+            self._embedded = h.cpu()
+        h = self._embedded
+        p, r = host.size("data"), host.rank("data")
+        lo, hi = chunk(src.numel(), p, r)
+        mine = dst.view(src.numel(), -1)[lo:hi]
+        b, k = hi - lo, mine.shape[1]
+        ids = self.node_map.index_select(0, torch.cat([src[lo:hi], mine.reshape(-1)]))
+        rows = request_rows(ids, part.owner(ids), h, part.start, host, "data").to(self.device)
+        targets = torch.arange(b, b + b * k).view(b, k)
+        scores = self.net(embeddings=rows, src=torch.arange(b), dst=targets).contiguous()
+        sizes = comm.gather_sizes(scores.shape[0], host, "data")
+        every = comm.all_gather(scores.cpu(), host, "data", sizes=sizes)
+        return every.view(*dst.shape, *every.shape[2:])
 
     def _full_pair_scores(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         from gnnpar.models.fullgraph.layout import chunk
@@ -708,6 +815,7 @@ class LinkTask(BaseTask):
         """``mrr``, ``rocauc`` and ``hits@K`` of the validation and test positives against
         the split's negatives."""
         split, out = self.split, {}
+        self._embedded = None  # the partitioned path embeds once per evaluation
         if self.edge_task is not None:
             return self._evaluate_labels()
         names = [self.metric, "mrr", "rocauc", *(f"hits@{k}" for k in self.hits)]
