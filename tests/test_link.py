@@ -494,3 +494,24 @@ def test_partitioned_edge_batches_equal_the_local_run(tmp_path):
     got, want = _end(tmp_path / "a"), _end(tmp_path / "b")
     for key in ("val_rocauc", "test_mrr", "test_hits@10"):
         assert abs(got[key] - want[key]) < 1e-9, (key, got[key], want[key])
+
+
+def test_degree_and_hard_negatives_train_through_the_trainer(tmp_path):
+    """``--negatives degree`` and a file of hard-negative candidates per source (one
+    column, -1 padded) with true edges redrawn; a candidates file of the wrong node count is
+    one line naming the file."""
+    import numpy as np
+
+    from gnnpar.cli import main
+
+    g = _sbm()
+    cand = np.full((g.num_nodes, 3), -1, dtype=np.int64)
+    cand[:, 0] = (np.arange(g.num_nodes) * 7 + 3) % g.num_nodes
+    np.save(tmp_path / "hard.npy", cand)
+    np.save(tmp_path / "short.npy", cand[:10])
+    for negatives in ("degree", str(tmp_path / "hard.npy")):
+        argv = _link_argv(tmp_path / Path(negatives).stem, "--negatives", negatives,
+                          "--exclude-true", "--epochs", "2")  # fmt: skip
+        assert main(argv) == 0
+        assert "val_rocauc" in _end(tmp_path / Path(negatives).stem)
+    assert main(_link_argv(tmp_path / "bad", "--negatives", str(tmp_path / "short.npy"))) != 0
