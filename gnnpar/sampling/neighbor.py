@@ -406,8 +406,8 @@ class NeighborSampler:
         neighbour fewer where it was drawn (the draws of every other edge are unchanged)."""
         seeds = as_node_ids(seeds, self.num_nodes)
         key = derive_key(self.seed) if key is None else int(key)
-        if exclude is not None and exclude.numel():
-            with self._exclusion_lock:  # one mask over the CSR positions, marked per batch
+        if exclude is not None and exclude.numel():  # one mask over the CSR positions
+            with self._exclusion_lock:  # marked for this batch, cleared after
                 mask = self._exclusion_mask()
                 mask.index_fill_(0, exclude, True)
                 try:
