@@ -23,6 +23,11 @@ PYEOF
 status=0
 echo "== tests: CUDA against CPU, and the device-neutrality check"
 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_device.py -rs || status=1
+echo "== link prediction on the GPU: edge batches and the full graph (2 epochs each)"
+for mode in minibatch full; do
+    "$PY" -m gnnpar.cli train link --dataset sbm --device cuda --mode "$mode" --model gcn \
+        --epochs 2 --quiet --overwrite --out "${TMPDIR:-/tmp}/gnnpar-gpu-link-$mode" || status=1
+done
 echo "== benchmarks"
 "$PY" benchmarks/gpu.py "$@" || status=1
 exit $status

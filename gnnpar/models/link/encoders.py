@@ -86,6 +86,7 @@ class LinkModel(nn.Module):
         h = self.encoder(*inputs, **kwargs) if embeddings is None else embeddings
         if src is None or dst is None:
             return h
+        src, dst = src.to(h.device), dst.to(h.device)  # ids may come from the host
         return self.decoder(h.index_select(0, src)[:, None, :], h[dst])
 
     @property
