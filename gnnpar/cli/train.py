@@ -85,8 +85,8 @@ def _report(args: argparse.Namespace) -> int:
 def _saved_run(args: argparse.Namespace) -> tuple[str, Any, TrainSpec]:
     """(task name, config, the spec that runs it) of the run folder ``args.run``, with this
     command's grid, after every check that needs no process group: the folder holds a run
-    of a node task with the checkpoint asked for, and the grid fits the processes. Each
-    error is one line, the same on every rank."""
+    of a node task or a pair task (link) with the checkpoint asked for, and the grid fits
+    the processes. Each error is one line, the same on every rank."""
     from gnnpar.checkpoint import complete_steps
     from gnnpar.launch import PREFLIGHT_DONE_ENV, under_launcher
     from gnnpar.train.config import read_run_config
@@ -96,16 +96,16 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, TrainSpec]:
     try:
         check_launch_flags(args)
         name, cfg = read_run_config(args.run, {k: s.config for k, s in registry.items()})
-        if not registry[name].node_task:
-            node_tasks = [k for k, s in registry.items() if s.node_task and s.listed]
+        if not (registry[name].node_task or registry[name].pair_task):
+            kinds = [k for k, s in registry.items() if (s.node_task or s.pair_task) and s.listed]
             raise ConfigError(
-                f"{args.command} works on {' and '.join(node_tasks)} runs; {args.run} is a "
-                f"{name} run"
+                f"{args.command} works on {_and(kinds)} runs; {args.run} is a {name} run"
             )
         folder = checkpoint_dir(args.run, args.checkpoint)
         if not complete_steps(folder):
+            score = "score" if registry[name].pair_task else "accuracy"
             why = (
-                "no best checkpoint (no validation accuracy was evaluated): use --checkpoint latest"
+                f"no best checkpoint (no validation {score} was evaluated): use --checkpoint latest"
                 if args.checkpoint == "best"
                 else "no checkpoint"
             )
@@ -125,20 +125,31 @@ def _saved_run(args: argparse.Namespace) -> tuple[str, Any, TrainSpec]:
     return name, cfg, spec
 
 
+def _and(words: list[str]) -> str:
+    """``["a", "b", "c"]`` as ``"a, b and c"``."""
+    return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 2 else words)
+
+
 def _grid_changes(args: argparse.Namespace, spec: TrainSpec, cfg: Any) -> dict[str, Any]:
     """The config changes that put the saved model on this command's ranks, not the run's:
     ``--grid`` (default: the task's own for this many processes) for tasks with grid axes
-    (gcn runs, and sage runs of the vertex sampler: ScaleGNN's 4D grid); no ``parts`` (one
-    per process, made for this many) for the other sage runs, which are data parallel over
-    every rank."""
-    if spec.axes:
+    (gcn runs, link runs of mode full, and sage runs of the vertex sampler: ScaleGNN's 4D
+    grid); no ``parts`` (one per process, made for this many) for the other sage runs, which
+    are data parallel over every rank, as link runs of mode minibatch are."""
+    minibatch_pairs = spec.pair_task and getattr(cfg, "mode", None) == "minibatch"
+    if spec.axes and not minibatch_pairs:
         return {"grid": args.grid}
     if args.grid is not None:
-        raise ConfigError(
-            f"--grid is for gcn runs and sage runs of the vertex sampler; {args.run} is a sage "
-            f"run of sampler {cfg.sampler}, data parallel over every rank (use --nprocs)"
+        run = (
+            f"a {spec.name} run of mode minibatch"
+            if minibatch_pairs
+            else f"a sage run of sampler {cfg.sampler}"
         )
-    return {"parts": None}
+        raise ConfigError(
+            f"--grid is for gcn runs, link runs of mode full and sage runs of the vertex "
+            f"sampler; {args.run} is {run}, data parallel over every rank (use --nprocs)"
+        )
+    return {} if minibatch_pairs else {"parts": None}
 
 
 def _launch_ranks(args: argparse.Namespace) -> int:
@@ -170,6 +181,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     from gnnpar.launch import under_launcher
 
     name, cfg, spec = _saved_run(args)
+    if spec.pair_task and args.split == "train":
+        err = ConfigError(
+            f"--split train: {args.run} is a {name} run, scored on its val and test edges only"
+        )
+        err.same_on_every_rank = True
+        raise err
     if args.nprocs > 1 and not under_launcher():
         return _launch_ranks(args)
     import gnnpar
@@ -185,7 +202,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise err
     if grid.global_rank == 0:
         where = f"{args.checkpoint} checkpoint, {task.unit} {found.step}"
-        print(f"{key}={metrics[key]:.4f} ({name} run {args.run}, {where}, {grid.describe()})")
+        # a pair task's every score of the split (mrr, rocauc, hits@K), its metric first
+        shown = [key] + [
+            k for k in metrics if spec.pair_task and k.startswith(f"{args.split}_") and k != key
+        ]
+        values = " ".join(f"{k}={metrics[k]:.4f}" for k in shown)
+        print(f"{values} ({name} run {args.run}, {where}, {grid.describe()})")
         if args.json:
             doc = {
                 "run": str(args.run),
@@ -211,17 +233,121 @@ VALUES = (
 )
 
 
-def _check_predictions_out(args: argparse.Namespace) -> Path:
-    """The ``--out`` folder can take the predictions (none there unless ``--overwrite``)."""
+#: What ``predict --pairs`` writes in its ``--out`` folder (a pair task's run).
+SCORES = "scores.npy"
+#: What its values are: link prediction's scores (the decoder's logits, or with ``--sigmoid``
+#: their sigmoid), edge classification's logits, edge regression's predictions.
+SCORE_VALUES = {
+    "logits": "logits: the decoder's score of each pair (float32)",
+    "probabilities": "probabilities: the sigmoid of the decoder's score of each pair (float32)",
+    "classify": "logits: the decoder's logit of each class for each pair, pairs x classes "
+    "(float32)",
+    "regress": "predictions: the decoder's predicted edge label of each pair (float32)",
+}
+
+
+def _check_predictions_out(args: argparse.Namespace, name: str = PREDICTIONS) -> Path:
+    """The ``--out`` folder can take the predictions ``name`` (none there unless
+    ``--overwrite``)."""
     from gnnpar.atomic import check_writable
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out {out} is a file, not a folder")
-    if (out / PREDICTIONS).exists() and not args.overwrite:
-        raise FileExistsError(f"{out / PREDICTIONS} exists; pass --overwrite to replace it")
+    if (out / name).exists() and not args.overwrite:
+        raise FileExistsError(f"{out / name} exists; pass --overwrite to replace it")
     check_writable(out)
     return out
+
+
+def read_pairs(path: str | Path) -> Any:
+    """The node pairs of ``path`` as a (2, P) int64 tensor (sources, then destinations): a
+    ``.npy`` file of integers, shape (2, P) or (P, 2) (2 × 2 is read as (2, P); no pickles:
+    ``allow_pickle=False``), or a text file of ``src dst`` lines (whitespace between; blank
+    lines and lines starting with ``#`` skipped). UserError naming the file otherwise."""
+    import numpy as np
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"pairs file {path} does not exist")
+    if path.suffix == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as err:
+            raise UserError(
+                f"pairs file {path} is not a plain .npy array (no pickles are read): {err}"
+            ) from None
+        if not isinstance(array, np.ndarray):
+            raise UserError(f"pairs file {path} is not a .npy array (an .npz archive?)")
+        if array.dtype.kind not in "iu":
+            raise UserError(f"pairs file {path} holds {array.dtype}, not integer node ids")
+        if array.ndim != 2 or 2 not in array.shape:
+            raise UserError(
+                f"pairs file {path} has shape {tuple(array.shape)}: give (2, P) or (P, 2)"
+            )
+        if array.shape[0] != 2:
+            array = array.T
+        if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
+            raise UserError(f"pairs file {path}: node id {array.max()} is out of range")
+        pairs = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    else:
+        rows: list[tuple[int, int]] = []
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise UserError(
+                f"pairs file {path} is not text: give a .npy array or 'src dst' lines"
+            ) from None
+        for number, line in enumerate(lines, 1):
+            words = line.split()
+            if not words or words[0].startswith("#"):
+                continue
+            try:
+                if len(words) != 2:
+                    raise ValueError
+                rows.append((int(words[0]), int(words[1])))
+            except ValueError:
+                raise UserError(
+                    f"pairs file {path} line {number}: expected 'src dst' (two integer node "
+                    f"ids), got {line.strip()[:60]!r}"
+                ) from None
+        pairs = torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).T.contiguous()
+    if pairs.shape[1] == 0:
+        raise UserError(f"pairs file {path} holds no pairs")
+    return pairs
+
+
+def check_pair_ids(pairs: Any, num_nodes: int, path: str | Path) -> None:
+    """Every id of ``pairs`` (2, P) is a node of a graph of ``num_nodes`` nodes; UserError
+    naming the file, the first id out of range (in file order) and its pair otherwise."""
+    bad = ((pairs < 0) | (pairs >= num_nodes)).T.reshape(-1).nonzero()
+    if bad.numel():
+        first = int(bad[0])
+        node = int(pairs.T.reshape(-1)[first])
+        raise UserError(
+            f"pairs file {path}: node id {node} (pair {first // 2}) is out of range: the "
+            f"graph has {num_nodes:,} nodes, ids 0 to {num_nodes - 1:,}"
+        )
+
+
+def _pairs_to_score(args: argparse.Namespace, name: str, spec: TrainSpec) -> Any:
+    """The pairs of ``--pairs`` for a pair task's run (:func:`read_pairs`), None for a node
+    task's; ConfigError where the flags do not fit the run."""
+    if not spec.pair_task:
+        for flag, given in (("--pairs", args.pairs is not None), ("--sigmoid", args.sigmoid)):
+            if given:
+                raise ConfigError(
+                    f"{flag} is for link runs; {args.run} is a {name} run (predict writes "
+                    "every node's class)"
+                )
+        return None
+    if args.pairs is None:
+        raise ConfigError(
+            f"{args.run} is a {name} run: predict scores node pairs, give --pairs FILE (a .npy "
+            "of shape (2, P) or (P, 2), or 'src dst' lines)"
+        )
+    return read_pairs(args.pairs)
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -230,12 +356,15 @@ def _predict(args: argparse.Namespace) -> int:
 
     name, cfg, spec = _saved_run(args)
     try:
-        out = _check_predictions_out(args)
-    except OSError as err:
+        pairs = _pairs_to_score(args, name, spec)
+        out = _check_predictions_out(args, PREDICTIONS if pairs is None else SCORES)
+    except (UserError, OSError) as err:
         err.same_on_every_rank = True
         raise
     if args.nprocs > 1 and not under_launcher():
         return _launch_ranks(args)
+    if pairs is not None:
+        return _predict_pairs(args, name, cfg, spec, pairs, out)
     import numpy as np
 
     import gnnpar
@@ -273,9 +402,72 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict_pairs(
+    args: argparse.Namespace, name: str, cfg: Any, spec: TrainSpec, pairs: Any, out: Path
+) -> int:
+    """predict on a pair task's run (one rank of it): the scores of ``pairs`` (2, P), each
+    the decoder's logit (or its sigmoid with ``--sigmoid``), as float32 in ``out``; for a
+    run on edge labels, each pair's class logits (P × C) or predicted value."""
+    import numpy as np
+    import torch
+
+    import gnnpar
+    from gnnpar.atomic import atomic_write, write_json
+
+    task, found = _loaded(args, cfg, spec)
+    grid = task.grid
+    edge_task = getattr(task, "edge_task", None)  # "classify", "regress" or None
+    try:
+        check_pair_ids(pairs, task.graph.num_nodes, args.pairs)
+        if args.sigmoid and edge_task is not None:
+            raise ConfigError(
+                f"--sigmoid is for link prediction; {args.run} is a {name} run of edge "
+                f"{'classification' if edge_task == 'classify' else 'regression'} on edge labels"
+            )
+    except UserError as err:
+        gnnpar.shutdown(grid)
+        err.same_on_every_rank = True
+        raise
+    scores = task.score_pairs(pairs[0], pairs[1]).detach().cpu()
+    if args.sigmoid:
+        scores = torch.sigmoid(scores)
+    values = scores.to(torch.float32).numpy()
+    what = edge_task or ("probabilities" if args.sigmoid else "logits")
+    gnnpar.shutdown(grid)
+    if grid.global_rank == 0:
+
+        def save(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                np.save(f, values, allow_pickle=False)
+
+        atomic_write(out / SCORES, save)
+        doc = {
+            "file": SCORES,
+            "values": SCORE_VALUES[what],
+            "order": "entry i is pair i of the pairs file",
+            "pairs": str(args.pairs),
+            "dtype": str(values.dtype),
+            "shape": list(values.shape),
+            "run": str(args.run),
+            "task": name,
+            "dataset": cfg.dataset,
+            "dataset_options": cfg.dataset_options,
+            "checkpoint": args.checkpoint,
+            "step": found.step,
+        }
+        write_json(out / "scores.json", doc, indent=1)
+        print(
+            f"wrote {out / SCORES}: {' x '.join(f'{n:,}' for n in values.shape)} "
+            f"{SCORE_VALUES[what].partition(':')[0]} of the pairs in {args.pairs} "
+            f"({args.checkpoint} checkpoint, {task.unit} {found.step}) and "
+            f"{out / 'scores.json'}"
+        )
+    return 0
+
+
 def _saved_run_flags(p: argparse.ArgumentParser) -> None:
     """The flags evaluate and predict share: the run, its checkpoint, the grid."""
-    p.add_argument("run", metavar="RUN", help="a run folder of gnnpar train gcn or sage")
+    p.add_argument("run", metavar="RUN", help="a run folder of gnnpar train gcn, sage or link")
     p.add_argument(
         "--checkpoint",
         choices=("best", "latest"),
@@ -286,8 +478,9 @@ def _saved_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grid",
         default=None,
-        help="gcn, or sage with sampler vertex: grid such as x=2 or data=2,x=2 (default: "
-        "the task's for --nprocs; any grid, the checkpoint is resharded on load)",
+        help="gcn, link with mode full, or sage with sampler vertex: grid such as x=2 or "
+        "data=2,x=2 (default: the task's for --nprocs; any grid, the checkpoint is resharded "
+        "on load)",
     )
 
 
@@ -321,25 +514,36 @@ def add_train_commands(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "evaluate",
         help="the score (accuracy, or ROC-AUC for multi-label targets) of a trained gcn or "
-        "sage run's saved model, on any grid",
+        "sage run's saved model, or a link run's MRR, ROC-AUC and Hits@K, on any grid",
     )
     _saved_run_flags(p)
     p.add_argument(
         "--split",
         choices=("test", "val", "train"),
         default="test",
-        help="nodes to score (default: test)",
+        help="nodes (link runs: edges, val or test) to score (default: test)",
     )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
     p.set_defaults(func=_evaluate, max_restarts=0)
     p = subparsers.add_parser(
-        "predict", help="every node's predicted class from a trained gcn or sage run"
+        "predict",
+        help="every node's predicted class from a trained gcn or sage run, or a link run's "
+        "scores of node pairs",
     )
     _saved_run_flags(p)
     p.add_argument(
         "--out", required=True, metavar="DIR",
         help="folder for predictions.npy (class ids in original node order) and "
-        "predictions.json (what it holds)",
+        "predictions.json (what it holds); with --pairs, scores.npy and scores.json",
+    )  # fmt: skip
+    p.add_argument(
+        "--pairs", default=None, metavar="FILE",
+        help="link runs: the node pairs to score, a .npy of integers of shape (2, P) or "
+        "(P, 2), or a text file of 'src dst' lines; scores.npy holds one float32 logit per pair",
+    )  # fmt: skip
+    p.add_argument(
+        "--sigmoid", action="store_true",
+        help="with --pairs: write probabilities (the sigmoid of the logits) instead",
     )  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="replace predictions in DIR")
     p.set_defaults(func=_predict, max_restarts=0)

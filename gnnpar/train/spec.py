@@ -85,11 +85,14 @@ class TrainSpec:
     names another registered spec that runs this config instead (ScaleGNN's vertex sampling
     behind ``sage``), or None. ``axes``: the grid axes beyond data a ``grid`` option may
     name (checked before launch). ``node_task``: every node gets a class, so ``gnnpar
-    evaluate`` and ``predict`` work on its runs. ``listed``: shown as ``gnnpar train NAME``
-    (a variant is reached through its parent instead). ``parallelize``: the public function
-    that puts the workload's plain model on the grid (what its task calls; for a user's own
-    model). ``planner``: ``gnnpar plan NAME``, ranking shapes with the workload's cost and
-    memory models (the same ones its ``plan`` chooses from), or None.
+    evaluate`` and ``predict`` work on its runs. ``pair_task``: the model scores node pairs
+    (its task has ``score_pairs(src, dst)`` and ``graph``), so ``gnnpar evaluate`` reports
+    its pair metrics and ``gnnpar predict --pairs FILE`` scores the pairs of a file.
+    ``listed``: shown as ``gnnpar train NAME`` (a variant is reached through its parent
+    instead). ``parallelize``: the public function that puts the workload's plain model on
+    the grid (what its task calls; for a user's own model). ``planner``: ``gnnpar plan
+    NAME``, ranking shapes with the workload's cost and memory models (the same ones its
+    ``plan`` chooses from), or None.
     """
 
     name: str
@@ -101,6 +104,7 @@ class TrainSpec:
     variant: Callable[[Any], str | None] | None = None
     axes: tuple[str, ...] = ("x", "y", "z")
     node_task: bool = False
+    pair_task: bool = False
     listed: bool = True
     parallelize: Callable[..., Any] | None = None
     planner: PlanCommand | None = None

@@ -166,7 +166,7 @@ def pyg_collectives(
     return forward + backward + grads + (again if recompute else [])
 
 
-def _compute_seconds(ops: list[TracedOp], nnz: int, shape, machine) -> dict[str, float]:
+def pyg_compute_seconds(ops: list[TracedOp], nnz: int, shape, machine) -> dict[str, float]:
     """The aggregations' SpMMs on rank 0 (nonzeros spread evenly), forward and backward."""
     p = math.prod(shape.get(a, 1) for a in ("x", "y", "z"))
     passes = [(t.width, 2 if t.grad else 1) for t in ops if t.op == "gather_cols"]
@@ -192,7 +192,7 @@ def rank_pyg(
             s,
             machine,
             lambda s=s: pyg_collectives(ops, params, nodes, s, element_size, 4, recompute),
-            lambda s=s: _compute_seconds(ops, nnz, s, machine),
+            lambda s=s: pyg_compute_seconds(ops, nnz, s, machine),
             lambda: {},
         )
         for s in grid_shapes(world, data=False)

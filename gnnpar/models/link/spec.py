@@ -1,5 +1,6 @@
 """The link workload's registration: ``gnnpar train link``."""
 
+from gnnpar.models.link.planning import PLANNER
 from gnnpar.models.link.task import LinkConfig, LinkTask, plan
 from gnnpar.shard import shard
 from gnnpar.train.config import choice_words
@@ -14,5 +15,7 @@ SPEC = TrainSpec(
     plan=plan,
     preflight=LinkTask.preflight,
     axes=("x", "y", "z"),
+    pair_task=True,
     parallelize=shard,
+    planner=PLANNER,
 )

@@ -334,6 +334,29 @@ def edge_labels(cfg: LinkConfig, graph: Graph) -> torch.Tensor | None:
     return torch.from_numpy(array.astype(np.int64 if array.dtype.kind == "i" else np.float32))
 
 
+def link_model(cfg: LinkConfig, graph: Graph, block: bool) -> LinkModel:
+    """The run's model for ``graph`` (carrying its edge split), seeded by the caller: the
+    encoder (a block model for edge batches, a PyG model for the full graph, or the user's
+    ``module:factory``) and the decoder (a score per pair, or one logit per class of edge
+    classification). The task and the planner build it here."""
+    in_dim, split = int(graph.feat.shape[1]), graph.edge_split
+    if is_user_model(cfg.model):
+        options = factory_options(cfg.model_options)
+        encoder = build_user_model(cfg.model, in_dim, cfg.hidden, options)
+    elif block:
+        encoder = BlockGNN(in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout, cfg.model,
+                           cfg.heads)  # fmt: skip
+    else:
+        encoder = PyGEncoder(cfg.model, in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout,
+                             cfg.heads)  # fmt: skip
+    out = split.num_classes if split.label_kind == "classify" else 1
+    try:
+        decoder = make_decoder(cfg.decoder, cfg.hidden, cfg.hidden, cfg.decoder_layers, out)
+    except UserError as err:
+        raise ConfigError(f"config key 'decoder': {err}") from None
+    return LinkModel(encoder, decoder)
+
+
 def _link_parts(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Progress) -> Path:
     """Rank 0 partitions the message graph into one part per data rank (unless a folder
     cut from it exists under the run folder); every rank gets the folder."""
@@ -466,30 +489,9 @@ class LinkTask(BaseTask):
             kwargs["exclude"] = (g.indptr, g.indices)
         return NegativeSampler(g.num_nodes, method, cfg.num_negatives, **kwargs)
 
-    def _encoder(self, block: bool) -> torch.nn.Module:
-        cfg, in_dim = self.cfg, int(self.graph.feat.shape[1])
-        if self.user_model:
-            options = factory_options(cfg.model_options)
-            return build_user_model(cfg.model, in_dim, cfg.hidden, options)
-        if block:
-            return BlockGNN(in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout, cfg.model,
-                            cfg.heads)  # fmt: skip
-        return PyGEncoder(cfg.model, in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout,
-                          cfg.heads)  # fmt: skip
-
-    def _decoder(self) -> torch.nn.Module:
-        """The decoder: a score per pair, or one logit per class of edge classification."""
-        cfg = self.cfg
-        out = self.split.num_classes if self.edge_task == "classify" else 1
-        try:
-            return make_decoder(cfg.decoder, cfg.hidden, cfg.hidden, cfg.decoder_layers, out)
-        except UserError as err:
-            raise ConfigError(f"config key 'decoder': {err}") from None
-
     def _setup_minibatch(self) -> None:
         cfg, g, grid = self.cfg, self.graph, self.grid
-        decoder = self._decoder()
-        self.net = LinkModel(self._encoder(block=True), decoder).to(self.device, master_dtype(cfg))
+        self.net = link_model(cfg, g, block=True).to(self.device, master_dtype(cfg))
         self.features = g.feat.to(master_dtype(cfg))
         units = None if self.user_model else by_type(SAGEConv, GCNConv, GATConv)
         self.model = shard(
@@ -548,8 +550,7 @@ class LinkTask(BaseTask):
 
         cfg = self.cfg
         source = _full_source(cfg, self.graph, self.grid, progress)
-        decoder = self._decoder()
-        plain = LinkModel(self._encoder(block=False), decoder).to(master_dtype(cfg))
+        plain = link_model(cfg, self.graph, block=False).to(master_dtype(cfg))
         self.model = parallelize_pyg(plain, self.grid, source)
         self.net = self.model.module
         self.features = self.model.input_features()
