@@ -572,6 +572,26 @@ def exchange_counts(counts: Sequence[int], grid: ProcessGrid, axis: str) -> list
     return all_to_all(t, grid, axis, [1] * len(counts), [1] * len(counts)).tolist()
 
 
+def on_rank_zero(grid: ProcessGrid, work: Callable[[], object], failure: str) -> None:
+    """Run ``work`` on global rank 0 while the other ranks wait (writing a folder every
+    rank then reads): rank 0 raises its own error, every other rank a
+    :class:`~gnnpar.errors.PeerFailedError` with ``failure``, instead of waiting for a
+    collective rank 0 never reaches (collective over the world)."""
+    from gnnpar.errors import PeerFailedError
+
+    failed = torch.zeros(1, device=grid.device)
+    if grid.global_rank == 0:
+        try:
+            work()
+        except Exception:
+            failed += 1
+            all_reduce(failed, grid, "world")
+            raise
+    all_reduce(failed, grid, "world")
+    if failed.item():
+        raise PeerFailedError(failure)
+
+
 def barrier(grid: ProcessGrid, axis: str = "world") -> None:
     """Wait until every rank of the ``axis`` group gets here."""
     group = grid.group(axis)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from gnnpar import comm
-from gnnpar.errors import PeerFailedError, UserError
+from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.graph import Graph
 from gnnpar.graph.edge_split import check_metric, split_edges
@@ -368,23 +368,18 @@ def _link_parts(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Prog
     keys = [graph.fingerprint(), cfg.partition_method, cfg.seed, parts]
     digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:10]
     folder = Path(cfg.out) / "parts" / f"{Path(cfg.dataset).name or 'graph'}-{parts}-{digest}"
-    failed = torch.zeros(1)
-    if grid.global_rank == 0:
-        try:
-            if not folder.exists():
-                with progress.stage(f"partitioning the message graph into {parts} parts"):
-                    part = partitioners.partition(graph, parts, method=cfg.partition_method,
-                                                  seed=cfg.seed, balance=["nodes"])  # fmt: skip
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", partitioners.format.PartitionBalanceWarning)
-                    partitioners.write(graph, part, folder, halo=1)
-        except Exception:
-            failed += 1
-            comm.all_reduce(failed, grid, "world")
-            raise
-    comm.all_reduce(failed, grid, "world")
-    if failed.item():
-        raise PeerFailedError("rank 0 could not partition the message graph (see its error)")
+
+    def write() -> None:
+        if folder.exists():
+            return
+        with progress.stage(f"partitioning the message graph into {parts} parts"):
+            part = partitioners.partition(graph, parts, method=cfg.partition_method,
+                                          seed=cfg.seed, balance=["nodes"])  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", partitioners.format.PartitionBalanceWarning)
+            partitioners.write(graph, part, folder, halo=1)
+
+    comm.on_rank_zero(grid, write, "rank 0 could not partition the message graph (see its error)")
     return folder
 
 
@@ -401,20 +396,14 @@ def _full_source(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Pro
     from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
 
     folder = _shard_folder(cfg, graph)
-    failed = torch.zeros(1)
-    if grid.global_rank == 0:
-        try:
-            if not folder.exists():
-                with progress.stage(f"writing the graph's shards into {folder}"):
-                    prepare_shards(graph, folder, norm="raw", permutation="symmetric",
-                                   seed=cfg.seed, blocks=(cfg.blocks, cfg.blocks))  # fmt: skip
-        except Exception:
-            failed += 1
-            comm.all_reduce(failed, grid, "world")
-            raise
-    comm.all_reduce(failed, grid, "world")
-    if failed.item():
-        raise PeerFailedError("rank 0 could not write the link task's shards (see its error)")
+
+    def write() -> None:
+        if not folder.exists():
+            with progress.stage(f"writing the graph's shards into {folder}"):
+                prepare_shards(graph, folder, norm="raw", permutation="symmetric", seed=cfg.seed,
+                               blocks=(cfg.blocks, cfg.blocks))  # fmt: skip
+
+    comm.on_rank_zero(grid, write, "rank 0 could not write the link task's shards (see its error)")
     source = DiskSource(folder)
     if source.meta["source"]["graph"] != graph.fingerprint():
         raise UserError(f"{folder} was cut from another graph: remove it")

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.errors import PeerFailedError, UserError
+from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
@@ -427,23 +427,16 @@ def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int, progress
     """Rank 0 partitions the dataset into ``parts`` if the folder is missing, or checks that
     an existing one was cut from the dataset; others wait."""
     folder = _partition_folder(cfg, parts)
-    error = torch.zeros(1)
-    if grid.global_rank == 0:
-        try:
-            if folder.exists():
-                meta = _checked_parts(cfg, folder, progress)
-            else:
-                meta = _write_parts(cfg, folder, parts, progress)
-            _warn_idle(meta, folder)
-        except Exception:
-            error += 1
-            comm.all_reduce(error, grid, "world")
-            raise
-    comm.all_reduce(error, grid, "world")
-    if error.item():
-        raise PeerFailedError(
-            "rank 0 refused or could not write the partition folder (see its error)"
-        )
+
+    def check_or_write() -> None:
+        if folder.exists():
+            meta = _checked_parts(cfg, folder, progress)
+        else:
+            meta = _write_parts(cfg, folder, parts, progress)
+        _warn_idle(meta, folder)
+
+    failure = "rank 0 refused or could not write the partition folder (see its error)"
+    comm.on_rank_zero(grid, check_or_write, failure)
     return folder
 
 
