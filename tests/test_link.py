@@ -87,6 +87,15 @@ def test_split_by_time_puts_the_latest_edges_in_test():
         split_edges(g, time="month")
 
 
+def test_transforms_of_the_same_nodes_keep_the_split():
+    """to_undirected, coalesce and self loops keep the node ids, so the split rides along;
+    a subgraph renumbers the nodes and drops it."""
+    m = split_edges(_sbm(), 0.1, 0.1, seed=0)
+    for derived in (m.to_undirected(), m.coalesce(), m.add_self_loops()):
+        assert derived.edge_split is m.edge_split
+    assert m.subgraph(torch.arange(10)).edge_split is None
+
+
 # ---------------------------------------------------------------------------- leakage
 def _edge_sampler(graph: Graph, exclude: str = "reverse"):
     from gnnpar.sampling import NeighborSampler

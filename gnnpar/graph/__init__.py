@@ -562,8 +562,10 @@ class Graph:
         ndata: Mapping[str, torch.Tensor] | None = None,
         num_nodes: int | None = None,
     ) -> Graph:
-        """A graph with new topology built by our own (trusted) code: skip the O(E) checks."""
-        return Graph(
+        """A graph with new topology built by our own (trusted) code: skip the O(E) checks.
+        A link-prediction split is kept where the node ids are (the transforms of one graph's
+        edges), dropped where they change (a subgraph)."""
+        graph = Graph(
             indptr,
             indices,
             self.num_nodes if num_nodes is None else num_nodes,
@@ -573,6 +575,9 @@ class Graph:
             validate=False,
             num_classes=self._num_classes,
         )
+        if num_nodes is None:
+            graph.edge_split = self.edge_split
+        return graph
 
     # ------------------------------------------------------------------ topology transforms
     def coalesce(self) -> Graph:

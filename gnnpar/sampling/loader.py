@@ -195,6 +195,7 @@ class NodeLoader:
         self.pin_memory = bool(pin_memory)
         self.epoch = 0
         self.position = 0
+        self._order: tuple[int, torch.Tensor] | None = None  # global_batch's epoch order
 
     # ------------------------------------------------------------------ epochs and state
     def __len__(self) -> int:
@@ -248,7 +249,7 @@ class NodeLoader:
         """The keys of every seed of global batch ``index`` of ``epoch``, over all ranks, in
         batch order (for a sampler whose batch depends on the whole global batch, such as
         link prediction's exclusion of every target edge: ``reads_global_batch``)."""
-        cached = getattr(self, "_order", None)
+        cached = self._order
         if cached is None or cached[0] != epoch:
             order = torch.argsort(self.epoch_positions(epoch))
             cached = self._order = (epoch, self.all_keys.index_select(0, order))
