@@ -284,7 +284,8 @@ def test_evaluate_refuses_a_grid_for_a_data_parallel_sage_run(world, tmp_path, c
     shutil.copytree(tmp / "straight" / "checkpoints", other / "checkpoints")
     assert main(["evaluate", str(other), "--grid", "x=2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--grid is for gcn runs, link runs of mode full and sage runs of the vertex sampler" in err[0]
+    want = "--grid is for gcn runs, link runs of mode full and sage runs of the vertex sampler"
+    assert len(err) == 1 and want in err[0]
 
 
 @pytest.mark.parametrize("kind", ["sage", "gcn"])
