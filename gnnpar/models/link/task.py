@@ -64,7 +64,7 @@ from gnnpar.sampling import NeighborSampler, NodeLoader, full_blocks, parse_fano
 from gnnpar.sampling.edge import EXCLUDE, EdgeSampler, graph_keys
 from gnnpar.sampling.negative import NegativeSampler, load_candidates
 from gnnpar.sampling.rng import derive_key
-from gnnpar.shard import by_type, shard
+from gnnpar.shard import FCDP, by_type, shard
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
@@ -76,7 +76,7 @@ from gnnpar.train.config import (
 )
 from gnnpar.train.loop import BaseTask, load_dataset
 from gnnpar.train.metrics import UndefinedScoreError, link_scores
-from gnnpar.train.precision import master_dtype
+from gnnpar.train.precision import master_dtype, shard_policy
 from gnnpar.train.progress import Progress
 from gnnpar.train.spec import GridPlan
 
@@ -484,7 +484,8 @@ class LinkTask(BaseTask):
         self.features = g.feat.to(master_dtype(cfg))
         units = None if self.user_model else by_type(SAGEConv, GCNConv, GATConv)
         self.model = shard(
-            self.net, grid, cfg.zero_stage or 0, units=units, offload=cfg.offload,
+            self.net, grid, cfg.zero_stage or 0, units=units, mixed_precision=shard_policy(cfg),
+            fcdp=FCDP() if cfg.fcdp else None, offload=cfg.offload,
             offload_dir=cfg.offload_folder(),
         )  # fmt: skip
         data, rank = grid.size("data"), grid.rank("data")
