@@ -65,6 +65,7 @@ LONG_MODULES = (
     "test_fullgraph.py",
     "test_shard.py",
     "test_offload.py",
+    "test_link.py",
 )
 
 
