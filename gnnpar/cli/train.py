@@ -351,7 +351,6 @@ def _pairs_to_score(args: argparse.Namespace, name: str, spec: TrainSpec) -> Any
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from gnnpar.atomic import atomic_write, write_json
     from gnnpar.launch import under_launcher
 
     name, cfg, spec = _saved_run(args)
@@ -365,7 +364,6 @@ def _predict(args: argparse.Namespace) -> int:
         return _launch_ranks(args)
     if pairs is not None:
         return _predict_pairs(args, name, cfg, spec, pairs, out)
-    import numpy as np
 
     import gnnpar
 
@@ -374,26 +372,9 @@ def _predict(args: argparse.Namespace) -> int:
     grid = task.grid
     gnnpar.shutdown(grid)
     if grid.global_rank == 0:
-
-        def save(tmp: str) -> None:
-            with open(tmp, "wb") as f:
-                np.save(f, pred, allow_pickle=False)
-
-        atomic_write(out / PREDICTIONS, save)
-        doc = {
-            "file": PREDICTIONS,
-            "values": VALUES[task.metric != "acc"],
-            "order": "original node order: entry i is node i of the dataset",
-            "dtype": str(pred.dtype),
-            "shape": list(pred.shape),
-            "run": str(args.run),
-            "task": name,
-            "dataset": cfg.dataset,
-            "dataset_options": cfg.dataset_options,
-            "checkpoint": args.checkpoint,
-            "step": found.step,
-        }
-        write_json(out / "predictions.json", doc, indent=1)
+        described = {"values": VALUES[task.metric != "acc"],
+                     "order": "original node order: entry i is node i of the dataset"}
+        _write_array(out, PREDICTIONS, pred, described, args, name, cfg, found.step)
         print(
             f"wrote {out / PREDICTIONS}: {' x '.join(f'{n:,}' for n in pred.shape)} "
             f"{'class ids' if pred.ndim == 1 else 'probabilities'} ({args.checkpoint} "
@@ -402,17 +383,38 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_array(
+    out: Path, file: str, array: Any, described: dict[str, Any], args: argparse.Namespace,
+    name: str, cfg: Any, step: int,
+) -> None:
+    """``out/file`` (a ``.npy``, written whole or not at all) and beside it its description
+    (``.json``): what ``described`` says, the array's dtype and shape, and the run, task,
+    dataset and checkpoint it came from."""
+    import numpy as np
+
+    from gnnpar.atomic import atomic_write, write_json
+
+    def save(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+
+    atomic_write(out / file, save)
+    doc = {"file": file, **described, "dtype": str(array.dtype), "shape": list(array.shape),
+           "run": str(args.run), "task": name, "dataset": cfg.dataset,
+           "dataset_options": cfg.dataset_options, "checkpoint": args.checkpoint,
+           "step": step}  # fmt: skip
+    write_json(out / Path(file).with_suffix(".json").name, doc, indent=1)
+
+
 def _predict_pairs(
     args: argparse.Namespace, name: str, cfg: Any, spec: TrainSpec, pairs: Any, out: Path
 ) -> int:
     """predict on a pair task's run (one rank of it): the scores of ``pairs`` (2, P), each
     the decoder's logit (or its sigmoid with ``--sigmoid``), as float32 in ``out``; for a
     run on edge labels, each pair's class logits (P × C) or predicted value."""
-    import numpy as np
     import torch
 
     import gnnpar
-    from gnnpar.atomic import atomic_write, write_json
 
     task, found = _loaded(args, cfg, spec)
     grid = task.grid
@@ -435,27 +437,9 @@ def _predict_pairs(
     what = edge_task or ("probabilities" if args.sigmoid else "logits")
     gnnpar.shutdown(grid)
     if grid.global_rank == 0:
-
-        def save(tmp: str) -> None:
-            with open(tmp, "wb") as f:
-                np.save(f, values, allow_pickle=False)
-
-        atomic_write(out / SCORES, save)
-        doc = {
-            "file": SCORES,
-            "values": SCORE_VALUES[what],
-            "order": "entry i is pair i of the pairs file",
-            "pairs": str(args.pairs),
-            "dtype": str(values.dtype),
-            "shape": list(values.shape),
-            "run": str(args.run),
-            "task": name,
-            "dataset": cfg.dataset,
-            "dataset_options": cfg.dataset_options,
-            "checkpoint": args.checkpoint,
-            "step": found.step,
-        }
-        write_json(out / "scores.json", doc, indent=1)
+        described = {"values": SCORE_VALUES[what], "order": "entry i is pair i of the pairs file",
+                     "pairs": str(args.pairs)}  # fmt: skip
+        _write_array(out, SCORES, values, described, args, name, cfg, found.step)
         print(
             f"wrote {out / SCORES}: {' x '.join(f'{n:,}' for n in values.shape)} "
             f"{SCORE_VALUES[what].partition(':')[0]} of the pairs in {args.pairs} "
