@@ -453,6 +453,11 @@ class LinkTask(BaseTask):
         self.num_steps = cfg.epochs
         torch.manual_seed(cfg.seed)
         self.negatives = None if self.edge_task else self._negative_sampler()
+        #: This rank's part with partitioned sampling, else None.
+        self.part: Any = None
+        #: The embeddings an evaluation computed once for all its pairs (None outside one).
+        self._embedded: torch.Tensor | None = None
+        self._reuse_embeddings = False
         with progress.stage("building the model"):
             if cfg.mode == "minibatch":
                 self._setup_minibatch()
@@ -490,7 +495,6 @@ class LinkTask(BaseTask):
         )  # fmt: skip
         data, rank = grid.size("data"), grid.rank("data")
         ids = torch.arange(self.num_train, dtype=torch.int64)
-        self.part = None
         if cfg.sampling == "partitioned" and data > 1:
             edges, owned, features = self._partitioned_sampler()
         else:
@@ -751,24 +755,53 @@ class LinkTask(BaseTask):
     def score_pairs(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """The model's scores of the pairs ``(src[i], dst[i])`` (every rank; collective),
         ``dst`` may be (b, k) for k destinations per source."""
-        if self.cfg.mode == "minibatch" and self.part is not None:
+        if self.part is not None:
             return self._part_pair_scores(src, dst)
         if self.cfg.mode == "minibatch":
-            scores = self.net(embeddings=self.embeddings(), src=src, dst=dst.view(src.numel(), -1))
+            h, flat = self._node_rows(), dst.view(src.numel(), -1)
+            scores = self.net(embeddings=h, src=src, dst=flat)
             return scores.view(*dst.shape, *scores.shape[2:])  # (b[, k][, classes])
         return self._full_pair_scores(src, dst)
+
+    def _node_rows(self) -> torch.Tensor:
+        """This rank's embedding rows with full neighbourhoods: every node's (local
+        sampling), its part's owned nodes' (partitioned), its share's rows (full graph);
+        computed once per evaluation (:meth:`evaluate` scores four sets of pairs)."""
+        if self._embedded is not None:
+            return self._embedded
+        if self.part is not None:
+            from gnnpar.sampling import distributed_inference
+
+            h = distributed_inference(self.net, self.part, self.part.ndata["feat"],
+                                      self.sample_grid, device=self.device).cpu()  # fmt: skip
+        elif self.cfg.mode == "minibatch":
+            h = self.embeddings()
+        else:
+            self.model.eval()
+            try:
+                h = self.model(self.features)
+            finally:
+                self.model.train()
+        if self._reuse_embeddings:
+            self._embedded = h
+        return h
+
+    @contextlib.contextmanager
+    def _one_embedding(self):
+        """Within: :meth:`_node_rows` computes the embeddings once and reuses them."""
+        self._reuse_embeddings, self._embedded = True, None
+        try:
+            yield
+        finally:
+            self._reuse_embeddings, self._embedded = False, None
 
     def _part_pair_scores(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """Partitioned sampling: every node's full-neighbour embedding at its owner, then
         each rank scores a slice of the pairs with their rows fetched from the owners."""
         from gnnpar.models.fullgraph.layout import chunk
-        from gnnpar.sampling import distributed_inference, request_rows
+        from gnnpar.sampling import request_rows
 
-        part, host = self.part, self.sample_grid
-        if getattr(self, "_embedded", None) is None:  # one inference per evaluation
-            h = distributed_inference(self.net, part, part.ndata["feat"], host, device=self.device)
-            self._embedded = h.cpu()
-        h = self._embedded
+        part, host, h = self.part, self.sample_grid, self._node_rows()
         p, r = host.size("data"), host.rank("data")
         lo, hi = chunk(src.numel(), p, r)
         mine = dst.view(src.numel(), -1)[lo:hi]
@@ -784,31 +817,31 @@ class LinkTask(BaseTask):
     def _full_pair_scores(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         from gnnpar.models.fullgraph.layout import chunk
 
-        self.model.eval()
-        try:
-            h = self.model(self.features)
-            p, r = self.grid.size("tensor"), self.grid.rank("tensor")
-            lo, hi = chunk(src.numel(), p, r)
-            mine_dst = dst[lo:hi]
-            k = mine_dst.shape[1] if mine_dst.dim() == 2 else 0
-            rows = self._fetch(h, torch.cat([src[lo:hi], mine_dst.reshape(-1)]))
-            b = hi - lo
-            targets = torch.arange(b, b + b * max(k, 1)).view(b, max(k, 1))
-            scores = self.net(embeddings=rows, src=torch.arange(b), dst=targets)
-            scores = (scores if k else scores[:, 0]).contiguous()
-            sizes = comm.gather_sizes(scores.shape[0], self.grid, "tensor")
-            return comm.all_gather(scores, self.grid, "tensor", sizes=sizes)
-        finally:
-            self.model.train()
+        h = self._node_rows()
+        p, r = self.grid.size("tensor"), self.grid.rank("tensor")
+        lo, hi = chunk(src.numel(), p, r)
+        mine_dst = dst[lo:hi]
+        k = mine_dst.shape[1] if mine_dst.dim() == 2 else 0
+        rows = self._fetch(h, torch.cat([src[lo:hi], mine_dst.reshape(-1)]))
+        b = hi - lo
+        targets = torch.arange(b, b + b * max(k, 1)).view(b, max(k, 1))
+        scores = self.net(embeddings=rows, src=torch.arange(b), dst=targets)
+        scores = (scores if k else scores[:, 0]).contiguous()
+        sizes = comm.gather_sizes(scores.shape[0], self.grid, "tensor")
+        return comm.all_gather(scores, self.grid, "tensor", sizes=sizes)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """``mrr``, ``rocauc`` and ``hits@K`` of the validation and test positives against
-        the split's negatives."""
+        the split's negatives (on edge labels: ``acc``, or ``rmse`` and ``mae``), from one
+        computation of the embeddings."""
+        with self._one_embedding():
+            if self.edge_task is not None:
+                return self._evaluate_labels()
+            return self._evaluate_links()
+
+    def _evaluate_links(self) -> dict[str, float]:
         split, out = self.split, {}
-        self._embedded = None  # the partitioned path embeds once per evaluation
-        if self.edge_task is not None:
-            return self._evaluate_labels()
         names = [self.metric, "mrr", "rocauc", *(f"hits@{k}" for k in self.hits)]
         names = list(dict.fromkeys(names))
         for which in ("val", "test"):
