@@ -13,7 +13,7 @@ over edges in Python.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from gnnpar.errors import UserError
 if TYPE_CHECKING:
     from gnnpar.graph.edge_split import EdgeSplit
 
-__all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel"]
+__all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel", "tensor_bytes"]
 
 _REDUCTIONS = ("sum", "max", "mean")
 _SPLIT_MASKS = ("train_mask", "val_mask", "test_mask")
@@ -204,6 +204,14 @@ def invert_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def tensor_bytes(t: torch.Tensor) -> Iterator[np.ndarray]:
+    """A tensor's bytes (none for an empty one) as :func:`content_fingerprint` reads an
+    array's pieces."""
+    t = t.detach().cpu().contiguous()
+    if t.numel():
+        yield t.reshape(-1).view(torch.uint8).numpy()
+
+
 def content_fingerprint(num_nodes: int, arrays: Iterable[tuple[str, str, list, Iterable]]) -> str:
     """:meth:`Graph.fingerprint` from its parts: ``(name, dtype, shape, byte pieces)`` of
     every array in the fingerprint's order (``indptr``, ``indices``, ``edge_weight``, then
@@ -354,16 +362,10 @@ class Graph:
         if self.edge_weight is not None:
             arrays.append(("edge_weight", self.edge_weight))
         arrays += [(f"ndata/{k}", self.ndata[k]) for k in sorted(self.ndata)]
-
-        def pieces(t: torch.Tensor):
-            t = t.detach().cpu().contiguous()
-            if t.numel():
-                yield t.reshape(-1).view(torch.uint8).numpy()
-
         return content_fingerprint(
             self.num_nodes,
             (
-                (name, str(t.dtype).removeprefix("torch."), list(t.shape), pieces(t))
+                (name, str(t.dtype).removeprefix("torch."), list(t.shape), tensor_bytes(t))
                 for name, t in arrays
             ),
         )

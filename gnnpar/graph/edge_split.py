@@ -213,14 +213,9 @@ class EdgeSplit:
     def digest(self) -> str:
         """Digest of the arrays and protocol (XXH3-64 hex): what a run records, so a
         resume is refused on another split of the same graph."""
-        from gnnpar.graph import content_fingerprint
+        from gnnpar.graph import content_fingerprint, tensor_bytes
 
-        def pieces(t: torch.Tensor):
-            t = t.detach().cpu().contiguous()
-            if t.numel():
-                yield t.reshape(-1).view(torch.uint8).numpy()
-
-        items = [(f"link/{k}", str(t.dtype), list(t.shape), pieces(t)) for k, t in
+        items = [(f"link/{k}", str(t.dtype), list(t.shape), tensor_bytes(t)) for k, t in
                  self.arrays().items()]  # fmt: skip
         items.append((f"protocol/{self.protocol}", "none", [], iter(())))
         return content_fingerprint(0, items)
