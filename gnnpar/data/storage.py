@@ -8,6 +8,10 @@ Layout::
     <folder>/indices.npy         int64 (num_edges,)
     <folder>/edge_weight.npy     float (num_edges,), only for weighted graphs
     <folder>/ndata/<key>.npy     one per node-data tensor, first dimension num_nodes
+    <folder>/types/edge_type.npy only for a typed graph (:mod:`gnnpar.graph.typed`): int64
+                                 (num_edges,) relation index of every edge; and
+                                 ``types/node_ids.npy``, int64 (num_nodes,) original ids, for
+                                 a relabelled one
     <folder>/link/<key>.npy      only for a link-prediction split (:mod:`gnnpar.graph.edge_split`):
                                  int64 ``train``, ``val``, ``test`` (2, E) positive pairs and
                                  ``val_neg``, ``test_neg`` (2, M) pairs or (E, K) per source
@@ -28,7 +32,11 @@ A folder with a split is the split's message-passing graph (its training edges o
 meta has a ``link`` table: ``protocol`` (``pairs`` or ``per-source``), ``metric`` (the score
 models are selected by), ``source`` (the record of the graph the split was cut from: its
 fingerprint, name and sizes), ``how`` (method and options) and ``digest`` (of the split's
-arrays, checked on load). ``source``
+arrays, checked on load). A typed graph's meta has a ``types`` table: ``node_types`` (names
+in id order), ``offsets`` (type ``t`` owns original ids ``[offsets[t], offsets[t+1])``),
+``relations`` (``[src type, name, dst type]``, an edge's ``edge_type`` indexes this list),
+``feat_dims`` (each type's real feature width in the zero-padded ``ndata/feat``; 0 = none)
+and ``target`` (the type that labels and masks describe). ``source``
 records how the graph was made (or is ``null``); ``fingerprint`` is
 :meth:`Graph.fingerprint` of the stored graph, so a consumer can name the graph without
 rehashing it (:func:`read_source`); ``num_classes`` is the number of classes of ``label``
@@ -49,6 +57,7 @@ import torch
 from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 from gnnpar.graph.edge_split import EdgeSplit
+from gnnpar.graph.typed import GraphTypes
 from gnnpar.verified import (
     FormatError,
     Manifest,
@@ -102,6 +111,8 @@ def _arrays_of(graph: Graph) -> list[tuple[str, str, torch.Tensor]]:
     arrays += [(f"ndata/{k}", f"ndata/{k}.npy", v) for k, v in graph.ndata.items()]
     if graph.edge_split is not None:
         arrays += [(f"link/{k}", f"link/{k}.npy", v) for k, v in graph.edge_split.arrays().items()]
+    if graph.types is not None:
+        arrays += [(f"types/{k}", f"types/{k}.npy", v) for k, v in graph.types.arrays().items()]
     return arrays
 
 
@@ -145,6 +156,8 @@ def save_graph(
     }
     if graph.edge_split is not None:
         meta["link"] = graph.edge_split.meta()
+    if graph.types is not None:
+        meta["types"] = graph.types.meta()
 
     def fill(tmp: Path) -> None:
         files = {file: save_npy(tmp / file, a) for _, file, a in arrays}
@@ -326,6 +339,10 @@ def load_graph(
             where = str(manifest.folder)
             graph.edge_split = EdgeSplit.from_arrays(link, meta.get("link") or {}, where)
             graph.edge_split.validate(graph.num_nodes, where)
+        typed = {name[len("types/") :]: t for name, t in arrays.items() if name.startswith("types/")}
+        if typed or "types" in meta:
+            graph.types = GraphTypes.from_arrays(typed, meta.get("types"), str(manifest.folder))
+            graph.types.validate(graph, str(manifest.folder))
     except UserError as err:
         message = str(err)
         raise UserError(message if message.startswith(str(manifest.folder)) else

@@ -25,6 +25,7 @@ from gnnpar.errors import UserError
 
 if TYPE_CHECKING:
     from gnnpar.graph.edge_split import EdgeSplit
+    from gnnpar.graph.typed import GraphTypes
 
 __all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel", "tensor_bytes"]
 
@@ -285,6 +286,9 @@ class Graph:
         #: Link prediction's train / val / test edges when this is the message-passing
         #: graph of a split (:mod:`gnnpar.graph.edge_split`), else None.
         self.edge_split: EdgeSplit | None = None
+        #: Node types and relations when this is a typed graph's homogeneous view
+        #: (:mod:`gnnpar.graph.typed`), else None.
+        self.types: GraphTypes | None = None
         self._check_shapes()
         if validate:
             self.validate()
@@ -362,6 +366,8 @@ class Graph:
         if self.edge_weight is not None:
             arrays.append(("edge_weight", self.edge_weight))
         arrays += [(f"ndata/{k}", self.ndata[k]) for k in sorted(self.ndata)]
+        if self.types is not None:
+            arrays += self.types.fingerprint_items()
         return content_fingerprint(
             self.num_nodes,
             (
@@ -440,6 +446,8 @@ class Graph:
             )
         _check_node_ids(self.indices, self.num_nodes, "indices")
         self._validate_data()
+        if getattr(self, "types", None) is not None:
+            self.types.validate(self, f"{self.name}'s types")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -563,6 +571,7 @@ class Graph:
         edge_weight: torch.Tensor | None,
         ndata: Mapping[str, torch.Tensor] | None = None,
         num_nodes: int | None = None,
+        relabelled: bool = False,
     ) -> Graph:
         """A graph with new topology built by our own (trusted) code: skip the O(E) checks.
         A link-prediction split is kept where the node ids are (the transforms of one graph's
@@ -579,6 +588,13 @@ class Graph:
         )
         if num_nodes is None:
             graph.edge_split = self.edge_split
+        if self.types is not None and indices is self.indices and num_nodes is None:
+            graph.types = self.types  # the same edges (a reweighting)
+        elif self.types is not None and not relabelled:
+            raise UserError(
+                f"{self.name} is a typed graph: this transform would lose each edge's "
+                "relation (build the typed graph with the edges it needs instead)"
+            )
         return graph
 
     # ------------------------------------------------------------------ topology transforms
@@ -718,7 +734,12 @@ class Graph:
         torch.cumsum(keep, 0, out=kept_before[1:])
         weight = None if self.edge_weight is None else _take(self.edge_weight, pos)[keep]
         ndata = {key: _take(value, nodes) for key, value in self.ndata.items()}
-        return self._derive(kept_before[gathered_ptr], cols[keep], weight, ndata, num_nodes=k)
+        graph = self._derive(
+            kept_before[gathered_ptr], cols[keep], weight, ndata, num_nodes=k, relabelled=True
+        )
+        if self.types is not None:
+            graph.types = self.types.relabelled(nodes, pos[keep])
+        return graph
 
     def _node_selection(self, nodes: Any) -> torch.Tensor:
         if isinstance(nodes, (torch.Tensor, np.ndarray)) and nodes.dtype in (torch.bool, np.bool_):
@@ -758,7 +779,7 @@ class Graph:
     def to(self, device: str | torch.device) -> Graph:
         """Move topology, weights and node data to ``device``."""
         weight = None if self.edge_weight is None else self.edge_weight.to(device)
-        return Graph(
+        graph = Graph(
             self.indptr.to(device),
             self.indices.to(device),
             self.num_nodes,
@@ -768,6 +789,9 @@ class Graph:
             validate=False,
             num_classes=self._num_classes,
         )
+        graph.edge_split = self.edge_split
+        graph.types = None if self.types is None else self.types.to(device)
+        return graph
 
     def to_torch_sparse(self, layout: torch.layout = torch.sparse_csr) -> torch.Tensor:
         """The weighted adjacency as a torch sparse tensor (``sparse_csr`` or ``sparse_coo``)."""

@@ -48,6 +48,9 @@ class Block:
         weight: the graph's weight of every sampled edge (a weighted graph's, recorded by
             the samplers), or None for an unweighted graph; the layers of
             :mod:`gnnpar.models.minibatch.model` read it.
+        edge_type: a typed graph's (:mod:`gnnpar.graph.typed`) relation index of every
+            edge, or None for an untyped graph.
+        node_type: a typed graph's node-type index of every source node, or None.
     """
 
     src_nodes: torch.Tensor
@@ -58,6 +61,8 @@ class Block:
     src_keys: torch.Tensor | None = None
     edge_weight: torch.Tensor | None = None
     weight: torch.Tensor | None = None
+    edge_type: torch.Tensor | None = None
+    node_type: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ sizes and views
     @property
@@ -122,39 +127,21 @@ class Block:
             raise ValueError("block indptr is not non-decreasing")
 
     # ------------------------------------------------------------------ devices
+    def _map(self, fn: Any) -> Block:
+        """The block with ``fn`` applied to each of its tensors."""
+        return Block(**{
+            f.name: fn(v) if isinstance(v, torch.Tensor) else v
+            for f in dataclasses.fields(self)
+            for v in (getattr(self, f.name),)
+        })  # fmt: skip
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Block:
         """The block with its tensors on ``device``."""
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-
-        return Block(
-            move(self.src_nodes),
-            self.num_dst,
-            move(self.indptr),
-            move(self.indices),
-            move(self.edge_ids),
-            move(self.src_keys),
-            move(self.edge_weight),
-            move(self.weight),
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Block:
         """The block with its tensors in page-locked memory (for fast, async host-to-GPU)."""
-
-        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.pin_memory()
-
-        return Block(
-            pin(self.src_nodes),
-            self.num_dst,
-            pin(self.indptr),
-            pin(self.indices),
-            pin(self.edge_ids),
-            pin(self.src_keys),
-            pin(self.edge_weight),
-            pin(self.weight),
-        )
+        return self._map(lambda t: t.pin_memory())
 
     # ------------------------------------------------------------------ converters
     def to_dgl(self) -> Any:
