@@ -339,7 +339,7 @@ def load_graph(
             where = str(manifest.folder)
             graph.edge_split = EdgeSplit.from_arrays(link, meta.get("link") or {}, where)
             graph.edge_split.validate(graph.num_nodes, where)
-        typed = {name[len("types/") :]: t for name, t in arrays.items() if name.startswith("types/")}
+        typed = {n[len("types/") :]: t for n, t in arrays.items() if n.startswith("types/")}
         if typed or "types" in meta:
             graph.types = GraphTypes.from_arrays(typed, meta.get("types"), str(manifest.folder))
             graph.types.validate(graph, str(manifest.folder))

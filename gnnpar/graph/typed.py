@@ -184,9 +184,7 @@ class GraphTypes:
         }
 
     @classmethod
-    def from_arrays(
-        cls, arrays: Mapping[str, torch.Tensor], meta: Any, where: str
-    ) -> GraphTypes:
+    def from_arrays(cls, arrays: Mapping[str, torch.Tensor], meta: Any, where: str) -> GraphTypes:
         """The types stored as ``arrays`` and ``meta`` (as :meth:`arrays` and :meth:`meta`
         give them); ``where`` names the folder in errors."""
         if not isinstance(meta, Mapping):
@@ -217,8 +215,10 @@ class GraphTypes:
         if len(set(self.node_types)) != len(self.node_types) or not self.node_types:
             raise UserError(f"{where}: node types must be distinct and at least one")
         offs = self.offsets
-        if len(offs) != len(self.node_types) + 1 or offs[0] != 0 or any(
-            b < a for a, b in zip(offs, offs[1:], strict=False)
+        if (
+            len(offs) != len(self.node_types) + 1
+            or offs[0] != 0
+            or any(b < a for a, b in zip(offs, offs[1:], strict=False))
         ):
             raise UserError(
                 f"{where}: offsets {list(offs)} must start at 0, never decrease and have one "

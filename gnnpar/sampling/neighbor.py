@@ -31,6 +31,7 @@ from gnnpar.graph import Graph
 from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits
+from gnnpar.sampling.typed import RelationRows, parse_relation_fanouts, typed_fields
 
 __all__ = [
     "NeighborSampler",
@@ -337,10 +338,17 @@ class NeighborSampler:
         replace: sample with replacement.
         seed: the default random seed (a batch key derived from it is used when
             :meth:`sample` gets no key).
-        node_keys: the id hashed for each node (default: the node id); e.g. the original
-            ids of a relabelled graph, so that its samples equal the original graph's.
+        node_keys: the id hashed for each node (default: the node id, or a relabelled typed
+            graph's original ids); e.g. the original ids of a relabelled graph, so that its
+            samples equal the original graph's. Blocks record them (:attr:`Block.keys`).
         backend: ``"auto"`` (compiled loops when numba is installed), ``"torch"`` or
             ``"numba"``: the samples are the same bit for bit.
+        per_relation: on a typed graph (:mod:`gnnpar.graph.typed`), draw each layer's
+            fan-out per relation (the default, DGL's rule; a layer may then be a mapping
+            relation → fan-out, :func:`~gnnpar.sampling.typed.parse_relation_fanouts`), or
+            over all relations together (False). Blocks of a typed graph carry each edge's
+            relation and each source's node type (:attr:`Block.edge_type`,
+            :attr:`Block.node_type`).
 
     Example::
 
@@ -358,12 +366,16 @@ class NeighborSampler:
         seed: int = 0,
         node_keys: torch.Tensor | None = None,
         backend: str = "auto",
+        per_relation: bool = True,
     ):
-        weight = None
+        weight, types = None, None
         if isinstance(graph, Graph):
             indptr, indices, weight = graph.indptr, graph.indices, graph.edge_weight
+            types = graph.types
         else:
             indptr, indices = graph
+        #: The typed graph's types (None: untyped); its blocks carry edge and node types.
+        self.types = types
         #: The graph's edge weights (None: unweighted); each block records its edges'.
         self.weight = weight
         self.indptr = torch.as_tensor(indptr, dtype=torch.int64)
@@ -376,9 +388,20 @@ class NeighborSampler:
                 f"indptr ends at {int(self.indptr[-1])} but there are {self.indices.numel()} "
                 "indices"
             )
-        self.fanouts = parse_fanouts(fanouts)
+        #: Per layer, each relation's fan-out (None: one fan-out over all edges).
+        self.relation_fanouts: list[list[int]] | None = None
+        self._relation_rows: RelationRows | None = None
+        if types is not None and per_relation:
+            self.relation_fanouts = parse_relation_fanouts(fanouts, types)
+            self._relation_rows = RelationRows(self.indptr, types.edge_type, types.num_relations)
+            #: One fan-out per layer (a typed layer's largest relation fan-out).
+            self.fanouts = [max(layer, default=0) for layer in self.relation_fanouts]
+        else:
+            self.fanouts = parse_fanouts(fanouts)
         self.replace = bool(replace)
         self.seed = int(seed)
+        if node_keys is None and types is not None and types.node_ids is not None:
+            node_keys = types.node_ids  # a relabelled typed graph: its original ids
         if node_keys is not None:
             node_keys = torch.as_tensor(node_keys, dtype=torch.int64)
             if node_keys.shape != (self.num_nodes,):
@@ -427,15 +450,7 @@ class NeighborSampler:
         blocks = []
         for hop, fanout in enumerate(self.fanouts):
             row_keys = None if self.node_keys is None else self.node_keys[frontier]
-            counts, pos = sample_rows(
-                self.indptr,
-                frontier,
-                fanout,
-                replace=self.replace,
-                key=derive_key(key, hop),
-                row_keys=row_keys,
-                backend=self.backend,
-            )
+            counts, pos = self._draw(frontier, hop, fanout, derive_key(key, hop), row_keys)
             if excluded is not None:
                 counts, pos = _without(counts, pos, excluded)
             m = frontier.numel()
@@ -445,10 +460,27 @@ class NeighborSampler:
             src, local = self.relabel.relabel(ids, m, check_unique=hop == 0)
             keys = None if self.node_keys is None else self.node_keys.index_select(0, src)
             w = None if self.weight is None else self.weight.index_select(0, pos)
-            blocks.append(Block(src, frontier.numel(), _indptr(counts), local, pos, keys, None, w))
+            block = Block(src, frontier.numel(), _indptr(counts), local, pos, keys, None, w)
+            if self.types is not None:
+                block.edge_type, block.node_type = typed_fields(self.types, pos, src).values()
+            blocks.append(block)
             frontier = src
         blocks.reverse()
         return MiniBatch(seeds, blocks)
+
+    def _draw(
+        self, frontier: torch.Tensor, hop: int, fanout: int, key: int, row_keys: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(counts, CSR positions)`` of one hop's draw (per relation on a typed graph)."""
+
+        def sample(indptr: torch.Tensor, rows: torch.Tensor, k: int, keys: Any) -> Any:
+            return sample_rows(indptr, rows, k, replace=self.replace, key=key,
+                               row_keys=keys, backend=self.backend)  # fmt: skip
+
+        if self._relation_rows is None or self.relation_fanouts is None:
+            return sample(self.indptr, frontier, fanout, row_keys)
+        keys = frontier if row_keys is None else row_keys
+        return self._relation_rows.draw(frontier, self.relation_fanouts[hop], sample, keys)
 
     def __repr__(self) -> str:
         return (
