@@ -27,7 +27,14 @@ if TYPE_CHECKING:
     from gnnpar.graph.edge_split import EdgeSplit
     from gnnpar.graph.typed import GraphTypes
 
-__all__ = ["Graph", "content_fingerprint", "invert_permutation", "is_multilabel", "tensor_bytes"]
+__all__ = [
+    "Graph",
+    "content_fingerprint",
+    "invert_permutation",
+    "is_multilabel",
+    "stable_sort",
+    "tensor_bytes",
+]
 
 _REDUCTIONS = ("sum", "max", "mean")
 _SPLIT_MASKS = ("train_mask", "val_mask", "test_mask")
@@ -122,7 +129,7 @@ def _sort_values(keys: torch.Tensor) -> torch.Tensor:
     return torch.sort(keys).values
 
 
-def _stable_sort(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stable_sort(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sorted keys, permutation)``, stable, for keys in ``[0, bound)``.
 
     On CPU, sorts the composite ``key << log2(E) | position`` by value: unique keys make any sort
@@ -140,7 +147,7 @@ def _csr_from_coo(
     rows: torch.Tensor, cols: torch.Tensor, weight: torch.Tensor | None, num_nodes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Stable sort by row: the order of edges inside each row is their input order."""
-    rows_sorted, order = _stable_sort(rows, num_nodes)
+    rows_sorted, order = stable_sort(rows, num_nodes)
     counts = torch.bincount(rows_sorted, minlength=num_nodes)
     weight = None if weight is None else _take(weight, order)
     return _indptr_from_counts(counts), _take(cols, order), weight
@@ -625,10 +632,20 @@ class Graph:
         return self._derive(indptr, indices, weight)
 
     def is_symmetric(self) -> bool:
-        """True when every edge ``u -> v`` has a reverse ``v -> u`` (weights ignored)."""
-        a = self.coalesce()
+        """True when every edge ``u -> v`` has a reverse ``v -> u`` (weights ignored; on a
+        typed graph whatever the relations)."""
+        a = self.homogeneous().coalesce()
         b = Graph.from_edges(*reversed(self.edges()), num_nodes=self.num_nodes).coalesce()
         return torch.equal(a.indptr, b.indptr) and torch.equal(a.indices, b.indices)
+
+    def homogeneous(self) -> Graph:
+        """The graph without its types (:attr:`types`): the same arrays, not copied. Itself
+        for an untyped graph."""
+        if self.types is None:
+            return self
+        graph = self._derive(self.indptr, self.indices, self.edge_weight)
+        graph.types = None
+        return graph
 
     def has_self_loops(self) -> bool:
         return bool((self.indices == self.rows()).any())

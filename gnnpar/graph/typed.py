@@ -350,7 +350,7 @@ def typed_graph(
 
     The CSR orders each destination's edges by relation, then by source id.
     """
-    from gnnpar.graph import Graph, _stable_sort
+    from gnnpar.graph import Graph, stable_sort
 
     node_types = tuple(_check_name(t, "node type") for t in num_nodes)
     counts = [int(num_nodes[t]) for t in node_types]
@@ -381,10 +381,10 @@ def typed_graph(
     dst = torch.cat(dst_parts) if dst_parts else torch.zeros(0, dtype=torch.int64)
     etype = torch.cat(type_parts) if type_parts else torch.zeros(0, dtype=torch.int64)
     # CSR order (dst, relation, src): two stable sorts, least significant key first
-    _, order = _stable_sort(src, max(n, 1))
-    _, by_type = _stable_sort(etype[order], max(len(relations), 1))
+    _, order = stable_sort(src, max(n, 1))
+    _, by_type = stable_sort(etype[order], max(len(relations), 1))
     order = order[by_type]
-    _, by_dst = _stable_sort(dst[order], max(n, 1))
+    _, by_dst = stable_sort(dst[order], max(n, 1))
     order = order[by_dst]
     indptr = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(torch.bincount(dst, minlength=n), 0, out=indptr[1:])

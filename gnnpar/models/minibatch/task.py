@@ -52,7 +52,9 @@ import gnnpar
 from gnnpar import comm
 from gnnpar.errors import UserError
 from gnnpar.fmt import count
+from gnnpar.graph.typed import GraphTypes
 from gnnpar.grid import ProcessGrid
+from gnnpar.models.hetero import HGTConv, RGCNConv, TypedGNN, TypedInput
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.models.minibatch.pyg import full_graph_logits, part_logits, subgraph_logits
 from gnnpar.models.pyg.model import (
@@ -81,6 +83,7 @@ from gnnpar.sampling import (
 )
 from gnnpar.sampling.rng import derive_key
 from gnnpar.sampling.saint import NODE_PROBABILITIES
+from gnnpar.sampling.typed import parse_relation_fanouts
 from gnnpar.shard import FCDP, by_type, shard
 from gnnpar.train import schedule
 from gnnpar.train.config import (
@@ -109,10 +112,14 @@ from gnnpar.train.precision import (
 from gnnpar.train.progress import Progress, graph_sizes
 from gnnpar.train.spec import GridPlan
 
-_MODELS = ("sage", "gcn", "gat")
+_MODELS = ("sage", "gcn", "gat", "rgcn", "hgt")
+#: Models of typed graphs (:mod:`gnnpar.models.hetero`): they need a graph with node types.
+TYPED_MODELS = ("rgcn", "hgt")
 #: ``--sampler`` choices (``vertex``: ScaleGNN's 4D training, :mod:`gnnpar.models.scalegnn.task`).
 SAMPLERS = ("neighbor", "vertex", "saint-node", "saint-edge", "saint-rw", "cluster")
 _MASKS = ("train", "val", "test")
+#: The modules that are units of the data-parallel sharding (the rest: the root unit).
+_UNITS = (SAGEConv, GCNConv, GATConv, TypedInput, RGCNConv, HGTConv)
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
 _LOW31 = (1 << 31) - 1
 
@@ -128,8 +135,9 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
     )
     model: str = option(
         "sage",
-        "sage (GraphSAGE-mean), gcn or gat, or your own PyG model as module:factory or "
-        "file.py:factory, trained on each batch's sampled subgraph (docs/models.md)",
+        "sage (GraphSAGE-mean), gcn or gat; rgcn or hgt for a typed graph (docs/typed.md); "
+        "or your own PyG model as module:factory or file.py:factory, trained on each batch's "
+        "sampled subgraph (docs/models.md)",
         _MODELS,
     )
     model_options: str | None = option(
@@ -149,7 +157,15 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
     grid: str | None = option(
         None, "vertex sampler's grid such as data=2,x=2,y=1,z=2 (default: data = all ranks)"
     )
-    fanouts: str = option("10,10", "neighbours per hop, seeds' hop first; -1 takes all")
+    fanouts: str = option(
+        "10,10",
+        "neighbours per hop, seeds' hop first; -1 takes all; on a typed graph per relation, "
+        "and a hop may map relations as cites:5/*:10 (docs/typed.md)",
+    )
+    per_relation: bool = option(
+        True, "typed graph: draw each hop's fan-out per relation (false: over all relations)"
+    )
+    bases: int = option(0, "rgcn: bases of the weight decomposition (0: one matrix per relation)")
     replace: bool = option(False, "sample neighbours with replacement")
     batch_size: int = option(32, "seeds per step over all ranks (the global batch)")
     budget: int = option(
@@ -201,8 +217,9 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         self._check_sampler()
         if self.sampler != "neighbor":
             return self._check_common()
-        try:
-            fanouts = parse_fanouts(self.fanouts)
+        try:  # a typed graph's per-relation layers are checked against its relations later
+            typed = self.model in TYPED_MODELS
+            fanouts = self.fanouts.split(",") if typed else parse_fanouts(self.fanouts)
         except UserError as err:
             raise ConfigError(f"config key 'fanouts': {err}") from None
         if len(fanouts) != self.layers and not is_user_model(self.model):
@@ -213,6 +230,13 @@ class MiniBatchConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, Train
         self._check_common()
 
     def _check_common(self) -> None:
+        if self.model in TYPED_MODELS and self.sampler != "neighbor":
+            raise ConfigError(
+                f"config key 'sampler': the typed models train on neighbour samples; use "
+                f"neighbor, not {self.sampler!r}"
+            )
+        if self.bases < 0 or self.bases and self.model != "rgcn":
+            raise ConfigError(f"config key 'bases' ({self.bases}) is for rgcn, >= 1 (0: none)")
         for key in ("batch_size", "hidden", "layers", "epochs", "heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
@@ -440,6 +464,25 @@ def _prepare_parts(cfg: MiniBatchConfig, grid: ProcessGrid, parts: int, progress
     return folder
 
 
+def check_typed(cfg: MiniBatchConfig, types: GraphTypes | None) -> GraphTypes | None:
+    """The graph's types when the model needs them: a typed model on an untyped graph is one
+    ConfigError, as are fan-outs that do not fit the graph's relations. An untyped model
+    trains on a typed graph's homogeneous view (types ignored)."""
+    if cfg.model not in TYPED_MODELS:
+        return None
+    if types is None:
+        raise ConfigError(
+            f"config key 'model': {cfg.model} needs a typed graph (node types and relations); "
+            f"dataset {cfg.dataset!r} has none (docs/typed.md)"
+        )
+    if cfg.per_relation:
+        try:
+            parse_relation_fanouts(cfg.fanouts, types)
+        except UserError as err:
+            raise ConfigError(f"config key 'fanouts': {err}") from None
+    return types
+
+
 def warm_up_kernels(subgraph: bool, progress: Progress) -> compiled.WarmUp | None:
     """Compile the sampler's numba kernels now, or load them from numba's on-disk cache,
     with one stage line on rank 0 saying which. Left to their first call they would compile
@@ -488,15 +531,14 @@ class MiniBatchTask(BaseTask):
         else:
             graph = load_dataset(cfg, warn_directed=True)
             graph.check_trainable()
+            check_typed(cfg, graph.types)
             if is_user_model(cfg.model):  # the factory runs and its modules are checked here
                 options = factory_options(cfg.model_options)
                 build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, options)
         if given:
             check_partitions(cfg)
 
-    def __init__(
-        self, cfg: MiniBatchConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress
-    ):
+    def __init__(self, cfg: MiniBatchConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress):
         """The task on ``grid`` (every rank on the data axis: :func:`gnnpar.train.spec.given_grid`
         of a config without ``grid``); ``progress``: where rank 0 reports the slow preparation
         stages and each epoch's batches."""
@@ -518,7 +560,9 @@ class MiniBatchTask(BaseTask):
         self.subgraph = cfg.sampler != "neighbor"
         #: What preparing the compiled sampling kernels took (None without numba).
         self.kernel_warm_up = warm_up_kernels(self.subgraph, progress)
-        self.fanouts = parse_fanouts(cfg.fanouts) if not self.subgraph else []
+        self.typed = cfg.model in TYPED_MODELS
+        self.fanouts: Any = [] if self.subgraph else cfg.fanouts if self.typed else (
+            parse_fanouts(cfg.fanouts))  # fmt: skip
         self.distributed = world > 1 and not self.subgraph  # partitioned over the ranks
         if self.distributed:
             self._setup_parts(parts, progress)
@@ -548,6 +592,11 @@ class MiniBatchTask(BaseTask):
         if self.user_model:
             options = factory_options(cfg.model_options)
             net = build_user_model(cfg.model, self.in_dim, self.num_classes, options)
+        elif self.typed:
+            net = TypedGNN(
+                self.types, cfg.hidden, self.num_classes, cfg.layers, cfg.model, cfg.dropout,
+                cfg.heads, num_bases=cfg.bases or None,
+            )  # fmt: skip
         else:
             net = BlockGNN(
                 self.in_dim, cfg.hidden, self.num_classes, cfg.layers, cfg.dropout, cfg.model,
@@ -560,7 +609,7 @@ class MiniBatchTask(BaseTask):
             self.net,
             self.grid,
             cfg.zero_stage or 0,
-            units=None if self.user_model else by_type(SAGEConv, GCNConv, GATConv),
+            units=None if self.user_model else by_type(*_UNITS),
             mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None,
             offload=cfg.offload,
@@ -610,6 +659,7 @@ class MiniBatchTask(BaseTask):
 
             pformat.check_source(cfg.partitions, record, label=f"--dataset {cfg.dataset}")
         graph.ndata["feat"] = graph.feat.to(compute_dtype(cfg))
+        self.types = check_typed(cfg, graph.types)
         self.graph = graph
         self.in_dim, self.num_classes = graph.feat.shape[1], graph.num_classes
         self.metric = metric_for(graph.label)
@@ -618,7 +668,9 @@ class MiniBatchTask(BaseTask):
         self._eval_blocks = [b.to(self.device) for b in full_blocks(graph)]
         if self.subgraph:
             return  # the sampler and loader: _setup_subgraphs
-        sampler = NeighborSampler(graph, self.fanouts, replace=cfg.replace, seed=cfg.seed)
+        sampler = NeighborSampler(
+            graph, self.fanouts, cfg.replace, cfg.seed, per_relation=cfg.per_relation
+        )
         self.loader: NodeLoader | SubgraphLoader = NodeLoader(
             sampler,
             graph.train_mask,
