@@ -27,6 +27,7 @@ from gnnpar.data.storage import FORMAT, is_graph_folder, save_graph
 from gnnpar.data.structure import STRUCTURE_DEFAULTS, apply_structure, split_structure
 from gnnpar.errors import UserError
 from gnnpar.graph import Graph
+from gnnpar.graph.typed import GraphTypes, relation_name
 from gnnpar.verified import check_output
 
 __all__ = ["add_data_commands", "describe"]
@@ -88,6 +89,19 @@ def describe(graph: Graph) -> list[tuple[str, str]]:
     others = sorted(set(graph.ndata) - {"feat", "label", "train_mask", "val_mask", "test_mask"})
     if others:
         rows.append(("other data", ", ".join(others)))
+    return rows + ([] if graph.types is None else _typed_rows(graph.types))
+
+
+def _typed_rows(types: GraphTypes) -> list[tuple[str, str]]:
+    """A typed graph's rows: its node types (counts, feature widths), target, relations."""
+    kinds = [
+        f"{t} {types.num_nodes_of(t):,}" + (f" ({d:,} features)" if d else "")
+        for t, d in zip(types.node_types, types.feat_dims, strict=True)
+    ]
+    rows = [("node types", ", ".join(kinds)), ("target", types.target or "none")]
+    counts = types.relation_counts()
+    for i, (rel, count) in enumerate(zip(types.relations, counts, strict=True)):
+        rows.append(("relations" if i == 0 else "", f"{relation_name(rel)} {count:,}"))
     return rows
 
 

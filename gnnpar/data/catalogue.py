@@ -13,6 +13,14 @@ from typing import Any
 
 from gnnpar.allocation import check_room
 from gnnpar.data.karate import karate
+from gnnpar.data.mag import (
+    OGBN_MAG,
+    is_ogb_typed_folder,
+    mag_synth,
+    mag_synth_bytes,
+    ogbn_mag,
+    read_ogb_typed,
+)
 from gnnpar.data.ogb import is_ogb_folder, ogb, ogbn, ogbn_datasets
 from gnnpar.data.ogbl import is_ogbl_folder, ogbl, ogbl_datasets, read_ogbl
 from gnnpar.data.planetoid import planetoid, planetoid_names
@@ -188,6 +196,24 @@ def _ogbl_entries() -> list[CatalogueEntry]:
     return entries
 
 
+def _ogbn_mag_entry() -> CatalogueEntry:
+    """OGB's heterogeneous ogbn-mag, read from its unpacked archive as a typed graph."""
+    spec = OGBN_MAG
+
+    def builder(root: Path, **kwargs: Any) -> Graph:
+        return ogbn_mag(root, **kwargs)
+
+    description = (
+        f"OGB MAG academic graph, typed: {spec.nodes:,} nodes (paper, author, institution, "
+        f"field_of_study), {spec.edges:,} edges in 4 relations (+ reverses), "
+        f"{spec.num_classes} paper venues, {spec.features} paper features; official "
+        f"{spec.split!r} split, metric {spec.metric} (needs the OGB archive under "
+        f"<root>/{spec.name})"
+    )
+    defaults = _defaults_of(ogbn_mag, skip=("root",))
+    return CatalogueEntry(spec.name, description, defaults, builder, True, metric=spec.metric)
+
+
 def catalogue() -> list[CatalogueEntry]:
     """All named datasets (a new list on every call)."""
     planetoid_defaults = _defaults_of(planetoid, skip=("root", "name"))
@@ -210,6 +236,13 @@ def catalogue() -> list[CatalogueEntry]:
             _defaults_of(rmat),
             _generated(rmat, _rmat_bytes),
         ),
+        CatalogueEntry(
+            "mag-synth",
+            "mag-like typed graph: papers, authors, institutions, fields of study, 4 relations "
+            "+ reverses; paper classes that relations reveal, features a weak hint (synthetic)",
+            _defaults_of(mag_synth),
+            _generated(mag_synth, mag_synth_bytes),
+        ),
     ]
     for name, what in (
         ("cora", "Cora citation graph, Planetoid split: 2,708 nodes, 7 classes"),
@@ -225,7 +258,7 @@ def catalogue() -> list[CatalogueEntry]:
                 needs_files=True,
             )
         )
-    return entries + _ogbn_entries() + _ogbl_entries()
+    return entries + _ogbn_entries() + [_ogbn_mag_entry()] + _ogbl_entries()
 
 
 def get_entry(name: str) -> CatalogueEntry | None:
@@ -259,8 +292,10 @@ def load_path(path: str | Path, **kwargs: Any) -> Graph:
     """Load a folder: gnnpar format (``manifest.json``), Planetoid (``ind.<name>.*``; pass
     ``name=`` if it holds several datasets), OGB link layout (``split/<scheme>/train.pt``;
     :func:`gnnpar.data.ogbl.read_ogbl`, ``name=`` when the folder's name does not say which
-    benchmark it is) or OGB node layout (``raw/edge.csv.gz``). A graph folder of an older
-    gnnpar (``meta.json``) is refused with one line: prepare it again."""
+    benchmark it is), OGB node layout (``raw/edge.csv.gz``) or OGB typed node layout
+    (``raw/num-node-dict.csv.gz``, ogbn-mag's: :func:`gnnpar.data.mag.read_ogb_typed`). A
+    graph folder of an older gnnpar (``meta.json``) is refused with one line: prepare it
+    again."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"no dataset folder at {folder}")
@@ -277,10 +312,12 @@ def load_path(path: str | Path, **kwargs: Any) -> Graph:
         return read_ogbl(folder, **kwargs)
     if is_ogb_folder(folder):
         return ogb(folder, **kwargs)
+    if is_ogb_typed_folder(folder):
+        return read_ogb_typed(folder, **kwargs)
     raise UserError(
         f"{folder} is not a gnnpar graph folder (manifest.json), a Planetoid folder "
-        "(ind.<name>.* files), an OGB link folder (split/<scheme>/train.pt) or an OGB folder "
-        "(raw/edge.csv.gz)"
+        "(ind.<name>.* files), an OGB link folder (split/<scheme>/train.pt), an OGB folder "
+        "(raw/edge.csv.gz) or an OGB typed folder (raw/num-node-dict.csv.gz)"
     )
 
 
