@@ -104,3 +104,14 @@ def test_a_typed_model_on_an_untyped_graph_is_one_line(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rgcn needs a typed graph" in err[0]
+
+
+def test_the_ogbn_mag_layout_trains_by_catalogue_name(tmp_path):
+    from tests.typed_fixtures import write_ogbn_mag
+
+    write_ogbn_mag(tmp_path / "data" / "ogbn-mag")
+    argv = ["train", "sage", "--model", "hgt", "--dataset", "ogbn-mag", "--root",
+            str(tmp_path / "data"), "--epochs", "1", "--hidden", "8", "--batch-size", "8",
+            "--out", str(tmp_path / "run"), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    assert "test_acc" in _end(tmp_path / "run")
