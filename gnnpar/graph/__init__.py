@@ -638,6 +638,25 @@ class Graph:
         b = Graph.from_edges(*reversed(self.edges()), num_nodes=self.num_nodes).coalesce()
         return torch.equal(a.indptr, b.indptr) and torch.equal(a.indices, b.indices)
 
+    def keep_edges(self, keep: torch.Tensor) -> Graph:
+        """The graph with only the edges where the boolean ``keep`` (one per edge, CSR
+        order) is True, in their order; weights, node data and a typed graph's relations
+        kept (a link-prediction split is not: its edges may be gone)."""
+        if keep.dtype != torch.bool or keep.shape != (self.num_edges,):
+            raise UserError(f"keep must be a boolean mask of the {self.num_edges} edges")
+        kept_before = torch.zeros(self.num_edges + 1, dtype=torch.int64, device=keep.device)
+        torch.cumsum(keep, 0, out=kept_before[1:])
+        weight = None if self.edge_weight is None else self.edge_weight[keep]
+        graph = Graph(kept_before[self.indptr], self.indices[keep], self.num_nodes, weight,
+                      self.ndata, self.name, validate=False,
+                      num_classes=self._num_classes)  # fmt: skip
+        if self.types is not None:
+            graph.types = self.types.relabelled(
+                torch.arange(self.num_nodes), torch.nonzero(keep, as_tuple=True)[0]
+            )
+            graph.types.node_ids = self.types.node_ids
+        return graph
+
     def homogeneous(self) -> Graph:
         """The graph without its types (:attr:`types`): the same arrays, not copied. Itself
         for an untyped graph."""

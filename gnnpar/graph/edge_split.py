@@ -234,14 +234,22 @@ class EdgeSplit:
 # ---------------------------------------------------------------------------- cutting
 
 
-def _undirected_pairs(graph: Graph) -> tuple[torch.Tensor, bool]:
-    """The graph's edges as pairs (2, E) without self loops: each unordered pair once
-    (u < v) when the graph is symmetric, else every directed edge once; and whether it
-    was symmetric."""
+def _undirected_pairs(
+    graph: Graph, selected: torch.Tensor | None = None
+) -> tuple[torch.Tensor, bool]:
+    """The graph's edges (those ``selected``, a boolean mask, if given) as pairs (2, E)
+    without self loops: each unordered pair once (u < v) when they are symmetric, else every
+    directed edge once; and whether they were symmetric."""
     src, dst = graph.edges()
+    if selected is not None:
+        src, dst = src[selected], dst[selected]
+        n = graph.num_nodes
+        forward = torch.unique(edge_keys(src, dst, n))
+        symmetric = torch.equal(forward, torch.unique(edge_keys(dst, src, n)))
+    else:
+        symmetric = graph.is_symmetric()
     keep = src != dst
     src, dst = src[keep], dst[keep]
-    symmetric = graph.is_symmetric()
     if symmetric:
         lo, hi = torch.minimum(src, dst), torch.maximum(src, dst)
         keys = torch.unique(edge_keys(hi, lo, graph.num_nodes))  # (u < v) once
@@ -268,17 +276,25 @@ def _order(graph: Graph, pairs: torch.Tensor, seed: int, time: str | None) -> to
 
 
 def negative_pairs(
-    num_nodes: int, true_keys: torch.Tensor, count: int, gen: torch.Generator
+    num_nodes: int,
+    true_keys: torch.Tensor,
+    count: int,
+    gen: torch.Generator,
+    src_range: tuple[int, int] | None = None,
+    dst_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``count`` distinct random pairs (no self loops) that are not edges (``true_keys``:
-    sorted keys of every edge, both directions)."""
-    if count > num_nodes * (num_nodes - 1) - true_keys.numel():
+    sorted keys of every edge, both directions), sources in ``src_range`` and destinations
+    in ``dst_range`` (``(lo, hi)``; default every node)."""
+    s_lo, s_hi = src_range or (0, num_nodes)
+    d_lo, d_hi = dst_range or (0, num_nodes)
+    if count > (s_hi - s_lo) * (d_hi - d_lo) - min(s_hi - s_lo, d_hi - d_lo) - true_keys.numel():
         raise UserError(f"the graph has fewer than {count} non-edges to draw negatives from")
     found = torch.empty(0, dtype=torch.int64)
     while found.numel() < count:
         need = 2 * (count - found.numel()) + 16
-        src = torch.randint(num_nodes, (need,), generator=gen)
-        dst = torch.randint(num_nodes, (need,), generator=gen)
+        src = torch.randint(s_lo, s_hi, (need,), generator=gen)
+        dst = torch.randint(d_lo, d_hi, (need,), generator=gen)
         keys = edge_keys(src, dst, num_nodes)
         pos = torch.searchsorted(true_keys, keys).clamp(max=max(true_keys.numel() - 1, 0))
         if true_keys.numel():
@@ -294,11 +310,18 @@ def negative_pairs(
 
 
 def _per_source_negatives(
-    num_nodes: int, true_keys: torch.Tensor, sources: torch.Tensor, k: int, gen: torch.Generator
+    num_nodes: int,
+    true_keys: torch.Tensor,
+    sources: torch.Tensor,
+    k: int,
+    gen: torch.Generator,
+    dst_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """``(len(sources), k)`` random destinations per source, none an edge of it (drawn with
-    replacement among the non-edges; redrawn where they hit one)."""
-    out = torch.randint(num_nodes, (sources.numel(), k), generator=gen)
+    """``(len(sources), k)`` random destinations per source (in ``dst_range``, default
+    every node), none an edge of it (drawn with replacement among the non-edges; redrawn
+    where they hit one)."""
+    lo, hi = dst_range or (0, num_nodes)
+    out = torch.randint(lo, hi, (sources.numel(), k), generator=gen)
     src = sources[:, None].expand_as(out)
     todo = torch.ones_like(out, dtype=torch.bool)  # only redrawn entries are checked again
     for _ in range(64):
@@ -311,7 +334,7 @@ def _per_source_negatives(
         where = todo.nonzero(as_tuple=True)
         todo = torch.zeros_like(todo)
         todo[where[0][bad], where[1][bad]] = True
-        out[todo] = torch.randint(num_nodes, (int(bad.sum()),), generator=gen)
+        out[todo] = torch.randint(lo, hi, (int(bad.sum()),), generator=gen)
     raise UserError("could not draw per-source negatives: some sources link to almost every node")
 
 
@@ -325,6 +348,8 @@ def split_edges(
     num_negatives: int = 1,
     metric: str | None = None,
     labels: torch.Tensor | None = None,
+    relation: str | None = None,
+    reverse_relation: str | None = None,
 ) -> Graph:
     """Cut a link-prediction split from ``graph``; returns the message-passing graph (the
     training edges, in both directions where ``graph`` is symmetric, node data kept) with
@@ -343,6 +368,12 @@ def split_edges(
         labels: one label per edge of ``graph`` in its CSR order (:meth:`Graph.edges`): int64
             classes (edge classification) or floats (edge regression, e.g. the edge
             weights). Each positive takes its edge's label; no negatives are drawn.
+        relation: a typed graph's (:mod:`gnnpar.graph.typed`) relation to predict: its
+            edges are the candidates (each pair once where the relation is symmetric, as
+            ``cites``), negatives are pairs of its source and destination types, and the
+            val/test edges leave the message graph with their reverses in
+            ``reverse_relation`` (default: the relation ``rev_<name>`` between the same
+            types swapped, if there is one). The other relations all stay.
     """
     if not (0 <= val < 1 and 0 <= test < 1 and val + test < 1):
         raise UserError(f"edge split fractions val={val}, test={test}: each in [0, 1), sum < 1")
@@ -357,7 +388,8 @@ def split_edges(
             f"{graph.name}: edge labels must hold one value per edge ({graph.num_edges}), got "
             f"shape {tuple(labels.shape)}"
         )
-    pairs, symmetric = _undirected_pairs(graph)
+    target = _target_relation(graph, relation, reverse_relation)
+    pairs, symmetric = _undirected_pairs(graph, None if target is None else target.selected)
     m = pairs.shape[1]
     n_test, n_val = int(round(test * m)), int(round(val * m))
     if m - n_test - n_val < 1:
@@ -366,10 +398,13 @@ def split_edges(
     train = pairs[:, order[: m - n_val - n_test]]
     val_pos = pairs[:, order[m - n_val - n_test : m - n_test]]
     test_pos = pairs[:, order[m - n_test :]]
-    # negatives are non-edges of the whole graph, in both directions
+    # negatives are non-edges of the whole graph (of the relation), in both directions
     src, dst = graph.edges()
+    if target is not None:
+        src, dst = src[target.selected], dst[target.selected]
     true_keys = torch.unique(torch.cat([edge_keys(src, dst, graph.num_nodes),
                                         edge_keys(dst, src, graph.num_nodes)]))  # fmt: skip
+    ranges = {} if target is None else {"src_range": target.src, "dst_range": target.dst}
     gen = torch.Generator().manual_seed(int(seed) + 1)
     n = graph.num_nodes
     label_sets: list[torch.Tensor | None] = [None, None, None]
@@ -382,18 +417,23 @@ def split_edges(
             label_sets.append(labels[by_key[at]])
         val_neg = test_neg = None
     elif negatives == "pairs":
-        both = negative_pairs(n, true_keys, num_negatives * (n_val + n_test), gen)
+        both = negative_pairs(n, true_keys, num_negatives * (n_val + n_test), gen, **ranges)
         val_neg, test_neg = both[:, : num_negatives * n_val], both[:, num_negatives * n_val :]
     else:
-        val_neg = _per_source_negatives(n, true_keys, val_pos[0], num_negatives, gen)
-        test_neg = _per_source_negatives(n, true_keys, test_pos[0], num_negatives, gen)
-    message = _message_graph(graph, train, symmetric)
+        dst_range = ranges.get("dst_range")
+        val_neg = _per_source_negatives(n, true_keys, val_pos[0], num_negatives, gen, dst_range)
+        test_neg = _per_source_negatives(n, true_keys, test_pos[0], num_negatives, gen, dst_range)
+    if target is None:
+        message = _message_graph(graph, train, symmetric)
+    else:
+        message = target.message_graph(torch.cat([val_pos, test_pos], 1), symmetric)
     message.edge_split = EdgeSplit(
         train, val_pos, test_pos, val_neg, test_neg, *label_sets, protocol=negatives,
         metric=metric, source=graph.record(),
         how={"method": "time" if time else "random", "val": val, "test": test, "seed": seed,
              "time": time, "negatives": negatives, "num_negatives": num_negatives,
-             "symmetric": symmetric, "labels": kind},
+             "symmetric": symmetric, "labels": kind,
+             **({} if target is None else target.record())},
     )  # fmt: skip
     return message
 
@@ -418,3 +458,73 @@ def _message_graph(graph: Graph, train: torch.Tensor, symmetric: bool) -> Graph:
     if graph.label is not None:
         out.num_classes = graph.num_classes
     return out
+
+
+@dataclasses.dataclass
+class _Target:
+    """The relation a typed split predicts: its edges, its ends' id ranges, its reverse."""
+
+    graph: Graph
+    index: int
+    reverse: int | None
+    selected: torch.Tensor
+    src: tuple[int, int]
+    dst: tuple[int, int]
+
+    def message_graph(self, held_out: torch.Tensor, symmetric: bool) -> Graph:
+        """The typed graph without the ``held_out`` pairs of the relation (both directions
+        where it is symmetric) and their reverses in the reverse relation."""
+        g, n = self.graph, self.graph.num_nodes
+        held = edge_keys(held_out[0], held_out[1], n)
+        if symmetric:
+            held = torch.cat([held, edge_keys(held_out[1], held_out[0], n)])
+        held = torch.unique(held)
+        src, dst = g.edges()
+        et = g.types.edge_type
+        drop = (et == self.index) & torch.isin(edge_keys(src, dst, n), held)
+        if self.reverse is not None:
+            drop |= (et == self.reverse) & torch.isin(edge_keys(dst, src, n), held)
+        out = g.keep_edges(~drop)
+        if g.label is not None:
+            out.num_classes = g.num_classes
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """What the split's ``how`` records of the relation."""
+        from gnnpar.graph.typed import relation_name
+
+        rels = self.graph.types.relations
+        rev = None if self.reverse is None else relation_name(rels[self.reverse])
+        return {"relation": relation_name(rels[self.index]), "reverse_relation": rev}
+
+
+def _target_relation(graph: Graph, relation: str | None, reverse: str | None) -> _Target | None:
+    """The relation to predict on a typed graph (None for an untyped one, where naming one
+    is an error)."""
+    types = graph.types
+    if types is None:
+        if relation is not None or reverse is not None:
+            raise UserError(f"{graph.name} has no relations (it is not a typed graph)")
+        return None
+    if relation is None:
+        raise UserError(
+            f"{graph.name} is a typed graph: name the relation to predict (relation=...)"
+        )
+    if types.node_ids is not None:
+        raise UserError(f"{graph.name} is relabelled: split the original typed graph")
+    r = types.relation_index(relation)
+    s_type, _, d_type = types.relations[r]
+    if reverse is not None:
+        rev: int | None = types.relation_index(reverse)
+        if types.relations[rev][::2] != (d_type, s_type):
+            raise UserError(f"relation {reverse!r} does not run from {d_type} to {s_type}")
+    else:
+        name = "rev_" + types.relations[r][1]
+        hits = [i for i, x in enumerate(types.relations) if x == (d_type, name, s_type)]
+        rev = hits[0] if hits else None
+
+    def span(t: str) -> tuple[int, int]:
+        k = types.type_index(t)
+        return types.offsets[k], types.offsets[k + 1]
+
+    return _Target(graph, r, rev, types.edge_type == r, span(s_type), span(d_type))

@@ -31,7 +31,7 @@ from gnnpar.sampling.block import MiniBatch
 from gnnpar.sampling.neighbor import NeighborSampler
 from gnnpar.sampling.rng import derive_key
 
-__all__ = ["EXCLUDE", "EdgeSampler", "graph_keys"]
+__all__ = ["EXCLUDE", "EdgeSampler", "graph_keys", "sorted_edge_keys"]
 
 #: What a batch's target edges take out of its message passing.
 EXCLUDE = ("reverse", "self", "none")
@@ -51,6 +51,14 @@ def graph_keys(graph: Graph) -> torch.Tensor:
     return keys
 
 
+def sorted_edge_keys(graph: Graph) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, positions)``: the :func:`~gnnpar.graph.edge_split.edge_keys` of every edge,
+    sorted, and the CSR position of each; for a graph whose CSR is not in key order or
+    repeats a pair (a typed graph: one pair in two relations, rows ordered by relation)."""
+    keys, positions = torch.sort(edge_keys(*graph.edges(), graph.num_nodes), stable=True)
+    return keys, positions
+
+
 class EdgeSampler:
     """Blocks of a batch of seed edges (module docstring).
 
@@ -60,8 +68,10 @@ class EdgeSampler:
         negatives: draws ``(b, k)`` negative destinations (``sample(src, ids, key)``), or
             None for none (edge classification on labelled pairs).
         keys: :func:`graph_keys` of a local sampler's graph (the CSR positions to exclude
-            are found in it), or None for a :class:`~gnnpar.sampling.DistNeighborSampler`,
-            whose part owners drop the excluded pairs by their original ids.
+            are found in it), or :func:`sorted_edge_keys` of one that is not coalesced (every
+            edge of an excluded pair leaves, in each relation of a typed graph), or None for
+            a :class:`~gnnpar.sampling.DistNeighborSampler`, whose part owners drop the
+            excluded pairs by their original ids.
         exclude: ``"reverse"`` (the edge and its reverse), ``"self"`` (the edge) or
             ``"none"`` (nothing: leaks the target, for ablations only).
         node_map: the sampler's id of every node by original id (a partition's global ids),
@@ -73,7 +83,7 @@ class EdgeSampler:
         sampler: NeighborSampler,
         pairs: torch.Tensor,
         negatives: Any | None,
-        keys: torch.Tensor | None,
+        keys: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
         exclude: str = "reverse",
         node_map: torch.Tensor | None = None,
     ) -> None:
@@ -82,6 +92,9 @@ class EdgeSampler:
         if pairs.dim() != 2 or pairs.shape[0] != 2:
             raise UserError(f"pairs must be (2, E), got {tuple(pairs.shape)}")
         self.sampler, self.pairs, self.negatives = sampler, pairs, negatives
+        self.positions: torch.Tensor | None = None
+        if isinstance(keys, tuple):
+            keys, self.positions = keys
         self.keys, self.exclude, self.node_map = keys, exclude, node_map
         self.node_count = sampler.num_nodes
         #: The loader's id bound: edge ids lie in ``[0, num_nodes)``.
@@ -102,6 +115,15 @@ class EdgeSampler:
             wanted = torch.cat([wanted, edge_keys(dst, src, n)])
         if self.keys is None:
             return torch.unique(wanted)
+        if self.positions is not None:  # every position of a repeated key
+            lo = torch.searchsorted(self.keys, wanted)
+            count = torch.searchsorted(self.keys, wanted, right=True) - lo
+            total = int(count.sum())
+            first = torch.repeat_interleave(lo, count, output_size=total)
+            ramp = torch.arange(total) - torch.repeat_interleave(
+                torch.cumsum(count, 0) - count, count, output_size=total
+            )
+            return torch.unique(self.positions.index_select(0, first + ramp))
         pos = torch.searchsorted(self.keys, wanted).clamp_(max=self.keys.numel() - 1)
         return torch.unique(pos[self.keys.index_select(0, pos) == wanted])
 

@@ -54,6 +54,15 @@ DEGREE_POWER = 0.75
 _MAX_NODES = 2**31 - 1  # uniform_below's bound
 
 
+def _in_range(degrees: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """``degrees`` with every node outside ``[lo, hi)`` at 0 (never drawn)."""
+    if degrees is None or (lo == 0 and hi >= degrees.numel()):
+        return degrees
+    out = torch.zeros_like(torch.as_tensor(degrees))
+    out[lo:hi] = torch.as_tensor(degrees)[lo:hi]
+    return out
+
+
 def _is_int(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer))
 
@@ -76,6 +85,9 @@ class NegativeSampler:
             graph. None: no redraws.
         seed: selects an independent stream of random numbers.
         rounds: redraw rounds with ``exclude`` (>= 0).
+        dst_range: ``(lo, hi)``: draw destinations from ``[lo, hi)`` only (a typed graph's
+            destination type, :mod:`gnnpar.graph.typed`), uniformly or by the degrees in
+            that range; None: every node.
 
     Attributes:
         last_hits: how many negatives of the last :meth:`sample` are still the source or a
@@ -93,6 +105,7 @@ class NegativeSampler:
         exclude: tuple[torch.Tensor, torch.Tensor] | None = None,
         seed: int = 0,
         rounds: int = 8,
+        dst_range: tuple[int, int] | None = None,
     ):
         if not _is_int(num_nodes) or not 1 <= num_nodes <= _MAX_NODES:
             raise UserError(
@@ -113,6 +126,15 @@ class NegativeSampler:
                 f"negative sampling: a candidates table is for method 'candidates', not {method!r}"
             )
         self.num_nodes = int(num_nodes)
+        lo, hi = (0, self.num_nodes) if dst_range is None else (int(x) for x in dst_range)
+        if not 0 <= lo < hi <= self.num_nodes:
+            raise UserError(
+                f"negative sampling: dst_range {dst_range} must lie in [0, {num_nodes}]"
+            )
+        if dst_range is not None and method == "candidates":
+            raise UserError("negative sampling: a dst_range is for methods uniform and degree")
+        #: Destinations are drawn from ``[dst_lo, dst_hi)``.
+        self.dst_lo, self.dst_hi = lo, hi
         self.method = method
         self.k = int(k)
         self.seed = int(seed)
@@ -123,7 +145,7 @@ class NegativeSampler:
         self._counts: torch.Tensor | None = None
         self._keys: torch.Tensor | None = None
         if method == "degree":
-            self._cdf = _degree_cdf(degrees, self.num_nodes)
+            self._cdf = _degree_cdf(_in_range(degrees, lo, hi), self.num_nodes)
         if method == "candidates":
             self._table, self._counts = _compact(candidates, self.num_nodes)
         if exclude is not None:
@@ -188,7 +210,7 @@ class NegativeSampler:
             return torch.searchsorted(cdf, target, right=True).clamp_(max=self.num_nodes - 1)
         bits = random_bits(key, ids, k).t().contiguous()  # (m, k)
         if self.method == "uniform":
-            return uniform_below(bits, self.num_nodes)
+            return uniform_below(bits, self.dst_hi - self.dst_lo).add_(self.dst_lo)
         counts = self._counts[src]  # (m,)
         if self._table.shape[1] == 0:
             return uniform_below(bits, self.num_nodes)

@@ -17,10 +17,13 @@ from torch import nn
 
 from gnnpar.errors import UserError
 
-__all__ = ["ENCODERS", "LinkModel", "PyGEncoder"]
+__all__ = ["ENCODERS", "TYPED_ENCODERS", "LinkModel", "PyGEncoder"]
 
-#: The built-in encoders (a ``module:factory`` names the user's own PyG model).
-ENCODERS = ("sage", "gcn", "gat")
+#: The built-in encoders (a ``module:factory`` names the user's own PyG model); ``rgcn`` and
+#: ``hgt`` encode a typed graph (:mod:`gnnpar.models.hetero`, minibatch mode).
+ENCODERS = ("sage", "gcn", "gat", "rgcn", "hgt")
+#: The encoders of typed graphs.
+TYPED_ENCODERS = ("rgcn", "hgt")
 
 
 class PyGEncoder(nn.Module):
@@ -34,8 +37,8 @@ class PyGEncoder(nn.Module):
         super().__init__()
         from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
-        if kind not in ENCODERS:
-            raise UserError(f"unknown encoder {kind!r}: one of {', '.join(ENCODERS)}")
+        if kind not in ENCODERS or kind in TYPED_ENCODERS:
+            raise UserError(f"no full-graph PyG encoder {kind!r}: one of sage, gcn, gat")
         dims = [in_channels] + [hidden] * (layers - 1) + [out_channels]
         convs: list[nn.Module] = []
         for i in range(layers):

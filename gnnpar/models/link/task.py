@@ -49,8 +49,9 @@ from gnnpar.fmt import count
 from gnnpar.graph import Graph
 from gnnpar.graph.edge_split import check_metric, split_edges
 from gnnpar.grid import ProcessGrid
+from gnnpar.models.hetero import HGTConv, RGCNConv, TypedGNN, TypedInput
 from gnnpar.models.link.decoders import DECODERS, LOSSES, bce_sum, make_decoder, margin_sum
-from gnnpar.models.link.encoders import ENCODERS, LinkModel, PyGEncoder
+from gnnpar.models.link.encoders import ENCODERS, TYPED_ENCODERS, LinkModel, PyGEncoder
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.models.minibatch.pyg import full_graph_logits
 from gnnpar.models.pyg.model import (
@@ -61,7 +62,7 @@ from gnnpar.models.pyg.model import (
     seeded,
 )
 from gnnpar.sampling import NeighborSampler, NodeLoader, full_blocks, parse_fanouts
-from gnnpar.sampling.edge import EXCLUDE, EdgeSampler, graph_keys
+from gnnpar.sampling.edge import EXCLUDE, EdgeSampler, graph_keys, sorted_edge_keys
 from gnnpar.sampling.negative import NegativeSampler, load_candidates
 from gnnpar.sampling.rng import derive_key
 from gnnpar.shard import FCDP, by_type, shard
@@ -84,6 +85,8 @@ MODES = ("minibatch", "full")
 NEGATIVES = ("uniform", "degree")
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds (as the node task's)
 _FULL_NEG = 0x46E6  # salt of the full-graph step's negatives
+#: The modules that are units of the data-parallel sharding (the rest: the root unit).
+_UNITS = (SAGEConv, GCNConv, GATConv, TypedInput, RGCNConv, HGTConv)
 _LOW31 = (1 << 31) - 1
 
 
@@ -127,9 +130,18 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
     grid: str | None = option(None, "full mode's grid such as x=2,y=1,z=2 (default: x = all)")
     blocks: int = option(8, "full mode: file blocks per side when cutting the graph's shards")
     model: str = option(
-        "sage", "the encoder: sage, gcn or gat, or your own PyG model as module:factory",
-        ENCODERS,
+        "sage", "the encoder: sage, gcn or gat; rgcn or hgt on a typed graph (minibatch); or "
+        "your own PyG model as module:factory", ENCODERS,
     )  # fmt: skip
+    relation: str | None = option(
+        None, "typed graph: the relation to predict (e.g. writes, or author___writes___paper)"
+    )
+    reverse_relation: str | None = option(
+        None, "typed graph: the relation holding its reverses (default: rev_<relation>)"
+    )
+    per_relation: bool = option(
+        True, "typed graph: draw each hop's fan-out per relation (false: over all relations)"
+    )
     model_options: str | None = option(None, "a module:factory model's options as k=v,k=v")
     hidden: int = option(64, "hidden and embedding width")
     layers: int = option(2, "encoder layers (one fan-out each in minibatch mode)")
@@ -224,6 +236,11 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
             raise ConfigError(f"config key 'sampling' must be local or partitioned, got "
                               f"{self.sampling!r}")  # fmt: skip
         partitioned = self.sampling == "partitioned"
+        typed = self.model in TYPED_ENCODERS
+        if typed and (self.mode != "minibatch" or partitioned):
+            raise ConfigError(
+                f"config key 'model': {self.model} trains in mode minibatch with local sampling"
+            )
         if partitioned and (self.mode != "minibatch" or is_user_model(self.model)):
             raise ConfigError(
                 "config key 'sampling': partitioned sampling is for mode minibatch with a "
@@ -232,8 +249,8 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
         if self.mode == "minibatch":
             if self.grid is not None:
                 raise ConfigError("config key 'grid' is for mode full (minibatch is data parallel)")
-            try:
-                fanouts = parse_fanouts(self.fanouts)
+            try:  # a typed graph's per-relation layers are checked when it is loaded
+                fanouts = self.fanouts.split(",") if typed else parse_fanouts(self.fanouts)
             except UserError as err:
                 raise ConfigError(f"config key 'fanouts': {err}") from None
             if len(fanouts) != self.layers and not is_user_model(self.model):
@@ -290,20 +307,30 @@ def load_link_graph(cfg: LinkConfig) -> Graph:
         raise ConfigError(f"dataset {cfg.dataset!r} has no node features (ndata 'feat')")
     if stored is None:
         time_key = cfg.split.partition(":")[2] if cfg.split.startswith("time:") else None
-        graph = split_edges(
-            graph, cfg.val_fraction, cfg.test_fraction, cfg.seed, time_key,
-            cfg.eval_negatives, cfg.eval_num_negatives, labels=edge_labels(cfg, graph),
-        )  # fmt: skip
+        try:
+            graph = split_edges(
+                graph, cfg.val_fraction, cfg.test_fraction, cfg.seed, time_key,
+                cfg.eval_negatives, cfg.eval_num_negatives, labels=edge_labels(cfg, graph),
+                relation=cfg.relation, reverse_relation=cfg.reverse_relation,
+            )  # fmt: skip
+        except UserError as err:
+            raise ConfigError(f"dataset {cfg.dataset!r}: {err}") from None
     elif cfg.edge_labels is not None:
         raise ConfigError(
             f"config key 'edge_labels' is for a split cut by the run; dataset {cfg.dataset!r} "
             "has its own split"
         )
     split = graph.edge_split
-    try:
-        graph_keys(graph)
-    except UserError:
-        graph = graph.coalesce()
+    if cfg.model in TYPED_ENCODERS and graph.types is None:
+        raise ConfigError(
+            f"config key 'model': {cfg.model} needs a typed graph; dataset {cfg.dataset!r} "
+            "has no node types (docs/typed.md)"
+        )
+    if graph.types is None:  # a typed graph keeps its CSR (rows grouped by relation)
+        try:
+            graph_keys(graph)
+        except UserError:
+            graph = graph.coalesce()
     graph.edge_split = split
     split.validate(graph.num_nodes, f"dataset {cfg.dataset!r}")
     check_metric(split.metric)
@@ -343,6 +370,9 @@ def link_model(cfg: LinkConfig, graph: Graph, block: bool) -> LinkModel:
     if is_user_model(cfg.model):
         options = factory_options(cfg.model_options)
         encoder = build_user_model(cfg.model, in_dim, cfg.hidden, options)
+    elif cfg.model in TYPED_ENCODERS:  # its classifier is the embeddings' last linear
+        encoder = TypedGNN(graph.types, cfg.hidden, cfg.hidden, cfg.layers, cfg.model,
+                           cfg.dropout, cfg.heads)  # fmt: skip
     elif block:
         encoder = BlockGNN(in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout, cfg.model,
                            cfg.heads)  # fmt: skip
@@ -481,13 +511,18 @@ class LinkTask(BaseTask):
             method = "candidates"
         if cfg.exclude_true:
             kwargs["exclude"] = (g.indptr, g.indices)
+        relation = self.split.how.get("relation")
+        if relation is not None:  # a typed split: destinations of the relation's type
+            types = g.types
+            t = types.type_index(types.relations[types.relation_index(relation)][2])
+            kwargs["dst_range"] = (types.offsets[t], types.offsets[t + 1])
         return NegativeSampler(g.num_nodes, method, cfg.num_negatives, **kwargs)
 
     def _setup_minibatch(self) -> None:
         cfg, g, grid = self.cfg, self.graph, self.grid
         self.net = link_model(cfg, g, block=True).to(self.device, master_dtype(cfg))
         self.features = g.feat.to(master_dtype(cfg))
-        units = None if self.user_model else by_type(SAGEConv, GCNConv, GATConv)
+        units = None if self.user_model else by_type(*_UNITS)
         self.model = shard(
             self.net, grid, cfg.zero_stage or 0, units=units, mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None, offload=cfg.offload,
@@ -498,10 +533,11 @@ class LinkTask(BaseTask):
         if cfg.sampling == "partitioned" and data > 1:
             edges, owned, features = self._partitioned_sampler()
         else:
-            sampler = NeighborSampler(g, parse_fanouts(cfg.fanouts), replace=cfg.replace,
-                                      seed=cfg.seed)  # fmt: skip
-            edges = EdgeSampler(sampler, self.split.train, self.negatives, graph_keys(g),
-                                cfg.exclude)  # fmt: skip
+            fanouts = cfg.fanouts if g.types is not None else parse_fanouts(cfg.fanouts)
+            sampler = NeighborSampler(g, fanouts, replace=cfg.replace, seed=cfg.seed,
+                                      per_relation=cfg.per_relation)  # fmt: skip
+            keys = graph_keys(g) if g.types is None else sorted_edge_keys(g)
+            edges = EdgeSampler(sampler, self.split.train, self.negatives, keys, cfg.exclude)
             owned, features = ids[rank::data], self.features  # every rank knows every edge
         self.loader = NodeLoader(
             edges, owned, cfg.batch_size, seed=cfg.seed, features=features,
