@@ -12,10 +12,11 @@ Modules: :mod:`~partitioners.assignment` (``partition``, ``Partition``),
 :mod:`~partitioners.simple` (random, range, hash), :mod:`~partitioners.metis`,
 :mod:`~partitioners.streaming` (LDG, Fennel), :mod:`~partitioners.blocks` (2D blocks and
 Plexus permutations for SpMM), :mod:`~partitioners.format` (the folder layout, loading),
-:mod:`~partitioners.writer`, :mod:`~partitioners.metrics`, :mod:`~partitioners.cli`.
+:mod:`~partitioners.writer`, :mod:`~partitioners.metrics`, :mod:`~partitioners.cli`,
+:mod:`~partitioners.typed` (typed graphs: per-type balance, the default for them).
 """
 
-from partitioners import blocks, metrics
+from partitioners import blocks, metrics, typed
 from partitioners.assignment import METHODS, Partition, partition
 from partitioners.csr import CSR, as_csr
 from partitioners.format import (
@@ -44,5 +45,6 @@ __all__ = [
     "load_part",
     "metrics",
     "partition",
+    "typed",
     "write",
 ]

@@ -13,14 +13,31 @@ import numpy as np
 from gnnpar.errors import UserError
 from partitioners.csr import CSR, as_csr
 from partitioners.metis import BALANCE_NAMES, metis_owner
-from partitioners.simple import hash_owner, random_owner, range_owner
+from partitioners.simple import (
+    hash_owner,
+    random_owner,
+    random_owner_by_class,
+    range_owner,
+    range_owner_by_class,
+)
 from partitioners.streaming import streaming_owner
+from partitioners.typed import (
+    TOLERANCE,
+    EdgeChunks,
+    TypedInput,
+    class_balance,
+    csr_edges,
+    node_classes,
+    rebalance,
+    type_columns,
+    typed_input,
+)
 
 __all__ = ["METHODS", "Partition", "check_num_parts", "partition", "supported_balance"]
 
 METHODS = ("random", "range", "hash", "metis", "ldg", "fennel")
 _STREAM_OPTIONS = ("order", "passes", "slack", "gamma", "alpha", "chunk_edges")
-_BALANCES = {"metis": BALANCE_NAMES, "range": ("nodes", "edges")}
+_BALANCES = {"metis": BALANCE_NAMES, "range": ("nodes", "edges", "types")}
 _OPTIONS = {
     "metis": ("node_weight", "edge_weight", "ufactor", "niter", "ncuts", "recursive"),
     "ldg": _STREAM_OPTIONS,
@@ -95,7 +112,7 @@ class Partition:
 
 def supported_balance(method: str) -> tuple[str, ...]:
     """The balance names ``method`` can honour."""
-    return _BALANCES.get(method, ("nodes",))
+    return _BALANCES.get(method, ("nodes", "types"))
 
 
 def check_num_parts(num_parts: Any, num_nodes: int) -> int:
@@ -130,14 +147,59 @@ def _fill_empty(owner: np.ndarray, num_parts: int) -> int:
     return moved
 
 
-def _normalise_balance(balance: str | Sequence[str] | None) -> tuple[str, ...]:
+def _normalise_balance(balance: str | Sequence[str] | None, typed: bool) -> tuple[str, ...]:
+    """The balance names asked for: ``"types"`` by default for a typed graph, else
+    ``"nodes"``."""
+    default = ("types",) if typed else ("nodes",)
     if balance is None:
-        return ("nodes",)
+        return default
     items = (balance,) if isinstance(balance, str) else tuple(balance)
     unknown = [b for b in items if b not in BALANCE_NAMES]
     if unknown:
         raise UserError(f"unknown balance {unknown}; choose from {BALANCE_NAMES}")
-    return items or ("nodes",)
+    if "types" in items and not typed:
+        raise UserError(
+            "balance 'types' needs a typed graph (gnnpar.graph.typed: graph.types); this one "
+            "has no node types"
+        )
+    return items or default
+
+
+def _train_mask(graph: Any, csr: CSR) -> np.ndarray | None:
+    """The training mask of the input (a reader's is read from disk), or None."""
+    if _is_reader(graph):
+        if "train_mask" not in graph.ndata_keys():
+            return None
+        return graph.ndata("train_mask", slice(None)).astype(bool)
+    return csr.train_mask()
+
+
+def _balance_types(
+    owner: np.ndarray,
+    k: int,
+    typed: TypedInput,
+    train: np.ndarray | None,
+    edges: EdgeChunks,
+    tolerance: float,
+) -> dict[str, Any]:
+    """:func:`~partitioners.typed.rebalance` ``owner`` in place; what to record of it."""
+    classes, names, train_class = node_classes(typed, train)
+    moved = rebalance(owner, k, classes, train_class, typed.target_index, edges, tolerance)
+    counts = class_balance(owner, k, typed.node_type, typed.num_types)
+    spread = {
+        f"type:{name}": _max_over_mean(row)
+        for name, row in zip(typed.node_types, counts, strict=True)
+    }
+    if train_class is not None:
+        target = typed.node_types[typed.target_index]
+        train_counts = np.bincount(owner[classes == train_class], minlength=k)
+        spread[f"train:{target}"] = _max_over_mean(train_counts)
+    return {"tolerance": tolerance, "classes": names, "moved": moved, "max_over_mean": spread}
+
+
+def _max_over_mean(counts: np.ndarray) -> float:
+    mean = float(np.mean(counts)) if counts.size else 0.0
+    return float(np.max(counts)) / mean if mean > 0 else 1.0
 
 
 def partition(
@@ -147,6 +209,7 @@ def partition(
     seed: int = 0,
     balance: str | Sequence[str] | None = None,
     progress: bool = False,
+    type_tolerance: float = TOLERANCE,
     **options: Any,
 ) -> Partition:
     """Assign every node of ``graph`` to one of ``num_parts`` parts.
@@ -163,8 +226,15 @@ def partition(
             nodes, from ``ndata['train_mask']``) and ``"edges"`` (in-edges). METIS honours all
             three as constraints (DGL's ``balance_ntypes`` / ``balance_edges``); ``range``
             honours ``"edges"`` by cutting at equal edge counts; the others balance nodes
-            only and refuse the other names.
+            only and refuse the other names. ``"types"`` (a typed graph only, and its
+            default; every method) balances every node type and the target type's training
+            nodes (:mod:`partitioners.typed`): METIS as constraints, ``random`` and
+            ``range`` by dealing out or cutting each type on its own, and after any method
+            a rebalancing that moves the fewest nodes, reported in ``info["types"]``
+            (``moved``, and ``max_over_mean`` of every type and of the training nodes).
         progress: show a progress bar for the long-running methods.
+        type_tolerance: with ``"types"``, the most nodes of a type (or training nodes) a
+            part may hold is ``ceil(type_tolerance * mean)``.
         **options: passed to the method: for ``metis`` ``node_weight``, ``edge_weight``,
             ``ufactor``, ``niter``, ``ncuts``, ``recursive``
             (:func:`~partitioners.metis.metis_owner`); for ``ldg``/``fennel`` ``order``,
@@ -188,9 +258,11 @@ def partition(
     else:
         csr = as_csr(graph, check=True)  # METIS would crash on ids out of range
         read = None
+    # a typed graph is partitioned through its homogeneous view (the CSR above)
+    typed = typed_input(graph)
     n = csr.num_nodes
     k = check_num_parts(num_parts, n)
-    bal = _normalise_balance(balance)
+    bal = _normalise_balance(balance, typed is not None)
     supported = supported_balance(method)
     if any(b not in supported for b in bal):
         raise UserError(
@@ -201,16 +273,27 @@ def partition(
     if unknown:
         allowed = ", ".join(_OPTIONS.get(method, ())) or "none"
         raise UserError(f"method {method!r} does not take {unknown} (options: {allowed})")
+    if isinstance(type_tolerance, bool) or not (
+        isinstance(type_tolerance, (int, float)) and type_tolerance >= 1.0
+    ):
+        raise UserError(f"type_tolerance must be a number >= 1.0, got {type_tolerance!r}")
+    by_type = "types" in bal and typed is not None
+    train = _train_mask(graph, csr) if by_type else None
     start = time.perf_counter()
     info: dict[str, Any] = {}
-    if method == "random":
+    if method == "random" and by_type:
+        owner = random_owner_by_class(node_classes(typed, train)[0], k, seed)
+    elif method == "random":
         owner = random_owner(n, k, seed)
+    elif method == "range" and by_type:
+        owner = range_owner_by_class(typed.node_type, k, csr.indptr, by_edges="edges" in bal)
     elif method == "range":
         owner = range_owner(n, k, csr.indptr, by_edges="edges" in bal)
     elif method == "hash":
         owner = hash_owner(n, k, seed)
     elif method == "metis":
-        owner, info = metis_owner(csr, k, seed=seed, balance=bal, **options)
+        weights = type_columns(typed, train) if by_type else None
+        owner, info = metis_owner(csr, k, seed=seed, balance=bal, type_weights=weights, **options)
     else:
         owner, info = streaming_owner(
             csr.indptr,
@@ -226,6 +309,10 @@ def partition(
     moved = _fill_empty(owner, k) if n >= k else 0
     if moved:
         info["refilled_empty_parts"] = moved
+    if by_type:
+        chunk = int(options.get("chunk_edges", 1 << 22))
+        edges = csr_edges(csr.indptr, csr.indices, read, chunk)  # a reader's: from disk
+        info["types"] = _balance_types(owner, k, typed, train, edges, type_tolerance)
     info["time_s"] = time.perf_counter() - start
     result = Partition(owner, k, method, int(seed), bal, info)
     result.validate()

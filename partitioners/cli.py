@@ -3,8 +3,8 @@
 ::
 
     gnnpar-partition DATASET --parts K --out DIR [--overwrite] [--method metis] [--halo 1]
-                     [--balance-train] [--balance-edges] [--seed S] [--root ROOT]
-                     [--dataset-options K=V,K=V] [--memory-limit SIZE]
+                     [--balance-train] [--balance-edges] [--no-balance-types] [--seed S]
+                     [--root ROOT] [--dataset-options K=V,K=V] [--memory-limit SIZE]
     gnnpar-partition inspect DIR [--verify checksum|size]
     gnnpar-partition compare DATASET --parts K [--methods random,metis,...] [--plot FILE.png]
                      [--json FILE]
@@ -14,9 +14,12 @@
 to it, spelled as for ``gnnpar train``. With ``--memory-limit SIZE`` (e.g. ``3GB``) and a
 graph folder, the edges are streamed from disk in chunks that fit the limit (LDG and Fennel
 partition that way; the writer always does), and the quality table, which needs the whole
-graph, is left out. A user error (a bad value, a missing or damaged file: a
-:class:`~gnnpar.errors.UserError` or an OSError) prints one line and exits with status 2; a bug
-shows its traceback.
+graph, is left out. A typed graph (:mod:`gnnpar.graph.typed`) is balanced per node type
+and target training nodes by default (balance ``types``, :mod:`partitioners.typed`;
+``--no-balance-types`` balances nodes only), and its quality report adds the edge cut of
+every relation and the balance of every node type. A user error (a bad value, a missing or
+damaged file: a :class:`~gnnpar.errors.UserError` or an OSError) prints one line and exits
+with status 2; a bug shows its traceback.
 """
 
 from __future__ import annotations
@@ -119,10 +122,17 @@ def _balance_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--balance-train",
         action="store_true",
-        help="balance training nodes instead of all nodes (default: all nodes)",
+        help="balance training nodes instead of all nodes (default: all nodes; a typed "
+        "graph's type balance includes its training nodes)",
     )
     p.add_argument(
         "--balance-edges", action="store_true", help="also balance in-edges (default: off)"
+    )
+    p.add_argument(
+        "--no-balance-types",
+        action="store_true",
+        help="for a typed graph, balance the node count only instead of every node type and "
+        "the target type's training nodes (default: balance the types)",
     )
 
 
@@ -134,13 +144,64 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def _balance(args: argparse.Namespace) -> list[str]:
+def _balance(args: argparse.Namespace, typed: bool = False) -> list[str]:
+    """The balance names the flags ask for; ``typed``: the graph has node types."""
     out = ["nodes"]
-    if getattr(args, "balance_train", False):
+    if typed and not getattr(args, "no_balance_types", False):
+        out = ["types"]  # it holds the training nodes: --balance-train adds nothing
+    elif getattr(args, "balance_train", False):
         out = ["train"]
     if getattr(args, "balance_edges", False):
         out.append("edges")
     return out
+
+
+def _is_typed(graph: Any) -> bool:
+    return getattr(graph, "types", None) is not None
+
+
+def _typed_rows(q: Quality) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A typed graph's per-relation cut and per-type balance rows (empty when untyped)."""
+    relations = [
+        {"relation": name, "edges": r["edges"], "cut": r["cut"], "cut %": 100 * r["fraction"]}
+        for name, r in (q.relation_cut or {}).items()
+    ]
+    types = [{"nodes": name, "balance (max/mean)": b} for name, b in (q.type_balance or {}).items()]
+    return relations, types
+
+
+def _print_typed(relations: list[dict[str, Any]], types: list[dict[str, Any]]) -> None:
+    if relations:
+        print()
+        print(format_table(relations))
+    if types:
+        print()
+        print(format_table(types))
+
+
+def _meta_typed_rows(meta: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """:func:`_typed_rows` from a typed partition folder's meta (the per-part counts the
+    writer records); empty for an untyped folder or one without the counts."""
+    types, parts = meta.get("types"), meta["parts"]
+    if not types or any("num_by_type" not in p for p in parts):
+        return [], []
+    from partitioners.metrics import balance
+
+    names = ["___".join(r) for r in types["relations"]]
+    edges = [sum(p["in_edges_by_relation"][i] for p in parts) for i in range(len(names))]
+    cut = [sum(p["cut_by_relation"][i] for p in parts) for i in range(len(names))]
+    relations = [
+        {"relation": n, "edges": m, "cut": c, "cut %": 100 * c / m if m else 0.0}
+        for n, m, c in zip(names, edges, cut, strict=True)
+    ]
+    rows = [
+        {"nodes": f"type:{t}", "balance (max/mean)": balance([p["num_by_type"][i] for p in parts])}
+        for i, t in enumerate(types["node_types"])
+    ]
+    train = [p.get("num_train") for p in parts]
+    if types.get("target") and None not in train:  # only target nodes train
+        rows.append({"nodes": f"train:{types['target']}", "balance (max/mean)": balance(train)})
+    return relations, rows
 
 
 def _summary_rows(q: Quality) -> list[dict[str, Any]]:
@@ -184,7 +245,7 @@ def _cmd_partition(argv: Sequence[str]) -> int:
                 args.parts,
                 method=args.method,
                 seed=args.seed,
-                balance=_balance(args),
+                balance=_balance(args, _is_typed(graph)),
                 progress=show,
             )
         stages.update()
@@ -201,6 +262,7 @@ def _cmd_partition(argv: Sequence[str]) -> int:
         f"with {part.method} (seed {part.seed}), halo {args.halo}, written to {out}"
     )
     print(format_table(_summary_rows(q)))
+    _print_typed(*_typed_rows(q))
     print()
     meta = load_meta(out)
     print(format_table(_part_rows(meta)))
@@ -228,13 +290,16 @@ def _partition_streamed(args: argparse.Namespace, out: Path, show: bool) -> int:
         # the assignment, the stream order and indptr: 24 bytes a node
         options["chunk_edges"] = chunk_edges_for(limit, 24 * reader.num_nodes, args.method)
     source: Any = reader if args.method in ("ldg", "fennel") else args.dataset
+    from partitioners.typed import typed_input
+
+    typed = typed_input(reader) is not None
     with measure() as m:
         part = partition(
             source,
             args.parts,
             method=args.method,
             seed=args.seed,
-            balance=_balance(args),
+            balance=_balance(args, typed),
             progress=show,
             **options,
         )
@@ -256,6 +321,8 @@ def _partition_streamed(args: argparse.Namespace, out: Path, show: bool) -> int:
         f"{m.time_s:.2f} s, peak {human_bytes(m.peak_bytes)})"
     )
     meta = load_meta(out)
+    _print_typed(*_meta_typed_rows(meta))
+    print()
     print(format_table(_part_rows(meta)))
     _warn(meta, out)
     return 0
@@ -310,7 +377,15 @@ def _cmd_inspect(argv: Sequence[str]) -> int:
             "node data: "
             + ", ".join(f"{k} {v['dtype']} {tuple(v['shape'])}" for k, v in meta["ndata"].items())
         )
+    if meta.get("types"):
+        types = meta["types"]
+        print(
+            f"typed: {len(types['node_types'])} node types "
+            f"({', '.join(types['node_types'])}; target {types.get('target') or '-'}), "
+            f"{len(types['relations'])} relations"
+        )
     print(format_table(_part_rows(meta)))
+    _print_typed(*_meta_typed_rows(meta))
     for k in range(meta["num_parts"]):
         load_part(args.dir, k, verify=level)
     manifest.verify("node_map.npy", level)
@@ -330,9 +405,7 @@ def _warn(meta: dict[str, Any], folder: str | Path) -> None:
 
 
 def _compare_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog=f"{PROG} compare", description="Run several partitioners and print one table."
-    )
+    p = _Parser(prog=f"{PROG} compare", description="Run several partitioners and print one table.")
     p.add_argument("dataset", help="catalogue name (sbm, rmat, citeseer, ...) or folder")
     p.add_argument("--parts", "-k", type=int, required=True, metavar="K", help="number of parts")
     p.add_argument(
@@ -358,10 +431,12 @@ def _cmd_compare(argv: Sequence[str]) -> int:
     rows = []
     from tqdm.auto import tqdm
 
+    typed = _is_typed(graph)
     for method in tqdm(methods, desc="methods", disable=args.no_progress, leave=False):
         with measure() as m:
             # Ask each method only for the balance it can honour (METIS: all of them).
-            wanted = [b for b in _balance(args) if b in supported_balance(method)] or ["nodes"]
+            asked = _balance(args, typed)
+            wanted = [b for b in asked if b in supported_balance(method)] or ["nodes"]
             part: Partition = partition(
                 graph, args.parts, method=method, seed=args.seed, balance=wanted
             )
@@ -380,20 +455,27 @@ def _cmd_compare(argv: Sequence[str]) -> int:
 
 
 def _compare_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {
+    out = []
+    for r in rows:
+        row = {
             "method": r["method"],
             "cut %": 100 * r["edge_cut_fraction"],
             "nodes bal": r["node_balance"],
             "edges bal": r["edge_balance"],
             "train bal": r["train_balance"],
-            "replication": r["replication_factor"],
-            "halo %": 100 * r["halo_fraction"],
-            "time s": r["time_s"],
-            "peak MiB": None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20,
         }
-        for r in rows
-    ]
+        if r.get("type_balance"):  # a typed graph: its worst node type
+            row["worst type bal"] = max(r["type_balance"].values())
+        row.update(
+            {
+                "replication": r["replication_factor"],
+                "halo %": 100 * r["halo_fraction"],
+                "time s": r["time_s"],
+                "peak MiB": None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20,
+            }
+        )
+        out.append(row)
+    return out
 
 
 def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:

@@ -17,6 +17,11 @@ with ``numpy.load(path, mmap_mode="r")`` to map it instead of reading it)::
         local_to_global.npy int64 (num_local,)  new (global) id of every local node
         orig_ids.npy        int64 (num_local,)  original id of every local node
         num_owned.npy       int64 0-d           number of owned nodes
+        types/              only for a typed graph (gnnpar.graph.typed):
+          edge_type.npy     int64 (num_local_edges,) relation index of each local edge
+          node_ids.npy      int64 (num_local,)  the types' original id of every local node,
+                                                only for a relabelled typed graph
+                                                (``type_node_ids`` below)
         ndata/
           feat.npy          (num_owned, ...)    node data of the owned nodes, local order;
           label.npy                             one file per ndata key (feat, label,
@@ -49,6 +54,25 @@ are kept.
 - ``ndata``: per key ``{"dtype", "shape"}``, the *global* shape (``shape[0] == num_nodes``;
   part ``k`` stores ``num_owned`` rows). ``bfloat16`` data is stored as its ``uint16`` bit
   pattern (``"stored_as": "uint16"``).
+
+**Typed graphs** (:mod:`gnnpar.graph.typed`; all absent for an untyped graph, and a folder
+without them still loads):
+
+- ``types``: the schema, :meth:`GraphTypes.meta() <gnnpar.graph.typed.GraphTypes.meta>`:
+  ``node_types`` (names, in id order), ``offsets`` (type ``t`` owns the original ids
+  ``[offsets[t], offsets[t+1])``), ``relations`` (``[src type, name, dst type]``; an
+  edge's ``edge_type`` indexes this list), ``feat_dims`` and ``target``. A local node's
+  type and type-local id follow from its original id (``orig_ids.npy``) by the offsets
+  (:meth:`PartData.node_type`, :meth:`PartData.type_local_ids`, or
+  :meth:`GraphTypes.node_type_of <gnnpar.graph.typed.GraphTypes.node_type_of>`).
+- ``type_node_ids``: true when the partitioned graph was itself relabelled (a permutation
+  or subgraph of a typed graph, whose ``types.node_ids`` give each node's original id in the
+  types' id space); then every part stores ``types/node_ids.npy`` and those ids, not
+  ``orig_ids.npy``, index the offsets.
+- per part, besides the counts above: ``num_by_type`` (owned nodes of each node type),
+  ``in_edges_by_relation`` (in-edges of the owned nodes, per relation, whatever
+  ``halo_hops``) and ``cut_by_relation`` (those of them whose source another part owns):
+  the per-type balance and per-relation edge cut, without the graph.
 
 Example: ``gnnpar-partition citeseer --parts 2 --out citeseer-2`` writes this
 ``manifest.json`` (abridged: 23 files are listed)::
@@ -161,6 +185,9 @@ class PartData:
         local_to_global: new id of every local node; ``orig_ids``: original id.
         ndata: node data of the owned nodes (``feat``, ``label``, masks, ...).
         meta: the meta table of the folder's manifest.
+        edge_type: relation index of every local edge (a typed graph), or None.
+        type_node_ids: the types' original id of every local node, for a relabelled typed
+            graph only (None: ``orig_ids`` are those ids); see :attr:`type_ids`.
     """
 
     part_id: int
@@ -175,6 +202,38 @@ class PartData:
     orig_ids: np.ndarray
     ndata: dict[str, np.ndarray] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    edge_type: np.ndarray | None = None
+    type_node_ids: np.ndarray | None = None
+
+    @property
+    def types(self) -> dict[str, Any] | None:
+        """The typed graph's schema (``GraphTypes.meta()``), or None for an untyped one."""
+        return self.meta.get("types")
+
+    @property
+    def type_ids(self) -> np.ndarray:
+        """The original id of every local node in the types' id space (what the schema's
+        ``offsets`` index): ``type_node_ids`` where stored, else ``orig_ids``."""
+        return self.orig_ids if self.type_node_ids is None else self.type_node_ids
+
+    def node_type(self, local: np.ndarray | None = None) -> np.ndarray:
+        """Type index of the local nodes ``local`` (default: all of them); ValueError for an
+        untyped part."""
+        ids = self.type_ids if local is None else self.type_ids[np.asarray(local)]
+        offsets = self._offsets()
+        return np.searchsorted(offsets[1:-1], ids, side="right").astype(np.int64)
+
+    def type_local_ids(self, local: np.ndarray | None = None) -> np.ndarray:
+        """Type-local id of the local nodes ``local`` (default: all of them)."""
+        ids = self.type_ids if local is None else self.type_ids[np.asarray(local)]
+        offsets = self._offsets()
+        types = np.searchsorted(offsets[1:-1], ids, side="right")
+        return (ids - offsets[types]).astype(np.int64)
+
+    def _offsets(self) -> np.ndarray:
+        if self.types is None:
+            raise UserError(f"part {self.part_id} is not of a typed graph: it has no node types")
+        return np.asarray(self.types["offsets"], dtype=np.int64)
 
     @property
     def num_local(self) -> int:
@@ -256,6 +315,55 @@ def _check_meta(manifest: Manifest) -> None:
     ):
         raise PartitionFormatError(f"{where}: the ndata table is malformed")
     _check_descriptions(meta, where)
+    if "types" in meta:
+        _check_types(meta, where)
+
+
+def _is_name_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def _check_types(meta: dict[str, Any], where: Path) -> None:
+    """A typed partition's schema and per-part counts are consistent: offsets cover
+    ``num_nodes`` (unless the parts store their own node ids), relations name known types,
+    and every part's counts have one entry per type or relation."""
+    types = meta["types"]
+    if not isinstance(types, dict):
+        raise PartitionFormatError(f"{where}: meta field 'types' is not a table")
+    names, offsets = types.get("node_types"), types.get("offsets")
+    relations = types.get("relations")
+    ok = (
+        _is_name_list(names)
+        and names
+        and isinstance(offsets, list)
+        and len(offsets) == len(names) + 1
+        and all(map(_is_int, offsets))
+        and offsets[0] == 0
+        and all(b >= a for a, b in zip(offsets, offsets[1:], strict=False))
+        and isinstance(relations, list)
+        and all(_is_name_list(r) and len(r) == 3 and r[0] in names and r[2] in names
+                for r in relations)
+        and (types.get("target") is None or types.get("target") in names)
+    )  # fmt: skip
+    if not ok:
+        raise PartitionFormatError(f"{where}: meta field 'types' is malformed")
+    relabelled = meta.get("type_node_ids", False)
+    if not isinstance(relabelled, bool):
+        raise PartitionFormatError(f"{where}: meta field 'type_node_ids' is not true or false")
+    if not relabelled and offsets[-1] != meta["num_nodes"]:
+        raise PartitionFormatError(
+            f"{where}: the types' offsets count {offsets[-1]} nodes, num_nodes is "
+            f"{meta['num_nodes']}"
+        )
+    sizes = {"num_by_type": len(names), "in_edges_by_relation": len(relations),
+             "cut_by_relation": len(relations)}  # fmt: skip
+    for i, info in enumerate(meta["parts"]):
+        for key, size in sizes.items():
+            value = info.get(key)
+            if value is not None and not (
+                isinstance(value, list) and len(value) == size and all(map(_is_int, value))
+            ):
+                raise PartitionFormatError(f"{where}: part {i}'s {key} is malformed")
 
 
 #: The descriptive meta fields (what ``inspect`` shows) and the types they must have.
@@ -440,6 +548,23 @@ def load_part(
     for key, spec in meta.get("ndata", {}).items():
         shape = (num_owned, *spec["shape"][1:])
         ndata[key] = arr(f"ndata/{check_key(key)}.npy", shape, None)
+    edge_type = type_node_ids = None
+    if "types" in meta:
+        edge_type = arr("types/edge_type.npy", edges)
+        num_relations = len(meta["types"]["relations"])
+        if edge_type.size and (int(edge_type.min()) < 0 or int(edge_type.max()) >= num_relations):
+            raise PartitionFormatError(
+                f"{folder / sub}/types/edge_type.npy holds relations outside [0, {num_relations})"
+            )
+        if meta.get("type_node_ids"):
+            type_node_ids = arr("types/node_ids.npy", (num_local,))
+            total = int(meta["types"]["offsets"][-1])
+            if type_node_ids.size and (
+                int(type_node_ids.min()) < 0 or int(type_node_ids.max()) >= total
+            ):
+                raise PartitionFormatError(
+                    f"{folder / sub}/types/node_ids.npy holds ids outside [0, {total})"
+                )
     return PartData(
         part_id=k,
         num_parts=num_parts,
@@ -453,6 +578,8 @@ def load_part(
         orig_ids=arr("orig_ids.npy", (num_local,)),
         ndata=ndata,
         meta=meta,
+        edge_type=edge_type,
+        type_node_ids=type_node_ids,
     )
 
 

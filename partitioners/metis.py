@@ -26,17 +26,23 @@ from partitioners.csr import CSR, symmetrize, to_numpy
 
 __all__ = ["BALANCE_NAMES", "constraints", "metis_owner"]
 
-BALANCE_NAMES = ("nodes", "train", "edges")
+BALANCE_NAMES = ("nodes", "train", "edges", "types")
 _METIS_OK = 1
 _METIS_ERRORS = {-2: "input error", -3: "out of memory", -4: "internal error"}
 _METIS_NOPTIONS = 40
 
 
 def constraints(
-    graph: CSR, balance: Sequence[str], node_weight: Any = None
+    graph: CSR,
+    balance: Sequence[str],
+    node_weight: Any = None,
+    type_weights: tuple[Sequence[np.ndarray], Sequence[str]] | None = None,
 ) -> tuple[np.ndarray | None, list[str]]:
     """The METIS vertex-weight matrix (n x ncon, int64) for the requested balance.
 
+    ``"types"`` (a typed graph) gives one column per node type and one for the target
+    type's training nodes (``type_weights``: the columns and their names, from
+    :func:`partitioners.typed.type_columns`), which also balances the node count.
     ``"train"`` splits nodes into training and non-training nodes and balances both counts
     (which also balances the node count); otherwise ``"nodes"`` (or ``node_weight``, which
     replaces the unit weight) is the first column. ``"edges"`` adds the in-degree, split by
@@ -51,14 +57,21 @@ def constraints(
     cols: list[np.ndarray] = []
     names: list[str] = []
     groups: list[tuple[str, np.ndarray | None]] = [("", None)]
+    typed = "types" in balance
+    if typed:
+        if type_weights is None:
+            raise UserError("balance 'types' needs a typed graph (gnnpar.graph.typed)")
+        cols.extend(np.asarray(c, dtype=np.int64) for c in type_weights[0])
+        names.extend(type_weights[1])
     if "train" in balance:
         mask = graph.train_mask()
         if mask is None:
             raise UserError("balance 'train' needs ndata['train_mask'], which the graph lacks")
         groups = [("train", mask), ("other", ~mask)]
-        for name, m in groups:
-            cols.append(m.astype(np.int64))
-            names.append(f"{name}_nodes")
+        if not typed:  # the type columns hold the training nodes already
+            for name, m in groups:
+                cols.append(m.astype(np.int64))
+                names.append(f"{name}_nodes")
     if node_weight is not None:
         w = to_numpy(node_weight)
         if w.ndim == 1:
@@ -70,7 +83,7 @@ def constraints(
         for j in range(w.shape[1]):
             cols.append(w[:, j].astype(np.int64))
             names.append(f"weight{j}")
-    elif "train" not in balance:
+    elif "train" not in balance and not typed:
         cols.append(np.ones(n, dtype=np.int64))
         names.append("nodes")
     if "edges" in balance:
@@ -116,6 +129,7 @@ def metis_owner(
     niter: int = 10,
     ncuts: int = 1,
     recursive: bool = False,
+    type_weights: tuple[Sequence[np.ndarray], Sequence[str]] | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Partition with METIS; returns ``(owner, info)``.
 
@@ -125,10 +139,13 @@ def metis_owner(
     float weights are scaled so the smallest positive one becomes 1 and rounded.
     ``ufactor`` is the allowed imbalance in thousandths (30 = 3%, METIS's default).
     ``info`` holds METIS's objective (``edge_cut``, counting each undirected edge once) and
-    the constraint names.
+    the constraint names. ``type_weights`` are the columns of balance ``"types"`` (see
+    :func:`constraints`); when METIS cannot take several constraints (no
+    ``METIS_PartGraphKway`` reachable) they are left out (``info["types_fallback"]``), and
+    the rebalancing that follows any method balances the types.
     """
     n = graph.num_nodes
-    vwgt, names = constraints(graph, balance, node_weight)
+    vwgt, names = constraints(graph, balance, node_weight, type_weights)
     weights = None
     if edge_weight is True:
         if graph.edge_weight is None:
@@ -151,6 +168,10 @@ def metis_owner(
         info["edge_cut"] = 0
         return np.zeros(n, dtype=np.int64), info
     found = _library()
+    if found is None and "types" in balance and vwgt is not None and vwgt.shape[1] > 1:
+        plain = [b for b in balance if b != "types"] or ["nodes"]
+        vwgt, names = constraints(graph, plain, node_weight)
+        info.update(constraints=names, types_fallback=True)
     if found is None:
         owner, cut = _pymetis_fallback(xadj, adjncy, vwgt, adjwgt, num_parts, seed, recursive)
     else:

@@ -14,6 +14,14 @@ Definitions (K parts, edges are the stored CSR entries ``j -> i``):
   of each of its halo nodes once (total halo nodes x bytes per row); ``max_comm_bytes`` is
   the largest part's share (the one everybody waits for).
 - **time_s** and **peak_bytes**: measured by :func:`measure` around the partitioning.
+
+For a typed graph (:mod:`gnnpar.graph.typed`) two more:
+
+- **relation_cut**: per relation (``src___rel___dst``), its ``edges``, the ``cut`` ones
+  (endpoints in different parts) and their ``fraction`` of the relation's edges.
+- **type_balance**: per node type ``type:<name>``, the max over mean of its nodes per part;
+  and ``train:<target>``, that of the target type's training nodes (``train_balance``
+  too, since only target nodes train).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ __all__ = [
     "halo_counts",
     "measure",
     "quality",
+    "relation_cut",
+    "type_balance",
 ]
 
 
@@ -73,6 +83,33 @@ def halo_counts(
     return np.bincount(keys // n, minlength=num_parts).astype(np.int64)
 
 
+def relation_cut(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    owner: np.ndarray,
+    edge_type: np.ndarray,
+    num_relations: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(cut, total)``, each ``(num_relations,)``: the edges of every relation whose
+    endpoints lie in different parts, and all its edges (``edge_type`` aligned with
+    ``indices``)."""
+    edge_type = np.asarray(edge_type, dtype=np.int64)
+    total = np.bincount(edge_type, minlength=num_relations)
+    if indices.shape[0] == 0:
+        return np.zeros(num_relations, dtype=np.int64), total
+    cross = np.repeat(owner, np.diff(indptr)) != owner[indices]
+    return np.bincount(edge_type[cross], minlength=num_relations), total
+
+
+def type_balance(
+    owner: np.ndarray, node_type: np.ndarray, num_types: int, num_parts: int
+) -> np.ndarray:
+    """``(num_types,)`` max over mean of every node type's nodes per part."""
+    keys = np.asarray(node_type, dtype=np.int64) * num_parts + owner
+    counts = np.bincount(keys, minlength=num_types * num_parts).reshape(num_types, num_parts)
+    return np.array([balance(row) for row in counts])
+
+
 @dataclass
 class Quality:
     """Quality of one partition (see the module docstring for the definitions)."""
@@ -93,6 +130,8 @@ class Quality:
     max_comm_bytes: int
     time_s: float | None = None
     peak_bytes: int | None = None
+    relation_cut: dict[str, dict[str, Any]] | None = None
+    type_balance: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,7 +155,8 @@ def quality(
     """Every metric of ``part`` on ``graph``.
 
     ``feature_bytes`` is the size of one node's feature row; by default it is taken from
-    ``ndata['feat']`` (0 when there are no features).
+    ``ndata['feat']`` (0 when there are no features). A typed graph also gets its
+    per-relation edge cut and per-type balance (the module docstring).
     """
     csr = as_csr(graph)
     owner, k = part.owner, part.num_parts
@@ -148,7 +188,33 @@ def quality(
         max_comm_bytes=int(halo.max()) * row if k else 0,
         time_s=time_s if time_s is not None else part.info.get("time_s"),
         peak_bytes=peak_bytes,
+        **_typed_quality(graph, csr, owner, k, mask),
     )
+
+
+def _typed_quality(
+    graph: Any, csr: Any, owner: np.ndarray, k: int, mask: np.ndarray | None
+) -> dict[str, Any]:
+    """``relation_cut`` and ``type_balance`` of a typed graph; nothing for an untyped one."""
+    from partitioners.typed import typed_input
+
+    typed = typed_input(graph)
+    if typed is None:
+        return {}
+    cut, total = relation_cut(
+        csr.indptr, csr.indices, owner, typed.edge_type(slice(None)), typed.num_relations
+    )
+    relations = {
+        name: {"edges": int(m), "cut": int(c), "fraction": float(c) / int(m) if m else 0.0}
+        for name, c, m in zip(typed.relation_names, cut, total, strict=True)
+    }
+    spread = type_balance(owner, typed.node_type, typed.num_types, k)
+    types = {f"type:{t}": float(b) for t, b in zip(typed.node_types, spread, strict=True)}
+    target = typed.target_index
+    if mask is not None and target is not None and mask.any():
+        train = mask & (typed.node_type == target)
+        types[f"train:{typed.node_types[target]}"] = balance(np.bincount(owner[train], minlength=k))
+    return {"relation_cut": relations, "type_balance": types}
 
 
 # ---------------------------------------------------------------------- time and memory

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["hash_owner", "random_owner", "range_owner", "splitmix64"]
+__all__ = [
+    "hash_owner",
+    "random_owner",
+    "random_owner_by_class",
+    "range_owner",
+    "range_owner_by_class",
+    "splitmix64",
+]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -65,6 +72,41 @@ def range_owner(
     owner = np.zeros(num_nodes, dtype=np.int64)
     owner[cuts] = 1
     return np.cumsum(owner)
+
+
+def random_owner_by_class(classes: np.ndarray, num_parts: int, seed: int = 0) -> np.ndarray:
+    """:func:`random_owner` class by class: every class's nodes, in a random order, dealt
+    to the parts in turn, each class starting where the previous one stopped. Each class's
+    counts per part, and the part sizes, differ by at most one (a typed graph's node types
+    and training nodes, :func:`partitioners.typed.node_classes`)."""
+    n = classes.shape[0]
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_RANDOM_SALT,)))
+    order = np.argsort(classes, kind="stable")
+    bounds = np.searchsorted(classes[order], np.arange(int(classes.max()) + 2 if n else 1))
+    owner = np.empty(n, dtype=np.int64)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        nodes = order[lo:hi][rng.permutation(int(hi - lo))]
+        owner[nodes] = (lo + np.arange(hi - lo, dtype=np.int64)) % num_parts
+    return owner
+
+
+def range_owner_by_class(
+    classes: np.ndarray, num_parts: int, indptr: np.ndarray | None = None, by_edges: bool = False
+) -> np.ndarray:
+    """:func:`range_owner` class by class: every class's nodes (in id order) cut into
+    ``num_parts`` contiguous blocks (of equal in-edge counts with ``by_edges``). For a typed
+    graph numbered type after type, part ``k`` holds the ``k``-th block of every type."""
+    n = classes.shape[0]
+    owner = np.empty(n, dtype=np.int64)
+    deg = None if indptr is None else np.diff(indptr)
+    for c in np.unique(classes):
+        nodes = np.flatnonzero(classes == c)
+        ptr = None
+        if by_edges and deg is not None and nodes.shape[0] >= num_parts:
+            ptr = np.zeros(nodes.shape[0] + 1, dtype=np.int64)
+            np.cumsum(deg[nodes], out=ptr[1:])
+        owner[nodes] = range_owner(nodes.shape[0], num_parts, ptr, by_edges=ptr is not None)
+    return owner
 
 
 def hash_owner(num_nodes: int, num_parts: int, seed: int = 0) -> np.ndarray:

@@ -23,6 +23,7 @@ from partitioners.format import (
     warn_idle_parts,
 )
 from partitioners.relabel import local_part, relabel
+from partitioners.typed import TypedInput, typed_input
 
 __all__ = ["write"]
 
@@ -82,7 +83,10 @@ def write(
     The meta records the graph's fingerprint (``source``, see
     :func:`~partitioners.format.check_source`) and every part's training seeds; a part
     without any (while others have some) is a
-    :class:`~partitioners.format.PartitionBalanceWarning`.
+    :class:`~partitioners.format.PartitionBalanceWarning`. A typed graph's parts also get
+    the relation of every local edge (``types/edge_type.npy``), and the meta the types'
+    schema and every part's node counts per type and edges per relation
+    (:mod:`partitioners.format`).
 
     Returns:
         The path of the finished folder.
@@ -128,10 +132,13 @@ def write(
     out = Path(out_dir)
     check_output(out, FORMAT, overwrite)  # an in-memory graph: no input on disk to keep apart
     source = source_of(graph)
+    typed = typed_input(graph)
     meta: dict[str, Any] = {}
 
     def fill(tmp: Path) -> None:
-        meta.update(_write_into(tmp, csr, part, halo, name or csr.name, keys, progress, source))
+        meta.update(
+            _write_into(tmp, csr, part, halo, name or csr.name, keys, progress, source, typed)
+        )
 
     write_folder(out, fill, overwrite=overwrite, schema=FORMAT)
     warn_idle_parts(meta, out)
@@ -147,6 +154,7 @@ def _write_into(
     keys: list[str],
     progress: bool,
     source: dict[str, Any] | None,
+    typed: TypedInput | None = None,
 ) -> dict[str, Any]:
     """Write every file of the folder, the manifest last; returns the meta."""
     files: dict[str, dict[str, Any]] = {}
@@ -160,6 +168,7 @@ def _write_into(
     weight = None if csr.edge_weight is None else to_numpy(csr.edge_weight)
     train = csr.ndata.get("train_mask")
     train = None if train is None else to_numpy(train).astype(bool)
+    by_relation = None if typed is None else _relation_counts(csr, part, typed)
     parts_meta = []
     steps: Iterable[int] = range(part.num_parts)
     if progress:
@@ -170,6 +179,12 @@ def _write_into(
         sub = part_dir(k)
         (folder / sub / "ndata").mkdir(parents=True)
         local = local_part(csr.indptr, csr.indices, rl, k, halo)
+        if typed is not None:
+            (folder / sub / "types").mkdir()
+            save(f"{sub}/types/edge_type.npy", typed.edge_type(local.edge_ids))
+            if typed.node_ids is not None:
+                orig = rl.order[local.local_to_global]
+                save(f"{sub}/types/node_ids.npy", typed.node_ids[orig])
         save(f"{sub}/indptr.npy", local.indptr)
         save(f"{sub}/indices.npy", local.indices)
         save(f"{sub}/edge_ids.npy", local.edge_ids)
@@ -189,6 +204,8 @@ def _write_into(
                 "num_train": None if train is None else int(train[owned].sum()),
             }
         )
+        if by_relation is not None:
+            parts_meta[-1].update(_typed_counts(typed, owned, by_relation[0][k], by_relation[1][k]))
     meta = {
         "source": source,
         "graph_name": name,
@@ -205,8 +222,42 @@ def _write_into(
         "ndata": {key: _dtype_spec(csr.ndata[key]) for key in keys},
         "partition_info": _jsonable(part.info),
     }
+    _add_types(meta, typed)
     write_manifest(folder, FORMAT, SCHEMA_VERSION, files, meta)
     return meta
+
+
+def _add_types(meta: dict[str, Any], typed: TypedInput | None) -> None:
+    """The meta fields of a typed partition: the schema and whether parts store node ids."""
+    if typed is not None:
+        meta["types"] = _jsonable(typed.meta)
+        meta["type_node_ids"] = typed.node_ids is not None
+
+
+def _relation_counts(csr: CSR, part: Partition, typed: TypedInput) -> tuple[np.ndarray, np.ndarray]:
+    """``(in_edges, cut)``, ``(K, R)``: every part's in-edges of each relation, and those of
+    them whose source lies in another part."""
+    from partitioners.csr import csr_rows
+
+    k, r = part.num_parts, typed.num_relations
+    dst = part.owner[csr_rows(csr.indptr)]
+    et = typed.edge_type(slice(None))
+    key = dst * r + et
+    cross = dst != part.owner[csr.indices]
+    total = np.bincount(key, minlength=k * r).reshape(k, r)
+    cut = np.bincount(key[cross], minlength=k * r).reshape(k, r)
+    return total, cut
+
+
+def _typed_counts(
+    typed: TypedInput, owned: np.ndarray, in_edges: np.ndarray, cut: np.ndarray
+) -> dict[str, list[int]]:
+    """A typed part's record: owned nodes per type, in-edges and cut in-edges per relation."""
+    return {
+        "num_by_type": np.bincount(typed.node_type[owned], minlength=typed.num_types).tolist(),
+        "in_edges_by_relation": [int(x) for x in in_edges],
+        "cut_by_relation": [int(x) for x in cut],
+    }
 
 
 # ------------------------------------------------------------------ streamed writing
@@ -260,12 +311,13 @@ def _write_streamed(
         chunk_edges = chunk_edges_for(
             memory_limit, _STREAM_BYTES_PER_NODE * reader.num_nodes, "writing a partition"
         )
+    typed = typed_input(graph)
     meta: dict[str, Any] = {}
 
     def fill(tmp: Path) -> None:
         meta.update(
             _write_streamed_into(
-                tmp, reader, part, halo, name or reader.name, keys, progress, chunk_edges
+                tmp, reader, part, halo, name or reader.name, keys, progress, chunk_edges, typed
             )
         )
 
@@ -295,6 +347,7 @@ def _write_streamed_into(
     keys: list[str],
     progress: bool,
     chunk_edges: int,
+    typed: TypedInput | None = None,
 ) -> dict[str, Any]:
     """:func:`_write_into` part by part, each part's edges read ``chunk_edges`` at a time
     (twice: once to find the halo, once to write), producing the same files."""
@@ -346,19 +399,32 @@ def _write_streamed_into(
         if reader.weighted:
             wdtype = reader.weights(slice(0, 0)).dtype
             writers["edge_weight"] = NpyWriter(folder / sub / "edge_weight.npy", wdtype)
+        if typed is not None:
+            (folder / sub / "types").mkdir()
+            writers["types/edge_type"] = NpyWriter(folder / sub / "types/edge_type.npy", np.int64)
+            in_edges = np.zeros(typed.num_relations, dtype=np.int64)
+            cut = np.zeros(typed.num_relations, dtype=np.int64)
         try:
             for _, pos, src in _part_chunks(reader, rl, rows, deg, chunk_edges):
                 inside = (src >= start) & (src < stop)
+                et = None
+                if typed is not None:
+                    et = typed.edge_type(pos)
+                    in_edges += np.bincount(et, minlength=typed.num_relations)
+                    cut += np.bincount(et[~inside], minlength=typed.num_relations)
                 if halo:
                     local = np.where(inside, src - start, 0)
                     outside = ~inside
                     local[outside] = (stop - start) + np.searchsorted(halo_ids, src[outside])
                 else:
                     pos, local = pos[inside], src[inside] - start
+                    et = None if et is None else et[inside]
                 writers["indices"].append(local)
                 writers["edge_ids"].append(pos)
                 if "edge_weight" in writers:
                     writers["edge_weight"].append(reader.weights(pos))
+                if et is not None:
+                    writers["types/edge_type"].append(et)
         except BaseException:
             for w in writers.values():
                 w.abort()
@@ -369,6 +435,8 @@ def _write_streamed_into(
         local_to_global = np.concatenate([np.arange(start, stop, dtype=np.int64), halo_ids])
         save(f"{sub}/local_to_global.npy", local_to_global)
         save(f"{sub}/orig_ids.npy", rl.order[local_to_global])
+        if typed is not None and typed.node_ids is not None:
+            save(f"{sub}/types/node_ids.npy", typed.node_ids[rl.order[local_to_global]])
         save(f"{sub}/num_owned.npy", np.array(stop - start, dtype=np.int64))
         for key in keys:
             dtype, shape = reader.ndata_spec(key)
@@ -385,6 +453,8 @@ def _write_streamed_into(
                 "num_train": None if train is None else int(train[rows].sum()),
             }
         )
+        if typed is not None:
+            parts_meta[-1].update(_typed_counts(typed, rows, in_edges, cut))
     meta = {
         "source": reader.record(),
         "graph_name": name,
@@ -404,5 +474,6 @@ def _write_streamed_into(
         },
         "partition_info": _jsonable(part.info),
     }
+    _add_types(meta, typed)
     write_manifest(folder, FORMAT, SCHEMA_VERSION, files, meta)
     return meta

@@ -37,6 +37,7 @@ import torch
 from gnnpar import comm
 from gnnpar.errors import UserError
 from gnnpar.fmt import count
+from gnnpar.graph.typed import GraphTypes
 from gnnpar.grid import ProcessGrid
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.inference import BlockModel
@@ -80,6 +81,13 @@ class LocalPart:
         halo_hops: 1 when owned rows hold every in-edge.
         edge_weight: the weight of every local edge (aligned with ``indices``), or None for
             an unweighted graph.
+        edge_type: the relation index of every local edge (aligned with ``indices``) of a
+            typed graph (:mod:`gnnpar.graph.typed`), or None for an untyped one.
+        types: a typed graph's :class:`~gnnpar.graph.typed.GraphTypes` *of the part*: the
+            schema (node types, offsets, relations, target), ``edge_type`` as above and
+            ``node_ids`` the original id of every local node, so
+            ``types.node_type_of(types.original_ids(local))`` is the type of local nodes
+            ``local`` (and ``local_ids_of`` their type-local ids); None when untyped.
     """
 
     part_id: int
@@ -95,6 +103,8 @@ class LocalPart:
     edge_weight: torch.Tensor | None = None
     #: the partition folder's meta (its ``source`` names the graph it was cut from)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    edge_type: torch.Tensor | None = None
+    types: GraphTypes | None = None
 
     @classmethod
     def load(
@@ -110,6 +120,13 @@ class LocalPart:
             [r[0] for r in p.meta["node_ranges"]] + [p.meta["node_ranges"][-1][1]],
             dtype=torch.int64,
         )
+        edge_type = types = None
+        if p.edge_type is not None:
+            edge_type = _tensor(p.edge_type).to(torch.int64)
+            node_ids = _tensor(p.type_ids).to(torch.int64)
+            types = GraphTypes.from_arrays(
+                {"edge_type": edge_type, "node_ids": node_ids}, p.meta.get("types"), str(folder)
+            )
         return cls(
             part_id=p.part_id,
             num_parts=p.num_parts,
@@ -123,6 +140,8 @@ class LocalPart:
             halo_hops=int(p.meta["halo_hops"]),
             edge_weight=None if p.edge_weight is None else _tensor(p.edge_weight),
             meta=p.meta,
+            edge_type=edge_type,
+            types=types,
         )
 
     @property
