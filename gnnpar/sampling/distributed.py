@@ -48,6 +48,7 @@ from gnnpar.sampling.neighbor import (
     sample_rows,
 )
 from gnnpar.sampling.rng import derive_key
+from gnnpar.sampling.typed import RelationRows, parse_relation_fanouts
 
 __all__ = [
     "DistNeighborSampler",
@@ -107,9 +108,7 @@ class LocalPart:
     types: GraphTypes | None = None
 
     @classmethod
-    def load(
-        cls, folder: str | Path, part_id: int, verify: str | bool = "checksum"
-    ) -> LocalPart:
+    def load(cls, folder: str | Path, part_id: int, verify: str | bool = "checksum") -> LocalPart:
         """Read part ``part_id`` of a partition folder, verifying only its own files against
         the manifest (``verify``: ``"checksum"`` or ``"size"``; see
         :func:`partitioners.load_part`)."""
@@ -181,9 +180,14 @@ class LocalPart:
         n = self.num_owned
         edges = int(self.indptr[n])
         w = None if self.edge_weight is None else self.edge_weight[:edges]
-        return Block(
-            self.local_to_global, n, self.indptr[: n + 1], self.indices[:edges], weight=w
-        )
+        block = Block(
+            self.local_to_global, n, self.indptr[: n + 1], self.indices[:edges], weight=w,
+            src_keys=None if self.types is None else self.orig_ids,
+        )  # fmt: skip
+        if self.types is not None:  # a typed part: relations of its edges, types of its nodes
+            block.edge_type = self.edge_type[:edges]
+            block.node_type = self.types.node_type_of(self.orig_ids)
+        return block
 
 
 def _check_group(part: LocalPart, grid: ProcessGrid, axis: str) -> None:
@@ -296,6 +300,10 @@ class DistNeighborSampler:
         axis: the grid axis (default ``"data"``).
         replace: sample with replacement.
         seed: default random seed.
+        per_relation: a typed part's (:attr:`LocalPart.types`) fan-outs per relation, as
+            :class:`~gnnpar.sampling.NeighborSampler` draws them (the owners draw each
+            relation's share; a hop may map relations to fan-outs); False: over all relations.
+            Blocks of a typed part carry each edge's relation and each source's node type.
 
     :meth:`sample` is collective: every rank of the axis calls it the same number of times
     (a rank with no seeds passes an empty tensor). Byte counts of the rounds go to
@@ -310,18 +318,30 @@ class DistNeighborSampler:
         axis: str = "data",
         replace: bool = False,
         seed: int = 0,
+        per_relation: bool = True,
     ):
         _check_group(part, grid, axis)
         if part.halo_hops != 1:
             raise UserError("distributed sampling needs parts written with halo=1")
         self.part = part
-        self.fanouts = parse_fanouts(fanouts)
+        n = part.num_owned
+        self.relation_fanouts: list[list[int]] | None = None
+        self._relation_rows: RelationRows | None = None
+        types = part.types
+        if types is not None and per_relation:
+            self.relation_fanouts = parse_relation_fanouts(fanouts, types)
+            edges = int(part.indptr[n])
+            self._relation_rows = RelationRows(
+                part.indptr[: n + 1], part.edge_type[:edges], types.num_relations
+            )
+            self.fanouts = [max(layer, default=0) for layer in self.relation_fanouts]
+        else:
+            self.fanouts = parse_fanouts(fanouts)
         self.grid, self.axis = grid, axis
         self.replace = bool(replace)
         self.seed = int(seed)
         self.num_nodes = part.num_nodes
         self.relabel = Relabeler(part.num_nodes)
-        n = part.num_owned
         self._indptr = part.indptr[: n + 1]
         self._row_keys = part.orig_ids[:n]
 
@@ -330,8 +350,26 @@ class DistNeighborSampler:
         """Number of blocks per mini-batch."""
         return len(self.fanouts)
 
+    def _draw(
+        self, rows: torch.Tensor, hop: int, fanout: int, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owner's draw of its ``rows`` (one key per row): per relation on a typed part."""
+        row_keys = self._row_keys.index_select(0, rows)
+
+        def sample(indptr: torch.Tensor, r: torch.Tensor, k: int, hashed: torch.Tensor) -> Any:
+            return sample_rows(indptr, r, k, replace=self.replace, key=keys, row_keys=hashed)
+
+        if self._relation_rows is None or self.relation_fanouts is None:
+            return sample(self._indptr, rows, fanout, row_keys)
+        return self._relation_rows.draw(rows, self.relation_fanouts[hop], sample, row_keys)
+
     def _hop(
-        self, frontier: torch.Tensor, fanout: int, key: int, exclude: torch.Tensor | None = None
+        self,
+        frontier: torch.Tensor,
+        fanout: int,
+        key: int,
+        exclude: torch.Tensor | None = None,
+        hop: int = 0,
     ) -> tuple[torch.Tensor, ...]:
         """Counts, original ids of every frontier node, and sampled neighbours (global ids,
         original ids and, for a weighted graph, the edges' weights (else None), row by row).
@@ -347,14 +385,7 @@ class DistNeighborSampler:
         # Owner side: sample the rows asked for, each requester with its own key.
         rows = wanted - part.start
         by_requester = torch.repeat_interleave(torch.arange(p), torch.tensor(recv_counts))
-        n_out, pos = sample_rows(
-            self._indptr,
-            rows,
-            fanout,
-            replace=self.replace,
-            key=recv_keys.index_select(0, by_requester),
-            row_keys=self._row_keys.index_select(0, rows),
-        )
+        n_out, pos = self._draw(rows, hop, fanout, recv_keys.index_select(0, by_requester))
         local = part.indices.index_select(0, pos)
         if exclude is not None and exclude.numel():  # drop the batch's target edges
             n_out, pos, local = _without_pairs(
@@ -367,6 +398,8 @@ class DistNeighborSampler:
         ]
         if part.edge_weight is not None:  # the weight's float64 bits ride in an int64 column
             columns.append(part.edge_weight.index_select(0, pos).double().view(torch.int64))
+        if part.types is not None:  # each edge's relation, in the last column
+            columns.append(part.edge_type.index_select(0, pos))
         nbr = torch.stack(columns, 1)
         seg = torch.zeros(p, dtype=torch.int64).index_add_(0, by_requester, n_out)
         # Requester side: counts (and original ids) per frontier node, then the lists.
@@ -394,7 +427,9 @@ class DistNeighborSampler:
         weight = None
         if part.edge_weight is not None:
             weight = got_nbr[:, 2].contiguous().view(torch.float64).to(part.edge_weight.dtype)
-        return f_counts, f_keys, got_nbr[:, 0].contiguous(), got_nbr[:, 1].contiguous(), weight
+        etype = None if part.types is None else got_nbr[:, -1].contiguous()
+        return (f_counts, f_keys, got_nbr[:, 0].contiguous(), got_nbr[:, 1].contiguous(),
+                weight, etype)  # fmt: skip
 
     def sample(
         self, seeds: Any, key: int | None = None, exclude: torch.Tensor | None = None
@@ -410,8 +445,8 @@ class DistNeighborSampler:
         blocks = []
         with comm.record(self.grid) as traffic:
             for hop, fanout in enumerate(self.fanouts):
-                counts, f_keys, nbr, nbr_keys, w = self._hop(
-                    frontier, fanout, derive_key(key, hop), exclude
+                counts, f_keys, nbr, nbr_keys, w, etype = self._hop(
+                    frontier, fanout, derive_key(key, hop), exclude, hop
                 )
                 src, local = self.relabel(frontier, nbr, check_unique=hop == 0)
                 indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
@@ -419,7 +454,11 @@ class DistNeighborSampler:
                 keys = torch.empty(src.numel(), dtype=torch.int64)
                 keys[: frontier.numel()] = f_keys
                 keys[local] = nbr_keys
-                blocks.append(Block(src, frontier.numel(), indptr, local, src_keys=keys, weight=w))
+                block = Block(src, frontier.numel(), indptr, local, src_keys=keys, weight=w)
+                if etype is not None:  # a typed part: each edge's relation, each source's type
+                    block.edge_type = etype
+                    block.node_type = self.part.types.node_type_of(keys)
+                blocks.append(block)
                 frontier = src
         blocks.reverse()
         batch = MiniBatch(seeds, blocks)

@@ -427,7 +427,9 @@ def _write_parts(
     with progress.stage(f"loading {cfg.dataset}"):
         graph = load_dataset(cfg)
         graph.check_trainable()
-    balance = ["nodes", "train"] if cfg.partition_method == "metis" else None
+    # a typed graph: every node type and the target's training nodes (the default)
+    metis = cfg.partition_method == "metis" and graph.types is None
+    balance = ["nodes", "train"] if metis else None
     method = cfg.partition_method
     with progress.stage(f"partitioning {cfg.dataset} into {parts} parts ({method})"):
         part = partitioners.partition(graph, parts, method=method, seed=cfg.seed, balance=balance)
@@ -747,9 +749,11 @@ class MiniBatchTask(BaseTask):
         self.sample_grid = gnnpar.init(
             backend="gloo", ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout
         )
+        self.types = check_typed(cfg, part.types)
         sampler = DistNeighborSampler(
-            part, self.fanouts, self.sample_grid, replace=cfg.replace, seed=cfg.seed
-        )
+            part, self.fanouts, self.sample_grid, replace=cfg.replace, seed=cfg.seed,
+            per_relation=cfg.per_relation,
+        )  # fmt: skip
         self.fetcher = FeatureFetcher(part, self.sample_grid, cache_size=cfg.feature_cache)
         train = part.ndata["train_mask"].to(torch.bool)
         owned = torch.nonzero(train, as_tuple=True)[0]
