@@ -115,3 +115,29 @@ def test_the_ogbn_mag_layout_trains_by_catalogue_name(tmp_path):
             "--out", str(tmp_path / "run"), "--quiet"]  # fmt: skip
     assert main(argv) == 0
     assert "test_acc" in _end(tmp_path / "run")
+
+
+def test_a_typed_run_saved_on_two_ranks_resumes_on_one(tmp_path):
+    import shutil
+
+    from tests.cli_world import run_commands
+
+    extra = ("--dtype", "float64", "--eval-every", "0")
+    saved, resumed, straight = tmp_path / "saved", tmp_path / "resumed", tmp_path / "straight"
+    assert main(_argv(straight, 2, *extra)) == 0  # one rank (it also makes the dataset)
+    codes = run_commands(2, [[*_argv(saved, 1, *extra), "--nprocs", "2"]])
+    assert codes == [[0], [0]]
+    shutil.copytree(saved, resumed)
+    assert main(_argv(resumed, 2, *extra, "--resume")) == 0
+    assert _same(resumed, straight) <= REL
+
+
+def test_typed_predictions_cover_the_target_type_only(tmp_path):
+    import numpy as np
+
+    run = tmp_path / "run"
+    assert main(_argv(run, 1, "--eval-every", "0")) == 0
+    assert main(["predict", str(run), "--out", str(tmp_path / "pred")]) == 0
+    pred = np.load(tmp_path / "pred" / "predictions.npy")
+    papers = int(MAG.split(",")[0].split("=")[1])
+    assert (pred >= 0).sum() == papers and pred[-papers:].min() >= 0  # papers come last

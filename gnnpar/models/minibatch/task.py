@@ -932,19 +932,30 @@ class MiniBatchTask(BaseTask):
     def predict(self) -> torch.Tensor:
         """Every node's prediction in original node order, on every rank (collective): its
         class (arg-max of the logits) as int64, or for multi-label targets each task's
-        probability (sigmoid of the logits) as float32, N x C."""
+        probability (sigmoid of the logits) as float32, N x C. A typed graph's nodes
+        outside the target type get -1 (they have no classes)."""
         logits = self._logits()
         if self.metric == "acc":
             pred = logits.argmax(1).to(torch.int64)
         else:
             pred = torch.sigmoid(logits.float())
         if not self.distributed:
-            return pred.cpu()
+            return self._target_only(pred.cpu())
         part = self.part
         out = torch.full((int(part.meta["num_nodes"]), *pred.shape[1:]), -1, dtype=pred.dtype)
         out[part.orig_ids[: part.num_owned].long()] = pred.cpu()  # owned nodes first
         # each node is owned by exactly one part: the maximum is its owner's prediction
-        return comm.all_reduce(out, self.sample_grid, "data", op="max")
+        return self._target_only(comm.all_reduce(out, self.sample_grid, "data", op="max"))
+
+    def _target_only(self, pred: torch.Tensor) -> torch.Tensor:
+        """``pred`` (original order) with -1 outside a typed graph's target type."""
+        types = getattr(self, "types", None)
+        if types is None or types.target is None:
+            return pred
+        t = types.type_index(types.target)
+        pred[: types.offsets[t]] = -1
+        pred[types.offsets[t + 1] :] = -1
+        return pred
 
     def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss summed over the batch's seeds: cross-entropy, or for multi-label (N x C)
