@@ -12,6 +12,7 @@ over edges in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -651,10 +652,10 @@ class Graph:
                       self.ndata, self.name, validate=False,
                       num_classes=self._num_classes)  # fmt: skip
         if self.types is not None:
-            graph.types = self.types.relabelled(
-                torch.arange(self.num_nodes), torch.nonzero(keep, as_tuple=True)[0]
+            kept = torch.nonzero(keep, as_tuple=True)[0]
+            graph.types = dataclasses.replace(
+                self.types, edge_type=self.types.edge_type.index_select(0, kept)
             )
-            graph.types.node_ids = self.types.node_ids
         return graph
 
     def homogeneous(self) -> Graph:

@@ -41,7 +41,7 @@ from gnnpar.errors import UserError
 if TYPE_CHECKING:
     from gnnpar.graph import Graph
 
-__all__ = ["GraphTypes", "Relation", "relation_name", "typed_graph"]
+__all__ = ["GraphTypes", "Relation", "TypeSchema", "relation_name", "typed_graph"]
 
 #: A canonical relation: (source node type, relation name, destination node type).
 Relation = tuple[str, str, str]
@@ -59,9 +59,11 @@ def _check_name(name: Any, what: str) -> str:
     return name
 
 
-@dataclasses.dataclass
-class GraphTypes:
-    """The types of a typed graph's homogeneous view (module docstring).
+@dataclasses.dataclass(frozen=True)
+class TypeSchema:
+    """A typed graph's schema: its node types (original-id ranges, feature widths), its
+    relations and its target type; what the typed models read (:mod:`gnnpar.models.hetero`).
+    :class:`GraphTypes` is a schema with each edge's relation.
 
     Attributes:
         node_types: the node type names, in id order.
@@ -69,20 +71,76 @@ class GraphTypes:
             ids ``[offsets[t], offsets[t + 1])``.
         relations: the canonical relations; an edge's relation is its index in this list.
         feat_dims: the real feature width of each node type (0: no features).
-        edge_type: ``(num_edges,)`` int64 relation index of every edge, aligned with the
-            graph's ``indices``.
         target: the node type that carries labels and masks, or None.
-        node_ids: ``(num_nodes,)`` int64 original id of every node of a relabelled graph
-            (a permutation or a subgraph), or None where node ``v`` is original id ``v``.
     """
 
     node_types: tuple[str, ...]
     offsets: tuple[int, ...]
     relations: tuple[Relation, ...]
     feat_dims: tuple[int, ...]
-    edge_type: torch.Tensor
     target: str | None = None
-    node_ids: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, types: TypeSchema | Mapping[str, Any], where: str = "typed graph") -> TypeSchema:
+        """The schema of ``types`` (a schema, a :class:`GraphTypes`, or the ``meta()`` a
+        folder stores), checked (:meth:`check`)."""
+        if isinstance(types, TypeSchema):
+            return types if type(types) is TypeSchema else types.schema  # type: ignore[attr-defined]
+        if not isinstance(types, Mapping):
+            raise UserError(f"{where}: a typed graph's schema is a table, got {type(types)}")
+        try:
+            schema = cls(
+                node_types=tuple(types["node_types"]),
+                offsets=tuple(int(o) for o in types["offsets"]),
+                relations=tuple(tuple(r) for r in types["relations"]),  # type: ignore[misc]
+                feat_dims=tuple(int(d) for d in types["feat_dims"]),
+                target=types.get("target"),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise UserError(f"{where}: meta field 'types' is malformed ({err!r})") from None
+        schema.check(where)
+        return schema
+
+    def check(self, where: str = "types") -> None:
+        """One UserError naming the field: names, offsets, relations (of known types, none
+        twice), feature widths, the target."""
+        for name in self.node_types:
+            _check_name(name, f"{where}: node type")
+        if len(set(self.node_types)) != len(self.node_types) or not self.node_types:
+            raise UserError(f"{where}: node types must be distinct and at least one")
+        offs = self.offsets
+        if (
+            len(offs) != len(self.node_types) + 1
+            or offs[0] != 0
+            or any(b < a for a, b in zip(offs, offs[1:], strict=False))
+        ):
+            raise UserError(
+                f"{where}: offsets {list(offs)} must start at 0, never decrease and have one "
+                "entry per node type plus one"
+            )
+        for r in self.relations:
+            if len(r) != 3:
+                raise UserError(f"{where}: relation {r!r} is not (src type, name, dst type)")
+            for end in (r[0], r[2]):
+                if end not in self.node_types:
+                    raise UserError(f"{where}: relation {relation_name(r)} names no type {end!r}")
+            _check_name(r[1], f"{where}: relation name")
+        if len(set(self.relations)) != len(self.relations):
+            raise UserError(f"{where}: a relation is listed twice")
+        if len(self.feat_dims) != self.num_types or any(d < 0 for d in self.feat_dims):
+            raise UserError(f"{where}: feat_dims needs one width >= 0 per node type")
+        if self.target is not None:
+            self.type_index(self.target)
+
+    def meta(self) -> dict[str, Any]:
+        """What a folder's manifest records of the schema (:meth:`of` reads it back)."""
+        return {
+            "node_types": list(self.node_types),
+            "offsets": list(self.offsets),
+            "relations": [list(r) for r in self.relations],
+            "feat_dims": list(self.feat_dims),
+            "target": self.target,
+        }
 
     # ------------------------------------------------------------------ sizes and lookups
     @property
@@ -95,10 +153,19 @@ class GraphTypes:
         """Number of relations."""
         return len(self.relations)
 
+    def num_nodes(self, t: int) -> int:
+        """Number of nodes of the type of index ``t`` (in the original graph)."""
+        return self.offsets[t + 1] - self.offsets[t]
+
     def num_nodes_of(self, ntype: str) -> int:
         """Number of nodes of type ``ntype`` (in the original graph)."""
-        t = self.type_index(ntype)
-        return self.offsets[t + 1] - self.offsets[t]
+        return self.num_nodes(self.type_index(ntype))
+
+    @property
+    def ends(self) -> tuple[tuple[int, int], ...]:
+        """``(source type, destination type)`` indices of every relation."""
+        idx = self.node_types.index
+        return tuple((idx(r[0]), idx(r[2])) for r in self.relations)
 
     def type_index(self, ntype: str) -> int:
         """Index of the node type ``ntype``; one UserError naming the known types."""
@@ -128,10 +195,6 @@ class GraphTypes:
     def _listing(self) -> str:
         return "the graph has " + ", ".join(relation_name(r) for r in self.relations)
 
-    def original_ids(self, nodes: torch.Tensor) -> torch.Tensor:
-        """The original ids of the graph's ``nodes``."""
-        return nodes if self.node_ids is None else self.node_ids.index_select(0, nodes)
-
     def node_type_of(self, original: torch.Tensor) -> torch.Tensor:
         """Type index of each node given by its **original** id."""
         bounds = torch.tensor(self.offsets[1:-1], dtype=torch.int64, device=original.device)
@@ -145,6 +208,32 @@ class GraphTypes:
     def global_ids(self, ntype: str, local: torch.Tensor) -> torch.Tensor:
         """The original ids of type ``ntype``'s nodes ``local``."""
         return local.to(torch.int64) + self.offsets[self.type_index(ntype)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GraphTypes(TypeSchema):
+    """The types of a typed graph's homogeneous view (module docstring): its
+    :class:`TypeSchema` and each edge's relation.
+
+    Attributes:
+        edge_type: ``(num_edges,)`` int64 relation index of every edge, aligned with the
+            graph's ``indices``.
+        node_ids: ``(num_nodes,)`` int64 original id of every node of a relabelled graph
+            (a permutation or a subgraph), or None where node ``v`` is original id ``v``.
+    """
+
+    edge_type: torch.Tensor = dataclasses.field(kw_only=True)
+    node_ids: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
+
+    @property
+    def schema(self) -> TypeSchema:
+        """The schema alone."""
+        return TypeSchema(self.node_types, self.offsets, self.relations, self.feat_dims,
+                          self.target)  # fmt: skip
+
+    def original_ids(self, nodes: torch.Tensor) -> torch.Tensor:
+        """The original ids of the graph's ``nodes``."""
+        return nodes if self.node_ids is None else self.node_ids.index_select(0, nodes)
 
     def relation_counts(self) -> list[int]:
         """Number of edges of each relation."""
@@ -173,70 +262,22 @@ class GraphTypes:
             out["node_ids"] = self.node_ids
         return out
 
-    def meta(self) -> dict[str, Any]:
-        """What a graph folder's manifest records of the types (besides their arrays)."""
-        return {
-            "node_types": list(self.node_types),
-            "offsets": list(self.offsets),
-            "relations": [list(r) for r in self.relations],
-            "feat_dims": list(self.feat_dims),
-            "target": self.target,
-        }
-
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, torch.Tensor], meta: Any, where: str) -> GraphTypes:
         """The types stored as ``arrays`` and ``meta`` (as :meth:`arrays` and :meth:`meta`
         give them); ``where`` names the folder in errors."""
-        if not isinstance(meta, Mapping):
-            raise UserError(f"{where}: meta field 'types' is not a table")
         if "edge_type" not in arrays:
             raise UserError(f"{where}: a typed graph needs the array types/edge_type")
-        try:
-            relations = tuple(tuple(r) for r in meta["relations"])
-            return cls(
-                node_types=tuple(meta["node_types"]),
-                offsets=tuple(int(o) for o in meta["offsets"]),
-                relations=relations,  # type: ignore[arg-type]
-                feat_dims=tuple(int(d) for d in meta["feat_dims"]),
-                edge_type=arrays["edge_type"],
-                target=meta.get("target"),
-                node_ids=arrays.get("node_ids"),
-            )
-        except (KeyError, TypeError, ValueError) as err:
-            raise UserError(f"{where}: meta field 'types' is malformed ({err!r})") from None
+        schema = TypeSchema.of(meta, where)
+        return cls(*dataclasses.astuple(schema), edge_type=arrays["edge_type"],
+                   node_ids=arrays.get("node_ids"))  # fmt: skip
 
     def validate(self, graph: Graph, where: str = "types") -> None:
         """One UserError naming the field and the problem: names, offsets, relations (known
         types, no duplicate), feature widths against ``ndata["feat"]``, ``edge_type``
         against the edges, every edge's endpoints of its relation's types, and labels and
         masks only on the target type."""
-        for name in self.node_types:
-            _check_name(name, f"{where}: node type")
-        if len(set(self.node_types)) != len(self.node_types) or not self.node_types:
-            raise UserError(f"{where}: node types must be distinct and at least one")
-        offs = self.offsets
-        if (
-            len(offs) != len(self.node_types) + 1
-            or offs[0] != 0
-            or any(b < a for a, b in zip(offs, offs[1:], strict=False))
-        ):
-            raise UserError(
-                f"{where}: offsets {list(offs)} must start at 0, never decrease and have one "
-                "entry per node type plus one"
-            )
-        for r in self.relations:
-            if len(r) != 3:
-                raise UserError(f"{where}: relation {r!r} is not (src type, name, dst type)")
-            for end in (r[0], r[2]):
-                if end not in self.node_types:
-                    raise UserError(f"{where}: relation {relation_name(r)} names no type {end!r}")
-            _check_name(r[1], f"{where}: relation name")
-        if len(set(self.relations)) != len(self.relations):
-            raise UserError(f"{where}: a relation is listed twice")
-        if len(self.feat_dims) != self.num_types or any(d < 0 for d in self.feat_dims):
-            raise UserError(f"{where}: feat_dims needs one width >= 0 per node type")
-        if self.target is not None:
-            self.type_index(self.target)
+        self.check(where)
         self._validate_nodes(graph, where)
         self._validate_edges(graph, where)
         self._validate_node_data(graph, where)
@@ -423,7 +464,7 @@ def typed_graph(
     elif target is not None:
         _check_target(target, node_types)
     graph = Graph(indptr, src[order], n, None, data, name, num_classes=num_classes)
-    graph.types = GraphTypes(node_types, offsets, relations, dims, etype[order], target)
+    graph.types = GraphTypes(node_types, offsets, relations, dims, target, edge_type=etype[order])
     graph.types.validate(graph, name)
     return graph
 

@@ -6,16 +6,16 @@
   same names on a typed block (equal outputs with the same parameters);
 - :class:`TypedGNN` (:mod:`.model`): input, typed layers, classifier;
 - :class:`TypedBlock` (:mod:`.index`): a block's nodes by type and edges by relation, built
-  once per block for its layers; :class:`TypeSchema` (:mod:`.schema`): what the models
+  once per block for its layers; :class:`~gnnpar.graph.typed.TypeSchema`: what the models
   read of a graph's types.
 """
 
+from gnnpar.graph.typed import TypeSchema
 from gnnpar.models.hetero.hgt import HGTConv
 from gnnpar.models.hetero.index import RelationCSR, TypedBlock, TypeGroups
 from gnnpar.models.hetero.input import TypedInput
 from gnnpar.models.hetero.model import TypedGNN
 from gnnpar.models.hetero.rgcn import RGCNConv
-from gnnpar.models.hetero.schema import TypeSchema
 
 __all__ = [
     "HGTConv",

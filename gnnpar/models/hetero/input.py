@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from gnnpar.errors import UserError
-from gnnpar.graph.typed import GraphTypes
+from gnnpar.graph.typed import GraphTypes, TypeSchema
 from gnnpar.models.hetero.index import TypeGroups, block_node_types
-from gnnpar.models.hetero.schema import TypeSchema
 
 __all__ = ["TypedInput"]
 

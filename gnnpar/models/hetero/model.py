@@ -11,12 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnnpar.errors import UserError
-from gnnpar.graph.typed import GraphTypes
+from gnnpar.graph.typed import GraphTypes, TypeSchema
 from gnnpar.models.hetero.hgt import HGTConv
 from gnnpar.models.hetero.index import TypedBlock, block_node_types
 from gnnpar.models.hetero.input import TypedInput
 from gnnpar.models.hetero.rgcn import RGCNConv
-from gnnpar.models.hetero.schema import TypeSchema
 from gnnpar.nn.dropout import index_dropout
 
 __all__ = ["TypedGNN"]
