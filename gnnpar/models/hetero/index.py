@@ -55,6 +55,8 @@ class TypeGroups:
         ptr: ``num_types + 1`` offsets of the groups in ``order``.
         dst_counts: destinations of each type (the head of its group).
         rank: ``(num_src,)`` place of every source in its type's group.
+        dst_order: ``(num_dst,)`` the destinations grouped by type (each group the head of
+            its type's group in ``order``).
     """
 
     node_type: torch.Tensor
@@ -63,6 +65,7 @@ class TypeGroups:
     ptr: tuple[int, ...]
     dst_counts: tuple[int, ...]
     rank: torch.Tensor
+    dst_order: torch.Tensor
 
     @classmethod
     def build(cls, node_type: torch.Tensor, num_dst: int, num_types: int) -> TypeGroups:
@@ -79,8 +82,12 @@ class TypeGroups:
         rank = torch.empty_like(order)
         sorted_types = node_type.index_select(0, order)
         rank[order] = torch.arange(order.numel(), device=order.device) - ptr[sorted_types]
-        dst = torch.bincount(node_type[:num_dst], minlength=num_types)
-        return cls(node_type, num_dst, order, tuple(ptr.tolist()), tuple(dst.tolist()), rank)
+        dst = torch.bincount(node_type[:num_dst], minlength=num_types).tolist()
+        starts = ptr.tolist()
+        dst_order = torch.cat(
+            [order[starts[t] : starts[t] + dst[t]] for t in range(num_types)]
+        ) if num_types else order[:0]  # fmt: skip
+        return cls(node_type, num_dst, order, tuple(starts), tuple(dst), rank, dst_order)
 
     @property
     def num_types(self) -> int:
@@ -101,9 +108,12 @@ class TypeGroups:
 
     def split(self, h: torch.Tensor, dst: bool = False) -> list[torch.Tensor]:
         """The rows of ``h`` (one per source, or per destination with ``dst``) of each type,
-        by rank."""
-        pick = self.destinations if dst else self.sources
-        return [h.index_select(0, pick(t)) for t in range(self.num_types)]
+        by rank: one gather in type order, then views (backward scatters once, not once
+        per type)."""
+        if dst:
+            return list(h.index_select(0, self.dst_order).split(list(self.dst_counts)))
+        counts = [self.count(t) for t in range(self.num_types)]
+        return list(h.index_select(0, self.order).split(counts))
 
     def merge(self, parts: Sequence[torch.Tensor], dst: bool = False) -> torch.Tensor:
         """Per-type rows (``parts[t]``: type ``t``'s sources, or destinations with ``dst``,
