@@ -67,29 +67,35 @@ def same(a: Graph, b: Graph) -> None:
 
 
 # ---------------------------------------------------------------------- converters
-def test_pyg_round_trip_and_hetero_data_refused() -> None:
+def test_pyg_round_trip_and_hetero_data() -> None:
     g = labelled(weighted=True)
     data = g.to_pyg()
     assert data.num_classes == 5 and torch.equal(data.val_mask, g.val_mask)
     same(Graph.from_pyg(data), g)
     same(as_graph(data), g)
-    hetero = HeteroData()
+    hetero = HeteroData()  # a typed graph now (tests/test_typed_convert.py for the rest)
     hetero["paper"].x = torch.randn(3, 2)
     hetero["paper", "cites", "paper"].edge_index = torch.tensor([[0, 1], [1, 2]])
-    with pytest.raises(ValueError, match="^PyG HeteroData: heterogeneous graphs are not supported"):
-        Graph.from_pyg(hetero)
+    typed = Graph.from_pyg(hetero)
+    assert typed.types.node_types == ("paper",) and torch.equal(typed.feat, hetero["paper"].x)
+    assert torch.equal(
+        typed.to_pyg()["paper", "cites", "paper"].edge_index, torch.tensor([[0, 1], [1, 2]])
+    )
 
 
-def test_dgl_round_trip_and_heterograph_refused() -> None:
+def test_dgl_round_trip_and_heterograph() -> None:
     g = labelled(weighted=True)
     d = g.to_dgl()
     assert torch.equal(d.ndata["train_mask"], g.train_mask)
     same(Graph.from_dgl(d, num_classes=5), g)
-    hetero = dgl.heterograph(
+    hetero = dgl.heterograph(  # a typed graph now (tests/test_typed_convert.py for the rest)
         {("user", "follows", "user"): ([0], [1]), ("user", "buys", "item"): ([0], [0])}
     )
-    with pytest.raises(ValueError, match="heterogeneous graphs are not supported"):
-        Graph.from_dgl(hetero)
+    typed = Graph.from_dgl(hetero)
+    assert typed.types.node_types == ("item", "user") and typed.num_edges == 2
+    back = typed.to_dgl()
+    assert back.canonical_etypes == hetero.canonical_etypes
+    assert [t.tolist() for t in back.edges(etype="follows")] == [[0], [1]]
 
 
 def test_networkx_scipy_and_edge_list_round_trips(tmp_path: Path) -> None:
@@ -167,7 +173,7 @@ class _Exploit:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_import_refuses_a_malicious_pickle_and_hetero_data(tmp_path: Path, capsys) -> None:
+def test_import_refuses_a_malicious_pickle_and_reads_hetero_data(tmp_path: Path, capsys) -> None:
     marker = tmp_path / "ran"
     for name, save in (
         ("evil.pt", torch.save),
@@ -184,10 +190,10 @@ def test_import_refuses_a_malicious_pickle_and_hetero_data(tmp_path: Path, capsy
     hetero = HeteroData()
     hetero["a"].x = torch.randn(2, 1)
     hetero["a", "r", "a"].edge_index = torch.tensor([[0], [1]])
-    torch.save(hetero, tmp_path / "hetero.pt")
-    assert main(["data", "import", str(tmp_path / "hetero.pt"), "--out", str(tmp_path / "h")]) == 2
-    err = capsys.readouterr().err
-    assert "heterogeneous graphs are not supported yet" in err and len(err.splitlines()) == 1
+    torch.save(hetero, tmp_path / "hetero.pt")  # a typed graph folder now
+    assert main(["data", "import", str(tmp_path / "hetero.pt"), "--out", str(tmp_path / "h")]) == 0
+    typed = load_graph(tmp_path / "h")
+    assert typed.types.node_types == ("a",) and torch.equal(typed.feat, hetero["a"].x)
 
 
 # ---------------------------------------------------------------------- structure options

@@ -190,7 +190,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     check_output(args.out, FORMAT, args.overwrite, [args.file])
     start = time.perf_counter()
     kind = file_kind(args.file, args.kind)
-    graph = apply_structure(read_graph_file(args.file, kind, args.name), structure)
+    graph = apply_structure(read_graph_file(args.file, kind, args.name, args.target), structure)
     source = import_source(args.file, kind, structure)
     out = save_graph(graph, args.out, overwrite=args.overwrite, source=source, inputs=[args.file])
     print(
@@ -314,7 +314,7 @@ def add_data_commands(subparsers: Any) -> None:
     p = sub.add_parser(
         "import",
         help="turn a PyG, DGL, scipy .npz or edge-list file into a gnnpar graph folder",
-        description="Read FILE without running anything in it (a PyG Data saved with "
+        description="Read FILE without running anything in it (a PyG Data or HeteroData saved with "
         "torch.save: .pt/.pth; dgl.save_graphs: .bin; scipy.sparse.save_npz: .npz; an edge "
         "list 'src dst [weight]' per line: .txt/.edges/.el/.tsv/.edgelist) and save it "
         "atomically to --out, recording the file's size and checksum.",
@@ -328,6 +328,12 @@ def add_data_commands(subparsers: Any) -> None:
         help="what the file is (default: from its suffix)",
     )
     p.add_argument("--name", default=None, help="the graph's name (default: the file's stem)")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="a typed graph's node type whose labels and masks to keep (needed when several "
+        "types have them; docs/typed.md)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument(
         "--dataset-options",

@@ -2,15 +2,19 @@
 
 Four kinds of file, told apart by their suffix (or ``kind``):
 
-- ``pyg`` (``.pt``, ``.pth``): a ``torch_geometric.data.Data`` written by ``torch.save``.
-  It is read with ``torch.load(weights_only=True)`` and an allow-list of exactly the PyG
-  classes a ``Data`` is made of (:data:`PYG_CLASSES`), so a file that names anything else
-  (``os.system``...) is refused before anything in it is called; a ``HeteroData`` is
-  refused as heterogeneous.
-- ``dgl`` (``.bin``): a file of ``dgl.save_graphs`` holding one homogeneous graph. DGL reads
-  its own binary format in C++ (``_CAPI_LoadGraphFiles_V2``): no pickle is involved. A graph
-  label ``num_classes`` (``dgl.save_graphs(path, [g], {"num_classes": torch.tensor([C])})``)
-  is kept.
+- ``pyg`` (``.pt``, ``.pth``): a ``torch_geometric.data.Data`` or ``HeteroData`` (a typed
+  graph) written by ``torch.save``. It is read by
+  :func:`~gnnpar.data.safe_pickle.load_torch_file`, our restricted unpickler, with an
+  allow-list of exactly the PyG classes the two are made of (:data:`PYG_CLASSES`) and
+  stand-ins for torch's tensor names, so a file that names anything else (``os.system``,
+  ``ClusterData``...) is refused before anything in it is called. Not
+  ``torch.load(weights_only=True)``: importing PyG widens its allow-list for the whole
+  process with classes whose constructors do real work.
+- ``dgl`` (``.bin``): a file of ``dgl.save_graphs`` holding one graph, homogeneous or a
+  heterograph (a typed graph). DGL reads its own binary format in C++
+  (``_CAPI_LoadGraphFiles_V2``, for both kinds of graph): type names are strings, data are
+  tensors, no pickle is involved. A graph label ``num_classes`` (``dgl.save_graphs(path,
+  [g], {"num_classes": torch.tensor([C])})``) is kept.
 - ``npz`` (``.npz``): a ``scipy.sparse.save_npz`` matrix (``A[i, j]`` = weight of edge
   ``j -> i``), read with ``allow_pickle=False``; further arrays of the same file whose first
   dimension is the number of nodes (``np.savez(path, **matrix_arrays, feat=..., label=...,
@@ -24,9 +28,7 @@ Every failure is one ValueError (or :class:`UnsafeFileError`) naming the file.
 
 from __future__ import annotations
 
-import pickle
 import re
-import warnings
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gnnpar.data.safe_pickle import UnsafePickleError
+from gnnpar.data.safe_pickle import PYG_CLASSES, UnsafePickleError, load_torch_file, pyg_globals
 from gnnpar.errors import MissingPackageError, UserError, first_line
 from gnnpar.graph import Graph, convert
 from gnnpar.verified import file_entry
@@ -57,21 +59,11 @@ KINDS: Mapping[str, str] = MappingProxyType(
         ".edgelist": "edges",
     }
 )
-#: The PyG classes a saved ``Data`` (and, to name it as heterogeneous, a ``HeteroData``) is
-#: made of: the only globals a ``.pt`` file may name besides torch's tensors.
-PYG_CLASSES = (
-    "torch_geometric.data.data.Data",
-    "torch_geometric.data.data.DataEdgeAttr",
-    "torch_geometric.data.data.DataTensorAttr",
-    "torch_geometric.data.storage.GlobalStorage",
-    "torch_geometric.data.hetero_data.HeteroData",
-    "torch_geometric.data.storage.BaseStorage",
-    "torch_geometric.data.storage.NodeStorage",
-    "torch_geometric.data.storage.EdgeStorage",
-)
+# PYG_CLASSES (re-exported from gnnpar.data.safe_pickle): the PyG classes a saved ``Data``
+# or ``HeteroData`` is made of, the only globals a ``.pt`` file may name besides tensors.
 _SCIPY_KEYS = frozenset({"indices", "indptr", "format", "shape", "data", "row", "col", "offsets"})
-# torch names the refused global as "GLOBAL module.name" in every version's message
-_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+# how safe_pickle names the refused global
+_UNSUPPORTED_GLOBAL = re.compile(r"refusing to unpickle ([\w.]+)")
 
 
 class UnsafeFileError(UnsafePickleError):
@@ -79,41 +71,26 @@ class UnsafeFileError(UnsafePickleError):
     allow-list): refused before anything is called."""
 
 
-def _pyg_classes() -> list[type]:
-    import importlib
-
-    found = []
-    for dotted in PYG_CLASSES:
-        module, _, name = dotted.rpartition(".")
-        cls = getattr(importlib.import_module(module), name, None)
-        if cls is not None:
-            found.append(cls)
-    return found
-
-
-def _read_pyg(path: Path, name: str) -> Graph:
+def _read_pyg(path: Path, name: str, target: str | None = None) -> Graph:
     try:
-        import torch_geometric  # noqa: F401 - the classes of the allow-list
+        allowed = pyg_globals()  # imports the PyG classes of the allow-list
     except ImportError as err:
         raise MissingPackageError(f"{path}: reading a PyG file needs torch_geometric") from err
     try:
-        with torch.serialization.safe_globals(_pyg_classes()), warnings.catch_warnings():
-            # a plain pickle of protocol > 2 draws a multi-line warning before the refusal
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as err:  # what a weights-only load raises for any object
+        data = load_torch_file(path, allowed)
+    except UnsafePickleError as err:
         found = _UNSUPPORTED_GLOBAL.search(str(err))  # the class it names, for the message
         what = f"it names {found.group(1)}, which is" if found else "it holds what is"
         raise UnsafeFileError(
             f"{path}: refusing to load it: {what} not a PyG graph class or a tensor (only "
-            "torch_geometric Data files are read, never unpickled freely)"
+            "torch_geometric Data and HeteroData files are read, never unpickled freely)"
         ) from None
-    except Exception as err:  # torch raises RuntimeError, EOFError... for a damaged file
-        raise UserError(f"{path}: not a torch.save file of a PyG Data: {first_line(err)}") from None
+    except UserError as err:  # not a torch file, a damaged one: names the file already
+        raise UserError(f"{first_line(err)} (expected a torch.save file of a PyG graph)") from None
     if not hasattr(data, "edge_index") and not convert.is_heterogeneous(data):
-        raise UserError(f"{path}: holds a {type(data).__name__}, not a PyG Data")
+        raise UserError(f"{path}: holds a {type(data).__name__}, not a PyG Data or HeteroData")
     try:
-        return convert.from_pyg(data, name=name)
+        return convert.from_pyg(data, name=name, target=target)
     except UserError as err:
         raise UserError(f"{path}: {err}") from None
 
@@ -122,7 +99,7 @@ def _read_pyg(path: Path, name: str) -> Graph:
 _DGL_MAGIC = (0xDD2E4FF046B4A13F).to_bytes(8, "little")
 
 
-def _read_dgl(path: Path, name: str) -> Graph:
+def _read_dgl(path: Path, name: str, target: str | None = None) -> Graph:
     convert.import_dgl("from_dgl")
     from dgl.data.utils import load_graphs
 
@@ -130,6 +107,8 @@ def _read_dgl(path: Path, name: str) -> Graph:
         if f.read(8) != _DGL_MAGIC:  # checked here: DGL's own check prints its C++ stack
             raise UserError(f"{path}: not a dgl.save_graphs file (no DGL header)")
     try:
+        # safe on a user's file, homogeneous or heterograph alike: DGL parses its own binary
+        # format in C++ (type names as strings, data as tensors) and unpickles nothing
         graphs, labels = load_graphs(str(path))
     except Exception as err:  # noqa: BLE001 - DGLError for a damaged file, with a C++ stack
         # not DGL's "[time] file.cc:line: Check failed:" prefix
@@ -139,14 +118,15 @@ def _read_dgl(path: Path, name: str) -> Graph:
         raise UserError(f"{path} holds {len(graphs)} graphs: import one graph per file")
     classes = labels.get("num_classes")
     try:
-        return convert.from_dgl(graphs[0], name=name, num_classes=classes)
+        return convert.from_dgl(graphs[0], name=name, num_classes=classes, target=target)
     except UserError as err:
         raise UserError(f"{path}: {err}") from None
 
 
-def _read_npz(path: Path, name: str) -> Graph:
+def _read_npz(path: Path, name: str, target: str | None = None) -> Graph:
     import scipy.sparse as sp
 
+    _untyped(path, target)
     try:
         mat = sp.load_npz(path)  # np.load(allow_pickle=False) inside
         with np.load(path, allow_pickle=False) as arrays:
@@ -186,11 +166,17 @@ def _read_npz(path: Path, name: str) -> Graph:
         raise UserError(f"{path}: {err}") from None
 
 
-def _read_edges(path: Path, name: str) -> Graph:
+def _read_edges(path: Path, name: str, target: str | None = None) -> Graph:
+    _untyped(path, target)
     return convert.from_edge_list(path, name=name)
 
 
-_READERS: Mapping[str, Callable[[Path, str], Graph]] = MappingProxyType(
+def _untyped(path: Path, target: str | None) -> None:
+    if target is not None:
+        raise UserError(f"{path}: target applies to a heterogeneous PyG or DGL graph only")
+
+
+_READERS: Mapping[str, Callable[[Path, str, str | None], Graph]] = MappingProxyType(
     {"pyg": _read_pyg, "dgl": _read_dgl, "npz": _read_npz, "edges": _read_edges}
 )
 
@@ -210,14 +196,19 @@ def file_kind(path: str | Path, kind: str | None = None) -> str:
     return KINDS[suffix]
 
 
-def read_graph_file(path: str | Path, kind: str | None = None, name: str | None = None) -> Graph:
+def read_graph_file(
+    path: str | Path, kind: str | None = None, name: str | None = None, target: str | None = None
+) -> Graph:
     """The graph in ``path`` (a PyG, DGL, scipy ``.npz`` or edge-list file; see the module
-    docstring), named ``name`` (default: the file's stem). Nothing in the file is run."""
+    docstring), named ``name`` (default: the file's stem); a heterogeneous PyG or DGL graph
+    as a typed graph whose labels are those of node type ``target`` (needed only when
+    several types have labels; :mod:`gnnpar.graph.convert_typed`). Nothing in the file is
+    run."""
     path = Path(path)
     kind = file_kind(path, kind)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
-    return _READERS[kind](path, name or path.stem)
+    return _READERS[kind](path, name or path.stem, target)
 
 
 def import_source(path: str | Path, kind: str, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -890,12 +890,20 @@ class Graph:
         return convert.to_pyg(self)
 
     @classmethod
-    def from_pyg(cls, data: Any, name: str = "graph", num_classes: int | None = None) -> Graph:
-        """From a homogeneous ``torch_geometric.data.Data``; a ``HeteroData`` is one
-        ValueError (:func:`gnnpar.graph.convert.from_pyg`)."""
+    def from_pyg(
+        cls,
+        data: Any,
+        name: str = "graph",
+        num_classes: int | None = None,
+        target: str | None = None,
+        node_types: Sequence[str] | None = None,
+        relations: Sequence[Any] | None = None,
+    ) -> Graph:
+        """From a ``torch_geometric.data.Data``, or a ``HeteroData`` as a typed graph
+        (``target``, ``node_types``, ``relations``: :func:`gnnpar.graph.convert.from_pyg`)."""
         from gnnpar.graph import convert
 
-        return convert.from_pyg(data, name, num_classes)
+        return convert.from_pyg(data, name, num_classes, target, node_types, relations)
 
     def to_dgl(self, edge_weight_key: str = "w") -> Any:
         """A ``dgl.DGLGraph`` with the same edges, ``ndata`` and weights in
@@ -911,11 +919,16 @@ class Graph:
         edge_weight_key: str = "w",
         name: str = "graph",
         num_classes: int | None = None,
+        target: str | None = None,
+        node_types: Sequence[str] | None = None,
+        relations: Sequence[Any] | None = None,
     ) -> Graph:
-        """From a homogeneous ``dgl.DGLGraph`` (:func:`gnnpar.graph.convert.from_dgl`)."""
+        """From a ``dgl.DGLGraph``, a heterograph as a typed graph (``target``,
+        ``node_types``, ``relations``: :func:`gnnpar.graph.convert.from_dgl`)."""
         from gnnpar.graph import convert
 
-        return convert.from_dgl(g, edge_weight_key, name, num_classes)
+        return convert.from_dgl(g, edge_weight_key, name, num_classes, target, node_types,
+                                relations)  # fmt: skip
 
     def to_networkx(self, node_attrs: bool = True, weight_key: str = "weight") -> Any:
         """A ``networkx.DiGraph`` (``MultiDiGraph`` with duplicate edges) with node data as

@@ -15,8 +15,13 @@ scipy         none (structure only)           none
 edge list     none (structure only)           none
 ============  =============================  ==========================================
 
-Heterogeneous graphs (PyG ``HeteroData``, DGL graphs with several node or edge types) are
-refused with one ValueError: they are not supported yet.
+**Heterogeneous graphs** (a PyG ``HeteroData``, a DGL graph with several node types or
+relations) convert to and from typed graphs (:mod:`gnnpar.graph.typed`): ``from_pyg`` and
+``from_dgl`` return one, and ``to_pyg`` and ``to_dgl`` of a graph with
+:attr:`~gnnpar.graph.Graph.types` return a ``HeteroData`` / DGL heterograph
+(:mod:`gnnpar.graph.convert_typed`: the target type, the type order, the canonical edge
+order). Link-prediction splits of them are refused with one UserError
+(:data:`HETEROGENEOUS`).
 
 **Link-prediction splits** (:mod:`gnnpar.graph.edge_split`: a message-passing graph with its
 :attr:`~gnnpar.graph.Graph.edge_split`): :func:`from_pyg_link_split` takes the three outputs
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -42,7 +47,8 @@ import numpy as np
 import torch
 
 from gnnpar.errors import MissingPackageError, UserError
-from gnnpar.graph import edge_split
+from gnnpar.graph import convert_typed, edge_split
+from gnnpar.graph.convert_typed import to_dgl_hetero, to_pyg_hetero
 from gnnpar.graph.edge_split import EdgeSplit, edge_keys
 
 if TYPE_CHECKING:
@@ -61,15 +67,19 @@ __all__ = [
     "from_scipy",
     "read_edge_list",
     "to_dgl",
+    "to_dgl_hetero",
     "to_dgl_link",
     "to_edge_list",
     "to_networkx",
     "to_pyg",
+    "to_pyg_hetero",
     "to_scipy",
 ]
 
-#: The message of every refused heterogeneous graph (after what it is).
-HETEROGENEOUS = "heterogeneous graphs are not supported yet (give one node and one edge type)"
+#: The message of a refused heterogeneous link split (after what it is).
+HETEROGENEOUS = (
+    "link splits of heterogeneous graphs are not supported yet (give one node and one edge type)"
+)
 # Well-known node-data keys and their PyG attribute names.
 _PYG_NAMES = MappingProxyType({"feat": "x", "label": "y"})
 _NODES_LINE = re.compile(r"^\s*#\s*nodes:\s*(\d+)\s*$")
@@ -87,7 +97,7 @@ def _weights_or_ones(graph: Graph) -> torch.Tensor:
     return weights_or_ones(graph)
 
 
-def _with_classes(graph: Graph, num_classes: Any) -> Graph:
+def with_classes(graph: Graph, num_classes: Any) -> Graph:
     """``graph`` with ``num_classes`` stored (when it is an int and there are labels)."""
     if isinstance(num_classes, torch.Tensor) and num_classes.numel() == 1:
         num_classes = int(num_classes)
@@ -153,8 +163,12 @@ def to_pyg(graph: Graph) -> Any:
 
     ``feat`` becomes ``x``, ``label`` becomes ``y``; other node data keep their names;
     weights go to ``edge_weight``; the number of classes (with labels) to ``num_classes``.
+    A typed graph (``graph.types`` set) becomes a ``HeteroData`` (:func:`to_pyg_hetero`).
     """
     from torch_geometric.data import Data
+
+    if graph.types is not None:
+        return to_pyg_hetero(graph)
 
     src, dst = graph.edges()
     data = Data(edge_index=torch.stack([src, dst]), num_nodes=graph.num_nodes)
@@ -181,15 +195,32 @@ def is_heterogeneous(data: Any) -> bool:
     return isinstance(data, HeteroData)
 
 
-def from_pyg(data: Any, name: str = "graph", num_classes: int | None = None) -> Graph:
-    """From a homogeneous ``torch_geometric.data.Data`` (a ``HeteroData`` is refused).
+def _homogeneous_only(what: str, **typed: Any) -> None:
+    """Refuse the typed-graph arguments (``target`` ...) given for a homogeneous graph."""
+    given = [k for k, v in typed.items() if v is not None]
+    if given:
+        raise UserError(f"{given[0]}= applies to heterogeneous graphs only, not to a {what}")
+
+
+def from_pyg(
+    data: Any,
+    name: str = "graph",
+    num_classes: int | None = None,
+    target: str | None = None,
+    node_types: Sequence[str] | None = None,
+    relations: Sequence[Sequence[str]] | None = None,
+) -> Graph:
+    """From a ``torch_geometric.data.Data``, or a ``HeteroData`` as a typed graph
+    (:func:`gnnpar.graph.convert_typed.from_pyg_hetero`; ``target``, ``node_types`` and
+    ``relations`` apply to it only).
 
     ``x``/``y`` become ``feat``/``label``; other node-level tensors keep their names;
     ``edge_weight`` (or a 1-D ``edge_attr``) becomes the edge weight; ``num_classes`` (the
     argument, else an int ``data.num_classes``) is stored with the labels.
     """
     if is_heterogeneous(data):
-        raise UserError(f"PyG HeteroData: {HETEROGENEOUS}")
+        return convert_typed.from_pyg_hetero(data, name, num_classes, target, node_types, relations)
+    _homogeneous_only("PyG Data", target=target, node_types=node_types, relations=relations)
     edge_index = getattr(data, "edge_index", None)
     if edge_index is None:
         raise UserError("PyG data has no edge_index")
@@ -217,7 +248,7 @@ def from_pyg(data: Any, name: str = "graph", num_classes: int | None = None) -> 
     graph = _graph_class().from_edges(edge_index[0], edge_index[1], num_nodes, weight, ndata, name)
     if num_classes is None and "num_classes" in data.keys():
         num_classes = data["num_classes"]
-    return _with_classes(graph, num_classes)
+    return with_classes(graph, num_classes)
 
 
 # ------------------------------------------------------------------ DGL
@@ -235,9 +266,12 @@ def import_dgl(caller: str) -> Any:
 
 def to_dgl(graph: Graph, edge_weight_key: str = "w") -> Any:
     """A ``dgl.DGLGraph`` with the same edges (CSR order), ``ndata`` and weights in
-    ``edata[edge_weight_key]``. DGL graphs hold no class count: pass it back to
+    ``edata[edge_weight_key]``; of a typed graph (``graph.types`` set), a heterograph
+    (:func:`to_dgl_hetero`). DGL graphs hold no class count: pass it back to
     :func:`from_dgl`. Needs the optional ``dgl`` package."""
     dgl = import_dgl("to_dgl")
+    if graph.types is not None:
+        return to_dgl_hetero(graph, edge_weight_key)
     src, dst = graph.edges()
     g = dgl.graph((src, dst), num_nodes=graph.num_nodes)
     for key, value in graph.ndata.items():
@@ -248,24 +282,35 @@ def to_dgl(graph: Graph, edge_weight_key: str = "w") -> Any:
 
 
 def from_dgl(
-    g: Any, edge_weight_key: str = "w", name: str = "graph", num_classes: int | None = None
+    g: Any,
+    edge_weight_key: str = "w",
+    name: str = "graph",
+    num_classes: int | None = None,
+    target: str | None = None,
+    node_types: Sequence[str] | None = None,
+    relations: Sequence[Sequence[str]] | None = None,
 ) -> Graph:
-    """From a homogeneous ``dgl.DGLGraph`` (several node or edge types are refused);
-    ``edata[edge_weight_key]`` becomes the weight, ``ndata`` the node data (a uint8 0/1
-    ``*_mask``, as ``dgl.save_graphs`` stores masks, as bool)."""
+    """From a ``dgl.DGLGraph``; one with several node types or relations as a typed graph
+    (:func:`gnnpar.graph.convert_typed.from_dgl_hetero`; ``target``, ``node_types`` and
+    ``relations`` apply to it only). ``edata[edge_weight_key]`` becomes the weight,
+    ``ndata`` the node data (a uint8 0/1 ``*_mask``, as ``dgl.save_graphs`` stores masks,
+    as bool)."""
     import_dgl("from_dgl")
-    if len(g.ntypes) != 1 or len(g.etypes) != 1:
-        raise UserError(
-            f"DGL graph with node types {g.ntypes} and edge types {g.etypes}: {HETEROGENEOUS}"
+    if convert_typed.is_dgl_heterograph(g):
+        return convert_typed.from_dgl_hetero(
+            g, edge_weight_key, name, num_classes, target, node_types, relations
         )
+    _homogeneous_only(
+        "homogeneous DGL graph", target=target, node_types=node_types, relations=relations
+    )
     src, dst = g.edges()
     weight = g.edata[edge_weight_key] if edge_weight_key in g.edata else None
-    ndata = {key: _mask_as_bool(key, g.ndata[key]) for key in g.ndata}
+    ndata = {key: mask_as_bool(key, g.ndata[key]) for key in g.ndata}
     graph = _graph_class().from_edges(src, dst, g.num_nodes(), weight, ndata, name)
-    return _with_classes(graph, num_classes)
+    return with_classes(graph, num_classes)
 
 
-def _mask_as_bool(key: str, value: torch.Tensor) -> torch.Tensor:
+def mask_as_bool(key: str, value: torch.Tensor) -> torch.Tensor:
     """A ``*_mask`` that ``dgl.save_graphs`` stored as uint8 (it cannot store bool) as bool."""
     if key.endswith("_mask") and value.dtype == torch.uint8 and bool((value <= 1).all()):
         return value.to(torch.bool)
@@ -326,7 +371,7 @@ def _whole_graph(message: Graph, extra: list[torch.Tensor], symmetric: bool) -> 
         both[0], both[1], message.num_nodes, ndata=message.ndata, name=message.name,
         coalesce=True,
     )  # fmt: skip
-    return _with_classes(whole, message.num_classes if message.label is not None else None)
+    return with_classes(whole, message.num_classes if message.label is not None else None)
 
 
 def from_pyg_link_split(
@@ -440,15 +485,15 @@ def from_dgl_link(
                     f"edata[{keys[i]!r}] and edata[{keys[j]!r}]"
                 )
     weight = g.edata[edge_weight_key] if edge_weight_key in g.edata else None
-    ndata = {key: _mask_as_bool(key, g.ndata[key]) for key in g.ndata}
+    ndata = {key: mask_as_bool(key, g.ndata[key]) for key in g.ndata}
     train_mask = masks[0]
     graph_cls = _graph_class()
     graph = graph_cls.from_edges(
         src[train_mask], dst[train_mask], n, None if weight is None else weight[train_mask],
         ndata, name,
     )  # fmt: skip
-    graph = _with_classes(graph, num_classes)
-    whole = _with_classes(graph_cls.from_edges(src, dst, n, weight, ndata, name), num_classes)
+    graph = with_classes(graph, num_classes)
+    whole = with_classes(graph_cls.from_edges(src, dst, n, weight, ndata, name), num_classes)
     symmetric = graph.is_symmetric()
     train, val, test = (_masked_pairs(src, dst, m, n, symmetric) for m in masks)
     true_keys = torch.unique(torch.cat([edge_keys(src, dst, n), edge_keys(dst, src, n)]))
@@ -601,7 +646,7 @@ def from_networkx(
     if name is None:
         name = str(g.graph.get("name") or "graph")
     graph = _graph_class().from_edges(src_t, dst_t, len(nodes), weight, data, name)
-    return _with_classes(graph, g.graph.get("num_classes"))
+    return with_classes(graph, g.graph.get("num_classes"))
 
 
 def _stack_values(values: list[Any], attr: str) -> torch.Tensor:
@@ -691,8 +736,9 @@ def from_edge_list(
 
 # ------------------------------------------------------------------ anything
 def as_graph(obj: Any, name: str | None = None) -> Graph:
-    """``obj`` as a :class:`Graph`: a Graph as it is, a PyG ``Data`` or a DGL graph
-    converted (``name`` names a converted one, default ``"graph"``); TypeError otherwise."""
+    """``obj`` as a :class:`Graph`: a Graph as it is, a PyG ``Data`` / ``HeteroData`` or a
+    DGL graph converted (``name`` names a converted one, default ``"graph"``; a heterogeneous
+    one becomes a typed graph); TypeError otherwise."""
     graph_cls = _graph_class()
     if isinstance(obj, graph_cls):
         return obj
