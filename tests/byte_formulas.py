@@ -430,3 +430,61 @@ def gin_bytes(
                 bwd.add(rows_ax, "all_reduce", pr, fout * es)
                 bwd.add(rows_ax, "all_reduce", pr, fout * es)
     return fwd, bwd
+
+
+def rgcn3d_bytes(
+    shape: dict[str, int],
+    coords: dict[str, int],
+    n: int,
+    dims: list[int],
+    relations: int,
+    es: int,
+    input_grad: bool,
+    bias: bool,
+    chunks: int = 1,
+) -> tuple[Bytes, Bytes]:
+    """Forward and backward bytes of the 3D R-GCN model of ``relations`` relations on the rank
+    at ``coords``, written per relation.
+
+    Layer ℓ with roles (a, b, c) aggregates every relation's ``Â_r H`` and the root's ``H``
+    side by side, R + 1 pieces of the rank's rows × its ``fin`` features, and multiplies
+    them by the stacked weight ``[W_1; …; W_R; W_root]`` (R + 1 blocks of fin × fout,
+    flattened, split over c):
+
+    forward:  [ℓ = 0] all-gather H over c; all-reduce over a of the aggregate, each relation's
+              rows·fin and the root's rows·fin in one buffer (``chunks`` row pieces); all-gather
+              of the weight blocks over c; all-reduce of the output rows·fout over b
+    backward: the weight blocks gathered again over c; all-reduce over a of the aggregate's
+              gradient (per relation and root); reduce-scatter of the weight blocks' gradient
+              over c; H's gradient: reduce-scatter over c (ℓ = 0, only with ``input_grad``)
+              or all-reduce over c (ℓ > 0); bias: all-reduce over c
+    """
+    fwd, bwd = Bytes(), Bytes()
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        a, b, c = ROLES[layer % 3]
+        pa, pb, pc = shape[a], shape[b], shape[c]
+        rows = chunk(n, pc, coords[c])
+        cols = chunk(n, pa, coords[a])
+        fin = chunk(d_in, pb, coords[b])
+        fout = chunk(d_out, pa, coords[a])
+        per_row = sum(fin for _ in range(relations)) + fin  # relations' aggregates, root's H
+        weights = sum(fin * fout for _ in range(relations)) + fin * fout  # W_1..W_R, W_root
+        h_padded = pc * biggest(cols, pc) * fin * es
+        w_padded = pc * biggest(weights, pc) * es
+        if layer == 0:
+            fwd.add(c, "all_gather", pc, h_padded)
+        for k in range(chunks):
+            if chunk(rows, chunks, k):
+                fwd.add(a, "all_reduce", pa, chunk(rows, chunks, k) * per_row * es)
+        fwd.add(c, "all_gather", pc, w_padded)
+        fwd.add(b, "all_reduce", pb, rows * fout * es)
+        bwd.add(c, "all_gather", pc, w_padded)
+        bwd.add(a, "all_reduce", pa, rows * per_row * es)
+        bwd.add(c, "reduce_scatter", pc, w_padded)
+        if layer > 0:
+            bwd.add(c, "all_reduce", pc, cols * fin * es)
+        elif input_grad:
+            bwd.add(c, "reduce_scatter", pc, h_padded)
+        if bias:
+            bwd.add(c, "all_reduce", pc, fout * es)
+    return fwd, bwd

@@ -83,3 +83,51 @@ def check_schedule(fwd, bwd, schedule: dict, tag: str) -> None:
             want = schedule[part].get(axis, 0.0)
             if abs(got.get(axis, 0) - want) > max(1, rec.calls(axis=axis)):
                 raise AssertionError(f"{part} bytes on {axis}: {got} vs schedule {want} ({tag})")
+
+
+def small_typed_graph(seed: int = 0):
+    """A float64 typed graph of 23 nodes (odd everywhere): papers (11, 5 features, the
+    target: 3 classes, a train mask), authors (7, 3 features) and fields (5, featureless);
+    five relations, one of them (``field___tags___paper``) a single edge, and one duplicate
+    edge (``writes``), which the mean counts twice, as PyG does."""
+    from gnnpar.graph.typed import typed_graph
+
+    g = torch.Generator().manual_seed(seed)
+
+    def pairs(n_src: int, n_dst: int, m: int):
+        src = torch.randint(0, n_src, (m,), generator=g)
+        return src, torch.randint(0, n_dst, (m,), generator=g)
+
+    writes = pairs(7, 11, 14)
+    writes = (torch.cat([writes[0], writes[0][:1]]), torch.cat([writes[1], writes[1][:1]]))
+    edges = {
+        ("author", "writes", "paper"): writes,
+        ("paper", "cites", "paper"): pairs(11, 11, 19),
+        ("paper", "rev_writes", "author"): (writes[1], writes[0]),
+        ("field", "tags", "paper"): (torch.tensor([3]), torch.tensor([5])),
+        ("paper", "has_topic", "field"): pairs(11, 5, 9),
+    }
+    features = {
+        "paper": torch.randn(11, 5, generator=g, dtype=torch.float64),
+        "author": torch.randn(7, 3, generator=g, dtype=torch.float64),
+    }
+    ndata = {
+        "label": torch.randint(0, 3, (11,), generator=g),
+        "train_mask": torch.rand(11, generator=g) < 0.7,
+    }
+    return typed_graph(
+        {"paper": 11, "author": 7, "field": 5}, edges, features, "paper", ndata,
+        name="typed23", num_classes=3,
+    )  # fmt: skip
+
+
+def serial_rgcn(dims: list[int], relations: int, dropout: float = 0.0, seed: int = 0):
+    """A float64 plain R-GCN with non-trivial biases."""
+    torch.manual_seed(seed)
+    m = FullGraphGNN(
+        dims[0], dims[1], dims[-1], len(dims) - 1, dropout, kind="rgcn", num_relations=relations
+    ).double()
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.bias.normal_()
+    return m

@@ -34,8 +34,12 @@ class ShardSource(Protocol):
     num_nodes: int
     feat_dim: int
     num_classes: int
-    #: The adjacency the blocks hold (``"gcn"``, ``"mean"``, ``"raw"``;
-    #: :data:`gnnpar.models.fullgraph.model.NORMS`), or None where the source does not record it.
+    #: The adjacency the blocks hold (``"gcn"``, ``"mean"``, ``"raw"``, or
+    #: ``"mean-per-relation"`` for a typed graph's R-GCN; the one a model kind reads:
+    #: :func:`gnnpar.models.fullgraph.model.norm_of`), or None where the source does not
+    #: record it. A typed source also has ``num_relations`` and
+    #: ``relation_adjacency(relation, parity, rows, cols)``, one Â_r per relation, in place
+    #: of :meth:`adjacency` (:mod:`gnnpar.models.fullgraph.relations`).
     norm: str | None
     #: Where :attr:`norm` comes from, for the error of a model that needs another.
     norm_where: str

@@ -12,6 +12,11 @@ its owner (stage j′ multiplies Â(i, j′) by rows j′ of H); the aggregate i
 and multiplied by column block j of the replicated W. Backward streams Â again and
 reduce-scatters the gradients.
 
+A layer of several sparse operators (GraphSAGE's Â and root, R-GCN's Â_1 … Â_R and root:
+:func:`~gnnpar.models.fullgraph.parallelize.operator_blocks`) multiplies each, concatenates
+the aggregates along the features and multiplies by the stacked weight; 2D streams every
+operator's block.
+
 Both compose gnnpar's differentiable collectives, so their backward passes are the adjoints
 of their forward passes by construction. Each layer's collectives are described once, by
 :func:`rows1d_schedule` and :func:`summa_schedule`, from which the models' byte accounting
@@ -30,7 +35,7 @@ from gnnpar.comm import chunk_sizes
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.layout import chunk
-from gnnpar.models.fullgraph.parallelize import ShardedGNN
+from gnnpar.models.fullgraph.parallelize import ShardedGNN, operator_blocks
 from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse.csr import CSRBlock
@@ -39,13 +44,6 @@ from gnnpar.sparse.source import ShardSource
 
 if TYPE_CHECKING:
     from gnnpar.models.fullgraph.model import FullGraphGNN
-
-
-def _blocks(source: ShardSource, kind: str, parity: int, rows, cols) -> list[CSRBlock]:
-    out = [source.adjacency(parity, rows, cols)]
-    if kind == "sage":
-        out.append(source.root(parity, rows, cols))
-    return out
 
 
 class _ReplicatedParams(nn.Module):
@@ -95,7 +93,7 @@ class Parallel1DGNN(ShardedGNN):
         self.ops = [
             [
                 LocalSpMM(b.to(dtype=self.compute_dtype, device=self.device))
-                for b in _blocks(source, self.kind, i % 2, self.rows, (0, n))
+                for b in operator_blocks(source, self.kind, i % 2, self.rows, (0, n))
             ]
             for i in range(self.num_layers)
         ]
@@ -184,14 +182,16 @@ class Parallel2DGNN(ShardedGNN):
         n = self.num_nodes
         r, c = grid.size("x"), grid.size("y")
         i, j = grid.rank("x"), grid.rank("y")
-        self.num_ops = 2 if self.kind == "sage" else 1
+        self.num_ops = model.layers[0].num_ops
         self.row_sizes = chunk_sizes(n, r)
         self.rows = chunk(n, r, i)
         self.col_ranges = [chunk(n, c, k) for k in range(c)]
         self.own_blocks = [
             [
                 b.to(dtype=self.compute_dtype, device=self.device)
-                for b in _blocks(source, self.kind, layer % 2, self.rows, self.col_ranges[j])
+                for b in operator_blocks(
+                    source, self.kind, layer % 2, self.rows, self.col_ranges[j]
+                )
             ]
             for layer in range(self.num_layers)
         ]

@@ -36,7 +36,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class GCNProblem:
-    """A full-graph GCN (or GraphSAGE-mean, GAT, GIN) training run of ``layers`` layers.
+    """A full-graph GCN (or GraphSAGE-mean, GAT, GIN, R-GCN) training run of ``layers`` layers.
 
     ``nnz`` is the number of nonzeros of the normalised adjacency Â (stored entries, self
     loops included); :meth:`from_edges` derives it from an undirected edge count as
@@ -45,7 +45,9 @@ class GCNProblem:
     (the trainer does not need it). GAT (``model="gat"``): hidden layers have ``heads`` heads
     concatenated (a hidden width splits into them), the output layer ``out_heads`` averaged.
     ``activation_checkpointing`` ``"full"``: each layer keeps only its input and runs its
-    forward again in backward (:mod:`gnnpar.recompute`).
+    forward again in backward (:mod:`gnnpar.recompute`). R-GCN (``model="rgcn"``) has
+    ``relations`` relations, whose operators' entries add up to ``nnz`` (self loops: the root
+    operator's, one per node).
     """
 
     nodes: int
@@ -63,14 +65,19 @@ class GCNProblem:
     heads: int = 8
     out_heads: int = 1
     activation_checkpointing: str = "none"
+    relations: int = 0
 
     def __post_init__(self) -> None:
         checkpointing(self.activation_checkpointing, ("none", "full"))
         keys = ("nodes", "nnz", "features", "classes", "hidden", "layers", "element_size")
         for key in (*keys, "heads", "out_heads"):
             positive(key, getattr(self, key))
-        if self.model not in ("gcn", "sage", "gat", "gin"):
-            raise PlanError(f"model must be gcn, sage, gat or gin, got {self.model!r}")
+        if self.model not in ("gcn", "sage", "gat", "gin", "rgcn"):
+            raise PlanError(f"model must be gcn, sage, gat, gin or rgcn, got {self.model!r}")
+        if (self.model == "rgcn") != (self.relations > 0):
+            raise PlanError(
+                f"relations ({self.relations}) must be positive for rgcn and 0 for other models"
+            )
         if self.widths:
             for w in self.widths:
                 positive("width", w)
@@ -128,8 +135,17 @@ class GCNProblem:
 
     @property
     def num_ops(self) -> int:
-        """Sparse operators per layer (GraphSAGE-mean stacks the root term: 2)."""
+        """Sparse operators per layer (GraphSAGE-mean stacks the root term: 2; R-GCN one per
+        relation and the root: relations + 1)."""
+        if self.model == "rgcn":
+            return self.relations + 1
         return 2 if self.model == "sage" else 1
+
+    def operator_entries(self, nnz: float, rows: int) -> float:
+        """Stored entries of a layer's operators on a block of ``nnz`` adjacency entries and
+        ``rows`` rows: every operator's ``nnz`` (as for GraphSAGE's root), but R-GCN's
+        relations split the entries among them, and its root has one per row."""
+        return nnz + rows if self.model == "rgcn" else self.num_ops * nnz
 
 
 class LocalLayer(NamedTuple):
@@ -216,8 +232,9 @@ def gcn_compute_seconds(
     out = {"spmm": 0.0, "gemm": 0.0, "elementwise": 0.0}
     g = grid_shape(shape)
     for i, lay, rows, cols, fin, fout, nnz in gcn_local_layers(problem, shape):
-        spmm_flops = 2.0 * nnz * fin * ops
-        spmm_bytes = ops * (nnz * (8 + e) + (rows + cols) * fin * e)
+        entries = problem.operator_entries(nnz, rows)
+        spmm_flops = 2.0 * entries * fin
+        spmm_bytes = entries * (8 + e) + ops * (rows + cols) * fin * e
         one = max(spmm_flops / (machine.spmm_gflops * 1e9), stream_seconds(spmm_bytes, machine))
         passes = 2 if (i > 0 or problem.input_grad) else 1
         again = problem.activation_checkpointing == "full"  # the forward, once more

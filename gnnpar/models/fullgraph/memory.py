@@ -76,7 +76,7 @@ def gcn_memory(
             key = (i % 2, *lay.rows, *lay.cols)
             if key not in seen:
                 seen.add(key)
-                out["staging"] += ops * (nnz * 12 + rows * 8)
+                out["staging"] += problem.operator_entries(nnz, rows) * 12 + ops * rows * 8
             if i == 0:
                 out["staging"] += (lay.h_sub[1] - lay.h_sub[0]) * problem.features * 4
             # gloo stages an all-reduce it carries in a copy of its size (the transport's
@@ -87,7 +87,8 @@ def gcn_memory(
                 if g.size(axis) > 1 and not shm.segment_bytes("all_reduce", size, g.size(axis))
             )
             out["buffers"] = max(out["buffers"], float(reduced))
-        out["adjacency"] += ops * 2 * (nnz * (8 + e) + (rows + cols + 2) * 8)
+        entries = problem.operator_entries(nnz, rows)
+        out["adjacency"] += 2 * (entries * (8 + e) + ops * (rows + cols + 2) * 8)
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
         w_local = lay.w_part[1] - lay.w_part[0]

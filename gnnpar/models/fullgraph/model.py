@@ -1,11 +1,12 @@
-"""Plain full-graph GNN models: GCN, GraphSAGE (mean), GAT and GIN, serial and readable.
+"""Plain full-graph GNN models: GCN, GraphSAGE (mean), GAT, GIN and R-GCN, serial, readable.
 
 They take the (normalised) adjacency as a :class:`~gnnpar.sparse.kernels.LocalSpMM` over the
-whole graph; parallelism is applied from outside by
+whole graph (R-GCN: one per relation, :func:`~gnnpar.models.fullgraph.relations.relation_spmms`);
+parallelism is applied from outside by
 :func:`gnnpar.models.fullgraph.parallelize_fullgraph`, which reads these modules' parameters.
 Nothing here imports torch.distributed.
 
-Edge weights w enter through that adjacency, one normalisation per kind (:data:`NORMS`):
+Edge weights w enter through that adjacency, one normalisation per kind (:func:`norm_of`):
 
 - GCN: ``Â = D^-1/2 (A + I) D^-1/2`` with the weighted degrees (``"gcn"``);
 - GraphSAGE: the weighted mean ``Σ_j w_ij h_j / Σ_j w_ij`` (``"mean"``, row-normalised A);
@@ -13,7 +14,15 @@ Edge weights w enter through that adjacency, one normalisation per kind (:data:`
   loop of weight 1 where a node has none), :func:`gnnpar.sparse.attention.weigh_logits`;
 - GIN: ``(1 + ε) h_i + Σ_{j ≠ i} w_ij h_j`` over the same ``"raw"`` adjacency, its self loops
   replaced by the ε term, then the MLP ``Linear → BatchNorm → ReLU → Linear``
-  (:func:`gin_batch_norm`).
+  (:func:`gin_batch_norm`);
+- R-GCN: each relation r's weighted mean ``Σ_{j ∈ N_r(i)} w_ij h_j / Σ_{j ∈ N_r(i)} w_ij``
+  (``"mean-per-relation"``: one row-normalised Â_r per relation of a typed graph,
+  :mod:`gnnpar.models.fullgraph.relations`).
+
+A layer with several sparse operators (SAGE: Â and the identity; R-GCN: Â_1 … Â_R and the
+identity) is ``cat_k(op_k H) @ [W_1; …; W_K]``: :attr:`num_ops` operators whose weights
+:meth:`stacked_weight` stacks along the input dimension, in the operators' order, and
+:meth:`operator_keys` names (the plain state dict's keys, which checkpoints use).
 
 An unweighted graph is the graph whose weights are all 1: the same results, exactly.
 """
@@ -21,7 +30,7 @@ An unweighted graph is the graph whose weights are all 1: the same results, exac
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +61,10 @@ class GCNLayer(nn.Module):
         """Weights of every sparse operator stacked along the input dimension."""
         return self.weight
 
+    def operator_keys(self) -> list[str]:
+        """The parameter of each sparse operator's weight, in :meth:`stacked_weight`'s order."""
+        return ["weight"]
+
     def stacked_weight_grad(self) -> torch.Tensor | None:
         """Gradient of :meth:`stacked_weight`."""
         return self.weight.grad
@@ -76,6 +89,10 @@ class SAGELayer(nn.Module):
         """[W_neigh; W_root]: the operators are (row-normalised A, identity)."""
         return torch.cat([self.weight_neigh, self.weight_root], dim=0)
 
+    def operator_keys(self) -> list[str]:
+        """The parameter of each sparse operator's weight, in :meth:`stacked_weight`'s order."""
+        return ["weight_neigh", "weight_root"]
+
     def stacked_weight_grad(self) -> torch.Tensor | None:
         """Gradient of :meth:`stacked_weight`."""
         if self.weight_neigh.grad is None or self.weight_root.grad is None:
@@ -84,6 +101,97 @@ class SAGELayer(nn.Module):
 
     def forward(self, adj: LocalSpMM, h: torch.Tensor) -> torch.Tensor:  # noqa: D102
         out = spmm(adj, h) @ self.weight_neigh + h @ self.weight_root
+        return out if self.bias is None else out + self.bias
+
+
+class RGCNLayer(nn.Module):
+    """Relational GCN (Schlichtkrull et al.; PyG's ``RGCNConv`` with ``aggr="mean"``):
+    ``h_v' = W_root h_v + b + Σ_r mean_{u ∈ N_r(v)} W_r h_u``, i.e.
+    ``cat(Â_1 H, …, Â_R H, H) @ [W_1; …; W_R; W_root] + b`` with Â_r relation r's
+    row-normalised adjacency (``"mean-per-relation"``): :attr:`num_ops` = R + 1 operators,
+    the last the identity, as GraphSAGE's root term.
+
+    ``num_bases`` B (PyG's basis decomposition): ``W_r = Σ_b comp[r, b] · bases[b]``, fewer
+    parameters for many relations. Serial only: the parallel models shard the stacked
+    weight itself (:func:`~gnnpar.models.fullgraph.parallelize_fullgraph` refuses it).
+
+    The input is a typed graph's ``ndata["feat"]`` as stored, each type's features
+    left-aligned and zero-padded (:mod:`gnnpar.graph.typed`): a featureless type's rows start
+    at zero and receive their first messages in layer 1 (its bias and its in-relations). A
+    learnable embedding per featureless node, as ogbn-mag's R-GCN baselines use, is the
+    mini-batch model's business: on the full graph it would be a (nodes × width) parameter
+    sharded like the features, which this model does not have."""
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        num_relations: int,
+        bias: bool = True,
+        num_bases: int | None = None,
+    ):
+        super().__init__()
+        if num_relations < 1:
+            raise UserError(f"an R-GCN layer needs at least one relation, got {num_relations}")
+        if num_bases is not None and num_bases < 1:
+            raise UserError(f"num_bases must be at least 1 (or None), got {num_bases}")
+        self.num_relations = num_relations
+        self.num_bases = num_bases
+        #: Sparse operators: the R relations' Â_r, then the identity (the root term).
+        self.num_ops = num_relations + 1
+        if num_bases is None:
+            self.weights = nn.ParameterList(
+                nn.Parameter(_glorot((in_dim, out_dim))) for _ in range(num_relations)
+            )
+            self.bases = self.comp = None
+        else:
+            self.weights = None
+            self.bases = nn.Parameter(
+                torch.stack([_glorot((in_dim, out_dim)) for _ in range(num_bases)])
+            )
+            self.comp = nn.Parameter(_glorot((num_relations, num_bases)))
+        self.weight_root = nn.Parameter(_glorot((in_dim, out_dim)))
+        self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
+
+    def relation_weights(self) -> list[torch.Tensor]:
+        """W_1 … W_R (with bases: combined from them, differentiably)."""
+        if self.weights is not None:
+            return list(self.weights)
+        flat = self.comp @ self.bases.reshape(self.bases.shape[0], -1)
+        return list(flat.view(self.num_relations, *self.bases.shape[1:]).unbind(0))
+
+    def stacked_weight(self) -> torch.Tensor:
+        """[W_1; …; W_R; W_root]: the operators are (Â_1, …, Â_R, identity)."""
+        return torch.cat([*self.relation_weights(), self.weight_root], dim=0)
+
+    def stacked_weight_grad(self) -> torch.Tensor | None:
+        """Gradient of :meth:`stacked_weight` (None with bases: the stack is not a
+        parameter then)."""
+        if self.weights is None:
+            return None
+        grads = [w.grad for w in self.weights] + [self.weight_root.grad]
+        if any(g is None for g in grads):
+            return None
+        return torch.cat(grads, dim=0)
+
+    def operator_keys(self) -> list[str]:
+        """The parameter of each sparse operator's weight, in :meth:`stacked_weight`'s order
+        (``weights.0`` … ``weights.{R-1}``, ``weight_root``); bases have none."""
+        if self.weights is None:
+            raise UserError(
+                "an R-GCN layer with num_bases has no weight per relation to shard: leave "
+                "num_bases unset"
+            )
+        return [f"weights.{r}" for r in range(self.num_relations)] + ["weight_root"]
+
+    def forward(self, adjs: Sequence[LocalSpMM], h: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if len(adjs) != self.num_relations:
+            raise UserError(
+                f"an R-GCN layer of {self.num_relations} relations got {len(adjs)} operators"
+            )
+        out = h @ self.weight_root
+        for adj, w in zip(adjs, self.relation_weights(), strict=True):
+            out = out + spmm(adj, h) @ w
         return out if self.bias is None else out + self.bias
 
 
@@ -228,18 +336,38 @@ def gin_aggregate(
     return out.index_add(0, root[0], (1 + eps) * z_self[root[1]])
 
 
-ACTIVATIONS = {"gcn": torch.relu, "sage": torch.relu, "gat": F.elu, "gin": torch.relu}
+ACTIVATIONS = {
+    "gcn": torch.relu, "sage": torch.relu, "gat": F.elu, "gin": torch.relu, "rgcn": torch.relu,
+}  # fmt: skip
 """The nonlinearity between layers of each kind (ELU for GAT, as in its paper)."""
 
 NORMS = {"gcn": "gcn", "sage": "mean", "gat": "raw", "gin": "raw"}
-"""The adjacency each kind reads (the ``norm`` of :func:`gnnpar.sparse.prepare_shards`):
-``"gcn"`` D^-1/2 (A + I) D^-1/2, ``"mean"`` row-normalised A, ``"raw"`` A + I with the edge
-weights as they are (:meth:`~gnnpar.graph.Graph.weighted_self_loops`)."""
+"""The adjacency each kind of one adjacency reads (the ``norm`` of
+:func:`gnnpar.sparse.prepare_shards`): ``"gcn"`` D^-1/2 (A + I) D^-1/2, ``"mean"``
+row-normalised A, ``"raw"`` A + I with the edge weights as they are
+(:meth:`~gnnpar.graph.Graph.weighted_self_loops`)."""
+
+RELATION_NORMS = {"rgcn": "mean-per-relation"}
+"""The kinds that read one adjacency per relation of a typed graph, and its normalisation:
+``"mean-per-relation"``, each relation's row-normalised Â_r
+(:mod:`gnnpar.models.fullgraph.relations`)."""
+
+
+def norm_of(kind: str) -> str:
+    """The normalisation a model of ``kind`` reads (:data:`NORMS`, :data:`RELATION_NORMS`)."""
+    norms = {**NORMS, **RELATION_NORMS}
+    if kind not in norms:
+        raise UserError(f"unknown full-graph model {kind!r}; use one of {list(norms)}")
+    return norms[kind]
 
 
 class FullGraphGNN(nn.Module):
-    """A stack of GCN, SAGE, GAT or GIN layers with index-seeded dropout and the kind's
+    """A stack of GCN, SAGE, GAT, GIN or R-GCN layers with index-seeded dropout and the kind's
     nonlinearity (:data:`ACTIVATIONS`) between them.
+
+    R-GCN (``kind="rgcn"``): ``num_relations`` relations (required), optionally
+    ``num_bases`` (:class:`RGCNLayer`); its ``adj`` is the sequence of the relations'
+    operators Â_1 … Â_R.
 
     GAT: ``hidden`` is the width of a hidden layer, ``heads`` heads of ``hidden / heads``
     features concatenated; the output layer averages ``out_heads`` heads of ``out_dim``;
@@ -259,6 +387,8 @@ class FullGraphGNN(nn.Module):
         out_heads: int = 1,
         attn_dropout: float = 0.0,
         batch_norm: bool = True,
+        num_relations: int | None = None,
+        num_bases: int | None = None,
     ):
         super().__init__()
         if num_layers < 1:
@@ -285,6 +415,13 @@ class FullGraphGNN(nn.Module):
             self.layers = nn.ModuleList(
                 GINLayer(dims[i], dims[i + 1], bias, batch_norm) for i in range(num_layers)
             )
+        elif kind == "rgcn":
+            if num_relations is None:
+                raise UserError("an rgcn model needs num_relations (the typed graph's relations)")
+            self.layers = nn.ModuleList(
+                RGCNLayer(dims[i], dims[i + 1], num_relations, bias, num_bases)
+                for i in range(num_layers)
+            )
         else:
             layer_cls = {"gcn": GCNLayer, "sage": SAGELayer}[kind]
             self.layers = nn.ModuleList(
@@ -301,10 +438,14 @@ class FullGraphGNN(nn.Module):
         return ACTIVATIONS[self.kind](h)
 
     def forward(
-        self, adj: LocalSpMM, x: torch.Tensor, dropout_seed: int | None = None
+        self,
+        adj: LocalSpMM | Sequence[LocalSpMM],
+        x: torch.Tensor,
+        dropout_seed: int | None = None,
     ) -> torch.Tensor:
-        """Logits for every node. ``dropout_seed`` (e.g. derived from the epoch) turns
-        dropout on; the same seed draws the same masks on any grid."""
+        """Logits for every node (``adj``: the normalised adjacency, or for R-GCN the
+        relations' Â_1 … Â_R). ``dropout_seed`` (e.g. derived from the epoch) turns dropout
+        on; the same seed draws the same masks on any grid."""
         rows = torch.arange(x.shape[0])
         h = x
         for i, layer in enumerate(self.layers):
@@ -361,3 +502,21 @@ def GIN(  # noqa: N802
     return FullGraphGNN(
         in_dim, hidden, out_dim, num_layers, dropout, kind="gin", batch_norm=batch_norm
     )
+
+
+def RGCN(  # noqa: N802
+    in_dim: int,
+    hidden: int,
+    out_dim: int,
+    num_relations: int,
+    num_layers: int = 2,
+    dropout: float = 0.5,
+    num_bases: int | None = None,
+):
+    """Full-graph R-GCN (Schlichtkrull et al., mean aggregation per relation; use with the
+    relations' row-normalised adjacencies, :func:`gnnpar.models.fullgraph.relations.relation_spmms`
+    or the ``"mean-per-relation"`` shards)."""
+    return FullGraphGNN(
+        in_dim, hidden, out_dim, num_layers, dropout, kind="rgcn",
+        num_relations=num_relations, num_bases=num_bases,
+    )  # fmt: skip

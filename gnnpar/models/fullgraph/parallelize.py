@@ -1,5 +1,5 @@
 """Apply 3D (Plexus) parallelism from outside to a plain full-graph GCN / GraphSAGE / GAT /
-GIN model (GAT and GIN: :mod:`gnnpar.models.fullgraph.gat`).
+GIN / R-GCN model (GAT and GIN: :mod:`gnnpar.models.fullgraph.gat`).
 
 >>> par = parallelize_fullgraph(model, grid, source)
 >>> x = par.input_features()          # this rank's shard of the input features
@@ -8,6 +8,12 @@ GIN model (GAT and GIN: :mod:`gnnpar.models.fullgraph.gat`).
 
 Each rank holds only its blocks of Â, of the features, of the activations and of the
 weights; the plain model's parameters are read once to cut the weight shards.
+
+A layer multiplies the sparse operators of its kind (:func:`operator_blocks`): GCN Â,
+GraphSAGE (Â, identity), R-GCN (Â_1, …, Â_R, identity), one per relation of a typed graph
+(:mod:`gnnpar.models.fullgraph.relations`); their aggregates are concatenated and multiplied
+by the stacked weight, so every grid algorithm and its schedule take R-GCN as a layer of
+R + 1 operators.
 
 **Mixed precision** (``compute_dtype=torch.bfloat16``, the ``mixed_precision = "bf16"`` of
 the ``gcn`` task): the parameters (masters) stay in ``dtype`` (float32) and are what the
@@ -45,6 +51,7 @@ from gnnpar.models.fullgraph.plexus import layer_schedule, plexus_layer
 from gnnpar.models.fullgraph.schedule import Step, bytes_by_phase
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.recompute import recompute
+from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM
 from gnnpar.sparse.source import ShardSource
 
@@ -64,6 +71,31 @@ def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_ops: int) -> torch.T
 
 
 COMPUTE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def operator_blocks(
+    source: ShardSource, kind: str, parity: int, rows: tuple[int, int], cols: tuple[int, int]
+) -> list[CSRBlock]:
+    """Block ``rows × cols`` (of the order pair ``parity``) of every sparse operator a layer
+    of ``kind`` multiplies, in the order its stacked weight stacks their weights: Â (gcn),
+    (Â, root) (sage), (Â_1, …, Â_R, root) (rgcn: each relation's operator, read with the
+    source's ``relation_adjacency``). The root is the permutation between the two orders
+    (the identity in node ids)."""
+    if kind == "rgcn":
+        out = [
+            source.relation_adjacency(r, parity, rows, cols)  # type: ignore[attr-defined]
+            for r in range(num_relations_of(source))
+        ]
+    else:
+        out = [source.adjacency(parity, rows, cols)]
+    if kind in ("sage", "rgcn"):
+        out.append(source.root(parity, rows, cols))
+    return out
+
+
+def num_relations_of(source: ShardSource) -> int:
+    """Relations whose operators ``source`` holds (0: an untyped source)."""
+    return int(getattr(source, "num_relations", 0) or 0)
 
 
 class ShardedGNN(nn.Module):
@@ -120,6 +152,11 @@ class ShardedGNN(nn.Module):
         # Shards are read on the host (memory-mapped files) and live on the grid's device.
         self.device = grid.device
         self._gather_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # the plain model's parameter of each operator's weight, per layer (checkpoints)
+        self._operator_keys = [
+            layer.operator_keys() if hasattr(layer, "operator_keys") else ["weight"]
+            for layer in model.layers
+        ]
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of one forward and one backward pass on this rank (each layer's
@@ -228,7 +265,7 @@ class ShardedGNN(nn.Module):
     def plain_keys(self, layer: int) -> tuple[list[str], str | None]:
         """State-dict keys of ``layer`` in the plain model: one weight per sparse operator (in
         the order they are stacked), and the bias (None without one)."""
-        ops = ["weight"] if self.kind == "gcn" else ["weight_neigh", "weight_root"]
+        ops = self._operator_keys[layer]
         bias = f"layers.{layer}.bias" if self.has_bias else None
         return [f"layers.{layer}.{k}" for k in ops], bias
 
@@ -363,9 +400,12 @@ class Parallel3DGNN(ShardedGNN):
         for i, num_ops in enumerate(self._num_ops):
             lay = layout3d(self.grid, i, n, dims[i], dims[i + 1], num_ops=num_ops)
             parity = i % 2
-            blocks = [source.adjacency(parity, lay.rows, lay.cols)]
-            if num_ops == 2:
-                blocks.append(source.root(parity, lay.rows, lay.cols))
+            blocks = operator_blocks(source, self.kind, parity, lay.rows, lay.cols)
+            if len(blocks) != num_ops:
+                raise UserError(
+                    f"layer {i} stacks {num_ops} operators' weights, the source gives "
+                    f"{len(blocks)} operators"
+                )
             ops = [
                 LocalSpMM(b.to(dtype=self.compute_dtype, device=self.device)).row_chunks(
                     self.overlap_chunks
@@ -487,18 +527,41 @@ class Parallel3DGNN(ShardedGNN):
 ALGORITHMS = ("3d", "2d", "1d")
 
 
-def check_norm(kind: str, source: ShardSource) -> None:
-    """A model of ``kind`` reads the adjacency :data:`~gnnpar.models.fullgraph.model.NORMS` names;
-    a source
-    recording another is refused in one line naming where it is recorded (e.g. a shard
-    folder of GCN-normalised values, which have lost the edge weights GAT and GIN read)."""
-    from gnnpar.models.fullgraph.model import NORMS
-
-    norm = getattr(source, "norm", None)
-    if norm is not None and norm != NORMS[kind]:
+def check_relations(model: FullGraphGNN, source: ShardSource) -> None:
+    """An R-GCN reads a source of as many relations as it has, and shards a weight per
+    relation: one UserError otherwise. Bases (``num_bases``) are refused: each rank keeps
+    its piece of the stacked weight [W_1; …; W_R; W_root] as a parameter, whereas
+    W_r = Σ_b comp[r, b]·V_b ties every relation's blocks to shared bases, whose coefficients'
+    gradient would sum over every rank's blocks (another reduction, another schedule).
+    (:func:`check_norm` refuses a per-relation source to the other kinds.)"""
+    if model.kind != "rgcn":
+        return
+    have, layer = num_relations_of(source), model.layers[0]
+    if layer.num_bases is not None:
         raise UserError(
-            f"{source.norm_where} is {norm!r}, but a {kind} model reads the {NORMS[kind]!r} "
-            f"adjacency: prepare the shards with norm={NORMS[kind]!r}"
+            "num_bases: the parallel R-GCN shards the stacked weight [W_1; …; W_R; W_root] "
+            "itself, whose bases would need a reduction of their own; leave num_bases unset"
+        )
+    if have != layer.num_relations:
+        where = getattr(source, "norm_where", "the source")
+        raise UserError(
+            f"the rgcn model has {layer.num_relations} relations, {where} holds operators of "
+            f"{have}: prepare the shards of the typed graph with norm='mean-per-relation'"
+        )
+
+
+def check_norm(kind: str, source: ShardSource) -> None:
+    """A model of ``kind`` reads the adjacency :func:`~gnnpar.models.fullgraph.model.norm_of`
+    names; a source recording another is refused in one line naming where it is recorded
+    (e.g. a shard folder of GCN-normalised values, which have lost the edge weights GAT and
+    GIN read, or an untyped folder for an R-GCN)."""
+    from gnnpar.models.fullgraph.model import norm_of
+
+    norm, want = getattr(source, "norm", None), norm_of(kind)
+    if norm is not None and norm != want:
+        raise UserError(
+            f"{source.norm_where} is {norm!r}, but a {kind} model reads the {want!r} "
+            f"adjacency: prepare the shards with norm={want!r}"
         )
 
 
@@ -522,6 +585,7 @@ def parallelize_fullgraph(
     are then averaged over data by :func:`gnnpar.shard.shard`. A full graph has no batch to
     split over data, so it is refused by default."""
     check_norm(model.kind, source)
+    check_relations(model, source)
     if data_parallel and (algorithm != "3d" or model.kind not in ("gcn", "sage")):
         raise UserError(
             f"data_parallel takes the 3d algorithm and a gcn or sage model, not "

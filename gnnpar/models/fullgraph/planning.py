@@ -52,15 +52,17 @@ def fullgraph_epoch_bytes(
     """Bytes per axis that rank 0 moves in one forward + backward pass of a 3D full-graph
     model with feature widths ``dims`` (biases included, the loss's few scalars not);
     ``model`` (default: gcn, or sage for 2 operators) and GAT's (hidden, output) ``heads``."""
+    model = model or ("sage" if num_ops == 2 else "gcn")
     problem = GCNProblem.from_widths(
         num_nodes,
         1,
         list(dims),
-        model=model or ("sage" if num_ops == 2 else "gcn"),
+        model=model,
         element_size=element_size,
         bias=bias,
         heads=heads[0],
         out_heads=heads[1],
+        relations=num_ops - 1 if model == "rgcn" else 0,
     )
     colls = gcn_collectives(problem, {"data": 1, **shape}, loss=False)
     out = {"x": 0.0, "y": 0.0, "z": 0.0}
@@ -89,9 +91,10 @@ def choose_fullgraph_grid(
     that fits (:func:`rank_gcn`; what ``gnnpar plan gcn`` ranks first). Without: the shape
     with the fewest bytes per epoch; ties go to the shape whose busiest axis moves least, then
     to x before y before z. 2D (SUMMA): the squarest x·y; 1D: x = ``world``. ``model``
-    (default: gcn, or sage for 2 operators) and GAT's (hidden, output) ``heads`` pick the
-    layers' schedules and memory, ``activation_checkpointing`` (none or full) the memory,
-    compute and bytes of the recompute.
+    (default: gcn, or sage for 2 operators; rgcn: ``num_ops`` is its relations + 1) and GAT's
+    (hidden, output) ``heads`` pick the layers' schedules and memory,
+    ``activation_checkpointing`` (none or full) the memory, compute and bytes of the
+    recompute.
     """
     model = model or ("sage" if num_ops == 2 else "gcn")
     if algorithm == "2d":
@@ -113,6 +116,7 @@ def choose_fullgraph_grid(
             heads=heads[0],
             out_heads=heads[1],
             activation_checkpointing=activation_checkpointing,
+            relations=num_ops - 1 if model == "rgcn" else 0,
         )
         best = best_shape(rank_gcn(problem, world, machine), "graph")
         return {a: best[a] for a in ("x", "y", "z")}
@@ -150,9 +154,11 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
         "out_heads": cfg.out_heads,
         "activation_checkpointing": cfg.activation_checkpointing,
     }
+    if cfg.model == "rgcn" and sizes_given:
+        raise PlanError("an rgcn plan needs --dataset (a typed graph: its relations)")
     if not sizes_given:
         presets = gcn_datasets()
-        if cfg.dataset in presets and not cfg.dataset_options:
+        if cfg.dataset in presets and not cfg.dataset_options and cfg.model != "rgcn":
             d = presets[cfg.dataset]
             return GCNProblem.from_edges(
                 d["nodes"],
@@ -170,12 +176,15 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
                 f"cannot load dataset {cfg.dataset!r} ({err}); sizes are built in for {known}, "
                 "or give --nodes, --edges, --features and --classes"
             ) from None
+        if cfg.model == "rgcn" and graph.types is None:
+            raise PlanError(f"rgcn reads a typed graph's relations; {cfg.dataset!r} has none")
         return GCNProblem(
             nodes=graph.num_nodes,
             nnz=graph.num_edges + graph.num_nodes,
             features=graph.feat.shape[1],
             classes=graph.num_classes,
             name=cfg.dataset,
+            relations=graph.types.num_relations if cfg.model == "rgcn" else 0,
             **common,
         )
     missing = [

@@ -17,6 +17,12 @@ backward (OUT's gradient is the same on every rank of b, as OUT is replicated th
     gW   = reduce-scatter_c(AGGᵀ @ gOUT)          (async)
     gH   = Âᵀ_local @ gAGG, then reduce-scatter_c (first layer) or all-reduce_c
 
+A layer of several sparse operators ``op_1 … op_K`` (``ops``; GraphSAGE: Â and the root,
+R-GCN: each relation's Â_r and the root, K = R + 1) aggregates ``AGG = cat_k(op_k @ H)``,
+K·F wide, and multiplies it by the stacked weight ``[W_1; …; W_K]``: the all-reduces of AGG
+and of its gradient carry ``rows · F`` elements per operator (per relation), the weight's
+gathers and gradient ``K · F · F′``; everything else is the one-operator layer's.
+
 The collectives of one layer are described once, by :func:`layer_schedule`: the model's
 byte accounting and the planner's communication model both come from it.
 """
@@ -124,6 +130,9 @@ def layer_schedule(
     """The collectives of one forward and backward of the 3D layer ``lay`` (with its bias,
     whose gradient is all-reduced over the depth axis), as the rank of ``lay`` runs them:
     the one description of this layer's traffic (see :mod:`gnnpar.models.fullgraph.schedule`).
+    ``num_ops`` is the layer's sparse operators K (1: GCN; 2: GraphSAGE; R + 1: R-GCN of R
+    relations), whose aggregates the all-reduces of AGG and dAGG carry side by side (K·F
+    wide) and whose weights the W gathers and dW reduce-scatter carry stacked (K·F × F′).
     ``chunks`` is the forward aggregate's row chunks (``overlap_chunks``)."""
     a, b, c = lay.outer, lay.inner, lay.depth
     pa, pb, pc = grid.size(a), grid.size(b), grid.size(c)
@@ -138,8 +147,9 @@ def layer_schedule(
     if input_split:
         out += step(fw, c, "all_gather", pc, h_full, f"{tag} gather H")
     pieces = [r for r in chunk_sizes(rows, chunks) if r] if chunks > 1 else [rows]
+    agg = "A·H" if num_ops == 1 else f"cat(A_k·H, k < {num_ops})"
     for k, piece in enumerate(pieces):
-        what = f"{tag} AGG = A·H" + (f" (chunk {k})" if len(pieces) > 1 else "")
+        what = f"{tag} AGG = {agg}" + (f" (chunk {k})" if len(pieces) > 1 else "")
         out += step(fw, a, "all_reduce", pa, piece * num_ops * fin, what)
     out += step(fw, c, "all_gather", pc, w_full, f"{tag} gather W")
     out += step(fw, b, "all_reduce", pb, rows * fout, f"{tag} OUT = AGG·W")

@@ -7,7 +7,7 @@ the features, labels and masks); blocks of a different grid are merged, as Plexu
 the runtime grid need not match the grid the files were cut for.
 
 The folder is a verified folder (:mod:`gnnpar.verified`, schema ``"gnnpar.shards"``,
-version 2); every array is a ``.npy`` file, memory-mappable::
+version 2, or 3 for a typed graph's); every array is a ``.npy`` file, memory-mappable::
 
     manifest.json                                written last: schema, version, files, meta
     adj0/r{i}_c{j}.{indptr,indices,values}.npy   Â₁ = P·Â·P₂ᵀ, file block (i, j)
@@ -16,19 +16,35 @@ version 2); every array is a ``.npy`` file, memory-mappable::
     node/{name}.{0,1}.npy                        label, train_mask, ... in order 0 and 1
     perm.{0,1}.npy, inv.{0,1}.npy                order o: position of node v / node at position
 
+**Typed graphs** (version 3, ``norm = "mean-per-relation"``: R-GCN's operators,
+:mod:`gnnpar.models.fullgraph.relations`): instead of ``adj{0,1}/r{i}_c{j}`` the folder holds
+one adjacency per relation r (its index in ``meta.relations``), cut into the same file
+blocks and permuted with the same P and P₂ as everything else::
+
+    adj0/rel{r}/r{i}_c{j}.{indptr,indices,values}.npy   Â_r,₁ = P·Â_r·P₂ᵀ, file block (i, j)
+    adj1/rel{r}/r{i}_c{j}.{indptr,indices,values}.npy   Â_r,₂ = P₂·Â_r·Pᵀ
+
+with the typed graph's padded ``feat`` and its target type's node data as any graph's. An
+untyped folder stays version 2, byte for byte what it was; this version reads both, and an
+older gnnpar refuses a typed folder by its version.
+
 ``files`` lists every array with its size and XXH3-64 checksum. ``meta`` fields:
 
-- ``name`` (str), ``norm`` (``"gcn"``, ``"mean"`` or ``"raw"``): the graph and the adjacency
-  the values hold (:data:`gnnpar.models.fullgraph.model.NORMS`: the one each model kind reads;
-  ``"raw"`` holds
-  the edge weights themselves, GAT's and GIN's).
-- ``num_nodes``, ``num_edges`` (int), ``feat_dim``, ``num_classes`` (int).
+- ``name`` (str), ``norm`` (``"gcn"``, ``"mean"``, ``"raw"`` or ``"mean-per-relation"``): the
+  graph and the adjacency the values hold (:func:`gnnpar.models.fullgraph.model.norm_of`: the
+  one each model kind reads; ``"raw"`` holds the edge weights themselves, GAT's and GIN's;
+  ``"mean-per-relation"`` each relation's row-normalised Â_r, R-GCN's).
+- ``num_nodes``, ``num_edges`` (int: stored entries of Â, of all the relations' Â_r together
+  in a typed folder), ``feat_dim`` (the padded width), ``num_classes`` (int).
+- typed folders only: ``relations`` (list of ``[src type, relation, dst type]``, in the
+  graph's relation order) and ``relation_edges`` (list of int: each Â_r's entries).
 - ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"``, ``"symmetric"`` or
   ``"none"``) and its ``seed`` (int).
 - ``row_bounds``, ``col_bounds`` (lists of R+1 / C+1 ints): file-block boundaries.
 - ``node_data`` (list of str): names under ``node/``.
 - ``source`` (provenance, :func:`shard_provenance`): ``graph`` (the source graph's
-  :meth:`~gnnpar.graph.Graph.fingerprint`), ``norm``, ``blocks``, ``permutation``, ``seed``.
+  :meth:`~gnnpar.graph.Graph.fingerprint`, which covers a typed graph's types and each edge's
+  relation), ``norm``, ``blocks``, ``permutation``, ``seed``.
 
 The manifest's ``meta_xxh3_64`` seals the meta table (:func:`gnnpar.verified.meta_digest`), so
 an edited value is an error like a changed file.
@@ -45,6 +61,9 @@ Example::
     prepare_shards(graph, "shards/citeseer", norm="gcn", blocks=(4, 4), seed=0)
     source = DiskSource("shards/citeseer")
     block = source.adjacency(0, rows=(0, 100), cols=(0, 3327))
+
+    prepare_shards(mag, "shards/mag", norm="mean-per-relation", blocks=(4, 4))
+    block = DiskSource("shards/mag").relation_adjacency(2, 0, rows=(0, 100), cols=(0, 500))
 """
 
 from __future__ import annotations
@@ -57,6 +76,7 @@ import torch
 
 from gnnpar.errors import UserError
 from gnnpar.models.fullgraph.layout import chunk
+from gnnpar.models.fullgraph.relations import RELATION_NORM, relation_adjacencies
 from gnnpar.sparse import csr
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.source import inverse, make_permutations, root_block
@@ -76,8 +96,10 @@ from gnnpar.verified import (
 
 __all__ = [
     "SCHEMA",
+    "TYPED_VERSION",
     "VERIFY_LEVELS",
     "VERSION",
+    "VERSIONS",
     "DiskSource",
     "OldShardFolderError",
     "ShardFormatError",
@@ -88,6 +110,10 @@ __all__ = [
 
 SCHEMA = "gnnpar.shards"
 VERSION = 2
+#: The version of a typed graph's folder (one adjacency per relation).
+TYPED_VERSION = 3
+#: The versions this gnnpar reads.
+VERSIONS = (VERSION, TYPED_VERSION)
 VERIFY_LEVELS = LEVELS
 """``verify`` levels of :class:`DiskSource` (those of :meth:`Manifest.verify`)."""
 
@@ -125,8 +151,8 @@ def _save(root: Path, rel: str, array: np.ndarray, files: dict) -> None:
     files[rel] = save_npy(root / rel, array)
 
 
-NORMALISATIONS = ("gcn", "mean", "raw")
-"""The ``norm`` values a shard folder may hold (:data:`gnnpar.models.fullgraph.model.NORMS`)."""
+NORMALISATIONS = ("gcn", "mean", "raw", RELATION_NORM)
+"""The ``norm`` values a shard folder may hold (:func:`gnnpar.models.fullgraph.model.norm_of`)."""
 
 
 def _normalised(graph, norm: str):
@@ -136,6 +162,13 @@ def _normalised(graph, norm: str):
         return graph.row_normalize()
     if norm == "raw":
         return graph.weighted_self_loops()
+    if norm == RELATION_NORM:  # the operators are the relations' (relation_adjacencies)
+        if graph.types is None:
+            raise UserError(
+                f"norm {RELATION_NORM!r} needs a typed graph (one adjacency per relation); "
+                f"{graph.name!r} has no relations"
+            )
+        return graph
     raise UserError(f"unknown normalisation {norm!r}; use one of {', '.join(NORMALISATIONS)}")
 
 
@@ -152,7 +185,8 @@ def prepare_shards(
     chunk_edges: int | None = None,
 ) -> Path:
     """Normalise ``graph`` (``norm``: ``"gcn"`` for Â = D^-1/2 (A+I) D^-1/2, ``"mean"`` for
-    row-normalised A, ``"raw"`` for A + I with the edge weights as they are), permute it
+    row-normalised A, ``"raw"`` for A + I with the edge weights as they are,
+    ``"mean-per-relation"`` for a typed graph's Â_r of every relation), permute it
     (``permutation``: ``"random"`` as Plexus, ``"balanced"`` degree-aware over the file
     blocks, ``"balanced-local"`` the same blocks with a locality order inside each, or
     ``"none"``) and write the shard folder ``out`` atomically (a temporary sibling renamed
@@ -164,9 +198,19 @@ def prepare_shards(
     ``memory_limit`` (bytes) or ``chunk_edges``, the edges are streamed (:func:`_fill_streamed`):
     the process keeps per-node arrays (about 60 bytes a node) and one chunk of
     ``chunk_edges`` edges (by default as many as ``memory_limit`` allows); the folder is the
-    same, byte for byte, as the one written from memory."""
+    same, byte for byte, as the one written from memory. ``"mean-per-relation"`` is prepared
+    in memory only (a graph folder is loaded)."""
     out = Path(out)
     check_output(out, SCHEMA, overwrite, (graph,) if isinstance(graph, (str, Path)) else ())
+    if norm == RELATION_NORM and (memory_limit is not None or chunk_edges is not None):
+        raise UserError(
+            f"norm {RELATION_NORM!r} (R-GCN's operators) is prepared in memory: drop "
+            "memory_limit and chunk_edges"
+        )
+    if norm == RELATION_NORM and isinstance(graph, (str, Path)):
+        from gnnpar.data.storage import load_graph
+
+        graph = load_graph(graph)
     if isinstance(graph, (str, Path)) or memory_limit is not None or chunk_edges is not None:
         return _prepare_streamed(
             graph, out, norm, blocks, seed, permutation, overwrite, memory_limit, chunk_edges
@@ -179,7 +223,16 @@ def prepare_shards(
     if r_parts < 1 or c_parts < 1:
         raise UserError(f"file blocks must be positive, got {blocks}")
     source = shard_provenance(fingerprint or graph.fingerprint(), norm, blocks, seed, permutation)
-    values = g.edge_weight.to(torch.float32)
+    typed = norm == RELATION_NORM
+    # each operator (its folder under adj{parity}/, its CSR): Â, or every relation's Â_r
+    if typed:
+        operators = [
+            (f"rel{r}/", ip, ix, v.to(torch.float32))
+            for r, (ip, ix, v) in enumerate(relation_adjacencies(graph))
+        ]
+    else:
+        operators = [("", g.indptr, g.indices, g.edge_weight.to(torch.float32))]
+    # one node permutation for every operator: the homogeneous view's
     p, p2 = make_permutations(permutation, g.indptr, g.indices, seed, max(r_parts, c_parts))
     inv = (p2, p)  # order o: node at each position (order 0 uses P₂)
     perms = (inverse(p2), inverse(p))  # order o: position of each node
@@ -189,20 +242,21 @@ def prepare_shards(
     def fill(tmp: Path) -> None:
         files: dict[str, dict[str, Any]] = {}
         for parity, (rp, cp) in enumerate(((perms[1], perms[0]), (perms[0], perms[1]))):
-            a = csr.permute(g.indptr, g.indices, values, rp, cp)
-            for i in range(r_parts):
-                for j in range(c_parts):
-                    b = csr.select(
-                        a.indptr,
-                        a.indices,
-                        a.values,
-                        (row_bounds[i], row_bounds[i + 1]),
-                        (col_bounds[j], col_bounds[j + 1]),
-                    )
-                    stem = f"adj{parity}/r{i}_c{j}"
-                    _save(tmp, f"{stem}.indptr.npy", b.indptr.numpy(), files)
-                    _save(tmp, f"{stem}.indices.npy", b.indices.numpy(), files)
-                    _save(tmp, f"{stem}.values.npy", b.values.numpy(), files)
+            for sub, indptr, indices, values in operators:
+                a = csr.permute(indptr, indices, values, rp, cp)
+                for i in range(r_parts):
+                    for j in range(c_parts):
+                        b = csr.select(
+                            a.indptr,
+                            a.indices,
+                            a.values,
+                            (row_bounds[i], row_bounds[i + 1]),
+                            (col_bounds[j], col_bounds[j + 1]),
+                        )
+                        stem = f"adj{parity}/{sub}r{i}_c{j}"
+                        _save(tmp, f"{stem}.indptr.npy", b.indptr.numpy(), files)
+                        _save(tmp, f"{stem}.indices.npy", b.indices.numpy(), files)
+                        _save(tmp, f"{stem}.values.npy", b.values.numpy(), files)
         _save(tmp, "feat.npy", graph.feat.to(torch.float32)[inv[0]].numpy(), files)
         names = []
         for name, arr in graph.ndata.items():
@@ -215,11 +269,15 @@ def prepare_shards(
             _save(tmp, f"perm.{o}.npy", perms[o].numpy(), files)
             _save(tmp, f"inv.{o}.npy", inv[o].numpy(), files)
         classes = int(graph.num_classes) if graph.label is not None else 0
+        entries = [int(op[2].numel()) for op in operators]
         meta = _manifest_meta(
-            graph.name, norm, n, int(g.num_edges), int(graph.feat.shape[1]), classes, seed,
+            graph.name, norm, n, sum(entries), int(graph.feat.shape[1]), classes, seed,
             permutation, row_bounds, col_bounds, names, source,
         )  # fmt: skip
-        write_manifest(tmp, SCHEMA, VERSION, files, meta)
+        if typed:
+            meta["relations"] = [list(r) for r in graph.types.relations]
+            meta["relation_edges"] = entries
+        write_manifest(tmp, SCHEMA, TYPED_VERSION if typed else VERSION, files, meta)
 
     write_folder(out, fill, overwrite, schema=SCHEMA)
     return out
@@ -593,7 +651,7 @@ def _check_bounds(bounds: Any, n: int) -> bool:
     )
 
 
-def _check_meta(meta: dict[str, Any], where: Path) -> None:
+def _check_meta(meta: dict[str, Any], where: Path, version: int = VERSION) -> None:
     """FormatError naming the first field of ``meta`` that is missing or of a wrong type."""
     for key in _INT_FIELDS:
         if not _is_int(meta.get(key)) or meta[key] < 0:
@@ -614,6 +672,42 @@ def _check_meta(meta: dict[str, Any], where: Path) -> None:
         raise ShardFormatError(f"{where}: meta field 'node_data' must be a list of names")
     if not isinstance(meta.get("source"), dict):
         raise ShardFormatError(f"{where}: meta field 'source' (provenance) is missing")
+    _check_relations(meta, version, where)
+
+
+def _check_relations(meta: dict[str, Any], version: int, where: Path) -> None:
+    """A typed folder (version 3, ``mean-per-relation``) lists its relations and their
+    entries; an untyped one (version 2) neither."""
+    typed = meta["norm"] == RELATION_NORM
+    if typed != (version == TYPED_VERSION) or typed != ("relations" in meta):
+        raise ShardFormatError(
+            f"{where}: version {version} with norm {meta['norm']!r} and "
+            f"{'a' if 'relations' in meta else 'no'} meta field 'relations': a typed folder is "
+            f"version {TYPED_VERSION}, norm {RELATION_NORM!r}, with relations; others neither"
+        )
+    if not typed:
+        return
+    rels, counts = meta["relations"], meta.get("relation_edges")
+    if (
+        not isinstance(rels, list)
+        or not rels
+        or not all(
+            isinstance(r, list) and len(r) == 3 and all(isinstance(t, str) for t in r) for r in rels
+        )
+    ):
+        raise ShardFormatError(
+            f"{where}: meta field 'relations' must be a non-empty list of [src, relation, dst]"
+        )
+    if (
+        not isinstance(counts, list)
+        or len(counts) != len(rels)
+        or not all(_is_int(c) and c >= 0 for c in counts)
+        or sum(counts) != meta["num_edges"]
+    ):
+        raise ShardFormatError(
+            f"{where}: meta field 'relation_edges' must list each relation's entries "
+            "(non-negative integers summing to num_edges)"
+        )
 
 
 def read_shard_manifest(path: str | Path) -> Manifest:
@@ -626,12 +720,12 @@ def read_shard_manifest(path: str | Path) -> Manifest:
             f"{path}: written by an older gnnpar (meta.json, no {MANIFEST}): prepare it again"
         )
     try:
-        manifest = read_manifest(path, SCHEMA, (VERSION,))
+        manifest = read_manifest(path, SCHEMA, VERSIONS)
     except ShardFormatError:
         raise
     except FormatError as err:
         raise ShardFormatError(str(err)) from None
-    _check_meta(manifest.meta, path / MANIFEST)
+    _check_meta(manifest.meta, path / MANIFEST, manifest.version)
     return manifest
 
 
@@ -660,7 +754,14 @@ class DiskSource:
         self.norm: str = meta["norm"]
         #: Where :attr:`norm` is recorded, for errors that name it.
         self.norm_where = f"{self.path / MANIFEST}: meta field 'norm'"
+        #: A typed folder's relations (``src___rel___dst``, one operator each); [] if untyped.
+        self.relations: list[str] = ["___".join(r) for r in meta.get("relations", [])]
         self._arrays: dict[str, np.ndarray] = {}
+
+    @property
+    def num_relations(self) -> int:
+        """Relations whose operators the folder holds (0: an untyped folder)."""
+        return len(self.relations)
 
     def _array(self, rel: str, length: int | None = None) -> np.ndarray:
         """The memory-mapped array ``rel``, checked the first time (``length``: its expected
@@ -700,11 +801,32 @@ class DiskSource:
 
     def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
         """Block of Â₁ (parity 0) or Â₂ (parity 1), merged from the overlapping file blocks."""
+        if self.relations:
+            raise UserError(
+                f"{self.path} holds one adjacency per relation ({RELATION_NORM!r}, for an "
+                "rgcn model): read relation_adjacency(r, ...)"
+            )
+        return self._merged(f"adj{parity}/", rows, cols)
+
+    def relation_adjacency(
+        self, relation: int, parity: int, rows: tuple[int, int], cols: tuple[int, int]
+    ) -> CSRBlock:
+        """Block of relation ``relation``'s Â_r in the order pair of ``parity`` (as
+        :meth:`adjacency`), merged from its file blocks ``adj{parity}/rel{r}/``."""
+        if not 0 <= relation < len(self.relations):
+            raise UserError(
+                f"{self.path} holds operators of {len(self.relations)} relations, not of "
+                f"relation {relation}"
+            )
+        return self._merged(f"adj{parity}/rel{relation}/", rows, cols)
+
+    def _merged(self, prefix: str, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
+        """Block ``rows × cols`` of the operator whose file blocks are ``{prefix}r{i}_c{j}``."""
         rb, cb = self.meta["row_bounds"], self.meta["col_bounds"]
         all_r, all_c, all_v = [], [], []
         for i in _overlap(rb, *rows):
             for j in _overlap(cb, *cols):
-                stem = f"adj{parity}/r{i}_c{j}"
+                stem = f"{prefix}r{i}_c{j}"
                 indptr = self._array(f"{stem}.indptr.npy", rb[i + 1] - rb[i] + 1)
                 lo = max(rows[0], rb[i]) - rb[i]
                 hi = min(rows[1], rb[i + 1]) - rb[i]

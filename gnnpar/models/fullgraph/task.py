@@ -1,4 +1,8 @@
-"""Full-graph GCN / GraphSAGE / GAT / GIN training on an x × y × z grid (the ``gcn`` task).
+"""Full-graph GCN / GraphSAGE / GAT / GIN / R-GCN training on an x × y × z grid (the ``gcn``
+task). R-GCN (``model = "rgcn"``) trains on a typed graph (:mod:`gnnpar.graph.typed`): its
+shards hold one normalised adjacency per relation (``"mean-per-relation"``,
+:mod:`gnnpar.models.fullgraph.relations`), and the target type's masks choose the nodes it
+trains and scores on (the other types' labels are -1, their masks False).
 
 Rank 0 cuts the dataset into a shard folder (next to the run, or where ``shards`` points)
 and records the dataset's fingerprint in it; a later run compares that with the dataset it
@@ -32,7 +36,7 @@ from gnnpar import comm
 from gnnpar.errors import PeerFailedError, UserError
 from gnnpar.fmt import parse_bytes
 from gnnpar.grid import ProcessGrid, parse_grid_spec
-from gnnpar.models.fullgraph.model import NORMS, FullGraphGNN
+from gnnpar.models.fullgraph.model import FullGraphGNN, norm_of
 from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
 from gnnpar.models.fullgraph.pyg import parallelize_pyg
@@ -69,7 +73,7 @@ from gnnpar.train.progress import Progress, graph_sizes
 from gnnpar.train.spec import GridPlan
 
 #: The models of the task (``model``).
-MODELS = ("gcn", "sage", "gat", "gin")
+MODELS = ("gcn", "sage", "gat", "gin", "rgcn")
 #: How each rank checks the shard files it maps (``verify``).
 VERIFY_LEVELS = ("checksum", "size")
 
@@ -85,8 +89,9 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
     )
     model: str = option(
         "gcn",
-        "gcn, sage (GraphSAGE-mean), gat (graph attention), gin (isomorphism network), or "
-        "your own PyG model as module:factory or file.py:factory (docs/models.md)",
+        "gcn, sage (GraphSAGE-mean), gat (graph attention), gin (isomorphism network), rgcn "
+        "(relational GCN, typed graphs), or your own PyG model as module:factory or "
+        "file.py:factory (docs/models.md)",
         MODELS,
     )
     model_options: str | None = option(
@@ -171,6 +176,11 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                     "config key 'memory_limit' streams the shards, which takes permutation "
                     f"random or none, not {self.permutation!r}"
                 )
+            if self.model == "rgcn":
+                raise ConfigError(
+                    "config key 'memory_limit': rgcn's shards (one adjacency per relation) "
+                    "are cut in memory; leave it unset"
+                )
 
 
     def _check_user_model(self) -> None:
@@ -207,11 +217,19 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
 
 
 def _norm(cfg: FullGraphConfig) -> str:
-    """The adjacency the model reads (:data:`~gnnpar.models.fullgraph.model.NORMS`: GAT and GIN the
-    ``raw``
-    one, whose values are the edge weights; a user's PyG model the ``raw`` one, which each of
-    its convolutions normalises its own way)."""
-    return "raw" if is_user_model(cfg.model) else NORMS[cfg.model]
+    """The adjacency the model reads (:func:`~gnnpar.models.fullgraph.model.norm_of`: GAT and
+    GIN the ``raw`` one, whose values are the edge weights; R-GCN one per relation; a user's
+    PyG model the ``raw`` one, which each of its convolutions normalises its own way)."""
+    return "raw" if is_user_model(cfg.model) else norm_of(cfg.model)
+
+
+def check_typed(cfg: FullGraphConfig, graph: Any) -> None:
+    """An rgcn model reads a typed graph's relations: ConfigError naming the key otherwise."""
+    if cfg.model == "rgcn" and graph.types is None:
+        raise ConfigError(
+            f"config key 'model': rgcn reads a typed graph's relations, and dataset "
+            f"{cfg.dataset!r} has none (use a typed dataset such as mag-synth)"
+        )
 
 
 def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
@@ -262,6 +280,7 @@ def _build_or_check(cfg: FullGraphConfig, folder: Path, progress: Progress) -> i
     with progress.stage(f"loading {cfg.dataset}"):
         graph = load_dataset(cfg)
         graph.check_trainable()
+        check_typed(cfg, graph)
         fingerprint = graph.fingerprint()
     if folder.exists() and cfg.shards:
         _check_given_shards(cfg, fingerprint)
@@ -343,6 +362,8 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
         raise ConfigError(f"{err}, or point 'shards' elsewhere") from None
     dims = [meta["feat_dim"]] + [cfg.hidden] * (cfg.layers - 1) + [meta["num_classes"]]
     prepared = _Prepared(source, num_edges, dims)
+    # sparse operators per layer: sage's Â and root, rgcn's Â_r of every relation and root
+    num_ops = {"sage": 2, "rgcn": source.num_relations + 1}.get(cfg.model, 1)
     if cfg.grid:
         return GridPlan(parse_grid_spec(cfg.grid), "given", prepared)
     gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
@@ -350,7 +371,7 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
         world.world_size,
         meta["num_nodes"],
         dims,
-        2 if cfg.model == "sage" else 1,
+        num_ops,
         nnz=meta["num_edges"] + meta["num_nodes"],
         machine=local_machine(world.backend, gpus_per_node),
         element_size=compute_dtype(cfg).itemsize,
@@ -380,6 +401,7 @@ class FullGraphTask(BaseTask):
         folder was made from it (a folder the run owns is rebuilt by rank 0 instead)."""
         graph = load_dataset(cfg, warn_directed=True)
         graph.check_trainable()
+        check_typed(cfg, graph)
         if is_user_model(cfg.model):  # the factory runs and its modules are checked here
             options = factory_options(cfg.model_options)
             build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, options)
@@ -414,9 +436,11 @@ class FullGraphTask(BaseTask):
             self.features = self.model.input_features()
             self.metric = metric_for(self.model.node_data("label"))
             return
+        relations = self.source.num_relations if cfg.model == "rgcn" else None
         model = FullGraphGNN(
             dims[0], cfg.hidden, dims[-1], cfg.layers, cfg.dropout, kind=cfg.model,
             heads=cfg.heads, out_heads=cfg.out_heads, attn_dropout=cfg.attn_dropout,
+            num_relations=relations,
         ).to(dtype)  # fmt: skip
         self.model = parallelize_fullgraph(
             model,

@@ -1,0 +1,365 @@
+"""Full-graph R-GCN: the serial model against PyG's ``RGCNConv``, the parallel models against
+the serial one on every grid shape of 1 to 8 ranks, the bytes per axis against the layers'
+schedules and against a formula written per relation, the typed shard folder, and the trainer
+(``gnnpar train gcn --model rgcn``) training and resuming on another grid.
+
+Float64 throughout, on a typed graph of 23 nodes in three types (one featureless), five
+relations (one of a single edge) and a duplicate edge (``small_typed_graph``), widths
+5 → 7 → 3: nothing divides the grid. The largest errors measured, |a−b|/(1+|b|): serial
+against PyG 2.7e-16, parallel against serial 1.1e-15 (the tests hold 1e-12).
+
+One normalisation over all relations together instead of one per relation (the mutation
+of ``relation_adjacencies`` this file was checked against) fails the PyG and the operator
+tests; the relations' operators in another order than their weights fail every grid.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gnnpar
+from gnnpar import checkpoint, comm
+from gnnpar.errors import UserError
+from gnnpar.models.fullgraph import parallelize_fullgraph
+from gnnpar.models.fullgraph.relations import (
+    RELATION_NORM,
+    relation_adjacencies,
+    relation_memory_source,
+    relation_spmms,
+)
+from gnnpar.sparse.source import inverse, make_permutations
+from gnnpar.testing import grid_shapes, run_distributed
+from tests.byte_formulas import chunk_range, rgcn3d_bytes, rows1d_bytes, summa_bytes
+from tests.fullgraph_utils import check_schedule, serial_rgcn, small_typed_graph
+
+DIMS = [5, 7, 3]
+TOL = 1e-12
+WORLDS = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = TOL) -> float:
+    """|a − b| / (1 + |b|) at most ``tol``; returns the largest."""
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}")
+    err = float(((a - b).abs() / (1 + b.abs())).max()) if a.numel() else 0.0
+    if err > tol:
+        raise AssertionError(f"{what}: relative error {err:.3g}")
+    return err
+
+
+# ------------------------------------------------------------------------ serial vs PyG
+def _pyg_stack(model, num_relations: int):
+    """PyG ``RGCNConv`` layers holding the plain model's weights (PyG's layout: weight
+    (R, in, out) or bases (B, in, out) with comp (R, B), root, bias)."""
+    from torch_geometric.nn import RGCNConv
+
+    convs = []
+    for layer in model.layers:
+        d_in, d_out = layer.weight_root.shape
+        conv = RGCNConv(d_in, d_out, num_relations, num_bases=layer.num_bases).double()
+        with torch.no_grad():
+            if layer.num_bases is None:
+                conv.weight.copy_(torch.stack(list(layer.weights)))
+            else:
+                conv.weight.copy_(layer.bases)
+                conv.comp.copy_(layer.comp)
+            conv.root.copy_(layer.weight_root)
+            conv.bias.copy_(layer.bias)
+        convs.append(conv)
+    return convs
+
+
+@pytest.mark.parametrize("num_bases", [None, 2])
+def test_serial_rgcn_equals_pyg_rgcnconv_forward_and_backward(num_bases):
+    """The plain R-GCN (relations' row-normalised Â_r, ReLU between layers) is PyG's
+    ``RGCNConv`` stack with aggr mean: logits, input and every weight gradient."""
+    graph = small_typed_graph()
+    rels = graph.types.num_relations
+    torch.manual_seed(0)
+    from gnnpar.models.fullgraph.model import RGCN
+
+    model = RGCN(DIMS[0], DIMS[1], DIMS[2], rels, dropout=0.0, num_bases=num_bases).double()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.bias.normal_()
+    convs = _pyg_stack(model, rels)
+    src, dst = graph.edges()
+    edge_index, edge_type = torch.stack([src, dst]), graph.types.edge_type
+    train, y = graph.ndata["train_mask"], graph.ndata["label"]
+
+    x = graph.feat.clone().requires_grad_(True)
+    logits = model(relation_spmms(graph), x)
+    F.cross_entropy(logits[train], y[train]).backward()
+    x_ref = graph.feat.clone().requires_grad_(True)
+    h = x_ref
+    for i, conv in enumerate(convs):
+        h = conv(h, edge_index, edge_type)
+        h = torch.relu(h) if i < len(convs) - 1 else h
+    F.cross_entropy(h[train], y[train]).backward()
+
+    _close(logits.detach(), h.detach(), "logits")
+    _close(x.grad, x_ref.grad, "input grad")
+    for i, (layer, conv) in enumerate(zip(model.layers, convs, strict=True)):
+        if num_bases is None:
+            got = torch.stack([w.grad for w in layer.weights])
+            _close(got, conv.weight.grad, f"relation weight grads {i}")
+        else:
+            _close(layer.bases.grad, conv.weight.grad, f"bases grad {i}")
+            _close(layer.comp.grad, conv.comp.grad, f"comp grad {i}")
+        _close(layer.weight_root.grad, conv.root.grad, f"root grad {i}")
+        _close(layer.bias.grad, conv.bias.grad, f"bias grad {i}")
+
+
+def test_relation_operators_are_per_relation_means():
+    """Â_r's row v is 1/|N_r(v)| on v's in-edges of relation r (duplicates twice), empty
+    where r reaches no v; the single-edge relation's one entry is 1."""
+    graph = small_typed_graph()
+    src, dst = graph.edges()
+    et = graph.types.edge_type
+    n = graph.num_nodes
+    for r, (indptr, indices, values) in enumerate(relation_adjacencies(graph)):
+        want = torch.zeros(n, n, dtype=torch.float64)
+        mine = et == r
+        want.index_put_((dst[mine], src[mine]), torch.ones(int(mine.sum()), dtype=want.dtype),
+                        accumulate=True)  # fmt: skip
+        deg = want.sum(1, keepdim=True)
+        want = torch.where(deg > 0, want / deg.clamp(min=1), want)
+        got = torch.zeros(n, n, dtype=torch.float64)
+        rows = torch.repeat_interleave(torch.arange(n), indptr[1:] - indptr[:-1])
+        got.index_put_((rows, indices), values, accumulate=True)
+        _close(got, want, f"relation {r}")
+    single = graph.types.relation_index("tags")
+    assert graph.types.relation_counts()[single] == 1
+    assert relation_adjacencies(graph)[single][2].tolist() == [1.0]
+
+
+# ------------------------------------------------------------------- parallel vs serial
+def _stage_nnz(graph, source, rows: tuple[int, int], col_ranges, layers: int):
+    """Stored entries of block (rows, columns j′) of each layer's operators, counted from
+    the edge list: relation r's edges u → v sit at (position of v in the row order,
+    position of u in the column order); the root has one per node whose row and column
+    positions both fall in the block."""
+    src, dst = graph.edges()
+    et = graph.types.edge_type
+    out = []
+    for layer in range(layers):
+        parity = layer % 2
+        row_pos = inverse(source.inv[1 - parity])
+        col_pos = inverse(source.inv[parity])
+        r_in = (row_pos[dst] >= rows[0]) & (row_pos[dst] < rows[1])
+        per_op = []
+        for r in range(graph.types.num_relations):
+            per_op.append([
+                int((r_in & (et == r) & (col_pos[src] >= c0) & (col_pos[src] < c1)).sum())
+                for c0, c1 in col_ranges
+            ])  # fmt: skip
+        ids = source.inv[1 - parity][rows[0] : rows[1]]
+        per_op.append([int(((col_pos[ids] >= c0) & (col_pos[ids] < c1)).sum())
+                       for c0, c1 in col_ranges])  # fmt: skip
+        out.append(per_op)
+    return out
+
+
+def _formula(par, grid, graph, source, algorithm: str, chunks: int):
+    rels, n = graph.types.num_relations, graph.num_nodes
+    if algorithm == "3d":
+        return rgcn3d_bytes(grid.shape, grid.coords(), n, DIMS, rels, 8, True, True, chunks)
+    if algorithm == "1d":
+        return rows1d_bytes(grid.size("tensor"), n, DIMS, rels + 1, 8, True, True)
+    cols = [chunk_range(n, grid.size("y"), j) for j in range(grid.size("y"))]
+    nnz = _stage_nnz(graph, source, par.rows, cols, len(DIMS) - 1)
+    return summa_bytes(grid.shape, grid.coords(), n, DIMS, rels + 1, 8, True, True, nnz)
+
+
+def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int) -> float:
+    """One grid: the parallel R-GCN (permuted, with dropout, input gradient wanted) equals
+    the serial one, forward and backward; bytes per axis = formula = schedule."""
+    grid = gnnpar.init(**shape)
+    graph = small_typed_graph()
+    rels = graph.types.num_relations
+    ref = serial_rgcn(DIMS, rels, dropout=0.5)
+    ref.train()
+    xr = graph.feat.clone().requires_grad_(True)
+    logits = ref(relation_spmms(graph), xr, dropout_seed=seed)
+    train, y = graph.ndata["train_mask"], graph.ndata["label"]
+    loss_ref = F.cross_entropy(logits[train], y[train])
+    loss_ref.backward()
+
+    perms = make_permutations("random", graph.indptr, graph.indices, seed)
+    source = relation_memory_source(graph, perms)
+    extra = {"overlap_chunks": chunks} if algorithm == "3d" else {}
+    par = parallelize_fullgraph(ref, grid, source, algorithm=algorithm, **extra)
+    par.train()
+    xl = par.input_features().requires_grad_(True)
+    with comm.record(grid) as fwd:
+        out = par(xl, dropout_seed=seed)
+    tag = f"{grid.describe()} {algorithm} chunks={chunks}"
+    ids = source.node_ids(par.output_order, par.logits_rows)
+    c0, c1 = par.logits_cols
+    worst = _close(out.detach(), logits.detach()[ids][:, c0:c1], f"logits {tag}")
+    loss = par.loss(out)
+    worst = max(worst, _close(loss.detach(), loss_ref.detach(), f"loss {tag}"))
+    with comm.record(grid) as bwd:
+        loss.backward()
+    full = par.full_weights(grads=True)
+    for i, layer in enumerate(ref.layers):
+        want = layer.stacked_weight_grad()
+        worst = max(worst, _close(full[i]["weight"], want, f"weight grad {i} {tag}"))
+        worst = max(worst, _close(full[i]["bias"], layer.bias.grad, f"bias grad {i} {tag}"))
+    in_rows, (f0, f1) = par.input_block
+    want = xr.grad[source.node_ids(0, in_rows)][:, f0:f1]
+    worst = max(worst, _close(xl.grad, want, f"input grad {tag}"))
+
+    want_f, want_b = _formula(par, grid, graph, source, algorithm, chunks)
+    want_f.check(fwd.as_dict(), f"forward bytes {tag}")
+    want_b.check(bwd.as_dict(), f"backward bytes {tag}")
+    check_schedule(fwd, bwd, par.expected_bytes(input_grad=True), tag)
+    gnnpar.release(grid)
+    return worst
+
+
+def _cases(world: int) -> list[tuple[dict, str, int]]:
+    """Every 3D shape of ``world`` ranks (the aggregate in 1 and 2 row chunks in turn); 1D on
+    all ranks, and 2D on the x × y shapes, at 4 and 6 ranks (an odd split at 6)."""
+    cases = [(s, "3d", 1 + k % 2) for k, s in enumerate(grid_shapes(world))]
+    if world in (4, 6):
+        cases.append(({"x": world}, "1d", 1))
+        cases += [({**s, "z": 1}, "2d", 1) for s in grid_shapes(world, ("x", "y"))]
+    return cases
+
+
+def _check_world(world: int) -> tuple[int, float]:
+    worst = 0.0
+    cases = _cases(world)
+    for k, (shape, algorithm, chunks) in enumerate(cases):
+        worst = max(worst, _check_shape(shape, algorithm, chunks, seed=11 + k))
+    return len(cases), worst
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_parallel_rgcn_equals_serial_on_every_grid(world):
+    results = run_distributed(_check_world, world, world, timeout=600)
+    assert [count for count, _ in results] == [len(_cases(world))] * world
+    assert max(err for _, err in results) <= TOL
+
+
+def test_parallel_rgcn_refuses_bases_untyped_sources_and_relation_counts():
+    graph = small_typed_graph()
+    grid = gnnpar.init()
+    source = relation_memory_source(graph)
+    from gnnpar.models.fullgraph.model import RGCN
+
+    with pytest.raises(UserError, match="num_bases: the parallel R-GCN shards"):
+        parallelize_fullgraph(RGCN(5, 7, 3, 5, num_bases=2), grid, source)
+    with pytest.raises(UserError, match="has 4 relations, RelationMemorySource holds .* of 5"):
+        parallelize_fullgraph(RGCN(5, 7, 3, 4), grid, source)
+    with pytest.raises(UserError, match="a sage model reads the 'mean' adjacency"):
+        from gnnpar.models.fullgraph.model import GraphSAGE
+
+        parallelize_fullgraph(GraphSAGE(5, 7, 3), grid, source)
+    with pytest.raises(UserError, match="needs num_relations"):
+        from gnnpar.models.fullgraph.model import FullGraphGNN
+
+        FullGraphGNN(5, 7, 3, kind="rgcn")
+    gnnpar.release(grid)
+
+
+# ------------------------------------------------------------------------- shard folders
+def test_typed_shard_folder_holds_each_relation_and_untyped_folders_still_load(tmp_path):
+    """Version 3, ``relations`` and ``relation_edges`` in the meta, the typed graph's
+    fingerprint as the source; every relation's blocks equal the memory source's (float32
+    on disk); an untyped graph's folder stays version 2 without relations."""
+    from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
+    from tests.fullgraph_utils import small_graph
+
+    graph = small_typed_graph()
+    out = prepare_shards(graph, tmp_path / "typed", norm=RELATION_NORM, blocks=(2, 2), seed=4)
+    manifest = json.loads((out / "manifest.json").read_text())
+    meta = manifest["meta"]
+    assert manifest["version"] == 3 and meta["norm"] == RELATION_NORM
+    assert meta["relations"] == [list(r) for r in graph.types.relations]
+    assert meta["relation_edges"] == graph.types.relation_counts()
+    assert meta["source"]["graph"] == graph.fingerprint()
+    assert any(f.startswith("adj1/rel4/r1_c1.") for f in manifest["files"])
+    disk = DiskSource(out)
+    perms = make_permutations("random", graph.indptr, graph.indices, 4, 2)
+    mem = relation_memory_source(graph, perms, dtype=torch.float32)
+    n = graph.num_nodes
+    for r in range(disk.num_relations):
+        for parity in (0, 1):
+            for rows, cols in (((0, n), (0, n)), ((5, 17), (2, 20))):
+                a = disk.relation_adjacency(r, parity, rows, cols).to_dense()
+                b = mem.relation_adjacency(r, parity, rows, cols).to_dense()
+                assert torch.equal(a, b), (r, parity, rows, cols)
+    with pytest.raises(UserError, match="one adjacency per relation"):
+        disk.adjacency(0, (0, n), (0, n))
+    with pytest.raises(UserError, match="needs a typed graph"):
+        a, x, y, train = small_graph()
+        from gnnpar.graph import Graph
+
+        untyped = Graph.from_edges(*a.nonzero(as_tuple=True)[::-1], num_nodes=a.shape[0])
+        untyped.ndata.update(feat=x, label=y, train_mask=train)
+        prepare_shards(untyped, tmp_path / "bad", norm=RELATION_NORM)
+    plain = prepare_shards(untyped, tmp_path / "plain", norm="mean", blocks=(2, 2))
+    doc = json.loads((plain / "manifest.json").read_text())
+    assert doc["version"] == 2 and "relations" not in doc["meta"]
+    assert DiskSource(plain).num_relations == 0
+
+
+# ------------------------------------------------------------------------------ trainer
+DATA = "num_papers=60,num_authors=30,num_institutions=5,num_fields=7,num_classes=3,feat_dim=6"
+
+
+def _argv(out: Path, epochs: int, grid: str, *extra: str) -> list[str]:
+    return ["train", "gcn", "--model", "rgcn", "--dataset", "mag-synth", "--dataset-options",
+            DATA, "--root", str(out.parent / "data"), "--hidden", "5", "--dtype", "float64",
+            "--epochs", str(epochs), "--grid", grid, "--nprocs", "2", "--out", str(out),
+            "--eval-every", "0", "--quiet", "--blocks", "2", "--dropout", "0", *extra]  # fmt: skip
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_trainer_rgcn_trains_on_mag_synth_and_resumes_on_another_grid(tmp_path, monkeypatch):
+    """``gnnpar train gcn --model rgcn`` on mag-synth (7 relations, featureless authors,
+    institutions and fields) on z=2: the loss falls; saved after 2 epochs on x=2 and resumed
+    on z=2, it ends where 4 straight epochs on z=2 do (<= 1e-12 relative). Without dropout,
+    so that each epoch's loss is the full-batch loss of its parameters."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    import gnnpar.models.fullgraph.task  # noqa: F401 - imported once, before the ranks fork
+    from tests.cli_world import run_commands
+
+    saved, resumed, straight = tmp_path / "x2", tmp_path / "resumed-z2", tmp_path / "z2"
+    codes = run_commands(2, [
+        _argv(saved, 2, "x=2"),
+        ("copy", saved, resumed),
+        _argv(resumed, 4, "z=2", "--resume"),
+        _argv(straight, 4, "z=2"),
+    ])  # fmt: skip
+    assert codes == [[0, 0, 0]] * 2
+    losses = _losses(straight)
+    assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    a, b = checkpoint.consolidate(resumed), checkpoint.consolidate(straight)
+    assert list(a) == list(b) and any(".weights.6" in k for k in a)
+    for k, v in b.items():
+        err = float((a[k] - v).abs().max()) / max(float(v.abs().max()), 1e-300)
+        assert err <= TOL, (k, err)
+
+
+def test_rgcn_on_an_untyped_dataset_is_one_config_error(tmp_path, capsys, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    from gnnpar.cli import main
+
+    code = main(["train", "gcn", "--model", "rgcn", "--dataset", "karate", "--epochs", "1",
+                 "--out", str(tmp_path / "run"), "--quiet"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code != 0 and "config key 'model': rgcn reads a typed graph" in err, err
