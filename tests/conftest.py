@@ -66,6 +66,8 @@ LONG_MODULES = (
     "test_shard.py",
     "test_offload.py",
     "test_link.py",
+    "test_typed_train.py",
+    "test_fullgraph_rgcn.py",
 )
 
 
