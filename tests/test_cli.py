@@ -522,7 +522,7 @@ def test_options_with_fixed_choices_show_them_and_the_check_refuses_others():
     from gnnpar.train.spec import specs
 
     texts = _help_texts()
-    assert "--model {gcn,sage,gat,gin}" in texts["gnnpar train gcn"]
+    assert "--model {gcn,sage,gat,gin,rgcn}" in texts["gnnpar train gcn"]
     sage = texts["gnnpar train sage"]
     assert "--sampler {neighbor,vertex,saint-node,saint-edge,saint-rw,cluster}" in sage
     assert "--schedule {gpipe,1f1b,interleaved}" in texts["gnnpar train gpt"]
