@@ -237,10 +237,8 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
                               f"{self.sampling!r}")  # fmt: skip
         partitioned = self.sampling == "partitioned"
         typed = self.model in TYPED_ENCODERS
-        if typed and (self.mode != "minibatch" or partitioned):
-            raise ConfigError(
-                f"config key 'model': {self.model} trains in mode minibatch with local sampling"
-            )
+        if typed and self.mode != "minibatch":
+            raise ConfigError(f"config key 'model': {self.model} trains in mode minibatch")
         if partitioned and (self.mode != "minibatch" or is_user_model(self.model)):
             raise ConfigError(
                 "config key 'sampling': partitioned sampling is for mode minibatch with a "
@@ -403,8 +401,9 @@ def _link_parts(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Prog
         if folder.exists():
             return
         with progress.stage(f"partitioning the message graph into {parts} parts"):
+            balance = None if graph.types is not None else ["nodes"]  # typed: per type
             part = partitioners.partition(graph, parts, method=cfg.partition_method,
-                                          seed=cfg.seed, balance=["nodes"])  # fmt: skip
+                                          seed=cfg.seed, balance=balance)  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", partitioners.format.PartitionBalanceWarning)
             partitioners.write(graph, part, folder, halo=1)
@@ -560,8 +559,9 @@ class LinkTask(BaseTask):
         part.ndata["feat"] = part.ndata["feat"].to(master_dtype(cfg))
         # the prefetch thread's collectives run on process groups of their own
         host = gnnpar.init(backend="gloo", ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout)
-        sampler = DistNeighborSampler(part, parse_fanouts(cfg.fanouts), host, replace=cfg.replace,
-                                      seed=cfg.seed)  # fmt: skip
+        fanouts = cfg.fanouts if part.types is not None else parse_fanouts(cfg.fanouts)
+        sampler = DistNeighborSampler(part, fanouts, host, replace=cfg.replace, seed=cfg.seed,
+                                      per_relation=cfg.per_relation)  # fmt: skip
         fetcher = FeatureFetcher(part, host)
         owned_ids = torch.arange(part.start, part.start + part.num_owned, dtype=torch.int64)
         pairs = torch.stack([part.orig_ids[: part.num_owned], owned_ids], 1)
