@@ -353,8 +353,11 @@ class Ours:
         self.net = our_model(data, seed)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=LR)
         sampler = NeighborSampler(g, FANOUTS, replace=False, seed=seed, per_relation=True)
-        self.loader = NodeLoader(sampler, g.train_mask, BATCH, seed=seed, features=g.feat,
-                                 labels=g.label, prefetch=prefetch)  # fmt: skip
+        net = self.net  # the task's prepare: the blocks' typed indexing where they are sampled
+        self.loader = NodeLoader(
+            sampler, g.train_mask, BATCH, seed=seed, features=g.feat, labels=g.label,
+            prefetch=prefetch, prepare=lambda b: [net.typed_block(x) for x in b.blocks],
+        )  # fmt: skip
         self.batches_per_epoch = len(self.loader)
         self.prefetch = prefetch
         self.record = Recorder()
@@ -376,7 +379,7 @@ class Ours:
             t1 = time.perf_counter()
             seed = derive_key(self.seed, _DROPOUT, batch.epoch, batch.index) & _LOW31
             with _phase("forward"):
-                logits = net(batch.blocks, batch.x, dropout_seed=seed)
+                logits = net(batch.blocks, batch.x, dropout_seed=seed, typed=batch.prepared)
                 loss = F.cross_entropy(logits, batch.y, reduction="sum")  # the task's _loss_sum
             with _phase("backward"):
                 (loss / batch.global_size).backward()

@@ -189,6 +189,8 @@ class MiniBatch:
             positive pairs' source and destination as rows of the seeds' outputs, else None.
         neg: ``(b, k)`` each positive's negative destinations as rows of the outputs.
         edge_ids: ``(b,)`` the positives' ids (their columns of the split's ``train``).
+        prepared: what a loader's ``prepare`` made of the batch where it was sampled (kept
+            as it is when the batch moves), or None.
     """
 
     seeds: torch.Tensor
@@ -204,6 +206,7 @@ class MiniBatch:
     pairs: torch.Tensor | None = None
     neg: torch.Tensor | None = None
     edge_ids: torch.Tensor | None = None
+    prepared: Any = None
 
     @property
     def input_nodes(self) -> torch.Tensor:

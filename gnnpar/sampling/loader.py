@@ -144,6 +144,9 @@ class NodeLoader:
         micro_batches: cut every global batch into this many consecutive pieces, handed out
             one by one (gradient accumulation): each is sampled with its batch's random key,
             so a node gets the neighbours and dropout it would get in the whole batch.
+        prepare: a function of each batch run where it is sampled (the prefetch thread), its
+            result kept as :attr:`MiniBatch.prepared` (e.g. a model's per-block indexing,
+            taken off the training step); None: nothing.
 
     Raises:
         ValueError: ``batch_size < 1``, ``prefetch < 0``, bad seeds, repeated keys, or keys
@@ -168,6 +171,7 @@ class NodeLoader:
         keys: torch.Tensor | None = None,
         all_keys: torch.Tensor | None = None,
         micro_batches: int = 1,
+        prepare: Callable[[MiniBatch], Any] | None = None,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -176,6 +180,7 @@ class NodeLoader:
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise UserError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.micro_batches = micro_batches
+        self.prepare = prepare
         bound = num_nodes if num_nodes is not None else getattr(sampler, "num_nodes", None)
         if bound is None:
             raise ValueError("pass num_nodes: the sampler does not say how many nodes there are")
@@ -292,6 +297,8 @@ class NodeLoader:
         t1 = time.perf_counter()
         batch.x = _gather(self.features, batch.input_nodes)
         batch.y = _gather(self.labels, batch.seeds)
+        if self.prepare is not None:
+            batch.prepared = self.prepare(batch)
         t2 = time.perf_counter()
         batch.epoch, batch.index, batch.micro = epoch, whole, micro
         batch.global_size = self.global_sizes()[whole]

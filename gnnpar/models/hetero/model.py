@@ -120,13 +120,18 @@ class TypedGNN(nn.Module):
         return self.classifier(h)
 
     def forward(
-        self, blocks: list[Any], x: torch.Tensor | None, dropout_seed: int | None = None
+        self,
+        blocks: list[Any],
+        x: torch.Tensor | None,
+        dropout_seed: int | None = None,
+        typed: list[TypedBlock] | None = None,
     ) -> torch.Tensor:
         """Logits of the seeds (``blocks[-1]``'s destinations) from the features ``x`` of
-        ``blocks[0]``'s sources (None for a graph without features)."""
+        ``blocks[0]``'s sources (None for a graph without features). ``typed``: the blocks'
+        :meth:`typed_block`, when built already (e.g. by the loader's prefetch thread)."""
         if len(blocks) != self.num_layers:
             raise UserError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
         h = x
         for i, block in enumerate(blocks):
-            h = self.forward_layer(i, block, h, dropout_seed)
+            h = self.forward_layer(i, block, h, dropout_seed, None if typed is None else typed[i])
         return h

@@ -683,6 +683,7 @@ class MiniBatchTask(BaseTask):
             prefetch=cfg.prefetch,
             micro_batches=cfg.grad_accum,
             device=self.device,
+            prepare=self._typed_blocks if self.typed and self.device.type == "cpu" else None,
         )
 
     def _setup_subgraphs(self) -> None:
@@ -781,6 +782,7 @@ class MiniBatchTask(BaseTask):
             all_keys=all_keys,
             micro_batches=cfg.grad_accum,
             device=self.device,
+            prepare=self._typed_blocks if self.typed and self.device.type == "cpu" else None,
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
         self.metric = metric_for(labels)
@@ -870,9 +872,18 @@ class MiniBatchTask(BaseTask):
             record["cache_hit_rate"] = hits / remote if remote else 0.0
         return record
 
+    def _typed_blocks(self, batch: Any) -> list[Any]:
+        """The typed model's indexing of the batch's blocks (nodes by type, edges by
+        relation): the loader builds it where it samples, in the prefetch thread, so the
+        step does not."""
+        return [self.net.typed_block(b) for b in batch.blocks]
+
     def _forward(self, batch: Any, dropout_seed: int) -> torch.Tensor:
         """The seeds' logits: the built-in model on the blocks, or a user's model on the
         batch's sampled subgraph with its dropout drawn from ``dropout_seed``."""
+        if self.typed:  # the blocks' typed indexing, built by the prefetch thread on a CPU
+            typed = batch.prepared if self.device.type == "cpu" else None
+            return self.net(batch.blocks, batch.x, dropout_seed=dropout_seed, typed=typed)
         if not self.user_model:
             return self.net(batch.blocks, batch.x, dropout_seed=dropout_seed)
         with seeded(dropout_seed, self.device):
