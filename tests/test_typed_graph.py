@@ -182,3 +182,19 @@ def test_fanout_mappings_are_checked(graph):
         NeighborSampler(graph, "nope:2/*:1")
     with pytest.raises(UserError, match="not an integer"):
         NeighborSampler(graph, "cites:x/*:1")
+
+
+def test_the_loader_prepares_the_typed_indexing_where_it_samples(graph):
+    from gnnpar.models.hetero import TypedGNN
+    from gnnpar.sampling import NodeLoader
+
+    torch.manual_seed(0)
+    model = TypedGNN(graph.types, 8, 3, num_layers=2, kind="rgcn", dropout=0.0).double()
+    loader = NodeLoader(
+        NeighborSampler(graph, [3, 2]), graph.train_mask, 7, features=graph.feat.double(),
+        prefetch=1, device="cpu", prepare=lambda b: [model.typed_block(x) for x in b.blocks],
+    )  # fmt: skip
+    for batch in loader:
+        assert len(batch.prepared) == 2
+        with_prepared = model(batch.blocks, batch.x, typed=batch.prepared)
+        assert torch.equal(with_prepared, model(batch.blocks, batch.x))
