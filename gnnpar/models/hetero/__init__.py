@@ -14,7 +14,7 @@ from gnnpar.graph.typed import TypeSchema
 from gnnpar.models.hetero.hgt import HGTConv
 from gnnpar.models.hetero.index import RelationCSR, TypedBlock, TypeGroups
 from gnnpar.models.hetero.input import TypedInput
-from gnnpar.models.hetero.model import TypedGNN
+from gnnpar.models.hetero.model import TypedGNN, is_unit
 from gnnpar.models.hetero.rgcn import RGCNConv
 
 __all__ = [
@@ -26,4 +26,5 @@ __all__ = [
     "TypedBlock",
     "TypedGNN",
     "TypedInput",
+    "is_unit",
 ]

@@ -18,9 +18,19 @@ from gnnpar.models.hetero.input import TypedInput
 from gnnpar.models.hetero.rgcn import RGCNConv
 from gnnpar.nn.dropout import index_dropout
 
-__all__ = ["TypedGNN"]
+__all__ = ["TypedGNN", "is_unit"]
 
 _KINDS = ("rgcn", "hgt")
+
+
+def is_unit(name: str, module: nn.Module) -> bool:
+    """A unit policy (:func:`gnnpar.shard.shard`'s ``units``) for a :class:`TypedGNN`: its
+    input, each typed layer and its classifier, each gathered on its own at ZeRO stage 3 (the
+    classifier too: layer-wise inference calls it through :meth:`TypedGNN.forward_layer`,
+    outside the model's own forward)."""
+    if isinstance(module, (TypedInput, RGCNConv, HGTConv)):
+        return True
+    return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] == "classifier"
 
 
 class TypedGNN(nn.Module):

@@ -49,11 +49,12 @@ from gnnpar.fmt import count
 from gnnpar.graph import Graph
 from gnnpar.graph.edge_split import check_metric, split_edges
 from gnnpar.grid import ProcessGrid
-from gnnpar.models.hetero import HGTConv, RGCNConv, TypedGNN, TypedInput
+from gnnpar.models.hetero import TypedGNN
 from gnnpar.models.link.decoders import DECODERS, LOSSES, bce_sum, make_decoder, margin_sum
 from gnnpar.models.link.encoders import ENCODERS, TYPED_ENCODERS, LinkModel, PyGEncoder
-from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
+from gnnpar.models.minibatch.model import BlockGNN
 from gnnpar.models.minibatch.pyg import full_graph_logits
+from gnnpar.models.minibatch.task import built_in_units
 from gnnpar.models.pyg.model import (
     build_user_model,
     check_model_option,
@@ -65,7 +66,7 @@ from gnnpar.sampling import NeighborSampler, NodeLoader, full_blocks, parse_fano
 from gnnpar.sampling.edge import EXCLUDE, EdgeSampler, graph_keys, sorted_edge_keys
 from gnnpar.sampling.negative import NegativeSampler, load_candidates
 from gnnpar.sampling.rng import derive_key
-from gnnpar.shard import FCDP, by_type, shard
+from gnnpar.shard import FCDP, shard
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
@@ -85,8 +86,7 @@ MODES = ("minibatch", "full")
 NEGATIVES = ("uniform", "degree")
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds (as the node task's)
 _FULL_NEG = 0x46E6  # salt of the full-graph step's negatives
-#: The modules that are units of the data-parallel sharding (the rest: the root unit).
-_UNITS = (SAGEConv, GCNConv, GATConv, TypedInput, RGCNConv, HGTConv)
+
 _LOW31 = (1 << 31) - 1
 
 
@@ -521,7 +521,7 @@ class LinkTask(BaseTask):
         cfg, g, grid = self.cfg, self.graph, self.grid
         self.net = link_model(cfg, g, block=True).to(self.device, master_dtype(cfg))
         self.features = g.feat.to(master_dtype(cfg))
-        units = None if self.user_model else by_type(*_UNITS)
+        units = None if self.user_model else built_in_units
         self.model = shard(
             self.net, grid, cfg.zero_stage or 0, units=units, mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None, offload=cfg.offload,

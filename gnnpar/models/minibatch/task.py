@@ -54,7 +54,7 @@ from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.graph.typed import GraphTypes
 from gnnpar.grid import ProcessGrid
-from gnnpar.models.hetero import HGTConv, RGCNConv, TypedGNN, TypedInput
+from gnnpar.models.hetero import TypedGNN, is_unit
 from gnnpar.models.minibatch.model import BlockGNN, GATConv, GCNConv, SAGEConv
 from gnnpar.models.minibatch.pyg import full_graph_logits, part_logits, subgraph_logits
 from gnnpar.models.pyg.model import (
@@ -84,7 +84,7 @@ from gnnpar.sampling import (
 from gnnpar.sampling.rng import derive_key
 from gnnpar.sampling.saint import NODE_PROBABILITIES
 from gnnpar.sampling.typed import parse_relation_fanouts
-from gnnpar.shard import FCDP, by_type, shard
+from gnnpar.shard import FCDP, shard
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
@@ -119,7 +119,13 @@ TYPED_MODELS = ("rgcn", "hgt")
 SAMPLERS = ("neighbor", "vertex", "saint-node", "saint-edge", "saint-rw", "cluster")
 _MASKS = ("train", "val", "test")
 #: The modules that are units of the data-parallel sharding (the rest: the root unit).
-_UNITS = (SAGEConv, GCNConv, GATConv, TypedInput, RGCNConv, HGTConv)
+_UNITS = (SAGEConv, GCNConv, GATConv)
+
+
+def built_in_units(name: str, module: Any) -> bool:
+    """The unit policy of the built-in block models (the sage and link tasks'): each layer of
+    a :class:`BlockGNN`, and a typed model's units (:func:`~gnnpar.models.hetero.is_unit`)."""
+    return isinstance(module, _UNITS) or is_unit(name, module)
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
 _LOW31 = (1 << 31) - 1
 
@@ -611,7 +617,7 @@ class MiniBatchTask(BaseTask):
             self.net,
             self.grid,
             cfg.zero_stage or 0,
-            units=None if self.user_model else by_type(*_UNITS),
+            units=None if self.user_model else built_in_units,
             mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None,
             offload=cfg.offload,
