@@ -126,6 +126,8 @@ def built_in_units(name: str, module: Any) -> bool:
     """The unit policy of the built-in block models (the sage and link tasks'): each layer of
     a :class:`BlockGNN`, and a typed model's units (:func:`~gnnpar.models.hetero.is_unit`)."""
     return isinstance(module, _UNITS) or is_unit(name, module)
+
+
 _DROPOUT = 0xD809  # salt of the dropout masks' seeds
 _LOW31 = (1 << 31) - 1
 
