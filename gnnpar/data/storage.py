@@ -342,9 +342,13 @@ def load_graph(
         typed = {n[len("types/") :]: t for n, t in arrays.items() if n.startswith("types/")}
         if typed or "types" in meta:
             graph.types = GraphTypes.from_arrays(typed, meta.get("types"), str(manifest.folder))
-            graph.types.validate(graph, str(manifest.folder))
+            if validate:  # O(E), as the graph's own checks
+                graph.types.validate(graph, str(manifest.folder))
+            else:  # the schema was checked when read
+                graph.types.check_shapes(graph, str(manifest.folder))
     except UserError as err:
         message = str(err)
-        raise UserError(message if message.startswith(str(manifest.folder)) else
-                        f"{manifest.folder}: {message}") from None
+        raise UserError(
+            message if message.startswith(str(manifest.folder)) else f"{manifest.folder}: {message}"
+        ) from None
     return graph

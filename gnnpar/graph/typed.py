@@ -278,31 +278,36 @@ class GraphTypes(TypeSchema):
         against the edges, every edge's endpoints of its relation's types, and labels and
         masks only on the target type."""
         self.check(where)
+        self.check_shapes(graph, where)
         self._validate_nodes(graph, where)
         self._validate_edges(graph, where)
         self._validate_node_data(graph, where)
 
-    def _validate_nodes(self, graph: Graph, where: str) -> None:
+    def check_shapes(self, graph: Graph, where: str = "types") -> None:
+        """The O(1) part of :meth:`validate`: the node count, and the dtypes and shapes of
+        ``edge_type`` and ``node_ids`` against the graph's."""
         total = self.offsets[-1]
-        if self.node_ids is None:
-            if graph.num_nodes != total:
-                raise UserError(
-                    f"{where}: the types count {total} nodes, the graph has {graph.num_nodes}"
-                )
-            return
+        if self.node_ids is None and graph.num_nodes != total:
+            raise UserError(
+                f"{where}: the types count {total} nodes, the graph has {graph.num_nodes}"
+            )
         ids = self.node_ids
-        if ids.dtype != torch.int64 or ids.shape != (graph.num_nodes,):
+        if ids is not None and (ids.dtype != torch.int64 or ids.shape != (graph.num_nodes,)):
             raise UserError(f"{where}: node_ids must be int64 of shape ({graph.num_nodes},)")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
-            raise UserError(f"{where}: node_ids must lie in [0, {total})")
-
-    def _validate_edges(self, graph: Graph, where: str) -> None:
         et = self.edge_type
         if et.dtype != torch.int64 or et.shape != (graph.num_edges,):
             raise UserError(
                 f"{where}: edge_type must be int64 of shape ({graph.num_edges},), got "
                 f"{et.dtype} {tuple(et.shape)}"
             )
+
+    def _validate_nodes(self, graph: Graph, where: str) -> None:
+        ids, total = self.node_ids, self.offsets[-1]
+        if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= total):
+            raise UserError(f"{where}: node_ids must lie in [0, {total})")
+
+    def _validate_edges(self, graph: Graph, where: str) -> None:
+        et = self.edge_type
         if not et.numel():
             return
         if int(et.min()) < 0 or int(et.max()) >= self.num_relations:

@@ -33,8 +33,9 @@ def full_blocks(
     graph: Graph | tuple[torch.Tensor, torch.Tensor], batch_size: int | None = None
 ) -> list[Block]:
     """Full-neighbour blocks whose destinations are all nodes, in chunks of ``batch_size``
-    (default: one block)."""
-    sampler = NeighborSampler(graph, [-1])
+    (default: one block); a typed graph's carry its relations and node types."""
+    # every in-edge, in CSR order: drawing per relation would take the same edges
+    sampler = NeighborSampler(graph, [-1], per_relation=False)
     n = sampler.num_nodes
     if batch_size is not None and batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")
