@@ -60,22 +60,13 @@ def relation_adjacencies(graph: Graph, dtype: torch.dtype | None = None) -> list
     the edge weights', or the float features' as :meth:`~gnnpar.graph.Graph.row_normalize`
     uses). Rows keep the graph's order of their edges."""
     _typed(graph)
-    types = graph.types
-    w = weights_or_ones(graph)
-    if dtype is not None:
-        w = w.to(dtype)
-    rows = graph.rows()
-    n = graph.num_nodes
     out = []
-    for r in range(types.num_relations):
-        keep = types.edge_type == r
-        r_rows, r_cols, r_w = rows[keep], graph.indices[keep], w[keep]
-        deg = torch.zeros(n, dtype=w.dtype, device=w.device).index_add_(0, r_rows, r_w)
-        inv = 1.0 / deg
-        inv[~torch.isfinite(inv)] = 0.0
-        indptr = torch.zeros(n + 1, dtype=torch.int64, device=rows.device)
-        torch.cumsum(torch.bincount(r_rows, minlength=n), 0, out=indptr[1:])
-        out.append((indptr, r_cols.clone(), r_w * inv.index_select(0, r_rows)))
+    for r in range(graph.types.num_relations):  # each relation's graph, row-normalised
+        rel = graph.keep_edges(graph.types.edge_type == r)
+        if dtype is not None:
+            rel.edge_weight = weights_or_ones(rel).to(dtype)
+        mean = rel.row_normalize()
+        out.append((mean.indptr, mean.indices, mean.edge_weight))
     return out
 
 
