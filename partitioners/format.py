@@ -120,6 +120,7 @@ from gnnpar.verified import (
     read_manifest,
     save_npy,
 )
+from partitioners.typed import node_type_of
 
 __all__ = [
     "FORMAT",
@@ -220,15 +221,13 @@ class PartData:
         """Type index of the local nodes ``local`` (default: all of them); ValueError for an
         untyped part."""
         ids = self.type_ids if local is None else self.type_ids[np.asarray(local)]
-        offsets = self._offsets()
-        return np.searchsorted(offsets[1:-1], ids, side="right").astype(np.int64)
+        return node_type_of(self._offsets(), ids)
 
     def type_local_ids(self, local: np.ndarray | None = None) -> np.ndarray:
         """Type-local id of the local nodes ``local`` (default: all of them)."""
         ids = self.type_ids if local is None else self.type_ids[np.asarray(local)]
         offsets = self._offsets()
-        types = np.searchsorted(offsets[1:-1], ids, side="right")
-        return (ids - offsets[types]).astype(np.int64)
+        return (ids - offsets[node_type_of(offsets, ids)]).astype(np.int64)
 
     def _offsets(self) -> np.ndarray:
         if self.types is None:

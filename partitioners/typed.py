@@ -98,7 +98,9 @@ class TypedInput:
         return None if target is None else self.node_types.index(target)
 
 
-def _type_of(offsets: Any, original: np.ndarray) -> np.ndarray:
+def node_type_of(offsets: Any, original: np.ndarray) -> np.ndarray:
+    """Type index of each node given by its original id (the numpy twin, torch being
+    optional here, of :meth:`gnnpar.graph.typed.TypeSchema.node_type_of`)."""
     bounds = np.asarray(list(offsets)[1:-1], dtype=np.int64)
     return np.searchsorted(bounds, original, side="right").astype(np.int64)
 
@@ -107,7 +109,9 @@ def _from_types(types: Any, num_nodes: int) -> TypedInput:
     ids = None if types.node_ids is None else to_numpy(types.node_ids).astype(np.int64)
     original = np.arange(num_nodes, dtype=np.int64) if ids is None else ids
     edge_type = to_numpy(types.edge_type).astype(np.int64, copy=False)
-    return TypedInput(types.meta(), _type_of(types.offsets, original), ids, edge_type.__getitem__)
+    return TypedInput(
+        types.meta(), node_type_of(types.offsets, original), ids, edge_type.__getitem__
+    )
 
 
 def _from_folder(folder: str | Path, verify: str) -> TypedInput | None:
@@ -126,7 +130,9 @@ def _from_folder(folder: str | Path, verify: str) -> TypedInput | None:
     if "types/node_ids.npy" in manifest.files:
         ids = np.array(load_npy(manifest, "types/node_ids.npy", verify, True, "int64", (n,)))
     original = np.arange(n, dtype=np.int64) if ids is None else ids
-    return TypedInput(dict(meta), _type_of(meta["offsets"], original), ids, edge_type.__getitem__)
+    return TypedInput(
+        dict(meta), node_type_of(meta["offsets"], original), ids, edge_type.__getitem__
+    )
 
 
 def typed_input(graph: Any, verify: str = "size") -> TypedInput | None:
