@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gnnpar.data.ogb import find_table, read_csv_table
+from gnnpar.data.ogb import find_table, read_csv_table, read_edge_table
 from gnnpar.errors import UserError
 from gnnpar.graph import Graph
 from gnnpar.graph.typed import Relation, relation_name, typed_graph
@@ -357,16 +357,6 @@ def _relations(raw: Path, counts: Mapping[str, int]) -> list[Relation]:
     return sorted(relations)
 
 
-def _count_file(folder: Path, stem: str) -> int | None:
-    path = find_table(folder, stem)
-    if path is None:
-        return None
-    values = read_csv_table(path, np.int64).reshape(-1)
-    if values.size != 1:
-        raise UserError(f"{path}: lists {values.size} counts; only one graph is supported")
-    return int(values[0])
-
-
 def _check_ids(ids: np.ndarray, limit: int, path: Path, what: str) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= limit):
         raise UserError(f"{path}: {what} ids must lie in [0, {limit})")
@@ -376,17 +366,7 @@ def _relation_edges(
     raw: Path, rel: Relation, counts: Mapping[str, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     folder = raw / "relations" / relation_name(rel)
-    path = find_table(folder, "edge")
-    if path is None:
-        raise FileNotFoundError(f"{folder}/edge.csv.gz is missing")
-    table = read_csv_table(path, np.int64)
-    if table.shape[0] and table.shape[1] != 2:
-        raise UserError(f"{path}: expected 2 columns (src,dst), got {table.shape[1]}")
-    table = table.reshape(-1, 2)
-    listed = _count_file(folder, "num-edge-list")
-    if listed is not None and listed != len(table):
-        raise UserError(f"{find_table(folder, 'num-edge-list')} says {listed} edges, {path} "
-                        f"has {len(table)}")  # fmt: skip
+    table, path = read_edge_table(folder, f"{folder}/edge.csv.gz is missing")
     _check_ids(table[:, 0], counts[rel[0]], path, f"source ({rel[0]})")
     _check_ids(table[:, 1], counts[rel[2]], path, f"destination ({rel[2]})")
     return torch.from_numpy(table[:, 0].copy()), torch.from_numpy(table[:, 1].copy())

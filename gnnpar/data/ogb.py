@@ -185,23 +185,33 @@ def _single_count(values: np.ndarray, where: str) -> int:
     return int(counts[0])
 
 
-def _read_csv_raw(raw: Path) -> _Raw:
-    edge_file = find_table(raw, "edge")
+def read_edge_table(folder: Path, missing: str) -> tuple[np.ndarray, Path]:
+    """``(edges, path)``: the ``(E, 2)`` int64 (src, dst) rows of ``folder``'s ``edge``
+    table, checked against its ``num-edge-list`` where there is one; FileNotFoundError
+    ``missing`` without the table. An OGB folder's ``raw/`` and a typed one's relation
+    folders hold one each."""
+    edge_file = find_table(folder, "edge")
     if edge_file is None:
-        raise FileNotFoundError(f"{raw.parent} is not an OGB folder: {raw}/edge.csv.gz is missing")
+        raise FileNotFoundError(missing)
     edges = read_csv_table(edge_file, np.int64)
     if edges.shape[0] and edges.shape[1] != 2:
         raise UserError(f"{edge_file}: expected 2 columns (src,dst), got {edges.shape[1]}")
     edges = edges.reshape(-1, 2)
-    count_file = find_table(raw, "num-node-list")
-    num_nodes = None
-    if count_file is not None:
-        num_nodes = _single_count(read_csv_table(count_file, np.int64), str(count_file))
-    edge_count_file = find_table(raw, "num-edge-list")
+    edge_count_file = find_table(folder, "num-edge-list")
     if edge_count_file is not None:
         listed = _single_count(read_csv_table(edge_count_file, np.int64), str(edge_count_file))
         if listed != edges.shape[0]:
             raise UserError(f"{edge_count_file} says {listed} edges, {edge_file} has {len(edges)}")
+    return edges, edge_file
+
+
+def _read_csv_raw(raw: Path) -> _Raw:
+    missing = f"{raw.parent} is not an OGB folder: {raw}/edge.csv.gz is missing"
+    edges, _ = read_edge_table(raw, missing)
+    count_file = find_table(raw, "num-node-list")
+    num_nodes = None
+    if count_file is not None:
+        num_nodes = _single_count(read_csv_table(count_file, np.int64), str(count_file))
     tables = {}
     for stem, dtype in (
         ("node-feat", np.float32),
