@@ -22,17 +22,17 @@ from typing import Any
 import torch
 
 from gnnpar.errors import UserError
+from gnnpar.graph.typed import TypeSchema
 
 __all__ = ["RelationCSR", "TypeGroups", "TypedBlock", "block_node_types"]
 
 
-def block_node_types(block: Any, offsets: Sequence[int]) -> torch.Tensor:
+def block_node_types(block: Any, schema: TypeSchema) -> torch.Tensor:
     """The node type of every source node of ``block``: from its original id
-    (``block.keys``) and the types' id ``offsets``; one UserError when the block records
-    other types (its keys are then not original ids)."""
-    keys = block.keys
-    bounds = torch.tensor(list(offsets[1:-1]), dtype=torch.int64, device=keys.device)
-    got = torch.bucketize(keys, bounds, right=True)
+    (``block.keys``) by the ``schema``; one UserError when the block records other types
+    (its keys are then not original ids)."""
+    keys, offsets = block.keys, schema.offsets
+    got = schema.node_type_of(keys)
     given = block.node_type
     if given is not None and not torch.equal(given.to(got.device), got):
         raise UserError(

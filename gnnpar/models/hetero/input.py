@@ -47,7 +47,7 @@ class TypedInput(nn.Module):
         block's sources by type, when already built."""
         schema = self.schema
         if groups is None:
-            types = block_node_types(block, schema.offsets)
+            types = block_node_types(block, schema)
             groups = TypeGroups.build(types, block.num_dst, schema.num_types)
         widest = max(schema.feat_dims, default=0)
         if widest and (x is None or x.dim() != 2 or x.shape != (block.num_src, widest)):

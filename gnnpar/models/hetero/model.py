@@ -97,7 +97,7 @@ class TypedGNN(nn.Module):
     def typed_block(self, block: Any) -> TypedBlock:
         """``block``'s nodes and edges grouped by type and relation, checked against the
         schema (what every layer on the block reads)."""
-        types = block_node_types(block, self.schema.offsets)
+        types = block_node_types(block, self.schema)
         s = self.schema
         return TypedBlock.build(block, s.num_types, s.num_relations, s.ends, types)
 
