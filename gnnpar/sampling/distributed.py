@@ -48,7 +48,7 @@ from gnnpar.sampling.neighbor import (
     sample_rows,
 )
 from gnnpar.sampling.rng import derive_key
-from gnnpar.sampling.typed import RelationRows, parse_relation_fanouts
+from gnnpar.sampling.typed import RelationRows
 
 __all__ = [
     "DistNeighborSampler",
@@ -325,18 +325,12 @@ class DistNeighborSampler:
             raise UserError("distributed sampling needs parts written with halo=1")
         self.part = part
         n = part.num_owned
-        self.relation_fanouts: list[list[int]] | None = None
         self._relation_rows: RelationRows | None = None
-        types = part.types
-        if types is not None and per_relation:
-            self.relation_fanouts = parse_relation_fanouts(fanouts, types)
-            edges = int(part.indptr[n])
-            self._relation_rows = RelationRows(
-                part.indptr[: n + 1], part.edge_type[:edges], types.num_relations
-            )
-            self.fanouts = [max(layer, default=0) for layer in self.relation_fanouts]
-        else:
-            self.fanouts = parse_fanouts(fanouts)
+        if part.types is not None and per_relation:  # the owned rows' edges, per relation
+            edges = part.edge_type[: int(part.indptr[n])]
+            self._relation_rows = RelationRows(part.indptr[: n + 1], edges, part.types, fanouts)
+        self.fanouts = (parse_fanouts(fanouts) if self._relation_rows is None else
+                        self._relation_rows.fanouts)  # fmt: skip
         self.grid, self.axis = grid, axis
         self.replace = bool(replace)
         self.seed = int(seed)
@@ -359,9 +353,9 @@ class DistNeighborSampler:
         def sample(indptr: torch.Tensor, r: torch.Tensor, k: int, hashed: torch.Tensor) -> Any:
             return sample_rows(indptr, r, k, replace=self.replace, key=keys, row_keys=hashed)
 
-        if self._relation_rows is None or self.relation_fanouts is None:
+        if self._relation_rows is None:
             return sample(self._indptr, rows, fanout, row_keys)
-        return self._relation_rows.draw(rows, self.relation_fanouts[hop], sample, row_keys)
+        return self._relation_rows.draw(rows, hop, sample, row_keys)
 
     def _hop(
         self,

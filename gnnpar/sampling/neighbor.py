@@ -31,7 +31,7 @@ from gnnpar.graph import Graph
 from gnnpar.sampling import compiled
 from gnnpar.sampling.block import Block, MiniBatch
 from gnnpar.sampling.rng import derive_key, random_bits
-from gnnpar.sampling.typed import RelationRows, parse_relation_fanouts, typed_fields
+from gnnpar.sampling.typed import RelationRows, typed_fields
 
 __all__ = [
     "NeighborSampler",
@@ -388,16 +388,12 @@ class NeighborSampler:
                 f"indptr ends at {int(self.indptr[-1])} but there are {self.indices.numel()} "
                 "indices"
             )
-        #: Per layer, each relation's fan-out (None: one fan-out over all edges).
-        self.relation_fanouts: list[list[int]] | None = None
         self._relation_rows: RelationRows | None = None
         if types is not None and per_relation:
-            self.relation_fanouts = parse_relation_fanouts(fanouts, types)
-            self._relation_rows = RelationRows(self.indptr, types.edge_type, types.num_relations)
-            #: One fan-out per layer (a typed layer's largest relation fan-out).
-            self.fanouts = [max(layer, default=0) for layer in self.relation_fanouts]
-        else:
-            self.fanouts = parse_fanouts(fanouts)
+            self._relation_rows = RelationRows(self.indptr, types.edge_type, types, fanouts)
+        #: One fan-out per layer (a typed layer's largest relation fan-out).
+        self.fanouts = (parse_fanouts(fanouts) if self._relation_rows is None else
+                        self._relation_rows.fanouts)  # fmt: skip
         self.replace = bool(replace)
         self.seed = int(seed)
         if node_keys is None and types is not None and types.node_ids is not None:
@@ -477,10 +473,15 @@ class NeighborSampler:
             return sample_rows(indptr, rows, k, replace=self.replace, key=key,
                                row_keys=keys, backend=self.backend)  # fmt: skip
 
-        if self._relation_rows is None or self.relation_fanouts is None:
+        if self._relation_rows is None:
             return sample(self.indptr, frontier, fanout, row_keys)
         keys = frontier if row_keys is None else row_keys
-        return self._relation_rows.draw(frontier, self.relation_fanouts[hop], sample, keys)
+        return self._relation_rows.draw(frontier, hop, sample, keys)
+
+    @property
+    def relation_fanouts(self) -> list[list[int]] | None:
+        """Per layer, each relation's fan-out (None: one fan-out over all edges)."""
+        return None if self._relation_rows is None else self._relation_rows.layers
 
     def __repr__(self) -> str:
         return (

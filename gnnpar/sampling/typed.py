@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gnnpar.errors import UserError
-from gnnpar.graph.typed import GraphTypes, relation_name
+from gnnpar.graph.typed import GraphTypes, TypeSchema, relation_name
 
 __all__ = ["RelationRows", "parse_relation_fanouts"]
 
@@ -73,16 +73,27 @@ def parse_relation_fanouts(fanouts: Sequence[Any] | str, types: GraphTypes) -> l
 
 
 class RelationRows:
-    """The edges of a typed CSR grouped into one virtual row per (node, relation).
+    """The edges of a typed CSR grouped into one virtual row per (node, relation), and each
+    layer's fan-out per relation: what a sampler draws a typed hop with.
 
     Attributes:
+        layers: per layer, each relation's fan-out (:func:`parse_relation_fanouts`).
+        fanouts: one fan-out per layer, the layer's largest.
         indptr: ``(num_nodes * R + 1,)`` offsets of the virtual rows.
         order: CSR position of each grouped edge, or None when the graph's own order is
             grouped already (positions are then the graph's).
     """
 
-    def __init__(self, indptr: torch.Tensor, edge_type: torch.Tensor, num_relations: int):
-        n, r = indptr.numel() - 1, int(num_relations)
+    def __init__(
+        self,
+        indptr: torch.Tensor,
+        edge_type: torch.Tensor,
+        types: TypeSchema,
+        fanouts: Sequence[Any] | str,
+    ):
+        self.layers = parse_relation_fanouts(fanouts, types)
+        self.fanouts = [max(layer, default=0) for layer in self.layers]
+        n, r = indptr.numel() - 1, types.num_relations
         self.num_relations = r
         rows = torch.repeat_interleave(
             torch.arange(n, dtype=torch.int64, device=indptr.device),
@@ -100,13 +111,14 @@ class RelationRows:
     def draw(
         self,
         frontier: torch.Tensor,
-        fanouts: Sequence[int],
+        hop: int,
         sample: Any,
         row_keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(counts, positions)`` of every frontier row: up to ``fanouts[r]`` edges of each
-        relation ``r``, a row's relations in order. ``sample(indptr, rows, fanout,
-        row_keys)`` is the homogeneous row sampler."""
+        """``(counts, positions)`` of every frontier row: up to hop ``hop``'s fan-out of each
+        relation, a row's relations in order. ``sample(indptr, rows, fanout, row_keys)`` is
+        the homogeneous row sampler."""
+        fanouts = self.layers[hop]
         r, m = self.num_relations, frontier.numel()
         counts = torch.zeros(m, dtype=torch.int64, device=frontier.device)
         picks, owners = [], []
