@@ -523,8 +523,5 @@ def _target_relation(graph: Graph, relation: str | None, reverse: str | None) ->
         hits = [i for i, x in enumerate(types.relations) if x == (d_type, name, s_type)]
         rev = hits[0] if hits else None
 
-    def span(t: str) -> tuple[int, int]:
-        k = types.type_index(t)
-        return types.offsets[k], types.offsets[k + 1]
-
-    return _Target(graph, r, rev, types.edge_type == r, span(s_type), span(d_type))
+    selected = types.edge_type == r
+    return _Target(graph, r, rev, selected, types.id_range(s_type), types.id_range(d_type))

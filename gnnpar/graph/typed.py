@@ -161,6 +161,11 @@ class TypeSchema:
         """Number of nodes of type ``ntype`` (in the original graph)."""
         return self.num_nodes(self.type_index(ntype))
 
+    def id_range(self, ntype: str) -> tuple[int, int]:
+        """``(lo, hi)``: type ``ntype`` owns the original ids ``[lo, hi)``."""
+        t = self.type_index(ntype)
+        return self.offsets[t], self.offsets[t + 1]
+
     @property
     def ends(self) -> tuple[tuple[int, int], ...]:
         """``(source type, destination type)`` indices of every relation."""

@@ -513,8 +513,7 @@ class LinkTask(BaseTask):
         relation = self.split.how.get("relation")
         if relation is not None:  # a typed split: destinations of the relation's type
             types = g.types
-            t = types.type_index(types.relations[types.relation_index(relation)][2])
-            kwargs["dst_range"] = (types.offsets[t], types.offsets[t + 1])
+            kwargs["dst_range"] = types.id_range(types.relations[types.relation_index(relation)][2])
         return NegativeSampler(g.num_nodes, method, cfg.num_negatives, **kwargs)
 
     def _setup_minibatch(self) -> None:

@@ -971,9 +971,9 @@ class MiniBatchTask(BaseTask):
         types = getattr(self, "types", None)
         if types is None or types.target is None:
             return pred
-        t = types.type_index(types.target)
-        pred[: types.offsets[t]] = -1
-        pred[types.offsets[t + 1] :] = -1
+        lo, hi = types.id_range(types.target)
+        pred[:lo] = -1
+        pred[hi:] = -1
         return pred
 
     def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
