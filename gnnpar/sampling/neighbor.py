@@ -458,7 +458,7 @@ class NeighborSampler:
             w = None if self.weight is None else self.weight.index_select(0, pos)
             block = Block(src, frontier.numel(), _indptr(counts), local, pos, keys, None, w)
             if self.types is not None:
-                block.edge_type, block.node_type = typed_fields(self.types, pos, src).values()
+                block.edge_type, block.node_type = typed_fields(self.types, pos, src)
             blocks.append(block)
             frontier = src
         blocks.reverse()

@@ -141,10 +141,9 @@ class RelationRows:
 
 def typed_fields(
     types: GraphTypes, positions: torch.Tensor, src: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """The typed fields of a block (:class:`~gnnpar.sampling.Block`): each edge's relation
-    (edges given by CSR ``positions``) and each source's node type (sources by node id)."""
-    return {
-        "edge_type": types.edge_type.index_select(0, positions),
-        "node_type": types.node_type_of(types.original_ids(src)),
-    }
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The typed fields of a block (:class:`~gnnpar.sampling.Block`): ``(edge_type,
+    node_type)``, each edge's relation (edges given by CSR ``positions``) and each source's
+    node type (sources by node id)."""
+    edge_type = types.edge_type.index_select(0, positions)
+    return edge_type, types.node_type_of(types.original_ids(src))
