@@ -24,6 +24,7 @@ Installs nothing; a peer that is missing is skipped and said so. Prints one tabl
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -61,7 +62,9 @@ def _interleaved(steps: dict, reps: int, device: torch.device) -> dict[str, dict
     return interleaved({k: _synced(s, device) for k, s in steps.items()}, reps)
 
 
-def gcn_epoch(device: torch.device, scale: int, reps: int, tmp: Path) -> dict:
+def gcn_epoch(
+    device: torch.device, scale: int, reps: int, tmp: Path, profile: bool = False
+) -> dict:
     """(a) one-rank GCN epoch, ours beside PyG's CSR path, on ``device``."""
     import warnings
 
@@ -117,6 +120,8 @@ def gcn_epoch(device: torch.device, scale: int, reps: int, tmp: Path) -> dict:
             losses["pyg sparse CSR"] = F.cross_entropy(pyg(feat, adj)[mask], label[mask]).item()
         steps["pyg sparse CSR"] = pyg_step
     times = _interleaved(steps, reps, device)
+    if profile:
+        print("profile of ours, 3 epochs:\n" + profile_epoch(ours_step, device), flush=True)
     gnnpar.shutdown(grid)
     out = {"nodes": n, "edges": graph.num_edges, "epoch_s": times, "initial_loss": losses}
     if "pyg sparse CSR" in times:
@@ -193,6 +198,69 @@ def sampler_to_device(device: torch.device, quick: bool, reps: int) -> dict:
     return {"nodes": n, "edges": m, "seeds_per_s": rates}
 
 
+def spmm_variants(device: torch.device, scale: int, reps: int) -> dict:
+    """(d) every SpMM variant on R-MAT ``scale``'s adjacency at width 128, ``A @ H`` and
+    ``Aᵀ @ G`` (each a median of ``reps``), with the largest difference from ``csr32``, and
+    what the default autotune picks and leaves out on this device."""
+    from benchmarks.fullgraph import _summary
+    from gnnpar.data import rmat
+    from gnnpar.sparse.csr import CSRBlock
+    from gnnpar.sparse.kernels import VARIANTS, LocalSpMM
+
+    graph = rmat(scale=scale, edge_factor=16, feat_dim=1)
+    n, nnz = graph.num_nodes, graph.indices.numel()
+    values = torch.rand(nnz, generator=torch.Generator().manual_seed(0))
+    block = CSRBlock(graph.indptr, graph.indices, values, (n, n)).to(device=device)
+    h = torch.randn(n, 128, generator=torch.Generator().manual_seed(1)).to(device)
+    out: dict = {"nodes": n, "nnz": nnz, "variants": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        spmm, x = LocalSpMM(block.to(dtype=dtype)), h.to(dtype)
+        ref = spmm.mm(x, variant="csr32").double() if dtype == torch.float32 else None
+        for name, variant in VARIANTS.items():
+            if not variant.supports(spmm.block, dtype):
+                continue
+            row = {}
+            for what, op in (("A @ H", spmm), ("At @ G", spmm.T)):
+                op.mm(x, variant=name)  # warm-up: the kernel is prepared once
+                runs = []
+                for _ in range(reps):
+                    _sync(device)
+                    t = time.perf_counter()
+                    op.mm(x, variant=name)
+                    _sync(device)
+                    runs.append(time.perf_counter() - t)
+                row[what] = _summary(runs)
+            if ref is not None:
+                row["max |diff| vs csr32"] = (
+                    (spmm.mm(x, variant=name).double() - ref).abs().max().item()
+                )
+            out["variants"][f"{name} {str(dtype).removeprefix('torch.')}"] = row
+        tuned = LocalSpMM(block.to(dtype=dtype))
+        tuned.mm(x)
+        out[f"autotune {str(dtype).removeprefix('torch.')}"] = {
+            "choice": next(iter(tuned.choices.values())),
+            "excluded": next(iter(tuned.excluded.values()), {}),
+        }
+    return out
+
+
+def profile_epoch(step, device: torch.device, rows: int = 15) -> str:
+    """The ops that take the device's time in a few calls of ``step`` (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    step()
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        _sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
 def versions(device: torch.device) -> dict:
     """What ran: Python, torch, CUDA and the device's name."""
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "device": str(device)}
@@ -208,12 +276,54 @@ def versions(device: torch.device) -> dict:
     return info
 
 
+def _table(result: dict, scale: int) -> list[tuple[str, str]]:
+    """The rows of the summary printed at the end, for the parts that ran."""
+    rows = []
+    if "spmm" in result:
+        spmm = result["spmm"]
+        rows.append((f"(d) SpMM, R-MAT {scale} ({spmm['nnz']} nonzeros) x 128 columns", ""))
+        for name, r in spmm["variants"].items():
+            ms = " / ".join(f"{r[k]['median'] * 1e3:.2f}" for k in ("A @ H", "At @ G"))
+            diff = r.get("max |diff| vs csr32")
+            rows.append(
+                (f"    {name}", f"{ms} ms" + ("" if diff is None else f", diff {diff:.2g}"))
+            )
+        for key in ("autotune float32", "autotune bfloat16"):
+            rows.append((f"    {key} picks", spmm[key]["choice"]))
+    if "gcn" in result:
+        gcn = result["gcn"]
+        rows.append((f"(a) GCN epoch, R-MAT {scale} ({gcn['nodes']} nodes)", ""))
+        for name, t in gcn["epoch_s"].items():
+            ms = {k: t[k] * 1e3 for k in ("median", "min", "max")}
+            rows.append((f"    {name}", f"{ms['median']:.1f} ms ({ms['min']:.1f}-{ms['max']:.1f})"))
+        if "ours / pyg" in gcn:
+            rows.append(("    ours / PyG", f"{gcn['ours / pyg']:.2f}x"))
+    if "gpt" in result:
+        rows.append(("(b) gnnpar train gpt step, batch 16 x 256", ""))
+        for precision, r in result["gpt"].items():
+            value = (
+                r.get("error") or f"{r['step_s'] * 1e3:.1f} ms, {r['tokens_per_s']:.3g} tokens/s"
+            )
+            rows.append((f"    mixed_precision={precision}", value))
+    if "sampler" in result:
+        rows.append(("(c) sampler to device, fan-outs 15,10, batch 1024", ""))
+        for name, r in result["sampler"]["seeds_per_s"].items():
+            rows.append(
+                (f"    {name}", f"{r['median']:.3g} seeds/s ({r['min']:.3g}-{r['max']:.3g})")
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--scale", type=int, default=18, help="R-MAT scale of part (a)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="small sizes (checks the script)")
+    p.add_argument("--profile", action="store_true", help="print where (a)'s epoch spends time")
+    p.add_argument(
+        "--only", nargs="+", choices=("spmm", "gcn", "gpt", "sampler"), help="run only these parts"
+    )
     p.add_argument("--json", default=str(OUT / "gpu.json"), help="JSON file to write")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -226,23 +336,17 @@ def main(argv: list[str] | None = None) -> int:
     print(" ".join(f"{k} {v}" for k, v in result["versions"].items()), flush=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        result["gcn"] = gcn_epoch(device, scale, reps, tmp)
-        result["gpt"] = gpt_step(device, args.quick, tmp)
-        result["sampler"] = sampler_to_device(device, args.quick, reps)
-    gcn, gpt, smp = result["gcn"], result["gpt"], result["sampler"]
-    rows = [(f"(a) GCN epoch, R-MAT {scale} ({gcn['nodes']} nodes)", "")]
-    for name, t in gcn["epoch_s"].items():
-        ms = {k: t[k] * 1e3 for k in ("median", "min", "max")}
-        rows.append((f"    {name}", f"{ms['median']:.1f} ms ({ms['min']:.1f}-{ms['max']:.1f})"))
-    if "ours / pyg" in gcn:
-        rows.append(("    ours / PyG", f"{gcn['ours / pyg']:.2f}x"))
-    rows.append(("(b) gnnpar train gpt step, batch 16 x 256", ""))
-    for precision, r in gpt.items():
-        value = r.get("error") or f"{r['step_s'] * 1e3:.1f} ms, {r['tokens_per_s']:.3g} tokens/s"
-        rows.append((f"    mixed_precision={precision}", value))
-    rows.append(("(c) sampler to device, fan-outs 15,10, batch 1024", ""))
-    for name, r in smp["seeds_per_s"].items():
-        rows.append((f"    {name}", f"{r['median']:.3g} seeds/s ({r['min']:.3g}-{r['max']:.3g})"))
+        # Each part prints its result as it ends, so a run cut off by a time limit keeps it.
+        parts = {
+            "spmm": lambda: spmm_variants(device, scale, reps),
+            "gcn": lambda: gcn_epoch(device, scale, reps, tmp, args.profile),
+            "gpt": lambda: gpt_step(device, args.quick, tmp),
+            "sampler": lambda: sampler_to_device(device, args.quick, reps),
+        }
+        for part in args.only or parts:
+            result[part] = parts[part]()
+            print(f"[{part}]", json.dumps(result[part]), flush=True)
+    rows = _table(result, scale)
     width = max(len(a) for a, _ in rows)
     print("\n".join(f"{a:<{width}}  {b}" for a, b in rows))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -77,3 +77,26 @@ def test_nccl_world_moves_the_bytes_of_a_gloo_world(task, one_process, tmp_path)
     _close(cpu, gpu)
     for c, g in zip(cpu, gpu, strict=True):
         assert c.get("bytes") == g.get("bytes")
+
+
+def test_the_gpu_spmm_is_cusparse_and_bit_stable_under_deterministic_algorithms():
+    from gnnpar.sparse.csr import from_coo
+    from gnnpar.sparse.kernels import LocalSpMM
+
+    g = torch.Generator().manual_seed(0)
+    r, c = (torch.rand(3000, 2000, generator=g) < 0.01).nonzero(as_tuple=True)
+    block = from_coo(r, c, torch.rand(r.numel(), generator=g), (3000, 2000)).to(device="cuda")
+    h = torch.randn(2000, 128, generator=g).cuda()
+    fast = LocalSpMM(block)
+    want = fast.mm(h)
+    assert fast.choices == {(128, torch.float32): "csr32"}
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        stable = LocalSpMM(block)
+        first, again = stable.mm(h), stable.mm(h)
+        assert stable.choices[(128, torch.float32)].startswith("bag")
+        assert torch.equal(first, again)
+        torch.testing.assert_close(first, want)
+    finally:
+        torch.use_deterministic_algorithms(was)

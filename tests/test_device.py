@@ -34,6 +34,8 @@ _GPT = [
 ]  # fmt: skip
 _HF = ["--model", "hf-gpt2", "--model-config", "n_layer=1,n_head=2,n_embd=16,n_positions=16"]
 _SBM = ["--dataset", "sbm", "--dataset-options", "num_nodes=300"]
+_MAG_SIZES = "num_papers=60,num_authors=30,num_institutions=5,num_fields=7,num_classes=3,feat_dim=6"
+_MAG = ["--dataset", "mag-synth", "--dataset-options", _MAG_SIZES]
 
 TASKS = {
     "gcn-3d": ["gcn", *_SBM, "--epochs", "3", "--eval-every", "3"],
@@ -46,6 +48,10 @@ TASKS = {
     "gpt": ["gpt", *_GPT],
     "gpt-zero2-clip": ["gpt", *_GPT, "--zero-stage", "2", "--grad-clip", "1.0"],
     "hf-gpt2": ["gpt", *_GPT, *_HF],
+    "link-full": ["link", *_SBM, "--mode", "full", "--epochs", "1"],
+    "link-minibatch": ["link", *_SBM, "--epochs", "1", "--prefetch", "0"],
+    "rgcn-full": ["gcn", *_MAG, "--model", "rgcn", "--epochs", "2"],
+    "hgt-minibatch": ["sage", *_MAG, "--model", "hgt", "--epochs", "1", "--prefetch", "0"],
 }  # fmt: skip
 
 # Wall-clock and memory figures differ between any two runs.

@@ -166,6 +166,26 @@ def test_the_autotune_chooses_among_bit_identical_variants(dtype):
         assert torch.equal(LocalSpMM(block).mm(h), first.mm(h))  # the autotuned default
 
 
+def test_a_gpu_multiplies_through_cusparse_unless_runs_must_be_deterministic():
+    # cuSPARSE sums with atomics (two runs differ in the last bits on an H100): it is the
+    # GPU's default for speed, and left out when the user asks torch for determinism
+    block = _block(9, 8, 0.5, torch.float32)
+    spmm = LocalSpMM(block)
+    assert spmm.candidates(torch.float32, "cuda")[0] == "csr32"
+    assert LocalSpMM(block.to(torch.float64)).candidates(torch.float64, "cuda")[0] == "csr32"
+    assert spmm.candidates(torch.float32) == list(EXACT_GROUPS[torch.float32])
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            names = LocalSpMM(block.to(dtype)).candidates(dtype, "cuda")
+            assert names and not any(n.startswith("csr") for n in names), dtype
+        # the host's groups are bit-identical already: unchanged
+        assert spmm.candidates(torch.float32) == list(EXACT_GROUPS[torch.float32])
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_the_autotune_leaves_out_a_default_candidate_that_is_not_bit_identical(monkeypatch):
     # a CPU can break a group's promise (MKL fuses multiply-add on some, bag never does):
     # a fast candidate one ulp off, and one off only where rounding shows, must not win

@@ -43,6 +43,13 @@ features, say), and a candidate that differs is left out of the timing;
 :attr:`LocalSpMM.excluded` says which and why. Naming ``variants=`` times exactly those
 instead, unchecked (no identity is promised; the benchmark compares all of them this way).
 
+**On a GPU** (:data:`DEVICE_GROUPS`) float32 and float64 products go through cuSPARSE's CSR
+SpMM (``csr32``): 14x faster than embedding_bag's CUDA kernel on an H100 and 2x PyG's GCN
+epoch, but its sums use atomics, so two runs of one product can differ in the last bits
+(the autotune's check then keeps only the first candidate), as PyG's and DGL's GPU SpMM do.
+Under ``torch.use_deterministic_algorithms(True)`` the embedding_bag variants are the
+candidates instead: bit-identical run to run, and slower.
+
 **bfloat16.** torch's CPU sparse CSR matmul has no bfloat16 kernel; every bfloat16 variant
 accumulates in float32 and rounds the result once, so, elementwise,
 ``|out - A·H| <= 2**-8 · |A·H| + 2**-16 · (|A|·|H|)``, where ``A·H`` is the exact product of
@@ -71,7 +78,15 @@ import torch.nn.functional as F
 from gnnpar.errors import UserError
 from gnnpar.sparse.csr import CSRBlock, select, transpose
 
-__all__ = ["EXACT_GROUPS", "VARIANTS", "LocalSpMM", "SpMMFunction", "csr_spmm", "spmm"]
+__all__ = [
+    "DEVICE_GROUPS",
+    "EXACT_GROUPS",
+    "VARIANTS",
+    "LocalSpMM",
+    "SpMMFunction",
+    "csr_spmm",
+    "spmm",
+]
 
 _INT32_MAX = 2**31 - 1
 _TILE = 64  # feature columns per tile of ``bag-tiled``
@@ -159,6 +174,34 @@ EXACT_GROUPS: MappingProxyType[torch.dtype, tuple[str, ...]] = MappingProxyType(
 autotune (each checked against the first at tuning), the first one the default without it
 (``csr32`` gives way to ``csr64`` for blocks too large for int32)."""
 
+DEVICE_GROUPS: MappingProxyType[str, MappingProxyType] = MappingProxyType(
+    {
+        # cuSPARSE's CSR SpMM on a GPU: 14x faster than embedding_bag's CUDA kernel on an
+        # H100 (docs/benchmarks.md), but it sums with atomics, so two runs differ in the last
+        # bits (as PyG's and DGL's GPU SpMM do)
+        "cuda": MappingProxyType({_F32: ("csr32", "csr64"), _F64: ("csr32", "csr64")}),
+    }
+)
+"""Per device type, the groups that replace :data:`EXACT_GROUPS` for some dtypes (unless
+``torch.use_deterministic_algorithms(True)`` is on, see :func:`exact_group`)."""
+
+_DETERMINISTIC_ON_A_GPU = MappingProxyType(
+    {_F32: ("bag", "bag-tiled"), _F64: ("bag",), _BF16: ("bag", "bag-tiled"),
+     _F16: ("bag", "bag-tiled")}
+)  # fmt: skip
+
+
+def exact_group(dtype: torch.dtype, device_type: str = "cpu") -> tuple[str, ...]:
+    """The default candidates for ``dtype`` products on a device of ``device_type``: the
+    device's group (:data:`DEVICE_GROUPS`), else :data:`EXACT_GROUPS`; on a GPU under
+    ``torch.use_deterministic_algorithms(True)``, embedding_bag's kernels, whose sums run in
+    a fixed order (bit-identical run to run, slower)."""
+    if device_type == "cuda" and torch.are_deterministic_algorithms_enabled():
+        return _DETERMINISTIC_ON_A_GPU.get(dtype, ())
+    group = DEVICE_GROUPS.get(device_type, MappingProxyType({})).get(dtype)
+    return group if group is not None else EXACT_GROUPS.get(dtype, ())
+
+
 _PROBE_SEED = 0  # the autotune's random probe input: the same on every rank and run
 
 
@@ -174,6 +217,12 @@ def _difference(out: torch.Tensor, ref: torch.Tensor) -> str | None:
         return None
     largest = (out.double() - ref.double()).abs()[differ].max().item()
     return f"{n} of {ref.numel()} elements differ (largest by {largest:.3g})"
+
+
+def _wait_for(device: torch.device) -> None:
+    """Wait until ``device`` has finished the work queued on it (a no-op on the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # Variants that share one prepared form (a block builds it once for all of them).
@@ -229,9 +278,10 @@ class LocalSpMM:
         """The same block with values of ``dtype``."""
         return LocalSpMM(self.block.to(dtype=dtype), self.autotune, self.variants)
 
-    def candidates(self, dtype: torch.dtype) -> list[str]:
-        """The variants the autotune chooses from for ``dtype`` matrices."""
-        names = self.variants if self.variants else EXACT_GROUPS.get(dtype, ())
+    def candidates(self, dtype: torch.dtype, device_type: str = "cpu") -> list[str]:
+        """The variants the autotune chooses from for ``dtype`` matrices on a device of
+        ``device_type``."""
+        names = self.variants if self.variants else exact_group(dtype, device_type)
         return [n for n in names if VARIANTS[n].supports(self.block, dtype)]
 
     def mm(self, dense: torch.Tensor, variant: str | None = None) -> torch.Tensor:
@@ -268,7 +318,7 @@ class LocalSpMM:
         return self._prepared[base]
 
     def _pick(self, dense: torch.Tensor) -> str:
-        names = self.candidates(dense.dtype)
+        names = self.candidates(dense.dtype, dense.device.type)
         if not names:
             raise TypeError(
                 f"no SpMM variant among {list(self.variants or VARIANTS)} multiplies by "
@@ -284,8 +334,10 @@ class LocalSpMM:
             run(kernel, dense)  # warm-up: first-touch allocations, MKL's analysis
             best = float("inf")
             for _ in range(2):
+                _wait_for(dense.device)
                 start = time.perf_counter()
                 run(kernel, dense)
+                _wait_for(dense.device)  # a GPU kernel returns at launch, not at its end
                 best = min(best, time.perf_counter() - start)
             times[name] = best
         self.timings[(dense.shape[1], dense.dtype)] = times

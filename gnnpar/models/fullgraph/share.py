@@ -175,11 +175,13 @@ class GraphShare:
             # PyG's gcn_norm: weighted in-degree of each destination, self loops included
             zeros = torch.zeros(raw.shape[0], dtype=raw.values.dtype)
             local = zeros.index_add_(0, rows, raw.values)
-            deg_x = comm.all_reduce(local, self.grid, COL_AXIS) if self.px > 1 else local
+            deg_x = self._host_all_reduce(local)
             a = self.grid.rank(COL_AXIS)
             start = sum(self.scatter_sizes[:a])
             mine = deg_x[start : start + self.scatter_sizes[a]].contiguous()
-            deg_cols = comm.all_gather(mine, self.grid, ROW_AXIS, sizes=self.sub_sizes)
+            # the block is derived on the host; collectives move the grid device's tensors
+            on_device = mine.to(self.grid.device)
+            deg_cols = comm.all_gather(on_device, self.grid, ROW_AXIS, sizes=self.sub_sizes).cpu()
             inv_x, inv_c = deg_x.pow(-0.5), deg_cols.pow(-0.5)
             inv_x[deg_x == 0], inv_c[deg_cols == 0] = 0.0, 0.0
             values = inv_x[rows] * raw.values * inv_c[raw.indices]
@@ -190,11 +192,16 @@ class GraphShare:
         if kind == "sum":
             return block
         count = torch.zeros(raw.shape[0], dtype=raw.values.dtype).index_add_(0, rows[keep], ones)
-        if self.px > 1:
-            count = comm.all_reduce(count, self.grid, COL_AXIS)
+        count = self._host_all_reduce(count)
         scale = 1.0 / count.clamp(min=1.0)
         values = scale[csr.coo_rows(block)]
         return CSRBlock(block.indptr, block.indices, values, block.shape, 0, block.col_offset)
+
+    def _host_all_reduce(self, local: torch.Tensor) -> torch.Tensor:
+        """The sum of a host tensor over the x axis, through the grid's device."""
+        if self.px == 1:
+            return local
+        return comm.all_reduce(local.to(self.grid.device), self.grid, COL_AXIS).cpu()
 
     def operator(self, kind: str) -> LocalSpMM:
         """The local SpMM of this rank's block with the values of ``kind`` (:data:`OPERATORS`),

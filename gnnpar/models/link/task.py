@@ -706,8 +706,8 @@ class LinkTask(BaseTask):
             self._perm = torch.empty(n, dtype=torch.int64)
             self._perm[src.node_ids(0, (0, n))] = torch.arange(n)
             rows = self.model.share.rows
-            bounds = torch.tensor([rows[0], rows[1]], dtype=torch.int64)
-            starts = comm.all_gather(bounds, self.grid, "tensor").view(-1, 2)[:, 0]
+            bounds = torch.tensor([rows[0], rows[1]], dtype=torch.int64, device=self.grid.device)
+            starts = comm.all_gather(bounds, self.grid, "tensor").view(-1, 2)[:, 0].cpu()
             # the tensor ranks' rows are not in rank order (x varies fastest, rows by x chunk)
             self._starts, self._rank_of = torch.sort(starts)
         pos = self._perm.index_select(0, nodes)
@@ -747,9 +747,10 @@ class LinkTask(BaseTask):
         """Scores of this rank's pairs from the rows ``h`` every rank holds (collective)."""
         b, k = neg.shape
         rows = self._fetch(h, torch.cat([src, dst, neg.reshape(-1)]))
-        first = torch.arange(b)
+        first = torch.arange(b, device=rows.device)
         # rows: the b sources, the b destinations, then each source's k negatives
-        targets = torch.cat([(b + first)[:, None], 2 * b + first[:, None] * k + torch.arange(k)], 1)
+        after = torch.arange(k, device=rows.device)
+        targets = torch.cat([(b + first)[:, None], 2 * b + first[:, None] * k + after], 1)
         scores = self.net(embeddings=rows, src=first, dst=targets)
         return scores[:, 0], scores[:, 1:]
 
