@@ -267,7 +267,7 @@ def test_plan_chooses_layouts_and_honours_skip():
     assert all(s.gather_output for n, s in styles.items() if n != "lm_head")
     with pytest.raises(ValueError, match="share one weight, but \\['lm_head'\\] would be left"):
         tensor.plan_styles(gpt, _fake_grid(x=2), tensor.Plan(skip=("lm_head",)))
-    with pytest.raises(ValueError, match="has 4 heads, which do not divide over x=8"):
+    with pytest.raises(ValueError, match="n_head=4 does not divide over x=8"):
         tensor.plan_styles(gpt, _fake_grid(x=8))
     with pytest.raises(ValueError, match="plan gives a style for 'nope'"):
         tensor.plan_styles(gpt, _fake_grid(x=2), tensor.Plan(styles={"nope": tensor.LayerStyle()}))

@@ -1,4 +1,4 @@
-"""``gnnpar ckpt consolidate | info``: offline tools over any gnnpar checkpoint."""
+"""``gnnpar ckpt consolidate | info | export-hf``: offline tools over any gnnpar checkpoint."""
 
 from __future__ import annotations
 
@@ -53,6 +53,14 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from gnnpar.models.gpt.hf_llama import export_hf
+
+    out = export_hf(args.path, args.out, args.overwrite)
+    print(f"wrote {out}: config.json and model.safetensors (LlamaForCausalLM)")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     from gnnpar.checkpoint import describe
 
@@ -61,7 +69,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def add_ckpt_commands(subparsers: Any) -> None:
-    """Register ``gnnpar ckpt consolidate | info`` on an argparse sub-parsers object."""
+    """Register ``gnnpar ckpt consolidate | info | export-hf`` on an argparse sub-parsers object."""
     from gnnpar.train.config import plain_text
 
     ckpt = subparsers.add_parser(
@@ -89,6 +97,19 @@ def add_ckpt_commands(subparsers: Any) -> None:
     p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=_consolidate)
+    p = sub.add_parser(
+        "export-hf",
+        help="write a llama run as a Hugging Face LlamaForCausalLM folder",
+        description=(
+            "Write the llama model of a checkpoint written on any grid as a folder that "
+            "transformers' LlamaForCausalLM.from_pretrained loads (config.json and "
+            "model.safetensors, in the checkpoint's dtype). Needs no process group."
+        ),
+    )
+    p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help=where)
+    p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_export_hf)
     p = sub.add_parser(
         "info",
         help="step, grid, run, tensors and sizes of a checkpoint",

@@ -206,7 +206,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
             p = grid.size(out_axis)
             if heads % p:
                 raise UserError(
-                    f"attention block {block!r} has {heads} heads, which do not divide over "
+                    f"attention block {block!r}: {rule.heads}={heads} does not divide over "
                     f"{out_axis}={p}; choose another grid or pass Plan(chain=False)"
                 )
         styles[first] = LayerStyle(transpose, True, False, rule.fused)

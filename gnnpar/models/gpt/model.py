@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ __all__ = [
     "MLP",
     "Block",
     "CausalSelfAttention",
+    "TransformerBlock",
     "GPTConfig",
     "generate",
     "model_sizes",
@@ -127,12 +129,17 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``. With
+class TransformerBlock(nn.Module):
+    """What every transformer block of our models is (GPT's, Llama's): with
     ``recompute_all`` the model that runs it keeps only its input for backward and runs it
-    again there (full activation checkpointing: see :func:`run_blocks`)."""
+    again there (full activation checkpointing: see :func:`run_blocks`); its attention
+    (``attn``) has ``recompute_core``."""
 
     recompute_all = False
+
+
+class Block(TransformerBlock):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -147,24 +154,27 @@ class Block(nn.Module):
 
 
 def set_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
-    """Make every :class:`Block` of ``model`` (plain, parallel or sharded: its modules are
-    the same) recompute its activations in backward: ``"full"`` (the whole block),
+    """Make every :class:`TransformerBlock` of ``model`` (plain, parallel or sharded: its
+    modules are the same) recompute its activations in backward: ``"full"`` (the whole block),
     ``"selective"`` (the attention core) or ``"none"`` (see :mod:`gnnpar.recompute`)."""
     check_mode(mode, MODES)
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     if mode != "none" and not blocks:
-        raise ValueError(f"activation checkpointing: {type(model).__name__} has no GPT Block")
+        raise ValueError(
+            f"activation checkpointing: {type(model).__name__} has no transformer block"
+        )
     for block in blocks:
         block.recompute_all = mode == "full"
         block.attn.recompute_core = mode == "selective"
     return model
 
 
-def run_blocks(blocks: Iterable[Block], x: torch.Tensor) -> torch.Tensor:
-    """``x`` through ``blocks`` in order; a block with ``recompute_all`` is called (hooks
-    and all, so that a sharded block is gathered again) once more in backward."""
+def run_blocks(blocks: Iterable[TransformerBlock], x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``x`` through ``blocks`` in order, each also given ``args`` (Llama's RoPE tables); a
+    block with ``recompute_all`` is called (hooks and all, so that a sharded block is
+    gathered again) once more in backward."""
     for block in blocks:
-        x = recompute(block, x, enabled=block.recompute_all)
+        x = recompute(block, x, *args, enabled=block.recompute_all)
     return x
 
 
@@ -216,6 +226,15 @@ class GPT(nn.Module):
         """Number of parameters (tied ones once)."""
         return sum(p.numel() for p in self.parameters())
 
+    # The two steps a pipeline chunk runs too (on a module with the same attributes).
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The blocks' input: token plus position embeddings."""
+        return self.drop(self.wte(ids) + self.wpe(pos))
+
+    def block_args(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What every block takes besides its input: nothing."""
+        return ()
+
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``ids (B, T)``; ``pos`` are the tokens' positions in their sequences
         (default 0..T−1; a context-parallel rank passes those of the chunks it holds)."""
@@ -226,7 +245,8 @@ class GPT(nn.Module):
             )
         if pos is None:
             pos = torch.arange(t, device=ids.device)
-        x = run_blocks(self.blocks, self.drop(self.wte(ids) + self.wpe(pos)))
+        x = self.embed(ids, pos)
+        x = run_blocks(self.blocks, x, *self.block_args(pos, x.dtype))
         return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
@@ -258,8 +278,9 @@ class GPT(nn.Module):
 
 
 class GPTChunk(nn.Module):
-    """Consecutive blocks of a :class:`GPT` as one pipeline stage: with ``first`` the token
-    and position embeddings before them, with ``last`` the final norm and head after them.
+    """Consecutive blocks of a :class:`GPT` or a :class:`~gnnpar.models.gpt.llama.Llama` as one
+    pipeline stage: with ``first`` the embeddings before them, with ``last`` the final norm
+    and head after them (the model's own ``embed`` and ``block_args`` run on the chunk).
 
     The chunk takes the modules of ``model`` (plain or made parallel), so its state-dict keys
     are the model's (``blocks.3.attn.qkv.weight``). A head tied to the embedding on a chunk
@@ -268,13 +289,18 @@ class GPTChunk(nn.Module):
     chunk reports the weight it uses to ``tie``.
     """
 
-    def __init__(self, model: GPT, layers: range, first: bool, last: bool, tie: object = None):
+    def __init__(
+        self, model: nn.Module, layers: range, first: bool, last: bool, tie: object = None
+    ):
         super().__init__()
         self.config = model.config
         self.first, self.last = first, last
         self.layers = layers
+        self.kind = type(model)  # whose embed and block_args run here
         if first:
-            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+            self.wte, self.drop = model.wte, model.drop
+            if hasattr(model, "wpe"):
+                self.wpe = model.wpe
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
@@ -284,6 +310,7 @@ class GPTChunk(nn.Module):
             del self.lm_head._parameters["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        pos = torch.arange(x.shape[1], device=x.device)
         if self.first:
             t = x.shape[-1]
             if t > self.config.block_size:
@@ -292,9 +319,8 @@ class GPTChunk(nn.Module):
                 )
             if self.tie is not None:
                 self.tie.watch(self.wte.weight)
-            pos = torch.arange(t, device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
-        x = run_blocks(self.blocks.values(), x)
+            x = self.kind.embed(self, x, pos)
+        x = run_blocks(self.blocks.values(), x, *self.kind.block_args(self, pos, x.dtype))
         if not self.last:
             return x
         if self.tie is not None:

@@ -24,7 +24,7 @@ from gnnpar import comm
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.gpt.hf_gpt2 import HFGPT2Chunk, check_hf_gpt2, is_hf_gpt2
-from gnnpar.models.gpt.model import GPT, Block, GPTChunk, model_sizes
+from gnnpar.models.gpt.model import GPT, GPTChunk, model_sizes
 from gnnpar.pipeline.runtime import Pipeline, StepResult, TiedWeight
 from gnnpar.pipeline.stages import gpt_layer_costs, split_layers
 from gnnpar.shard.clip import clip_factor, scale_grads_
@@ -195,7 +195,7 @@ def gpt_pipeline(
         check_hf_gpt2(model)
         chunk_cls, block, wte = HFGPT2Chunk, type(model.transformer.h[0]), "transformer.wte"
     else:
-        chunk_cls, block, wte = GPTChunk, Block, "wte"
+        chunk_cls, block, wte = GPTChunk, type(model.blocks[0]), "wte"
     tied = model_sizes(model).tie_weights
     tie = None
     if tied and p > 1:

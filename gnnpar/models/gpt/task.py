@@ -63,24 +63,37 @@ from gnnpar.verified import FormatError
 
 __all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "parallel_model"]
 
-MODELS = ("gpt", "hf-gpt2")
+MODELS = ("gpt", "llama", "hf-gpt2")
+#: Our own models (plain PyTorch, our blocks): activation checkpointing and context work.
+OURS = ("gpt", "llama")
 
 
 @dataclasses.dataclass
-class GPTTaskConfig(
-    RecomputeConfig, ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig
-):
+class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig):
     """Options of ``gnnpar train gpt`` (and ``--config FILE`` keys)."""
 
-    model: str = option("gpt", "gpt (ours) or hf-gpt2 (transformers' GPT2LMHeadModel)", MODELS)
+    model: str = option(
+        "gpt", "gpt (ours), llama (ours: RMSNorm, RoPE, SwiGLU, GQA) or hf-gpt2 "
+        "(transformers' GPT2LMHeadModel)", MODELS
+    )  # fmt: skip
+    bias: bool | None = option(
+        None, "biases in linear layers and norms (default: gpt yes, llama no)"
+    )
+    tie_weights: bool | None = option(
+        None, "output head tied to the token embedding (default: gpt yes, llama no)"
+    )
+    n_kv_head: int = option(0, "llama: key-value heads of grouped-query attention (0: n_head)")
+    ffn_hidden: int = option(0, "llama: SwiGLU hidden width (0: 8/3 n_embd rounded up to 64)")
+    rope_theta: float = option(10000.0, "llama: RoPE base")
+    norm_eps: float = option(1e-5, "llama: RMSNorm epsilon")
     model_config: str | None = option(
         None, "hf-gpt2: a GPT2Config as a JSON file or k=v,k=v (sizes it does not give come "
         "from the size options)"
     )  # fmt: skip
     pretrained: str | None = option(
-        None, "hf-gpt2: start from a folder in Hugging Face layout (config.json, "
+        None, "hf-gpt2 or llama: start from a folder in Hugging Face layout (config.json, "
         "model.safetensors or pytorch_model.bin, and tokenizer.json or vocab.json + "
-        "merges.txt); the text is encoded with its tokenizer"
+        "merges.txt); the text is encoded with its tokenizer; llama takes its sizes from it"
     )  # fmt: skip
     data: str = option("shakespeare", "text: shakespeare (built in), a file or a folder of .txt")
     vocab_size: int = option(2048, "BPE vocabulary trained on the data")
@@ -132,13 +145,20 @@ class GPTTaskConfig(
         self.check_recompute(MODES)
         if self.model not in MODELS:
             raise ConfigError(f"config key 'model' must be one of {', '.join(MODELS)}")
-        if self.activation_checkpointing != "none" and self.model != "gpt":
+        if self.activation_checkpointing != "none" and self.model not in OURS:
             raise ConfigError(
-                "config key 'activation_checkpointing' needs model = gpt (our blocks), not "
-                f"{self.model}"
+                "config key 'activation_checkpointing' needs model = gpt or llama (our "
+                f"blocks), not {self.model}"
             )
-        if self.pretrained and self.model != "hf-gpt2":
-            raise ConfigError("config key 'pretrained' needs model = hf-gpt2")
+        if self.pretrained and self.model == "gpt":
+            raise ConfigError("config key 'pretrained' needs model = hf-gpt2 or llama")
+        if self.n_kv_head < 0 or self.ffn_hidden < 0:
+            raise ConfigError("config keys 'n_kv_head' and 'ffn_hidden' must be 0 or positive")
+        if self.model == "llama" and not self.pretrained:
+            try:
+                self.llama_config(self.vocab_size)
+            except UserError as err:
+                raise ConfigError(f"llama sizes: {err}") from None
         for key in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be positive")
@@ -160,8 +180,8 @@ class GPTTaskConfig(
         c = shape.get("context", 1)
         if c == 1:
             return
-        if self.model != "gpt":
-            raise ConfigError("config key 'grid': a context axis needs model = gpt")
+        if self.model not in OURS:
+            raise ConfigError("config key 'grid': a context axis needs model = gpt or llama")
         if shape.get("pipe", 1) > 1:
             raise ConfigError("config key 'grid': a context axis does not combine with pipe")
         if self.dropout > 0:
@@ -203,8 +223,21 @@ class GPTTaskConfig(
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """Our GPT's sizes, with the tokenizer's vocabulary."""
-        names = [f.name for f in dataclasses.fields(GPTConfig)]
-        return GPTConfig(**{**{n: getattr(self, n) for n in names}, "vocab_size": vocab_size})
+        return GPTConfig(**self._sizes(GPTConfig, vocab_size))
+
+    def llama_config(self, vocab_size: int) -> Any:
+        """Our Llama's sizes, with the tokenizer's vocabulary (a pretrained folder's
+        ``config.json`` gives them instead: :func:`build_model`)."""
+        from gnnpar.models.gpt.llama import LlamaConfig
+
+        return LlamaConfig(**self._sizes(LlamaConfig, vocab_size))
+
+    def _sizes(self, cls: type, vocab_size: int) -> dict[str, Any]:
+        """The fields of the model config ``cls`` from the options; ``bias`` and
+        ``tie_weights`` left unset take the model's defaults."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        sizes = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {**sizes, "vocab_size": vocab_size}
 
 
 # --------------------------------------------------------------------------- the models
@@ -229,7 +262,8 @@ def hf_config(cfg: GPTTaskConfig, vocab_size: int):
         hf = GPT2Config(
             vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
             n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=cfg.dropout,
-            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, tie_word_embeddings=cfg.tie_weights,
+            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+            tie_word_embeddings=cfg.tie_weights is not False,
         )  # fmt: skip
     spec = cfg.model_config
     if spec and Path(spec).is_file():
@@ -287,6 +321,12 @@ def build_model(cfg: GPTTaskConfig, vocab_size: int) -> tuple[nn.Module, type]:
 
         with torch.device("meta"):
             return GPT(cfg.gpt_config(vocab_size)), Block
+    if cfg.model == "llama":
+        from gnnpar.models.gpt.llama import Llama, LlamaBlock
+
+        sizes = _pretrained_llama(cfg) if cfg.pretrained else cfg.llama_config(vocab_size)
+        with torch.device("meta"):
+            return Llama(sizes), LlamaBlock
     from transformers import GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -310,11 +350,29 @@ def parallel_model(plain: nn.Module, cfg: GPTTaskConfig, grid: ProcessGrid) -> n
     return model
 
 
+def _pretrained_llama(cfg: GPTTaskConfig) -> Any:
+    """The sizes of a pretrained Hugging Face Llama folder (its ``config.json``)."""
+    from gnnpar.models.gpt.hf_llama import llama_config_from_hf, read_hf_config
+    from gnnpar.models.gpt.llama import LlamaConfig
+
+    folder = Path(cfg.pretrained)
+    fields = llama_config_from_hf(read_hf_config(folder), str(folder / "config.json"))
+    return LlamaConfig(**fields, dropout=cfg.dropout)
+
+
 def load_pretrained(model: nn.Module, folder: Path, grid: ProcessGrid) -> None:
-    """Read a Hugging Face GPT-2 folder's weights into the parallel ``model``: each rank reads
-    only its pieces' boxes of each tensor."""
+    """Read a Hugging Face GPT-2 or Llama folder's weights into the parallel ``model``: each
+    rank reads only its pieces' boxes of each tensor."""
+    from gnnpar.models.gpt.llama import Llama
     from gnnpar.tensor import load_full_state_dict
 
+    if isinstance(model, Llama):
+        from gnnpar.models.gpt.hf_llama import llama_state_from_hf
+
+        with _hf_weights(folder) as state:
+            ours = llama_state_from_hf(state, model.config, str(folder))
+            load_full_state_dict(model, ours, grid, False)
+        return
     with _hf_weights(folder) as state:
         state = {k.removeprefix("module."): v for k, v in state.items()}
         if not any(k.startswith("transformer.") for k in state):
@@ -340,8 +398,11 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
     from gnnpar.models.gpt.cost import GPTProblem
 
     if sizes is None:
-        names = [f.name for f in dataclasses.fields(GPTConfig)]
-        sizes = GPTConfig(**{name: getattr(cfg, name) for name in names})
+        sizes = (
+            cfg.llama_config(cfg.vocab_size)
+            if cfg.model == "llama"
+            else cfg.gpt_config(cfg.vocab_size)
+        )
     return GPTProblem(
         sizes,
         batch=cfg.batch_size,
@@ -410,9 +471,7 @@ class GPTTask(BaseTask):
 
         read_source(cfg.data)
 
-    def __init__(
-        self, cfg: GPTTaskConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress
-    ):
+    def __init__(self, cfg: GPTTaskConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress):
         """The task on ``grid``, the one :func:`plan` chose with the ZeRO stage
         (:func:`gnnpar.train.spec.build_task` builds both); ``progress``: where rank 0
         reports the slow preparation stages."""
@@ -703,6 +762,8 @@ class GPTTask(BaseTask):
 
     def describe(self) -> dict[str, Any]:
         """The run's task, model sizes and parallelism (recorded in its checkpoints)."""
+        from gnnpar.models.gpt.hf_llama import LLAMA_SIZES
+
         s = self.sizes
         return {
             "task": "gpt",
@@ -712,6 +773,7 @@ class GPTTask(BaseTask):
             "n_embd": s.n_embd,
             "block_size": s.block_size,
             "vocab_size": s.vocab_size,
+            **({k: getattr(s, k) for k in LLAMA_SIZES} if self.cfg.model == "llama" else {}),
             "zero_stage": self.stage,
             "mixed_precision": self.cfg.mixed_precision,
             **({"schedule": self.cfg.schedule} if self.pipeline is not None else {}),

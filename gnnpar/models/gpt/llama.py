@@ -1,0 +1,267 @@
+"""A Llama-class decoder in plain PyTorch: RMSNorm, rotary positions (RoPE), SwiGLU and
+grouped-query attention (GQA), with an untied output head by default.
+
+Like :mod:`gnnpar.models.gpt.model`, nothing here knows about parallelism;
+:func:`gnnpar.tensor.parallelize` applies it from the outside through the chains the blocks
+declare:
+
+- **Attention** has one fused projection ``qkv`` laid out **by key-value head**: for each of
+  the ``n_kv_head`` groups, its ``n_head / n_kv_head`` query heads, then its key head, then
+  its value head. Splitting that output contiguously over the tensor-parallel axis of the
+  heads gives each rank whole groups, so a rank's queries meet their own keys and values with
+  no communication. The rule: ``n_kv_head`` must divide the size of that axis's split (x
+  when only x > 1; the communication model picks x or y, see
+  :func:`gnnpar.tensor.plan_styles`); where it does not, :func:`~gnnpar.tensor.parallelize`
+  refuses in one line (replicating key-value heads over the axis is not supported yet).
+- **SwiGLU**'s gate and up projections are one column-parallel ``gate_up`` (two fused
+  parts, each split over the axis) chained into one row-parallel ``down`` projection.
+- **RoPE** rotates queries and keys by each token's position, given to ``forward`` (a
+  context-parallel rank passes those of the chunks it holds), so it composes with ring
+  attention.
+
+:mod:`gnnpar.models.gpt.hf_llama` maps Hugging Face ``LlamaForCausalLM`` weights to these
+and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gnnpar.errors import UserError
+from gnnpar.models.gpt.model import GPTConfig, TransformerBlock, _size, generate, run_blocks
+from gnnpar.recompute import recompute
+
+__all__ = [
+    "Llama",
+    "LlamaAttention",
+    "LlamaBlock",
+    "LlamaConfig",
+    "RMSNorm",
+    "SwiGLU",
+    "apply_rope",
+    "rope_tables",
+]
+
+
+@dataclasses.dataclass
+class LlamaConfig(GPTConfig):
+    """Sizes of a :class:`Llama`: :class:`~gnnpar.models.gpt.model.GPTConfig`'s (``bias``
+    and ``tie_weights`` off by default, as in Llama) and its own."""
+
+    n_kv_head: int = _size(0, "key-value heads of grouped-query attention (0: n_head)")
+    ffn_hidden: int = _size(0, "SwiGLU hidden width (0: 8/3 n_embd rounded up to 64)")
+    rope_theta: float = _size(10000.0, "RoPE base")
+    norm_eps: float = _size(1e-5, "RMSNorm epsilon")
+    bias: bool = _size(False, "biases in the projections")
+    tie_weights: bool = _size(False, "output head tied to the token embedding")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+        for name in ("n_kv_head", "ffn_hidden"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise UserError(f"LlamaConfig.{name} must be a positive integer, got {v!r}")
+        if self.n_head % self.n_kv_head:
+            raise UserError(
+                f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}"
+            )
+        if (self.n_embd // self.n_head) % 2:
+            raise UserError(f"RoPE needs an even head width, not {self.n_embd // self.n_head}")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            raise UserError("LlamaConfig.rope_theta and norm_eps must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        """Features per attention head."""
+        return self.n_embd // self.n_head
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed as Hugging Face's Llama does: in
+    float32 (or float64 for float64 input), the scale applied after casting back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        work = x.to(torch.promote_types(x.dtype, torch.float32))
+        work = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * work.to(x.dtype)
+
+
+def rope_tables(
+    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of shape ``(T, head_dim)`` for positions ``pos (T,)``: the angle of
+    feature pair ``i`` is ``pos / theta**(2i/head_dim)``, each table the two halves repeated
+    (Hugging Face's layout), computed in float32 (float64 for float64 runs)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).to(work)
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
+    angles = pos.to(work)[:, None] * inv_freq[None, :]
+    both = torch.cat([angles, angles], dim=-1)
+    return both.cos().to(dtype), both.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (B, heads, T, head_dim)`` by the tables of :func:`rope_tables`."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query attention with RoPE; ``qkv`` is laid out by key-value head (see
+    the module docstring), so a rank holding some groups computes them alone.
+
+    ``attention`` and ``recompute_core`` are those of
+    :class:`~gnnpar.models.gpt.model.CausalSelfAttention`."""
+
+    recompute_core = False
+    #: The heads that must divide the chain's out axis are the key-value heads.
+    tensor_parallel_chain = MappingProxyType(
+        {"first": "qkv", "second": "o_proj", "heads": "n_kv_head"}
+    )
+    ring_attention = True
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.head_dim
+        self.group = cfg.n_head // cfg.n_kv_head  # query heads per key-value head
+        out = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+        self.qkv = nn.Linear(cfg.n_embd, out, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.attention: Callable[..., torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        b, t, _ = x.shape
+        d, r = self.head_dim, self.group
+        groups = self.qkv(x).view(b, t, -1, (r + 2) * d)  # this rank's key-value groups
+        q, k, v = groups.split([r * d, d, d], dim=-1)
+        q = q.reshape(b, t, -1, d).transpose(1, 2)  # query head g·r + i belongs to group g
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if r > 1:
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        y = recompute(self._core, q, k, v, enabled=self.recompute_core)
+        return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.attention is not None:
+            return self.attention(q, k, v)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) · up(x))``, gate and up fused into one projection."""
+
+    tensor_parallel_chain = MappingProxyType({"first": "gate_up", "second": "down", "fused": 2})
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.n_embd, 2 * cfg.ffn_hidden, bias=cfg.bias)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.drop(self.down(F.silu(gate) * up))
+
+
+class LlamaBlock(TransformerBlock):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.ln1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = LlamaAttention(cfg)
+        self.ln2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        x = x + self.attn(self.ln1(x), cos, sin)
+        return x + self.mlp(self.ln2(x))
+
+
+class Llama(nn.Module):
+    """The language model: ``forward(ids (B, T)) → logits (B, T, vocab_size)``. Weights start
+    as Hugging Face's Llama does: normal(0, 0.02) matrices, zero biases, unit norms."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def num_params(self) -> int:
+        """Number of parameters (tied ones once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    # The two steps a pipeline chunk runs too (on a module with the same attributes).
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The blocks' input: token embeddings (positions enter through RoPE)."""
+        return self.drop(self.wte(ids))
+
+    def block_args(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What every block takes besides its input: the RoPE tables of ``pos``."""
+        cfg = self.config
+        return rope_tables(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta, dtype)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``ids (B, T)``; ``pos`` are the tokens' positions (default 0..T−1)."""
+        t = ids.shape[-1]
+        if t > self.config.block_size:
+            raise UserError(
+                f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
+            )
+        if pos is None:
+            pos = torch.arange(t, device=ids.device)
+        x = self.embed(ids, pos)
+        x = run_blocks(self.blocks, x, *self.block_args(pos, x.dtype))
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``ids (B, T)`` (see
+        :meth:`gnnpar.models.gpt.model.GPT.generate`)."""
+        return generate(
+            self, ids, max_new_tokens, self.config.block_size, temperature, top_k, generator,
+            full_logits,
+        )  # fmt: skip
