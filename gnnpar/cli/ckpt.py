@@ -56,7 +56,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from gnnpar.models.gpt.hf_llama import export_hf
 
-    out = export_hf(args.path, args.out, args.overwrite)
+    out = export_hf(args.path, args.out, args.overwrite, args.merge)
     print(f"wrote {out}: config.json and model.safetensors (LlamaForCausalLM)")
     return 0
 
@@ -109,6 +109,11 @@ def add_ckpt_commands(subparsers: Any) -> None:
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help=where)
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: fold the adapters into the base model it recorded",
+    )
     p.set_defaults(func=_export_hf)
     p = sub.add_parser(
         "info",

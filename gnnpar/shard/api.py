@@ -232,6 +232,9 @@ class ShardedModel:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stepping = False  # inside an offload tier's chunked step
         self._loss_divided = False
+        #: Checkpoints hold the trainable parameters alone (PEFT: the frozen base comes from
+        #: where it was loaded, not from every checkpoint).
+        self.checkpoint_trainable_only = False
 
     # ---------------------------------------------------------------------- basics
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -528,7 +531,8 @@ class ShardedModel:
         grid = self.grid
         tensors: dict[str, TensorSpec] = {}
         slot_chunks = {}
-        for s in self.slots:
+        saved = [s for s in self.slots if s.trainable or not self.checkpoint_trainable_only]
+        for s in saved:
             if s.layout is not None:
                 transposed = s.owner_attr == "weight" and (
                     getattr(s.owner, "weight_format", "") == "in_out"
@@ -546,6 +550,8 @@ class ShardedModel:
         params = {}
         by_values = {}
         for slot, start, stop, values, replicated in self.local_pieces():
+            if slot.name not in slot_chunks:
+                continue  # a frozen parameter of a trainable-only checkpoint
             chunks, split = slot_chunks[slot.name]
             mine = restrict(chunks, start, stop)
             write = writes(grid, (*split, *(() if replicated else ("data",))))
@@ -555,13 +561,17 @@ class ShardedModel:
         for p, (slot, start, _) in self.piece_index().items():
             params[p] = by_values.get((slot.name, start), ([], False))
         persistent = set(self._keys)  # non-persistent buffers are rebuilt, not saved
+        buffers = []
         for key, b in self.module.named_buffers():
             if key not in persistent:
                 continue
+            buffers.append(key)
             tensors[MODEL + key] = TensorSpec.of(b.shape, b.dtype)
             pieces.append(replicated_piece(key, key, b.detach(), writes(grid, ())))
-        aliases = {a: s.name for s in self.slots for a in s.aliases if a != s.name}
-        return ModelLayout(pieces, tensors, list(self._keys), aliases, params, self._refresh)
+        aliases = {a: s.name for s in saved for a in s.aliases if a != s.name}
+        kept = {*buffers, *aliases, *(s.name for s in saved)}
+        keys = [k for k in self._keys if k in kept]
+        return ModelLayout(pieces, tensors, keys, aliases, params, self._refresh)
 
     def _refresh(self) -> None:
         """Bring the model's parameters up to date with the masters after they were written

@@ -238,6 +238,29 @@ def llama_state_to_hf(
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
+def _merged(adapters: dict[str, torch.Tensor], cfg: LlamaConfig, info: dict) -> dict:
+    """Our full state dict: the recorded pretrained folder's weights with the adapters of a
+    LoRA checkpoint folded in."""
+    from safetensors import safe_open
+
+    from gnnpar.tensor.lora import merge_lora
+
+    folder = Path(info["pretrained"])
+    base_cfg = LlamaConfig(**llama_config_from_hf(read_hf_config(folder), str(folder)))
+    if any(getattr(base_cfg, n) != getattr(cfg, n) for n in ("n_layer", "n_embd", "n_kv_head")):
+        raise UserError(f"{folder}: the pretrained model no longer fits the run's sizes")
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{folder}: no model.safetensors to merge the adapters into")
+    with safe_open(str(weights), framework="pt") as f:
+        hf = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+    base = {k: v if isinstance(v, torch.Tensor) else v[:] for k, v in
+            llama_state_from_hf(hf, cfg, str(folder)).items()}  # fmt: skip
+    dtype = next(iter(adapters.values())).dtype
+    base = {k: v.to(dtype) for k, v in base.items()}
+    return merge_lora(adapters, info["lora_alpha"] / info["lora_rank"], base)
+
+
 def read_hf_config(folder: Path) -> dict[str, Any]:
     """A Hugging Face folder's ``config.json`` as a dict (one line naming the file)."""
     path = folder / "config.json"
@@ -252,11 +275,16 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     return data
 
 
-def export_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+def export_hf(
+    path: str | Path, out: str | Path, overwrite: bool = False, merge: bool = False
+) -> Path:
     """Write the Llama of a gnnpar checkpoint (``path``: a run folder, its ``checkpoints/``
     or one step folder, from any grid) as a Hugging Face folder ``out`` that
     ``LlamaForCausalLM.from_pretrained`` loads: ``config.json`` and ``model.safetensors``,
-    in the checkpoint's dtype. Written to a temporary folder, then renamed."""
+    in the checkpoint's dtype. Written to a temporary folder, then renamed.
+
+    A LoRA run's checkpoint holds its adapters only: ``merge`` folds them into the base
+    weights, read from the pretrained folder the run recorded (checked against the sizes)."""
     import os
     import shutil
     import tempfile
@@ -281,7 +309,17 @@ def export_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Pat
     if missing:
         raise UserError(f"{path}: the checkpoint does not record the llama size {missing[0]!r}")
     cfg = LlamaConfig(**{n: info[n] for n in names})
-    state = llama_state_to_hf(consolidate(path), cfg)
+    full = consolidate(path)
+    if info.get("peft") == "lora":
+        if not merge:
+            raise UserError(
+                f"{path}: a LoRA run's checkpoint holds its adapters only; pass --merge to fold "
+                f"them into the base model ({info.get('pretrained')})"
+            )
+        full = _merged(full, cfg, info)
+    elif merge:
+        raise UserError(f"{path}: --merge is for LoRA runs; this one trained every weight")
+    state = llama_state_to_hf(full, cfg)
     dtype = next(iter(state.values())).dtype
     config = {**hf_config_dict(cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.data.instruct import InstructionBatches, InstructionSet
 from gnnpar.errors import UserError, first_line
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, parse_grid_spec
@@ -64,6 +65,13 @@ from gnnpar.verified import FormatError
 __all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "parallel_model"]
 
 MODELS = ("gpt", "llama", "hf-gpt2")
+PEFT = ("none", "lora")
+#: Every projection inside the blocks, per model: LoRA's default targets.
+LORA_DEFAULT_TARGETS = {
+    "gpt": ("qkv", "proj", "fc"),
+    "llama": ("qkv", "o_proj", "gate_up", "down"),
+    "hf-gpt2": ("c_attn", "c_proj", "c_fc"),
+}
 #: Our own models (plain PyTorch, our blocks): activation checkpointing and context work.
 OURS = ("gpt", "llama")
 
@@ -82,6 +90,18 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
     tie_weights: bool | None = option(
         None, "output head tied to the token embedding (default: gpt yes, llama no)"
     )
+    peft: str = option(
+        "none", "parameter-efficient fine-tuning of the pretrained model: lora (adapters "
+        "trained, the base frozen: out of the optimizer, the gradient collectives and the "
+        "checkpoints) or none (full fine-tuning)", PEFT
+    )  # fmt: skip
+    lora_rank: int = option(8, "lora: rank of the adapters")
+    lora_alpha: float = option(16.0, "lora: the update is scaled by lora_alpha / lora_rank")
+    lora_targets: str | None = option(
+        None, "lora: projections to adapt, comma-separated names or patterns (default: every "
+        "projection of the blocks: llama qkv,o_proj,gate_up,down; gpt qkv,proj,fc; hf-gpt2 "
+        "c_attn,c_proj,c_fc)"
+    )  # fmt: skip
     n_kv_head: int = option(0, "llama: key-value heads of grouped-query attention (0: n_head)")
     ffn_hidden: int = option(0, "llama: SwiGLU hidden width (0: 8/3 n_embd rounded up to 64)")
     rope_theta: float = option(10000.0, "llama: RoPE base")
@@ -152,6 +172,14 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
             )
         if self.pretrained and self.model == "gpt":
             raise ConfigError("config key 'pretrained' needs model = hf-gpt2 or llama")
+        if self.peft not in PEFT:
+            raise ConfigError(f"config key 'peft' must be one of {', '.join(PEFT)}")
+        if self.peft != "none" and not self.pretrained:
+            raise ConfigError(
+                f"config key 'peft' ({self.peft}) needs 'pretrained': the model to fine-tune"
+            )
+        if self.lora_rank < 1 or not self.lora_alpha > 0:
+            raise ConfigError("config keys 'lora_rank' and 'lora_alpha' must be positive")
         if self.n_kv_head < 0 or self.ffn_hidden < 0:
             raise ConfigError("config keys 'n_kv_head' and 'ffn_hidden' must be 0 or positive")
         if self.model == "llama" and not self.pretrained:
@@ -347,7 +375,21 @@ def parallel_model(plain: nn.Module, cfg: GPTTaskConfig, grid: ProcessGrid) -> n
     model = parallelize(plain.to(master_dtype(cfg)), grid)
     if cfg.pretrained:
         load_pretrained(model, Path(cfg.pretrained), grid)
+    if cfg.peft == "lora":
+        from gnnpar.tensor.lora import add_lora
+
+        try:
+            add_lora(model, lora_targets(cfg), cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+        except UserError as err:
+            raise ConfigError(f"config keys 'lora_targets'/'lora_rank': {err}") from None
     return model
+
+
+def lora_targets(cfg: GPTTaskConfig) -> tuple[str, ...]:
+    """The projections LoRA adapts: ``lora_targets``, else every projection of the blocks."""
+    if cfg.lora_targets:
+        return tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+    return LORA_DEFAULT_TARGETS[cfg.model]
 
 
 def _pretrained_llama(cfg: GPTTaskConfig) -> Any:
@@ -504,10 +546,40 @@ class GPTTask(BaseTask):
                 f"config key 'batch_size' ({cfg.batch_size}) must divide into data·z = {shards} "
                 f"shards of grad_accum = {cfg.grad_accum} micro-batches"
             )
-        train_tokens, val_tokens = self.corpus.split(cfg.val_fraction)
         blocks = (cfg.block_size, cfg.batch_size, index, shards)
+        #: With instruction data, the response tokens per share of the batch in hand (the
+        #: summed loss is divided by it); None for a token stream (the plain mean).
+        self._expected: float | None = None
+        if isinstance(self.corpus, InstructionSet):
+            train_idx, val_idx = self.corpus.split(cfg.val_fraction)
+            try:
+                self.train = InstructionBatches(self.corpus, train_idx, *blocks, cfg.seed)
+                self.val = InstructionBatches(self.corpus, val_idx, *blocks, cfg.seed + 1)
+            except UserError as err:
+                raise ConfigError(
+                    f"config keys 'data'/'val_fraction'/'batch_size': {err}"
+                ) from None
+            return
+        train_tokens, val_tokens = self.corpus.split(cfg.val_fraction)
         self.train = TokenBlocks(train_tokens, *blocks, cfg.seed)
         self.val = TokenBlocks(val_tokens, *blocks, cfg.seed + 1)
+
+    def _count_shares(self, batches: Any, step: int, micro: int) -> None:
+        """Instruction data: the response tokens per share of ``step``'s batch, the batch
+        split over data, z and context ranks and into ``micro`` micro-batches."""
+        if isinstance(batches, InstructionBatches):
+            grid = self.grid
+            shares = grid.size("data") * grid.size("z") * grid.size("context") * micro
+            self._expected = batches.expected_tokens(step, shares)
+
+    def _ce(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of a share: the mean over its tokens, or with instruction data its
+        response tokens' sum over the expected count (:meth:`_count_shares`)."""
+        from gnnpar.tensor import cross_entropy
+
+        if self._expected is None:
+            return cross_entropy(logits, y, self.head)
+        return cross_entropy(logits, y, self.head, reduction="sum") / self._expected
 
     def _build_model(self, plain: nn.Module, block: type) -> None:
         """This rank's pieces of the parallel model, sharded over the data axis; with a pipe
@@ -525,7 +597,7 @@ class GPTTask(BaseTask):
         self.head = model.lm_head
 
         def shard_fn(module: nn.Module):
-            return shard(  # context ranks hold the same parameters: they reduce like data ranks
+            dp = shard(  # context ranks hold the same parameters: they reduce like data ranks
                 module,
                 fold_context(grid),
                 self.stage,
@@ -535,6 +607,9 @@ class GPTTask(BaseTask):
                 offload=cfg.offload,
                 offload_dir=cfg.offload_folder(),
             )
+            # PEFT: checkpoints hold the adapters; the base is read again from `pretrained`
+            dp.checkpoint_trainable_only = cfg.peft != "none"
+            return dp
 
         self.pipeline = None
         if grid.size("pipe") > 1:
@@ -617,7 +692,6 @@ class GPTTask(BaseTask):
         """Mean loss over this rank's tokens of the sequences ``x`` (targets ``y``): with a
         context axis, over the two chunks it holds (each rank holds as many tokens, so the
         mean over context and data ranks is the mean over the batch)."""
-        from gnnpar.tensor import cross_entropy
         from gnnpar.tensor.context import positions, split_sequence
 
         pos = None
@@ -627,17 +701,16 @@ class GPTTask(BaseTask):
             pos = positions(x.shape[1], c, r)
             x, y = split_sequence(x, c, r), split_sequence(y, c, r)
         logits = full_precision(self._logits(x, pos))
-        return cross_entropy(logits, y.to(self.grid.device), self.head)
+        return self._ce(logits, y.to(self.grid.device))
 
     def _pipelined(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one step's micro-batches through the pipeline; the summed
         loss, on every pipe rank."""
-        from gnnpar.tensor import cross_entropy
 
         cfg, grid, m = self.cfg, self.grid, self.cfg.grad_accum
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
-            loss = cross_entropy(full_precision(logits), target, self.head) / m
+            loss = self._ce(full_precision(logits), target) / m
             return self.scaler.scale_loss(loss), float(loss.detach())
 
         xs = [t.to(grid.device) for t in x.chunk(m)]
@@ -655,6 +728,7 @@ class GPTTask(BaseTask):
         start = time.perf_counter()
         lr = schedule.apply(self.optimizer, cfg, step, self.num_steps)
         x, y = self.train.batch(step)
+        self._count_shares(self.train, step, cfg.grad_accum)
         total = torch.zeros((), dtype=torch.float64)
         micro = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True))
         if self.pipeline is not None:
@@ -693,6 +767,7 @@ class GPTTask(BaseTask):
         total = 0.0
         for i in range(self.cfg.val_batches):
             x, y = self.val.batch(i)
+            self._count_shares(self.val, i, 1 if self.pipeline is None else self.cfg.grad_accum)
             total += global_mean(self._val_loss(x, y), self.grid)
         self._train_mode(True)
         return {"val_loss": total / max(self.cfg.val_batches, 1)}
@@ -740,14 +815,13 @@ class GPTTask(BaseTask):
         ``grad_accum`` micro-batches, on every pipe rank)."""
         if self.pipeline is None:
             return self._loss(x, y)
-        from gnnpar.tensor import cross_entropy
 
         grid, m = self.grid, self.cfg.grad_accum
         xs = [t.to(grid.device) for t in x.chunk(m)]
         outs = self.pipeline.forward(xs, compute_dtype(self.cfg))
         total = torch.zeros(1, dtype=torch.float64, device=grid.device)
         for logits, ym in zip(outs, y.chunk(m), strict=False):
-            loss = cross_entropy(full_precision(logits), ym.to(grid.device), self.head)
+            loss = self._ce(full_precision(logits), ym.to(grid.device))
             total += loss.detach().to(torch.float64) / m
         return comm.all_reduce(total, grid, "pipe").reshape(())
 
@@ -759,6 +833,20 @@ class GPTTask(BaseTask):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`extra_state`."""
         self.scaler.load(state.get("loss_scale", {}))
+
+    def _peft_record(self) -> dict[str, Any]:
+        """What a PEFT checkpoint needs to be used without its run: the base folder and the
+        adapters' settings (``gnnpar ckpt export-hf --merge``)."""
+        cfg = self.cfg
+        if cfg.peft == "none":
+            return {}
+        return {
+            "peft": cfg.peft,
+            "pretrained": str(Path(cfg.pretrained).resolve()),
+            "lora_rank": cfg.lora_rank,
+            "lora_alpha": cfg.lora_alpha,
+            "lora_targets": ",".join(lora_targets(cfg)),
+        }
 
     def describe(self) -> dict[str, Any]:
         """The run's task, model sizes and parallelism (recorded in its checkpoints)."""
@@ -774,6 +862,7 @@ class GPTTask(BaseTask):
             "block_size": s.block_size,
             "vocab_size": s.vocab_size,
             **({k: getattr(s, k) for k in LLAMA_SIZES} if self.cfg.model == "llama" else {}),
+            **self._peft_record(),
             "zero_stage": self.stage,
             "mixed_precision": self.cfg.mixed_precision,
             **({"schedule": self.cfg.schedule} if self.pipeline is not None else {}),
@@ -820,12 +909,28 @@ def _choice_text(cfg: GPTTaskConfig, stage: int) -> str:
     return f"ZeRO stage {stage}; both chosen by the planner"
 
 
+def is_instruction_file(data: str) -> bool:
+    """Whether ``data`` names instruction pairs (a ``.jsonl`` file) rather than text."""
+    return str(data).endswith(".jsonl")
+
+
 def _load_corpus(cfg: GPTTaskConfig, grid: ProcessGrid, progress: Progress):
     """The tokenised text (rank 0 first, so the tokenizer is trained or read once; it
     reports tokenizing on ``progress``)."""
     from gnnpar.data.text import load_corpus
 
     tokenizer = Path(cfg.pretrained) if cfg.pretrained else None
+    if is_instruction_file(cfg.data):
+        from gnnpar.data.instruct import read_instructions
+        from gnnpar.data.text import load_tokenizer
+
+        if tokenizer is None:
+            raise ConfigError(
+                f"config key 'data': {cfg.data} is instruction data; it needs 'pretrained' "
+                "(the model to fine-tune and its tokenizer)"
+            )
+        with progress.stage("tokenizing the instructions"):
+            return read_instructions(cfg.data, load_tokenizer(tokenizer))
     if grid.global_rank == 0:
         corpus = load_corpus(cfg.data, cfg.vocab_size, tokenizer=tokenizer, progress=progress.stage)
     comm.barrier(grid)
