@@ -57,7 +57,8 @@ def _export_hf(args: argparse.Namespace) -> int:
     from gnnpar.models.gpt.hf_llama import export_hf
 
     out = export_hf(args.path, args.out, args.overwrite, args.merge)
-    print(f"wrote {out}: config.json and model.safetensors (LlamaForCausalLM)")
+    files = sorted(f.name for f in out.iterdir())
+    print(f"wrote {out}: {', '.join(files)} (LlamaForCausalLM)")
     return 0
 
 
@@ -103,7 +104,8 @@ def add_ckpt_commands(subparsers: Any) -> None:
         description=(
             "Write the llama model of a checkpoint written on any grid as a folder that "
             "transformers' LlamaForCausalLM.from_pretrained loads (config.json and "
-            "model.safetensors, in the checkpoint's dtype). Needs no process group."
+            "model.safetensors, in the checkpoint's dtype, and the run's tokenizer.json where "
+            "its run folder names it). Needs no process group."
         ),
     )
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help=where)

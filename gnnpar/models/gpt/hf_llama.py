@@ -238,6 +238,29 @@ def llama_state_to_hf(
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
+def run_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of the gnnpar run holding checkpoint ``path`` (its ``config.toml`` in
+    ``path`` or up to three folders above): the pretrained folder's, or the BPE trained on
+    its text; None when the run folder or its text is not found."""
+    from gnnpar.data.text import load_corpus, load_tokenizer
+    from gnnpar.models.gpt.task import GPTTaskConfig, is_instruction_file
+    from gnnpar.train.config import RUN_CONFIG, ConfigError, read_run_config
+
+    here = Path(path).resolve()
+    run = next((f for f in (here, *list(here.parents)[:3]) if (f / RUN_CONFIG).is_file()), None)
+    if run is None:
+        return None
+    try:
+        _, cfg = read_run_config(run, {"gpt": GPTTaskConfig})
+        if cfg.pretrained:
+            return load_tokenizer(cfg.pretrained)
+        if is_instruction_file(cfg.data):
+            return None
+        return load_corpus(cfg.data, cfg.vocab_size).tokenizer
+    except (ConfigError, UserError, OSError):
+        return None  # a moved text or folder: the weights are exported without it
+
+
 def _merged(adapters: dict[str, torch.Tensor], cfg: LlamaConfig, info: dict) -> dict:
     """Our full state dict: the recorded pretrained folder's weights with the adapters of a
     LoRA checkpoint folded in."""
@@ -281,7 +304,9 @@ def export_hf(
     """Write the Llama of a gnnpar checkpoint (``path``: a run folder, its ``checkpoints/``
     or one step folder, from any grid) as a Hugging Face folder ``out`` that
     ``LlamaForCausalLM.from_pretrained`` loads: ``config.json`` and ``model.safetensors``,
-    in the checkpoint's dtype. Written to a temporary folder, then renamed.
+    in the checkpoint's dtype, and the run's tokenizer as ``tokenizer.json`` where the run
+    folder says which it was (so the folder is a ``--pretrained`` of its own). Written to a
+    temporary folder, then renamed.
 
     A LoRA run's checkpoint holds its adapters only: ``merge`` folds them into the base
     weights, read from the pretrained folder the run recorded (checked against the sizes)."""
@@ -327,6 +352,9 @@ def export_hf(
     try:
         write_json(tmp / "config.json", config, indent=2)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer = run_tokenizer(path)
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer.json"))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
