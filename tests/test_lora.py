@@ -243,3 +243,53 @@ def _sizes(hf) -> dict:
     from gnnpar.models.gpt.hf_llama import llama_config_from_hf
 
     return llama_config_from_hf(hf.config.to_dict())
+
+
+# --------------------------------------------------------------------- the planner
+class _Tokens:
+    """A corpus stand-in: random token ids (the memory does not depend on the text)."""
+
+    name, vocab_size, tokens = "random", 290, torch.zeros(1)  # below the tokenizer's 297
+
+    def split(self, val_fraction: float):
+        ids = torch.randint(0, 290, (6000,), generator=torch.Generator().manual_seed(5))
+        return ids, ids[:1200]
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+
+def _memory_world(hf: str) -> list[tuple[float, float]]:
+    """(measured, predicted) bytes per run on this rank: the state ShardedModel.memory
+    measures (parameters, gradients, optimizer) plus what autograd saved in a step, against
+    the planner's parameters + gradients + optimizer + activations."""
+    import dataclasses
+
+    import gnnpar
+    from gnnpar.models.gpt.memory import gpt_memory
+    from gnnpar.models.gpt.task import GPTTaskConfig, plan_problem
+    from gnnpar.train.spec import build_task
+    from tests.test_context import _saved_bytes
+
+    out = []
+    for stage, peft in ((0, "none"), (0, "lora"), (1, "lora"), (2, "lora")):
+        cfg = GPTTaskConfig(
+            model="llama", pretrained=hf, peft=peft, lora_rank=8, block_size=32, batch_size=8,
+            grid="data=2,x=2", zero_stage=stage, steps=3, sample_tokens=0, val_batches=1,
+        )  # fmt: skip
+        task = build_task("gpt", cfg, corpus=_Tokens())
+        _, saved = _saved_bytes(task, 0)
+        state = task.dp.memory(task.optimizer)
+        plan = gpt_memory(dataclasses.replace(plan_problem(cfg, task.sizes), stage=stage),
+                          task.grid.shape)  # fmt: skip
+        predicted = sum(plan[k] for k in ("parameters", "gradients", "optimizer", "activations"))
+        out.append((state["params"] + state["grads"] + state["optimizer"] + saved, predicted))
+        gnnpar.release(task.grid)
+    return out
+
+
+def test_planner_memory_of_llama_and_lora_within_20_percent(tmp_path):
+    hf, _, _ = _pretrained(tmp_path)
+    for rank in run_distributed(_memory_world, 4, str(hf)):
+        for measured, predicted in rank:
+            assert 0.8 <= measured / predicted <= 1.2, (measured, predicted)

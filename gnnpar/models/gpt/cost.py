@@ -35,6 +35,7 @@ __all__ = [
     "gpt_layout",
     "gpt_sizes",
     "local_params",
+    "lora_params",
     "meta_gpt",
     "seq_per_rank",
 ]
@@ -74,6 +75,10 @@ class GPTProblem:
     virtual: int = 2
     activation_checkpointing: str = "none"
     offload: str = "none"
+    #: LoRA fine-tuning (the trainer's ``peft = "lora"``): the adapters' rank on every
+    #: projection of the blocks, 0 for full training. The base is frozen: no gradients, no
+    #: optimizer state, no gradient collectives for it.
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         from gnnpar.shard.config import OFFLOAD_MODES
@@ -138,9 +143,33 @@ class GPTProblem:
         return self.model.tie_weights
 
     @property
+    def llama(self) -> bool:
+        """Whether the model is our Llama (RMSNorm, SwiGLU, GQA, no learned positions)."""
+        from gnnpar.models.gpt.llama import LlamaConfig
+
+        return isinstance(self.model, LlamaConfig)
+
+    @property
+    def mlp_width(self) -> int:
+        """Outputs of the MLP's first projection: GPT's 4h, Llama's gate and up (2 × ffn)."""
+        return 2 * self.model.ffn_hidden if self.llama else 4 * self.hidden
+
+    @property
+    def norm_elements(self) -> int:
+        """Elements of one norm: weight and bias of a LayerNorm with biases, else a weight."""
+        return (2 if self.bias and not self.llama else 1) * self.hidden
+
+    @property
     def num_params(self) -> int:
         """Parameters of the model (a tied head counted once)."""
         h, v = self.hidden, self.vocab
+        if self.llama:
+            kv, f = self.model.n_kv_head, self.model.ffn_hidden
+            qkv = (self.heads + 2 * kv) * (h // self.heads)
+            block = qkv * h + h * h + 3 * f * h + 2 * h
+            if self.bias:
+                block += qkv + h + 2 * f + h
+            return self.layers * block + v * h * (1 if self.tie else 2) + h
         # 12h² of matrices; biases 9h and two LayerNorms (weight and bias: 4h), or 2h
         block = 12 * h * h + (13 * h if self.bias else 2 * h)
         head = 0 if self.tie else v * h
@@ -186,10 +215,12 @@ class ShardedLayer:
 def meta_gpt(problem: GPTProblem) -> torch.nn.Module:
     """A one-block GPT of ``problem``'s widths on the meta device (no memory): what
     :func:`gpt_layout` lays out. Build it once when laying out many shapes."""
+    from gnnpar.models.gpt.llama import Llama
     from gnnpar.models.gpt.model import GPT
 
     with torch.device("meta"):
-        return GPT(dataclasses.replace(problem.model, n_layer=1))
+        kind = Llama if problem.llama else GPT
+        return kind(dataclasses.replace(problem.model, n_layer=1))
 
 
 def gpt_layout(
@@ -272,9 +303,7 @@ def _folded(g: GridShape, coords: Mapping[str, int]) -> tuple[GridShape, dict[st
     return folded, c
 
 
-def context_collectives(
-    problem: GPTProblem, g: GridShape, heads_parts: int
-) -> list[Collective]:
+def context_collectives(problem: GPTProblem, g: GridShape, heads_parts: int) -> list[Collective]:
     """The ring attention's point-to-point sends of one step (:mod:`gnnpar.tensor.context`):
     per layer, forward (C−1) hops of this rank's keys and values, backward (C−1) hops of them
     and C hops of their gradients; ``heads_parts`` ranks split the heads."""
@@ -346,9 +375,34 @@ def local_params(
             matrix += lay.shard_numel(coords[lay.row_axis], coords[lay.col_axis]) * m.count
         if m.bias is not None:
             vector += m.bias.row_sizes()[coords[m.bias.row_axis]] * m.count
-    norms = (2 if problem.bias else 1) * problem.hidden
-    vector += norms * (2 * problem.layers + 1)
+    vector += problem.norm_elements * (2 * problem.layers + 1)
     return matrix, vector
+
+
+def lora_params(
+    problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]
+) -> int:
+    """Adapter elements this rank stores (0 without LoRA), as :mod:`gnnpar.tensor.lora` lays
+    them out for each projection of the blocks: ``A`` (rank × in) with the projection's
+    input split and its rank rows over the out axis, ``B`` (out × rank) with the
+    projection's output split and its rank columns over the in axis, each also split over z
+    like any matrix."""
+    from gnnpar.comm import chunk_sizes
+
+    r = problem.lora_rank
+    if r == 0:
+        return 0
+    total = 0
+    for m in mods:
+        if m.kind != "linear" or not m.name.startswith("blocks."):
+            continue
+        lay = m.layout
+        rows = lay.row_sizes()[coords[lay.row_axis]]
+        cols = lay.col_sizes()[coords[lay.col_axis]]
+        a = chunk_sizes(r, lay.row_parts)[coords[lay.row_axis]] * cols
+        b = rows * chunk_sizes(r, lay.col_parts)[coords[lay.col_axis]]
+        total += (-(-a // lay.depth) + -(-b // lay.depth)) * m.count
+    return total
 
 
 def gpt_collectives(
@@ -400,6 +454,8 @@ def _gradient_sync(
     stages 1–3 replace the data-axis all-reduce with ZeRO's reduce-scatter and all-gathers."""
     e = problem.element_size
     matrix, other = local_params(problem, mods, coords)
+    if problem.lora_rank:  # only the adapters' gradients travel (they are matrices)
+        matrix, other = lora_params(problem, mods, coords), 0
     buckets: dict[tuple[str, ...], int] = {}
     for axes, n in ((("data",), matrix), (("z", "data"), other)):
         key = tuple(a for a in axes if g.size(a) > 1)
@@ -451,7 +507,8 @@ def gpt_compute_seconds(
             again = 4 / 3 if full and m.name.startswith("blocks.") else 1
             out["gemm"] += again * _linear_seconds(m, tokens, e, machine) * m.count
     by_name = {m.name.split(".", 2)[-1]: m for m in mods}
-    qkv, fc, head = by_name["attn.qkv"], by_name["mlp.fc"], by_name["lm_head"]
+    fc = by_name["mlp.gate_up"] if problem.llama else by_name["mlp.fc"]
+    qkv, head = by_name["attn.qkv"], by_name["lm_head"]
     h_heads = h / qkv.layout.row_parts  # features of the heads this rank holds
     # causal attention (flash: the masked half skipped), forward + backward ≈ 3 × forward
     # (full and selective recompute run the forward's third once more)
@@ -460,7 +517,8 @@ def gpt_compute_seconds(
     out["attention"] = problem.layers * attn_flops / (machine.gemm_tflops * 1e12)
     # norms, residuals, dropout: full width on every rank; GELU on this rank's 4h chunk
     # (full recompute: the forward's half once more)
-    per_layer = tokens * (24 * h + 16 * 4 * h / fc.layout.row_parts) * e * (1.5 if full else 1)
+    mlp = problem.mlp_width / fc.layout.row_parts
+    per_layer = tokens * (24 * h + 16 * mlp) * e * (1.5 if full else 1)
     loss = tokens * problem.vocab / head.layout.row_parts * 4 * 4
     out["elementwise"] = stream_seconds(problem.layers * per_layer + loss, machine)
     shard = g.data * g.context if problem.stage >= 1 else 1  # context ranks shard too

@@ -54,6 +54,7 @@ from gnnpar.models.gpt.cost import (
     batch_per_rank,
     gpt_layout,
     local_params,
+    lora_params,
     seq_per_rank,
 )
 from gnnpar.plan.comm_model import grid_shape
@@ -77,6 +78,17 @@ def gpt_memory(
     d = g.data * g.context  # context ranks shard with the data ranks (fold_context)
     per_block = (n - other) / max(1, problem.layers)
     out = {**sharded_state(n, e, problem.stage, d, per_block), "gathered": 0.0, "activations": 0.0}
+    adapters = lora_params(problem, mods, coords)
+    if adapters:
+        # the frozen base: its parameters only, sharded and gathered like any at stage 3;
+        # the adapters carry the gradients and the optimizer's state
+        lora = sharded_state(adapters, e, problem.stage, d, adapters / max(1, problem.layers))
+        base = sharded_state(n, e, problem.stage, d, per_block)["parameters"]
+        out.update(
+            parameters=base + lora["parameters"],
+            gradients=lora["gradients"],
+            optimizer=lora["optimizer"],
+        )
     if g.z > 1:
         # every matrix's z-gathered block, saved by autograd from its forward to its backward
         out["gathered"] = matrix * g.z * e
@@ -85,7 +97,17 @@ def gpt_memory(
     qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
     head = next(m for m in mods if m.name == "lm_head")
     t = qkv.layout.row_parts
-    per_layer = tokens * problem.hidden * (10 + 24 / t) * e / 2
+    if problem.llama:
+        # two RMSNorms (input and normalised rows) and the projections' full-width inputs:
+        # 6h; per head split: the rotated queries, the repeated keys and values, the
+        # attention's output and its re-laid-out copy (5h), SwiGLU's gate, up, silu(gate)
+        # and product (2 × its 2·ffn outputs)
+        h = problem.hidden
+        per_layer = tokens * (6 * h + (5 * h + 2 * problem.mlp_width) / t) * e
+    else:
+        per_layer = tokens * problem.hidden * (10 + 24 / t) * e / 2
+    if problem.lora_rank:  # each adapter's A output, which B keeps: rank per projection
+        per_layer += tokens * problem.lora_rank * 4 * e
     logits = 2 * tokens * head.layout.row_sizes()[0] * 4
     if problem.activation_checkpointing == "full":
         # each block's input, and one block's activations while backward recomputes it

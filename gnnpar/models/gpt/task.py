@@ -455,6 +455,7 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         virtual=cfg.virtual_stages,
         activation_checkpointing=cfg.activation_checkpointing,
         offload=cfg.offload,
+        lora_rank=cfg.lora_rank if cfg.peft == "lora" else 0,
     )
 
 
