@@ -117,8 +117,13 @@ def test_lora_targets_merge_and_refusals():
     plain = _tiny_llama()
     plain.load_state_dict(merged)
     torch.testing.assert_close(plain(x), serial(x), rtol=1e-12, atol=1e-12)
+    trainable = [n for n, p in serial.named_parameters() if p.requires_grad]
     with pytest.raises(UserError, match="already has LoRA adapters"):
         _adapted(serial)
+    assert [n for n, p in serial.named_parameters() if p.requires_grad] == trainable
+    qkv = serial.blocks[0].attn.qkv  # the update follows its input however it is passed
+    h = torch.randn(2, 16, dtype=torch.float64)
+    assert torch.equal(qkv(input=h), qkv(h))
 
 
 def test_instruction_pairs_train_only_on_their_responses(tmp_path):

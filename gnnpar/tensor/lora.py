@@ -89,9 +89,11 @@ def _load(layer: nn.Module, full: torch.Tensor) -> None:
             layer.weight.copy_(full)
 
 
-def _add_update(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """The forward hook: the projection's output plus its low-rank update."""
-    return out + module.lora_B(module.lora_A(args[0])) * module.lora_scale
+def _add_update(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+    """The forward hook: the projection's output plus its low-rank update (of its input,
+    given by position or as ``input=``)."""
+    x = args[0] if args else kwargs["input"]
+    return out + module.lora_B(module.lora_A(x)) * module.lora_scale
 
 
 def add_lora(
@@ -105,12 +107,13 @@ def add_lora(
     if not alpha > 0:
         raise UserError(f"LoRA alpha must be positive, got {alpha!r}")
     names = lora_targets(model, targets)
+    done = [n for n in names if getattr(model.get_submodule(n), "lora_A", None) is not None]
+    if done:  # checked before anything changes: the model is left as it was
+        raise UserError(f"{done[0]} already has LoRA adapters")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
         base = model.get_submodule(name)
-        if getattr(base, "lora_A", None) is not None:
-            raise UserError(f"{name} already has LoRA adapters")
         a, b = _adapters(base, rank)
         gen = torch.Generator().manual_seed(_seed(seed, name))
         full_a = torch.empty(rank, base.in_features, dtype=torch.float64)
@@ -119,7 +122,7 @@ def add_lora(
         _load(b, torch.zeros(base.out_features, rank, dtype=base.weight.dtype))
         base.lora_A, base.lora_B = a, b
         base.lora_scale = alpha / rank
-        base.register_forward_hook(_add_update)
+        base.register_forward_hook(_add_update, with_kwargs=True)
     return names
 
 
