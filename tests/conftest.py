@@ -68,6 +68,7 @@ LONG_MODULES = (
     "test_link.py",
     "test_typed_train.py",
     "test_fullgraph_rgcn.py",
+    "test_lora.py",
 )
 
 
