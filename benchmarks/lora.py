@@ -83,7 +83,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.fullgraph import _interleaved, _spread, _summary  # noqa: E402
-from benchmarks.sharding import MALLOC_ENV, _reset_peak_rss, _rss_kb  # noqa: E402
+from benchmarks.sharding import MALLOC_ENV, _reset_peak_rss, _rss_kb, _version  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 SIDES = ("ours", "peft")
@@ -475,15 +475,6 @@ def main() -> int:
         f"{' / '.join(f'{x[0]:.1f}' for x in load)}; {doc['seconds']:.0f} s in all; wrote {out}"
     )
     return 0 if "ours" in res.get("step_s", {}) else 1
-
-
-def _version(name: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:  # noqa: BLE001 - not installed
-        return None
 
 
 if __name__ == "__main__":

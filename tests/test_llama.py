@@ -184,6 +184,25 @@ def test_trainer_runs_llama_on_context_pipe_and_zero3_grids_as_on_one_rank(tmp_p
         assert got == pytest.approx(want, rel=1e-12, abs=0), name
 
 
+def pretrained_folder(tmp_path: Path) -> tuple[object, Path]:
+    """A seeded tiny ``LlamaForCausalLM`` saved with the BPE of TEXT as ``tmp_path/hf`` (a
+    ``--pretrained`` folder), and the text file: ``(model, text)``."""
+    from gnnpar.data.text import load_corpus
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    tok = load_corpus(text, 300).tokenizer
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=40,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32,
+    ))  # fmt: skip
+    hf.save_pretrained(tmp_path / "hf")
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    return hf, text
+
+
 def test_pretrained_llama_folder_trains_on_a_grid_and_exports_back_bit_for_bit(tmp_path):
     """``--pretrained`` reads a LlamaForCausalLM folder slice by slice onto x=2 (lr 0: the
     weights stay), ``gnnpar ckpt export-hf`` writes it back, and transformers loads it with
@@ -192,16 +211,8 @@ def test_pretrained_llama_folder_trains_on_a_grid_and_exports_back_bit_for_bit(t
     from gnnpar.data.text import load_corpus
     from tests.cli_world import run_commands
 
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT)
+    hf, text = pretrained_folder(tmp_path)
     tok = load_corpus(text, 300).tokenizer
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=40,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=16,
-    ))  # fmt: skip
-    hf.save_pretrained(tmp_path / "hf")
-    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     run = tmp_path / "run"
     argv = ["train", "gpt", "--model", "llama", "--pretrained", str(tmp_path / "hf"),
             "--data", str(text), "--block-size", "8", "--batch-size", "4", "--steps", "1",

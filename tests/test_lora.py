@@ -20,7 +20,7 @@ from gnnpar.models.gpt.llama import LlamaBlock
 from gnnpar.tensor.lora import add_lora, lora_targets, merge_lora
 from gnnpar.testing import run_distributed
 from gnnpar.train.metrics import read_metrics
-from tests.test_llama import TEXT, _tiny_llama
+from tests.test_llama import _tiny_llama, pretrained_folder
 
 transformers = pytest.importorskip("transformers", reason="a dev extra: make test installs it")
 
@@ -154,19 +154,8 @@ def test_instruction_pairs_train_only_on_their_responses(tmp_path):
 
 # --------------------------------------------------------------------- the trainer
 def _pretrained(tmp_path: Path) -> tuple[Path, Path, object]:
-    from gnnpar.data.text import load_corpus
-
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT)
-    tok = load_corpus(text, 300).tokenizer
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=40,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=32,
-    ))  # fmt: skip
-    hf.save_pretrained(tmp_path / "hf")
-    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    """The tiny pretrained folder of tests/test_llama.py and 40 prompt/response pairs."""
+    hf, _ = pretrained_folder(tmp_path)
     pairs = tmp_path / "pairs.jsonl"
     with pairs.open("w") as f:
         for i in range(40):

@@ -1,7 +1,7 @@
 """The command line, one module a command: the top command ``gnnpar`` (:mod:`.top`: the
 parser, the launch under torchrun, one line per user error), ``train`` / ``evaluate`` /
-``predict`` / ``report`` (:mod:`.train`), ``plan`` (:mod:`.plan`), ``ckpt`` (:mod:`.ckpt`)
-and ``data`` (:mod:`.data`). ``python -m gnnpar.cli`` is ``gnnpar``.
+``predict`` / ``report`` (:mod:`.train`), ``plan`` (:mod:`.plan`), ``ckpt`` (:mod:`.ckpt`),
+``data`` (:mod:`.data`) and ``generate`` (:mod:`.generate`). ``python -m gnnpar.cli`` is ``gnnpar``.
 
 It sits above everything else: it reads the workloads from the train-spec registry
 (:mod:`gnnpar.train.spec`), and nothing in gnnpar imports it.

@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from gnnpar.cli.ckpt import add_ckpt_commands
     from gnnpar.cli.data import add_data_commands
+    from gnnpar.cli.generate import add_generate_command
     from gnnpar.cli.plan import add_plan_commands
     from gnnpar.cli.train import add_train_commands
 
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_commands(sub)
     add_plan_commands(sub)
     add_ckpt_commands(sub)
+    add_generate_command(sub)
     return parser
 
 

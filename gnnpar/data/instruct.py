@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gnnpar.data.text import Tokenized
 from gnnpar.errors import UserError
 
 __all__ = ["IGNORE", "InstructionBatches", "InstructionSet", "read_instructions"]
@@ -33,28 +34,13 @@ IGNORE = -100
 
 
 @dataclasses.dataclass
-class InstructionSet:
+class InstructionSet(Tokenized):
     """Tokenised prompt/response pairs: each example's ids and the length of its prompt."""
 
     name: str
     tokenizer: object
     examples: list[np.ndarray]
     prompt_lengths: list[int]
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids."""
-        return self.tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``."""
-        return self.tokenizer.encode(text).ids
-
-    def decode(self, ids: list[int] | torch.Tensor) -> str:
-        """Text of token ids."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        return self.tokenizer.decode(list(ids))
 
     @property
     def tokens(self) -> np.ndarray:

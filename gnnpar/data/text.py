@@ -198,14 +198,11 @@ def _pieces(text: str, size: int = 1 << 16) -> list[str]:
     return out
 
 
-@dataclasses.dataclass
-class TextCorpus:
-    """A tokenized text: the tokenizer and the whole token stream."""
+class Tokenized:
+    """What a tokenised dataset offers through its ``tokenizer``: the vocabulary's size,
+    encoding and decoding (a mixin of :class:`TextCorpus` and the instruction pairs)."""
 
-    name: str
     tokenizer: object
-    tokens: np.ndarray
-    cache: Path
 
     @property
     def vocab_size(self) -> int:
@@ -221,6 +218,16 @@ class TextCorpus:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return self.tokenizer.decode(list(ids))
+
+
+@dataclasses.dataclass
+class TextCorpus(Tokenized):
+    """A tokenized text: the tokenizer and the whole token stream."""
+
+    name: str
+    tokenizer: object
+    tokens: np.ndarray
+    cache: Path
 
     def split(self, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
         """(training tokens, validation tokens): the last ``val_fraction`` of the stream is

@@ -17,7 +17,9 @@ declare:
   parts, each split over the axis) chained into one row-parallel ``down`` projection.
 - **RoPE** rotates queries and keys by each token's position, given to ``forward`` (a
   context-parallel rank passes those of the chunks it holds), so it composes with ring
-  attention.
+  attention, and with generation's KV cache: keys are cached after their rotation, at their
+  absolute position, and the cache holds this rank's key-value heads before the repeat of
+  grouped-query attention.
 
 :mod:`gnnpar.models.gpt.hf_llama` maps Hugging Face ``LlamaForCausalLM`` weights to these
 and back.
@@ -35,8 +37,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnnpar.errors import UserError
-from gnnpar.models.gpt.model import GPTConfig, TransformerBlock, _size, generate, run_blocks
+from gnnpar.models.gpt.model import (
+    GPTConfig,
+    KVCache,
+    TransformerBlock,
+    attend_with_cache,
+    generate,
+    run_blocks,
+    size_field,
+)
 from gnnpar.recompute import recompute
+
+#: Whether torch's scaled_dot_product_attention takes ``enable_gqa`` (torch 2.5 on).
+_SDPA_GQA = tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (2, 5)
 
 __all__ = [
     "Llama",
@@ -55,12 +68,12 @@ class LlamaConfig(GPTConfig):
     """Sizes of a :class:`Llama`: :class:`~gnnpar.models.gpt.model.GPTConfig`'s (``bias``
     and ``tie_weights`` off by default, as in Llama) and its own."""
 
-    n_kv_head: int = _size(0, "key-value heads of grouped-query attention (0: n_head)")
-    ffn_hidden: int = _size(0, "SwiGLU hidden width (0: 8/3 n_embd rounded up to 64)")
-    rope_theta: float = _size(10000.0, "RoPE base")
-    norm_eps: float = _size(1e-5, "RMSNorm epsilon")
-    bias: bool = _size(False, "biases in the projections")
-    tie_weights: bool = _size(False, "output head tied to the token embedding")
+    n_kv_head: int = size_field(0, "key-value heads of grouped-query attention (0: n_head)")
+    ffn_hidden: int = size_field(0, "SwiGLU hidden width (0: 8/3 n_embd rounded up to 64)")
+    rope_theta: float = size_field(10000.0, "RoPE base")
+    norm_eps: float = size_field(1e-5, "RMSNorm epsilon")
+    bias: bool = size_field(False, "biases in the projections")
+    tie_weights: bool = size_field(False, "output head tied to the token embedding")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -126,10 +139,12 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query attention with RoPE; ``qkv`` is laid out by key-value head (see
     the module docstring), so a rank holding some groups computes them alone.
 
-    ``attention`` and ``recompute_core`` are those of
-    :class:`~gnnpar.models.gpt.model.CausalSelfAttention`."""
+    ``attention``, ``recompute_core`` and ``kv_cache`` are those of
+    :class:`~gnnpar.models.gpt.model.CausalSelfAttention` (the cache holds keys after RoPE,
+    one per key-value head)."""
 
     recompute_core = False
+    kv_cache: KVCache | None = None
     #: The heads that must divide the chain's out axis are the key-value heads.
     tensor_parallel_chain = MappingProxyType(
         {"first": "qkv", "second": "o_proj", "heads": "n_kv_head"}
@@ -156,16 +171,23 @@ class LlamaAttention(nn.Module):
         q = q.reshape(b, t, -1, d).transpose(1, 2)  # query head g·r + i belongs to group g
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if r > 1:
-            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-        y = recompute(self._core, q, k, v, enabled=self.recompute_core)
+        if self.kv_cache is not None:  # cached per key-value head, repeated after
+            expand = (lambda kv: kv.repeat_interleave(r, dim=1)) if r > 1 else None
+            y = attend_with_cache(self, q, k, v, expand)
+        else:
+            if r > 1 and (self.attention is not None or not _SDPA_GQA):
+                k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+            y = recompute(self._core, q, k, v, enabled=self.recompute_core)
         return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.attention is not None:
             return self.attention(q, k, v)
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        # fewer key-value heads than queries: torch's own grouped-query attention keeps
+        # them unrepeated for backward
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 
 
 class SwiGLU(nn.Module):

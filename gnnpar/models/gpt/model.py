@@ -7,7 +7,9 @@ outside. Two habits make that possible: attention splits its fused projection wi
 same code runs on a rank that holds only some of the heads; and ``forward`` returns logits,
 leaving the loss to the caller (which may hold the logits split over the vocabulary).
 Context parallelism (:mod:`gnnpar.tensor.context`) likewise only sets each attention's
-``attention`` function and calls ``forward`` with the global positions of a rank's tokens.
+``attention`` function and calls ``forward`` with the global positions of a rank's tokens;
+generation (:mod:`gnnpar.models.gpt.generation`) sets each attention's ``kv_cache`` (a
+:class:`KVCache`) and calls ``forward`` with the new tokens and their positions.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ __all__ = [
     "CausalSelfAttention",
     "TransformerBlock",
     "GPTConfig",
+    "KVCache",
+    "attend_with_cache",
+    "cached_attention",
     "generate",
     "model_sizes",
     "run_blocks",
@@ -40,7 +45,7 @@ __all__ = [
 ]
 
 
-def _size(default, help: str):  # noqa: A002 - mirrors dataclasses.field
+def size_field(default, help: str):  # noqa: A002 - mirrors dataclasses.field
     return dataclasses.field(default=default, metadata={"help": help})
 
 
@@ -48,14 +53,14 @@ def _size(default, help: str):  # noqa: A002 - mirrors dataclasses.field
 class GPTConfig:
     """Sizes of a :class:`GPT` (also the GPT task's and the planner's one description)."""
 
-    vocab_size: int = _size(4096, "token ids (the tokenizer's vocabulary)")
-    block_size: int = _size(256, "tokens per sequence (context length)")
-    n_layer: int = _size(6, "transformer blocks")
-    n_head: int = _size(6, "attention heads")
-    n_embd: int = _size(384, "model width")
-    dropout: float = _size(0.0, "dropout probability")
-    bias: bool = _size(True, "biases in linear layers and layer norms")
-    tie_weights: bool = _size(True, "output head tied to the token embedding")
+    vocab_size: int = size_field(4096, "token ids (the tokenizer's vocabulary)")
+    block_size: int = size_field(256, "tokens per sequence (context length)")
+    n_layer: int = size_field(6, "transformer blocks")
+    n_head: int = size_field(6, "attention heads")
+    n_embd: int = size_field(384, "model width")
+    dropout: float = size_field(0.0, "dropout probability")
+    bias: bool = size_field(True, "biases in linear layers and layer norms")
+    tie_weights: bool = size_field(True, "output head tied to the token embedding")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -68,6 +73,73 @@ class GPTConfig:
             raise UserError(f"dropout must lie in [0, 1), got {self.dropout}")
 
 
+class KVCache:
+    """The keys and values one attention layer has computed, for generation: ``(B, heads,
+    positions, head_dim)`` each, ``heads`` being the heads this rank holds (all of them in a
+    plain model, this rank's in a tensor-parallel one), for positions ``0..length-1``.
+
+    :meth:`extend` stores the keys and values of the next positions and returns those of
+    every position so far; storage is allocated for ``capacity`` positions at the first call
+    (at least as many as it brings) and grows when more come.
+    """
+
+    def __init__(self, capacity: int | None = None):
+        """``capacity``: positions to allocate for at the first :meth:`extend` (default:
+        as many as it brings)."""
+        self.capacity = capacity
+        self.length = 0
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store ``k`` and ``v`` ``(B, heads, T, head_dim)`` at positions ``length ..
+        length+T-1``; return the keys and values of positions ``0 .. length+T-1`` and the
+        number of positions stored before (where the new ones start)."""
+        past, t = self.length, k.shape[2]
+        if self._keys is None:
+            size = max(self.capacity or 0, t)
+            self._keys = k.new_empty((*k.shape[:2], size, k.shape[3]))
+            self._values = v.new_empty((*v.shape[:2], size, v.shape[3]))
+        elif k.shape[:2] != self._keys.shape[:2] or k.shape[3] != self._keys.shape[3]:
+            raise ValueError(
+                f"KVCache holds keys of shape {tuple(self._keys.shape)}, got {tuple(k.shape)}"
+            )
+        if past + t > self._keys.shape[2]:
+            more = past + t - self._keys.shape[2]
+            self._keys = torch.cat([self._keys, k.new_empty((*k.shape[:2], more, k.shape[3]))], 2)
+            self._values = torch.cat(
+                [self._values, v.new_empty((*v.shape[:2], more, v.shape[3]))], 2
+            )
+        self._keys[:, :, past : past + t] = k
+        self._values[:, :, past : past + t] = v
+        self.length = past + t
+        if past == 0:  # the same tensors as without a cache: the same attention, bit for bit
+            return k, v, 0
+        return self._keys[:, :, : self.length], self._values[:, :, : self.length], past
+
+    def reset(self) -> None:
+        """Forget every position (the storage is kept for the next sequence)."""
+        self.length = 0
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Causal attention of ``T`` queries at positions ``past .. past+T-1`` over the keys and
+    values of positions ``0 .. past+T-1`` (``(B, heads, ·, head_dim)`` each): query ``i``
+    sees the keys up to its own position. With ``past = 0`` it is the plain causal attention
+    (the same call as without a cache), with one query an attention over every key."""
+    t, n = q.shape[-2], k.shape[-2]
+    if n != past + t:
+        raise ValueError(f"{t} queries after {past} positions need {past + t} keys, got {n}")
+    if past == 0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if t == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused q/k/v projection.
 
@@ -75,10 +147,14 @@ class CausalSelfAttention(nn.Module):
     ``(B, heads, T, head_dim)`` queries, keys and values (context parallelism sets a ring).
     With ``recompute_core`` that attention core (scores, softmax, dropout, weighted sum)
     keeps nothing for backward and runs again there (selective activation checkpointing; a
-    ring runs its K/V passes again).
+    ring runs its K/V passes again). ``kv_cache``, when set (generation: a :class:`KVCache`),
+    keeps the keys and values of every position seen, and each call's tokens are the next
+    positions: they attend over the cached ones and their own (:func:`cached_attention`).
     """
 
     recompute_core = False
+    #: Generation's :class:`KVCache` of this layer, or None (no cache: whole sequences).
+    kv_cache: KVCache | None = None
     #: How :func:`gnnpar.tensor.parallelize` chains q/k/v into the output projection.
     tensor_parallel_chain = MappingProxyType(
         {"first": "qkv", "second": "proj", "fused": 3, "heads": "n_head"}
@@ -102,7 +178,10 @@ class CausalSelfAttention(nn.Module):
             part.view(b, t, -1, self.head_dim).transpose(1, 2)
             for part in self.qkv(x).chunk(3, dim=-1)
         )
-        y = recompute(self._core, q, k, v, enabled=self.recompute_core)
+        if self.kv_cache is not None:
+            y = attend_with_cache(self, q, k, v)
+        else:
+            y = recompute(self._core, q, k, v, enabled=self.recompute_core)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.proj(y))
 
@@ -111,6 +190,27 @@ class CausalSelfAttention(nn.Module):
             return self.attention(q, k, v)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+def attend_with_cache(
+    attn: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    expand: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``attn``'s attention with its ``kv_cache``: the new keys and values are stored, then
+    ``q`` attends over every cached position (``expand`` applied to keys and values first:
+    grouped-query attention's repeat). A ring (context parallelism) cannot run on a cache."""
+    if attn.attention is not None:
+        raise ValueError(
+            "a KV cache needs plain attention, not a ring: generate inside "
+            "gnnpar.tensor.context.plain_attention(model)"
+        )
+    k, v, past = attn.kv_cache.extend(k, v)
+    if expand is not None:
+        k, v = expand(k), expand(v)
+    return cached_attention(q, k, v, past, attn.dropout if attn.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -341,18 +441,16 @@ def generate(
 ) -> torch.Tensor:
     """Append ``max_new_tokens`` tokens sampled from any causal language model ``model``
     (ids ``(B, T)`` → logits ``(B, T, V)``) to ``ids``, feeding it the last ``block_size``
-    tokens; see :meth:`GPT.generate`."""
-    if temperature <= 0:
-        raise UserError(f"temperature must be positive, got {temperature}")
+    tokens; see :meth:`GPT.generate`. Every step runs the whole sequence (no KV cache:
+    :func:`gnnpar.models.gpt.generation.generate` keeps one); the token is drawn as
+    :func:`~gnnpar.models.gpt.generation.sample_next` draws it."""
+    from gnnpar.models.gpt.generation import check_sampling, sample_next
+
+    check_sampling(temperature=temperature, top_k=top_k)
     for _ in range(max_new_tokens):
         logits = model(ids[:, -block_size:])[:, -1, :]
         if full_logits is not None:
             logits = full_logits(logits)
-        logits = logits.float() / temperature
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = F.softmax(logits, dim=-1)
-        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(ids.device)
-        ids = torch.cat([ids, nxt], dim=1)
+        nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+        ids = torch.cat([ids, nxt.to(ids.device)], dim=1)
     return ids
