@@ -24,26 +24,13 @@ from gnnpar.models.gpt.llama import Llama, LlamaConfig
 from gnnpar.models.gpt.model import GPT, GPTConfig
 from gnnpar.models.gpt.model import generate as generate_without_cache
 from gnnpar.testing import run_distributed
+from tests.test_llama import hf_llama
 
 transformers = pytest.importorskip("transformers", reason="a dev extra: make test installs it")
 
 F64 = torch.float64
 VOCAB = 37
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind.\n" * 300
-
-
-def _hf_llama(tie: bool = False, kv: int = 2, vocab: int = 61, seed: int = 0):
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=48, intermediate_size=78, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=kv, max_position_embeddings=32,
-        tie_word_embeddings=tie, rms_norm_eps=1e-5, attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # away from the initialisation, so that every weight shows
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return hf
 
 
 def _ours_from_hf(hf) -> Llama:
@@ -78,7 +65,7 @@ def _prompts(batch: int = 2, t: int = 4, seed: int = 1) -> torch.Tensor:
 # ------------------------------------------------------------------- (a) transformers
 @pytest.mark.parametrize("tie,kv", [(False, 2), (True, 3), (False, 6)])
 def test_greedy_tokens_equal_transformers_generate(tie, kv):
-    hf = _hf_llama(tie, kv)
+    hf = hf_llama(tie, kv)
     ours = _ours_from_hf(hf)
     ids = torch.randint(0, 61, (3, 5), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -354,7 +341,7 @@ def test_command_on_a_hugging_face_folder(tmp_path, capsys):
 
     (tmp_path / "text.txt").write_text(TEXT)
     tok = load_corpus(tmp_path / "text.txt", 300).tokenizer
-    hf = _hf_llama(vocab=tok.get_vocab_size(), seed=3)
+    hf = hf_llama(vocab=tok.get_vocab_size(), seed=3)
     hf.save_pretrained(tmp_path / "hf")
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     prompt = tok.encode("whether 'tis").ids

@@ -29,9 +29,11 @@ F64 = torch.float64
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind.\n" * 300
 
 
-def _hf_llama(tie: bool = False, kv: int = 2, seed: int = 0):
+def hf_llama(tie: bool = False, kv: int = 2, vocab: int = 61, seed: int = 0):
+    """A random transformers ``LlamaForCausalLM`` (6 heads of 8, SwiGLU 78, 2 layers), its
+    weights moved away from the initialisation so that every one shows."""
     cfg = transformers.LlamaConfig(
-        vocab_size=61, hidden_size=48, intermediate_size=78, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=48, intermediate_size=78, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=kv, max_position_embeddings=32,
         tie_word_embeddings=tie, rms_norm_eps=1e-5, attn_implementation="eager",
     )  # fmt: skip
@@ -49,7 +51,7 @@ def _read_all(state: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("tie,kv", [(False, 2), (True, 3), (False, 6)])
 def test_logits_equal_transformers_llama_and_the_weights_map_back_exactly(tie, kv):
-    hf = _hf_llama(tie, kv)
+    hf = hf_llama(tie, kv)
     cfg = LlamaConfig(**llama_config_from_hf(hf.config.to_dict()))
     assert (cfg.n_kv_head, cfg.tie_weights, cfg.ffn_hidden) == (kv, tie, 78)
     ours = Llama(cfg).eval()
@@ -78,7 +80,7 @@ def test_configs_that_cannot_run_are_refused_in_one_line():
         LlamaConfig(n_head=6, n_kv_head=4, n_embd=48)
     with pytest.raises(UserError, match="even head width"):
         LlamaConfig(n_head=4, n_embd=12)
-    hf = _hf_llama().config.to_dict()
+    hf = hf_llama().config.to_dict()
     for change, message in [
         ({"model_type": "mistral"}, "not 'llama'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
@@ -88,7 +90,7 @@ def test_configs_that_cannot_run_are_refused_in_one_line():
         with pytest.raises(UserError, match=message):
             llama_config_from_hf({**hf, **change}, "cfg.json")
     cfg = LlamaConfig(**llama_config_from_hf(hf))
-    state = dict(_hf_llama().state_dict())
+    state = dict(hf_llama().state_dict())
     state.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(UserError, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
         llama_state_from_hf(state, cfg, "hf")

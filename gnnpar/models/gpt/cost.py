@@ -379,9 +379,7 @@ def local_params(
     return matrix, vector
 
 
-def lora_params(
-    problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]
-) -> int:
+def lora_params(problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]) -> int:
     """Adapter elements this rank stores (0 without LoRA), as :mod:`gnnpar.tensor.lora` lays
     them out for each projection of the blocks: ``A`` (rank × in) with the projection's
     input split and its rank rows over the out axis, ``B`` (out × rank) with the

@@ -38,12 +38,11 @@ from torch import nn
 
 from gnnpar.errors import UserError
 from gnnpar.models.gpt.model import (
+    CausalLM,
     GPTConfig,
     KVCache,
     TransformerBlock,
     attend_with_cache,
-    generate,
-    run_blocks,
     size_field,
 )
 from gnnpar.recompute import recompute
@@ -221,7 +220,7 @@ class LlamaBlock(TransformerBlock):
         return x + self.mlp(self.ln2(x))
 
 
-class Llama(nn.Module):
+class Llama(CausalLM):
     """The language model: ``forward(ids (B, T)) → logits (B, T, vocab_size)``. Weights start
     as Hugging Face's Llama does: normal(0, 0.02) matrices, zero biases, unit norms."""
 
@@ -244,10 +243,6 @@ class Llama(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def num_params(self) -> int:
-        """Number of parameters (tied ones once)."""
-        return sum(p.numel() for p in self.parameters())
-
     # The two steps a pipeline chunk runs too (on a module with the same attributes).
     def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The blocks' input: token embeddings (positions enter through RoPE)."""
@@ -257,33 +252,3 @@ class Llama(nn.Module):
         """What every block takes besides its input: the RoPE tables of ``pos``."""
         cfg = self.config
         return rope_tables(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta, dtype)
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of ``ids (B, T)``; ``pos`` are the tokens' positions (default 0..T−1)."""
-        t = ids.shape[-1]
-        if t > self.config.block_size:
-            raise UserError(
-                f"sequence of {t} tokens is longer than block_size={self.config.block_size}"
-            )
-        if pos is None:
-            pos = torch.arange(t, device=ids.device)
-        x = self.embed(ids, pos)
-        x = run_blocks(self.blocks, x, *self.block_args(pos, x.dtype))
-        return self.lm_head(self.ln_f(x))
-
-    @torch.no_grad()
-    def generate(
-        self,
-        ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-        full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``ids (B, T)`` (see
-        :meth:`gnnpar.models.gpt.model.GPT.generate`)."""
-        return generate(
-            self, ids, max_new_tokens, self.config.block_size, temperature, top_k, generator,
-            full_logits,
-        )  # fmt: skip

@@ -32,6 +32,7 @@ __all__ = [
     "GPTChunk",
     "MLP",
     "Block",
+    "CausalLM",
     "CausalSelfAttention",
     "TransformerBlock",
     "GPTConfig",
@@ -290,50 +291,17 @@ def model_sizes(model: nn.Module) -> GPTConfig:
     return model.config
 
 
-class GPT(nn.Module):
-    """The language model: ``forward(ids (B, T)) → logits (B, T, vocab_size)``.
+class CausalLM(nn.Module):
+    """What our decoder-only models share (:class:`GPT`, and
+    :class:`~gnnpar.models.gpt.llama.Llama`): ``forward(ids (B, T)) → logits (B, T,
+    vocab_size)`` through the model's ``embed``, its ``blocks`` (each also given the model's
+    ``block_args``), the final norm ``ln_f`` and the head ``lm_head``; and ``generate``."""
 
-    Weights start as in GPT-2: normal(0, 0.02), with the projections that write into the
-    residual stream scaled by ``1/sqrt(2·n_layer)``; biases zero.
-    """
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    config: GPTConfig
 
     def num_params(self) -> int:
         """Number of parameters (tied ones once)."""
         return sum(p.numel() for p in self.parameters())
-
-    # The two steps a pipeline chunk runs too (on a module with the same attributes).
-    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The blocks' input: token plus position embeddings."""
-        return self.drop(self.wte(ids) + self.wpe(pos))
-
-    def block_args(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """What every block takes besides its input: nothing."""
-        return ()
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``ids (B, T)``; ``pos`` are the tokens' positions in their sequences
@@ -375,6 +343,48 @@ class GPT(nn.Module):
             generator,
             full_logits,
         )
+
+
+class GPT(CausalLM):
+    """The language model: ``forward(ids (B, T)) → logits (B, T, vocab_size)``.
+
+    Weights start as in GPT-2: normal(0, 0.02), with the projections that write into the
+    residual stream scaled by ``1/sqrt(2·n_layer)``; biases zero.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    # The two steps a pipeline chunk runs too (on a module with the same attributes).
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The blocks' input: token plus position embeddings."""
+        return self.drop(self.wte(ids) + self.wpe(pos))
+
+    def block_args(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What every block takes besides its input: nothing."""
+        return ()
 
 
 class GPTChunk(nn.Module):
