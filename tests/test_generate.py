@@ -372,8 +372,6 @@ def test_command_errors_are_one_line(llama_run, tmp_path, capsys, monkeypatch):
         (["run", "--ids", "1", "--temperature", "0"], "temperature must be positive"),
         (["run", "--ids", "1", "--grid", "x=2"], "--grid x=2 does not fit 1 process"),
         (["run", "--ids", "1", "--grid", "pipe=2"], "not pipe"),
-        (["run", "--ids", "1", "--nprocs", "8", "--grid", "x=8"],
-         "n_kv_head=2 does not divide over x=8"),
         (["run", "--ids", "1", "--eos", "9999"], "--eos 9999 is outside"),
         (["run", "--prompt", "a", "--tokenizer", "nope.json"], "nope.json: no such file"),
     ]  # fmt: skip

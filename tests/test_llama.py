@@ -133,14 +133,15 @@ def _llama_world(folder: str) -> str:
         if i < 2:
             _check_state_dicts(make, grid, folder / f"llama-{i}")
             _deferred_equals_eager(_tiny_llama(**sizes).config, grid)
+    # two key-value heads over four ranks: the attention's heads stay whole (every rank of
+    # x computes them all, its projections still split), the MLP split; equal to serial
     grid = gnnpar.init(x=4, data=2)
-    try:  # two key-value heads cannot split over four ranks
-        gnnpar.tensor.parallelize(_tiny_llama(), grid)
-    except UserError as err:
-        if "n_kv_head=2 does not divide over x=4" not in str(err):
-            raise
-    else:
-        raise AssertionError("two key-value heads were split over x=4")
+    decided = gnnpar.tensor.plan_styles(_tiny_llama(), grid)
+    if decided["unsplit"] != [
+        f"attention block 'blocks.{i}.attn': n_kv_head=2 does not divide over x=4" for i in (0, 1)
+    ] or any(block.endswith(".attn") for block, _ in decided["chains"]):
+        raise AssertionError(f"x=4 with two key-value heads: {decided['unsplit']}")
+    _compare_training(_tiny_llama, grid)
     return "ok"
 
 

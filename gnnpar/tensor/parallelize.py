@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -68,6 +69,9 @@ class Chain:
     the block attribute holding the number of attention heads, which must divide over the
     first layer's out axis; ``split_attr`` names a block attribute holding the size of one
     fused part, which is set to this rank's size (GPT-2's ``split_size``).
+    ``unsplit_otherwise``: where the heads do not divide, the block's layers run in easy mode
+    (weights split, outputs gathered; every rank computes every head) rather than the grid
+    being refused (Llama's grouped-query attention with fewer key-value heads than ranks).
     """
 
     block: str
@@ -76,6 +80,7 @@ class Chain:
     fused: int = 1
     heads: str | None = None
     split_attr: str | None = None
+    unsplit_otherwise: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,13 +183,15 @@ def _embedding_cost(d: int, a: int, b: int) -> float:
 
 
 def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -> dict:
-    """The :class:`LayerStyle` that :func:`parallelize` gives each module, by name, and the
-    chain rules it applies (``{"styles": ..., "chains": [(block, Chain), ...]}``)."""
+    """The :class:`LayerStyle` that :func:`parallelize` gives each module, by name, the
+    chain rules it applies and why the blocks whose heads do not split were left unchained
+    (``{"styles": ..., "chains": [(block, Chain), ...], "unsplit": [reason, ...]}``)."""
     plan = plan or Plan()
     cands = _candidates(model, plan.skip)
     x, y = grid.size("x"), grid.size("y")
     styles: dict[str, LayerStyle] = {}
     applied: list[tuple[str, Chain]] = []
+    unsplit: list[str] = []  # blocks whose heads do not split: every rank computes them all
 
     # Chains first: known blocks, then the plan's rules.
     rules = _known_chains(model) if plan.chain else []
@@ -205,10 +212,13 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
             heads = getattr(blocks[block], rule.heads)
             p = grid.size(out_axis)
             if heads % p:
-                raise UserError(
-                    f"attention block {block!r}: {rule.heads}={heads} does not divide over "
-                    f"{out_axis}={p}; choose another grid or pass Plan(chain=False)"
-                )
+                why = f"attention block {block!r}: {rule.heads}={heads} does not divide over "
+                if not rule.unsplit_otherwise:
+                    raise UserError(
+                        f"{why}{out_axis}={p}; choose another grid or pass Plan(chain=False)"
+                    )
+                unsplit.append(f"{why}{out_axis}={p}")
+                continue
         styles[first] = LayerStyle(transpose, True, False, rule.fused)
         styles[second] = LayerStyle(not transpose, False, True)
         applied.append((block, rule))
@@ -267,7 +277,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
         ts = {styles[n].transpose for n in group if n in styles}
         if len(ts) > 1:
             raise UserError(f"modules {list(group)} share one weight but differ in transpose")
-    return {"styles": styles, "chains": applied}
+    return {"styles": styles, "chains": applied, "unsplit": unsplit}
 
 
 def _all_weighted(model: nn.Module):
@@ -334,6 +344,14 @@ def parallelize(
     program = _init_program(model, init)
     decided = plan_styles(model, grid, plan)
     styles: dict[str, LayerStyle] = decided["styles"]
+    if decided["unsplit"] and grid.global_rank == 0:
+        n = len(decided["unsplit"])
+        more = f" (and {n - 1} more blocks)" if n > 1 else ""
+        warnings.warn(
+            f"{decided['unsplit'][0]}{more}: their heads are not split, every rank of the "
+            "axis computes all of them",
+            stacklevel=2,
+        )
     cands = _candidates(model, plan.skip)
     made: dict[str, ShardedModule] = {}
     shared: dict[int, ShardedModule] = {}

@@ -9,10 +9,12 @@ declare:
   the ``n_kv_head`` groups, its ``n_head / n_kv_head`` query heads, then its key head, then
   its value head. Splitting that output contiguously over the tensor-parallel axis of the
   heads gives each rank whole groups, so a rank's queries meet their own keys and values with
-  no communication. The rule: ``n_kv_head`` must divide the size of that axis's split (x
-  when only x > 1; the communication model picks x or y, see
-  :func:`gnnpar.tensor.plan_styles`); where it does not, :func:`~gnnpar.tensor.parallelize`
-  refuses in one line (replicating key-value heads over the axis is not supported yet).
+  no communication. The rule: where ``n_kv_head`` divides the size of that axis (x when
+  only x > 1; the communication model picks x or y, see :func:`gnnpar.tensor.plan_styles`)
+  the heads are split so; where it does not, that attention is left unsplit by heads: its
+  projections stay tensor-parallel (weights split, outputs gathered) and every rank of the
+  axis computes every head (:func:`~gnnpar.tensor.parallelize` warns once). Megatron instead
+  repeats only the key-value heads over the axis; that is not done here.
 - **SwiGLU**'s gate and up projections are one column-parallel ``gate_up`` (two fused
   parts, each split over the axis) chained into one row-parallel ``down`` projection.
 - **RoPE** rotates queries and keys by each token's position, given to ``forward`` (a
@@ -144,9 +146,10 @@ class LlamaAttention(nn.Module):
 
     recompute_core = False
     kv_cache: KVCache | None = None
-    #: The heads that must divide the chain's out axis are the key-value heads.
+    #: The heads that must divide the chain's out axis are the key-value heads; where they
+    #: do not, the attention's heads are not split (every rank of the axis computes them).
     tensor_parallel_chain = MappingProxyType(
-        {"first": "qkv", "second": "o_proj", "heads": "n_kv_head"}
+        {"first": "qkv", "second": "o_proj", "heads": "n_kv_head", "unsplit_otherwise": True}
     )
     ring_attention = True
 
