@@ -223,6 +223,16 @@ def test_lora_finetunes_on_instructions_resumes_on_another_grid_and_merges(tmp_p
     # and transformers computes the same logits from it (its norms run in float32)
     want = merged.float()(ids).logits
     assert (want - plain.float()(ids)).abs().max() <= 1e-5 * want.abs().max()
+    # unmerged, in peft's format: PeftModel on the base gives the merged model's logits
+    from peft import PeftModel
+
+    adapters_dir = tmp_path / "adapters"
+    assert main(["ckpt", "export-hf", str(split), str(adapters_dir), "--adapters"]) == 0
+    tuned = PeftModel.from_pretrained(
+        transformers.LlamaForCausalLM.from_pretrained(hf), adapters_dir
+    )
+    got = tuned.float()(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def _ours(hf_state: dict, cfg) -> dict[str, torch.Tensor]:

@@ -56,9 +56,10 @@ def _consolidate(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from gnnpar.models.gpt.hf_llama import export_hf
 
-    out = export_hf(args.path, args.out, args.overwrite, args.merge)
+    out = export_hf(args.path, args.out, args.overwrite, args.merge, args.adapters)
     files = sorted(f.name for f in out.iterdir())
-    print(f"wrote {out}: {', '.join(files)} (LlamaForCausalLM)")
+    what = "peft LoRA adapters" if args.adapters else "LlamaForCausalLM"
+    print(f"wrote {out}: {', '.join(files)} ({what})")
     return 0
 
 
@@ -115,6 +116,12 @@ def add_ckpt_commands(subparsers: Any) -> None:
         "--merge",
         action="store_true",
         help="a LoRA run: fold the adapters into the base model it recorded",
+    )
+    p.add_argument(
+        "--adapters",
+        action="store_true",
+        help="a LoRA run: write the adapters unmerged, in peft's format (adapter_config.json, "
+        "adapter_model.safetensors)",
     )
     p.set_defaults(func=_export_hf)
     p = sub.add_parser(

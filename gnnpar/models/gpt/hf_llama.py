@@ -36,6 +36,7 @@ from gnnpar.models.gpt.llama import LlamaConfig
 __all__ = [
     "LLAMA_SIZES",
     "StackedRows",
+    "adapters_to_peft",
     "export_hf",
     "hf_config_dict",
     "llama_config_from_hf",
@@ -209,12 +210,47 @@ def llama_state_from_hf(state: Mapping[str, Any], cfg: LlamaConfig, where: str) 
     return out
 
 
+def split_qkv_rows(t: torch.Tensor, cfg: LlamaConfig) -> tuple[torch.Tensor, ...]:
+    """The rows of our fused q/k/v projection (grouped by key-value head) as Hugging Face's
+    q, k and v rows, in head order."""
+    d, r = cfg.head_dim, cfg.n_head // cfg.n_kv_head
+    q, k, v = t.unflatten(0, (cfg.n_kv_head, (r + 2) * d)).split([r * d, d, d], dim=1)
+    return q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+
+
+def adapters_to_peft(adapters: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict:
+    """Our LoRA adapters as ``peft``'s ``adapter_model.safetensors`` keys for a
+    ``LlamaForCausalLM``: one ``A`` of a fused projection given to each of its parts (q, k
+    and v; gate and up), its ``B`` rows split among them."""
+    out: dict[str, torch.Tensor] = {}
+    parts = {"attn.qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+             "attn.o_proj": ("self_attn", ("o_proj",)),
+             "mlp.gate_up": ("mlp", ("gate_proj", "up_proj")),
+             "mlp.down": ("mlp", ("down_proj",))}  # fmt: skip
+    for key, t in adapters.items():
+        name, _, rest = key.rpartition(".lora_")
+        layer, _, ours = name.removeprefix("blocks.").partition(".")
+        if ours not in parts or rest not in ("A.weight", "B.weight"):
+            raise UserError(f"adapter {key!r} has no place in a LlamaForCausalLM")
+        where, names = parts[ours]
+        if rest == "A.weight":  # a copy each: safetensors stores no shared storage
+            rows = tuple(t.clone() for _ in names)
+        elif ours == "attn.qkv":
+            rows = split_qkv_rows(t, cfg)
+        else:
+            rows = t.chunk(len(names))
+        for hf, piece in zip(names, rows, strict=True):
+            full = f"base_model.model.model.layers.{layer}.{where}.{hf}.lora_{rest}"
+            out[full] = piece.detach().contiguous()
+    return out
+
+
 def llama_state_to_hf(
     full: Mapping[str, torch.Tensor], cfg: LlamaConfig
 ) -> dict[str, torch.Tensor]:
     """The Hugging Face ``LlamaForCausalLM`` state dict of our full state dict (contiguous
     tensors, the tied head left out as ``transformers`` saves it)."""
-    d, r, f = cfg.head_dim, cfg.n_head // cfg.n_kv_head, cfg.ffn_hidden
+    f = cfg.ffn_hidden
     out = {"model.embed_tokens.weight": full["wte.weight"]}
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.n_layer):
@@ -223,11 +259,9 @@ def llama_state_to_hf(
         out[hf + "input_layernorm.weight"] = full[ours + "ln1.weight"]
         out[hf + "post_attention_layernorm.weight"] = full[ours + "ln2.weight"]
         for kind in kinds:
-            groups = full[f"{ours}attn.qkv.{kind}"].unflatten(0, (cfg.n_kv_head, (r + 2) * d))
-            q, k, v = groups.split([r * d, d, d], dim=1)
-            out[f"{att}q_proj.{kind}"] = q.flatten(0, 1)
-            out[f"{att}k_proj.{kind}"] = k.flatten(0, 1)
-            out[f"{att}v_proj.{kind}"] = v.flatten(0, 1)
+            q, k, v = split_qkv_rows(full[f"{ours}attn.qkv.{kind}"], cfg)
+            out[f"{att}q_proj.{kind}"], out[f"{att}k_proj.{kind}"] = q, k
+            out[f"{att}v_proj.{kind}"] = v
             out[f"{att}o_proj.{kind}"] = full[f"{ours}attn.o_proj.{kind}"]
             gate_up = full[f"{ours}mlp.gate_up.{kind}"]
             out[f"{mlp}gate_proj.{kind}"], out[f"{mlp}up_proj.{kind}"] = gate_up[:f], gate_up[f:]
@@ -236,6 +270,40 @@ def llama_state_to_hf(
     if not cfg.tie_weights:
         out["lm_head.weight"] = full["lm_head.weight"]
     return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def _write_peft(out: str | Path, overwrite: bool, state: dict, info: Mapping) -> Path:
+    """``out`` as a peft LoRA adapter folder (written to a temporary folder, then renamed)."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from gnnpar.atomic import write_json
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    modules = sorted({k.split(".")[-3] for k in state})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["lora_rank"],
+        "lora_alpha": info["lora_alpha"], "lora_dropout": 0.0, "bias": "none",
+        "target_modules": modules, "base_model_name_or_path": info["pretrained"],
+        "fan_in_fan_out": False, "inference_mode": True,
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_json(tmp / "adapter_config.json", config, indent=2)
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def run_tokenizer(path: str | Path) -> Any:
@@ -299,7 +367,11 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 
 
 def export_hf(
-    path: str | Path, out: str | Path, overwrite: bool = False, merge: bool = False
+    path: str | Path,
+    out: str | Path,
+    overwrite: bool = False,
+    merge: bool = False,
+    adapters: bool = False,
 ) -> Path:
     """Write the Llama of a gnnpar checkpoint (``path``: a run folder, its ``checkpoints/``
     or one step folder, from any grid) as a Hugging Face folder ``out`` that
@@ -309,7 +381,9 @@ def export_hf(
     temporary folder, then renamed.
 
     A LoRA run's checkpoint holds its adapters only: ``merge`` folds them into the base
-    weights, read from the pretrained folder the run recorded (checked against the sizes)."""
+    weights, read from the pretrained folder the run recorded (checked against the sizes);
+    ``adapters`` writes them unmerged in ``peft``'s format instead (``adapter_config.json``,
+    ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, out)``)."""
     import os
     import shutil
     import tempfile
@@ -336,14 +410,18 @@ def export_hf(
     cfg = LlamaConfig(**{n: info[n] for n in names})
     full = consolidate(path)
     if info.get("peft") == "lora":
-        if not merge:
+        if merge == adapters:
             raise UserError(
                 f"{path}: a LoRA run's checkpoint holds its adapters only; pass --merge to fold "
-                f"them into the base model ({info.get('pretrained')})"
+                f"them into the base model ({info.get('pretrained')}) or --adapters for peft's "
+                "format, one of the two"
             )
+        if adapters:
+            return _write_peft(out, overwrite, adapters_to_peft(full, cfg), info)
         full = _merged(full, cfg, info)
-    elif merge:
-        raise UserError(f"{path}: --merge is for LoRA runs; this one trained every weight")
+    elif merge or adapters:
+        raise UserError(f"{path}: --merge and --adapters are for LoRA runs; this one trained "
+                        "every weight")  # fmt: skip
     state = llama_state_to_hf(full, cfg)
     dtype = next(iter(state.values())).dtype
     config = {**hf_config_dict(cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
