@@ -207,7 +207,7 @@ def test_ranking_orders_by_time_and_drops_what_does_not_fit():
         GPTProblem.sized(layers=2, hidden=64, heads=8, seq=16, batch=8), 16, get_machine("a100x4")
     )
     bad = [c for c in gpt if not c.fits]
-    assert any("heads" in c.reason for c in bad)  # 8 heads cannot split over 16
+    assert any("n_head=8 does not divide" in c.reason for c in bad)  # 8 heads over 16
     assert any("does not divide over data*z" in c.reason for c in bad)
 
 

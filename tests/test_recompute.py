@@ -252,7 +252,7 @@ def test_modes_are_checked():
     model = GPT(GPTConfig(**CFG))
     with pytest.raises(ValueError, match="must be one of none, full, selective"):
         set_activation_checkpointing(model, "partial")
-    with pytest.raises(ValueError, match="has no GPT Block"):
+    with pytest.raises(ValueError, match="has no transformer block"):
         set_activation_checkpointing(torch.nn.Linear(2, 2), "full")
 
 
