@@ -125,6 +125,9 @@ def _llama_world(folder: str) -> str:
         (dict(x=2, y=2, z=2), {"bias": True, "tie_weights": True}),
         (dict(x=4, data=2), {"n_head": 8, "n_kv_head": 4, "n_embd": 32}),
         (dict(x=8), {"n_head": 16, "n_kv_head": 8, "n_embd": 32}),
+        (dict(x=2, y=4), {}),
+        (dict(y=2, z=4), {}),
+        (dict(z=2, data=4), {}),
     ]
     for i, (shape, sizes) in enumerate(shapes):
         grid = gnnpar.init(**shape)
