@@ -86,6 +86,25 @@ def atomic_write(dest: str | os.PathLike, write: Callable[[str], None]) -> None:
         raise
 
 
+def atomic_folder(dest: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
+    """Call ``fill(tmp_folder)`` and rename the folder to ``dest`` (a ``dest`` already there
+    is replaced); on any error the temporary folder is removed and the error raised."""
+    import shutil
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        fill(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
 def write_json(dest: str | os.PathLike, doc: Any, indent: int | None = None) -> None:
     """:func:`atomic_write` of ``doc`` as JSON."""
     atomic_write(dest, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=indent)))

@@ -274,13 +274,10 @@ def llama_state_to_hf(
 
 def _write_peft(out: str | Path, overwrite: bool, state: dict, info: Mapping) -> Path:
     """``out`` as a peft LoRA adapter folder (written to a temporary folder, then renamed)."""
-    import os
-    import shutil
-    import tempfile
 
     from safetensors.torch import save_file
 
-    from gnnpar.atomic import write_json
+    from gnnpar.atomic import atomic_folder, write_json
 
     out = Path(out)
     if out.exists() and not overwrite:
@@ -292,18 +289,12 @@ def _write_peft(out: str | Path, overwrite: bool, state: dict, info: Mapping) ->
         "target_modules": modules, "base_model_name_or_path": info["pretrained"],
         "fan_in_fan_out": False, "inference_mode": True,
     }  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         write_json(tmp / "adapter_config.json", config, indent=2)
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return atomic_folder(out, fill)
 
 
 def run_tokenizer(path: str | Path) -> Any:
@@ -384,13 +375,10 @@ def export_hf(
     weights, read from the pretrained folder the run recorded (checked against the sizes);
     ``adapters`` writes them unmerged in ``peft``'s format instead (``adapter_config.json``,
     ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, out)``)."""
-    import os
-    import shutil
-    import tempfile
 
     from safetensors.torch import save_file
 
-    from gnnpar.atomic import write_json
+    from gnnpar.atomic import atomic_folder, write_json
     from gnnpar.checkpoint import consolidate
     from gnnpar.checkpoint.consolidate import open_checkpoint
 
@@ -425,18 +413,12 @@ def export_hf(
     state = llama_state_to_hf(full, cfg)
     dtype = next(iter(state.values())).dtype
     config = {**hf_config_dict(cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         write_json(tmp / "config.json", config, indent=2)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer = run_tokenizer(path)
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return atomic_folder(out, fill)
