@@ -19,8 +19,6 @@ __all__ = ["add_generate_command"]
 #: Grid axes generation runs on: tensor parallelism (x, y, z) and replicas (data).
 AXES = ("x", "y", "z", "data")
 DTYPES = ("auto", "float32", "float64", "bfloat16")
-#: Sizes every gpt run's checkpoint records (the GPT task's ``describe``).
-GPT_SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 
 
 @dataclasses.dataclass
@@ -56,9 +54,7 @@ def _run_source(path: Path) -> _Source:
     """A gnnpar checkpoint (a run folder, its checkpoints/ or a step folder): the model and
     sizes its info records, the dtype it was saved in."""
     from gnnpar.checkpoint.consolidate import open_checkpoint
-    from gnnpar.models.gpt.hf_llama import LLAMA_SIZES
-    from gnnpar.models.gpt.llama import LlamaConfig
-    from gnnpar.models.gpt.model import GPTConfig
+    from gnnpar.models.gpt.hf_llama import recorded_config
 
     meta = open_checkpoint(path).meta
     info = meta.get("info") or {}
@@ -72,18 +68,7 @@ def _run_source(path: Path) -> _Source:
             "model with them folded in (gnnpar ckpt export-hf RUN OUT --merge) and generate "
             "from OUT"
         )
-    names = GPT_SIZES + (LLAMA_SIZES if info["model"] == "llama" else ())
-    missing = [n for n in names if n not in info]
-    if missing:
-        raise UserError(f"{path}: the checkpoint does not record the size {missing[0]!r}")
-    sizes = {n: info[n] for n in names}
-    keys = set(meta["keys"])
-    if info["model"] == "gpt":  # bias and tie from the tensors saved
-        sizes["bias"] = "blocks.0.attn.qkv.bias" in keys
-        sizes["tie_weights"] = meta["aliases"].get("lm_head.weight") == "wte.weight"
-        cfg = GPTConfig(**sizes)
-    else:
-        cfg = LlamaConfig(**sizes)
+    cfg = recorded_config(meta, str(path))
     stored = meta["tensors"].get("model/wte.weight", {}).get("dtype", "float32")
     return _Source("run", path, info["model"], cfg, _torch_dtype(stored, str(path)))
 

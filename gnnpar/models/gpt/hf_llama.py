@@ -43,6 +43,7 @@ __all__ = [
     "llama_state_from_hf",
     "llama_state_to_hf",
     "read_hf_config",
+    "recorded_config",
 ]
 
 #: Hugging Face config fields read into a :class:`LlamaConfig` (the rest must be defaults).
@@ -70,6 +71,27 @@ _REQUIRED = (
 #: The sizes a checkpoint of a llama run records beyond GPT's (the GPT task's ``describe``),
 #: so that :func:`export_hf` can describe the model.
 LLAMA_SIZES = ("n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "bias", "tie_weights")
+
+
+def recorded_config(meta: Mapping[str, Any], where: str) -> Any:
+    """The model config of a ``gpt``-task checkpoint of our GPT or Llama, from its manifest's
+    ``meta``: the sizes its info records (GPT's bias and tie read from the tensors it saved);
+    one line naming ``where`` for a size it does not record."""
+    from gnnpar.models.gpt.model import GPTConfig
+
+    info = meta.get("info") or {}
+    llama = info.get("model") == "llama"
+    names = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    names += LLAMA_SIZES if llama else ()
+    missing = [n for n in names if n not in info]
+    if missing:
+        raise UserError(f"{where}: the checkpoint does not record the size {missing[0]!r}")
+    sizes = {n: info[n] for n in names}
+    if llama:
+        return LlamaConfig(**sizes)
+    sizes["bias"] = "blocks.0.attn.qkv.bias" in set(meta["keys"])
+    sizes["tie_weights"] = meta["aliases"].get("lm_head.weight") == "wte.weight"
+    return GPTConfig(**sizes)
 
 
 def _shape(src: Any) -> tuple[int, ...]:
@@ -385,17 +407,14 @@ def export_hf(
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    info = open_checkpoint(path).meta.get("info") or {}
+    meta = open_checkpoint(path).meta
+    info = meta.get("info") or {}
     if info.get("model") != "llama":
         raise UserError(
             f"{path}: a checkpoint of model {info.get('model', 'unknown')!r}; export-hf writes "
             "llama runs (a hf-gpt2 run's `gnnpar ckpt consolidate` has transformers' keys)"
         )
-    names = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", *LLAMA_SIZES)
-    missing = [n for n in names if n not in info]
-    if missing:
-        raise UserError(f"{path}: the checkpoint does not record the llama size {missing[0]!r}")
-    cfg = LlamaConfig(**{n: info[n] for n in names})
+    cfg = recorded_config(meta, str(path))
     full = consolidate(path)
     if info.get("peft") == "lora":
         if merge == adapters:

@@ -779,15 +779,11 @@ class GPTTask(BaseTask):
         cfg = self.cfg
         if cfg.sample_tokens <= 0:
             return ""
-        ids = torch.tensor([self.corpus.encode(cfg.prompt) or [0]], device=self.grid.device)
-        head, grid = self.head, self.grid
-        full = None
-        if getattr(head, "gather_output", True) is False and grid.size(head.out_axis) > 1:
-            full = lambda lg: comm.all_gather(  # noqa: E731
-                lg.contiguous(), grid, head.out_axis, dim=-1, sizes=head.out_sizes
-            )
+        from gnnpar.models.gpt.generation import full_logits_of
         from gnnpar.tensor.context import plain_attention
 
+        ids = torch.tensor([self.corpus.encode(cfg.prompt) or [0]], device=self.grid.device)
+        full = full_logits_of(self.head)  # a head that keeps the vocabulary split: gathered
         self._train_mode(False)
         plain = contextlib.nullcontext() if self.net is None else plain_attention(self.net)
         with plain:  # every rank generates from whole sequences
