@@ -294,16 +294,13 @@ def llama_state_to_hf(
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
-def _write_peft(out: str | Path, overwrite: bool, state: dict, info: Mapping) -> Path:
-    """``out`` as a peft LoRA adapter folder (written to a temporary folder, then renamed)."""
-
+def _write_peft(out: Path, state: dict, info: Mapping) -> Path:
+    """``out`` as a peft LoRA adapter folder (written to a temporary folder, then renamed;
+    :func:`export_hf` has checked that it may be replaced)."""
     from safetensors.torch import save_file
 
     from gnnpar.atomic import atomic_folder, write_json
 
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     modules = sorted({k.split(".")[-3] for k in state})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["lora_rank"],
@@ -397,7 +394,6 @@ def export_hf(
     weights, read from the pretrained folder the run recorded (checked against the sizes);
     ``adapters`` writes them unmerged in ``peft``'s format instead (``adapter_config.json``,
     ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, out)``)."""
-
     from safetensors.torch import save_file
 
     from gnnpar.atomic import atomic_folder, write_json
@@ -424,7 +420,7 @@ def export_hf(
                 "format, one of the two"
             )
         if adapters:
-            return _write_peft(out, overwrite, adapters_to_peft(full, cfg), info)
+            return _write_peft(out, adapters_to_peft(full, cfg), info)
         full = _merged(full, cfg, info)
     elif merge or adapters:
         raise UserError(f"{path}: --merge and --adapters are for LoRA runs; this one trained "
