@@ -1,15 +1,22 @@
-"""The process grid: pipe × data × context × x × y × z, rank order, and every sub-group.
+"""The process grid: pipe × data × context × expert × x × y × z, rank order, and every
+sub-group.
 
-Rank order follows AxoNN: x varies fastest, then y, then z, then context, then data, then
-pipe::
+Rank order follows AxoNN: x varies fastest, then y, then z, then expert, then context, then
+data, then pipe::
 
-    rank = x + X * (y + Y * (z + Z * (context + C * (data + D * pipe))))
+    rank = x + X * (y + Y * (z + Z * (expert + E * (context + C * (data + D * pipe)))))
 
-so a grid without a pipe or context axis (size 1) numbers its ranks as the 4D grid always did,
-and each pipeline stage is a block of consecutive ranks (its tensor and data groups stay inside
-it). The context axis (:mod:`gnnpar.tensor.context`: the sequence split over ranks) sits just
-below data, so ``context + C·data`` is a data coordinate of size C·D in the same rank order:
-:func:`fold_context` gives that view, over which sharded data parallelism reduces gradients.
+so a grid without a pipe, context or expert axis (size 1) numbers its ranks as the 4D grid
+always did, and each pipeline stage is a block of consecutive ranks (its tensor and data groups
+stay inside it). The context axis (:mod:`gnnpar.tensor.context`: the sequence split over ranks)
+sits just below data, so ``context + C·data`` is a data coordinate of size C·D in the same rank
+order: :func:`fold_context` gives that view. The expert axis (:mod:`gnnpar.tensor.experts`: a
+mixture-of-experts layer's experts split over ranks, tokens sent to them by all-to-all) sits just
+below context and next to the tensor axes, so its all-to-all stays on few nodes; its ranks see
+different tokens, as data ranks do, and hold the same parameters outside the experts:
+:func:`fold_replicas` folds expert, context and data into one data coordinate, the view over
+which sharded data parallelism reduces the gradients of every parameter but the experts' (those
+reduce over :func:`fold_context`'s data axis).
 
 Every sub-group along every axis (and the combined ``"tensor"`` axis, x·y·z) is created once,
 on every rank, in the same order, because ``torch.distributed.new_group`` is collective. The
@@ -39,14 +46,16 @@ from gnnpar.fmt import count
 from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
 
 #: The grid axes, fastest-varying first.
-AXES: tuple[str, ...] = ("x", "y", "z", "context", "data", "pipe")
+AXES: tuple[str, ...] = ("x", "y", "z", "expert", "context", "data", "pipe")
 #: Axis names that denote a combination of axes.
 COMBINED_AXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "tensor": ("x", "y", "z"),
-        "world": ("x", "y", "z", "context", "data", "pipe"),
-        # the ranks that hold the same parameters and see different tokens (fold_context)
+        "world": ("x", "y", "z", "expert", "context", "data", "pipe"),
+        # the ranks that hold the same experts and see different tokens (fold_context)
         "context_data": ("context", "data"),
+        # the ranks that hold the same parameters outside the experts (fold_replicas)
+        "replicas": ("expert", "context", "data"),
         "xy": ("x", "y"),
         "xz": ("x", "z"),
         "yz": ("y", "z"),
@@ -134,13 +143,14 @@ class GridShape:
     global_rank: int = 0
     pipe: int = 1
     context: int = 1
+    expert: int = 1
 
     @property
     def shape(self) -> dict[str, int]:
-        """Sizes of the axes, by name (``pipe`` and ``context`` only when above 1, so a grid
-        without them describes itself as it always did)."""
+        """Sizes of the axes, by name (``pipe``, ``context`` and ``expert`` only when above 1,
+        so a grid without them describes itself as it always did)."""
         out = {"x": self.x, "y": self.y, "z": self.z, "data": self.data}
-        for a in ("context", "pipe"):
+        for a in ("expert", "context", "pipe"):
             if getattr(self, a) > 1:
                 out[a] = getattr(self, a)
         return out
@@ -148,7 +158,7 @@ class GridShape:
     @property
     def world_size(self) -> int:
         """Number of processes in the grid."""
-        return self.x * self.y * self.z * self.context * self.data * self.pipe
+        return self.x * self.y * self.z * self.expert * self.context * self.data * self.pipe
 
     def _size_of(self, axis: str) -> int:
         return getattr(self, axis)
@@ -172,17 +182,19 @@ class GridShape:
         return out
 
     def sizes(self) -> dict[str, int]:
-        """Sizes of every axis, by name, pipe and context included (1 when absent)."""
+        """Sizes of every axis, by name, pipe, context and expert included (1 when absent)."""
         return {a: self._size_of(a) for a in AXES}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProcessGrid(GridShape):
-    """An immutable pipe × data × context × x × y × z grid of processes with one group per axis.
+    """An immutable pipe × data × context × expert × x × y × z grid of processes with one group
+    per axis.
 
     Build one with :func:`gnnpar.init`. Query it by axis name (``"x"``, ``"y"``, ``"z"``,
-    ``"context"``, ``"data"``, ``"pipe"``, or the combinations ``"tensor"`` = x·y·z,
-    ``"world"``, ``"context_data"``, ``"xy"``, ``"xz"``, ``"yz"``): :meth:`group`,
+    ``"expert"``, ``"context"``, ``"data"``, ``"pipe"``, or the combinations ``"tensor"`` =
+    x·y·z, ``"world"``, ``"context_data"``, ``"replicas"`` = expert·context·data, ``"xy"``,
+    ``"xz"``, ``"yz"``): :meth:`group`,
     :meth:`rank`, :meth:`size`, :meth:`ranks`. Shape and rank
     arithmetic (``shape``, ``world_size``, ``size``, ``coords``) come from
     :class:`GridShape`.
@@ -252,8 +264,9 @@ class ProcessGrid(GridShape):
         """One line naming the shape, backend and device."""
         pipe = f"pipe={self.pipe} " if self.pipe > 1 else ""
         context = f"context={self.context} " if self.context > 1 else ""
+        expert = f"expert={self.expert} " if self.expert > 1 else ""
         return (
-            f"grid {pipe}data={self.data} {context}x={self.x} y={self.y} z={self.z} "
+            f"grid {pipe}data={self.data} {context}{expert}x={self.x} y={self.y} z={self.z} "
             f"({count(self.world_size, 'rank')}, {self.backend}, {self.device}, "
             f"{count(self.ranks_per_node, 'rank')}/node)"
         )
@@ -295,20 +308,28 @@ def _all_group_rank_lists(shape: Mapping[str, int], axes: Sequence[str]) -> list
 
 
 #: The order of :func:`_resolve_sizes`' result.
-_SIZE_ORDER = ("data", "x", "y", "z", "pipe", "context")
+_SIZE_ORDER = ("data", "x", "y", "z", "pipe", "context", "expert")
 
 
 def _resolve_sizes(
-    world: int, data: int | None, x: int, y: int, z: int, pipe: int = 1, context: int = 1
+    world: int,
+    data: int | None,
+    x: int,
+    y: int,
+    z: int,
+    pipe: int = 1,
+    context: int = 1,
+    expert: int = 1,
 ) -> tuple[int, ...]:
     named_sizes = (("x", x), ("y", y), ("z", z), ("data", data), ("pipe", pipe))
-    for name, v in (*named_sizes, ("context", context)):
+    for name, v in (*named_sizes, ("context", context), ("expert", expert)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise GridError(f"grid axis {name} must be a positive integer, got {v!r}")
-    # the axes other than data, slowest first, naming pipe and context only when present
-    others = [(n, v) for n, v in (("pipe", pipe), ("context", context)) if v > 1]
+    # the axes other than data, slowest first, naming pipe, context and expert only when present
+    optional = (("pipe", pipe), ("context", context), ("expert", expert))
+    others = [(n, v) for n, v in optional if v > 1]
     others += [("x", x), ("y", y), ("z", z)]
-    fixed = x * y * z * pipe * context
+    fixed = x * y * z * pipe * context * expert
     names = "*".join(n for n, _ in others)
     values = "*".join(str(v) for _, v in others)
     if data is None:
@@ -322,7 +343,7 @@ def _resolve_sizes(
         raise GridError(
             f"grid {label} = {nums} = {data * fixed} does not match the world size {world}"
         )
-    return data, x, y, z, pipe, context
+    return data, x, y, z, pipe, context, expert
 
 
 def fit_shape(world: int, shape: Mapping[str, int]) -> dict[str, int]:
@@ -340,6 +361,7 @@ def fit_shape(world: int, shape: Mapping[str, int]) -> dict[str, int]:
         shape.get("z", 1),
         shape.get("pipe", 1),
         shape.get("context", 1),
+        shape.get("expert", 1),
     )
     return dict(zip(_SIZE_ORDER, sizes, strict=True))
 
@@ -508,6 +530,7 @@ def init(
     *,
     pipe: int = 1,
     context: int = 1,
+    expert: int = 1,
     backend: str | None = None,
     device: torch.device | str | None = None,
     ranks_per_node: int | None = None,
@@ -520,7 +543,9 @@ def init(
     (``srun``) or an MPI launch (Open MPI, MPICH/PMI); in a plain process it returns a world
     of one. ``data`` defaults to ``world // (pipe*context*x*y*z)``; ``pipe`` is the number of
     pipeline stages (:mod:`gnnpar.pipeline`), ``context`` the number of ranks a sequence is
-    split over (:mod:`gnnpar.tensor.context`). Backend and device follow each other:
+    split over (:mod:`gnnpar.tensor.context`), ``expert`` the number of ranks a mixture of
+    experts' experts are split over (:mod:`gnnpar.tensor.experts`). Backend and device follow
+    each other:
     gloo ↔ CPU, NCCL ↔ CUDA; with neither given, CUDA and NCCL are used when a GPU is present,
     the local rank's GPU. ``ranks_per_node`` (default: the launcher's, e.g.
     ``LOCAL_WORLD_SIZE`` or Slurm's tasks per node, else the world size) tells which groups
@@ -551,7 +576,7 @@ def init(
         world, rank = 1, 0
 
     try:
-        sizes = _resolve_sizes(world, data, x, y, z, pipe, context)
+        sizes = _resolve_sizes(world, data, x, y, z, pipe, context, expert)
     except GridError as e:
         if launch is None:
             raise
@@ -567,21 +592,27 @@ def init(
 
     groups: dict[str, dist.ProcessGroup | None] = {}
     if world > 1:
+        # an axis whose ranks another axis already spans shares its group (with y = z = 1,
+        # "tensor" is "x"): every group costs threads and sockets, and time to create
+        made: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
         for axis in (*AXES, *COMBINED_AXES):
             axes = axes_of(axis)
             if axis == "world" and not own_world:
                 groups[axis] = dist.group.WORLD
                 continue
-            size = 1
-            for a in axes:
-                size *= shape[a]
-            if size == 1:
+            spanning = tuple(a for a in axes if shape[a] > 1)
+            if not spanning:
                 continue
+            if spanning in made:
+                if made[spanning] is not None:
+                    groups[axis] = made[spanning]
+                continue
+            made[spanning] = None
             # new_group is collective: every rank creates every group, in the same order.
             for members in _all_group_rank_lists(shape, axes):
                 g = dist.new_group(members, timeout=timeout, backend=backend)
                 if rank in members:
-                    groups[axis] = g
+                    groups[axis] = made[spanning] = g
     return ProcessGrid(
         x=shape["x"],
         y=shape["y"],
@@ -589,6 +620,7 @@ def init(
         data=shape["data"],
         pipe=shape["pipe"],
         context=shape["context"],
+        expert=shape["expert"],
         global_rank=rank,
         backend=backend,
         device=device,
@@ -624,6 +656,34 @@ def fold_context(grid: ProcessGrid) -> ProcessGrid:
     )
 
 
+def fold_replicas(grid: ProcessGrid) -> ProcessGrid:
+    """``grid`` as sharded data parallelism sees the parameters outside a mixture of experts'
+    experts: the expert and context axes folded into data.
+
+    Expert, context and data ranks hold the same such parameters and see different tokens, so
+    their gradients are averaged together. The view has ``data = E·C·D`` and neither an expert
+    nor a context axis; the three axes are adjacent in the rank order (expert fastest), so its
+    data coordinate ``expert + E·(context + C·data)`` names the same ranks, and its data groups
+    are the grid's ``replicas`` groups. Like :func:`fold_context`, it shares the grid's groups,
+    recorders and channels and does not own torch.distributed. A grid without expert and context
+    axes is its own view.
+    """
+    if grid.expert == 1:
+        return fold_context(grid)
+    folded = ("expert", "context", "data", "context_data", "replicas")
+    groups = {a: g for a, g in grid.groups.items() if a not in folded}
+    if "replicas" in grid.groups:
+        groups["data"] = grid.groups["replicas"]
+    return dataclasses.replace(
+        grid,
+        data=grid.data * grid.context * grid.expert,
+        context=1,
+        expert=1,
+        groups=MappingProxyType(groups),
+        owns_process_group=False,
+    )
+
+
 def release(grid: ProcessGrid) -> None:
     """Destroy the sub-groups ``init`` created for ``grid`` (not the world group), freeing
     their communication threads and sockets; the grid cannot communicate afterwards.
@@ -652,6 +712,7 @@ def reshape(
     z: int = 1,
     pipe: int = 1,
     context: int = 1,
+    expert: int = 1,
     ranks_per_node: int | None = None,
 ) -> ProcessGrid:
     """Release ``grid``'s sub-groups and build a grid of another shape over the same world.
@@ -668,6 +729,7 @@ def reshape(
         z=z,
         pipe=pipe,
         context=context,
+        expert=expert,
         backend=grid.backend,
         device=grid.device,
         ranks_per_node=ranks_per_node,

@@ -87,7 +87,7 @@ def _run_once(kind: str, grid: ProcessGrid, axis: str, n: int) -> torch.Tensor:
 def probe(grid: ProcessGrid, nbytes: int = 4 << 20, iters: int = 5) -> list[dict]:
     """Time every collective on every axis of size > 1; check each result; return entries."""
     entries = []
-    for axis in ("x", "y", "z", "context", "data", "tensor"):
+    for axis in ("x", "y", "z", "expert", "context", "data", "tensor"):
         p = grid.size(axis)
         if p == 1:
             continue

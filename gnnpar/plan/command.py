@@ -88,7 +88,7 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
     """A plain-text table of the ``top`` best shapes (and how many do not fit)."""
     axes = [
         a
-        for a in ("x", "y", "z", "xy", "xz", "yz", "context", "data", "tensor", "pipe")
+        for a in ("x", "y", "z", "xy", "xz", "yz", "expert", "context", "data", "tensor", "pipe")
         if any(c.bytes.get(a) for c in cands)
     ]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]

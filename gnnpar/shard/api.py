@@ -42,7 +42,7 @@ from torch import nn
 
 from gnnpar import comm
 from gnnpar.errors import UserError
-from gnnpar.grid import ProcessGrid
+from gnnpar.grid import ProcessGrid, fold_context, fold_replicas
 from gnnpar.shard.buckets import GradBuckets, build_buckets
 from gnnpar.shard.clip import clip_factor, scale_grads_
 from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
@@ -75,12 +75,12 @@ def by_numel(min_params: int) -> Callable[[str, nn.Module], bool]:
 def _select_units(model: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
     names = {id(m): n for n, m in model.named_modules()}
     out: list[tuple[str, nn.Module]] = [("", model)]
-    if units is None:
-        return out
     if isinstance(units, (str, nn.Module)):
         units = [units]
     chosen: list[tuple[str, nn.Module]] = []
-    if callable(units) and not isinstance(units, (list, tuple)):
+    if units is None:
+        pass
+    elif callable(units) and not isinstance(units, (list, tuple)):
         chosen = [(n, m) for n, m in model.named_modules() if n and units(n, m)]
     else:
         for spec in units:
@@ -96,12 +96,27 @@ def _select_units(model: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Modul
                     chosen.append((names[id(spec)], spec))
             else:
                 raise ValueError(f"units must be modules, name patterns or a policy, got {spec!r}")
+    # the experts of a mixture of experts are units of their own: they shard and reduce over
+    # other ranks (those with the same experts) than the rest of the model
+    chosen += [(n, m) for n, m in model.named_modules() if n and _holds_experts(m)]
     seen = {id(model)}
     for n, m in chosen:
         if id(m) not in seen:
             seen.add(id(m))
             out.append((n, m))
     return out
+
+
+def _holds_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds this rank's experts of a mixture of experts (it declares
+    ``expert_parallel``, as :class:`gnnpar.tensor.experts.LocalExperts` does)."""
+    return bool(getattr(type(module), "expert_parallel", False))
+
+
+def _expert_unit_names(model: nn.Module, unit_names: list[str]) -> set[str]:
+    """The units whose module holds experts or lies inside a module that does."""
+    holders = [n for n, m in model.named_modules() if n and _holds_experts(m)]
+    return {u for u in unit_names if u and any(u == h or u.startswith(h + ".") for h in holders)}
 
 
 def _name_matches(name: str, pattern: str) -> bool:
@@ -216,7 +231,10 @@ class ShardedModel:
         offload: HostTier | None = None,
     ):
         self.module = module
-        self.grid = grid
+        #: The view over which every parameter but the experts is sharded and reduced
+        #: (:func:`gnnpar.grid.fold_replicas`); the experts' view is ``expert_grid``.
+        self.grid = fold_replicas(grid)
+        self.expert_grid = fold_context(grid)
         self.stage = stage
         self.slots = slots
         self.unit_names = unit_names
@@ -402,12 +420,25 @@ class ShardedModel:
             self.stage3.release_all()
 
     # ---------------------------------------------------------------------- gradients
+    def view_of(self, slot: Slot) -> ProcessGrid:
+        """The grid view whose data axis ``slot`` is sharded and reduced over."""
+        return self.expert_grid if slot.expert else self.grid
+
     def _replication(self, slot: Slot) -> int:
+        """How many ranks of a data and tensor group hold each element of ``slot``'s pieces
+        as this rank does (each element counts once in a norm)."""
         repl = self.grid.size("tensor")
         if slot.layout is not None:
             for a in set(slot.layout.split_axes):
                 repl //= self.grid.size(a)
+        if self.stage == 0 and self.has_experts:  # whole on every rank of its data axis
+            repl *= self.view_of(slot).size("data")
         return repl
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether some parameters are a mixture of experts' experts (see :func:`shard`)."""
+        return any(s.expert for s in self.slots)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Norm of the full model's gradient (each element counted once), the same on every
@@ -433,9 +464,9 @@ class ShardedModel:
                 total = torch.maximum(total, pieces.max())
             else:
                 total = total + pieces.pow(norm_type).sum() / repl
-        sharded = self.stage > 0
         op = "max" if inf else "sum"
-        if sharded:
+        # the pieces differ over data from stage 1 on, and experts over expert at every stage
+        if self.stage > 0 or self.has_experts:
             comm.all_reduce(total, self.grid, "data", op=op)
         comm.all_reduce(total, self.grid, "tensor", op=op)
         return total if inf else total.pow(1.0 / norm_type)
@@ -456,7 +487,7 @@ class ShardedModel:
         for g in groups:
             if g.master.numel() == 0:
                 continue
-            full = comm.all_gather(g.send(), self.grid, "data") if g.world > 1 else g.master
+            full = comm.all_gather(g.send(), g.grid, "data") if g.world > 1 else g.master
             for s, v in zip(g.slots, g.views(full.detach()), strict=False):
                 out[s.name] = v.clone()
                 covered.add(s.name)
@@ -468,6 +499,11 @@ class ShardedModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict with every parameter whole (master values, gathered
         over data and, for tensor-parallel layers, over the tensor axes). Collective."""
+        if self.expert_grid.size("expert") > 1:
+            raise UserError(
+                "full_state_dict: the experts of this model live on different expert ranks; "
+                "save a checkpoint and consolidate it instead (gnnpar ckpt consolidate)"
+            )
         local = self._local_full()
         values: dict[str, torch.Tensor] = {}
         for s in self.slots:
@@ -500,14 +536,13 @@ class ShardedModel:
                 continue
             for s in g.slots:
                 covered.add(s.name)
-            rep = g.world == 1 and self.grid.size("data") > 1
+            rep = g.world == 1 and g.grid.size("data") > 1
             for piece in g.pieces:
                 out.append((piece.slot, piece.start, piece.stop, piece.param.detach(), rep))
         for s in self.slots:
             if s.name not in covered:
-                out.append(
-                    (s, 0, s.numel, s.param.detach().reshape(-1), self.grid.size("data") > 1)
-                )
+                whole = self.view_of(s).size("data") > 1
+                out.append((s, 0, s.numel, s.param.detach().reshape(-1), whole))
         return out
 
     def checkpoint_layout(self):
@@ -524,11 +559,11 @@ class ShardedModel:
             replicated_piece,
             writes,
         )
+        from gnnpar.tensor.experts import plain_keys
 
         if getattr(self.module, "tensor_grads_complete", False):
             # stage 0 without masters: the model's own parameters, described by the model
             return self.module.checkpoint_layout()
-        grid = self.grid
         tensors: dict[str, TensorSpec] = {}
         slot_chunks = {}
         saved = [s for s in self.slots if s.trainable or not self.checkpoint_trainable_only]
@@ -538,12 +573,14 @@ class ShardedModel:
                     getattr(s.owner, "weight_format", "") == "in_out"
                 )
                 shape = tuple(reversed(s.layout.shape)) if transposed else s.layout.shape
-                r, c, d = s.layout.coords(grid)
+                r, c, d = s.layout.coords(self.grid)
                 chunks = s.layout.chunks(MODEL + s.name, r, c, d, transposed)
                 split = s.layout.split_axes
             else:
                 shape, split = tuple(s.shape), ()
                 chunks = concat([(MODEL + s.name, (0,) * len(shape), shape)])
+            if s.expert:  # only this expert coordinate holds it
+                split = (*split, "expert")
             tensors[MODEL + s.name] = TensorSpec.of(shape, s.dtype)
             slot_chunks[s.name] = (chunks, split)
         pieces = []
@@ -554,7 +591,7 @@ class ShardedModel:
                 continue  # a frozen parameter of a trainable-only checkpoint
             chunks, split = slot_chunks[slot.name]
             mine = restrict(chunks, start, stop)
-            write = writes(grid, (*split, *(() if replicated else ("data",))))
+            write = writes(self.view_of(slot), (*split, *(() if replicated else ("data",))))
             name = f"{slot.name}[{start}:{stop}]"
             pieces.append(Piece(name, values, mine, write))
             by_values[(slot.name, start)] = (mine, write)
@@ -567,10 +604,10 @@ class ShardedModel:
                 continue
             buffers.append(key)
             tensors[MODEL + key] = TensorSpec.of(b.shape, b.dtype)
-            pieces.append(replicated_piece(key, key, b.detach(), writes(grid, ())))
+            pieces.append(replicated_piece(key, key, b.detach(), writes(self.grid, ())))
         aliases = {a: s.name for s in saved for a in s.aliases if a != s.name}
         kept = {*buffers, *aliases, *(s.name for s in saved)}
-        keys = [k for k in self._keys if k in kept]
+        keys = plain_keys(self.module, [k for k in self._keys if k in kept])
         return ModelLayout(pieces, tensors, keys, aliases, params, self._refresh)
 
     def _refresh(self) -> None:
@@ -716,7 +753,8 @@ def shard(
 
     Args:
         model: a plain (or tensor-parallel) model with the same values on every rank.
-        grid: the process grid; sharding is along its ``data`` axis.
+        grid: the process grid; sharding is along its data axis (with expert and context
+            folded in: see below).
         stage: 0 (bucketed all-reduce), 1 (+ optimizer state sharded), 2 (+ gradients),
             3 (+ parameters).
         units: which submodules are gathered and released together (stage 3) and where
@@ -733,6 +771,15 @@ def shard(
             ``"file"`` (memory-mapped files in ``offload_dir``; see
             :mod:`gnnpar.shard.offload`).
         offload_dir: the folder of the file tier (each rank uses ``rank<R>/`` in it).
+
+    **Context and experts.** Context ranks (:mod:`gnnpar.tensor.context`) and expert ranks
+    (:mod:`gnnpar.tensor.experts`) hold the same parameters as data ranks and see other
+    tokens, so every parameter is sharded and reduced over expert × context × data together
+    (:func:`gnnpar.grid.fold_replicas`) — except a mixture of experts' experts (a module that
+    declares ``expert_parallel``: each expert rank holds other experts), which form units of
+    their own sharded and reduced over context × data (:func:`gnnpar.grid.fold_context`).
+    Their gradients are divided by the same count as the others': the all-to-all that brought
+    the tokens of every expert rank to them already summed those ranks' contributions.
 
     Every rank must call it (it creates process groups for FCDP). Returns the
     :class:`ShardedModel` handle.
@@ -780,8 +827,14 @@ def shard(
     keys = list(model.state_dict().keys())
     slots, holders = _collect_slots(model, grid, z_reduce=not complete)
     unit_of_slot = {id(s.param): _common_unit(holders[id(s.param)], unit_names) for s in slots}
+    expert_units = _expert_unit_names(model, unit_names)
+    for s in slots:
+        s.expert = unit_of_slot[id(s.param)] in expert_units
+    if fcdp is not None and expert_units:
+        raise UserError("FCDP does not cache a mixture of experts' experts: use stage 3 alone")
     trainable = [s for s in slots if s.trainable]
-    nodes = node_groups(grid) if fcdp is not None else None
+    replicas = fold_replicas(grid)
+    nodes = node_groups(replicas) if fcdp is not None else None
     tier = make_tier(offload, offload_dir, grid.device, grid.global_rank)
     alloc = tier.master if tier is not None else None
 
@@ -799,7 +852,7 @@ def shard(
         buckets = build_buckets(
             trainable,
             unit_idx,
-            grid,
+            dp.view_of,
             stage,
             bucket_bytes,
             master,
@@ -811,8 +864,8 @@ def shard(
             with torch.no_grad():
                 for s in slots:
                     s.param.data = s.param.data.to(param_dtype)
-        scale = grid.size("data") * (1 if complete else grid.size("z"))
-        dp.buckets = GradBuckets(grid, stage, buckets, scale)
+        scale = replicas.size("data") * (1 if complete else grid.size("z"))
+        dp.buckets = GradBuckets(replicas, stage, buckets, scale)
 
         def pre(module, args, kwargs):
             dp._sync_before_forward()
@@ -829,7 +882,7 @@ def shard(
         dp._hooks.append(model.register_forward_hook(post))
     else:
         rt = Stage3(
-            grid,
+            replicas,
             [],
             mp,
             mp.compute() if mp else None,
@@ -838,9 +891,10 @@ def shard(
             nodes,
             prefetch,
         )
-        p, r = grid.size("data"), grid.rank("data")
         for i, (name, module) in enumerate(unit_list):
             unit = Unit(i, name, module, rt)
+            view = dp.expert_grid if name in expert_units else replicas
+            p, r = view.size("data"), view.rank("data")
             mine = [s for s in slots if unit_of_slot[id(s.param)] == name]
             for kind, members in (
                 ("trainable", [s for s in mine if s.trainable]),
@@ -859,6 +913,7 @@ def shard(
                 unit.groups[kind] = FlatGroup(
                     members, p, r, dtype, grid.device, values, train, alloc if train else None
                 )
+                unit.groups[kind].grid = view
             rt.units.append(unit)
         # The model's parameters now live in the chunks: take them off the modules.
         for s in slots:

@@ -30,6 +30,7 @@ each rank's loss should be the mean over its part of the batch.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,6 +43,8 @@ __all__ = ["Bucket", "GradBuckets", "build_buckets"]
 
 #: Bucket reductions allowed in flight during backward.
 MAX_INFLIGHT_BUCKETS = 2
+
+
 def _queue_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
@@ -104,8 +107,10 @@ class Bucket:
         """Every parameter of the bucket has delivered its gradient."""
         return len(self.ready) == len(self.group.slots)
 
-    def launch(self, grid: ProcessGrid, scale: float) -> None:
-        """Start the asynchronous reduction (missing gradients count as zero)."""
+    def launch(self, scale: float) -> None:
+        """Start the asynchronous reduction over the group's data axis (missing gradients
+        count as zero)."""
+        grid = self.group.grid
         buf = self._buffer()
         for s in self.group.slots:
             if id(s.param) not in self.ready:
@@ -191,7 +196,7 @@ class GradBuckets:
         bucket = self._bucket_of[id(param)]
         bucket.take(param)
         while self._next < len(self.buckets) and self.buckets[self._next].full:
-            self.buckets[self._next].launch(self.grid, self.scale)
+            self.buckets[self._next].launch(self.scale)
             self._next += 1
         # Bound the reductions in flight at stages 1-2, where each holds a bucket-sized
         # transient until it finishes (measured: unbounded, stage 1's backward peak on 4 ranks
@@ -204,7 +209,7 @@ class GradBuckets:
     def _end_of_backward(self) -> None:
         try:
             for b in self.buckets[self._next :]:
-                b.launch(self.grid, self.scale)
+                b.launch(self.scale)
             for b in self.buckets[self._done :]:
                 b.finish()
         finally:
@@ -242,7 +247,7 @@ class GradBuckets:
             if self.stage == 0:
                 pending.append((b, comm.Handle(None, lambda s=send: s, "local")))
             else:
-                pending.append((b, comm.all_gather(send, self.grid, "data", async_op=True)))
+                pending.append((b, comm.all_gather(send, g.grid, "data", async_op=True)))
             if len(pending) > MAX_INFLIGHT_BUCKETS:
                 land(*pending.pop(0))
         for b, handle in pending:
@@ -262,7 +267,7 @@ class GradBuckets:
 def build_buckets(
     slots: list[Slot],
     unit_of: dict[int, int],
-    grid: ProcessGrid,
+    view_of: Callable[[Slot], ProcessGrid],
     stage: int,
     bucket_bytes: int,
     master_dtype: torch.dtype | None,
@@ -271,12 +276,12 @@ def build_buckets(
     alloc=None,
 ) -> list[Bucket]:
     """Trainable ``slots`` cut into buckets (reverse registration order; a new bucket at each
-    unit boundary and after ``bucket_bytes``). ``master_dtype`` None (stage 0 without mixed
-    precision) creates no master copies: the model's parameters are the optimizer's.
+    unit boundary and after ``bucket_bytes``); each bucket is sharded and reduced over the
+    data axis of ``view_of(slot)`` (the same for every slot of a unit). ``master_dtype`` None
+    (stage 0 without mixed precision) creates no master copies: the model's parameters are the
+    optimizer's.
     ``param_dtype`` is the dtype the model's parameters have during training; ``alloc`` places
     the master chunks (an offload tier's)."""
-    world = grid.size("data") if stage > 0 else 1
-    rank = grid.rank("data") if stage > 0 else 0
     chosen: list[list[Slot]] = []
     size, unit = 0, None
     for s in reversed(slots):
@@ -291,6 +296,10 @@ def build_buckets(
     out = []
     for i, group_slots in enumerate(chosen):
         values = [s.param.detach() for s in group_slots]
+        grid = view_of(group_slots[0])
+        world = grid.size("data") if stage > 0 else 1
+        rank = grid.rank("data") if stage > 0 else 0
         group = FlatGroup(group_slots, world, rank, master_dtype, grid.device, values, True, alloc)
+        group.grid = grid
         out.append(Bucket(i, group, stage, reduce_dtype, param_dtype))
     return out

@@ -48,6 +48,9 @@ class Slot:
     layout: Any = None  # the tensor-parallel ShardLayout, if a ShardedModule holds it
     owner: nn.Module | None = None  # that ShardedModule
     owner_attr: str = ""
+    #: Held by this rank's expert coordinate only (a mixture of experts' experts): reduced
+    #: and sharded over the ranks with the same experts, not over the expert axis.
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -115,6 +118,8 @@ class FlatGroup:
         self.z_start = next((s.offset for s in self.slots if s.z_reduce), self.numel)
         self.trainable = trainable
         self.device = device
+        #: The grid view whose data axis this group is sharded over (set by its maker).
+        self.grid: Any = None
         self.pieces: list[ParamSlice] = []
         if master_dtype is None:
             self.master = torch.zeros(0, device=device)

@@ -265,7 +265,7 @@ class Stage3:
             return
         group = unit.groups[kind]
         send = group.send(self.compute_dtype)
-        unit.pending[kind] = comm.all_gather(send, self.grid, "data", async_op=True)
+        unit.pending[kind] = comm.all_gather(send, group.grid, "data", async_op=True)
 
     def _materialize(self, unit: Unit, kind: str, backward: bool) -> torch.Tensor:
         if kind not in unit.full:
@@ -478,7 +478,7 @@ class Stage3:
         while len(self._pending_rs) >= MAX_INFLIGHT_REDUCTIONS:
             done, h = self._pending_rs.pop(0)
             done.set_grad(h.wait(), owned=True)
-        handle = comm.reduce_scatter(g, self.grid, "data", async_op=True)
+        handle = comm.reduce_scatter(g, group.grid, "data", async_op=True)
         self._pending_rs.append((group, handle))
 
     def _end_of_backward(self) -> None:

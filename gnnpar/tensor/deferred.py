@@ -141,10 +141,13 @@ class InitProgram:
 
     def check_fits(self, model: nn.Module) -> None:
         """Raise ValueError unless ``model`` has the same parameters and buffers (names,
-        shapes and ties) as the recorded one."""
+        shapes and ties) as the recorded one, but those under submodules it left to other
+        ranks (:func:`absent_prefixes`)."""
         have = {name: tuple(t.shape) for name, t in named_tensors(model)}
-        if have != self.shapes:
-            diff = sorted(set(have.items()) ^ set(self.shapes.items()))[:4]
+        absent = absent_prefixes(model)
+        want = {n: s for n, s in self.shapes.items() if not n.startswith(absent)}
+        if have != want:
+            diff = sorted(set(have.items()) ^ set(want.items()))[:4]
             raise ValueError(
                 "the model built to record its initialisation differs from the model to "
                 f"initialise (name, shape): {diff}; pass init= a function that builds this model"
@@ -240,6 +243,19 @@ def record_init(build: Callable[[], nn.Module]) -> InitProgram:
     return InitProgram(recorder.ops, named)
 
 
+def absent_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes (``"blocks.0.mlp.experts.5."``) of the submodules that ``model`` left to
+    other ranks: a module declares them in ``absent``, names of its children that the eager
+    build has and this rank does not (expert parallelism's
+    :class:`~gnnpar.tensor.experts.LocalExperts`). Their values are still replayed (the draws
+    of the generator stay in step) and dropped."""
+    out = []
+    for name, m in model.named_modules():
+        for child in getattr(m, "absent", ()):
+            out.append(f"{name}.{child}." if name else f"{child}.")
+    return tuple(out)
+
+
 def materialize(model: nn.Module, program: InitProgram, grid: ProcessGrid) -> None:
     """Give every parameter and buffer of ``model`` (parallel or not, on the meta device) its
     value by replaying ``program``: a sharded parameter gets this rank's piece (read from the
@@ -247,9 +263,12 @@ def materialize(model: nn.Module, program: InitProgram, grid: ProcessGrid) -> No
     the model holds. Ties stay ties."""
     sharded = sharded_parameters(model)
     done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(old) -> (old kept alive, new)
+    absent = absent_prefixes(model)
 
     def deliver(names: tuple[str, ...], value: torch.Tensor) -> None:
         for name in names:
+            if absent and name.startswith(absent):
+                continue  # another rank's: its draws were made, its value is not kept
             if name in sharded:
                 module, pname, layout = sharded[name]
                 piece = getattr(module, pname)

@@ -181,12 +181,12 @@ def check_run_folder(cfg: Any) -> None:
 
 def check_world(spec: TrainSpec, cfg: Any, world_size: int) -> None:
     """A ``grid`` option must fit ``world_size`` processes and name only axes the task
-    (``spec``) has (a pipe or context axis: the gpt task), and ``parts`` must be one part
+    (``spec``) has (a pipe, context or expert axis: the gpt task), and ``parts`` must be one part
     per process."""
     grid = getattr(cfg, "grid", None)
     if grid:
         shape = fit_shape(world_size, parse_grid_spec(grid))
-        for axis in ("pipe", "context"):
+        for axis in ("pipe", "context", "expert"):
             if shape[axis] > 1 and axis not in spec.axes:
                 having = [s.name for s in specs().values() if axis in s.axes and s.listed]
                 raise ConfigError(

@@ -257,7 +257,7 @@ def link_scores(
 
 
 def global_mean(
-    value: Any, grid: Any, axes: tuple[str, ...] = ("z", "context", "data")
+    value: Any, grid: Any, axes: tuple[str, ...] = ("z", "expert", "context", "data")
 ) -> float:
     """Mean of a per-rank scalar tensor over the grid ``axes`` (the batch axes: every rank
     gets the mean over the global batch)."""

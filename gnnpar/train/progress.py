@@ -111,6 +111,7 @@ def start_lines(task: Any, out: str | Path) -> list[str]:
     grid = task.grid
     summary, choice = task.summary(), task.grid_choice
     context = f" context={grid.context}" if getattr(grid, "context", 1) > 1 else ""
+    context += f" expert={grid.expert}" if getattr(grid, "expert", 1) > 1 else ""
     shape = f"grid data={grid.data}{context} x={grid.x} y={grid.y} z={grid.z}"
     if getattr(grid, "pipe", 1) > 1:
         shape = f"grid pipe={grid.pipe} {shape.removeprefix('grid ')}"

@@ -47,6 +47,7 @@ from gnnpar.models.gpt.model import (
     attend_with_cache,
     size_field,
 )
+from gnnpar.models.gpt.moe import mlp_or_moe
 from gnnpar.recompute import recompute
 
 #: Whether torch's scaled_dot_product_attention takes ``enable_gqa`` (torch 2.5 on).
@@ -216,7 +217,7 @@ class LlamaBlock(TransformerBlock):
         self.ln1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = LlamaAttention(cfg)
         self.ln2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = mlp_or_moe(cfg, lambda: SwiGLU(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # noqa: D102
         x = x + self.attn(self.ln1(x), cos, sin)

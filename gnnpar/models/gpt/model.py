@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnnpar.errors import UserError
+from gnnpar.models.gpt.moe import mlp_or_moe
 from gnnpar.recompute import MODES, check_mode, recompute
 
 __all__ = [
@@ -62,12 +63,29 @@ class GPTConfig:
     dropout: float = size_field(0.0, "dropout probability")
     bias: bool = size_field(True, "biases in linear layers and layer norms")
     tie_weights: bool = size_field(True, "output head tied to the token embedding")
+    moe_experts: int = size_field(
+        0, "mixture of experts: experts per block in place of the MLP (0: a dense MLP)"
+    )
+    moe_top_k: int = size_field(2, "mixture of experts: experts each token is sent to")
+    moe_capacity: float = size_field(
+        1.25, "mixture of experts: capacity factor, each expert takes at most capacity x "
+        "T x top_k / experts of a sequence's assignments (0: no token dropped)"
+    )  # fmt: skip
+    moe_aux_loss: float = size_field(0.01, "mixture of experts: weight of the load-balancing loss")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise UserError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
+        if self.moe_experts < 0 or (
+            self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts
+        ):
+            raise UserError(
+                f"moe_top_k={self.moe_top_k} must lie in 1..moe_experts={self.moe_experts}"
+            )
+        if self.moe_capacity < 0 or self.moe_aux_loss < 0:
+            raise UserError("moe_capacity and moe_aux_loss must be 0 or positive")
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
@@ -247,7 +265,7 @@ class Block(TransformerBlock):
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp_or_moe(cfg, lambda: MLP(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         x = x + self.attn(self.ln1(x))

@@ -28,6 +28,7 @@ from gnnpar.models.gpt.model import GPT, GPTChunk, model_sizes
 from gnnpar.pipeline.runtime import Pipeline, StepResult, TiedWeight
 from gnnpar.pipeline.stages import gpt_layer_costs, split_layers
 from gnnpar.shard.clip import clip_factor, scale_grads_
+from gnnpar.tensor.experts import plain_keys
 
 __all__ = ["SPLITS", "GPTPipeline", "gpt_pipeline", "gpt_stage_layers"]
 
@@ -189,7 +190,7 @@ def gpt_pipeline(
     from gnnpar.shard import by_type, shard
 
     p, r = grid.size("pipe"), grid.rank("pipe")
-    keys = list(model.state_dict(keep_vars=True))
+    keys = plain_keys(model, list(model.state_dict(keep_vars=True)))
     layers = gpt_stage_layers(model, p * virtual, split)
     if is_hf_gpt2(model):
         check_hf_gpt2(model)

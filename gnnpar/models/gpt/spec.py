@@ -14,7 +14,7 @@ SPEC = TrainSpec(
     task=GPTTask,
     plan=plan,
     preflight=GPTTask.preflight,
-    axes=("x", "y", "z", "pipe", "context"),
+    axes=("x", "y", "z", "pipe", "context", "expert"),
     parallelize=parallelize,
     planner=PLANNER,
 )
