@@ -231,6 +231,64 @@ def _all_to_all_bytes_match_the_formula(grid) -> None:
         raise AssertionError(f"all-to-all over expert: {measured} bytes, formula {want}")
 
 
+class _Tokens:
+    """A corpus of random tokens (what the gpt task needs of a tokenised text)."""
+
+    vocab_size = VOCAB
+
+    def split(self, val_fraction: float):
+        ids = torch.randint(0, VOCAB, (4000,), generator=torch.Generator().manual_seed(5))
+        return ids, ids[:200]
+
+
+def _routed(model, grid) -> list:
+    """What each MoE layer of ``model`` routed in its last forward on this rank."""
+    from gnnpar.models.gpt.cost import Routed
+    from gnnpar.models.gpt.moe import moe_layers
+
+    out = []
+    me = grid.rank("expert")
+    for layer in moe_layers(model):
+        d = layer.dispatch
+        if grid.size("expert") == 1:
+            out.append(Routed(tuple(layer.last_routing.counts), 0, 0))
+            continue
+        others = [j for j in range(grid.size("expert")) if j != me]
+        sent = sum(d.last_sent[j] for j in others)
+        out.append(Routed(tuple(d.last_rows), sent, sum(d.last_received[j] for j in others)))
+    return out
+
+
+def _planner_bytes_equal_measured(shape: dict, stage: int, recompute: str) -> None:
+    """One ``gpt`` task step with a mixture of experts: the bytes :mod:`gnnpar.comm` counts,
+    per axis and kind, equal the planner's (:func:`gpt_collectives`) given what was routed."""
+    from gnnpar.models.gpt.cost import GPTProblem, gpt_collectives
+    from gnnpar.models.gpt.task import GPTTaskConfig
+    from gnnpar.plan.comm_model import bytes_by_axis_kind
+    from gnnpar.train.spec import build_task
+
+    sizes = {"vocab_size": VOCAB, "block_size": 9, "n_layer": 2, "n_embd": 24, "n_head": 4,
+             "moe_experts": 4, "moe_top_k": 2, "moe_capacity": 1.0}  # fmt: skip
+    cfg = GPTTaskConfig(
+        **sizes, batch_size=8, grid=",".join(f"{a}={v}" for a, v in shape.items()),
+        zero_stage=stage, warmup=1, steps=2, sample_tokens=0, activation_checkpointing=recompute,
+    )  # fmt: skip
+    task = build_task("gpt", cfg, corpus=_Tokens())
+    with comm.record(task.grid) as traffic:
+        task.train_step(0)
+    problem = GPTProblem(
+        GPTConfig(**sizes), batch=8, element_size=4, stage=stage,
+        activation_checkpointing=recompute,
+    )  # fmt: skip
+    routed = _routed(task.net, task.grid)
+    predicted = bytes_by_axis_kind(
+        gpt_collectives(problem, task.grid.shape, task.grid.coords(), routed=routed)
+    )
+    if traffic.as_dict() != predicted:
+        raise AssertionError(f"{shape} stage {stage}: measured {traffic.as_dict()} != {predicted}")
+    gnnpar.grid.release(task.grid)
+
+
 def _expert_world() -> str:
     import os
 
@@ -239,6 +297,13 @@ def _expert_world() -> str:
         grid = gnnpar.init(expert=4)
         _all_to_all_bytes_match_the_formula(grid)
         gnnpar.grid.release(grid)
+        for shape, stage, recompute in (
+            ({"expert": 2, "data": 2}, 0, "none"),
+            ({"expert": 2, "data": 2}, 3, "full"),
+            ({"expert": 2, "x": 2}, 0, "none"),
+            ({"expert": 4}, 1, "none"),
+        ):
+            _planner_bytes_equal_measured(shape, stage, recompute)
     for shape, kind in SHAPES:
         size = math.prod(shape.values())
         if size != world:

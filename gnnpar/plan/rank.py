@@ -115,8 +115,9 @@ class Candidate:
 
 def shape_label(shape: Mapping[str, int]) -> str:
     """``"d1 x2 y2 z2"`` (``"p4 d1 x2 y2 z2"`` with a pipe axis, ``"d1 c4 x2 y1 z1"`` with a
-    context axis)."""
-    axes = ("data", *(("context",) if shape.get("context", 1) > 1 else ()), *AXES[:3])
+    context axis, ``"d2 e2 x2 y1 z1"`` with an expert axis)."""
+    optional = tuple(a for a in ("context", "expert") if shape.get(a, 1) > 1)
+    axes = ("data", *optional, *AXES[:3])
     label = " ".join(f"{'d' if a == 'data' else a[0]}{shape.get(a, 1)}" for a in axes)
     return f"p{shape['pipe']} {label}" if shape.get("pipe", 1) > 1 else label
 

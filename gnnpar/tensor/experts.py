@@ -95,6 +95,8 @@ class AllToAllDispatch:
         #: The last call's rows sent to and received from each expert rank (bytes, tests).
         self.last_sent: list[int] = []
         self.last_received: list[int] = []
+        #: The last call's rows per local expert (from every rank).
+        self.last_rows: list[int] = []
 
     def __call__(
         self, experts: nn.Module, rows: torch.Tensor, counts: Sequence[int]
@@ -118,7 +120,8 @@ class AllToAllDispatch:
                 for j in range(p)
             ]
         ).to(rows.device)
-        outs = experts(list(arrived[order].split(got.sum(0).tolist())))
+        self.last_rows = got.sum(0).tolist()
+        outs = experts(list(arrived[order].split(self.last_rows)))
         done = torch.cat(outs) if outs else arrived
         back = torch.empty_like(done).index_copy(0, order, done) if len(order) else done
         return _AllToAll.apply(back, grid, recv, send)

@@ -12,7 +12,7 @@ of 8 ranks), and the step's compute time (:func:`gpt_compute_seconds`). Memory:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import torch
@@ -27,7 +27,10 @@ from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
     "GPTProblem",
+    "Routed",
     "ShardedLayer",
+    "balanced_routing",
+    "expert_params",
     "batch_per_rank",
     "context_collectives",
     "gpt_collectives",
@@ -37,6 +40,7 @@ __all__ = [
     "local_params",
     "lora_params",
     "meta_gpt",
+    "moe_collectives",
     "seq_per_rank",
 ]
 
@@ -160,18 +164,33 @@ class GPTProblem:
         return (2 if self.bias and not self.llama else 1) * self.hidden
 
     @property
+    def experts(self) -> int:
+        """Experts per block of a mixture of experts (0: a dense MLP)."""
+        return getattr(self.model, "moe_experts", 0)
+
+    @property
+    def mlp_params(self) -> int:
+        """Parameters of one MLP (one expert's, with a mixture of experts)."""
+        h = self.hidden
+        if self.llama:
+            f = self.model.ffn_hidden
+            return 3 * f * h + ((2 * f + h) if self.bias else 0)
+        return 8 * h * h + (5 * h if self.bias else 0)
+
+    @property
     def num_params(self) -> int:
-        """Parameters of the model (a tied head counted once)."""
+        """Parameters of the model (a tied head counted once; every expert)."""
         h, v = self.hidden, self.vocab
+        moe = (self.experts - 1) * self.mlp_params + self.experts * h if self.experts else 0
         if self.llama:
             kv, f = self.model.n_kv_head, self.model.ffn_hidden
             qkv = (self.heads + 2 * kv) * (h // self.heads)
-            block = qkv * h + h * h + 3 * f * h + 2 * h
+            block = qkv * h + h * h + 3 * f * h + 2 * h + moe
             if self.bias:
                 block += qkv + h + 2 * f + h
             return self.layers * block + v * h * (1 if self.tie else 2) + h
         # 12h² of matrices; biases 9h and two LayerNorms (weight and bias: 4h), or 2h
-        block = 12 * h * h + (13 * h if self.bias else 2 * h)
+        block = 12 * h * h + (13 * h if self.bias else 2 * h) + moe
         head = 0 if self.tie else v * h
         final_norm = (2 if self.bias else 1) * h
         return self.layers * block + v * h + self.seq * h + head + final_norm
@@ -206,10 +225,45 @@ class ShardedLayer:
     transpose: bool
     scatter_input: bool
     gather_output: bool
-    tokens: str  # "batch" (B·T tokens of this rank) or "positions" (T)
+    tokens: str  # "batch" (B·T tokens of this rank), "positions" (T) or "routed" (an expert's)
     bias: ShardLayout | None
     count: int
     tied_to: str | None = None
+
+    @property
+    def expert(self) -> bool:
+        """Whether the layer is one of a mixture of experts' experts (this rank's)."""
+        return self.tokens == "routed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    """What one mixture-of-experts layer routed on a rank: the rows each of its experts ran
+    on (``rows``, one entry per expert this rank holds) and the rows it sent to and received
+    from the other expert ranks (``sent``, ``received``)."""
+
+    rows: tuple[int, ...]
+    sent: int
+    received: int
+
+
+def balanced_routing(problem: GPTProblem, g: GridShape) -> Routed:
+    """One layer's :class:`Routed` when the router spreads every rank's ``top_k`` choices
+    evenly over the experts and drops nothing (the planner's assumption): each of a rank's
+    ``E/P`` experts gets ``tokens·k/E`` rows from each of the ``P`` expert ranks."""
+    tokens = batch_per_rank(problem, g) * seq_per_rank(problem, g)
+    k, p = problem.model.moe_top_k, g.expert
+    per = problem.experts // p
+    moved = tokens * k * (p - 1) / p
+    return Routed((tokens * k * p / problem.experts,) * per, moved, moved)
+
+
+def _expert_index(name: str) -> int | None:
+    """The global expert index in a layer name (``blocks.0.mlp.experts.3.fc`` → 3)."""
+    parts = name.split(".")
+    if "experts" in parts[:-1]:
+        return int(parts[parts.index("experts") + 1])
+    return None
 
 
 def meta_gpt(problem: GPTProblem) -> torch.nn.Module:
@@ -242,6 +296,11 @@ def gpt_layout(
     out = []
     for name, style in styles.items():
         m = mods[name]
+        expert = _expert_index(name)
+        if expert is not None and problem.experts % g.expert:
+            raise Infeasible(f"{problem.experts} experts do not divide over expert={g.expert}")
+        if expert is not None and expert >= problem.experts // g.expert:
+            continue  # another expert rank's (rank 0 holds the first E/P: all have one shape)
         in_axis, out_axis = ("y", "x") if style.transpose else ("x", "y")
         count = problem.layers if name.startswith("blocks.") else 1
         try:
@@ -267,7 +326,7 @@ def gpt_layout(
                 style.transpose,
                 style.scatter_input,
                 style.gather_output,
-                "positions" if name == "wpe" else "batch",
+                "positions" if name == "wpe" else "batch" if expert is None else "routed",
                 bias,
                 count,
                 tied,
@@ -277,10 +336,11 @@ def gpt_layout(
 
 
 def batch_per_rank(problem: GPTProblem, g: GridShape) -> int:
-    """Sequences each rank holds (the batch is split over data and z)."""
-    shards = g.data * g.z
+    """Sequences each rank holds (the batch is split over data, expert and z)."""
+    shards = g.data * g.expert * g.z
     if problem.batch % shards:
-        raise Infeasible(f"batch {problem.batch} does not divide over data*z = {shards}")
+        what = "data*expert*z" if g.expert > 1 else "data*z"
+        raise Infeasible(f"batch {problem.batch} does not divide over {what} = {shards}")
     return problem.batch // shards
 
 
@@ -293,14 +353,22 @@ def seq_per_rank(problem: GPTProblem, g: GridShape) -> int:
     return problem.seq // g.context
 
 
-def _folded(g: GridShape, coords: Mapping[str, int]) -> tuple[GridShape, dict[str, int]]:
-    """The grid and coordinates :mod:`gnnpar.shard` sees (:func:`gnnpar.grid.fold_context`)."""
-    if g.context == 1:
-        return g, dict(coords)
-    folded = dataclasses.replace(g, data=g.data * g.context, context=1)
+def _folded(
+    g: GridShape, coords: Mapping[str, int], experts: bool = False
+) -> tuple[GridShape, dict[str, int]]:
+    """The grid and coordinates :mod:`gnnpar.shard` sees: for a mixture of experts' experts
+    (``experts``) :func:`gnnpar.grid.fold_context`, for every other parameter
+    :func:`gnnpar.grid.fold_replicas` (expert and context folded into data)."""
+    folded = ("context",) if experts else ("expert", "context")
     c = dict(coords)
-    c["data"], c["context"] = c["context"] + g.context * c["data"], 0
-    return folded, c
+    index, stride = 0, 1
+    for a in (*folded, "data"):
+        index += c[a] * stride
+        stride *= g.size(a)
+        c[a] = 0
+    c["data"] = index
+    sizes = {a: 1 for a in folded}
+    return dataclasses.replace(g, data=stride, **sizes), c
 
 
 def context_collectives(problem: GPTProblem, g: GridShape, heads_parts: int) -> list[Collective]:
@@ -364,10 +432,10 @@ def _module_collectives(
     return out
 
 
-def local_params(
+def _layer_params(
     problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]
 ) -> tuple[int, int]:
-    """(matrix elements, other elements) this rank stores (tied matrices once)."""
+    """(matrix elements, bias elements) of the sharded layers ``mods`` on this rank."""
     matrix = vector = 0
     for m in mods:
         lay = m.layout
@@ -375,8 +443,26 @@ def local_params(
             matrix += lay.shard_numel(coords[lay.row_axis], coords[lay.col_axis]) * m.count
         if m.bias is not None:
             vector += m.bias.row_sizes()[coords[m.bias.row_axis]] * m.count
-    vector += problem.norm_elements * (2 * problem.layers + 1)
     return matrix, vector
+
+
+def local_params(
+    problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]
+) -> tuple[int, int]:
+    """(matrix elements, other elements) this rank stores (tied matrices once; with a
+    mixture of experts, this rank's experts and every router)."""
+    matrix, vector = _layer_params(problem, mods, coords)
+    vector += problem.norm_elements * (2 * problem.layers + 1)
+    vector += problem.experts * problem.hidden * problem.layers  # routers, whole everywhere
+    return matrix, vector
+
+
+def expert_params(
+    problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]
+) -> tuple[int, int]:
+    """(matrix elements, bias elements) of this rank's experts (part of
+    :func:`local_params`): sharded over context × data only (:func:`gnnpar.shard.shard`)."""
+    return _layer_params(problem, [m for m in mods if m.expert], coords)
 
 
 def lora_params(problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[str, int]) -> int:
@@ -403,26 +489,70 @@ def lora_params(problem: GPTProblem, mods: list[ShardedLayer], coords: Mapping[s
     return total
 
 
+def _routing(
+    problem: GPTProblem, g: GridShape, routed: Sequence[Routed] | None
+) -> list[tuple[Routed, int]]:
+    """(routing, layers it stands for): every layer's measured one, or the balanced one."""
+    if not problem.experts:
+        return []
+    if routed is not None:
+        return [(r, 1) for r in routed]
+    return [(balanced_routing(problem, g), problem.layers)]
+
+
+def moe_collectives(
+    problem: GPTProblem, g: GridShape, routing: list[tuple[Routed, int]]
+) -> list[Collective]:
+    """The all-to-alls of the mixture of experts (:mod:`gnnpar.tensor.experts`): per layer
+    the counts (``E/P`` integers per peer) and the routed rows out and back, forward and
+    backward (and forward again under full activation checkpointing)."""
+    p = g.expert
+    if p == 1:
+        return []
+    passes = 3 if problem.activation_checkpointing == "full" else 2  # row trips
+    counts = 2 if problem.activation_checkpointing == "full" else 1
+    row = problem.hidden * problem.element_size
+    out = []
+    for r, n in routing:
+        nbytes = (
+            counts * 8 * (p - 1) * (problem.experts // p) + passes * (r.sent + r.received) * row
+        )
+        out.append(
+            Collective("expert", "all_to_all", p, round(nbytes), "MoE dispatch and combine", n)
+        )
+    return out
+
+
 def gpt_collectives(
     problem: GPTProblem,
     shape: Mapping[str, int],
     coords: Mapping[str, int] | None = None,
     layout: list[ShardedLayer] | None = None,
+    routed: Sequence[Routed] | None = None,
 ) -> list[Collective]:
     """Collectives of one GPT optimizer step on the rank at ``coords`` (default rank 0);
-    ``layout`` is :func:`gpt_layout` of the shape (computed when not given)."""
+    ``layout`` is :func:`gpt_layout` of the shape (computed when not given). With a mixture
+    of experts, ``routed`` is what each layer routed on that rank (default: the balanced
+    routing of :func:`balanced_routing`)."""
     g = grid_shape(shape, None)
     coords = g.coords(0) if coords is None else dict(coords)
     mods = gpt_layout(problem, shape) if layout is None else layout
     b_loc, t_loc = batch_per_rank(problem, g), seq_per_rank(problem, g)
     e = problem.element_size
+    routing = _routing(problem, g, routed)
     out: list[Collective] = []
     for m in mods:
         tokens = t_loc if m.tokens == "positions" else b_loc * t_loc
-        out += _module_collectives(m, g, coords, tokens, e)
-        if problem.activation_checkpointing == "full" and m.name.startswith("blocks."):
-            again = _module_collectives(m, g, coords, tokens, e, forward_only=True)
-            out += [dataclasses.replace(c, what=f"recompute: {c.what}") for c in again]
+        runs = [(m, tokens)]
+        if m.expert:  # this expert's rows, per layer routing
+            local = _expert_index(m.name)
+            runs = [(dataclasses.replace(m, count=n), r.rows[local]) for r, n in routing]
+        for mm, rows in runs:
+            out += _module_collectives(mm, g, coords, rows, e)
+            if problem.activation_checkpointing == "full" and m.name.startswith("blocks."):
+                again = _module_collectives(mm, g, coords, rows, e, forward_only=True)
+                out += [dataclasses.replace(c, what=f"recompute: {c.what}") for c in again]
+    out += moe_collectives(problem, g, routing)
     qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
     out += context_collectives(problem, g, qkv.layout.row_parts)
     head = next(m for m in mods if m.name == "lm_head")
@@ -431,27 +561,40 @@ def gpt_collectives(
     tokens = b_loc * t_loc
     out += collective(head.layout.row_axis, "all_reduce", p, tokens * ce, "loss max")
     out += collective(head.layout.row_axis, "all_reduce", p, 2 * tokens * ce, "loss sums")
-    # context ranks reduce their gradients with the data ranks (bytes count under "data")
+    # expert and context ranks reduce their gradients with the data ranks (bytes count under
+    # "data"); a mixture of experts' experts only with the ranks holding the same ones
     fg, fcoords = _folded(g, coords)
     out += _gradient_sync(problem, mods, fg, fcoords)
+    if problem.experts:
+        eg, ecoords = _folded(g, coords, experts=True)
+        out += _gradient_sync(problem, mods, eg, ecoords, experts=True)
     if problem.grad_clip:
-        if problem.stage > 0:  # each data rank holds part of every gradient
+        if problem.stage > 0 or problem.experts:  # data (or expert) ranks hold other parts
             out += collective("data", "all_reduce", fg.data, 8, "grad norm over data (float64)")
         out += collective("tensor", "all_reduce", g.size("tensor"), 8, "grad norm (float64)")
-    out += collective("z", "all_reduce", g.z, 8, "loss mean over z (float64)")
-    out += collective("context", "all_reduce", g.context, 8, "loss mean over context (float64)")
-    out += collective("data", "all_reduce", g.data, 8, "loss mean over data (float64)")
+    means = 2 if problem.experts else 1  # the loss, and the auxiliary loss
+    for axis in ("z", "expert", "context", "data"):
+        out += collective(axis, "all_reduce", g.size(axis), 8, "loss mean (float64)", means)
     return out
 
 
 def _gradient_sync(
-    problem: GPTProblem, mods: list[ShardedLayer], g: GridShape, coords: Mapping[str, int]
+    problem: GPTProblem,
+    mods: list[ShardedLayer],
+    g: GridShape,
+    coords: Mapping[str, int],
+    experts: bool = False,
 ) -> list[Collective]:
     """:mod:`gnnpar.shard`'s gradient reduction (stage 0): every gradient all-reduced over
     data, those the tensor layers replicate over z (not the matrices) first summed over z;
-    stages 1–3 replace the data-axis all-reduce with ZeRO's reduce-scatter and all-gathers."""
+    stages 1–3 replace the data-axis all-reduce with ZeRO's reduce-scatter and all-gathers.
+    ``experts``: that of a mixture of experts' experts alone (``g`` their view), else that of
+    every other parameter."""
     e = problem.element_size
-    matrix, other = local_params(problem, mods, coords)
+    matrix, other = expert_params(problem, mods, coords)
+    if not experts:
+        every, rest = local_params(problem, mods, coords)
+        matrix, other = every - matrix, rest - other
     if problem.lora_rank:  # only the adapters' gradients travel (they are matrices)
         matrix, other = lora_params(problem, mods, coords), 0
     buckets: dict[tuple[str, ...], int] = {}
@@ -498,14 +641,16 @@ def gpt_compute_seconds(
     out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "optimizer": 0.0}
     full = problem.activation_checkpointing == "full"
     local = 0
+    routed = balanced_routing(problem, g) if problem.experts else None
     for m in mods:
         local += m.layout.shard_numel(0, 0) * m.count
         if m.kind == "linear":
             # the blocks' forward GEMMs (a third of forward + backward) run again
             again = 4 / 3 if full and m.name.startswith("blocks.") else 1
-            out["gemm"] += again * _linear_seconds(m, tokens, e, machine) * m.count
+            rows = routed.rows[_expert_index(m.name)] if m.expert else tokens
+            out["gemm"] += again * _linear_seconds(m, rows, e, machine) * m.count
     by_name = {m.name.split(".", 2)[-1]: m for m in mods}
-    fc = by_name["mlp.gate_up"] if problem.llama else by_name["mlp.fc"]
+    fc = next(m for m in mods if m.name.endswith(".gate_up" if problem.llama else ".fc"))
     qkv, head = by_name["attn.qkv"], by_name["lm_head"]
     h_heads = h / qkv.layout.row_parts  # features of the heads this rank holds
     # causal attention (flash: the masked half skipped), forward + backward ≈ 3 × forward
@@ -516,6 +661,8 @@ def gpt_compute_seconds(
     # norms, residuals, dropout: full width on every rank; GELU on this rank's 4h chunk
     # (full recompute: the forward's half once more)
     mlp = problem.mlp_width / fc.layout.row_parts
+    if problem.experts:  # each token's activation runs in top_k experts
+        mlp *= problem.model.moe_top_k
     per_layer = tokens * (24 * h + 16 * mlp) * e * (1.5 if full else 1)
     loss = tokens * problem.vocab / head.layout.row_parts * 4 * 4
     out["elementwise"] = stream_seconds(problem.layers * per_layer + loss, machine)

@@ -122,7 +122,8 @@ def rank_gpt(
 ) -> list[Candidate]:
     """Every data·x·y·z shape of ``world`` ranks for a GPT step, and with ``problem.schedule``
     every pipe·data·x·y·z shape with pipe > 1 (pipelines of that schedule), best first; with
-    ``context`` > 1, the shapes with that context axis (sequences split over it; no pipe)."""
+    ``context`` > 1, the shapes with that context axis (sequences split over it; no pipe);
+    with a mixture of experts, also those with every expert axis that divides the experts."""
     model = meta_gpt(problem)
     out = []
     if context < 1 or world % context:
@@ -130,12 +131,20 @@ def rank_gpt(
     pipes = [1]
     if problem.schedule and context == 1:
         pipes += [p for p in range(2, min(world, problem.layers) + 1) if world % p == 0]
+    experts = [1]
+    if problem.experts and context == 1:
+        experts += [e for e in range(2, world + 1) if world % e == 0 and problem.experts % e == 0]
     for pipe in pipes:
-        for s in grid_shapes(world // pipe // context, data=True):
-            shape = {**s, "pipe": pipe} if pipe > 1 else s
-            if context > 1:
-                shape = {**shape, "context": context}
-            out.append(_gpt_candidate(problem, shape, machine, model))
+        for expert in experts:
+            if (world // pipe // context) % expert:
+                continue
+            for s in grid_shapes(world // pipe // context // expert, data=True):
+                shape = {**s, "pipe": pipe} if pipe > 1 else s
+                if context > 1:
+                    shape = {**shape, "context": context}
+                if expert > 1:
+                    shape = {**shape, "expert": expert}
+                out.append(_gpt_candidate(problem, shape, machine, model))
     return best_first(out)
 
 
@@ -294,7 +303,8 @@ def largest_gpt(
 # ------------------------------------------------------------------ gnnpar plan gpt
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
-               "virtual_stages", "activation_checkpointing", "offload")  # fmt: skip
+               "virtual_stages", "activation_checkpointing", "offload", "moe_experts",
+               "moe_top_k", "moe_capacity")  # fmt: skip
 
 
 def _gpt_problem(args: argparse.Namespace) -> GPTProblem:
