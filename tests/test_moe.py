@@ -7,6 +7,7 @@ another expert count)."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,24 @@ def test_configs_that_cannot_route_are_refused_in_one_line():
     expert_parallel(model, grid)  # one rank holds all three
     with pytest.raises(UserError, match="already split"):
         expert_parallel(model, grid)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--moe-experts", "4", "--moe-top-k", "5"], "moe_top_k=5 must lie in 1..moe_experts=4"),
+        (["--moe-experts", "3", "--grid", "expert=2"], "must be a multiple of the grid's expert=2"),
+        (["--grid", "expert=2"], "an expert axis .expert=2. needs moe_experts > 0"),
+        (["--moe-experts", "4", "--grid", "context=2"], "needs no context axis"),
+        (["--moe-experts", "4", "--model", "hf-gpt2"], "needs model = gpt or llama"),
+    ],
+)
+def test_trainer_refuses_moe_options_that_cannot_work_in_one_line(extra, message, capsys):
+    from gnnpar.cli import main
+
+    assert main(["train", "gpt", "--nprocs", "2", "--steps", "1", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
 
 
 # ------------------------------------------------------------------- expert parallelism

@@ -499,7 +499,7 @@ class ShardedModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict with every parameter whole (master values, gathered
         over data and, for tensor-parallel layers, over the tensor axes). Collective."""
-        if self.expert_grid.size("expert") > 1:
+        if self.has_experts and self.expert_grid.size("expert") > 1:
             raise UserError(
                 "full_state_dict: the experts of this model live on different expert ranks; "
                 "save a checkpoint and consolidate it instead (gnnpar ckpt consolidate)"

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnnpar.errors import UserError
-from gnnpar.models.gpt.moe import mlp_or_moe
+from gnnpar.models.gpt.moe import check_moe_sizes, mlp_or_moe
 from gnnpar.recompute import MODES, check_mode, recompute
 
 __all__ = [
@@ -78,14 +78,7 @@ class GPTConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise UserError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
-        if self.moe_experts < 0 or (
-            self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts
-        ):
-            raise UserError(
-                f"moe_top_k={self.moe_top_k} must lie in 1..moe_experts={self.moe_experts}"
-            )
-        if self.moe_capacity < 0 or self.moe_aux_loss < 0:
-            raise UserError("moe_capacity and moe_aux_loss must be 0 or positive")
+        check_moe_sizes(self.moe_experts, self.moe_top_k, self.moe_capacity, self.moe_aux_loss)
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gnnpar.errors import UserError
+
 __all__ = [
     "MoE",
     "ExpertList",
@@ -192,6 +194,16 @@ class MoE(nn.Module):
             f"experts={self.num_experts}, top_k={self.top_k}, "
             f"capacity_factor={self.capacity_factor}"
         )
+
+
+def check_moe_sizes(experts: int, top_k: int, capacity: float, aux_loss: float) -> None:
+    """UserError naming the first mixture-of-experts size that cannot work."""
+    if experts < 0:
+        raise UserError(f"moe_experts must be 0 (a dense MLP) or positive, got {experts}")
+    if experts and not 1 <= top_k <= experts:
+        raise UserError(f"moe_top_k={top_k} must lie in 1..moe_experts={experts}")
+    if capacity < 0 or aux_loss < 0:
+        raise UserError("moe_capacity and moe_aux_loss must be 0 or positive")
 
 
 def mlp_or_moe(cfg: Any, make_mlp: Callable[[], nn.Module]) -> nn.Module:
