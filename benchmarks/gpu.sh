@@ -28,6 +28,10 @@ for mode in minibatch full; do
     "$PY" -m gnnpar.cli train link --dataset sbm --device cuda --mode "$mode" --model gcn \
         --epochs 2 --quiet --overwrite --out "${TMPDIR:-/tmp}/gnnpar-gpu-link-$mode" || status=1
 done
+echo "== a mixture-of-experts GPT on the GPU (4 experts, top 2, ZeRO-3; 20 steps)"
+"$PY" -m gnnpar.cli train gpt --moe-experts 4 --device cuda --n-layer 2 --n-embd 128 \
+    --n-head 4 --steps 20 --eval-every 0 --sample-tokens 0 --zero-stage 3 --quiet \
+    --overwrite --out "${TMPDIR:-/tmp}/gnnpar-gpu-moe" || status=1
 echo "== benchmarks"
 "$PY" benchmarks/gpu.py "$@" || status=1
 exit $status

@@ -48,6 +48,7 @@ TASKS = {
     "gpt": ["gpt", *_GPT],
     "gpt-zero2-clip": ["gpt", *_GPT, "--zero-stage", "2", "--grad-clip", "1.0"],
     "hf-gpt2": ["gpt", *_GPT, *_HF],
+    "gpt-moe": ["gpt", *_GPT, "--moe-experts", "4", "--zero-stage", "3"],
     "link-full": ["link", *_SBM, "--mode", "full", "--epochs", "1"],
     "link-minibatch": ["link", *_SBM, "--epochs", "1", "--prefetch", "0"],
     "rgcn-full": ["gcn", *_MAG, "--model", "rgcn", "--epochs", "2"],
