@@ -121,7 +121,7 @@ class AllToAllDispatch:
             ]
         ).to(rows.device)
         self.last_rows = got.sum(0).tolist()
-        outs = experts(list(arrived[order].split(self.last_rows)))
+        outs = experts(list(arrived.index_select(0, order).split(self.last_rows)))
         done = torch.cat(outs) if outs else arrived
         back = torch.empty_like(done).index_copy(0, order, done) if len(order) else done
         return _AllToAll.apply(back, grid, recv, send)

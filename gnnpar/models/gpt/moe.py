@@ -182,7 +182,7 @@ class MoE(nn.Module):
         r = route(self.router(seqs), self.top_k, self.capacity_factor)
         self.aux_loss, self.last_routing = r.aux.detach(), r
         flat = seqs.reshape(-1, d)
-        out_rows = self.dispatch(self.experts, flat[r.token], r.counts)
+        out_rows = self.dispatch(self.experts, flat.index_select(0, r.token), r.counts)
         gated = out_rows * r.weight.to(out_rows.dtype).unsqueeze(-1)
         y = torch.zeros_like(flat).index_add(0, r.token, gated)
         if self.training and torch.is_grad_enabled():
