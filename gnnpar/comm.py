@@ -14,7 +14,8 @@ Bytes are counted with the ring costs of docs/grid.md, per rank, for a group of 
 buffer of V bytes: all-gather and reduce-scatter (p−1)/p·V, all-reduce 2(p−1)/p·V, broadcast
 (p−1)/p·V (the average each rank receives), all-to-all the bytes this rank sends to others,
 and a point-to-point :func:`send` its tensor's bytes (on the sender; :func:`recv` counts
-nothing, so each message is counted once).
+nothing, so each message is counted once; :func:`exchange`, a send and a receive posted
+together, counts its send).
 Uneven all-gathers and reduce-scatters are padded to the largest piece (as FSDP does), and the
 padded bytes are what is counted, because they are what moves.
 
@@ -74,12 +75,8 @@ class CommError(RuntimeError):
 class Traffic:
     """Bytes and call counts per (axis, kind), recorded inside a :func:`record` block."""
 
-    nbytes: dict[tuple[str, str], int] = dataclasses.field(
-        default_factory=lambda: defaultdict(int)
-    )
-    ncalls: dict[tuple[str, str], int] = dataclasses.field(
-        default_factory=lambda: defaultdict(int)
-    )
+    nbytes: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    ncalls: dict[tuple[str, str], int] = dataclasses.field(default_factory=lambda: defaultdict(int))
 
     def add(self, axis: str, kind: str, nbytes: int) -> None:
         """Count one collective of ``kind`` over ``axis`` that moved ``nbytes``."""
@@ -176,9 +173,7 @@ class Handle:
 
 
 def _what(kind: str, grid: ProcessGrid, axis: str) -> str:
-    return (
-        f"{kind} over grid axis '{axis}' (ranks {grid.ranks(axis)}) on rank {grid.global_rank}"
-    )
+    return f"{kind} over grid axis '{axis}' (ranks {grid.ranks(axis)}) on rank {grid.global_rank}"
 
 
 def _launch(
@@ -562,6 +557,59 @@ def recv(
     except RuntimeError as e:
         raise CommError(f"{what} failed: {e}") from e
     return out
+
+
+class _Works:
+    """Several point-to-point works waited for as one."""
+
+    def __init__(self, works: Sequence[object]):
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def exchange(
+    tensor: torch.Tensor,
+    grid: ProcessGrid,
+    axis: str,
+    dst: int,
+    src: int,
+    shape: Sequence[int] | None = None,
+    tag: int = 0,
+) -> Handle:
+    """Send ``tensor`` to the rank with index ``dst`` within the ``axis`` group and receive a
+    tensor of ``shape`` (default: ``tensor``'s) and ``tensor``'s dtype from index ``src``,
+    without blocking: the handle's ``wait()`` returns what arrived (``tensor`` must not
+    change before it). One send and one receive posted together
+    (``torch.distributed.batch_isend_irecv``), so that rings of them cannot deadlock on
+    backends that run point-to-point operations in order (NCCL). Counted as :func:`send`
+    counts: the bytes sent, kind ``p2p``, on ``axis``."""
+    _check_device(tensor, grid, "p2p", axis)
+    to, frm = _peer(grid, axis, dst, "send"), _peer(grid, axis, src, "recv")
+    send_buf = tensor.contiguous()
+    out = torch.empty(
+        tuple(tensor.shape if shape is None else shape), dtype=tensor.dtype, device=tensor.device
+    )
+    _account(grid, axis, "p2p", _nbytes(send_buf))
+    group = grid.group(axis)
+    what = (
+        f"exchange with ranks {to} (send) and {frm} (recv) over grid axis '{axis}' on rank "
+        f"{grid.global_rank}"
+    )
+    ops = [
+        dist.P2POp(dist.isend, send_buf, to, group, tag),
+        dist.P2POp(dist.irecv, out, frm, group, tag),
+    ]
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as e:
+        raise CommError(f"{what} failed: {e}") from e
+    return Handle(_Works(works), lambda: out, what)
 
 
 def exchange_counts(counts: Sequence[int], grid: ProcessGrid, axis: str) -> list[int]:

@@ -38,6 +38,15 @@ over the out axis, columns (features) over the in axis, flattened over z, so an 
 share (tie) its weight. A rank looks up the ids in its row range (zeros elsewhere), all-reduces
 over the out axis and (``gather_output``) all-gathers the features over the in axis.
 
+**Sequence parallelism** (``sequence``, :mod:`gnnpar.tensor.sequence`): a ``"gather"``
+layer (out axis x) takes this rank's share of the sequence (dimension −2) and all-gathers it
+along the sequence over x before its matmul, and backward reduce-scatters ``dX`` along it
+instead of all-reducing it over x; a ``"scatter"`` layer (in axis x) reduce-scatters its
+output along the sequence instead of all-reducing it, and backward all-gathers ``dY``. The
+bytes over x are those of the all-reduces they replace. With ``decompose`` those gathers and
+reduce-scatters run as point-to-point steps overlapping the matmul
+(:mod:`gnnpar.tensor.overlap`), bit-equal to the collectives on the host.
+
 **Prefetch.** :class:`PrefetchChain` links layers in forward order; when a layer runs it
 starts the z all-gather of the next layer's weight, which then travels while this layer
 computes. A prefetched weight is used only if the parameter has not changed since (its
@@ -61,6 +70,9 @@ from gnnpar.grad_destination import grad_destination
 from gnnpar.grid import ProcessGrid
 from gnnpar.recompute import in_backward
 from gnnpar.tensor.layout import ShardLayout
+from gnnpar.tensor.overlap import gather_matmul, matmul_scatter
+from gnnpar.tensor.sequence import AXIS as SEQ_AXIS
+from gnnpar.tensor.sequence import SequenceSplit, features_to_sequence
 
 __all__ = [
     "Embedding",
@@ -72,6 +84,10 @@ __all__ = [
 ]
 
 WEIGHT_FORMATS = ("out_in", "in_out")
+#: A Linear's part in sequence parallelism (:mod:`gnnpar.tensor.sequence`): none, its input
+#: arrives split over the sequence and is gathered (a column layer, the head), or its output
+#: leaves split over the sequence, reduce-scattered (a row layer).
+SEQUENCE_ROLES = ("none", "gather", "scatter")
 
 
 def _axes(transpose: bool) -> tuple[str, str]:
@@ -131,6 +147,85 @@ class _ParallelMatmul(torch.autograd.Function):
         if handle is not None:
             dx = handle.wait()
         return dx, dw, db, None, None, None, None
+
+
+def _weight_grad(ctx, dy2: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``dW = dYᵀ·X`` (straight into the parameter's gradient bucket where it can go)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    dest = None if ctx.param is None else grad_destination(ctx.param)
+    if dest is not None and dest.numel() == w.numel() and dest.dtype == dy2.dtype:
+        return torch.matmul(dy2.t(), x2, out=dest.view(w.shape))
+    return dy2.t().matmul(x2)
+
+
+class _SequenceGatherMatmul(torch.autograd.Function):
+    """A column layer under sequence parallelism: ``Y = all-gather(X)·Wᵀ`` along the sequence
+    over x (all-reduced over the in axis, + bias); backward reduce-scatters ``dX`` along the
+    sequence over x (overlapping ``dW`` when decomposed). See :mod:`gnnpar.tensor.overlap`."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, grid, in_axis, sizes, decompose, param=None):  # noqa: D102
+        y, full = gather_matmul(x, lambda c: F.linear(c, w), grid, SEQ_AXIS, -2, sizes, decompose)
+        if grid.group(in_axis) is not None:
+            comm.all_reduce(y, grid, in_axis)
+        if b is not None:
+            y.add_(b)
+        ctx.save_for_backward(full, w)
+        ctx.grid, ctx.sizes, ctx.decompose = grid, sizes, decompose
+        ctx.has_bias, ctx.param = b is not None, param
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        full, w = ctx.saved_tensors
+        dx = dw = db = pending = None
+        if ctx.needs_input_grad[0]:
+            pending = matmul_scatter(
+                dy, lambda c: c.matmul(w), ctx.grid, SEQ_AXIS, -2, ctx.sizes, ctx.decompose
+            )
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(ctx, dy2, full, w)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        if pending is not None:
+            dx = pending.wait()
+        return dx, dw, db, None, None, None, None, None
+
+
+class _SequenceScatterMatmul(torch.autograd.Function):
+    """A row layer under sequence parallelism: ``Y = reduce-scatter(X·Wᵀ)`` along the sequence
+    over x (+ bias); backward all-gathers ``dY`` along the sequence over x into ``dX = dY·W``
+    (all-reduced over the out axis) and ``dW`` (decomposed: the gather overlaps the
+    products)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, grid, out_axis, sizes, decompose, param=None):  # noqa: D102
+        mm = lambda c: F.linear(c, w)  # noqa: E731
+        y = matmul_scatter(x, mm, grid, SEQ_AXIS, -2, sizes, decompose).wait()
+        if b is not None:
+            y = y + b
+        ctx.save_for_backward(x, w)
+        ctx.grid, ctx.out_axis, ctx.sizes, ctx.decompose = grid, out_axis, sizes, decompose
+        ctx.has_bias, ctx.param = b is not None, param
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, w = ctx.saved_tensors
+        dw = db = handle = None
+        mm = lambda c: c.matmul(w)  # noqa: E731
+        dx, dy_full = gather_matmul(dy, mm, ctx.grid, SEQ_AXIS, -2, ctx.sizes, ctx.decompose)
+        if ctx.grid.group(ctx.out_axis) is not None:
+            handle = comm.all_reduce(dx, ctx.grid, ctx.out_axis, async_op=True)
+        dy2 = dy_full.reshape(-1, dy_full.shape[-1])
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(ctx, dy2, x, w)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        if handle is not None:
+            dx = handle.wait()
+        return dx, dw, db, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- base class
@@ -263,6 +358,15 @@ class Linear(ShardedModule):
             orientation of the weight in full state dicts.
         init_weights: initialise the parameters (``False`` leaves them uninitialised, for a
             :meth:`load_full` that follows).
+        sequence: the layer's part in sequence parallelism over x
+            (:mod:`gnnpar.tensor.sequence`): ``"gather"`` (its input holds this rank's share
+            of the sequence, dimension −2, gathered before the matmul; needs x as the out
+            axis), ``"scatter"`` (its output leaves as this rank's share, reduce-scattered
+            instead of all-reduced; needs x as the in axis) or ``"none"``.
+        decompose: run the sequence gather or scatter as point-to-point steps overlapping
+            the matmul (:mod:`gnnpar.tensor.overlap`); bit-equal to the collective on the host.
+        sequence_split: the shared :class:`~gnnpar.tensor.sequence.SequenceSplit` of the model
+            (a ``"gather"`` layer reads the current sequence length from it).
 
     The parameters are initialised as ``nn.Linear`` would initialise the full layer from the
     global random generator (the same seed gives the same full weight on any grid); this
@@ -285,6 +389,9 @@ class Linear(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         init_weights: bool = True,
+        sequence: str = "none",
+        decompose: bool = False,
+        sequence_split: SequenceSplit | None = None,
     ):
         super().__init__()
         if weight_format not in WEIGHT_FORMATS:
@@ -301,6 +408,7 @@ class Linear(ShardedModule):
         self.fused = fused
         self.weight_format = weight_format
         _check_features(in_features, self.in_axis, grid, "input features")
+        self._init_sequence(sequence, decompose, sequence_split)
         self.weight_layout = ShardLayout.matrix(
             out_features, in_features, grid, self.out_axis, self.in_axis, fused
         )
@@ -321,6 +429,31 @@ class Linear(ShardedModule):
             self.register_buffer("_unfuse", order, persistent=False)
         if init_weights:
             self.reset_parameters()
+
+    def _init_sequence(self, sequence: str, decompose: bool, split: SequenceSplit | None) -> None:
+        name = self._name()
+        if sequence not in SEQUENCE_ROLES:
+            raise UserError(f"{name}: sequence must be one of {SEQUENCE_ROLES}, got {sequence!r}")
+        need = {"gather": ("out", self.out_axis), "scatter": ("in", self.in_axis)}.get(sequence)
+        if need is not None and need[1] != SEQ_AXIS:
+            raise UserError(
+                f"{name}: sequence={sequence!r} needs {SEQ_AXIS} as the {need[0]} axis (the "
+                f"sequence is split over {SEQ_AXIS}), but this layer's {need[0]} axis is "
+                f"{need[1]} (transpose={self.transpose})"
+            )
+        if decompose and sequence == "none":
+            raise UserError(
+                f"{name}: decompose needs sequence='gather' or 'scatter': the collectives it "
+                "decomposes are sequence parallelism's all-gather and reduce-scatter"
+            )
+        self.sequence, self.decompose = sequence, bool(decompose)
+        if sequence == "none":
+            split = None
+        elif split is None:
+            split = SequenceSplit(self.grid)
+        self.sequence_split = split
+        #: (stand-in, shard) that a chain block's entry hook hands over (sequence.install)
+        self._sequence_input: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_linear(
@@ -409,6 +542,21 @@ class Linear(ShardedModule):
         if self._serial:
             return F.linear(x, self.weight.view(self.out_features, self.in_features), self.bias)
         grid = self.grid
+        seq = self.sequence if grid.size(SEQ_AXIS) > 1 else "none"
+        if seq != "none" and x.dim() < 2:
+            raise UserError(
+                f"{self._name()}: sequence={seq!r} needs inputs with a sequence (dimension -2), "
+                f"got shape {tuple(x.shape)}"
+            )
+        if seq == "gather":
+            pending, self._sequence_input = self._sequence_input, None
+            if pending is not None and x is pending[0]:  # a chain block's stand-in
+                sizes = self.sequence_split.sizes(x.shape[-2])
+                x = pending[1]
+            else:  # the shard itself (the head)
+                sizes = self.sequence_split.shard_sizes(x.shape[-2], self._name())
+        elif seq == "scatter":  # the whole sequence in, this rank's share of it out
+            sizes = self.sequence_split.sizes(x.shape[-2])
         if self.scatter_input:
             if x.shape[-1] != self.in_features:
                 raise ValueError(
@@ -424,7 +572,14 @@ class Linear(ShardedModule):
             )
         w = self._weight_block()
         param = self.weight if self.weight_layout.depth == 1 else None  # else w is gathered
-        y = _ParallelMatmul.apply(x, w, self.bias, grid, self.in_axis, self.out_axis, param)
+        if seq == "gather":
+            args = (grid, self.in_axis, sizes, self.decompose, param)
+            y = _SequenceGatherMatmul.apply(x, w, self.bias, *args)
+        elif seq == "scatter":
+            args = (grid, self.out_axis, sizes, self.decompose, param)
+            y = _SequenceScatterMatmul.apply(x, w, self.bias, *args)
+        else:
+            y = _ParallelMatmul.apply(x, w, self.bias, grid, self.in_axis, self.out_axis, param)
         if self.gather_output:
             y = comm.gather_replicated(y, grid, self.out_axis, dim=-1, sizes=self.out_sizes)
             if self.fused > 1:
@@ -442,6 +597,8 @@ class Linear(ShardedModule):
             + (f", fused={self.fused}" if self.fused > 1 else "")
             + f", local={self.local_out_features}x{self.local_in_features}"
             + f"/z{self.grid.size('z')}"
+            + (f", sequence={self.sequence}" if self.sequence != "none" else "")
+            + (", decompose=True" if self.decompose else "")
         )
 
 
@@ -454,6 +611,12 @@ class Embedding(ShardedModule):
     over x and y; without, this rank's chunk of features (expert mode). Initialised as
     ``nn.Embedding`` (standard normal) from the full table. ``padding_idx``, ``max_norm`` and
     sparse gradients are not supported.
+
+    With ``sequence="scatter"`` (sequence parallelism, :mod:`gnnpar.tensor.sequence`) the
+    output holds this rank's share of the sequence (dimension −2, all features), and the call
+    records the sequence's length in ``sequence_split``: ids over x reduce-scatter their
+    partial rows along the sequence instead of all-reducing them; features over x go from
+    this rank's features of every token to every feature of its tokens in one all-to-all.
     """
 
     def __init__(
@@ -467,6 +630,8 @@ class Embedding(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         init_weights: bool = True,
+        sequence: str = "none",
+        sequence_split: SequenceSplit | None = None,
     ):
         super().__init__()
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
@@ -477,6 +642,14 @@ class Embedding(ShardedModule):
         self.transpose = transpose
         self.in_axis, self.out_axis = _axes(transpose)
         self.gather_output = gather_output
+        if sequence not in ("none", "scatter"):
+            raise UserError(f"Embedding: sequence must be 'none' or 'scatter', got {sequence!r}")
+        if sequence == "scatter" and not gather_output:
+            raise UserError("Embedding: sequence='scatter' gives every feature: gather_output=True")
+        self.sequence = sequence
+        self.sequence_split = None
+        if sequence == "scatter":
+            self.sequence_split = sequence_split or SequenceSplit(grid)
         self.weight_layout = ShardLayout.matrix(
             num_embeddings, embedding_dim, grid, self.out_axis, self.in_axis
         )
@@ -531,23 +704,33 @@ class Embedding(ShardedModule):
                 f"[{int(ids.min())}, {int(ids.max())}]"
             )
         w = self._weight_block()
-        r = self.grid.rank(self.out_axis)
+        grid = self.grid
+        r = grid.rank(self.out_axis)
+        seq = self.sequence == "scatter" and grid.size(SEQ_AXIS) > 1
+        sizes = self.sequence_split.begin(ids.shape[-1]) if seq else None
         if len(self.row_sizes) > 1:
             local = ids - chunk_offsets(self.row_sizes)[r]
             outside = (local < 0) | (local >= self.row_sizes[r])
             e = F.embedding(local.masked_fill(outside, 0), w)
             e = e.masked_fill(outside.unsqueeze(-1), 0.0)
-            e = comm.reduce_from(e, self.grid, self.out_axis)
+            if seq and self.out_axis == SEQ_AXIS:  # partial rows: each rank sums its tokens'
+                # contiguous: the residual stream starts here (else every norm copies it)
+                e = comm.scatter_to(e, grid, SEQ_AXIS, dim=-2, sizes=sizes).contiguous()
+            else:
+                e = comm.reduce_from(e, grid, self.out_axis)
         else:
             e = F.embedding(ids, w)
+        if seq and self.in_axis == SEQ_AXIS:  # my features of every token → my tokens
+            return features_to_sequence(e, grid, SEQ_AXIS, self.col_sizes, sizes)
         if self.gather_output:
-            e = comm.gather_replicated(e, self.grid, self.in_axis, dim=-1, sizes=self.col_sizes)
+            e = comm.gather_replicated(e, grid, self.in_axis, dim=-1, sizes=self.col_sizes)
         return e
 
     def extra_repr(self) -> str:  # noqa: D102
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, transpose={self.transpose}, "
             f"gather_output={self.gather_output}"
+            + (f", sequence={self.sequence}" if self.sequence != "none" else "")
         )
 
 

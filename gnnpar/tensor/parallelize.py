@@ -26,6 +26,13 @@ equal to those of the eager seeded build (:mod:`gnnpar.tensor.deferred`).
 **Everything else** (a Linear or Embedding outside any chain) runs in easy mode with
 ``transpose`` alternating in module order. ``Plan.skip`` leaves modules alone; a chain whose
 partner is skipped falls back to easy mode.
+
+**Sequence parallelism** (``Plan.sequence_parallel``, :mod:`gnnpar.tensor.sequence`): between
+the chains every x rank holds its share of the sequence. Every chain is laid out with its
+first layer's out axis x (the column layer: it gathers the sequence) and its second's in axis
+x (the row layer: it reduce-scatters it), as is the head; with only x > 1 that is the layout
+the byte model picks anyway. ``Plan.decompose`` runs those gathers and reduce-scatters as
+point-to-point steps overlapping the matmuls (:mod:`gnnpar.tensor.overlap`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.tensor.deferred import InitProgram, materialize, named_tensors, record_init
 from gnnpar.tensor.layers import Embedding, Linear, PrefetchChain, ShardedModule
+from gnnpar.tensor.sequence import AXIS as SEQUENCE_AXIS
+from gnnpar.tensor.sequence import SequenceSplit
+from gnnpar.tensor.sequence import install as install_sequence_parallel
 
 __all__ = ["Chain", "LayerStyle", "Plan", "parallelize", "plan_styles"]
 
@@ -57,6 +67,9 @@ class LayerStyle:
     scatter_input: bool = True
     gather_output: bool = True
     fused: int = 1
+    #: sequence parallelism: "gather" (input split over the sequence), "scatter" (output
+    #: split over it) or "none" (:data:`gnnpar.tensor.layers.SEQUENCE_ROLES`)
+    sequence: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +108,12 @@ class Plan:
         head: name of the output head (default: a module named ``lm_head``).
         loss_parallel: keep the head's logits split over the vocabulary.
         prefetch: start each layer's z all-gather during the previous layer.
+        sequence_parallel: split the sequence over x between the chains (Megatron-LM's
+            sequence parallelism, :mod:`gnnpar.tensor.sequence`); needs blocks that declare
+            their chains (our GPT and Llama).
+        decompose: with ``sequence_parallel``, decompose each layer's sequence all-gather
+            and reduce-scatter into point-to-point steps that overlap its matmul
+            (:mod:`gnnpar.tensor.overlap`).
     """
 
     skip: tuple[str, ...] = ()
@@ -106,6 +125,8 @@ class Plan:
     head: str | None = None
     loss_parallel: bool = True
     prefetch: bool = True
+    sequence_parallel: bool = False
+    decompose: bool = False
 
 
 def _known_chains(model: nn.Module) -> list[tuple[str, Chain]]:
@@ -182,6 +203,27 @@ def _embedding_cost(d: int, a: int, b: int) -> float:
     return _ar(b) * d / a + _ag(a) * d
 
 
+def _check_sequence_plan(model: nn.Module, plan: Plan) -> bool:
+    """Whether the plan asks for sequence parallelism; a one-line error where it cannot work."""
+    if plan.decompose and not plan.sequence_parallel:
+        raise UserError(
+            "Plan.decompose needs Plan.sequence_parallel: the collectives it decomposes are "
+            "sequence parallelism's all-gather and reduce-scatter"
+        )
+    if not plan.sequence_parallel:
+        return False
+    if not plan.chain:
+        raise UserError("Plan.sequence_parallel needs Plan.chain=True (column and row layers)")
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("transformers."):
+            raise UserError(
+                f"Plan.sequence_parallel: {name or 'the model'} is transformers' "
+                f"{type(m).__name__}, which reshapes to the whole sequence; it needs blocks "
+                "that declare tensor_parallel_chain (our GPT and Llama)"
+            )
+    return True
+
+
 def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -> dict:
     """The :class:`LayerStyle` that :func:`parallelize` gives each module, by name, the
     chain rules it applies and why the blocks whose heads do not split were left unchained
@@ -189,6 +231,7 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
     plan = plan or Plan()
     cands = _candidates(model, plan.skip)
     x, y = grid.size("x"), grid.size("y")
+    seq = _check_sequence_plan(model, plan) and x > 1
     styles: dict[str, LayerStyle] = {}
     applied: list[tuple[str, Chain]] = []
     unsplit: list[str] = []  # blocks whose heads do not split: every rank computes them all
@@ -206,21 +249,28 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
             continue
         h, m = _io(cands[first])
         _, o = _io(cands[second])
-        transpose = _chain_cost(h, m, o, y, x) < _chain_cost(h, m, o, x, y)
+        # sequence parallelism: the column layer (out axis x) first, whatever the byte model
+        transpose = seq or _chain_cost(h, m, o, y, x) < _chain_cost(h, m, o, x, y)
         out_axis = "x" if transpose else "y"
         if rule.heads is not None:
             heads = getattr(blocks[block], rule.heads)
             p = grid.size(out_axis)
             if heads % p:
                 why = f"attention block {block!r}: {rule.heads}={heads} does not divide over "
+                if seq:
+                    raise UserError(
+                        f"{why}{out_axis}={p}; sequence parallelism needs its heads split over "
+                        "x: choose an x that divides them"
+                    )
                 if not rule.unsplit_otherwise:
                     raise UserError(
                         f"{why}{out_axis}={p}; choose another grid or pass Plan(chain=False)"
                     )
                 unsplit.append(f"{why}{out_axis}={p}")
                 continue
-        styles[first] = LayerStyle(transpose, True, False, rule.fused)
-        styles[second] = LayerStyle(not transpose, False, True)
+        roles = ("gather", "scatter") if seq else ("none", "none")
+        styles[first] = LayerStyle(transpose, True, False, rule.fused, roles[0])
+        styles[second] = LayerStyle(not transpose, False, True, 1, roles[1])
         applied.append((block, rule))
 
     # Ties: modules sharing one weight must share one layout.
@@ -241,17 +291,23 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
     if head is None:
         heads = [n for n in cands if n == "lm_head" or n.endswith(".lm_head")]
         head = heads[0] if heads else None
+    if seq and (head is None or head not in cands or head in styles):
+        raise UserError(
+            "sequence parallelism needs an output head to gather the sequence (a Linear named "
+            "lm_head, or Plan.head) that is in the plan"
+        )
     if head is not None and head in cands and head not in styles:
         if isinstance(cands[head], nn.Embedding):
             raise UserError(f"the head {head!r} is an Embedding, not a Linear")
         h, v = _io(cands[head])
-        transpose = _head_cost(h, v, y, x) < _head_cost(h, v, x, y)
-        styles[head] = LayerStyle(transpose, True, not plan.loss_parallel)
+        transpose = seq or _head_cost(h, v, y, x) < _head_cost(h, v, x, y)
+        role = "gather" if seq else "none"
+        styles[head] = LayerStyle(transpose, True, not plan.loss_parallel, 1, role)
         for group in ties:
             if head in group:
                 for other in group:
                     if other != head and isinstance(cands.get(other), nn.Embedding):
-                        styles[other] = LayerStyle(transpose)
+                        styles[other] = LayerStyle(transpose, sequence="scatter" if seq else "none")
 
     flip = False
     for name, m in cands.items():
@@ -260,8 +316,13 @@ def plan_styles(model: nn.Module, grid: ProcessGrid, plan: Plan | None = None) -
         if isinstance(m, nn.Embedding):
             d, _ = _io(m)
             transpose = _embedding_cost(d, y, x) < _embedding_cost(d, x, y)
-            styles[name] = LayerStyle(transpose)
+            styles[name] = LayerStyle(transpose, sequence="scatter" if seq else "none")
         else:
+            if seq:
+                raise UserError(
+                    f"sequence parallelism: {name!r} is a Linear outside the chains and not the "
+                    "head, and would see a shard of the sequence; leave it out (Plan.skip)"
+                )
             styles[name] = LayerStyle(flip)
             flip = not flip
 
@@ -355,9 +416,13 @@ def parallelize(
     cands = _candidates(model, plan.skip)
     made: dict[str, ShardedModule] = {}
     shared: dict[int, ShardedModule] = {}
+    split = SequenceSplit(grid)  # shared by the model's sequence-parallel layers
     names_in_order = [n for n in cands if n in styles]
     for name in names_in_order:
         old, style = cands[name], styles[name]
+        seq = {"sequence": style.sequence}
+        if style.sequence != "none":
+            seq["sequence_split"] = split
         if isinstance(old, nn.Embedding):
             new: ShardedModule = Embedding.from_embedding(
                 old,
@@ -365,8 +430,11 @@ def parallelize(
                 transpose=style.transpose,
                 gather_output=style.gather_output,
                 load=program is None,
+                **seq,
             )
         else:
+            if style.sequence != "none":
+                seq["decompose"] = plan.decompose
             new = Linear.from_linear(
                 old,
                 grid,
@@ -376,6 +444,7 @@ def parallelize(
                 gather_output=style.gather_output,
                 fused=style.fused,
                 load=program is None,
+                **seq,
             )
         key = id(old.weight)
         if key in shared:
@@ -396,6 +465,16 @@ def parallelize(
     if program is not None:
         materialize(model, program, grid)
     model.to(grid.device)
+    if plan.sequence_parallel and grid.size(SEQUENCE_AXIS) > 1:
+        blocks = [(b, made[f"{b}.{rule.first}"]) for b, rule in decided["chains"]]
+        for b, rule in decided["chains"]:  # a Plan.styles override may have undone a role
+            for attr, role in ((rule.first, "gather"), (rule.second, "scatter")):
+                if made[f"{b}.{attr}"].sequence != role:
+                    raise UserError(
+                        f"sequence parallelism: {b}.{attr} must have sequence={role!r} "
+                        "(its LayerStyle in Plan.styles)"
+                    )
+        install_sequence_parallel(model, grid, blocks, split)
     if plan.prefetch and grid.size("z") > 1 and made:
         PrefetchChain([made[n] for n in names_in_order])
     return model

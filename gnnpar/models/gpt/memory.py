@@ -33,6 +33,14 @@ Per rank, with ``e`` bytes per element:
   per head and sequence, L = T/(2C), computed a slice of sequences·heads at a time so that
   one tile holds at most ``TILE_BYTES``, or one L × L matrix when that is larger).
 
+Sequence parallelism (``sequence_parallel``, :mod:`gnnpar.tensor.sequence`): the norms, the
+dropouts and the residual stream hold ``1/t`` of the tokens, so of the replicated ``10`` only
+the column layers' gathered inputs (``4``: the q/k/v and MLP inputs, which the layers keep
+for their weight gradients) stay whole: ``tokens · h · (4 + 30/t)``; Llama's norms (``4h``)
+are divided by t too. With ``"full"`` checkpointing each kept block input is a shard
+(``tokens · h / t``). Megatron re-gathers those inputs in backward to divide them too (its
+``34/t``), at one more all-gather per layer; ours keep the bytes of plain tensor parallelism.
+
 Activation checkpointing (``activation_checkpointing`` of the problem, :mod:`gnnpar.recompute`):
 ``"full"`` keeps of each block only its input (``tokens · h``), plus, while backward
 recomputes it, one block's full activations. ``"selective"`` (GPT) drops the attention core's score,
@@ -65,10 +73,18 @@ __all__ = ["gpt_memory"]
 
 
 def gpt_memory(
-    problem: GPTProblem, shape: Mapping[str, int], layout: list[ShardedLayer] | None = None
+    problem: GPTProblem,
+    shape: Mapping[str, int],
+    layout: list[ShardedLayer] | None = None,
+    *,
+    sequence_parallel: bool | None = None,
 ) -> dict[str, float]:
     """Bytes on rank 0 of one GPT training step, by part (see the module docstring);
-    ``layout`` is :func:`gpt_layout` of the shape (computed when not given)."""
+    ``layout`` is :func:`gpt_layout` of the shape (computed when not given);
+    ``sequence_parallel`` (default: the problem's, if it has the field) splits the
+    activations between the chains over x as well."""
+    if sequence_parallel is None:
+        sequence_parallel = bool(getattr(problem, "sequence_parallel", False))
     g = grid_shape(shape)
     mods = gpt_layout(problem, shape) if layout is None else layout
     coords = g.coords(0)
@@ -97,21 +113,25 @@ def gpt_memory(
     qkv = next(m for m in mods if m.name.endswith("attn.qkv"))
     head = next(m for m in mods if m.name == "lm_head")
     t = qkv.layout.row_parts
+    # sequence parallelism: the shards between the chains (norms, dropouts, residual) are 1/s
+    s = g.x if sequence_parallel else 1
     if problem.llama:
         # two RMSNorms (input and normalised rows) and the projections' full-width inputs:
         # 6h; per head split: the rotated queries, the repeated keys and values, the
         # attention's output and its re-laid-out copy (5h), SwiGLU's gate, up, silu(gate)
         # and product (2 × its 2·ffn outputs)
         h = problem.hidden
-        per_layer = tokens * (6 * h + (5 * h + 2 * problem.mlp_width) / t) * e
+        per_layer = tokens * (4 * h / s + 2 * h + (5 * h + 2 * problem.mlp_width) / t) * e
     else:
-        per_layer = tokens * problem.hidden * (10 + 24 / t) * e / 2
+        # norms' inputs 4, dropout masks 2, the column layers' inputs 4 (Megatron's units)
+        per_layer = tokens * problem.hidden * (6 / s + 4 + 24 / t) * e / 2
     if problem.lora_rank:  # each adapter's A output, which B keeps: rank per projection
         per_layer += tokens * problem.lora_rank * 4 * e
     logits = 2 * tokens * head.layout.row_sizes()[0] * 4
     if problem.activation_checkpointing == "full":
         # each block's input, and one block's activations while backward recomputes it
-        out["activations"] = problem.layers * tokens * problem.hidden * e + per_layer + logits
+        kept = problem.layers * tokens * problem.hidden * e / s
+        out["activations"] = kept + per_layer + logits
     else:
         out["activations"] = problem.layers * per_layer + logits
     if g.context > 1:
