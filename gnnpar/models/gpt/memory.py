@@ -60,6 +60,7 @@ from gnnpar.models.gpt.cost import (
     GPTProblem,
     ShardedLayer,
     batch_per_rank,
+    expert_params,
     gpt_layout,
     local_params,
     lora_params,
@@ -91,9 +92,17 @@ def gpt_memory(
     matrix, other = local_params(problem, mods, coords)
     n = matrix + other
     e = problem.element_size
-    d = g.data * g.context  # context ranks shard with the data ranks (fold_context)
-    per_block = (n - other) / max(1, problem.layers)
-    out = {**sharded_state(n, e, problem.stage, d, per_block), "gathered": 0.0, "activations": 0.0}
+    # expert and context ranks shard with the data ranks (fold_replicas); a mixture of
+    # experts' experts (this rank's) only with the context and data ranks (fold_context)
+    d = g.data * g.context * g.expert
+    experts = sum(expert_params(problem, mods, coords))
+    per_block = (n - other - experts) / max(1, problem.layers)
+    out = {**sharded_state(n - experts, e, problem.stage, d, per_block), "gathered": 0.0}
+    if experts:  # a unit of their own per layer, gathered (stage 3) like a block
+        per_layer = experts / max(1, problem.layers)
+        own = sharded_state(experts, e, problem.stage, g.data * g.context, per_layer)
+        out = {k: v + own.get(k, 0.0) for k, v in out.items()}
+    out["activations"] = 0.0
     adapters = lora_params(problem, mods, coords)
     if adapters:
         # the frozen base: its parameters only, sharded and gathered like any at stage 3;
@@ -127,6 +136,12 @@ def gpt_memory(
         per_layer = tokens * problem.hidden * (6 / s + 4 + 24 / t) * e / 2
     if problem.lora_rank:  # each adapter's A output, which B keeps: rank per projection
         per_layer += tokens * problem.lora_rank * 4 * e
+    if problem.experts:
+        # a mixture of experts runs the MLP on top_k rows per token (its input and its split
+        # activations once more per extra choice) and keeps the dispatched rows and the
+        # experts' outputs for the gate's product: an estimate, not measured
+        k, h = problem.model.moe_top_k, problem.hidden
+        per_layer += tokens * ((k - 1) * (h + 2 * problem.mlp_width / t) + 2 * k * h) * e
     logits = 2 * tokens * head.layout.row_sizes()[0] * 4
     if problem.activation_checkpointing == "full":
         # each block's input, and one block's activations while backward recomputes it
