@@ -22,6 +22,7 @@ from gnnpar.models.gpt.model import GPT, GPTConfig
 from gnnpar.models.gpt.moe import MoE, route, set_aux_loss_scale
 from gnnpar.tensor.experts import expert_parallel
 from gnnpar.testing import run_distributed
+from tests.test_gpt import _full_grads
 
 F64 = torch.float64
 VOCAB = 37
@@ -144,19 +145,6 @@ def _share(grid) -> tuple[int, int]:
     return index, grid.size("z") * grid.size("expert") * grid.size("data")
 
 
-def _gathered_grads(model, grid) -> dict[str, torch.Tensor]:
-    """This rank's gradients as full tensors of the serial model (its experts only)."""
-    sharded = tensor.sharded_parameters(model)
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name in sharded:
-            m, pname, lay = sharded[name]
-            out[name] = m.to_full_format(pname, tensor.gather_full(p.grad, lay, grid))
-        else:
-            out[name] = p.grad
-    return out
-
-
 def _compare_moe(make, grid, steps: int = 2) -> float:
     """Serial and expert-parallel copies of ``make()`` for ``steps`` AdamW steps with
     clipping (auxiliary loss on): the largest difference of losses, norms, gradients and
@@ -191,7 +179,7 @@ def _compare_moe(make, grid, steps: int = 2) -> float:
             comm.all_reduce(mean, grid, axis, op="avg")
         worst = max(worst, abs(float(mean) - loss_s.item()), abs(float(norm_p) - float(norm_s)))
         ref = dict(serial.named_parameters(remove_duplicate=False))
-        grads = _gathered_grads(par, grid)
+        grads = _full_grads(par, grid)
         if not any(".experts." in k for k in grads):
             raise AssertionError("no expert on this rank")
         for name, g in grads.items():

@@ -23,6 +23,7 @@ from gnnpar.grid import ProcessGrid
 from gnnpar.models.gpt.llama import Llama, LlamaConfig
 from gnnpar.models.gpt.model import GPT, GPTConfig, set_activation_checkpointing
 from gnnpar.testing import run_distributed
+from tests.test_gpt import _full_grads
 
 F64 = torch.float64
 VOCAB = 37  # splits unevenly over x = 2 and 4
@@ -98,19 +99,6 @@ def _compare(make, grid, plan=SP, t: int = 9, batch: int = 4, checkpointing: str
     for k, v in serial.state_dict().items():
         rel(state[k], v, "final " + k)
     return worst
-
-
-def _full_grads(model, grid) -> dict[str, torch.Tensor]:
-    """Every gradient of the parallel model as the serial model's full tensor, by name."""
-    sharded = tensor.sharded_parameters(model)
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name in sharded:
-            m, pname, lay = sharded[name]
-            out[name] = m.to_full_format(pname, tensor.gather_full(p.grad, lay, grid))
-        else:
-            out[name] = p.grad
-    return out
 
 
 def _fake_grid(**sizes) -> ProcessGrid:
