@@ -31,11 +31,11 @@ def test_rank_order_with_a_context_axis():
                                   + 2 * c["pipe"]))))  # fmt: skip
     old = GridShape(x=2, z=2, data=2)  # without a context axis: as before, and no "context" key
     assert "context" not in old.shape
-    strides = (1, 2, 2, 4, 4, 8)  # x, y, z, context, data, pipe
+    strides = (1, 2, 2, 4, 4, 4, 8)  # x, y, z, expert, context, data, pipe
     for r in range(8):
         assert r == sum(v * s for v, s in zip(old.coords(r).values(), strides, strict=True))
     assert fit_shape(8, parse_grid_spec("context=2,x=2")) == {
-        "data": 2, "x": 2, "y": 1, "z": 1, "pipe": 1, "context": 2}  # fmt: skip
+        "data": 2, "x": 2, "y": 1, "z": 1, "pipe": 1, "context": 2, "expert": 1}  # fmt: skip
     with pytest.raises(GridError, match="context"):
         fit_shape(6, parse_grid_spec("context=4"))
 
