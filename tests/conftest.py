@@ -63,6 +63,7 @@ LONG_MODULES = (
     "test_launchers.py",
     "test_pipeline_train.py",
     "test_fullgraph.py",
+    "test_compile.py",
     "test_shard.py",
     "test_offload.py",
     "test_link.py",

@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("partitioners",),
     ("sparse", "sampling", "checkpoint"),
     ("tensor",),
-    ("shard",),
+    ("shard", "compile"),
     ("pipeline",),
     # the planner's generic models, then the trainer and its registry
     ("plan",),

@@ -83,6 +83,11 @@ class GPTProblem:
     #: projection of the blocks, 0 for full training. The base is frozen: no gradients, no
     #: optimizer state, no gradient collectives for it.
     lora_rank: int = 0
+    #: Megatron's sequence parallelism (the trainer's ``sequence_parallel``,
+    #: :mod:`gnnpar.tensor.sequence`): the activations between the chains split over x
+    #: (:func:`~gnnpar.models.gpt.memory.gpt_memory`); the bytes are plain tensor
+    #: parallelism's (an all-reduce's are an all-gather's and a reduce-scatter's).
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         from gnnpar.shard.config import OFFLOAD_MODES

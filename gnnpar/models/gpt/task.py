@@ -36,6 +36,7 @@ from gnnpar.errors import UserError, first_line
 from gnnpar.fmt import count
 from gnnpar.grid import ProcessGrid, parse_grid_spec
 from gnnpar.models.gpt.model import GPTConfig, generate, model_sizes, set_activation_checkpointing
+from gnnpar.models.gpt.moe import aux_losses, set_aux_loss_scale
 from gnnpar.recompute import MODES
 from gnnpar.shard.clip import clipped_step
 from gnnpar.train import schedule
@@ -66,6 +67,8 @@ __all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "parall
 
 MODELS = ("gpt", "llama", "hf-gpt2")
 PEFT = ("none", "lora")
+#: ``tp_overlap``: how sequence parallelism's collectives meet the matmuls (gnnpar.tensor.overlap)
+TP_OVERLAP = ("none", "decompose")
 #: Every projection inside the blocks, per model: LoRA's default targets.
 LORA_DEFAULT_TARGETS = {
     "gpt": ("qkv", "proj", "fc"),
@@ -153,6 +156,18 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
     out: str = option("runs/gpt", "run folder: metrics.jsonl, checkpoints/, plots/")
     eval_every: int = option(100, "validate every N steps (0: only at the end)")
     seed: int = option(1337, "seed of the weights, the batches and the sample")
+    compile: bool = option(
+        False, "torch.compile each transformer block's forward (gpt, llama); the "
+        "collectives of tensor-parallel layers and ZeRO-3's hooks stay eager (gnnpar.compile)"
+    )  # fmt: skip
+    sequence_parallel: bool = option(
+        False, "gpt, llama: between the tensor-parallel layers each x rank holds 1/x of the "
+        "sequence (norms, dropout, residual stream): Megatron's sequence parallelism"
+    )  # fmt: skip
+    tp_overlap: str = option(
+        "none", "with sequence_parallel: decompose runs each layer's sequence all-gather and "
+        "reduce-scatter as point-to-point steps overlapping its matmul", TP_OVERLAP
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         pass  # the model's own checks run in check(), as config errors naming the key
@@ -170,6 +185,10 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
                 "config key 'activation_checkpointing' needs model = gpt or llama (our "
                 f"blocks), not {self.model}"
             )
+        if self.compile and self.model not in OURS:
+            raise ConfigError(
+                f"config key 'compile' needs model = gpt or llama (our blocks), not {self.model}"
+            )
         if self.pretrained and self.model == "gpt":
             raise ConfigError("config key 'pretrained' needs model = hf-gpt2 or llama")
         if self.peft not in PEFT:
@@ -180,6 +199,8 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
             )
         if self.lora_rank < 1 or not self.lora_alpha > 0:
             raise ConfigError("config keys 'lora_rank' and 'lora_alpha' must be positive")
+        self.check_moe()
+        self.check_sequence_parallel()
         if self.n_kv_head < 0 or self.ffn_hidden < 0:
             raise ConfigError("config keys 'n_kv_head' and 'ffn_hidden' must be 0 or positive")
         if self.model == "llama" and not self.pretrained:
@@ -203,6 +224,56 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
             self.check_pipeline(shape.get("pipe", 1))
             self.check_context(shape)
 
+    def check_sequence_parallel(self) -> None:
+        """Reject ``sequence_parallel`` and ``tp_overlap`` where they cannot work, naming the
+        key."""
+        if self.tp_overlap not in TP_OVERLAP:
+            raise ConfigError(f"config key 'tp_overlap' must be one of {', '.join(TP_OVERLAP)}")
+        if self.tp_overlap != "none" and not self.sequence_parallel:
+            raise ConfigError(
+                f"config key 'tp_overlap' ({self.tp_overlap}) needs sequence_parallel"
+            )
+        if not self.sequence_parallel:
+            return
+        pipe = parse_grid_spec(self.grid).get("pipe", 1) if self.grid else 1
+        for bad, why in (
+            (self.model not in OURS, f"model = gpt or llama, not {self.model}"),
+            (pipe > 1, "no pipe axis"),
+            (self.peft != "none", f"peft = none, not {self.peft}"),
+            (bool(self.moe_experts), "moe_experts = 0"),
+            (self.compile, "compile off"),
+        ):
+            if bad:
+                raise ConfigError(f"config key 'sequence_parallel' needs {why}")
+
+    def check_moe(self) -> None:
+        """Reject mixture-of-experts options (and an expert axis) that cannot work, naming
+        the key."""
+        from gnnpar.models.gpt.moe import check_moe_sizes
+
+        expert = parse_grid_spec(self.grid).get("expert", 1) if self.grid else 1
+        try:
+            check_moe_sizes(self.moe_experts, self.moe_top_k, self.moe_capacity, self.moe_aux_loss)
+        except UserError as err:
+            raise ConfigError(f"config keys 'moe_*': {err}") from None
+        if not self.moe_experts:
+            if expert > 1:
+                raise ConfigError(
+                    f"config key 'grid': an expert axis (expert={expert}) needs moe_experts > 0"
+                )
+            return
+        if self.model not in OURS:
+            raise ConfigError(
+                f"config key 'moe_experts' needs model = gpt or llama, not {self.model}"
+            )
+        if self.pretrained:
+            raise ConfigError("config key 'moe_experts' does not combine with 'pretrained'")
+        if self.moe_experts % expert:
+            raise ConfigError(
+                f"config key 'moe_experts' ({self.moe_experts}) must be a multiple of the "
+                f"grid's expert={expert} (each expert rank holds as many experts)"
+            )
+
     def check_context(self, shape: dict[str, int]) -> None:
         """Reject a context axis that cannot work, naming the key."""
         c = shape.get("context", 1)
@@ -214,6 +285,10 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
             raise ConfigError("config key 'grid': a context axis does not combine with pipe")
         if self.dropout > 0:
             raise ConfigError("config key 'dropout' must be 0 with a context axis")
+        if self.moe_experts:  # capacity counts a whole sequence's tokens on one rank
+            raise ConfigError(
+                "config key 'moe_experts': a mixture of experts needs no context axis"
+            )
         if self.block_size % (2 * c):
             raise ConfigError(
                 f"config key 'block_size' ({self.block_size}) must be a multiple of "
@@ -369,10 +444,15 @@ def parallel_model(plain: nn.Module, cfg: GPTTaskConfig, grid: ProcessGrid) -> n
     after ``torch.manual_seed(cfg.seed)`` (the initialisation is replayed, draw for draw, so
     the generator is left as that build leaves it), then the pretrained weights, read slice by
     slice."""
-    from gnnpar.tensor import parallelize
+    from gnnpar.tensor import Plan, parallelize
 
     torch.manual_seed(cfg.seed)
-    model = parallelize(plain.to(master_dtype(cfg)), grid)
+    if cfg.moe_experts:
+        from gnnpar.tensor.experts import expert_parallel
+
+        expert_parallel(plain, grid)  # this rank's experts only, before their pieces exist
+    plan = Plan(sequence_parallel=cfg.sequence_parallel, decompose=cfg.tp_overlap == "decompose")
+    model = parallelize(plain.to(master_dtype(cfg)), grid, plan)
     if cfg.pretrained:
         load_pretrained(model, Path(cfg.pretrained), grid)
     if cfg.peft == "lora":
@@ -456,6 +536,7 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         activation_checkpointing=cfg.activation_checkpointing,
         offload=cfg.offload,
         lora_rank=cfg.lora_rank if cfg.peft == "lora" else 0,
+        sequence_parallel=cfg.sequence_parallel,
     )
 
 
@@ -540,11 +621,16 @@ class GPTTask(BaseTask):
         from gnnpar.data.text import TokenBlocks
 
         cfg, grid = self.cfg, self.grid
-        shards = grid.size("data") * grid.size("z")
-        index = grid.rank("z") + grid.size("z") * grid.rank("data")
+        # expert ranks see other sequences, as data ranks do (expert below data in rank order)
+        replicas = grid.size("expert") * grid.size("data")
+        shards = replicas * grid.size("z")
+        index = grid.rank("z") + grid.size("z") * (
+            grid.rank("expert") + grid.size("expert") * grid.rank("data")
+        )
         if cfg.batch_size % (shards * cfg.grad_accum):
+            what = "data·expert·z" if grid.size("expert") > 1 else "data·z"
             raise ConfigError(
-                f"config key 'batch_size' ({cfg.batch_size}) must divide into data·z = {shards} "
+                f"config key 'batch_size' ({cfg.batch_size}) must divide into {what} = {shards} "
                 f"shards of grad_accum = {cfg.grad_accum} micro-batches"
             )
         blocks = (cfg.block_size, cfg.batch_size, index, shards)
@@ -570,7 +656,8 @@ class GPTTask(BaseTask):
         split over data, z and context ranks and into ``micro`` micro-batches."""
         if isinstance(batches, InstructionBatches):
             grid = self.grid
-            shares = grid.size("data") * grid.size("z") * grid.size("context") * micro
+            shares = grid.size("data") * grid.size("expert") * grid.size("z")
+            shares *= grid.size("context") * micro
             self._expected = batches.expected_tokens(step, shares)
 
     def _ce(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -586,7 +673,6 @@ class GPTTask(BaseTask):
         """This rank's pieces of the parallel model, sharded over the data axis; with a pipe
         axis, only this rank's stage (:mod:`gnnpar.pipeline`). AdamW comes on first use
         (:meth:`_make_optimizer`)."""
-        from gnnpar.grid import fold_context
         from gnnpar.shard import FCDP, by_type, shard
         from gnnpar.tensor.context import context_parallel
 
@@ -594,13 +680,17 @@ class GPTTask(BaseTask):
         model = context_parallel(parallel_model(plain, cfg, grid), grid)
         if cfg.activation_checkpointing != "none":
             set_activation_checkpointing(model, cfg.activation_checkpointing)
+        if cfg.compile:  # the blocks' forward; their hooks and collectives stay eager
+            from gnnpar.compile import compile_blocks
+
+            compile_blocks(model, block)
         self.net = model
         self.head = model.lm_head
 
         def shard_fn(module: nn.Module):
-            dp = shard(  # context ranks hold the same parameters: they reduce like data ranks
+            dp = shard(  # context and expert ranks reduce with the data ranks (shard's view)
                 module,
-                fold_context(grid),
+                grid,
                 self.stage,
                 units=by_type(block),
                 mixed_precision=shard_policy(cfg),
@@ -718,6 +808,8 @@ class GPTTask(BaseTask):
         ys = [t.to(grid.device) for t in y.chunk(m)]
         for chunk in self.pipeline.chunks:
             chunk.train()
+            # the auxiliary loss scaled as loss_fn scales the loss; reductions divide the rest
+            set_aux_loss_scale(chunk, cfg.moe_aux_loss * self.scaler.scale / m)
         res = self.pipeline.step(xs, ys, loss_fn, compute_dtype(cfg))
         total = torch.tensor([res.loss], dtype=torch.float64, device=grid.device)
         return comm.all_reduce(total, grid, "pipe").cpu().reshape(())
@@ -741,12 +833,17 @@ class GPTTask(BaseTask):
             # reduction only sums, loss_divided_by_data) over the ranks it reduces over,
             # data and context ones (its grid folds context into data)
             divisor = cfg.grad_accum * dp.grid.size("data")
+            # a mixture of experts' auxiliary loss joins backward as the loss is scaled
+            set_aux_loss_scale(self.net, cfg.moe_aux_loss * self.scaler.scale / divisor)
+        aux = torch.zeros((), dtype=torch.float64)
         for i, (xm, ym) in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else dp.no_sync():
                 loss = self._loss(xm, ym)
                 self.scaler.scale_loss(loss / divisor).backward()
             total += loss.detach().to(torch.float64).cpu() / cfg.grad_accum
+            if cfg.moe_experts:
+                aux += aux_losses(self.net).to(torch.float64).cpu() / cfg.grad_accum
         self.scaler.unscale(dp.parameters())
         norm = dp.grad_norm()
         if self.scaler.update(float(norm)):
@@ -754,12 +851,15 @@ class GPTTask(BaseTask):
             clipped_step(self.optimizer, dp.parameters(), norm, cfg.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        return {
+        out = {
             "loss": global_mean(total, self.grid),
             "grad_norm": float(norm),
             "lr": lr,
             "tokens_per_s": self.tokens_per_step / seconds,
         }
+        if cfg.moe_experts and micro:  # the load-balancing loss, mean over blocks and batch
+            out["moe_aux"] = global_mean(aux, self.grid)
+        return out
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
