@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.compose import Tokens, _cell  # noqa: E402
 from benchmarks.sharding import MALLOC_ENV, _reset_peak_rss, _rss_kb  # noqa: E402
 from gnnpar.testing import run_distributed  # noqa: E402
 
@@ -58,18 +59,6 @@ def model_sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}
     return {"vocab_size": 256, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 256}
-
-
-class Tokens:
-    """Random tokens: the corpus both sides train on (a pure function of the seed)."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def split(self, val_fraction: float):
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, self.vocab_size, (100_000,), generator=gen)
-        return ids, ids[:20_000]
 
 
 # ------------------------------------------------------------------------ one rank's run
@@ -190,11 +179,6 @@ def compare(cfg: dict[str, Any], worlds: list[int]) -> dict[str, Any]:
             row["loss_rel"] = abs(c["loss"] - e["loss"]) / abs(e["loss"])
         results[str(world)] = row
     return results
-
-
-def _cell(d: dict[str, float], fmt: str) -> str:
-    """``median (min–max)`` of a spread."""
-    return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
 
 
 def table(results: dict[str, Any], cfg: dict[str, Any]) -> str:

@@ -107,7 +107,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.fullgraph import _summary  # noqa: E402
-from benchmarks.llama import _memory  # noqa: E402
+from benchmarks.llama import _cell, _memory  # noqa: E402
 from benchmarks.sharding import MALLOC_ENV  # noqa: E402
 from gnnpar.testing import run_distributed  # noqa: E402
 from gnnpar.train.metrics import peak_rss_mb, rss_mb  # noqa: E402
@@ -487,10 +487,6 @@ def peer_part(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- tables
-def _cell(d: dict[str, float], fmt: str) -> str:
-    return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
-
-
 def train_table(res: dict[str, Any], cfg: dict[str, Any]) -> str:
     s = cfg["sizes"]
     lines = [

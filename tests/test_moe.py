@@ -23,6 +23,7 @@ from gnnpar.models.gpt.moe import MoE, route, set_aux_loss_scale
 from gnnpar.tensor.experts import expert_parallel
 from gnnpar.testing import run_distributed
 from tests.test_gpt import _full_grads
+from tests.test_plan_measured import _Tokens
 
 F64 = torch.float64
 VOCAB = 37
@@ -236,16 +237,6 @@ def _all_to_all_bytes_match_the_formula(grid) -> None:
     measured = traffic.bytes("expert", "all_to_all")
     if measured != want or not want:
         raise AssertionError(f"all-to-all over expert: {measured} bytes, formula {want}")
-
-
-class _Tokens:
-    """A corpus of random tokens (what the gpt task needs of a tokenised text)."""
-
-    vocab_size = VOCAB
-
-    def split(self, val_fraction: float):
-        ids = torch.randint(0, VOCAB, (4000,), generator=torch.Generator().manual_seed(5))
-        return ids, ids[:200]
 
 
 def _routed(model, grid) -> list:
