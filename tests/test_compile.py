@@ -1,9 +1,10 @@
 """``gnnpar train gpt --compile`` (:mod:`gnnpar.compile`): compiled blocks train as the eager
 ones, through the trainer, on one rank (GPT with dropout and selective recompute, Llama) and
-on data=2,x=2 with ZeRO-3 (plain and with full recompute), float32, within 1e-6 on every
-loss and every parameter of the final checkpoint; the graph breaks are where the docs say (at
-the tensor-parallel layers' calls, none on one rank or with ZeRO-3 alone), real training
-compiles no more graphs under recompute, and the collectives move the same bytes.
+on data=2,x=2 with ZeRO-3 (plain and with full recompute; backend aot_eager), float32, within
+1e-6 on every loss and every parameter of the final checkpoint; the graph breaks are where
+the docs say (at the tensor-parallel layers' calls, none on one rank or with ZeRO-3 alone),
+real training compiles no more graphs under recompute, and the collectives move the same
+bytes.
 
 Relative differences of a parameter are ``‖a − b‖ / ‖b‖`` over the whole tensor: AdamW
 divides each element's step by that element's own gradient scale, so an element whose
@@ -85,19 +86,24 @@ def test_compiled_training_equals_eager_on_one_rank(one_process, tmp_path, model
 def test_compiled_training_equals_eager_with_tensor_parallel_zero3(one_process, tmp_path):
     """data=2,x=2, ZeRO-3: the tensor-parallel layers run eagerly between compiled pieces,
     ZeRO-3's hooks gather each block around its compiled forward (and again for full
-    recompute, inside backward). Under a minute with inductor's kernels cached; with an empty
-    cache (``TORCHINDUCTOR_CACHE_DIR``) on a busy 2-core host, about 8 minutes: 4 ranks
-    compile a block's 7 graphs, forward and backward, and again without gradients."""
+    recompute, inside backward).
+
+    Backend aot_eager: the graphs Dynamo and AOT autograd make on this grid (where the hooks,
+    the breaks and the saved tensors meet) run with eager kernels. With inductor, 4 ranks
+    generating a block's 7 graphs' kernels (forward, backward, without gradients) with an
+    empty cache took over 20 minutes on a busy 2-core CI host; inductor is checked on one
+    rank above."""
     from tests.cli_world import run_commands
 
     grid = ["--grid", "data=2,x=2", "--zero-stage", "3"]
+    compiled = [*grid, "--compile", "--compile-backend", "aot_eager"]
     runs = {
         "eager": grid,
-        "compiled": [*grid, "--compile"],
-        "compiled-full": [*grid, "--compile", "--activation-checkpointing", "full"],
+        "compiled": compiled,
+        "compiled-full": [*compiled, "--activation-checkpointing", "full"],
     }
     steps = [_argv(one_process, tmp_path / name, *extra) for name, extra in runs.items()]
-    assert run_commands(4, steps, timeout=1800) == [[0, 0, 0]] * 4
+    assert run_commands(4, steps, timeout=900) == [[0, 0, 0]] * 4
     for name in ("compiled", "compiled-full"):
         _check_same(tmp_path / "eager", tmp_path / name)
 

@@ -170,7 +170,7 @@ def test_pipe_axis_rank_order():
         c = g.coords(r)
         assert r == c["x"] + 2 * (c["data"] + 2 * c["pipe"])
     assert fit_shape(16, parse_grid_spec("pipe=2,x=2")) == {
-        "data": 4, "x": 2, "y": 1, "z": 1, "pipe": 2, "context": 1}  # fmt: skip
+        "data": 4, "x": 2, "y": 1, "z": 1, "pipe": 2, "context": 1, "expert": 1}  # fmt: skip
     with pytest.raises(GridError, match="pipe"):
         fit_shape(6, parse_grid_spec("pipe=4"))
 

@@ -67,6 +67,9 @@ __all__ = ["GPTTask", "GPTTaskConfig", "build_model", "load_pretrained", "parall
 
 MODELS = ("gpt", "llama", "hf-gpt2")
 PEFT = ("none", "lora")
+#: ``compile_backend`` values: inductor generates kernels; aot_eager traces the same graphs
+#: (Dynamo, AOT autograd) and runs them with eager kernels, no code generated.
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 #: ``tp_overlap``: how sequence parallelism's collectives meet the matmuls (gnnpar.tensor.overlap)
 TP_OVERLAP = ("none", "decompose")
 #: Every projection inside the blocks, per model: LoRA's default targets.
@@ -160,6 +163,10 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
         False, "torch.compile each transformer block's forward (gpt, llama); the "
         "collectives of tensor-parallel layers and ZeRO-3's hooks stay eager (gnnpar.compile)"
     )  # fmt: skip
+    compile_backend: str = option(
+        "inductor", "torch.compile backend of --compile: inductor (generated kernels) or "
+        "aot_eager (the same traced graphs run by eager kernels: no code generation)"
+    )  # fmt: skip
     sequence_parallel: bool = option(
         False, "gpt, llama: between the tensor-parallel layers each x rank holds 1/x of the "
         "sequence (norms, dropout, residual stream): Megatron's sequence parallelism"
@@ -188,6 +195,10 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
         if self.compile and self.model not in OURS:
             raise ConfigError(
                 f"config key 'compile' needs model = gpt or llama (our blocks), not {self.model}"
+            )
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(
+                f"config key 'compile_backend' must be one of {', '.join(COMPILE_BACKENDS)}"
             )
         if self.pretrained and self.model == "gpt":
             raise ConfigError("config key 'pretrained' needs model = hf-gpt2 or llama")
@@ -683,7 +694,7 @@ class GPTTask(BaseTask):
         if cfg.compile:  # the blocks' forward; their hooks and collectives stay eager
             from gnnpar.compile import compile_blocks
 
-            compile_blocks(model, block)
+            compile_blocks(model, block, backend=cfg.compile_backend)
         self.net = model
         self.head = model.lm_head
 
