@@ -70,6 +70,7 @@ LONG_MODULES = (
     "test_typed_train.py",
     "test_fullgraph_rgcn.py",
     "test_lora.py",
+    "test_snapshots.py",
 )
 
 

@@ -41,10 +41,12 @@ from gnnpar.checkpoint.state import (
     OPTIM,
     ModelLayout,
     Piece,
+    TensorSpec,
     model_layout,
     optimizer_pieces,
 )
 from gnnpar.checkpoint.validate import check_stored, entry_digest, read_checkpoint
+from gnnpar.failpoints import failpoint
 from gnnpar.grid import ProcessGrid
 from gnnpar.verified import (
     MANIFEST,
@@ -58,7 +60,7 @@ from gnnpar.verified import (
     write_manifest,
 )
 
-__all__ = ["LoadResult", "load", "save"]
+__all__ = ["LoadResult", "apply_restore", "load", "plan_restore", "rank_pieces", "save"]
 
 LOCAL = "local/"
 
@@ -97,14 +99,7 @@ def save(
         info: JSON-ready description of the run (task, model sizes), for ``gnnpar ckpt info``.
         keep: complete checkpoints kept under ``directory`` (0: all).
     """
-    layout = model_layout(model, grid)
-    pieces = list(layout.pieces)
-    tensors = dict(layout.tensors)
-    groups = None
-    if optimizer is not None:
-        extra_pieces, extra_tensors, groups = optimizer_pieces(optimizer, layout)
-        pieces += extra_pieces
-        tensors.update(extra_tensors)
+    layout, pieces, tensors, groups = rank_pieces(grid, model, optimizer)
     final = step_folder(directory, step)
     tmp = temporary_folder(final)
     rank = grid.global_rank
@@ -140,6 +135,7 @@ def save(
             "tensors": {k: v.to_json() for k, v in tensors.items()},
         }
         (tmp / f"{stem}.json").write_text(json.dumps(side))
+        failpoint("checkpoint", step, rank)  # a chaos run's kill mid-write
     except OSError as err:
         failed, error = 1, err
     who = _agree(grid, rank if failed else -1)
@@ -161,6 +157,22 @@ def save(
             raise CheckpointError(f"cannot finish checkpoint {final}: {error}") from None
         raise CheckpointError(f"rank 0 could not finish checkpoint {final}")
     return final
+
+
+def rank_pieces(
+    grid: ProcessGrid, model: Any, optimizer: torch.optim.Optimizer | None
+) -> tuple[ModelLayout, list[Piece], dict[str, TensorSpec], list[dict[str, Any]] | None]:
+    """This rank's layout, its pieces of the model and of the optimizer state, the full
+    tensors they belong to, and the optimizer's parameter groups (None without one)."""
+    layout = model_layout(model, grid)
+    pieces = list(layout.pieces)
+    tensors = dict(layout.tensors)
+    groups = None
+    if optimizer is not None:
+        extra_pieces, extra_tensors, groups = optimizer_pieces(optimizer, layout)
+        pieces += extra_pieces
+        tensors.update(extra_tensors)
+    return layout, pieces, tensors, groups
 
 
 def _write_manifest(
@@ -266,7 +278,7 @@ def _check_model(manifest: Manifest, layout: ModelLayout, strict: bool) -> None:
         for key in saved:
             if key.startswith(MODEL) and key not in mine:
                 raise CheckpointError(
-                    f"checkpoint {folder} holds tensor '{key[len(MODEL):]}' that this model "
+                    f"checkpoint {folder} holds tensor '{key[len(MODEL) :]}' that this model "
                     "does not have: it was written for another model"
                 )
 
@@ -299,7 +311,7 @@ def _optimizer_targets(
                 if per_element:
                     t = torch.empty(p.shape, dtype=dtype, device=p.device)
                     moved = [
-                        dataclasses.replace(c, key=f"{OPTIM}{name}/{c.key[len(MODEL):]}")
+                        dataclasses.replace(c, key=f"{OPTIM}{name}/{c.key[len(MODEL) :]}")
                         for c in chunks
                     ]
                 else:
@@ -348,6 +360,44 @@ def plan_reads(targets: list[Piece], manifest: Manifest) -> list[Read]:
     return pairs
 
 
+def plan_restore(
+    manifest: Manifest, layout: ModelLayout, optimizer: torch.optim.Optimizer | None, strict: bool
+) -> tuple[list[Read], list[tuple[torch.Tensor, str, torch.Tensor]]]:
+    """What loading ``manifest`` into a rank's ``layout`` (and ``optimizer``) copies: every
+    overlap of a stored chunk with a target, and where each optimizer state tensor goes.
+    CheckpointError when the stored model is another or does not cover the targets."""
+    _check_model(manifest, layout, strict)
+    targets = list(layout.pieces)
+    opt_where: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+    if optimizer is not None:
+        extra_targets, opt_where = _optimizer_targets(optimizer, layout, manifest)
+        targets += extra_targets
+    return plan_reads(targets, manifest), opt_where
+
+
+def apply_restore(
+    manifest: Manifest,
+    pairs: list[Read],
+    blobs: Mapping[str, Mapping[str, torch.Tensor]],
+    layout: ModelLayout,
+    optimizer: torch.optim.Optimizer | None,
+    opt_where: list[tuple[torch.Tensor, str, torch.Tensor]],
+) -> None:
+    """Copy the planned overlaps (:func:`plan_restore`) from the loaded files ``blobs`` into
+    the model and the optimizer (its hyper-parameters too), then let the layout finish
+    (ZeRO-3 gathers, copies to low-precision parameters: collective)."""
+    with torch.no_grad():
+        for piece, t, src, s in pairs:
+            copy_overlap(piece.tensor.view(-1), t, blobs[src.file][src.entry], s)
+    if optimizer is not None:
+        _restore_hyper(optimizer, manifest)
+        optimizer.state.clear()
+        for p, name, t in opt_where:
+            optimizer.state[p][name] = t
+    if layout.after_load is not None:
+        layout.after_load()
+
+
 def _warn(grid: ProcessGrid, text: str) -> None:
     if grid.global_rank == 0:
         print(f"warning: {text}", file=sys.stderr, flush=True)
@@ -392,13 +442,7 @@ def load(
             problems.append(str(err))
             _warn(grid, f"{err}; trying the previous checkpoint")
             continue
-        _check_model(manifest, layout, strict)
-        targets = list(layout.pieces)
-        opt_where: list = []
-        if optimizer is not None:
-            extra_targets, opt_where = _optimizer_targets(optimizer, layout, manifest)
-            targets += extra_targets
-        pairs = plan_reads(targets, manifest)
+        pairs, opt_where = plan_restore(manifest, layout, optimizer, strict)
         files = sorted({src.file for _, _, src, _ in pairs})
         same_grid = manifest.meta.get("grid") == grid.shape
         own = f"{_rank_stem(grid.global_rank)}.pt"
@@ -429,16 +473,7 @@ def load(
             problems.append(f"{folder / ordered[damaged]}: {reason}")
             _warn(grid, f"{folder / ordered[damaged]}: {reason}; using the previous checkpoint")
             continue
-        with torch.no_grad():
-            for piece, t, src, s in pairs:
-                copy_overlap(piece.tensor.view(-1), t, blobs[src.file][src.entry], s)
-        if optimizer is not None:
-            _restore_hyper(optimizer, manifest)
-            optimizer.state.clear()
-            for p, name, t in opt_where:
-                optimizer.state[p][name] = t
-        if layout.after_load is not None:
-            layout.after_load()
+        apply_restore(manifest, pairs, blobs, layout, optimizer, opt_where)
         local = {}
         if same_grid and own in blobs:
             for name in manifest.meta.get("local", {}).get(own, []):
@@ -461,4 +496,3 @@ def _reason(manifest: Manifest, name: str, verify: str) -> str:
         text = str(err)
         return text.split(": ", 1)[1] if text.startswith(str(manifest.folder)) else text
     return "damaged (size or checksum differs from the manifest)"
-

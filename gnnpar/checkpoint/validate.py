@@ -24,7 +24,14 @@ from gnnpar.checkpoint.chunks import Chunk, overlap_volume
 from gnnpar.checkpoint.protocol import READABLE, SCHEMA
 from gnnpar.verified import MANIFEST, FormatError, Manifest, read_manifest
 
-__all__ = ["check_header", "check_layout", "check_stored", "entry_digest", "read_checkpoint"]
+__all__ = [
+    "check_header",
+    "check_layout",
+    "check_stored",
+    "entry_digest",
+    "read_checkpoint",
+    "stored_chunk",
+]
 
 
 def read_checkpoint(folder: str | os.PathLike) -> Manifest:
@@ -74,7 +81,7 @@ def _dtype(name: Any) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
-def _chunk(doc: Any, where: Path) -> Chunk:
+def stored_chunk(doc: Any, where: Path) -> Chunk:
     """A stored chunk ``[key, offsets, sizes, at, transposed]`` with the right types."""
     ok = isinstance(doc, list) and len(doc) == 5
     if ok:
@@ -119,10 +126,12 @@ def check_layout(manifest: Manifest) -> None:
             if digests is not None and not _has_digest(digests, file, entry):
                 raise FormatError(f"{where}: entry {entry!r} of {file!r} has no digest")
             for doc in docs:
-                c = _chunk(doc, where)
+                c = stored_chunk(doc, where)
                 shape = shapes.get(c.key)
-                inside = shape is not None and len(c.offsets) == len(shape) and all(
-                    o + s <= n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)
+                inside = (
+                    shape is not None
+                    and len(c.offsets) == len(shape)
+                    and all(o + s <= n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True))
                 )
                 if not inside or (c.transposed and len(c.sizes) != 2):
                     raise FormatError(
@@ -176,8 +185,7 @@ def _check_cover(key: str, shape: list[int], chunks: list[Chunk], where: Path) -
     total = sum(c.numel for c in chunks)
     if total != math.prod(shape):
         raise FormatError(
-            f"{where}: the stored chunks of {key!r} hold {total} of its {math.prod(shape)} "
-            "elements"
+            f"{where}: the stored chunks of {key!r} hold {total} of its {math.prod(shape)} elements"
         )
     for i, a in enumerate(chunks):
         for b in chunks[i + 1 :]:

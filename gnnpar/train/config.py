@@ -165,6 +165,13 @@ class TrainerConfig:
         0, "also checkpoint every N epochs or steps (one is always written at the end)"
     )
     keep_checkpoints: int = option(2, "newest checkpoints kept in the run folder (0: all)")
+    snapshot_every: int = option(
+        0, "also keep the state of every N epochs or steps in node-local shared memory, "
+        "copied to a rank on the next node; a restart resumes from it (0: off)"
+    )  # fmt: skip
+    snapshot_dir: str | None = option(
+        None, "where snapshots live (default /dev/shm/gnnpar-snapshots: memory)"
+    )
     resume: bool = option(False, "continue from the newest usable checkpoint, on any grid")
     other_data: bool = option(
         False, "with resume: continue a checkpoint trained on other data (fine-tuning; "
@@ -192,7 +199,10 @@ class TrainerConfig:
         _one_of(self, "device", DEVICES)
         _one_of(self, "dtype", MASTER_DTYPES)
         _one_of(self, "mixed_precision", PRECISIONS)
-        _at_least(self, 0, "eval_every", "checkpoint_every", "keep_checkpoints", "skip_nonfinite")
+        _at_least(
+            self, 0, "eval_every", "checkpoint_every", "keep_checkpoints", "skip_nonfinite",
+            "snapshot_every",
+        )  # fmt: skip
         if self.ranks_per_node is not None:
             _at_least(self, 1, "ranks_per_node")
         if not 0 <= self.seed < 2**63:  # what every generator (torch, numpy) accepts

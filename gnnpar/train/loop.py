@@ -22,12 +22,14 @@ import torch
 from gnnpar import checkpoint, comm
 from gnnpar.atomic import check_writable
 from gnnpar.errors import UserError
+from gnnpar.failpoints import failpoint
 from gnnpar.grid import ProcessGrid, fit_shape, parse_grid_spec
 from gnnpar.launch import rank_and_world, restart_count
 from gnnpar.train.config import RUN_CONFIG, ConfigError, write_run_config
 from gnnpar.train.lock import LOCKED_ENV, check_free
 from gnnpar.train.metrics import MetricsLog, peak_rss_mb
 from gnnpar.train.progress import Progress, metric_text, start_lines
+from gnnpar.train.recovery import RUN_ID, Snapshots
 from gnnpar.train.selection import Selection
 from gnnpar.train.spec import TrainSpec, specs
 
@@ -121,7 +123,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 #: The markers of a run in a run folder: one of them present means the folder holds a run.
-RUN_MARKERS = ("metrics.jsonl", "checkpoints", "plots", "tensorboard", RUN_CONFIG)
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "plots", "tensorboard", RUN_CONFIG, RUN_ID)
 
 #: Where a run keeps the checkpoint of its best-validation model, under ``checkpoints/``.
 BEST = "best"
@@ -288,7 +290,7 @@ def load_dataset(cfg: Any, warn_directed: bool = False) -> Any:
     return graph
 
 
-class _Snapshot:
+class _Undo:
     """Copies of a task's parameters, buffers and optimizer state, to undo one step."""
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer):
@@ -357,6 +359,8 @@ class Trainer:
         config: tuple[str, Any] | None = None,
         baseline_rss_mb: float | None = None,
         other_data: bool = False,
+        snapshot_every: int = 0,
+        snapshot_dir: str | None = None,
     ):
         """``progress``: the run's console (the one its task printed its preparation on);
         by default one of its own. It prints on rank 0 only, whatever it is given.
@@ -365,7 +369,10 @@ class Trainer:
         to the run folder's ``config.toml`` at the start (what evaluate and predict read).
         ``baseline_rss_mb``: this process's resident memory before the task was built (its
         idle baseline), reported beside each rank's peak at the end (:meth:`rank_memory`).
-        ``other_data``: a resume may continue a checkpoint of other data (recorded)."""
+        ``other_data``: a resume may continue a checkpoint of other data (recorded).
+        ``snapshot_every``: also keep the state of every N steps in node-local shared memory
+        under ``snapshot_dir`` (:mod:`gnnpar.train.recovery`), where a restart resumes from
+        when it is at least as fresh as the newest checkpoint (0: no snapshots)."""
         self.task = task
         self.other_data = other_data
         #: The data a resume moved the run onto, for the ``resume`` event (None: the same).
@@ -377,6 +384,12 @@ class Trainer:
         self.out = Path(out)
         self.eval_every = eval_every
         self.checkpoint_every = checkpoint_every
+        self.snapshot_every = snapshot_every
+        self.snapshot_dir = snapshot_dir
+        #: The run's in-memory snapshots (made in :meth:`run`; None without them).
+        self.snapshots: Snapshots | None = None
+        #: Where :meth:`_resume` loaded the run from: disk, memory or peer.
+        self._resumed_from = "disk"
         self.keep_checkpoints = keep_checkpoints
         #: Steps with a non-finite loss that may be undone before the run stops with an error.
         self.skip_nonfinite = skip_nonfinite
@@ -433,6 +446,8 @@ class Trainer:
             config=(task.describe()["task"], cfg),
             baseline_rss_mb=baseline_rss_mb,
             other_data=getattr(cfg, "other_data", False),
+            snapshot_every=getattr(cfg, "snapshot_every", 0),
+            snapshot_dir=getattr(cfg, "snapshot_dir", None),
         )
 
     def _check_run_folder(self, overwrite: bool) -> None:
@@ -466,6 +481,8 @@ class Trainer:
         return extra
 
     def _save(self, step: int) -> None:
+        if self.snapshots is not None:  # one write at a time; and the snapshot is complete
+            self.snapshots.writer.wait()
         task = self.task
         checkpoint.save(
             checkpoint_dir(self.out),
@@ -499,11 +516,18 @@ class Trainer:
             self._save_best(done)
 
     def _resume(self) -> int:
-        """Load the newest usable checkpoint of the run (onto this run's grid, whatever grid
-        wrote it); return the step to continue from (0 without one)."""
-        found = checkpoint.load(
-            self.out / "checkpoints", self.grid, self.task.model, self.task.optimizer
-        )
+        """Load the newest usable snapshot or checkpoint of the run, whichever is fresher (a
+        checkpoint onto this run's grid, whatever grid wrote it); return the step to continue
+        from (0 without one)."""
+        found: Any = None
+        if self.snapshots is not None:
+            found = self.snapshots.restore(self.out / "checkpoints", self.task)
+        source = found.source if found is not None else "disk"
+        self._resumed_from = source
+        if found is None:
+            found = checkpoint.load(
+                self.out / "checkpoints", self.grid, self.task.model, self.task.optimizer
+            )
         if found is None:
             return 0
         unit, total = self.task.unit, self.task.num_steps
@@ -531,6 +555,7 @@ class Trainer:
                 "step": found.step,
                 "attempt": self.attempt,
                 "from_grid": found.grid,
+                "source": source,
                 "dropped_records": dropped,
                 **({"data_changed": self._data_change} if self._data_change else {}),
             }
@@ -574,13 +599,13 @@ class Trainer:
         flags = comm.all_reduce(flags, self.grid, "world", op="max")
         return bool(flags[0].item()), bool(flags[1].item())
 
-    def _take_snapshot(self) -> _Snapshot | None:
+    def _undo_point(self) -> _Undo | None:
         """A copy of the state to undo the next step, when bad steps may be skipped."""
         if self.skipped_steps >= self.skip_nonfinite:
             return None
-        return _Snapshot(self.task.model, self.task.optimizer)
+        return _Undo(self.task.model, self.task.optimizer)
 
-    def _skip_or_stop(self, snapshot: _Snapshot | None, loss: Any, done: int) -> None:
+    def _skip_or_stop(self, snapshot: _Undo | None, loss: Any, done: int) -> None:
         """Undo the step that gave a non-finite loss (counted), or raise
         :class:`NonFiniteLossError` when no more may be skipped."""
         if snapshot is None:
@@ -597,22 +622,39 @@ class Trainer:
         snapshot.restore()
         self.skipped_steps += 1
 
-    def _announce(self, start_step: int) -> None:
+    def _announce(self, start_step: int, source: str = "disk") -> None:
         """Rank 0's start lines, and where a resumed run continues from."""
         for text in start_lines(self.task, self.out):
             self.progress.line(text)
         if start_step:
             unit, total = self.task.unit, self.task.num_steps
-            self.progress.line(f"resumed from the checkpoint of {unit} {start_step} (of {total})")
+            what = {"disk": "the checkpoint", "memory": "the snapshot in memory"}.get(
+                source, "the snapshot held by the next node"
+            )
+            self.progress.line(f"resumed from {what} of {unit} {start_step} (of {total})")
 
     def _run(self) -> dict[str, float]:
         self.task.optimizer  # noqa: B018 -- built before the first step, not inside its time
+        if self.snapshot_every:
+            self.snapshots = Snapshots(
+                self.out, self.grid, self.snapshot_every, self.snapshot_dir, self.resume
+            )
+        finished = False
+        try:
+            result = self._train()
+            finished = self.preempted_at is None
+        finally:
+            if self.snapshots is not None:
+                self.snapshots.close(finished)
+        return result
+
+    def _train(self) -> dict[str, float]:
         start_step = self._resume() if self.resume else 0
         if self.config is not None and self.is_main:
             write_run_config(self.out, *self.config)
         if start_step == 0:
             self.metrics.write({"event": "start", "grid": self.grid.shape, "attempt": self.attempt})
-        self._announce(start_step)
+        self._announce(start_step, self._resumed_from)
         total = self.task.num_steps
         last_eval: dict[str, float] = {}
         # a run that early stopping ended stays ended when resumed
@@ -623,7 +665,7 @@ class Trainer:
         with self.progress.bar(total, initial=start_step, unit=self.task.unit) as bar:
             for step in range(start_step, end_step):
                 t0 = time.perf_counter()
-                snapshot = self._take_snapshot()
+                snapshot = self._undo_point()
                 with comm.record(self.grid) as traffic:
                     record = self.task.train_step(step)
                 record["seconds"] = time.perf_counter() - t0
@@ -642,6 +684,10 @@ class Trainer:
                     self._select(last_eval, done)
                     if self.selection is not None and self.selection.best_step is not None:
                         record["best_step"] = self.selection.best_step
+                lose = self.snapshots.lose_node if self.snapshots is not None else None
+                failpoint("step", done, self.grid.global_rank, lose)  # a chaos run's failure
+                if self.snapshots is not None and self.snapshots.due(done, total):
+                    record.update(self.snapshots.take(done, self.task, self._extra()))
                 record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
                 self.metrics.write(record)
                 shown = {k: v for k, v in record.items() if k in _SHOWN and isinstance(v, float)}

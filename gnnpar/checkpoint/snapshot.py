@@ -1,0 +1,517 @@
+"""In-memory snapshots (REFT): the checkpoint of a step kept in node-local shared memory, with
+a copy on the next node, so that a restart loses (almost) no steps and reads no disk.
+
+Every ``snapshot_every`` steps each rank copies its pieces of the model and of the optimizer
+state (the same pieces a checkpoint holds, :func:`gnnpar.checkpoint.store.rank_pieces`, but
+all of them: a rank restores from its own file alone), its RNG state and the task's position
+to host memory — the only part the step waits for — and a background thread does the rest:
+it serialises them, sends them to its *peer* (the rank with the same local rank on the next
+node, over a gloo group of its own) and writes its own and the copy it received into its
+node's snapshot folder, a tmpfs (``/dev/shm``: memory that outlives the worker process, not
+the node)::
+
+    <snapshot_dir>/<run id>/node-<N>/step-<S>/rank-<R>.pt     rank R's tensors at step S
+                                              rank-<R>.json   its record, written last
+
+Node N's folder holds its own ranks' files and the copies of the previous node's ranks'.
+Each file is written under a temporary name and renamed; the record, written last, names
+the run, the step, the rank and the grid and carries the file's size and checksum: a torn
+write (no record, or a file that does not match it), another run's file, or another step's
+is refused with a warning and the next source tried. Each rank keeps its newest
+:data:`KEEP` snapshots (of its own and of the copies it holds).
+
+:func:`restore` (collective, at a restart on the same grid): every rank lists the snapshots
+it can verify — its own, and the copies it holds of its predecessor's — the ranks agree on
+the newest step every rank can be given, a rank whose own copy is gone (its node was
+replaced) receives the copy its peer holds, and each loads its own file through the
+checkpoint loader (:func:`~gnnpar.checkpoint.store.plan_restore`). The trainer compares that
+step with the newest disk checkpoint and takes the fresher.
+
+On one node (``ranks_per_node`` = world size) there is no peer: the node-local copy outlives
+a killed process, not a lost node. ``--ranks-per-node`` simulates several nodes on one host.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from gnnpar import comm
+from gnnpar.atomic import atomic_write, os_error_message
+from gnnpar.checkpoint.protocol import CheckpointError
+from gnnpar.checkpoint.state import model_layout
+from gnnpar.checkpoint.store import LOCAL, apply_restore, plan_restore, rank_pieces
+from gnnpar.checkpoint.validate import check_stored, entry_digest, stored_chunk
+from gnnpar.failpoints import failpoint
+from gnnpar.grid import ProcessGrid
+from gnnpar.verified import CHECKSUM, FormatError, Manifest, load_tensors
+
+__all__ = [
+    "KEEP",
+    "SCHEMA",
+    "Restored",
+    "SnapshotWriter",
+    "default_root",
+    "restore",
+]
+
+SCHEMA = "gnnpar.snapshot"
+VERSION = 1
+#: Snapshots each rank keeps of its own, and of the copies it holds.
+KEEP = 2
+#: Candidate steps a rank reports at a restore (own and held, :data:`KEEP` each).
+_SLOTS = 2 * KEEP
+
+
+def default_root() -> Path:
+    """``/dev/shm/gnnpar-snapshots`` where there is a ``/dev/shm`` (tmpfs: memory), else a
+    folder in the temporary directory."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / "gnnpar-snapshots"
+
+
+def _stem(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _step_dir(node_dir: Path, step: int) -> Path:
+    return node_dir / f"step-{step:06d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where a rank's snapshots live: its node's folder, its peer (the rank on the next node
+    that holds a copy of its snapshots) and its predecessor (whose copies it holds)."""
+
+    node_dir: Path
+    peer: int | None
+    predecessor: int | None
+
+    @classmethod
+    def of(cls, root: Path, run_id: str, grid: ProcessGrid) -> _Placement:
+        rank, world, per_node = grid.global_rank, grid.world_size, grid.ranks_per_node
+        node_dir = root / run_id / f"node-{grid.node():03d}"
+        if per_node >= world:
+            return cls(node_dir, None, None)
+        return cls(node_dir, (rank + per_node) % world, (rank - per_node) % world)
+
+
+def _record(
+    run_id: str, step: int, rank: int, grid: ProcessGrid, data: bytes, meta: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "run": run_id,
+        "step": step,
+        "rank": rank,
+        "grid": grid.shape,
+        "world_size": grid.world_size,
+        "file": {"size": len(data), CHECKSUM: xxhash.xxh3_64(data).hexdigest()},
+        **meta,
+    }
+
+
+def _write_pair(folder: Path, rank: int, data: bytes, record: dict[str, Any], step: int) -> None:
+    """Rank ``rank``'s tensor file, then its record (the record last: a file without one is
+    a torn write)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = _stem(rank)
+    atomic_write(folder / f"{stem}.pt", lambda tmp: Path(tmp).write_bytes(data))
+    failpoint("snapshot", step, record["writer"])  # a chaos run's kill mid-snapshot
+    text = json.dumps(record)
+    atomic_write(folder / f"{stem}.json", lambda tmp: Path(tmp).write_text(text))
+
+
+def _prune(node_dir: Path, rank: int, keep_from: int) -> None:
+    """Remove rank ``rank``'s files of the steps before ``keep_from`` (and a step folder
+    left empty)."""
+    stem = _stem(rank)
+    for folder in node_dir.glob("step-*"):
+        step = _step_number(folder)
+        if step is None or step >= keep_from:
+            continue
+        (folder / f"{stem}.json").unlink(missing_ok=True)  # first: never a complete-looking half
+        (folder / f"{stem}.pt").unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # other ranks' files are still there
+
+
+def _step_number(folder: Path) -> int | None:
+    try:
+        return int(folder.name.removeprefix("step-"))
+    except ValueError:
+        return None
+
+
+class SnapshotWriter:
+    """Takes a rank's snapshots (see the module docstring); one per rank, made on every rank
+    of ``grid`` together (it creates a gloo group for the copies to peers)."""
+
+    def __init__(self, root: str | os.PathLike, run_id: str, grid: ProcessGrid):
+        self.root = Path(root)
+        self.run_id = run_id
+        self.grid = grid
+        self.place = _Placement.of(self.root, run_id, grid)
+        # the copies to peers travel on a group of their own, from the writer thread
+        self._group = None
+        if grid.distributed and self.place.peer is not None:
+            self._group = dist.new_group(backend="gloo")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._pending: concurrent.futures.Future | None = None
+        self._steps: list[int] = []  # own snapshots written, oldest first
+        #: Seconds the last :meth:`take` held the training loop (waiting for the previous
+        #: snapshot, then copying to host memory), and the last background write's seconds.
+        self.last_wait_s = 0.0
+        self.last_copy_s = 0.0
+        self.last_write_s = 0.0
+
+    def take(
+        self,
+        step: int,
+        model: Any,
+        optimizer: torch.optim.Optimizer | None,
+        extra: Mapping[str, Any],
+        local: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Snapshot the state after ``step``: copy it to host memory now, write it in the
+        background (a failed earlier write is raised here, naming its file)."""
+        t0 = time.perf_counter()
+        self.wait()
+        t1 = time.perf_counter()
+        layout, pieces, tensors, groups = rank_pieces(self.grid, model, optimizer)
+        blob, entries = {}, {}
+        for p in pieces:
+            if p.chunks:
+                blob[p.name] = p.tensor.detach().reshape(-1).to("cpu", copy=True)
+                entries[p.name] = [c.to_json() for c in p.chunks]
+        for name, t in local.items():
+            blob[LOCAL + name] = t.detach().to("cpu", copy=True)
+        meta = {
+            "pieces": entries,
+            "tensors": {k: v.to_json() for k, v in tensors.items()},
+            "keys": layout.keys,
+            "aliases": layout.aliases,
+            "optimizer": {"param_groups": groups} if groups is not None else None,
+            "local": sorted(local),
+            "extra": json.loads(json.dumps(dict(extra))),  # a copy, as JSON will read it
+        }
+        self.last_wait_s, self.last_copy_s = t1 - t0, time.perf_counter() - t1
+        self._pending = self._pool.submit(self._write, step, blob, meta)
+
+    def _write(self, step: int, blob: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        rank = self.grid.global_rank
+        meta["digests"] = {n: entry_digest(d, blob[n]) for n, d in meta["pieces"].items()}
+        meta["writer"] = rank
+        meta["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        buf = io.BytesIO()
+        torch.save(blob, buf)  # plain tensors: they load with weights_only=True
+        data = buf.getvalue()
+        record = _record(self.run_id, step, rank, self.grid, data, meta)
+        folder = _step_dir(self.place.node_dir, step)
+        try:
+            _write_pair(folder, rank, data, record, step)
+            if self.place.peer is not None:
+                got, got_record = self._exchange(data, record)
+                got_record["writer"] = rank  # the copy's holder
+                _write_pair(folder, self.place.predecessor, got, got_record, step)
+        except OSError as err:
+            raise CheckpointError(os_error_message(err) + " (writing a snapshot)") from None
+        self._steps.append(step)
+        if len(self._steps) > KEEP:
+            oldest = self._steps[-KEEP]
+            _prune(self.place.node_dir, rank, oldest)
+            if self.place.predecessor is not None:
+                _prune(self.place.node_dir, self.place.predecessor, oldest)
+        self.last_write_s = time.perf_counter() - t0
+
+    def _exchange(self, data: bytes, record: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """Send this rank's snapshot to its peer and receive its predecessor's."""
+        return _send_receive(data, record, self.place.peer, self.place.predecessor, self._group)
+
+    def wait(self) -> None:
+        """Wait for the snapshot being written (its error, if it failed, is raised here)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self, remove: bool = False) -> None:
+        """Finish the pending write and stop the writer thread; ``remove``: also delete this
+        rank's snapshots and the copies it holds (the run ended: nothing to restore)."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+        if remove:
+            _prune(self.place.node_dir, self.grid.global_rank, sys.maxsize)
+            if self.place.predecessor is not None:
+                _prune(self.place.node_dir, self.place.predecessor, sys.maxsize)
+            for folder in (self.place.node_dir, self.place.node_dir.parent):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass  # other ranks' files are still there
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+
+def _send_receive(
+    data: bytes, record: dict[str, Any], to: int, frm: int, group: Any
+) -> tuple[bytes, dict[str, Any]]:
+    """Send ``data`` and ``record`` to rank ``to`` and receive the same from ``frm``
+    (point-to-point on ``group``: sizes first, then the bytes)."""
+    text = json.dumps(record).encode()
+    sizes = torch.tensor([len(data), len(text)], dtype=torch.int64)
+    got_sizes = torch.empty(2, dtype=torch.int64)
+    reqs = [dist.isend(sizes, to, group=group), dist.irecv(got_sizes, frm, group=group)]
+    for r in reqs:
+        r.wait()
+    out = torch.frombuffer(bytearray(data + text), dtype=torch.uint8)
+    n, m = (int(v) for v in got_sizes)
+    got = torch.empty(n + m, dtype=torch.uint8)
+    reqs = [dist.isend(out, to, group=group), dist.irecv(got, frm, group=group)]
+    for r in reqs:
+        r.wait()
+    raw = got.numpy().tobytes()
+    return raw[:n], json.loads(raw[n:].decode())
+
+
+# ----------------------------------------------------------------------------------- restore
+@dataclasses.dataclass
+class Restored:
+    """What :func:`restore` loaded: the step, where from (``"memory"``: the rank's own node,
+    ``"peer"``: some rank received its copy from the next node), ``extra`` and this rank's
+    ``local`` tensors, as :class:`~gnnpar.checkpoint.LoadResult` gives them."""
+
+    step: int
+    source: str
+    folder: Path
+    extra: dict[str, Any]
+    local: dict[str, torch.Tensor]
+    grid: dict[str, int]
+
+
+def _read_record(path: Path, run_id: str, rank: int, step: int, grid: ProcessGrid) -> dict:
+    """A snapshot record, checked: FormatError naming the file and what is wrong."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"{path}: not a readable snapshot record ({err})") from None
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        raise FormatError(f"{path}: not a gnnpar snapshot record")
+    if record.get("version") != VERSION:
+        raise FormatError(f"{path}: snapshot version {record.get('version')!r}, not {VERSION}")
+    for key, want, what in (
+        ("run", run_id, "another run"),
+        ("step", step, "another step"),
+        ("rank", rank, "another rank"),
+        ("grid", grid.shape, "another grid"),
+    ):
+        if record.get(key) != want:
+            raise FormatError(f"{path}: a snapshot of {what} ({key} {record.get(key)!r})")
+    for key in ("file", "pieces", "tensors", "digests", "keys", "aliases", "extra", "local"):
+        if key not in record:
+            raise FormatError(f"{path}: the record lacks its {key!r} field")
+    return record
+
+
+def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
+    """The one-file manifest of a rank's snapshot, as the checkpoint loader reads one."""
+    name = f"{_stem(rank)}.pt"
+    where = folder / f"{_stem(rank)}.json"
+    pieces = record["pieces"]
+    if not isinstance(pieces, dict) or not all(isinstance(v, list) for v in pieces.values()):
+        raise FormatError(f"{where}: malformed pieces")
+    for docs in pieces.values():
+        for doc in docs:
+            stored_chunk(doc, where)
+    meta = {
+        "step": record["step"],
+        "grid": record["grid"],
+        "world_size": record["world_size"],
+        "keys": record["keys"],
+        "aliases": record["aliases"],
+        "tensors": record["tensors"],
+        "pieces": {name: pieces},
+        "digests": {name: record["digests"]},
+        "local": {name: record["local"]},
+        "optimizer": record.get("optimizer"),
+        "extra": record["extra"],
+    }
+    return Manifest(folder, SCHEMA, 2, {name: record["file"]}, meta)
+
+
+def _verified(folder: Path, rank: int, run_id: str, step: int, grid: ProcessGrid):
+    """``(manifest, tensors)`` of rank ``rank``'s snapshot in ``folder``, every check made
+    (record, file size and checksum, each entry's digest); FormatError otherwise."""
+    stem = _stem(rank)
+    if not (folder / f"{stem}.json").is_file():
+        what = "a torn write" if (folder / f"{stem}.pt").exists() else "missing"
+        raise FormatError(f"{folder / stem}.pt: no snapshot record ({what})")
+    record = _read_record(folder / f"{stem}.json", run_id, rank, step, grid)
+    manifest = _manifest(folder, rank, record)
+    name = f"{stem}.pt"
+    blob = load_tensors(manifest.verify(name, "checksum"))
+    check_stored(manifest, name, blob, "checksum")
+    return manifest, blob
+
+
+def _candidates(node_dir: Path, rank: int) -> list[int]:
+    """Steps under ``node_dir`` with a file of ``rank`` (a record, or a tensor file
+    without one: a torn write to warn about), newest first."""
+    found, stem = [], _stem(rank)
+    for folder in node_dir.glob("step-*"):
+        step = _step_number(folder)
+        if step is not None and any((folder / f"{stem}{x}").exists() for x in (".json", ".pt")):
+            found.append(step)
+    return sorted(found, reverse=True)
+
+
+def _usable(node_dir: Path, rank: int, run_id: str, grid: ProcessGrid, warn) -> list[int]:
+    """The newest :data:`KEEP` steps whose snapshot of ``rank`` under ``node_dir`` passes
+    every check; the others are warned about."""
+    good = []
+    for step in _candidates(node_dir, rank):
+        try:
+            _verified(_step_dir(node_dir, step), rank, run_id, step, grid)
+        except (FormatError, CheckpointError) as err:
+            warn(f"{err}; trying the next source")
+            continue
+        good.append(step)
+        if len(good) == KEEP:
+            break
+    return good
+
+
+def _successor(rank: int, grid: ProcessGrid) -> int | None:
+    per_node, world = grid.ranks_per_node, grid.world_size
+    return None if per_node >= world else (rank + per_node) % world
+
+
+def _agreed_step(table: torch.Tensor, grid: ProcessGrid, newer_than: int) -> int | None:
+    """The newest step past ``newer_than`` for which every rank has its own snapshot or its
+    successor holds a copy (``table[r]``: rank r's own steps, then the copies it holds)."""
+    steps = sorted({int(v) for v in table.reshape(-1).tolist() if v >= 0}, reverse=True)
+    for step in steps:
+        if step <= newer_than:
+            return None
+        ok = True
+        for r in range(grid.world_size):
+            s = _successor(r, grid)
+            if not (step in table[r, 0].tolist() or (s is not None and step in table[s, 1])):
+                ok = False
+                break
+        if ok:
+            return step
+    return None
+
+
+def _return_copies(
+    table: torch.Tensor, step: int, grid: ProcessGrid, place: _Placement, run_id: str
+) -> None:
+    """Give every rank without its own snapshot of ``step`` the copy its successor holds:
+    the holder sends it, the rank writes it into its own node's folder (collective)."""
+    rank = grid.global_rank
+    folder = _step_dir(place.node_dir, step)
+    if step not in table[rank, 0].tolist():  # this rank's node lost it: its peer has a copy
+        data, record = _receive(place.peer)
+        record["writer"] = rank
+        try:
+            _write_pair(folder, rank, data, record, step)
+        except OSError as err:
+            raise CheckpointError(os_error_message(err) + " (restoring a snapshot)") from None
+    pred = place.predecessor
+    if pred is not None and step not in table[pred, 0].tolist():
+        stem = _stem(pred)
+        _send(
+            (folder / f"{stem}.pt").read_bytes(),
+            json.loads((folder / f"{stem}.json").read_text()),
+            pred,
+        )
+
+
+def _send(data: bytes, record: dict[str, Any], to: int) -> None:
+    text = json.dumps(record).encode()
+    dist.send(torch.tensor([len(data), len(text)], dtype=torch.int64), to)
+    dist.send(torch.frombuffer(bytearray(data + text), dtype=torch.uint8), to)
+
+
+def _receive(frm: int) -> tuple[bytes, dict[str, Any]]:
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, frm)
+    n, m = (int(v) for v in sizes)
+    got = torch.empty(n + m, dtype=torch.uint8)
+    dist.recv(got, frm)
+    raw = got.numpy().tobytes()
+    return raw[:n], json.loads(raw[n:].decode())
+
+
+def restore(
+    root: str | os.PathLike,
+    run_id: str,
+    grid: ProcessGrid,
+    model: Any,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    newer_than: int = -1,
+    strict: bool = True,
+) -> Restored | None:
+    """Load the newest snapshot every rank of ``grid`` can be given, if its step is past
+    ``newer_than`` (the newest disk checkpoint's); None otherwise (collective)."""
+    place = _Placement.of(Path(root), run_id, grid)
+    rank = grid.global_rank
+
+    def warn(text: str) -> None:
+        print(f"warning: rank {rank}: {text}", file=sys.stderr, flush=True)
+
+    own = _usable(place.node_dir, rank, run_id, grid, warn)
+    held = []
+    if place.predecessor is not None:
+        held = _usable(place.node_dir, place.predecessor, run_id, grid, warn)
+    row = torch.full((2, KEEP), -1, dtype=torch.int64)
+    row[0, : len(own)] = torch.tensor(own, dtype=torch.int64)
+    row[1, : len(held)] = torch.tensor(held, dtype=torch.int64)
+    table = comm.all_gather(row.to(grid.device), grid, "world").reshape(-1, 2, KEEP).cpu()
+    step = _agreed_step(table, grid, newer_than)
+    if step is None:
+        return None
+    own_ok = table[rank, 0].eq(step).any().item()
+    folder = _step_dir(place.node_dir, step)
+    if place.peer is not None:
+        _return_copies(table, step, grid, place, run_id)
+    manifest, blob = _verified(folder, rank, run_id, step, grid)
+    layout = model_layout(model, grid)
+    pairs, opt_where = plan_restore(manifest, layout, optimizer, strict)
+    name = f"{_stem(rank)}.pt"
+    apply_restore(manifest, pairs, {name: blob}, layout, optimizer, opt_where)
+    local = {n: blob[LOCAL + n].clone() for n in manifest.meta["local"].get(name, [])}
+    received = comm.all_reduce(
+        torch.tensor([0 if own_ok else 1], device=grid.device), grid, "world", op="max"
+    )
+    return Restored(
+        step=step,
+        source="peer" if int(received.item()) else "memory",
+        folder=folder,
+        extra=dict(manifest.meta["extra"]),
+        local=local,
+        grid=dict(manifest.meta["grid"]),
+    )
