@@ -42,7 +42,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -253,22 +253,12 @@ class SnapshotWriter:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def close(self, remove: bool = False) -> None:
-        """Finish the pending write and stop the writer thread; ``remove``: also delete this
-        rank's snapshots and the copies it holds (the run ended: nothing to restore)."""
+    def close(self) -> None:
+        """Finish the pending write and stop the writer thread."""
         try:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-        if remove:
-            _prune(self.place.node_dir, self.grid.global_rank, sys.maxsize)
-            if self.place.predecessor is not None:
-                _prune(self.place.node_dir, self.place.predecessor, sys.maxsize)
-            for folder in (self.place.node_dir, self.place.node_dir.parent):
-                try:
-                    folder.rmdir()
-                except OSError:
-                    pass  # other ranks' files are still there
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
@@ -391,6 +381,11 @@ def _usable(node_dir: Path, rank: int, run_id: str, grid: ProcessGrid, warn) -> 
     every check; the others are warned about."""
     good = []
     for step in _candidates(node_dir, rank):
+        if _peek(_step_dir(node_dir, step) / f"{_stem(rank)}.json", "grid") not in (
+            None,
+            grid.shape,
+        ):
+            continue  # another grid's snapshot: for the resharding restore, not a damage
         try:
             _verified(_step_dir(node_dir, step), rank, run_id, step, grid)
         except (FormatError, CheckpointError) as err:
@@ -400,6 +395,15 @@ def _usable(node_dir: Path, rank: int, run_id: str, grid: ProcessGrid, warn) -> 
         if len(good) == KEEP:
             break
     return good
+
+
+def _peek(path: Path, key: str) -> Any:
+    """One field of a snapshot record, or None when it cannot be read."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc.get(key) if isinstance(doc, dict) else None
 
 
 def _successor(rank: int, grid: ProcessGrid) -> int | None:
@@ -476,12 +480,35 @@ def restore(
     strict: bool = True,
 ) -> Restored | None:
     """Load the newest snapshot every rank of ``grid`` can be given, if its step is past
-    ``newer_than`` (the newest disk checkpoint's); None otherwise (collective)."""
-    place = _Placement.of(Path(root), run_id, grid)
+    ``newer_than`` (the newest disk checkpoint's); None otherwise (collective).
+
+    A snapshot of this grid is restored rank by rank (:func:`_restore_same_grid`); when there
+    is none, one of another grid (the data axis shrank or grew) is resharded from the files
+    this process can see (:func:`_restore_resharded`)."""
     rank = grid.global_rank
 
     def warn(text: str) -> None:
         print(f"warning: rank {rank}: {text}", file=sys.stderr, flush=True)
+
+    args = (Path(root), run_id, grid, model, optimizer, newer_than, strict, warn)
+    found = _restore_same_grid(*args)
+    return found if found is not None else _restore_resharded(*args)
+
+
+def _restore_same_grid(
+    root: Path,
+    run_id: str,
+    grid: ProcessGrid,
+    model: Any,
+    optimizer: torch.optim.Optimizer | None,
+    newer_than: int,
+    strict: bool,
+    warn: Callable[[str], None],
+) -> Restored | None:
+    """Every rank loads its own snapshot file (received from its peer when its node lost
+    it), of the newest step every rank can be given."""
+    place = _Placement.of(root, run_id, grid)
+    rank = grid.global_rank
 
     own = _usable(place.node_dir, rank, run_id, grid, warn)
     held = []
@@ -513,5 +540,141 @@ def restore(
         folder=folder,
         extra=dict(manifest.meta["extra"]),
         local=local,
+        grid=dict(manifest.meta["grid"]),
+    )
+
+
+def _visible(root: Path, run_id: str) -> dict[int, dict[int, list[Path]]]:
+    """Every snapshot record this process can see under the run's folder (every node
+    folder present here): step → old rank → the step folders holding it (own node first)."""
+    found: dict[int, dict[int, list[Path]]] = {}
+    for node_dir in sorted((root / run_id).glob("node-*")):
+        for folder in node_dir.glob("step-*"):
+            step = _step_number(folder)
+            if step is None:
+                continue
+            for path in folder.glob("rank-*.json"):
+                try:
+                    old = int(path.stem.removeprefix("rank-"))
+                except ValueError:
+                    continue
+                found.setdefault(step, {}).setdefault(old, []).append(folder)
+    return found
+
+
+def _union(step: int, copies: dict[int, list[Path]], run_id: str, warn) -> Manifest | None:
+    """The manifest of every old rank's snapshot of ``step`` (one record each, the first
+    copy that reads as this run's step), or None when a rank's is missing or the records
+    disagree on the grid."""
+    records: dict[int, tuple[Path, dict[str, Any]]] = {}
+    for old, folders in copies.items():
+        for folder in folders:
+            doc = _peek_record(folder / f"{_stem(old)}.json", run_id, old, step, warn)
+            if doc is not None:
+                records[old] = (folder, doc)
+                break
+    if not records:
+        return None
+    first = records[min(records)][1]
+    world = first.get("world_size")
+    if sorted(records) != list(range(world if isinstance(world, int) else -1)):
+        return None
+    if any(doc.get("grid") != first.get("grid") for _, doc in records.values()):
+        return None
+    files, pieces, digests, local, tensors = {}, {}, {}, {}, {}
+    for old, (folder, doc) in records.items():
+        one = _manifest(folder, old, doc)  # checks the chunks' types
+        name = f"{_stem(old)}.pt"
+        files[name] = doc["file"]
+        pieces.update(one.meta["pieces"])
+        digests.update(one.meta["digests"])
+        local[name] = doc["local"]
+        tensors.update(doc["tensors"])
+    meta = {
+        **{k: first[k] for k in ("step", "grid", "world_size", "keys", "aliases", "extra")},
+        "optimizer": first.get("optimizer"),
+        "tensors": tensors,
+        "pieces": pieces,
+        "digests": digests,
+        "local": local,
+        "folders": {f"{_stem(old)}.pt": str(folder) for old, (folder, _) in records.items()},
+    }
+    return Manifest(_root_of(records), SCHEMA, 2, files, meta)
+
+
+def _root_of(records: dict[int, tuple[Path, dict[str, Any]]]) -> Path:
+    """The run's snapshot folder (for messages): two levels above a step folder."""
+    return next(iter(records.values()))[0].parent.parent
+
+
+def _peek_record(path: Path, run_id: str, rank: int, step: int, warn) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        warn(f"{path}: not a readable snapshot record ({err}); trying the next source")
+        return None
+    ok = isinstance(doc, dict) and doc.get("schema") == SCHEMA and doc.get("version") == VERSION
+    ok = ok and (doc.get("run"), doc.get("step"), doc.get("rank")) == (run_id, step, rank)
+    keys = ("file", "pieces", "tensors", "digests", "keys", "aliases", "extra", "local", "grid")
+    if not ok or any(k not in doc for k in keys):
+        warn(f"{path}: not a snapshot of this run's step {step} and rank {rank}; skipped")
+        return None
+    return doc
+
+
+def _restore_resharded(
+    root: Path,
+    run_id: str,
+    grid: ProcessGrid,
+    model: Any,
+    optimizer: torch.optim.Optimizer | None,
+    newer_than: int,
+    strict: bool,
+    warn: Callable[[str], None],
+) -> Restored | None:
+    """Load the newest snapshot of another grid whose every old rank's file this process
+    can see and verify, through the checkpoint loader's resharding (each rank reads the
+    files that overlap its pieces), when every rank can (collective). On one host every
+    node's folder is visible; on a cluster a rank sees its own node's, which holds the
+    previous node's copies too: two nodes shrinking to one see everything."""
+    visible = _visible(root, run_id)
+    mine = -1
+    chosen: tuple[Manifest, dict[str, dict[str, torch.Tensor]], list, list, Any] | None = None
+    layout = model_layout(model, grid)
+    for step in sorted(visible, reverse=True)[: 2 * KEEP]:
+        if step <= newer_than:
+            break
+        manifest = _union(step, visible[step], run_id, warn)
+        if manifest is None or manifest.meta["grid"] == grid.shape:
+            continue
+        try:
+            pairs, opt_where = plan_restore(manifest, layout, optimizer, strict)
+            blobs = {}
+            for name in sorted({src.file for _, _, src, _ in pairs}):
+                one = Manifest(
+                    Path(manifest.meta["folders"][name]), SCHEMA, 2,
+                    {name: manifest.files[name]},
+                    {**manifest.meta, "pieces": {name: manifest.meta["pieces"][name]}},
+                )  # fmt: skip
+                blobs[name] = load_tensors(one.verify(name, "checksum"))
+                check_stored(one, name, blobs[name], "checksum")
+        except (FormatError, CheckpointError) as err:
+            warn(f"{err}; trying the next source")
+            continue
+        mine, chosen = step, (manifest, blobs, pairs, opt_where, layout)
+        break
+    # every rank must have found the same step
+    low = comm.all_reduce(torch.tensor([mine], device=grid.device), grid, "world", op="min")
+    high = comm.all_reduce(torch.tensor([mine], device=grid.device), grid, "world", op="max")
+    if int(low.item()) < 0 or int(low.item()) != int(high.item()) or chosen is None:
+        return None
+    manifest, blobs, pairs, opt_where, layout = chosen
+    apply_restore(manifest, pairs, blobs, layout, optimizer, opt_where)
+    return Restored(
+        step=mine,
+        source="memory",
+        folder=manifest.folder,
+        extra=dict(manifest.meta["extra"]),
+        local={},  # rank-local state (RNG) means nothing on another grid
         grid=dict(manifest.meta["grid"]),
     )

@@ -89,5 +89,17 @@ class Snapshots:
         shutil.rmtree(self.writer.place.node_dir, ignore_errors=True)
 
     def close(self, finished: bool) -> None:
-        """Finish the pending write; a ``finished`` run's snapshots are deleted (memory)."""
-        self.writer.close(remove=finished)
+        """Finish the pending write; a ``finished`` run's snapshots are deleted (they are
+        memory): once every rank is done, each node's first rank removes its node's folder,
+        other grids' files included (collective when ``finished``)."""
+        self.writer.close()
+        if not finished:
+            return
+        comm.barrier(self.grid)
+        if self.grid.global_rank % self.grid.ranks_per_node == 0:
+            node_dir = self.writer.place.node_dir
+            shutil.rmtree(node_dir, ignore_errors=True)
+            try:
+                node_dir.parent.rmdir()
+            except OSError:
+                pass  # another node's folder is still there (on this host)
