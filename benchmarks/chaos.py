@@ -130,8 +130,12 @@ def chaos_run(
             logged = _last_step(_records(out / "metrics.jsonl"), unit)
             os.kill(victim, signal.SIGSTOP if hang else signal.SIGKILL)
             failures.append(
-                {"at": time.time(), "logged": logged, "signal": "STOP" if hang else "KILL",
-                 "rank": workers.index(victim)}  # fmt: skip
+                {
+                    "at": time.time(),
+                    "logged": logged,
+                    "signal": "STOP" if hang else "KILL",
+                    "rank": workers.index(victim),
+                }  # fmt: skip
             )
             # the next failure only once the restart is training again
             while len([r for r in _records(out / "metrics.jsonl") if r.get("event") == "resume"]
@@ -195,8 +199,14 @@ def recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
     sides = {
         "disk every 50": ["--checkpoint-every", "50"],
-        "snapshot every step": ["--checkpoint-every", "50", "--snapshot-every", "1",
-                                "--snapshot-dir", str(work / "shm")],  # fmt: skip
+        "snapshot every step": [
+            "--checkpoint-every",
+            "50",
+            "--snapshot-every",
+            "1",
+            "--snapshot-dir",
+            str(work / "shm"),
+        ],  # fmt: skip
     }
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
     for i in range(args.repeats):
