@@ -300,8 +300,11 @@ class Restored:
     grid: dict[str, int]
 
 
-def _read_record(path: Path, run_id: str, rank: int, step: int, grid: ProcessGrid) -> dict:
-    """A snapshot record, checked: FormatError naming the file and what is wrong."""
+def _read_record(
+    path: Path, run_id: str, rank: int, step: int, grid: ProcessGrid | None
+) -> dict[str, Any]:
+    """A snapshot record, checked (against ``grid`` unless None): FormatError naming the
+    file and what is wrong."""
     try:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -314,11 +317,12 @@ def _read_record(path: Path, run_id: str, rank: int, step: int, grid: ProcessGri
         ("run", run_id, "another run"),
         ("step", step, "another step"),
         ("rank", rank, "another rank"),
-        ("grid", grid.shape, "another grid"),
+        ("grid", grid.shape if grid is not None else record.get("grid"), "another grid"),
     ):
         if record.get(key) != want:
             raise FormatError(f"{path}: a snapshot of {what} ({key} {record.get(key)!r})")
-    for key in ("file", "pieces", "tensors", "digests", "keys", "aliases", "extra", "local"):
+    keys = ("file", "pieces", "tensors", "digests", "keys", "aliases", "extra", "local", "grid")
+    for key in keys:
         if key not in record:
             raise FormatError(f"{path}: the record lacks its {key!r} field")
     return record
@@ -490,24 +494,30 @@ def restore(
     def warn(text: str) -> None:
         print(f"warning: rank {rank}: {text}", file=sys.stderr, flush=True)
 
-    args = (Path(root), run_id, grid, model, optimizer, newer_than, strict, warn)
-    found = _restore_same_grid(*args)
-    return found if found is not None else _restore_resharded(*args)
+    req = _Request(Path(root), run_id, grid, model, optimizer, newer_than, strict, warn)
+    found = _restore_same_grid(req)
+    return found if found is not None else _restore_resharded(req)
 
 
-def _restore_same_grid(
-    root: Path,
-    run_id: str,
-    grid: ProcessGrid,
-    model: Any,
-    optimizer: torch.optim.Optimizer | None,
-    newer_than: int,
-    strict: bool,
-    warn: Callable[[str], None],
-) -> Restored | None:
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """What :func:`restore` was asked (see its arguments), and how a rank warns."""
+
+    root: Path
+    run_id: str
+    grid: ProcessGrid
+    model: Any
+    optimizer: torch.optim.Optimizer | None
+    newer_than: int
+    strict: bool
+    warn: Callable[[str], None]
+
+
+def _restore_same_grid(req: _Request) -> Restored | None:
     """Every rank loads its own snapshot file (received from its peer when its node lost
     it), of the newest step every rank can be given."""
-    place = _Placement.of(root, run_id, grid)
+    run_id, grid, warn, optimizer = req.run_id, req.grid, req.warn, req.optimizer
+    place = _Placement.of(req.root, run_id, grid)
     rank = grid.global_rank
 
     own = _usable(place.node_dir, rank, run_id, grid, warn)
@@ -518,7 +528,7 @@ def _restore_same_grid(
     row[0, : len(own)] = torch.tensor(own, dtype=torch.int64)
     row[1, : len(held)] = torch.tensor(held, dtype=torch.int64)
     table = comm.all_gather(row.to(grid.device), grid, "world").reshape(-1, 2, KEEP).cpu()
-    step = _agreed_step(table, grid, newer_than)
+    step = _agreed_step(table, grid, req.newer_than)
     if step is None:
         return None
     own_ok = table[rank, 0].eq(step).any().item()
@@ -526,8 +536,8 @@ def _restore_same_grid(
     if place.peer is not None:
         _return_copies(table, step, grid, place, run_id)
     manifest, blob = _verified(folder, rank, run_id, step, grid)
-    layout = model_layout(model, grid)
-    pairs, opt_where = plan_restore(manifest, layout, optimizer, strict)
+    layout = model_layout(req.model, grid)
+    pairs, opt_where = plan_restore(manifest, layout, optimizer, req.strict)
     name = f"{_stem(rank)}.pt"
     apply_restore(manifest, pairs, {name: blob}, layout, optimizer, opt_where)
     local = {n: blob[LOCAL + n].clone() for n in manifest.meta["local"].get(name, [])}
@@ -608,47 +618,33 @@ def _root_of(records: dict[int, tuple[Path, dict[str, Any]]]) -> Path:
 
 
 def _peek_record(path: Path, run_id: str, rank: int, step: int, warn) -> dict | None:
+    """:func:`_read_record` of any grid's record, None (warned) when it is refused."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        warn(f"{path}: not a readable snapshot record ({err}); trying the next source")
+        return _read_record(path, run_id, rank, step, None)
+    except FormatError as err:
+        warn(f"{err}; skipped")
         return None
-    ok = isinstance(doc, dict) and doc.get("schema") == SCHEMA and doc.get("version") == VERSION
-    ok = ok and (doc.get("run"), doc.get("step"), doc.get("rank")) == (run_id, step, rank)
-    keys = ("file", "pieces", "tensors", "digests", "keys", "aliases", "extra", "local", "grid")
-    if not ok or any(k not in doc for k in keys):
-        warn(f"{path}: not a snapshot of this run's step {step} and rank {rank}; skipped")
-        return None
-    return doc
 
 
-def _restore_resharded(
-    root: Path,
-    run_id: str,
-    grid: ProcessGrid,
-    model: Any,
-    optimizer: torch.optim.Optimizer | None,
-    newer_than: int,
-    strict: bool,
-    warn: Callable[[str], None],
-) -> Restored | None:
+def _restore_resharded(req: _Request) -> Restored | None:
     """Load the newest snapshot of another grid whose every old rank's file this process
     can see and verify, through the checkpoint loader's resharding (each rank reads the
     files that overlap its pieces), when every rank can (collective). On one host every
     node's folder is visible; on a cluster a rank sees its own node's, which holds the
     previous node's copies too: two nodes shrinking to one see everything."""
-    visible = _visible(root, run_id)
+    run_id, grid, warn, optimizer = req.run_id, req.grid, req.warn, req.optimizer
+    visible = _visible(req.root, run_id)
     mine = -1
     chosen: tuple[Manifest, dict[str, dict[str, torch.Tensor]], list, list, Any] | None = None
-    layout = model_layout(model, grid)
+    layout = model_layout(req.model, grid)
     for step in sorted(visible, reverse=True)[: 2 * KEEP]:
-        if step <= newer_than:
+        if step <= req.newer_than:
             break
         manifest = _union(step, visible[step], run_id, warn)
         if manifest is None or manifest.meta["grid"] == grid.shape:
             continue
         try:
-            pairs, opt_where = plan_restore(manifest, layout, optimizer, strict)
+            pairs, opt_where = plan_restore(manifest, layout, optimizer, req.strict)
             blobs = {}
             for name in sorted({src.file for _, _, src, _ in pairs}):
                 one = Manifest(
