@@ -13,7 +13,8 @@ the first step past the one it interrupted, so restart, reload and redone steps 
 parameters bit for bit.
 
 ``--recovery`` is the measurement the docs quote: the benchmark GPT (4 blocks of width 256,
-3.3M parameters, 8 sequences of 128 tokens, data=2,x=2 with ZeRO-3 on 4 ranks, 2 simulated
+as compile.py's, with a vocabulary of 512 BPE tokens of Shakespeare: 3.4M parameters; 8
+sequences of 128 tokens, data=2,x=2 with ZeRO-3 on 4 ranks, 2 simulated
 nodes) trained 80 steps with one SIGKILL at a random step in 55..75, three ways, each
 ``--repeats`` times, interleaved: no snapshots and a disk checkpoint every 50 steps (the
 restart-from-disk baseline), and snapshots every step (with the same disk checkpoints); and
@@ -66,7 +67,7 @@ TASKS: dict[str, list[str]] = {
 #: ``--recovery``'s GPT: compile.py's and overlap.py's benchmark model.
 RECOVERY_GPT = ["train", "gpt", "--steps", "80", "--n-layer", "4", "--n-embd", "256",
                 "--n-head", "4", "--block-size", "128", "--batch-size", "8", "--vocab-size",
-                "256", "--eval-every", "1000", "--val-batches", "1", "--sample-tokens", "0",
+                "512", "--eval-every", "1000", "--val-batches", "1", "--sample-tokens", "0",
                 "--grid", "data=2,x=2", "--zero-stage", "3", "--nprocs", "4",
                 "--ranks-per-node", "2", "--warmup", "5"]  # fmt: skip
 

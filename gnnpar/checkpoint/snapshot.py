@@ -173,7 +173,7 @@ class SnapshotWriter:
         # the copies to peers travel on a group of their own, from the writer thread
         self._group = None
         if grid.distributed and self.place.peer is not None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=grid.timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._pending: concurrent.futures.Future | None = None
         self._steps: list[int] = []  # own snapshots written, oldest first
@@ -253,8 +253,12 @@ class SnapshotWriter:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def close(self) -> None:
-        """Finish the pending write and stop the writer thread."""
+    def close(self, wait: bool = True) -> None:
+        """Finish the pending write and stop the writer thread; without ``wait`` (a run
+        that failed: its peer may be gone), leave the write to end with the process."""
+        if not wait:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            return
         try:
             self.wait()
         finally:

@@ -1,7 +1,7 @@
 """The trainer's in-memory snapshots: the run's identity, when to take one, and where a restart
 resumes from (the fresher of the newest snapshot and the newest disk checkpoint).
 
-A run that snapshots has an identity, ``OUT/run-id`` (16 hex digits, made at a fresh start,
+A run that snapshots has an identity, ``OUT/run-id`` (14 hex digits, made at a fresh start,
 kept by restarts and resumes, replaced by ``--overwrite``): its snapshots live under
 ``<snapshot_dir>/<run id>/`` and each record names it, so another run's snapshots — an
 earlier run of the same folder, another folder's — are never restored
@@ -92,7 +92,7 @@ class Snapshots:
         """Finish the pending write; a ``finished`` run's snapshots are deleted (they are
         memory): once every rank is done, each node's first rank removes its node's folder,
         other grids' files included (collective when ``finished``)."""
-        self.writer.close()
+        self.writer.close(wait=finished)  # a failed run does not wait for its peers
         if not finished:
             return
         comm.barrier(self.grid)
