@@ -5,7 +5,7 @@ the share (a plain ``edge_index`` runs the module's own forward), and the same a
 the same order, on this rank's node rows; the module's parameters are used as they are. A
 share is what one rank holds of the graph and how its rows meet the others' (:class:`Share`):
 the full-graph grid's :class:`~gnnpar.models.fullgraph.share.GraphShare`, or a partition's
-for layer-wise inference (:mod:`gnnpar.models.minibatch.pyg`). :data:`FORWARDS` maps each
+for layer-wise inference (:mod:`gnnpar.models.minibatch.pyg`). :func:`forwards` maps each
 class to its function, :func:`operators_of` to the adjacency values it reads, and
 :func:`refusal` says why a module's options cannot run (None when they can).
 """
@@ -13,16 +13,25 @@ class to its function, :func:`operators_of` to the adjacency values it reads, an
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
-import torch_geometric.nn as pyg
 from torch import nn
 
 from gnnpar.errors import UserError
 from gnnpar.recompute import in_backward, recompute
 from gnnpar.sparse import attention
+
+if TYPE_CHECKING:  # imported where used: PyG takes seconds, and naming a model must not pay
+    import torch_geometric.nn as pyg
+
+
+def pyg_nn() -> Any:
+    """``torch_geometric.nn``, imported on first use."""
+    import torch_geometric.nn
+
+    return torch_geometric.nn
 
 
 class Share(Protocol):
@@ -290,51 +299,55 @@ def graph_layer_norm(
     return out
 
 
-#: The parallel forward of each supported class that talks to the grid.
-FORWARDS: dict[type, Callable[..., torch.Tensor]] = {
-    pyg.GCNConv: _dispatch(gcn_conv),
-    pyg.SAGEConv: _dispatch(sage_conv),
-    pyg.GATConv: _dispatch(gat_conv),
-    pyg.GATv2Conv: _dispatch(gatv2_conv),
-    pyg.GINConv: _dispatch(gin_conv),
-    pyg.SGConv: _dispatch(sg_conv),
-    pyg.APPNP: _dispatch(appnp),
-    pyg.GCN2Conv: _dispatch(gcn2_conv, where=2),
-    nn.BatchNorm1d: batch_norm,
-}
+def forwards() -> dict[type, Callable[..., torch.Tensor]]:
+    """The parallel forward of each supported class that talks to the grid."""
+    geo = pyg_nn()
+    return {
+        geo.GCNConv: _dispatch(gcn_conv),
+        geo.SAGEConv: _dispatch(sage_conv),
+        geo.GATConv: _dispatch(gat_conv),
+        geo.GATv2Conv: _dispatch(gatv2_conv),
+        geo.GINConv: _dispatch(gin_conv),
+        geo.SGConv: _dispatch(sg_conv),
+        geo.APPNP: _dispatch(appnp),
+        geo.GCN2Conv: _dispatch(gcn2_conv, where=2),
+        nn.BatchNorm1d: batch_norm,
+    }
 
 
 def operators_of(module: nn.Module) -> list[str]:
     """The adjacency values (:data:`~.share.OPERATORS`) ``module`` reads."""
-    if isinstance(module, (pyg.GCNConv, pyg.SGConv, pyg.APPNP, pyg.GCN2Conv)):
+    geo = pyg_nn()
+    if isinstance(module, (geo.GCNConv, geo.SGConv, geo.APPNP, geo.GCN2Conv)):
         return ["gcn"]
-    if isinstance(module, pyg.SAGEConv):
+    if isinstance(module, geo.SAGEConv):
         return ["mean"]
-    if isinstance(module, pyg.GINConv):
+    if isinstance(module, geo.GINConv):
         return ["sum"]
-    if isinstance(module, (pyg.GATConv, pyg.GATv2Conv)):
+    if isinstance(module, (geo.GATConv, geo.GATv2Conv)):
         return ["attention"]
     return []
 
 
 def refusal(module: nn.Module) -> str | None:
     """Why ``module``'s options cannot run parallelized (the option, in words), or None."""
+    geo = pyg_nn()
     cls = type(module).__name__
-    gcn_like = (pyg.GCNConv, pyg.SGConv, pyg.APPNP, pyg.GCN2Conv)
+    gcn_like = (geo.GCNConv, geo.SGConv, geo.APPNP, geo.GCN2Conv)
     if isinstance(module, gcn_like):
         if getattr(module, "improved", False):
             return f"{cls}(improved=True) weighs the self loops 2"
         if not getattr(module, "add_self_loops", True) or not getattr(module, "normalize", True):
             return f"{cls} without add_self_loops or normalize (the GCN normalisation is built in)"
-    if isinstance(module, pyg.APPNP) and module.dropout > 0:
+    if isinstance(module, geo.APPNP) and module.dropout > 0:
         return f"APPNP(dropout={module.dropout}) drops edges of the adjacency"
-    if isinstance(module, pyg.SAGEConv) and str(module.aggr) not in ("mean", "max"):
+    if isinstance(module, geo.SAGEConv) and str(module.aggr) not in ("mean", "max"):
         return f"SAGEConv(aggr={module.aggr!r}): mean and max are supported"
-    if isinstance(module, (pyg.GATConv, pyg.GATv2Conv)):
+    if isinstance(module, (geo.GATConv, geo.GATv2Conv)):
         if getattr(module, "edge_dim", None) is not None:
             return f"{cls}(edge_dim=...) reads edge features"
         if not module.add_self_loops:
             return f"{cls}(add_self_loops=False)"
-    if isinstance(module, pyg.LayerNorm) and module.mode not in ("graph", "node"):
+    if isinstance(module, geo.LayerNorm) and module.mode not in ("graph", "node"):
         return f"LayerNorm(mode={module.mode!r})"
     return None

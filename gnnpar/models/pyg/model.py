@@ -19,19 +19,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch_geometric.nn as pyg
 from torch import nn
 
 from gnnpar.errors import UserError
-from gnnpar.models.pyg.layers import FORWARDS, graph_layer_norm, operators_of, refusal
+from gnnpar.models.pyg.layers import forwards, graph_layer_norm, operators_of, pyg_nn, refusal
 
-#: Modules that run as they are on a rank's node rows (no communication).
-ROW_WISE: tuple[type, ...] = (
-    nn.Linear, pyg.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.Sequential,
-    nn.ModuleList, nn.ModuleDict, pyg.BatchNorm, pyg.JumpingKnowledge, pyg.MLP,
-    nn.ReLU, nn.ELU, nn.GELU, nn.LeakyReLU, nn.PReLU, nn.SiLU, nn.Tanh, nn.Sigmoid,
-    nn.Softplus, nn.LogSoftmax, nn.Softmax,
-)  # fmt: skip
+
+def _row_wise() -> tuple[type, ...]:
+    """Modules that run as they are on a rank's node rows (no communication)."""
+    geo = pyg_nn()
+    return (
+        nn.Linear, geo.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.Sequential,
+        nn.ModuleList, nn.ModuleDict, geo.BatchNorm, geo.JumpingKnowledge, geo.MLP,
+        nn.ReLU, nn.ELU, nn.GELU, nn.LeakyReLU, nn.PReLU, nn.SiLU, nn.Tanh, nn.Sigmoid,
+        nn.Softplus, nn.LogSoftmax, nn.Softmax,
+    )  # fmt: skip
+
 
 #: What :func:`parallelize_pyg` takes, by name (for the refusal of anything else).
 SUPPORTED = (
@@ -49,7 +52,8 @@ def _own_class(module: nn.Module) -> bool:
 
 def _allowed_inside(parent: nn.Module | None, module: nn.Module) -> bool:
     """The LSTM and attention of ``JumpingKnowledge(mode="lstm")`` work per node."""
-    return isinstance(parent, pyg.JumpingKnowledge) and isinstance(module, (nn.LSTM, nn.Linear))
+    jk = pyg_nn().JumpingKnowledge
+    return isinstance(parent, jk) and isinstance(module, (nn.LSTM, nn.Linear))
 
 
 def check_model(model: nn.Module) -> None:
@@ -63,12 +67,13 @@ def check_model(model: nn.Module) -> None:
 
 def _check_tree(module: nn.Module, path: str, parent: nn.Module | None) -> None:
     where = f"'{path}'" if path else "the model itself"
-    if isinstance(module, pyg.MessagePassing) and type(module) not in FORWARDS:
+    geo, parallel = pyg_nn(), forwards()
+    if isinstance(module, geo.MessagePassing) and type(module) not in parallel:
         raise UserError(
             f"{type(module).__name__} at {where} is a message-passing layer gnnpar has no "
             f"parallel form of; supported: {', '.join(SUPPORTED)}"
         )
-    known = isinstance(module, (*FORWARDS, *ROW_WISE, pyg.LayerNorm))
+    known = isinstance(module, (*parallel, *_row_wise(), geo.LayerNorm))
     if not known and not _own_class(module) and not _allowed_inside(parent, module):
         raise UserError(
             f"{type(module).__name__} at {where} is not supported by parallelize_pyg; "
@@ -77,9 +82,9 @@ def _check_tree(module: nn.Module, path: str, parent: nn.Module | None) -> None:
     why = refusal(module)
     if why is not None:
         raise UserError(f"{why}: not supported by parallelize_pyg (at {where})")
-    if isinstance(module, pyg.MessagePassing):
+    if isinstance(module, geo.MessagePassing):
         # a convolution's own parts run inside its parallel forward; GINConv's MLP is the user's
-        children = [("nn", module.nn)] if isinstance(module, pyg.GINConv) else []
+        children = [("nn", module.nn)] if isinstance(module, geo.GINConv) else []
     else:
         children = list(module.named_children())
     for name, child in children:
@@ -92,9 +97,10 @@ def install_forwards(model: nn.Module, share: Any) -> list[str]:
     convolutions read (:data:`~gnnpar.models.fullgraph.share.OPERATORS`)."""
     check_model(model)
     kinds: list[str] = []
+    parallel, layer_norm = forwards(), pyg_nn().LayerNorm
     for module in model.modules():
-        forward = FORWARDS.get(type(module))
-        if isinstance(module, pyg.LayerNorm) and module.mode == "graph":
+        forward = parallel.get(type(module))
+        if isinstance(module, layer_norm) and module.mode == "graph":
             forward = graph_layer_norm
         if forward is None:
             continue
