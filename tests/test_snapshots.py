@@ -224,3 +224,16 @@ def test_shrink_to_two_ranks_and_grow_back_from_snapshots(tmp_path, one_process)
     assert got[1][1:] == ("memory", 1) and got[1][0] in (5, 6), got
     err = _same(run, straight)
     assert err <= REL, f"shrunk to data=1 and grown back: {err:.3g}"
+
+
+def test_a_snapshot_folder_that_cannot_be_written_is_refused_before_launch(tmp_path, capfd):
+    from gnnpar.cli import main
+
+    (tmp_path / "afile").write_text("")
+    argv = ["train", "gcn", "--dataset", "sbm", "--root", str(tmp_path / "data"), "--epochs",
+            "1", "--nprocs", "2", "--snapshot-every", "1", "--snapshot-dir",
+            str(tmp_path / "afile" / "shm"), "--out", str(tmp_path / "run"), "--quiet"]  # fmt: skip
+    assert main(argv) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"gnnpar train: error: {tmp_path / 'afile'}: not a folder"], err
+    assert not (tmp_path / "run").exists()  # no rank started

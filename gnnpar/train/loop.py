@@ -21,6 +21,7 @@ import torch
 
 from gnnpar import checkpoint, comm
 from gnnpar.atomic import check_writable
+from gnnpar.checkpoint.snapshot import default_root
 from gnnpar.errors import UserError
 from gnnpar.failpoints import failpoint
 from gnnpar.grid import ProcessGrid, fit_shape, parse_grid_spec
@@ -167,7 +168,7 @@ def preflight(spec: TrainSpec, cfg: Any, world_size: int) -> None:
 def check_run_folder(cfg: Any) -> None:
     """The run folder ``cfg.out`` may be used: it does not hold a run unless ``resume`` or
     ``overwrite`` says what to do with it (a restart attempt resumes), and a file can be
-    written in it (or where it will be made)."""
+    written in it (or where it will be made), and in ``snapshot_dir`` when it snapshots."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"run folder {out} is a file, not a folder")
@@ -179,6 +180,8 @@ def check_run_folder(cfg: Any) -> None:
     if holds_run and not resume and not getattr(cfg, "overwrite", False):
         raise run_folder_error(out)
     check_writable(out)
+    if getattr(cfg, "snapshot_every", 0):  # where the snapshots go, before any rank starts
+        check_writable(cfg.snapshot_dir or default_root())
 
 
 def check_world(spec: TrainSpec, cfg: Any, world_size: int) -> None:
