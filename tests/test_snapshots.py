@@ -2,7 +2,7 @@
 
 - One process: a torn snapshot, one of another run, one of another step or one whose file
   changed is refused with a warning naming it, and the previous snapshot is restored (its
-  exact values).
+  exact values); a snapshot folder that cannot be written is refused before launch.
 - A run that shrinks from 4 ranks (data=2, x=2) to 2 (its second node lost for good) and
   grows back, each time resuming from the snapshots in memory, resharded onto the new grid,
   ends where an uninterrupted run does (float64, 1e-12: the data-axis sum is taken in another
