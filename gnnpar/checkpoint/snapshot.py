@@ -539,7 +539,15 @@ def _restore_same_grid(req: _Request) -> Restored | None:
     folder = _step_dir(place.node_dir, step)
     if place.peer is not None:
         _return_copies(table, step, grid, place, run_id)
-    manifest, blob = _verified(folder, rank, run_id, step, grid)
+    try:  # checked again after the hand-over; every rank loads, or none does
+        manifest, blob = _verified(folder, rank, run_id, step, grid)
+        ok = 1
+    except FormatError as err:
+        warn(f"{err}; loading from disk")
+        ok = 0
+    agreed = comm.all_reduce(torch.tensor([ok], device=grid.device), grid, "world", op="min")
+    if not int(agreed.item()):
+        return None
     layout = model_layout(req.model, grid)
     pairs, opt_where = plan_restore(manifest, layout, optimizer, req.strict)
     name = f"{_stem(rank)}.pt"
