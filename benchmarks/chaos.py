@@ -23,9 +23,10 @@ without snapshots).
 
 Run::
 
+    python benchmarks/chaos.py                                     # --recovery: the docs' figures
     python benchmarks/chaos.py --task gpt --kills 3 --check        # one chaos run, 3 failures
     python benchmarks/chaos.py --task gcn --kills 3 --stop-share 0.5 --check
-    python benchmarks/chaos.py --recovery                          # the docs' figures
+    python benchmarks/chaos.py --quick       # gcn, one failure, checked (a smoke run)
 
 Writes ``benchmarks/out/chaos-<task>.json`` or ``benchmarks/out/recovery.json``.
 """
@@ -245,17 +246,20 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--task", choices=sorted(TASKS), default="gpt")
+    p.add_argument("--task", choices=sorted(TASKS), help="one chaos run of this task")
     p.add_argument("--kills", type=int, default=3, help="failures in the chaos run")
     p.add_argument("--stop-share", type=float, default=0.34, help="share of SIGSTOPs")
     p.add_argument("--check", action="store_true", help="also compare with a straight run")
-    p.add_argument("--recovery", action="store_true", help="the recovery measurement")
+    p.add_argument("--recovery", action="store_true", help="the recovery measurement (default)")
+    p.add_argument("--quick", action="store_true", help="gcn, one failure, checked")
     p.add_argument("--repeats", type=int, default=5, help="--recovery: runs per side")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.quick:
+        args.task, args.kills, args.check = "gcn", 1, True
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.recovery:
+        if args.recovery or args.task is None:
             result = recovery(args, Path(tmp))
             name = "recovery.json"
         else:
