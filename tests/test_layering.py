@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # plain helpers: formatting, files, numbers, no process group
     ("fmt", "atomic", "arrays", "chunking", "plotting", "recompute", "grad_destination",
      "allocation"),
-    ("verified", "virtual_device", "launch"),
+    ("verified", "virtual_device", "launch", "failpoints"),
     # the process grid and the one door to torch.distributed
     ("shm", "grid"),
     ("comm", "testing", "info"),
