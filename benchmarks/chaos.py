@@ -50,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.compose import _spread  # noqa: E402
+
 OUT = ROOT / "benchmarks" / "out"
 
 #: Each task's small run (4 ranks on 2 simulated nodes; sage: 2 parts on 2 nodes).
@@ -238,10 +240,6 @@ def recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "loop held by the snapshot / step": snap["snapshot_s"]["median"] / disk["step_s"]["median"],
     }
     return {"runs": runs, "summary": summary}
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:

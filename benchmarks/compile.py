@@ -33,9 +33,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.compose import Tokens, _cell  # noqa: E402
+from benchmarks.compose import Tokens, _cell, _fresh, _spread  # noqa: E402
 from benchmarks.sharding import MALLOC_ENV, _reset_peak_rss, _rss_kb  # noqa: E402
 from gnnpar.testing import run_distributed  # noqa: E402
 
@@ -133,24 +131,6 @@ def run_side(side: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fresh(side: str, world: int, cfg: dict[str, Any]) -> dict[str, Any] | str:
-    """``run_side`` in a new Python process (its memory and compile caches start clean in
-    memory; inductor's on-disk cache is shared, as between runs of the trainer)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "side.json"
-        cmd = [sys.executable, __file__, "--side", side, "--world", str(world),
-               "--side-out", str(out), "--config", json.dumps(cfg)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg["timeout"] + 120,
-                              env=dict(os.environ, **MALLOC_ENV))  # fmt: skip
-        if proc.returncode != 0 or not out.is_file():
-            return "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-12:])
-        return json.loads(out.read_text())
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 KEYS = ("first_step_s", "step_s", "cpu_s", "memory_mb", "step_mb", "peak_mb", "baseline_mb")
 
 
@@ -161,7 +141,7 @@ def compare(cfg: dict[str, Any], worlds: list[int]) -> dict[str, Any]:
         runs: dict[str, list] = {s: [] for s in SIDES}
         for r in range(cfg["repeats"]):
             for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                runs[side].append(_fresh(side, world, cfg))
+                runs[side].append(_fresh(side, world, cfg, __file__))
                 print(f"{world} ranks {side} run {r + 1}: {runs[side][-1]}", file=sys.stderr,
                       flush=True)  # fmt: skip
         row: dict[str, Any] = {"grid": cfg["grids"][str(world)], "runs": runs}

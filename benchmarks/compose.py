@@ -255,11 +255,15 @@ def run_side(side: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fresh(side: str, world: int, cfg: dict[str, Any]) -> dict[str, Any] | str:
-    """``run_side`` in a new Python process (so its memory starts clean)."""
+def _fresh(
+    side: str, world: int, cfg: dict[str, Any], script: str = __file__
+) -> dict[str, Any] | str:
+    """``run_side`` of ``script`` (a benchmark with ``--side``, ``--world``, ``--side-out``
+    and ``--config``; this one by default) in a new Python process, so its memory (and its
+    compile caches) start clean; its JSON result, or the tail of its error output."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "side.json"
-        cmd = [sys.executable, __file__, "--side", side, "--world", str(world),
+        cmd = [sys.executable, script, "--side", side, "--world", str(world),
                "--side-out", str(out), "--config", json.dumps(cfg)]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg["timeout"] + 120,
                               env=dict(os.environ, **MALLOC_ENV))  # fmt: skip
