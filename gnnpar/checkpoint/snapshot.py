@@ -269,24 +269,41 @@ class SnapshotWriter:
 
 
 def _send_receive(
-    data: bytes, record: dict[str, Any], to: int, frm: int, group: Any
-) -> tuple[bytes, dict[str, Any]]:
-    """Send ``data`` and ``record`` to rank ``to`` and receive the same from ``frm``
-    (point-to-point on ``group``: sizes first, then the bytes)."""
-    text = json.dumps(record).encode()
-    sizes = torch.tensor([len(data), len(text)], dtype=torch.int64)
-    got_sizes = torch.empty(2, dtype=torch.int64)
-    reqs = [dist.isend(sizes, to, group=group), dist.irecv(got_sizes, frm, group=group)]
-    for r in reqs:
-        r.wait()
-    out = torch.frombuffer(bytearray(data + text), dtype=torch.uint8)
-    n, m = (int(v) for v in got_sizes)
-    got = torch.empty(n + m, dtype=torch.uint8)
-    reqs = [dist.isend(out, to, group=group), dist.irecv(got, frm, group=group)]
-    for r in reqs:
-        r.wait()
+    data: bytes | None, record: dict[str, Any] | None, to: int | None, frm: int | None, group: Any
+) -> tuple[bytes, dict[str, Any]] | None:
+    """Send ``data`` and ``record`` to rank ``to`` and receive the same from ``frm`` (either
+    may be None: one way only), point-to-point on ``group`` (None: the world): sizes first,
+    then the bytes. Returns what was received (None when nothing was)."""
+    sizes = got_sizes = None
+    if to is not None:
+        text = json.dumps(record).encode()
+        sizes = torch.tensor([len(data), len(text)], dtype=torch.int64)
+    if frm is not None:
+        got_sizes = torch.empty(2, dtype=torch.int64)
+    _exchange_pair(sizes, to, got_sizes, frm, group)
+    out = got = None
+    if to is not None:
+        out = torch.frombuffer(bytearray(data + text), dtype=torch.uint8)
+    if frm is not None:
+        n, m = (int(v) for v in got_sizes)
+        got = torch.empty(n + m, dtype=torch.uint8)
+    _exchange_pair(out, to, got, frm, group)
+    if got is None:
+        return None
     raw = got.numpy().tobytes()
     return raw[:n], json.loads(raw[n:].decode())
+
+
+def _exchange_pair(
+    send: torch.Tensor | None, to: int | None, recv: torch.Tensor | None, frm: int | None, group
+) -> None:
+    reqs = []
+    if send is not None:
+        reqs.append(dist.isend(send, to, group=group))
+    if recv is not None:
+        reqs.append(dist.irecv(recv, frm, group=group))
+    for r in reqs:
+        r.wait()
 
 
 # ----------------------------------------------------------------------------------- restore
@@ -445,7 +462,7 @@ def _return_copies(
     rank = grid.global_rank
     folder = _step_dir(place.node_dir, step)
     if step not in table[rank, 0].tolist():  # this rank's node lost it: its peer has a copy
-        data, record = _receive(place.peer)
+        data, record = _send_receive(None, None, None, place.peer, None)
         record["writer"] = rank
         try:
             _write_pair(folder, rank, data, record, step)
@@ -454,27 +471,8 @@ def _return_copies(
     pred = place.predecessor
     if pred is not None and step not in table[pred, 0].tolist():
         stem = _stem(pred)
-        _send(
-            (folder / f"{stem}.pt").read_bytes(),
-            json.loads((folder / f"{stem}.json").read_text()),
-            pred,
-        )
-
-
-def _send(data: bytes, record: dict[str, Any], to: int) -> None:
-    text = json.dumps(record).encode()
-    dist.send(torch.tensor([len(data), len(text)], dtype=torch.int64), to)
-    dist.send(torch.frombuffer(bytearray(data + text), dtype=torch.uint8), to)
-
-
-def _receive(frm: int) -> tuple[bytes, dict[str, Any]]:
-    sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, frm)
-    n, m = (int(v) for v in sizes)
-    got = torch.empty(n + m, dtype=torch.uint8)
-    dist.recv(got, frm)
-    raw = got.numpy().tobytes()
-    return raw[:n], json.loads(raw[n:].decode())
+        record = json.loads((folder / f"{stem}.json").read_text())
+        _send_receive((folder / f"{stem}.pt").read_bytes(), record, pred, None, None)
 
 
 def restore(
