@@ -53,6 +53,10 @@ from gnnpar.grid import ProcessGrid
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+#: The order of a sum over a group: ``ring``, the backend's (or the shared-memory channel's)
+#: own, which depends on the group's size; ``tree``, a fixed pairwise tree over the group's
+#: ranks in index order (see :func:`tree_sum`).
+ORDERS = ("ring", "tree")
 
 
 def _all_gather_single(out, inp, group, async_op):
@@ -237,6 +241,42 @@ def _check_device(tensor: torch.Tensor, grid: ProcessGrid, kind: str, axis: str)
         )
 
 
+def tree_sum(stack: torch.Tensor) -> torch.Tensor:
+    """The sum of ``stack``'s rows (dim 0) in a fixed pairwise tree: rows 2i and 2i+1 first,
+    then those sums pairwise, and so on (an odd last row waits a level). For a power-of-two
+    group the tree over ranks continues the tree within them: ranks that each sum two
+    micro-batches, then the pair sums over ranks, add exactly what twice as many ranks of one
+    micro-batch each add, bit for bit."""
+    parts = list(stack.unbind(0))
+    while len(parts) > 1:
+        pairs = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        parts = pairs + parts[len(pairs) * 2 :]
+    return parts[0]
+
+
+def _check_order(order: str, kind: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"{kind}: unknown order {order!r}; use {' or '.join(ORDERS)}")
+
+
+def _tree_reduce_scatter(
+    send: torch.Tensor, group: dist.ProcessGroup, p: int
+) -> tuple[Callable[[], object], Callable[[], torch.Tensor]]:
+    """The start and finish of a reduce-scatter of ``send`` (``p`` equal row blocks, block i
+    for rank i) in the fixed tree order: an all-to-all brings every rank's block of this rank
+    (the ring's bytes: (p−1)/p of the buffer), then :func:`tree_sum` adds them in rank
+    order."""
+    received = torch.empty_like(send)
+
+    def start() -> object:
+        return dist.all_to_all_single(received, send, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        return tree_sum(received.view(p, send.shape[0] // p, *send.shape[1:]))
+
+    return start, finish
+
+
 # ---------------------------------------------------------------------------- collectives
 def all_reduce(
     tensor: torch.Tensor,
@@ -244,16 +284,25 @@ def all_reduce(
     axis: str,
     op: str = "sum",
     async_op: bool = False,
+    order: str = "ring",
 ) -> torch.Tensor | Handle:
     """Reduce ``tensor`` in place over the ``axis`` group (``op``: sum, avg, max, min,
-    product) and return it. ``avg`` is a sum then a division, which every backend supports."""
+    product) and return it. ``avg`` is a sum then a division, which every backend supports.
+    ``order="tree"`` (sum and avg) adds in the fixed order of :func:`tree_sum`, as a tree
+    reduce-scatter then an all-gather: the ring's bytes, the result independent of how the
+    backend schedules its ring."""
     _check_device(tensor, grid, "all_reduce", axis)
+    _check_order(order, "all_reduce")
     group = grid.group(axis)
     if op not in _REDUCE_OPS and op != "avg":
         raise ValueError(f"unknown reduce op {op!r}; use sum, avg, max, min or product")
+    if order == "tree" and op not in ("sum", "avg"):
+        raise ValueError(f"all_reduce: order 'tree' is a sum; op {op!r} has no order")
     if group is None:
         return _done(tensor, async_op)
     p = grid.size(axis)
+    if order == "tree":
+        return _tree_all_reduce(tensor, grid, axis, op, async_op)
     _account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(tensor), p))
     red = getattr(dist.ReduceOp, _REDUCE_OPS.get(op, "SUM"))
 
@@ -275,6 +324,30 @@ def all_reduce(
         lambda: dist.all_reduce(buf, op=red, group=group, async_op=True),
         async_op,
     )
+    return _launch("all_reduce", grid, axis, start, finish, async_op)
+
+
+def _tree_all_reduce(
+    tensor: torch.Tensor, grid: ProcessGrid, axis: str, op: str, async_op: bool
+) -> torch.Tensor | Handle:
+    """:func:`all_reduce` in tree order: the flat tensor padded to ``p`` equal pieces, a tree
+    reduce-scatter, then an all-gather of the sums (blocking, inside the handle's wait)."""
+    group, p = grid.group(axis), grid.size(axis)
+    flat = tensor.reshape(-1)
+    rows = -(-flat.numel() // p)
+    send = torch.zeros(p * rows, dtype=tensor.dtype, device=tensor.device)
+    send[: flat.numel()] = flat
+    _account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(send), p))
+    start, summed = _tree_reduce_scatter(send, group, p)
+
+    def finish() -> torch.Tensor:
+        mine = summed()
+        if op == "avg":
+            mine.div_(p)
+        _all_gather_single(send, mine.contiguous(), group, False)
+        tensor.copy_(send[: flat.numel()].view(tensor.shape))
+        return tensor
+
     return _launch("all_reduce", grid, axis, start, finish, async_op)
 
 
@@ -407,13 +480,16 @@ def reduce_scatter(
     dim: int = 0,
     sizes: Sequence[int] | None = None,
     async_op: bool = False,
+    order: str = "ring",
 ) -> torch.Tensor | Handle:
     """Sum ``tensor`` over the ``axis`` group and keep this rank's chunk along ``dim``.
 
     ``sizes`` gives each rank's chunk; the default is :func:`chunk_sizes` (balanced, the first
-    ranks one larger when the extent does not divide).
+    ranks one larger when the extent does not divide). ``order="tree"`` adds the ranks'
+    chunks in the fixed order of :func:`tree_sum` (an all-to-all, the same bytes).
     """
     _check_device(tensor, grid, "reduce_scatter", axis)
+    _check_order(order, "reduce_scatter")
     group = grid.group(axis)
     if group is None:
         return _done(tensor, async_op)
@@ -436,8 +512,16 @@ def reduce_scatter(
         send = torch.zeros((p * rows, *rest), dtype=tensor.dtype, device=tensor.device)
         for i, (o, s) in enumerate(zip(chunk_offsets(sizes), sizes, strict=True)):
             send[i * rows : i * rows + s] = moved[o : o + s]
-    out = torch.empty((rows, *rest), dtype=tensor.dtype, device=tensor.device)
     _account(grid, axis, "reduce_scatter", ring_bytes("reduce_scatter", _nbytes(send), p))
+    if order == "tree":
+        start, summed = _tree_reduce_scatter(send, group, p)
+
+        def finish() -> torch.Tensor:
+            mine = summed()[: sizes[me]]
+            return mine.movedim(0, dim) if dim else mine
+
+        return _launch("reduce_scatter", grid, axis, start, finish, async_op)
+    out = torch.empty((rows, *rest), dtype=tensor.dtype, device=tensor.device)
 
     def finish() -> torch.Tensor:
         mine = out[: sizes[me]]

@@ -388,3 +388,62 @@ def test_all_gather_into_a_kept_buffer():
         assert all(flags.values()), flags
         assert "out must be a contiguous torch.float32 tensor of shape (4, 3)" in r["wrong shape"]
         assert r["uneven"] == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+
+
+# ------------------------------------------------------------------------------ tree order
+def _spread(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values over twelve orders of magnitude: a sum of them depends on its order."""
+    g = torch.Generator().manual_seed(rank)
+    scale = 10.0 ** torch.randint(-6, 6, shape, generator=g)
+    return torch.randn(shape, generator=g) * scale
+
+
+def _tree_world() -> dict:
+    """On 4 ranks: tree collectives over data=4 against the serial tree, and the same sums
+    on data=2 × x=2 where each rank first adds a pair, as a rank of two micro-batches does."""
+    rows, cols = 7, 3  # chunks 2, 2, 2, 1: uneven, padded
+    grid = gnnpar.init(data=4)
+    me, world = grid.rank("data"), 4
+    want = comm.tree_sum(torch.stack([_spread(r, (rows, cols)) for r in range(world)]))
+    out: dict = {}
+    with comm.record(grid) as t:
+        got = comm.reduce_scatter(_spread(me, (rows, cols)), grid, "data", order="tree")
+    start = chunk_offsets(chunk_sizes(rows, world))[me]
+    out["rs"] = torch.equal(got, want[start : start + chunk_sizes(rows, world)[me]])
+    out["rs_bytes"] = t.as_dict()
+    with comm.record(grid) as t:
+        x = _spread(me, (rows, cols))
+        comm.all_reduce(x, grid, "data", order="tree")
+    out["ar"] = torch.equal(x, want)
+    out["ar_bytes"] = t.as_dict()
+    y = _spread(me, (rows, cols))
+    comm.all_reduce(y, grid, "data", op="avg", order="tree", async_op=True).wait()
+    out["avg"] = torch.equal(y, want / world)
+    gnnpar.release(grid)
+    grid = gnnpar.init(data=2, x=2)  # data ranks (0, 2) and (1, 3)
+    d = grid.rank("data")
+    pair = _spread(2 * d, (rows, cols)) + _spread(2 * d + 1, (rows, cols))
+    comm.all_reduce(pair, grid, "data", order="tree")
+    out["pairs"] = torch.equal(pair, want)
+    gnnpar.release(grid)
+    return out
+
+
+def test_tree_order_sums_in_one_tree_whatever_the_data_size():
+    for r in run_distributed(_tree_world, 4):
+        assert r["rs"] and r["ar"] and r["avg"] and r["pairs"], r
+        # the ring's bytes: 7 rows padded to 4 × 2 of 3 float32 = 96 bytes; 3/4 of it, and
+        # twice that for the all-reduce (a reduce-scatter then an all-gather)
+        assert r["rs_bytes"] == {"data": {"reduce_scatter": 72}}, r
+        assert r["ar_bytes"] == {"data": {"all_reduce": 144}}, r
+
+
+def test_tree_sum_is_pairwise_and_orders_are_checked():
+    a, b, c = torch.tensor([1e8]), torch.tensor([-1e8]), torch.tensor([1.0])
+    # ((a + b) + (c + c)) + c: an odd last row waits a level
+    assert comm.tree_sum(torch.stack([a, b, c, c, c])).item() == 3.0
+    grid = gnnpar.init()
+    with pytest.raises(ValueError, match="unknown order 'spiral'"):
+        comm.all_reduce(torch.ones(2), grid, "data", order="spiral")
+    with pytest.raises(ValueError, match="order 'tree' is a sum"):
+        comm.all_reduce(torch.ones(2), grid, "data", op="max", order="tree")
