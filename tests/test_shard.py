@@ -798,3 +798,17 @@ def test_parameter_gathers_after_a_step_are_bounded():
             assert buckets > MAX_INFLIGHT_BUCKETS + 2, f"stage {stage}: only {buckets} buckets"
             assert most == MAX_INFLIGHT_BUCKETS + 1, f"stage {stage}: {most} gathers in flight"
             assert err < 1e-12, f"stage {stage}: differs from serial by {err}"
+
+
+def test_exact_square_sum_is_the_same_over_any_split():
+    from gnnpar.shard.clip import digits_value, exact_square_sum
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1001, generator=g) * 10.0 ** torch.randint(-8, 3, (1001,), generator=g)
+    top = 2 * int(torch.frexp(x.abs().max().double()).exponent)
+    whole = exact_square_sum([x], top)
+    for cuts in ([500, 501], [1, 999, 1], [7] * 143):
+        parts = [exact_square_sum([p], top) for p in x.split(cuts)]
+        assert torch.equal(sum(parts), whole), cuts  # integers: any order, any split
+    got, want = float(digits_value(whole, top)), float(x.double().square().sum())
+    assert abs(got - want) <= 1e-15 * want, (got, want)

@@ -3,10 +3,10 @@
 - One process: a torn snapshot, one of another run, one of another step or one whose file
   changed is refused with a warning naming it, and the previous snapshot is restored (its
   exact values); a snapshot folder that cannot be written is refused before launch.
-- A run that shrinks from 4 ranks (data=2, x=2) to 2 (its second node lost for good) and
-  grows back, each time resuming from the snapshots in memory, resharded onto the new grid,
-  ends where an uninterrupted run does (float64, 1e-12: the data-axis sum is taken in another
-  order on another data size, so not bit for bit).
+- A GPT run that shrinks from 4 data replicas to 2 (its second node lost for good) and grows
+  back, each time resuming from the snapshots in memory, resharded onto the new grid, ends
+  bit-identical to an uninterrupted run: ``reduce_order = tree`` sums the gradients in the
+  same tree on either data size (grad_accum 2 on data=2).
 - Chaos runs through ``gnnpar train --max-restarts 3``: three failures planted by failpoints
   (``$GNNPAR_FAILPOINTS``, :mod:`gnnpar.failpoints`) — a rank killed while it writes a
   snapshot, one killed while it writes a disk checkpoint, and a node lost with its snapshot
@@ -194,36 +194,36 @@ def test_chaos_gpt_zero3_ends_bit_identical_after_a_hung_rank(tmp_path, one_proc
     _chaos(tmp_path, argv, _PLAN + "step@6:2:2=stop", [(5, "memory"), (4, "memory")])
 
 
-def test_shrink_to_two_ranks_and_grow_back_from_snapshots(tmp_path, one_process):
-    """The second node (ranks 2, 3) is lost for good after step 4: the run continues on the
-    first node alone (a relaunch on 2 ranks, as a requeue with fewer nodes or torchrun's
-    elastic ``--nnodes 1:2`` does) from the snapshots its memory holds — its own and the
-    copies of the lost node's ranks — resharded from data=2 to data=1; a rank of that run is
-    killed after step 7, and the run grows back to 4 ranks from the 2-rank snapshots."""
-    from tests.test_checkpoint_train import REL, _same
+def test_shrink_to_two_data_replicas_and_grow_back_ends_bit_identical(tmp_path, one_process):
+    """A GPT on data=4 (ZeRO-3, reduce_order = tree) loses its second node (ranks 2, 3) for
+    good after step 4: the run continues on the first node alone — a relaunch on 2 ranks, as a
+    requeue with fewer nodes or torchrun's elastic ``--nnodes 1:2`` does — from the snapshots
+    its memory holds (its own and the lost node's copies), resharded onto data=2 with
+    grad_accum 2 (the resume keeps the run's 4 micro-batches); a rank of that run is killed
+    after step 7, and the run grows back to data=4 from the 2-rank snapshots. The final
+    parameters are bit-identical to an uninterrupted data=4 run."""
 
     def argv(grid: str, nprocs: int) -> list[str]:
         return ["train", "gpt", "--data", str(one_process), "--steps", "10", "--n-layer", "2",
-                "--n-embd", "16", "--n-head", "2", "--batch-size", "4", "--block-size", "8",
+                "--n-embd", "16", "--n-head", "2", "--batch-size", "8", "--block-size", "8",
                 "--vocab-size", "300", "--warmup", "2", "--eval-every", "100",
-                "--val-batches", "1", "--sample-tokens", "0", "--dtype", "float64",
+                "--val-batches", "1", "--sample-tokens", "0", "--reduce-order", "tree",
                 "--grid", grid, "--zero-stage", "3", "--nprocs", str(nprocs),
                 "--snapshot-every", "1", "--snapshot-dir", str(tmp_path / "shm"),
                 "--resume"]  # fmt: skip
 
     run, straight = tmp_path / "run", tmp_path / "straight"
     two_nodes = ["--ranks-per-node", "2"]
-    _launch(argv("data=2,x=2", 4)[:-5], straight)  # no snapshots, not resumed
-    _launch([*argv("data=2,x=2", 4), *two_nodes], run, "step@4:3=lose-node", fails=True)
-    _launch(argv("x=2", 2), run, "step@7:1", fails=True)
-    _launch([*argv("data=2,x=2", 4), *two_nodes], run)
+    _launch(argv("data=4", 4)[:-5], straight)  # no snapshots, not resumed
+    _launch([*argv("data=4", 4), *two_nodes], run, "step@4:3=lose-node", fails=True)
+    _launch(argv("data=2", 2), run, "step@7:1", fails=True)
+    _launch([*argv("data=4", 4), *two_nodes], run)
     resumes = [r for r in read_metrics(run / "metrics.jsonl") if r.get("event") == "resume"]
     got = [(r["step"], r["source"], r["from_grid"]["data"]) for r in resumes]
     # the first resume: step 3 (or 2, when a step-3 snapshot was still being written)
-    assert len(got) == 2 and got[0][1:] == ("memory", 2) and got[0][0] in (2, 3), got
-    assert got[1][1:] == ("memory", 1) and got[1][0] in (5, 6), got
-    err = _same(run, straight)
-    assert err <= REL, f"shrunk to data=1 and grown back: {err:.3g}"
+    assert len(got) == 2 and got[0][1:] == ("memory", 4) and got[0][0] in (2, 3), got
+    assert got[1][1:] == ("memory", 2) and got[1][0] in (5, 6), got
+    _bit_identical(run, straight)
 
 
 def test_a_snapshot_folder_that_cannot_be_written_is_refused_before_launch(tmp_path, capfd):

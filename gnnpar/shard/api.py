@@ -44,7 +44,7 @@ from gnnpar import comm
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid, fold_context, fold_replicas
 from gnnpar.shard.buckets import GradBuckets, build_buckets
-from gnnpar.shard.clip import clip_factor, scale_grads_
+from gnnpar.shard.clip import clip_factor, digits_value, exact_square_sum, scale_grads_
 from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import NodeGroups, node_groups
@@ -250,6 +250,8 @@ class ShardedModel:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stepping = False  # inside an offload tier's chunked step
         self._loss_divided = False
+        #: The order of the data axis's gradient sums and of the norm (``shard``'s argument).
+        self.reduce_order = "ring"
         #: Checkpoints hold the trainable parameters alone (PEFT: the frozen base comes from
         #: where it was loaded, not from every checkpoint).
         self.checkpoint_trainable_only = False
@@ -442,7 +444,11 @@ class ShardedModel:
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Norm of the full model's gradient (each element counted once), the same on every
-        rank. Call after backward."""
+        rank. Call after backward. With ``reduce_order="tree"`` the 2-norm is summed exactly
+        (:func:`~gnnpar.shard.clip.exact_square_sum`), so it does not depend on how the data
+        axis shards the gradient either."""
+        if self.reduce_order == "tree" and norm_type == 2.0:
+            return self._exact_grad_norm()
         total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
         index = self.piece_index()
         inf = norm_type == float("inf")
@@ -470,6 +476,34 @@ class ShardedModel:
             comm.all_reduce(total, self.grid, "data", op=op)
         comm.all_reduce(total, self.grid, "tensor", op=op)
         return total if inf else total.pow(1.0 / norm_type)
+
+    def _exact_grad_norm(self) -> torch.Tensor:
+        """The 2-norm from integer digit sums: the largest element (a max: exact in any
+        order) sets the fixed point, every rank sums its squares' digits, the integers are
+        added over data and tensor ranks, and a replicated piece's count is divided out."""
+        index = self.piece_index()
+        grads = [(p.grad, self._replication(index[id(p)][0])) for p in self.parameters()]
+        grads = [(g, r) for g, r in grads if g is not None and g.numel()]
+        top = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        for g, _ in grads:
+            top = torch.maximum(top, g.detach().abs().max().to(top.device, torch.float64))
+        for axis in ("data", "tensor"):
+            comm.all_reduce(top, self.grid, axis, op="max")
+        if float(top) == 0.0:
+            return top
+        # the power of two above the largest square (frexp: top = m·2**e with m in [0.5, 1))
+        exponent = 2 * int(torch.frexp(top).exponent)
+        digits = torch.zeros(2, dtype=torch.int64)
+        # stage 0's pieces are whole on every data rank: summed over tensor ranks only
+        axes = ("data", "tensor") if self.stage > 0 else ("tensor",)
+        for repl in sorted({r for _, r in grads}):
+            # every replica sums the same integers: the total divides exactly
+            total = exact_square_sum([g for g, r in grads if r == repl], exponent)
+            total = total.to(self.grid.device)
+            for axis in axes:
+                comm.all_reduce(total, self.grid, axis)
+            digits += total.cpu() // repl
+        return digits_value(digits, exponent).to(self.grid.device).sqrt()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so the full model's gradient norm is at most ``max_norm``;
@@ -748,6 +782,7 @@ def shard(
     prefetch: bool = True,
     offload: str = "none",
     offload_dir: str | os.PathLike | None = None,
+    reduce_order: str = "ring",
 ) -> ShardedModel:
     """Make ``model`` data-parallel over ``grid``'s data axis, in place.
 
@@ -771,6 +806,14 @@ def shard(
             ``"file"`` (memory-mapped files in ``offload_dir``; see
             :mod:`gnnpar.shard.offload`).
         offload_dir: the folder of the file tier (each rank uses ``rank<R>/`` in it).
+        reduce_order: ``"ring"`` (the backend's collectives) or ``"tree"``: the data axis
+            sums the gradients in a fixed pairwise tree over its ranks
+            (:func:`gnnpar.comm.tree_sum`, the same bytes) and the gradient norm is summed
+            exactly, so the reduced gradient, bit for bit, does not depend on the data size
+            as long as data × micro-batches per rank stays the same power of two and each
+            rank accumulates at most two micro-batches (a sum of two has no order). It needs
+            z = 1 and no context or expert ranks: they split the batch too and sum before
+            or with the data axis.
 
     **Context and experts.** Context ranks (:mod:`gnnpar.tensor.context`) and expert ranks
     (:mod:`gnnpar.tensor.experts`) hold the same parameters as data ranks and see other
@@ -812,6 +855,7 @@ def shard(
         )
     if getattr(model, "_gnnpar_sharded", False):
         raise ValueError("this model is already sharded; call shard() once per model")
+    _check_reduce_order(reduce_order, grid)
     # A model whose tensor-parallel layers deliver complete gradients (the full-graph 3D
     # layers reduce over x, y and z themselves) is only averaged over data, at stage 0: its
     # pieces are no ShardLayout that the other stages and full state dicts could cut.
@@ -839,6 +883,7 @@ def shard(
     alloc = tier.master if tier is not None else None
 
     dp = ShardedModel(model, grid, stage, slots, unit_names, keys, mp, fcdp, nodes, tier)
+    dp.reduce_order = reduce_order
     if stage < 3:
         if mp is None and trainable:
             _uniform_dtype(trainable, "the model")
@@ -865,7 +910,7 @@ def shard(
                 for s in slots:
                     s.param.data = s.param.data.to(param_dtype)
         scale = replicas.size("data") * (1 if complete else grid.size("z"))
-        dp.buckets = GradBuckets(replicas, stage, buckets, scale)
+        dp.buckets = GradBuckets(replicas, stage, buckets, scale, reduce_order)
 
         def pre(module, args, kwargs):
             dp._sync_before_forward()
@@ -890,6 +935,7 @@ def shard(
             fcdp,
             nodes,
             prefetch,
+            reduce_order,
         )
         for i, (name, module) in enumerate(unit_list):
             unit = Unit(i, name, module, rt)
@@ -929,6 +975,22 @@ def shard(
         owned[0].add_empty_piece()  # this rank owns nothing; still give the optimizer a tensor
     model._gnnpar_sharded = True
     return dp
+
+
+def _check_reduce_order(order: str, grid: ProcessGrid) -> None:
+    """``reduce_order`` is one of :data:`gnnpar.comm.ORDERS`; a tree needs a grid where the
+    data axis alone splits the batch."""
+    if order not in comm.ORDERS:
+        raise UserError(f"reduce_order must be one of {comm.ORDERS}, got {order!r}")
+    if order != "tree":
+        return
+    others = {a: grid.size(a) for a in ("z", "context", "expert") if grid.size(a) > 1}
+    if others:
+        sizes = ", ".join(f"{a}={n}" for a, n in others.items())
+        raise UserError(
+            f"reduce_order='tree' needs a grid whose data axis alone splits the batch; this "
+            f"one has {sizes} (they sum their gradients before or with the data axis)"
+        )
 
 
 def _split_prefetch_chains(model: nn.Module, unit_of_slot: dict, slots: list[Slot]) -> None:

@@ -107,9 +107,9 @@ class Bucket:
         """Every parameter of the bucket has delivered its gradient."""
         return len(self.ready) == len(self.group.slots)
 
-    def launch(self, scale: float) -> None:
+    def launch(self, scale: float, order: str = "ring") -> None:
         """Start the asynchronous reduction over the group's data axis (missing gradients
-        count as zero)."""
+        count as zero), its sum in ``order`` (:data:`gnnpar.comm.ORDERS`)."""
         grid = self.group.grid
         buf = self._buffer()
         for s in self.group.slots:
@@ -123,9 +123,9 @@ class Bucket:
         if scale != 1:
             buf.div_(scale)
         if self.stage == 0:
-            self.handle = comm.all_reduce(buf, grid, "data", async_op=True)
+            self.handle = comm.all_reduce(buf, grid, "data", async_op=True, order=order)
         else:
-            self.handle = comm.reduce_scatter(buf, grid, "data", async_op=True)
+            self.handle = comm.reduce_scatter(buf, grid, "data", async_op=True, order=order)
         self.launched = True
 
     def finish(self) -> None:
@@ -162,11 +162,13 @@ class GradBuckets:
         stage: int,
         buckets: list[Bucket],
         scale: float,
+        order: str = "ring",
     ):
         self.grid = grid
         self.stage = stage
         self.buckets = buckets
         self.scale = scale
+        self.reduce_order = order  # of the data axis's sum (gnnpar.comm.ORDERS)
         self.divisor = scale  # the average's; scale drops the data size when the loss has it
         self.sync = True
         self._next = 0
@@ -196,7 +198,7 @@ class GradBuckets:
         bucket = self._bucket_of[id(param)]
         bucket.take(param)
         while self._next < len(self.buckets) and self.buckets[self._next].full:
-            self.buckets[self._next].launch(self.scale)
+            self.buckets[self._next].launch(self.scale, self.reduce_order)
             self._next += 1
         # Bound the reductions in flight at stages 1-2, where each holds a bucket-sized
         # transient until it finishes (measured: unbounded, stage 1's backward peak on 4 ranks
@@ -209,7 +211,7 @@ class GradBuckets:
     def _end_of_backward(self) -> None:
         try:
             for b in self.buckets[self._next :]:
-                b.launch(self.scale)
+                b.launch(self.scale, self.reduce_order)
             for b in self.buckets[self._done :]:
                 b.finish()
         finally:

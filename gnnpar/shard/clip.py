@@ -19,6 +19,30 @@ import torch
 EPS = 1e-6
 
 
+def exact_square_sum(grads: Iterable[torch.Tensor], top: int) -> torch.Tensor:
+    """The sum of the squares of every element of ``grads``, exactly, as two int64 digits:
+    each square (taken in float64) is a fraction of ``2**top`` (which must exceed every
+    square), cut into its first two 31-bit binary digits, and the digits are summed as
+    integers — so the sum is the same in any order and over any split of the elements
+    (ZeRO shards of another data size), unlike a float sum. Bits below ``2**(top - 62)`` of
+    each square are dropped. Returns ``[high, low]``, to be added over ranks as integers;
+    :func:`digits_value` turns them into the float sum."""
+    out = torch.zeros(2, dtype=torch.int64)
+    for g in grads:
+        q = torch.ldexp(g.detach().to(torch.float64).square(), torch.tensor(31.0 - top))
+        high = q.floor()
+        low = ((q - high) * 2.0**31).floor()
+        out += torch.stack([high.to(torch.int64).sum(), low.to(torch.int64).sum()]).cpu()
+    return out
+
+
+def digits_value(digits: torch.Tensor, top: int) -> torch.Tensor:
+    """The float64 value of :func:`exact_square_sum`'s ``[high, low]`` (the same on every rank
+    that holds the same integers)."""
+    high, low = (float(d) for d in digits.tolist())
+    return torch.tensor(high * 2.0 ** (top - 31) + low * 2.0 ** (top - 62), dtype=torch.float64)
+
+
 def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / norm)``: what clipping to ``max_norm`` multiplies gradients by."""
     return (max_norm / (norm + EPS)).clamp(max=1.0)

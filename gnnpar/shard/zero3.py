@@ -130,8 +130,10 @@ class Stage3:
         fcdp: FCDP | None,
         nodes: NodeGroups | None,
         prefetch: bool,
+        order: str = "ring",
     ):
         self.grid = grid
+        self.reduce_order = order  # of the data axis's sum (gnnpar.comm.ORDERS)
         self.units = units
         self.mp = mp
         self.compute_dtype = compute_dtype
@@ -478,7 +480,7 @@ class Stage3:
         while len(self._pending_rs) >= MAX_INFLIGHT_REDUCTIONS:
             done, h = self._pending_rs.pop(0)
             done.set_grad(h.wait(), owned=True)
-        handle = comm.reduce_scatter(g, group.grid, "data", async_op=True)
+        handle = comm.reduce_scatter(g, group.grid, "data", async_op=True, order=self.reduce_order)
         self._pending_rs.append((group, handle))
 
     def _end_of_backward(self) -> None:

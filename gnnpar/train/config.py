@@ -227,6 +227,12 @@ class DataParallelConfig:
     grad_accum: int = option(
         1, "micro-batches per step: the batch is split and gradients accumulated"
     )
+    reduce_order: str = option(
+        "ring", "order of the data axis's gradient sums: ring (the backend's) or tree (a "
+        "fixed pairwise tree, the same bytes: the gradient does not depend on the data size "
+        "while data x grad_accum stays the same power of two; grad_accum <= 2)",
+        defined_in("gnnpar.comm", "ORDERS"),
+    )  # fmt: skip
     offload: str = option(
         "none", "where the optimizer's master weights, state and step live (ZeRO stage 1-3): "
         "none (the device), host (host memory) or file (memory-mapped files in offload_dir)",
@@ -251,7 +257,16 @@ class DataParallelConfig:
         if self.reduce_dtype is not None:
             _one_of(self, "reduce_dtype", REDUCE_DTYPES)
         _at_least(self, 1, "grad_accum")
+        from gnnpar.comm import ORDERS
         from gnnpar.shard.config import OFFLOAD_MODES
+
+        _one_of(self, "reduce_order", ORDERS)
+        if self.reduce_order == "tree" and self.grad_accum > 2:
+            # a rank's own sum of more micro-batches runs in sequence, not in the tree
+            raise ConfigError(
+                f"config key 'grad_accum' ({self.grad_accum}) must be 1 or 2 with "
+                "reduce_order = tree (a rank's own sum of more micro-batches is no tree)"
+            )
 
         _one_of(self, "offload", OFFLOAD_MODES)
         if self.offload != "none" and self.zero_stage == 0:

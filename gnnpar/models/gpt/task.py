@@ -80,6 +80,8 @@ LORA_DEFAULT_TARGETS = {
 }
 #: Our own models (plain PyTorch, our blocks): activation checkpointing and context work.
 OURS = ("gpt", "llama")
+#: The axes besides data that split a global batch (or its micro-batches) over ranks.
+BATCH_AXES = ("z", "context", "expert", "pipe")
 
 
 @dataclasses.dataclass
@@ -211,6 +213,7 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
         if self.lora_rank < 1 or not self.lora_alpha > 0:
             raise ConfigError("config keys 'lora_rank' and 'lora_alpha' must be positive")
         self.check_moe()
+        self.check_reduce_order()
         self.check_sequence_parallel()
         if self.n_kv_head < 0 or self.ffn_hidden < 0:
             raise ConfigError("config keys 'n_kv_head' and 'ffn_hidden' must be 0 or positive")
@@ -256,6 +259,24 @@ class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, Trainer
         ):
             if bad:
                 raise ConfigError(f"config key 'sequence_parallel' needs {why}")
+
+    def check_reduce_order(self) -> None:
+        """``reduce_order = tree`` needs a grid given in full whose data axis alone splits the
+        batch (no z, context, expert or pipe axis), naming the key."""
+        if self.reduce_order != "tree":
+            return
+        if not self.grid:
+            raise ConfigError(
+                "config key 'reduce_order' = tree needs a 'grid' (the planner's pick may "
+                "split the batch over z)"
+            )
+        shape = parse_grid_spec(self.grid)
+        others = [f"{a}={n}" for a, n in shape.items() if a in BATCH_AXES and n > 1]
+        if others:
+            raise ConfigError(
+                f"config key 'reduce_order' = tree needs a grid whose data axis alone splits "
+                f"the batch; 'grid' has {', '.join(others)}"
+            )
 
     def check_moe(self) -> None:
         """Reject mixture-of-experts options (and an expert axis) that cannot work, naming
@@ -708,6 +729,7 @@ class GPTTask(BaseTask):
                 fcdp=FCDP() if cfg.fcdp else None,
                 offload=cfg.offload,
                 offload_dir=cfg.offload_folder(),
+                reduce_order=cfg.reduce_order,
             )
             # PEFT: checkpoints hold the adapters; the base is read again from `pretrained`
             dp.checkpoint_trainable_only = cfg.peft != "none"
@@ -935,12 +957,27 @@ class GPTTask(BaseTask):
 
     # ------------------------------------------------------------------------ state
     def extra_state(self) -> dict[str, Any]:
-        """The loss scaler's state (the batches are a pure function of the step)."""
-        return {"loss_scale": self.scaler.state()}
+        """The loss scaler's state (the batches are a pure function of the step) and the
+        micro-batches of a global batch (data × grad_accum)."""
+        micro = self.grid.size("data") * self.cfg.grad_accum
+        return {"loss_scale": self.scaler.state(), "micro_batches": micro}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`extra_state`."""
+        """Restore :meth:`extra_state`. With ``reduce_order = tree`` a resume on another data
+        size keeps the run's micro-batches: ``grad_accum`` becomes micro-batches / data (so
+        the gradients are summed in the same tree, bit for bit)."""
         self.scaler.load(state.get("loss_scale", {}))
+        micro, data = state.get("micro_batches"), self.grid.size("data")
+        if self.cfg.reduce_order != "tree" or micro in (None, data * self.cfg.grad_accum):
+            return
+        if micro % data or micro // data > 2:
+            err = ConfigError(
+                f"reduce_order = tree keeps the run's {micro} micro-batches a step: data = "
+                f"{data} would need grad_accum = {micro / data:g} (1 or 2)"
+            )
+            err.same_on_every_rank = True
+            raise err
+        self.cfg.grad_accum = micro // data
 
     def _peft_record(self) -> dict[str, Any]:
         """What a PEFT checkpoint needs to be used without its run: the base folder and the
@@ -992,7 +1029,10 @@ def _adamw(dp, cfg: GPTTaskConfig) -> torch.optim.Optimizer:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": rest, "weight_decay": 0.0},
     ]
-    fused = _has_fused_kernels([*decay, *rest])
+    # torch's fused CPU kernel rounds a tensor's last elements (past its last full vector)
+    # otherwise than the rest, so where the ZeRO shards cut the pieces would change the
+    # update; the per-tensor and foreach kernels do not (reduce_order = tree promises that)
+    fused = _has_fused_kernels([*decay, *rest]) and cfg.reduce_order != "tree"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), fused=fused or None)
 
 

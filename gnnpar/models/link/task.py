@@ -264,6 +264,8 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
                 "mode full replicates its weights over the grid (the graph is what is split): "
                 "no zero_stage, fcdp or offload"
             )
+        if self.reduce_order != "ring":
+            raise ConfigError("config key 'reduce_order': mode full has no data axis to order")
         if self.mixed_precision != "none" or self.grad_accum != 1:
             raise ConfigError("mode full: no mixed_precision, grad_accum 1")
         if self.grid is not None:
@@ -524,7 +526,7 @@ class LinkTask(BaseTask):
         self.model = shard(
             self.net, grid, cfg.zero_stage or 0, units=units, mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None, offload=cfg.offload,
-            offload_dir=cfg.offload_folder(),
+            offload_dir=cfg.offload_folder(), reduce_order=cfg.reduce_order,
         )  # fmt: skip
         data, rank = grid.size("data"), grid.rank("data")
         ids = torch.arange(self.num_train, dtype=torch.int64)

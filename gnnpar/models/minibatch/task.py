@@ -624,6 +624,7 @@ class MiniBatchTask(BaseTask):
             fcdp=FCDP() if cfg.fcdp else None,
             offload=cfg.offload,
             offload_dir=cfg.offload_folder(),
+            reduce_order=cfg.reduce_order,
         )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
