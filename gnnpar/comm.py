@@ -565,6 +565,8 @@ def all_to_all(
                 "pass input_splits"
             )
         input_splits = [n // p] * p
+        # every rank sends even rows: it receives as many from each (no counts exchanged)
+        output_splits = input_splits if output_splits is None else output_splits
     input_splits = list(input_splits)
     if len(input_splits) != p or sum(input_splits) != n:
         raise ValueError(

@@ -47,7 +47,7 @@ from gnnpar.shard.buckets import GradBuckets, build_buckets
 from gnnpar.shard.clip import clip_factor, digits_value, exact_square_sum, scale_grads_
 from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
-from gnnpar.shard.groups import NodeGroups, node_groups
+from gnnpar.shard.groups import NodeGroups, node_groups, split_by_node
 from gnnpar.shard.offload import HostTier, make_tier
 from gnnpar.shard.zero3 import Stage3, Unit, cast_floats
 
@@ -783,6 +783,8 @@ def shard(
     offload: str = "none",
     offload_dir: str | os.PathLike | None = None,
     reduce_order: str = "ring",
+    quantized_weights: bool = False,
+    quantized_grads: bool = False,
 ) -> ShardedModel:
     """Make ``model`` data-parallel over ``grid``'s data axis, in place.
 
@@ -814,6 +816,13 @@ def shard(
             rank accumulates at most two micro-batches (a sum of two has no order). It needs
             z = 1 and no context or expert ranks: they split the batch too and sum before
             or with the data axis.
+        quantized_weights: ZeRO++'s qwZ (stage 3): the parameter all-gathers move int8
+            blocks of 256 with a float32 scale each (:mod:`gnnpar.shard.quantize`); forward
+            and backward compute with the dequantized weights, the optimizer steps the
+            full-precision masters.
+        quantized_grads: ZeRO++'s qgZ (stage 3): the gradient reduce-scatter is the int4
+            hierarchical all-to-all (inside each node, then across nodes: ``ranks_per_node``
+            of the grid), in the gradient's dtype between the two.
 
     **Context and experts.** Context ranks (:mod:`gnnpar.tensor.context`) and expert ranks
     (:mod:`gnnpar.tensor.experts`) hold the same parameters as data ranks and see other
@@ -856,6 +865,7 @@ def shard(
     if getattr(model, "_gnnpar_sharded", False):
         raise ValueError("this model is already sharded; call shard() once per model")
     _check_reduce_order(reduce_order, grid)
+    _check_quantized(stage, reduce_order, quantized_weights, quantized_grads)
     # A model whose tensor-parallel layers deliver complete gradients (the full-graph 3D
     # layers reduce over x, y and z themselves) is only averaged over data, at stage 0: its
     # pieces are no ShardLayout that the other stages and full state dicts could cut.
@@ -878,7 +888,9 @@ def shard(
         raise UserError("FCDP does not cache a mixture of experts' experts: use stage 3 alone")
     trainable = [s for s in slots if s.trainable]
     replicas = fold_replicas(grid)
-    nodes = node_groups(replicas) if fcdp is not None else None
+    if quantized_grads and expert_units:
+        raise UserError("quantized_grads does not reduce a mixture of experts' experts")
+    nodes = node_groups(replicas) if fcdp is not None or quantized_grads else None
     tier = make_tier(offload, offload_dir, grid.device, grid.global_rank)
     alloc = tier.master if tier is not None else None
 
@@ -936,6 +948,8 @@ def shard(
             nodes,
             prefetch,
             reduce_order,
+            quantized_weights,
+            (nodes, _node_major(replicas)) if quantized_grads else None,
         )
         for i, (name, module) in enumerate(unit_list):
             unit = Unit(i, name, module, rt)
@@ -991,6 +1005,28 @@ def _check_reduce_order(order: str, grid: ProcessGrid) -> None:
             f"reduce_order='tree' needs a grid whose data axis alone splits the batch; this "
             f"one has {sizes} (they sum their gradients before or with the data axis)"
         )
+
+
+def _check_quantized(stage: int, order: str, weights: bool, grads: bool) -> None:
+    """qwZ and qgZ are stage 3's, and their blocks depend on the data size (no tree)."""
+    for flag, name in ((weights, "quantized_weights"), (grads, "quantized_grads")):
+        if not flag:
+            continue
+        if stage != 3:
+            raise UserError(f"{name} quantizes stage 3's collectives; this is stage {stage}")
+        if order == "tree":
+            raise UserError(
+                f"{name} does not combine with reduce_order='tree': its blocks, and so its "
+                "rounding, depend on the data size"
+            )
+
+
+def _node_major(replicas: ProcessGrid) -> list[int]:
+    """The data indices of this rank's data group, node by node (the layout of the node
+    sub-groups, :func:`gnnpar.shard.groups.node_groups`)."""
+    members = replicas.ranks("data")
+    parts = split_by_node(members, replicas.ranks_per_node)
+    return [members.index(r) for part in parts for r in part]
 
 
 def _split_prefetch_chains(model: nn.Module, unit_of_slot: dict, slots: list[Slot]) -> None:

@@ -66,6 +66,7 @@ from gnnpar.recompute import in_backward
 from gnnpar.shard.config import FCDP, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import INTRA, NodeGroups
+from gnnpar.shard.quantize import gather_quantized, reduce_scatter_quantized
 
 __all__ = ["Stage3", "Unit"]
 
@@ -82,6 +83,9 @@ class _Ready:
 
     def wait(self) -> torch.Tensor:
         return self.value
+
+    def is_completed(self) -> bool:
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +135,15 @@ class Stage3:
         nodes: NodeGroups | None,
         prefetch: bool,
         order: str = "ring",
+        quantized_weights: bool = False,
+        quantized_grads: tuple[NodeGroups, list[int]] | None = None,
     ):
         self.grid = grid
         self.reduce_order = order  # of the data axis's sum (gnnpar.comm.ORDERS)
+        #: qwZ: the parameter all-gathers move int8 blocks (gnnpar.shard.quantize)
+        self.quantized_weights = quantized_weights
+        #: qgZ: the node groups and data indices of the int4 hierarchical reduction, or None
+        self.quantized_grads = quantized_grads
         self.units = units
         self.mp = mp
         self.compute_dtype = compute_dtype
@@ -267,6 +277,9 @@ class Stage3:
             return
         group = unit.groups[kind]
         send = group.send(self.compute_dtype)
+        if self.quantized_weights:
+            unit.pending[kind] = gather_quantized(send, group.grid, "data", send.dtype, True)
+            return
         unit.pending[kind] = comm.all_gather(send, group.grid, "data", async_op=True)
 
     def _materialize(self, unit: Unit, kind: str, backward: bool) -> torch.Tensor:
@@ -480,6 +493,10 @@ class Stage3:
         while len(self._pending_rs) >= MAX_INFLIGHT_REDUCTIONS:
             done, h = self._pending_rs.pop(0)
             done.set_grad(h.wait(), owned=True)
+        if self.quantized_grads is not None:  # blocking: two all-to-alls and their sums
+            nodes, index = self.quantized_grads
+            self._pending_rs.append((group, _Ready(reduce_scatter_quantized(g, nodes, index))))
+            return
         handle = comm.reduce_scatter(g, group.grid, "data", async_op=True, order=self.reduce_order)
         self._pending_rs.append((group, handle))
 

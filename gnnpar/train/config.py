@@ -23,7 +23,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from gnnpar.errors import UserError
 
@@ -233,6 +233,14 @@ class DataParallelConfig:
         "while data x grad_accum stays the same power of two; grad_accum <= 2)",
         defined_in("gnnpar.comm", "ORDERS"),
     )  # fmt: skip
+    quantized_weights: bool = option(
+        False, "ZeRO++ qwZ (zero_stage 3): parameter all-gathers move int8 blocks of 256 "
+        "with a float32 scale each"
+    )  # fmt: skip
+    quantized_grads: bool = option(
+        False, "ZeRO++ qgZ (zero_stage 3): the gradient reduce-scatter is an int4 all-to-all "
+        "inside each node, then across nodes (ranks_per_node)"
+    )  # fmt: skip
     offload: str = option(
         "none", "where the optimizer's master weights, state and step live (ZeRO stage 1-3): "
         "none (the device), host (host memory) or file (memory-mapped files in offload_dir)",
@@ -242,6 +250,9 @@ class DataParallelConfig:
         None, "folder of offload = file (default OUT/offload; each rank uses rank<R>/ in it, "
         "one left by an ended run is removed)"
     )  # fmt: skip
+
+    #: Whether a missing ``zero_stage`` is the planner's choice (gpt) rather than 0.
+    planner_picks_stage: ClassVar[bool] = False
 
     def check_data_parallel(self) -> None:
         """Reject data-parallel values that cannot work, naming the key."""
@@ -261,6 +272,19 @@ class DataParallelConfig:
         from gnnpar.shard.config import OFFLOAD_MODES
 
         _one_of(self, "reduce_order", ORDERS)
+        # the gpt task's planner takes stage 3 for a quantized run it picks the stage of
+        picked = self.zero_stage is None and self.planner_picks_stage
+        for key in ("quantized_weights", "quantized_grads"):
+            if getattr(self, key) and self.zero_stage != 3 and not picked:
+                raise ConfigError(
+                    f"config key '{key}' quantizes ZeRO-3's collectives: it needs "
+                    f"zero_stage = 3, not {self.zero_stage}"
+                )
+            if getattr(self, key) and self.reduce_order == "tree":
+                raise ConfigError(
+                    f"config key '{key}' does not combine with reduce_order = tree (its "
+                    "blocks, and so its rounding, depend on the data size)"
+                )
         if self.reduce_order == "tree" and self.grad_accum > 2:
             # a rank's own sum of more micro-batches runs in sequence, not in the tree
             raise ConfigError(

@@ -23,6 +23,7 @@ from gnnpar.plan.comm_model import Collective, Infeasible, collective, grid_shap
 from gnnpar.plan.compute import gemm_seconds, stream_seconds
 from gnnpar.plan.inputs import PlanError, checkpointing, positive
 from gnnpar.plan.machines import Machine
+from gnnpar.shard.quantize import BLOCK as QUANT_BLOCK
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
@@ -88,6 +89,12 @@ class GPTProblem:
     #: (:func:`~gnnpar.models.gpt.memory.gpt_memory`); the bytes are plain tensor
     #: parallelism's (an all-reduce's are an all-gather's and a reduce-scatter's).
     sequence_parallel: bool = False
+    #: ZeRO++ at stage 3 (:mod:`gnnpar.shard.quantize`): qwZ's parameter all-gathers move
+    #: int8 codes and a float32 scale per 256 elements; qgZ's gradient reduction moves int4
+    #: codes and the scales — priced as a reduce-scatter of those bytes over data (the same
+    #: bytes per rank as its in-node and across-node all-to-alls together).
+    quantized_weights: bool = False
+    quantized_grads: bool = False
 
     def __post_init__(self) -> None:
         from gnnpar.shard.config import OFFLOAD_MODES
@@ -608,14 +615,18 @@ def _gradient_sync(
         if key:
             buckets[key] = buckets.get(key, 0) + n
     out: list[Collective] = []
+    # bytes an element of stage 3's gathers and gradient reduction moves (ZeRO++ quantizes)
+    stage3 = problem.stage == 3
+    ge = 1 + 4 / QUANT_BLOCK if stage3 and problem.quantized_weights else e
+    re = 0.5 + 4 / QUANT_BLOCK if stage3 and problem.quantized_grads else e
     for axes, n in buckets.items():
         for a in axes:
             if a == "data" and problem.stage > 0:
                 what = "ZeRO gradient reduce-scatter"
-                out += collective(a, "reduce_scatter", g.data, n * e, what)
-                out += collective(a, "all_gather", g.data, n * e, "ZeRO parameter all-gather")
-                if problem.stage == 3:
-                    out += collective(a, "all_gather", g.data, n * e, "ZeRO-3 backward re-gather")
+                out += collective(a, "reduce_scatter", g.data, n * re, what)
+                out += collective(a, "all_gather", g.data, n * ge, "ZeRO parameter all-gather")
+                if stage3:
+                    out += collective(a, "all_gather", g.data, n * ge, "ZeRO-3 backward re-gather")
             else:
                 out += collective(a, "all_reduce", g.size(a), n * e, f"gradient sync over {a}")
     return out

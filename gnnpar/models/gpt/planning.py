@@ -304,7 +304,8 @@ def largest_gpt(
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
                "virtual_stages", "activation_checkpointing", "offload", "moe_experts",
-               "moe_top_k", "moe_capacity", "sequence_parallel")  # fmt: skip
+               "moe_top_k", "moe_capacity", "sequence_parallel", "quantized_weights",
+               "quantized_grads")  # fmt: skip
 
 
 def _gpt_problem(args: argparse.Namespace) -> GPTProblem:

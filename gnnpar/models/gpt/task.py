@@ -25,7 +25,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -87,6 +87,8 @@ BATCH_AXES = ("z", "context", "expert", "pipe")
 @dataclasses.dataclass
 class GPTTaskConfig(RecomputeConfig, ScheduleConfig, DataParallelConfig, TrainerConfig, GPTConfig):
     """Options of ``gnnpar train gpt`` (and ``--config FILE`` keys)."""
+
+    planner_picks_stage: ClassVar[bool] = True  # no zero_stage: the planner's pick
 
     model: str = option(
         "gpt", "gpt (ours), llama (ours: RMSNorm, RoPE, SwiGLU, GQA) or hf-gpt2 "
@@ -569,6 +571,8 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         offload=cfg.offload,
         lora_rank=cfg.lora_rank if cfg.peft == "lora" else 0,
         sequence_parallel=cfg.sequence_parallel,
+        quantized_weights=cfg.quantized_weights,
+        quantized_grads=cfg.quantized_grads,
     )
 
 
@@ -579,13 +583,16 @@ def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[d
     from gnnpar.plan import local_machine
 
     shape = parse_grid_spec(cfg.grid) if cfg.grid else None
-    if shape is not None and cfg.zero_stage is not None:
-        return shape, cfg.zero_stage
+    stage = cfg.zero_stage
+    if stage is None and (cfg.quantized_weights or cfg.quantized_grads):
+        stage = 3  # ZeRO++ quantizes stage 3's collectives
+    if shape is not None and stage is not None:
+        return shape, stage
     problem = plan_problem(cfg, sizes)
     # A GPU node holds the launcher's ranks per node, one GPU each (the CPU box: every core).
     gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
     machine = local_machine(world.backend, gpus_per_node)
-    return choose_gpt_plan(problem, world.world_size, machine, shape, cfg.zero_stage)
+    return choose_gpt_plan(problem, world.world_size, machine, shape, stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -730,6 +737,8 @@ class GPTTask(BaseTask):
                 offload=cfg.offload,
                 offload_dir=cfg.offload_folder(),
                 reduce_order=cfg.reduce_order,
+                quantized_weights=cfg.quantized_weights,
+                quantized_grads=cfg.quantized_grads,
             )
             # PEFT: checkpoints hold the adapters; the base is read again from `pretrained`
             dp.checkpoint_trainable_only = cfg.peft != "none"

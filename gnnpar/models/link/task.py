@@ -527,6 +527,7 @@ class LinkTask(BaseTask):
             self.net, grid, cfg.zero_stage or 0, units=units, mixed_precision=shard_policy(cfg),
             fcdp=FCDP() if cfg.fcdp else None, offload=cfg.offload,
             offload_dir=cfg.offload_folder(), reduce_order=cfg.reduce_order,
+            quantized_weights=cfg.quantized_weights, quantized_grads=cfg.quantized_grads,
         )  # fmt: skip
         data, rank = grid.size("data"), grid.rank("data")
         ids = torch.arange(self.num_train, dtype=torch.int64)

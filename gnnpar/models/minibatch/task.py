@@ -625,6 +625,8 @@ class MiniBatchTask(BaseTask):
             offload=cfg.offload,
             offload_dir=cfg.offload_folder(),
             reduce_order=cfg.reduce_order,
+            quantized_weights=cfg.quantized_weights,
+            quantized_grads=cfg.quantized_grads,
         )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
