@@ -139,6 +139,12 @@ def _account(grid: ProcessGrid, axis: str, kind: str, nbytes: float) -> None:
         rec.add(axis, kind, round(nbytes))
 
 
+def account(grid: ProcessGrid, axis: str, kind: str, nbytes: float) -> None:
+    """Count ``nbytes`` this rank moved on ``axis`` in a collective of ``kind`` that ran
+    outside this module (a communication hook of torch's) in the open recorders."""
+    _account(grid, axis, kind, nbytes)
+
+
 def ring_bytes(kind: str, full_bytes: float, p: int) -> float:
     """Per-rank bytes of a ring collective over ``p`` ranks on a full buffer of ``full_bytes``."""
     if p <= 1:

@@ -49,6 +49,7 @@ from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import NodeGroups, node_groups, split_by_node
 from gnnpar.shard.offload import HostTier, make_tier
+from gnnpar.shard.powersgd import PowerSGD
 from gnnpar.shard.zero3 import Stage3, Unit, cast_floats
 
 __all__ = ["ShardedModel", "UnitSpec", "by_numel", "by_type", "shard"]
@@ -785,6 +786,7 @@ def shard(
     reduce_order: str = "ring",
     quantized_weights: bool = False,
     quantized_grads: bool = False,
+    powersgd_rank: int = 0,
 ) -> ShardedModel:
     """Make ``model`` data-parallel over ``grid``'s data axis, in place.
 
@@ -823,6 +825,9 @@ def shard(
         quantized_grads: ZeRO++'s qgZ (stage 3): the gradient reduce-scatter is the int4
             hierarchical all-to-all (inside each node, then across nodes: ``ranks_per_node``
             of the grid), in the gradient's dtype between the two.
+        powersgd_rank: stage 0: each gradient bucket's all-reduce goes through torch's
+            PowerSGD communication hook with matrices of this rank, error feedback and warm
+            start, plain for the first two steps (:mod:`gnnpar.shard.powersgd`); 0 is off.
 
     **Context and experts.** Context ranks (:mod:`gnnpar.tensor.context`) and expert ranks
     (:mod:`gnnpar.tensor.experts`) hold the same parameters as data ranks and see other
@@ -866,6 +871,12 @@ def shard(
         raise ValueError("this model is already sharded; call shard() once per model")
     _check_reduce_order(reduce_order, grid)
     _check_quantized(stage, reduce_order, quantized_weights, quantized_grads)
+    if powersgd_rank and (stage != 0 or reduce_order == "tree"):
+        raise UserError(
+            f"powersgd_rank compresses stage 0's all-reduce (every rank keeps the whole "
+            f"approximate gradient), with reduce_order 'ring'; this is stage {stage}, "
+            f"{reduce_order!r}"
+        )
     # A model whose tensor-parallel layers deliver complete gradients (the full-graph 3D
     # layers reduce over x, y and z themselves) is only averaged over data, at stage 0: its
     # pieces are no ShardLayout that the other stages and full state dicts could cut.
@@ -922,7 +933,10 @@ def shard(
                 for s in slots:
                     s.param.data = s.param.data.to(param_dtype)
         scale = replicas.size("data") * (1 if complete else grid.size("z"))
-        dp.buckets = GradBuckets(replicas, stage, buckets, scale, reduce_order)
+        if powersgd_rank and expert_units:
+            raise UserError("powersgd_rank does not compress a mixture of experts' experts")
+        compress = PowerSGD(replicas, powersgd_rank) if powersgd_rank else None
+        dp.buckets = GradBuckets(replicas, stage, buckets, scale, reduce_order, compress)
 
         def pre(module, args, kwargs):
             dp._sync_before_forward()

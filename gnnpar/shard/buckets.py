@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,9 +108,13 @@ class Bucket:
         """Every parameter of the bucket has delivered its gradient."""
         return len(self.ready) == len(self.group.slots)
 
-    def launch(self, scale: float, order: str = "ring") -> None:
+    def launch(
+        self, scale: float, order: str = "ring", powersgd: Any = None, last: bool = False
+    ) -> None:
         """Start the asynchronous reduction over the group's data axis (missing gradients
-        count as zero), its sum in ``order`` (:data:`gnnpar.comm.ORDERS`)."""
+        count as zero), its sum in ``order`` (:data:`gnnpar.comm.ORDERS`); at stage 0 with
+        ``powersgd`` (:class:`gnnpar.shard.powersgd.PowerSGD`), through its hook (``last``:
+        the step's last bucket)."""
         grid = self.group.grid
         buf = self._buffer()
         for s in self.group.slots:
@@ -120,6 +125,14 @@ class Bucket:
         g = self.group
         if g.z_start < g.numel and grid.size("z") > 1:
             comm.all_reduce(buf[g.z_start : g.numel], grid, "z")
+        if self.stage == 0 and powersgd is not None and grid.size("data") > 1:
+            # the hook returns the mean over data: scale so that it is the sum over scale
+            if scale != grid.size("data"):
+                buf.mul_(grid.size("data") / scale)
+            views = [buf[s.offset : s.offset + s.numel].view(powersgd.shape_of(s)) for s in g.slots]
+            self.handle = powersgd.all_reduce(self.index, last, buf, views)
+            self.launched = True
+            return
         if scale != 1:
             buf.div_(scale)
         if self.stage == 0:
@@ -163,12 +176,14 @@ class GradBuckets:
         buckets: list[Bucket],
         scale: float,
         order: str = "ring",
+        powersgd=None,
     ):
         self.grid = grid
         self.stage = stage
         self.buckets = buckets
         self.scale = scale
         self.reduce_order = order  # of the data axis's sum (gnnpar.comm.ORDERS)
+        self.powersgd = powersgd  # stage 0's compression (gnnpar.shard.powersgd), or None
         self.divisor = scale  # the average's; scale drops the data size when the loss has it
         self.sync = True
         self._next = 0
@@ -198,7 +213,7 @@ class GradBuckets:
         bucket = self._bucket_of[id(param)]
         bucket.take(param)
         while self._next < len(self.buckets) and self.buckets[self._next].full:
-            self.buckets[self._next].launch(self.scale, self.reduce_order)
+            self._launch(self.buckets[self._next])
             self._next += 1
         # Bound the reductions in flight at stages 1-2, where each holds a bucket-sized
         # transient until it finishes (measured: unbounded, stage 1's backward peak on 4 ranks
@@ -208,10 +223,14 @@ class GradBuckets:
             self.buckets[self._done].finish()
             self._done += 1
 
+    def _launch(self, bucket: Bucket) -> None:
+        last = bucket is self.buckets[-1]
+        bucket.launch(self.scale, self.reduce_order, self.powersgd, last)
+
     def _end_of_backward(self) -> None:
         try:
             for b in self.buckets[self._next :]:
-                b.launch(self.scale, self.reduce_order)
+                self._launch(b)
             for b in self.buckets[self._done :]:
                 b.finish()
         finally:

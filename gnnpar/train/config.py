@@ -241,6 +241,10 @@ class DataParallelConfig:
         False, "ZeRO++ qgZ (zero_stage 3): the gradient reduce-scatter is an int4 all-to-all "
         "inside each node, then across nodes (ranks_per_node)"
     )  # fmt: skip
+    powersgd_rank: int = option(
+        0, "PowerSGD (torch's communication hook: rank-r factors, error feedback) on the "
+        "data axis's all-reduce, zero_stage 0 (0: off)"
+    )  # fmt: skip
     offload: str = option(
         "none", "where the optimizer's master weights, state and step live (ZeRO stage 1-3): "
         "none (the device), host (host memory) or file (memory-mapped files in offload_dir)",
@@ -274,6 +278,16 @@ class DataParallelConfig:
         _one_of(self, "reduce_order", ORDERS)
         # the gpt task's planner takes stage 3 for a quantized run it picks the stage of
         picked = self.zero_stage is None and self.planner_picks_stage
+        _at_least(self, 0, "powersgd_rank")
+        if self.powersgd_rank and (self.zero_stage or 0) != 0:
+            raise ConfigError(
+                "config key 'powersgd_rank' compresses zero_stage 0's all-reduce (every rank "
+                f"keeps the whole gradient), not stage {self.zero_stage}"
+            )
+        if self.powersgd_rank and self.reduce_order == "tree":
+            raise ConfigError(
+                "config key 'powersgd_rank' does not combine with reduce_order = tree"
+            )
         for key in ("quantized_weights", "quantized_grads"):
             if getattr(self, key) and self.zero_stage != 3 and not picked:
                 raise ConfigError(

@@ -586,6 +586,8 @@ def planned(cfg: GPTTaskConfig, sizes: GPTConfig, world: ProcessGrid) -> tuple[d
     stage = cfg.zero_stage
     if stage is None and (cfg.quantized_weights or cfg.quantized_grads):
         stage = 3  # ZeRO++ quantizes stage 3's collectives
+    if stage is None and cfg.powersgd_rank:
+        stage = 0  # PowerSGD compresses stage 0's all-reduce
     if shape is not None and stage is not None:
         return shape, stage
     problem = plan_problem(cfg, sizes)
@@ -739,6 +741,7 @@ class GPTTask(BaseTask):
                 reduce_order=cfg.reduce_order,
                 quantized_weights=cfg.quantized_weights,
                 quantized_grads=cfg.quantized_grads,
+                powersgd_rank=cfg.powersgd_rank,
             )
             # PEFT: checkpoints hold the adapters; the base is read again from `pretrained`
             dp.checkpoint_trainable_only = cfg.peft != "none"

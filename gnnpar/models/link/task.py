@@ -264,8 +264,10 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
                 "mode full replicates its weights over the grid (the graph is what is split): "
                 "no zero_stage, fcdp or offload"
             )
-        if self.reduce_order != "ring":
-            raise ConfigError("config key 'reduce_order': mode full has no data axis to order")
+        if self.reduce_order != "ring" or self.powersgd_rank:
+            raise ConfigError(
+                "config keys 'reduce_order' / 'powersgd_rank': mode full has no data axis"
+            )
         if self.mixed_precision != "none" or self.grad_accum != 1:
             raise ConfigError("mode full: no mixed_precision, grad_accum 1")
         if self.grid is not None:
@@ -528,6 +530,7 @@ class LinkTask(BaseTask):
             fcdp=FCDP() if cfg.fcdp else None, offload=cfg.offload,
             offload_dir=cfg.offload_folder(), reduce_order=cfg.reduce_order,
             quantized_weights=cfg.quantized_weights, quantized_grads=cfg.quantized_grads,
+            powersgd_rank=cfg.powersgd_rank,
         )  # fmt: skip
         data, rank = grid.size("data"), grid.rank("data")
         ids = torch.arange(self.num_train, dtype=torch.int64)

@@ -627,6 +627,7 @@ class MiniBatchTask(BaseTask):
             reduce_order=cfg.reduce_order,
             quantized_weights=cfg.quantized_weights,
             quantized_grads=cfg.quantized_grads,
+            powersgd_rank=cfg.powersgd_rank,
         )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
