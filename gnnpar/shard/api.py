@@ -44,7 +44,13 @@ from gnnpar import comm
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid, fold_context, fold_replicas
 from gnnpar.shard.buckets import GradBuckets, build_buckets
-from gnnpar.shard.clip import clip_factor, digits_value, exact_square_sum, scale_grads_
+from gnnpar.shard.clip import (
+    DIGITS,
+    clip_factor,
+    digits_value,
+    exact_square_sum,
+    scale_grads_,
+)
 from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import NodeGroups, node_groups, split_by_node
@@ -494,7 +500,7 @@ class ShardedModel:
             return top
         # the power of two above the largest square (frexp: top = m·2**e with m in [0.5, 1))
         exponent = 2 * int(torch.frexp(top).exponent)
-        digits = torch.zeros(2, dtype=torch.int64)
+        digits = torch.zeros(DIGITS, dtype=torch.int64)
         # stage 0's pieces are whole on every data rank: summed over tensor ranks only
         axes = ("data", "tensor") if self.stage > 0 else ("tensor",)
         for repl in sorted({r for _, r in grads}):

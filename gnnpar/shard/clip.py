@@ -19,28 +19,35 @@ import torch
 EPS = 1e-6
 
 
+#: :func:`exact_square_sum`'s fixed point: this many binary digits of this many bits each.
+DIGITS, DIGIT_BITS = 3, 24
+
+
 def exact_square_sum(grads: Iterable[torch.Tensor], top: int) -> torch.Tensor:
-    """The sum of the squares of every element of ``grads``, exactly, as two int64 digits:
-    each square (taken in float64) is a fraction of ``2**top`` (which must exceed every
-    square), cut into its first two 31-bit binary digits, and the digits are summed as
-    integers — so the sum is the same in any order and over any split of the elements
-    (ZeRO shards of another data size), unlike a float sum. Bits below ``2**(top - 62)`` of
-    each square are dropped. Returns ``[high, low]``, to be added over ranks as integers;
+    """The sum of the squares of every element of ``grads``, exactly, as int64 digits: each
+    square (taken in float64) is a fraction of ``2**top`` (which must exceed every square),
+    cut into its first :data:`DIGITS` binary digits of :data:`DIGIT_BITS` bits, and the
+    digits are summed as integers — so the sum is the same in any order and over any split of
+    the elements (ZeRO shards of another data size), unlike a float sum. Bits below
+    ``2**(top - 72)`` of each square are dropped; a digit's sum stays below 2**63 for up to
+    2**39 elements. Returns the digit sums, to be added over ranks as integers;
     :func:`digits_value` turns them into the float sum."""
-    out = torch.zeros(2, dtype=torch.int64)
+    out = torch.zeros(DIGITS, dtype=torch.int64)
     for g in grads:
-        q = torch.ldexp(g.detach().to(torch.float64).square(), torch.tensor(31.0 - top))
-        high = q.floor()
-        low = ((q - high) * 2.0**31).floor()
-        out += torch.stack([high.to(torch.int64).sum(), low.to(torch.int64).sum()]).cpu()
+        q = torch.ldexp(g.detach().to(torch.float64).square(), torch.tensor(float(-top)))
+        for i in range(DIGITS):
+            q = q * 2.0**DIGIT_BITS  # exact: a power of two
+            digit = q.floor()
+            out[i] += digit.to(torch.int64).sum().cpu()
+            q = q - digit  # exact: the fraction below the digit
     return out
 
 
 def digits_value(digits: torch.Tensor, top: int) -> torch.Tensor:
-    """The float64 value of :func:`exact_square_sum`'s ``[high, low]`` (the same on every rank
+    """The float64 value of :func:`exact_square_sum`'s digit sums (the same on every rank
     that holds the same integers)."""
-    high, low = (float(d) for d in digits.tolist())
-    return torch.tensor(high * 2.0 ** (top - 31) + low * 2.0 ** (top - 62), dtype=torch.float64)
+    value = sum(float(d) * 2.0 ** (top - DIGIT_BITS * (i + 1)) for i, d in enumerate(digits))
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
