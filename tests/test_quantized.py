@@ -21,7 +21,7 @@ from torch import nn
 
 import gnnpar
 from gnnpar import comm
-from gnnpar.shard import by_type, shard
+from gnnpar.shard import MixedPrecision, by_type, shard
 from gnnpar.shard.quantize import BLOCK, dequantize, quantize
 from gnnpar.testing import run_distributed
 
@@ -86,28 +86,31 @@ def _step(quantized: str) -> dict:
     grid = gnnpar.init(data=4, ranks_per_node=2)
     torch.manual_seed(0)
     net = _Net()
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     dp = shard(net, grid, 3, units=by_type(nn.Linear), quantized_weights="w" in quantized,
-               quantized_grads="g" in quantized)  # fmt: skip
+               quantized_grads="g" in quantized,
+               mixed_precision=bf16 if "b" in quantized else None)  # fmt: skip
     opt = dp.attach(torch.optim.AdamW(dp.parameters(), lr=0.01))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
     rows = slice(grid.rank("data") * BATCH // 4, (grid.rank("data") + 1) * BATCH // 4)
     with comm.record(grid) as traffic:
-        F.mse_loss(net(x[rows]), y[rows]).backward()
+        F.mse_loss(net(x[rows]).float(), y[rows]).backward()
     grads = torch.cat([p.grad.reshape(-1) for p in dp.parameters()])
     with dp.gathered() as m:
         gathered = m.blocks[0].weight.detach().clone()
     opt.step()
     # numpy arrays travel back by value (a forked rank's tensors would be shared memory)
-    out = {"bytes": dict(traffic.nbytes), "gathered": gathered.numpy(), "grads": grads.numpy()}
-    out["state"] = {k: v.numpy() for k, v in dp.full_state_dict().items()}
+    out = {"bytes": dict(traffic.nbytes), "gathered": gathered.float().numpy()}
+    out["grads"] = grads.float().numpy()
+    out["state"] = {k: v.float().numpy() for k, v in dp.full_state_dict().items()}
     gnnpar.release(grid)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
-    out = {q: run_distributed(_step, 4, q) for q in ("", "w", "g")}
+    out = {q: run_distributed(_step, 4, q) for q in ("", "w", "g", "b", "bw")}
     for res in out.values():
         for r in res:
             for key in ("gathered", "grads"):
@@ -142,11 +145,16 @@ def test_bytes_of_qwz_and_qgz_against_the_formulas(runs):
         "g": {("data", "all_gather"): plain_gather, ("data.intra", "all_to_all"): intra,
               ("data.inter", "all_to_all"): inter},
     }  # fmt: skip
-    for q, res in runs.items():
+    for q, res in ((q, runs[q]) for q in want):
         for r in res:
             got = {key: v for key, v in r["bytes"].items() if v}
             assert got == want[q], (q, got, want[q])
     assert 0.25 < q_gather / plain_gather < 0.26  # (1 + 4/256) / 4
+    # with bf16 parameters (mixed precision) the plain gathers move 2 bytes an element and
+    # qwZ's the same int8 blocks: (1 + 4/256) / 2 of them
+    gathers = {q: runs[q][0]["bytes"][("data", "all_gather")] for q in ("b", "bw")}
+    assert gathers == {"b": plain_gather // 2, "bw": q_gather}, gathers
+    assert 0.5 < gathers["bw"] / gathers["b"] < 0.52  # 0.508, and the small units' padding
     # across nodes: an eighth of a float32 hierarchical reduce-scatter's (N−1)/N · Ψ/k · e
     fp32_inter = sum((nodes - 1) * s * e for s in shards)
     assert 0.125 < inter / fp32_inter < 0.135  # above 1/8: the small head unit's padding
