@@ -134,15 +134,12 @@ def record(grid: ProcessGrid) -> Iterator[Traffic]:
         grid.recorders.remove(traffic)
 
 
-def _account(grid: ProcessGrid, axis: str, kind: str, nbytes: float) -> None:
+def account(grid: ProcessGrid, axis: str, kind: str, nbytes: float) -> None:
+    """Count ``nbytes`` this rank moved on ``axis`` in a collective of ``kind`` in the open
+    recorders: every collective here, and those that run outside this module (a
+    communication hook of torch's)."""
     for rec in grid.recorders:
         rec.add(axis, kind, round(nbytes))
-
-
-def account(grid: ProcessGrid, axis: str, kind: str, nbytes: float) -> None:
-    """Count ``nbytes`` this rank moved on ``axis`` in a collective of ``kind`` that ran
-    outside this module (a communication hook of torch's) in the open recorders."""
-    _account(grid, axis, kind, nbytes)
 
 
 def ring_bytes(kind: str, full_bytes: float, p: int) -> float:
@@ -309,7 +306,7 @@ def all_reduce(
     p = grid.size(axis)
     if order == "tree":
         return _tree_all_reduce(tensor, grid, axis, op, async_op)
-    _account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(tensor), p))
+    account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(tensor), p))
     red = getattr(dist.ReduceOp, _REDUCE_OPS.get(op, "SUM"))
 
     # gloo reduces a strided tensor's storage, not its view: move it through a dense copy.
@@ -343,7 +340,7 @@ def _tree_all_reduce(
     rows = -(-flat.numel() // p)
     send = torch.zeros(p * rows, dtype=tensor.dtype, device=tensor.device)
     send[: flat.numel()] = flat
-    _account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(send), p))
+    account(grid, axis, "all_reduce", ring_bytes("all_reduce", _nbytes(send), p))
     start, summed = _tree_reduce_scatter(send, group, p)
 
     def finish() -> torch.Tensor:
@@ -369,7 +366,7 @@ def broadcast(
     members = grid.ranks(axis)
     if not 0 <= src < len(members):
         raise ValueError(f"broadcast source {src} is outside axis '{axis}' of {len(members)}")
-    _account(grid, axis, "broadcast", ring_bytes("broadcast", _nbytes(tensor), len(members)))
+    account(grid, axis, "broadcast", ring_bytes("broadcast", _nbytes(tensor), len(members)))
 
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
 
@@ -460,7 +457,7 @@ def all_gather(
             f"{shape} on {tensor.device} gathering along dim 0; got {out.dtype} "
             f"{tuple(out.shape)} on {out.device} (dim {dim})"
         )
-    _account(grid, axis, "all_gather", ring_bytes("all_gather", _nbytes(out), p))
+    account(grid, axis, "all_gather", ring_bytes("all_gather", _nbytes(out), p))
 
     def finish() -> torch.Tensor:
         full = out
@@ -518,7 +515,7 @@ def reduce_scatter(
         send = torch.zeros((p * rows, *rest), dtype=tensor.dtype, device=tensor.device)
         for i, (o, s) in enumerate(zip(chunk_offsets(sizes), sizes, strict=True)):
             send[i * rows : i * rows + s] = moved[o : o + s]
-    _account(grid, axis, "reduce_scatter", ring_bytes("reduce_scatter", _nbytes(send), p))
+    account(grid, axis, "reduce_scatter", ring_bytes("reduce_scatter", _nbytes(send), p))
     if order == "tree":
         start, summed = _tree_reduce_scatter(send, group, p)
 
@@ -589,7 +586,7 @@ def all_to_all(
         (sum(output_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
     sent = sum(s for i, s in enumerate(input_splits) if i != me)
-    _account(grid, axis, "all_to_all", sent * row_bytes)
+    account(grid, axis, "all_to_all", sent * row_bytes)
     send = tensor.contiguous()
     return _launch(
         "all_to_all",
@@ -622,7 +619,7 @@ def send(tensor: torch.Tensor, grid: ProcessGrid, axis: str, dst: int, tag: int 
     _check_device(tensor, grid, "p2p", axis)
     peer = _peer(grid, axis, dst, "send")
     send_buf = tensor.contiguous()
-    _account(grid, axis, "p2p", _nbytes(send_buf))
+    account(grid, axis, "p2p", _nbytes(send_buf))
     what = f"send to rank {peer} over grid axis '{axis}' on rank {grid.global_rank}"
     try:
         work = dist.isend(send_buf, peer, group=grid.group(axis), tag=tag)
@@ -687,7 +684,7 @@ def exchange(
     out = torch.empty(
         tuple(tensor.shape if shape is None else shape), dtype=tensor.dtype, device=tensor.device
     )
-    _account(grid, axis, "p2p", _nbytes(send_buf))
+    account(grid, axis, "p2p", _nbytes(send_buf))
     group = grid.group(axis)
     what = (
         f"exchange with ranks {to} (send) and {frm} (recv) over grid axis '{axis}' on rank "

@@ -44,13 +44,7 @@ from gnnpar import comm
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid, fold_context, fold_replicas
 from gnnpar.shard.buckets import GradBuckets, build_buckets
-from gnnpar.shard.clip import (
-    DIGITS,
-    clip_factor,
-    digits_value,
-    exact_square_sum,
-    scale_grads_,
-)
+from gnnpar.shard.clip import clip_factor, digits_value, exact_square_sum, scale_grads_
 from gnnpar.shard.config import FCDP, OFFLOAD_MODES, STAGES, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import NodeGroups, node_groups, split_by_node
@@ -500,16 +494,14 @@ class ShardedModel:
             return top
         # the power of two above the largest square (frexp: top = m·2**e with m in [0.5, 1))
         exponent = 2 * int(torch.frexp(top).exponent)
-        digits = torch.zeros(DIGITS, dtype=torch.int64)
+        repls = sorted({r for _, r in grads})
+        sums = [exact_square_sum([g for g, r in grads if r == repl], exponent) for repl in repls]
+        totals = torch.stack(sums).to(self.grid.device)  # one row per replication count
         # stage 0's pieces are whole on every data rank: summed over tensor ranks only
-        axes = ("data", "tensor") if self.stage > 0 else ("tensor",)
-        for repl in sorted({r for _, r in grads}):
-            # every replica sums the same integers: the total divides exactly
-            total = exact_square_sum([g for g, r in grads if r == repl], exponent)
-            total = total.to(self.grid.device)
-            for axis in axes:
-                comm.all_reduce(total, self.grid, axis)
-            digits += total.cpu() // repl
+        for axis in ("data", "tensor") if self.stage > 0 else ("tensor",):
+            comm.all_reduce(totals, self.grid, axis)
+        # every replica sums the same integers: each row divides exactly
+        digits = (totals.cpu() // torch.tensor(repls)[:, None]).sum(0)
         return digits_value(digits, exponent).to(self.grid.device).sqrt()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -315,6 +315,21 @@ class DataParallelConfig:
         if self.offload_dir is not None and self.offload != "file":
             raise ConfigError("config key 'offload_dir' is only used with offload = file")
 
+    def shard_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`gnnpar.shard.shard` that these options set (the
+        stage, the units and the mixed-precision policy are the task's to give)."""
+        from gnnpar.shard.config import FCDP
+
+        return {
+            "fcdp": FCDP() if self.fcdp else None,
+            "offload": self.offload,
+            "offload_dir": self.offload_folder(),
+            "reduce_order": self.reduce_order,
+            "quantized_weights": self.quantized_weights,
+            "quantized_grads": self.quantized_grads,
+            "powersgd_rank": self.powersgd_rank,
+        }
+
     def offload_folder(self) -> str | None:
         """The folder of the file tier: ``offload_dir``, default ``OUT/offload``."""
         if self.offload != "file":

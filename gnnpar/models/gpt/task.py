@@ -714,7 +714,7 @@ class GPTTask(BaseTask):
         """This rank's pieces of the parallel model, sharded over the data axis; with a pipe
         axis, only this rank's stage (:mod:`gnnpar.pipeline`). AdamW comes on first use
         (:meth:`_make_optimizer`)."""
-        from gnnpar.shard import FCDP, by_type, shard
+        from gnnpar.shard import by_type, shard
         from gnnpar.tensor.context import context_parallel
 
         cfg, grid = self.cfg, self.grid
@@ -735,13 +735,7 @@ class GPTTask(BaseTask):
                 self.stage,
                 units=by_type(block),
                 mixed_precision=shard_policy(cfg),
-                fcdp=FCDP() if cfg.fcdp else None,
-                offload=cfg.offload,
-                offload_dir=cfg.offload_folder(),
-                reduce_order=cfg.reduce_order,
-                quantized_weights=cfg.quantized_weights,
-                quantized_grads=cfg.quantized_grads,
-                powersgd_rank=cfg.powersgd_rank,
+                **cfg.shard_options(),
             )
             # PEFT: checkpoints hold the adapters; the base is read again from `pretrained`
             dp.checkpoint_trainable_only = cfg.peft != "none"

@@ -66,7 +66,7 @@ from gnnpar.sampling import NeighborSampler, NodeLoader, full_blocks, parse_fano
 from gnnpar.sampling.edge import EXCLUDE, EdgeSampler, graph_keys, sorted_edge_keys
 from gnnpar.sampling.negative import NegativeSampler, load_candidates
 from gnnpar.sampling.rng import derive_key
-from gnnpar.shard import FCDP, shard
+from gnnpar.shard import shard
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
@@ -527,10 +527,7 @@ class LinkTask(BaseTask):
         units = None if self.user_model else built_in_units
         self.model = shard(
             self.net, grid, cfg.zero_stage or 0, units=units, mixed_precision=shard_policy(cfg),
-            fcdp=FCDP() if cfg.fcdp else None, offload=cfg.offload,
-            offload_dir=cfg.offload_folder(), reduce_order=cfg.reduce_order,
-            quantized_weights=cfg.quantized_weights, quantized_grads=cfg.quantized_grads,
-            powersgd_rank=cfg.powersgd_rank,
+            **cfg.shard_options(),
         )  # fmt: skip
         data, rank = grid.size("data"), grid.rank("data")
         ids = torch.arange(self.num_train, dtype=torch.int64)

@@ -84,7 +84,7 @@ from gnnpar.sampling import (
 from gnnpar.sampling.rng import derive_key
 from gnnpar.sampling.saint import NODE_PROBABILITIES
 from gnnpar.sampling.typed import parse_relation_fanouts
-from gnnpar.shard import FCDP, shard
+from gnnpar.shard import shard
 from gnnpar.train import schedule
 from gnnpar.train.config import (
     ConfigError,
@@ -621,13 +621,7 @@ class MiniBatchTask(BaseTask):
             cfg.zero_stage or 0,
             units=None if self.user_model else built_in_units,
             mixed_precision=shard_policy(cfg),
-            fcdp=FCDP() if cfg.fcdp else None,
-            offload=cfg.offload,
-            offload_dir=cfg.offload_folder(),
-            reduce_order=cfg.reduce_order,
-            quantized_weights=cfg.quantized_weights,
-            quantized_grads=cfg.quantized_grads,
-            powersgd_rank=cfg.powersgd_rank,
+            **cfg.shard_options(),
         )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
