@@ -778,7 +778,7 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     fcdp: FCDP | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    prefetch: bool = True,
+    prefetch: int = 1,
     offload: str = "none",
     offload_dir: str | os.PathLike | None = None,
     reduce_order: str = "ring",
@@ -802,7 +802,9 @@ def shard(
         mixed_precision: a :class:`MixedPrecision` policy (default: none, every dtype stays).
         fcdp: an :class:`FCDP` configuration (stage 3 only).
         bucket_bytes: size of a gradient bucket at stages 0–2.
-        prefetch: gather the next unit during the current one (stage 3).
+        prefetch: stage 3: how many units' gathers start ahead of the running one (0:
+            none; ``True`` is 1); with the file tier, their chunks are read from the files
+            that many units further ahead (:mod:`gnnpar.shard.offload`).
         offload: where the trainable master chunks, the optimizer's state and its step live
             (stages 1–3): ``"none"`` (the device), ``"host"`` (host memory, ZeRO-Offload) or
             ``"file"`` (memory-mapped files in ``offload_dir``; see
@@ -865,6 +867,10 @@ def shard(
             if offload == "file"
             else f"offload_dir is only used with offload='file', not offload={offload!r}"
         )
+    if isinstance(prefetch, bool):
+        prefetch = int(prefetch)
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise UserError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
     if getattr(model, "_gnnpar_sharded", False):
         raise ValueError("this model is already sharded; call shard() once per model")
     _check_reduce_order(reduce_order, grid)
@@ -934,7 +940,10 @@ def shard(
         if powersgd_rank and expert_units:
             raise UserError("powersgd_rank does not compress a mixture of experts' experts")
         compress = PowerSGD(replicas, powersgd_rank) if powersgd_rank else None
-        dp.buckets = GradBuckets(replicas, stage, buckets, scale, reduce_order, compress)
+        dp.buckets = GradBuckets(
+            replicas, stage, buckets, scale, reduce_order, compress,
+            tier.release if tier is not None else None,
+        )  # fmt: skip
 
         def pre(module, args, kwargs):
             dp._sync_before_forward()
@@ -962,6 +971,7 @@ def shard(
             reduce_order,
             quantized_weights,
             (nodes, _node_major(replicas)) if quantized_grads else None,
+            tier,
         )
         for i, (name, module) in enumerate(unit_list):
             unit = Unit(i, name, module, rt)
@@ -996,6 +1006,9 @@ def shard(
             s.param = None
         rt.register()
         dp.stage3 = rt
+    if tier is not None:  # the initial values are in the files: their pages can go
+        for g in dp._groups(("trainable",)):
+            tier.release(g.master)
     owned = [g for g in dp._groups(("trainable",)) if g.master.numel() or g.pieces]
     if owned and not any(g.pieces for g in owned):
         owned[0].add_empty_piece()  # this rank owns nothing; still give the optimizer a tensor

@@ -177,8 +177,11 @@ class GradBuckets:
         scale: float,
         order: str = "ring",
         powersgd=None,
+        release: Callable[[torch.Tensor], None] | None = None,
     ):
         self.grid = grid
+        #: gives back a master chunk's resident file pages once gathered (the file tier)
+        self.release = release
         self.stage = stage
         self.buckets = buckets
         self.scale = scale
@@ -258,6 +261,8 @@ class GradBuckets:
             full = handle.wait()
             for s, view in zip(b.group.slots, b.group.views(full), strict=False):
                 s.param.copy_(view)
+            if self.release is not None:
+                self.release(b.group.master)
 
         for b in self.buckets:
             g = b.group

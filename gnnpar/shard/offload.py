@@ -17,6 +17,25 @@ state from the files into working buffers while the current group is stepped, an
 each stepped group back (then the working buffers are freed), so at most three groups'
 worth of master and state are anonymous during a step and none between steps.
 
+**Parameters at stage 3** (ZeRO-Infinity's parameter offload). A stage-3 unit's master chunk
+is its parameters' only stored copy, so with a tier the parameters live there too: the
+all-gather of a unit sends :meth:`HostTier.fetch`'s chunk — on a GPU a copy to the device (from
+pinned memory, asynchronous), with the file tier a copy read out of the file into an
+anonymous working buffer, freed once the gather has it. :meth:`FileTier.prefetch` starts that
+read in the background thread: stage 3 reads the units ``prefetch_depth`` ahead of those it
+gathers (:mod:`gnnpar.shard.zero3`), so the disk works while the current unit computes. A read
+whose chunk changed since (a step, a checkpoint load) is taken again.
+
+**Pages released after use.** A mapped page that was read or written stays in the process's
+resident set (``RssFile``) until the kernel reclaims it. The file tier gives back the pages of
+every range it has finished with — a unit's chunk once read, a group's master and state once
+the step wrote them back, a bucket's masters once gathered — with ``madvise(MADV_DONTNEED)``:
+the data stays in the page cache (dirty pages are written back), but the rank's resident set
+stays at its working buffers, whatever the size of the files.
+
+The reduced gradient chunk lives in host memory with either tier, as in ZeRO-Offload and
+ZeRO-Infinity (:meth:`gnnpar.shard.flat.FlatGroup.set_grad` moves it to the master's memory).
+
 Folder rules: ``<offload_dir>/rank<R>/`` holds ``owner.json`` (process id and host, written
 through a temporary name) and, while each is being created and mapped, a data file (unlinked
 once mapped: the mapping keeps its blocks until the tensor is freed, so a run that crashes
@@ -35,8 +54,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import errno
+import functools
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -54,6 +76,37 @@ from gnnpar.shard.flat import FlatGroup
 __all__ = ["FileTier", "HostTier", "OffloadError", "make_tier"]
 
 OWNER = "owner.json"
+MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise``, or None where there is none (the pages are then left to the
+    kernel)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def drop_resident_pages(t: torch.Tensor) -> int:
+    """Take the whole pages under ``t`` out of this process's resident set
+    (``MADV_DONTNEED``); returns the bytes released. Only for a view of a shared file
+    mapping, whose pages keep their data in the page cache: on anonymous memory this would
+    zero it (:meth:`FileTier.release` checks)."""
+    fn = _madvise()
+    if fn is None or not t.numel():
+        return 0
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi <= lo or fn(lo, hi - lo, MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo
 
 
 class OffloadError(UserError):
@@ -91,6 +144,20 @@ class HostTier:
         """Bytes this rank holds in files."""
         return 0
 
+    def fetch(self, group: FlatGroup, dtype: torch.dtype | None) -> torch.Tensor:
+        """``group``'s master chunk on the device in ``dtype``, for its all-gather (from pinned
+        memory, the copy to a GPU is asynchronous: the collective is queued behind it)."""
+        return group.master.to(self.device, dtype or group.master.dtype, non_blocking=self.pin)
+
+    def prefetch(self, group: FlatGroup, dtype: torch.dtype | None) -> None:
+        """Start getting what :meth:`fetch` will return (nothing to do in host memory)."""
+
+    def forget_reads(self) -> None:
+        """Drop reads :meth:`prefetch` started that nobody took."""
+
+    def release(self, t: torch.Tensor) -> None:
+        """Give back the resident pages of ``t`` if it lives in a file of this tier."""
+
 
 class FileTier(HostTier):
     """Masters and per-element optimizer state in memory-mapped files (module docstring)."""
@@ -106,6 +173,16 @@ class FileTier(HostTier):
         self._files: dict[int, torch.Tensor] = {}  # storage pointer -> file-backed tensor
         self._state: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), key) -> file tensor
         self._count = 0
+        self._reads: dict[int, concurrent.futures.Future] = {}  # id(group) -> (version, chunk)
+        #: bytes given back to the kernel (:meth:`release`), and the chunks :meth:`fetch`
+        #: found read ahead or had to read on demand: for tests and benchmarks
+        self.released = 0
+        self.reads = {"ahead": 0, "on_demand": 0}
+        #: bytes this tier copied out of its files and into them (the step's and the
+        #: parameter reads'), counted when each copy is queued
+        self.traffic = {"read": 0, "written": 0}
+        # One thread: reads queue behind the writes of the last step, so none reads a
+        # chunk that is still being written.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload")
         self._finalizer = weakref.finalize(self, _cleanup, self._pool, self.dir)
 
@@ -169,6 +246,51 @@ class FileTier(HostTier):
 
     def _in_file(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._files
+
+    def release(self, t: torch.Tensor) -> None:
+        """Give back the resident pages of ``t`` (a view of one of this tier's files; other
+        tensors are left alone)."""
+        if self._in_file(t):
+            self.released += drop_resident_pages(t)
+
+    # ------------------------------------------------------------- parameters (stage 3)
+    def _read_chunk(self, group: FlatGroup) -> tuple[int, torch.Tensor]:
+        """(Background or not.) The master chunk copied out of its file into host memory
+        (pinned for a GPU), and the version it was read at; the file's pages are given
+        back."""
+        version = group.version
+        with torch.no_grad():
+            out = torch.empty_like(group.master, pin_memory=self.pin).copy_(group.master)
+        self.release(group.master)
+        return version, out
+
+    def prefetch(self, group: FlatGroup, dtype: torch.dtype | None) -> None:
+        """Start reading ``group``'s chunk in the background thread (once)."""
+        if id(group) not in self._reads and group.master.numel():
+            self.traffic["read"] += group.nbytes()
+            self._reads[id(group)] = self._pool.submit(self._read_chunk, group)
+
+    def fetch(self, group: FlatGroup, dtype: torch.dtype | None) -> torch.Tensor:
+        """``group``'s chunk in a working buffer on the device, in ``dtype``: from the
+        background read if one was started and the chunk has not changed since, else read
+        now (the copy to the device and the cast run here, in the caller's thread)."""
+        read = self._reads.pop(id(group), None)
+        chunk = None
+        if read is not None:
+            version, chunk = read.result()
+            if version != group.version:
+                chunk = None
+        self.reads["ahead" if chunk is not None else "on_demand"] += 1
+        if chunk is None:
+            self.traffic["read"] += group.nbytes()
+            chunk = self._read_chunk(group)[1]
+        return chunk.to(self.device, dtype or chunk.dtype, non_blocking=self.pin)
+
+    def forget_reads(self) -> None:
+        """Wait for and drop the background reads nobody took (their buffers are freed)."""
+        reads, self._reads = self._reads, {}
+        for read in reads.values():
+            read.result()
 
     def _state_file(self, param: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
         tag = (id(param), key)
@@ -251,14 +373,18 @@ class FileTier(HostTier):
         for piece in g.pieces:
             st = optimizer.state.get(piece.param) or {}
             state += [(piece.param, k, v) for k, v in self._per_element(piece.param, st)]
-        return g.master, state
+        self.traffic["read"] += _nbytes(g.master, *(v for *_, v in state))
+        return g.master, state, self.release
 
     @staticmethod
     def _read(plan: tuple) -> tuple:
         """(Background.) Working copies of a group's master and file-backed state."""
-        master, state = plan
+        master, state, release = plan
         with torch.no_grad():
-            return master.clone(), [(p, k, v.clone()) for p, k, v in state]
+            out = master.clone(), [(p, k, v.clone()) for p, k, v in state]
+        for t in (master, *(v for _, _, v in state)):
+            release(t)
+        return out
 
     @staticmethod
     def _bind(optimizer: torch.optim.Optimizer, g: FlatGroup, work: tuple) -> None:
@@ -273,16 +399,21 @@ class FileTier(HostTier):
         for piece in g.pieces:
             for k, v in self._per_element(piece.param, optimizer.state.get(piece.param) or {}):
                 state.append((piece.param, k, v, self._state_file(piece.param, k, v)))
-        return g, work[0], state
+        self.traffic["written"] += _nbytes(g.master, *(f for *_, f in state))
+        return g, work[0], state, self.release
 
     @staticmethod
     def _write(plan: tuple) -> tuple:
-        """(Background.) Copy a stepped group's master and state into its files."""
-        g, master, state = plan
+        """(Background.) Copy a stepped group's master and state into its files, and give
+        their pages back (the page cache keeps them until they are written out)."""
+        g, master, state, release = plan
         with torch.no_grad():
             g.master.copy_(master)
             for _, _, v, f in state:
                 f.copy_(v)
+        release(g.master)
+        for *_, f in state:
+            release(f)
         return g, [(p, k, f) for p, k, _, f in state]
 
     @staticmethod
@@ -298,6 +429,10 @@ class FileTier(HostTier):
     def close(self) -> None:
         """Stop the background thread and remove this rank's folder."""
         self._finalizer()
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _cleanup(pool: concurrent.futures.ThreadPoolExecutor, folder: Path) -> None:

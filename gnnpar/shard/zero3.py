@@ -8,15 +8,16 @@ not have the parameter attributes at all (reading one raises ``AttributeError``)
 **Forward.** A pre-forward hook all-gathers the unit's chunks over the data axis (or takes the
 gather that the previous unit prefetched) and sets every parameter attribute to a view of the
 gathered buffer (for a trainable parameter, a fresh autograd leaf aliasing it). It then
-starts the gather of the next unit (the order is recorded during each forward and used by the
-next). The post-forward hook removes the attributes and frees the buffer's memory (the
-leaves' gradient accumulators keep the leaves, which alias it, until backward).
+starts the gathers of the next ``prefetch_depth`` units (the order is recorded during each
+forward and used by the next; 0: none). The post-forward hook removes the attributes and
+frees the buffer's memory (the leaves' gradient accumulators keep the leaves, which alias it,
+until backward).
 
 **Saved tensors.** Autograd would keep the gathered buffer alive until backward by saving the
 weights that, e.g., a matmul needs. While the model's forward runs, a
 ``saved_tensors_hooks`` pair replaces every saved tensor that lives in a gathered buffer by a
 small reference (unit, offset, shape, strides), and backward resolves it by gathering the unit
-again — in backward order, one unit ahead (prefetch). Only units that had something saved are
+again — in backward order, ``prefetch_depth`` units ahead. Only units that had something saved are
 gathered again, so a unit whose backward needs no parameter (an embedding lookup) costs no
 second gather.
 
@@ -27,6 +28,13 @@ backward gather: FCDP's cache serves it) without prefetching the next unit of fo
 The post-forward hook of that run keeps the buffer (the recomputed tensors view it) until the
 unit's gradients have all arrived, as a resolved saved reference would. The bytes are those
 of stage 3 without recompute: the recompute's gather is the backward gather.
+
+**Offloaded parameters** (an offload tier, :mod:`gnnpar.shard.offload`). The trainable chunk
+a gather sends is the tier's :meth:`~gnnpar.shard.offload.HostTier.fetch`: with the file
+tier, a copy read out of its file. Those reads run in the tier's background thread
+``prefetch_depth`` units ahead of the gathers (forward order, then backward order; a
+recomputed unit reads the units before it), so a unit's chunk is usually in memory by the
+time its gather starts; reads nobody took are dropped at the end of backward.
 
 **Gradients.** As soon as autograd has accumulated a parameter's gradient (a post-accumulate
 hook on its leaf), the hook takes it. When the unit's last one has arrived, the unit is
@@ -66,6 +74,7 @@ from gnnpar.recompute import in_backward
 from gnnpar.shard.config import FCDP, MixedPrecision
 from gnnpar.shard.flat import FlatGroup, Slot
 from gnnpar.shard.groups import INTRA, NodeGroups
+from gnnpar.shard.offload import HostTier
 from gnnpar.shard.quantize import gather_quantized, reduce_scatter_quantized
 
 __all__ = ["Stage3", "Unit"]
@@ -133,12 +142,15 @@ class Stage3:
         reduce_dtype: torch.dtype | None,
         fcdp: FCDP | None,
         nodes: NodeGroups | None,
-        prefetch: bool,
+        prefetch: int,
         order: str = "ring",
         quantized_weights: bool = False,
         quantized_grads: tuple[NodeGroups, list[int]] | None = None,
+        tier: HostTier | None = None,
     ):
         self.grid = grid
+        #: where the trainable chunks live (None: on the device, in the chunks themselves)
+        self.tier = tier
         self.reduce_order = order  # of the data axis's sum (gnnpar.comm.ORDERS)
         #: qwZ: the parameter all-gathers move int8 blocks (gnnpar.shard.quantize)
         self.quantized_weights = quantized_weights
@@ -150,7 +162,8 @@ class Stage3:
         self.reduce_dtype = reduce_dtype
         self.fcdp = fcdp
         self.nodes = nodes
-        self.prefetch = prefetch
+        #: units whose gathers start ahead of the running one (0: none)
+        self.prefetch = int(prefetch)
         self.scale = grid.size("data") * grid.size("z")
         self.divisor = self.scale  # the average's; scale drops data when the loss has it
         self.sync = True
@@ -216,6 +229,11 @@ class Stage3:
             for kind in list(unit.pending):
                 if unit.depth == 0:
                     unit.pending.pop(kind).wait()
+        if self.tier is not None:
+            self.tier.forget_reads()
+            if torch.is_grad_enabled():  # backward's first units, in backward order
+                first = [u for u in reversed(self.order) if u.saved]
+                self._read_ahead(_distinct(first)[: self.prefetch])
         if self.mp is not None and self.mp.output_dtype is not None:
             return cast_floats(output, self.mp.output_dtype)
         return None
@@ -234,11 +252,35 @@ class Stage3:
             self._materialize(unit, kind, backward=recompute)
         self._install(unit)
         if recompute:
+            # backward recomputes the units before this one, in reverse forward order
+            if unit in self.order:
+                before = self.order[: self.order.index(unit)]
+                self._read_ahead(_distinct(reversed(before))[: self.prefetch])
             return
+        ahead = self._forward_after(unit, 2 * self.prefetch)
+        for nxt in ahead[: self.prefetch]:
+            if nxt.depth == 0:
+                for kind in nxt.groups:
+                    self._start(nxt, kind, backward=False)
+        self._read_ahead(ahead[self.prefetch :])
+
+    def _forward_after(self, unit: Unit, n: int) -> list[Unit]:
+        """Up to ``n`` distinct units that follow ``unit`` in the recorded forward order."""
+        out: list[Unit] = []
         nxt = self._next_fw.get(id(unit))
-        if self.prefetch and nxt is not None and nxt.depth == 0:
-            for kind in nxt.groups:
-                self._start(nxt, kind, backward=False)
+        while nxt is not None and nxt is not unit and nxt not in out and len(out) < n:
+            out.append(nxt)
+            nxt = self._next_fw.get(id(nxt))
+        return out
+
+    def _read_ahead(self, units: list[Unit]) -> None:
+        """Start the tier's background reads of these units' trainable chunks."""
+        if self.tier is None:
+            return
+        for unit in units:
+            group = unit.groups.get("trainable")
+            if group is not None and "trainable" not in unit.full:
+                self.tier.prefetch(group, self.compute_dtype)
 
     def _post(self, unit: Unit) -> None:
         unit.depth = max(0, unit.depth - 1)
@@ -276,7 +318,10 @@ class Stage3:
                 unit.pending[kind] = _Ready(tensor)
             return
         group = unit.groups[kind]
-        send = group.send(self.compute_dtype)
+        if self.tier is not None and kind == "trainable":
+            send = self.tier.fetch(group, self.compute_dtype)
+        else:
+            send = group.send(self.compute_dtype)
         if self.quantized_weights:
             unit.pending[kind] = gather_quantized(send, group.grid, "data", send.dtype, True)
             return
@@ -400,11 +445,11 @@ class Stage3:
             i = order.index(unit)
         except ValueError:
             return
-        for nxt in order[i + 1 :]:
-            if not nxt.seen_in_backward:
-                for kind in nxt.saved:
-                    self._start(nxt, kind, backward=True)
-                return
+        ahead = [u for u in order[i + 1 :] if not u.seen_in_backward][: 2 * self.prefetch]
+        for nxt in ahead[: self.prefetch]:
+            for kind in nxt.saved:
+                self._start(nxt, kind, backward=True)
+        self._read_ahead([u for u in ahead[self.prefetch :] if "trainable" in u.saved])
 
     # ------------------------------------------------------------------------- backward
     def _begin_backward(self) -> None:
@@ -514,6 +559,8 @@ class Stage3:
                 group.set_grad(handle.wait(), owned=True)
         finally:
             self._pending_rs.clear()
+            if self.tier is not None:
+                self.tier.forget_reads()  # the step is about to change every chunk
             for unit in self.units:
                 for kind in list(unit.pending):
                     unit.pending.pop(kind).wait()
@@ -540,6 +587,15 @@ class Stage3:
             if unit.depth == 0:
                 self._uninstall(unit)
                 self._drop(unit)
+
+
+def _distinct(units) -> list[Unit]:
+    """``units`` without repeats, in order."""
+    out: list[Unit] = []
+    for u in units:
+        if u not in out:
+            out.append(u)
+    return out
 
 
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:

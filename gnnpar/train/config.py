@@ -254,6 +254,10 @@ class DataParallelConfig:
         None, "folder of offload = file (default OUT/offload; each rank uses rank<R>/ in it, "
         "one left by an ended run is removed)"
     )  # fmt: skip
+    prefetch_depth: int = option(
+        1, "ZeRO-3: units whose parameter gathers start ahead of the running one (0: none); "
+        "with offload, their chunks are read from the tier that many units further ahead"
+    )  # fmt: skip
 
     #: Whether a missing ``zero_stage`` is the planner's choice (gpt) rather than 0.
     planner_picks_stage: ClassVar[bool] = False
@@ -314,6 +318,12 @@ class DataParallelConfig:
             )
         if self.offload_dir is not None and self.offload != "file":
             raise ConfigError("config key 'offload_dir' is only used with offload = file")
+        _at_least(self, 0, "prefetch_depth")
+        if self.prefetch_depth != 1 and self.zero_stage != 3 and not picked:
+            raise ConfigError(
+                f"config key 'prefetch_depth' sets how far ZeRO-3 gathers ahead: it needs "
+                f"zero_stage = 3, not {self.zero_stage}"
+            )
 
     def shard_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`gnnpar.shard.shard` that these options set (the
@@ -328,6 +338,7 @@ class DataParallelConfig:
             "quantized_weights": self.quantized_weights,
             "quantized_grads": self.quantized_grads,
             "powersgd_rank": self.powersgd_rank,
+            "prefetch": self.prefetch_depth,
         }
 
     def offload_folder(self) -> str | None:
