@@ -14,6 +14,7 @@ from collections.abc import Callable
 from gnnpar.atomic import write_json
 from gnnpar.plan.inputs import PlanError
 from gnnpar.plan.machines import Machine, get_machine
+from gnnpar.plan.memory import OFF_DEVICE
 from gnnpar.plan.plot import plot_candidates
 from gnnpar.plan.rank import Candidate, shape_label
 
@@ -84,17 +85,24 @@ def _pipeline_cell(c: Candidate) -> str:
     return f"{pl.schedule} {pl.micro_batches}·{pl.virtual} {pl.bubble:.1%}"
 
 
-def format_candidates(cands: list[Candidate], top: int) -> str:
-    """A plain-text table of the ``top`` best shapes (and how many do not fit)."""
+def format_candidates(cands: list[Candidate], top: int, tiers: bool | None = None) -> str:
+    """A plain-text table of the ``top`` best shapes (and how many do not fit): device memory,
+    the offloaded parts (``host GB``, ``file GB``) where any candidate has them, and with
+    ``tiers`` an ``offload`` column of each shape's tier (None: where the shown shapes'
+    tiers differ)."""
     axes = [
         a
         for a in ("x", "y", "z", "xy", "xz", "yz", "expert", "context", "data", "tensor", "pipe")
         if any(c.bytes.get(a) for c in cands)
     ]
     head = ["rank", "shape (data x y z)", "step ms", "compute", "comm", *axes, "memory GB"]
-    off = next((k for c in cands for k in ("host", "file") if c.memory.get(k)), None)
-    if off:
-        head.append(f"{off} GB")
+    offs = [k for k in OFF_DEVICE if any(c.memory.get(k) for c in cands)]
+    head += [f"{k} GB" for k in offs]
+    fitting = [c for c in cands if c.fits]
+    if tiers is None:
+        tiers = len({c.offload for c in fitting[:top]}) > 1
+    if tiers:
+        head.append("offload")
     stages = len({c.stage for c in cands}) > 1
     if stages:
         head.insert(2, "ZeRO")
@@ -103,7 +111,6 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
         head[1] = "shape (pipe data x y z)"
         head.insert(2, "schedule m·v bubble")
     rows = []
-    fitting = [c for c in cands if c.fits]
     for i, c in enumerate(fitting[:top], 1):
         rows.append(
             [
@@ -116,7 +123,8 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
                 f"{c.comm_seconds * 1e3:,.2f}",
                 *[_cell(c, a) for a in axes],
                 f"{c.memory_bytes / 1e9:,.2f}",
-                *([f"{c.memory.get(off, 0.0) / 1e9:,.2f}"] if off else []),
+                *[f"{c.memory.get(k, 0.0) / 1e9:,.2f}" for k in offs],
+                *([c.offload or "-"] if tiers else []),
             ]
         )
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -135,9 +143,13 @@ def format_candidates(cands: list[Candidate], top: int) -> str:
     return "\n".join(lines)
 
 
-def report(cands: list[Candidate], args: argparse.Namespace, title: str) -> int:
+def report(
+    cands: list[Candidate], args: argparse.Namespace, title: str, tiers: bool | None = None
+) -> int:
+    """Print ``title`` and the table of the ``args.top`` best candidates (``tiers``: their
+    offload tiers, :func:`format_candidates`), and write ``--plot`` and ``--json``."""
     print(title)
-    print(format_candidates(cands, args.top))
+    print(format_candidates(cands, args.top, tiers))
     if args.plot:
         plot_candidates(cands, args.plot, title, top=args.top)
         print(f"wrote {args.plot}")

@@ -1,6 +1,7 @@
 """Machine descriptions for the planner, and the measured bandwidth table they can carry.
 
-A :class:`Machine` says how many devices a node holds, how much memory each has, how fast
+A :class:`Machine` says how many devices a node holds, how much memory each has (and the
+node's host memory, where it is not the device memory), how fast
 collectives run inside a node and between nodes (an α–β model per placement: a latency per
 ring step and a bus bandwidth per rank), and how fast a device multiplies (dense GEMM and
 sparse SpMM rates, and a memory bandwidth that bounds small GEMMs).
@@ -12,16 +13,18 @@ attached):
 ==============  =========================================================================
 ``cpu``         this machine: ``os.cpu_count()`` cores as devices, gloo over loopback, all
                 ranks on one node (more ranks than cores share them); defaults are rough
-                until a table from ``gnnpar info --check --json FILE`` is attached
+                until a table from ``gnnpar info --check --json FILE`` is attached; its
+                "device" memory is the host's RAM (``host_memory_gb`` None)
 ``a100x4``      a 4×A100-40GB node: 200 GB/s NVLink bus bandwidth inside the node, 25 GB/s
-                per GPU between nodes, 312 TFLOP/s bf16 peak
+                per GPU between nodes, 312 TFLOP/s bf16 peak, 256 GB of host memory
 ``a100x4-80``   the same with 80 GB A100s
 ``h100x8``      an 8×H100-80GB node: ~450 GB/s NVLink, 50 GB/s per GPU between nodes,
-                ~990 TFLOP/s bf16 peak
+                ~990 TFLOP/s bf16 peak, 2 TB of host memory (a DGX H100)
 ``perlmutter``  Perlmutter GPU nodes as Plexus used them (4×A100-80GB, Slingshot-11: four
-                25 GB/s NICs per node, i.e. 25 GB/s per GPU)
+                25 GB/s NICs per node, i.e. 25 GB/s per GPU; 256 GB of host memory)
 ``frontier``    Frontier nodes: 8 MI250X GCDs of 64 GB, ~50 GB/s Infinity Fabric between
-                GCDs, four 25 GB/s NICs per node (12.5 GB/s per GCD), ~191 TFLOP/s bf16 per GCD
+                GCDs, four 25 GB/s NICs per node (12.5 GB/s per GCD), ~191 TFLOP/s bf16 per
+                GCD, 512 GB of host memory
 ==============  =========================================================================
 
 **Measured bandwidth table** — the JSON that ``gnnpar info --check --json FILE`` writes
@@ -40,6 +43,11 @@ attached):
         "bytes": 4194304,              # buffer bytes per rank (the input)
         "seconds": 0.0021,             # time of one collective (slowest rank)
         "busbw_gbps": 3.9}, ...]}      # ring bytes moved per rank / seconds, in GB/s
+
+A table describes links, not memory: a file given as the machine is the CPU box with that
+table (host memory = device memory, ``host_memory_gb`` None); keys other than ``schema`` and
+``entries`` (a ``host_memory_gb`` among them) are ignored, so a table with or without one
+reads the same.
 
 Several files (e.g. probes with ``--mbytes 0.0625`` and ``--mbytes 4``) can be merged by
 :func:`load_bandwidth_table`. Where one (placement, collective, group size) was measured at
@@ -120,6 +128,9 @@ class Machine:
         fits: measured collective times (from a bandwidth table) that replace ``intra``
             and ``inter`` where they apply.
         assumptions: where the numbers come from.
+        host_memory_gb: host memory (RAM) of one node, GB, which its ranks share (the offload
+            tiers' host part, :func:`gnnpar.plan.memory.memory_shortfall`); None: the host is
+            the device memory (the CPU box), so host offload frees nothing there.
     """
 
     name: str
@@ -135,6 +146,7 @@ class Machine:
     single_node: bool = False
     fits: tuple[BandwidthFit, ...] = ()
     assumptions: str = ""
+    host_memory_gb: float | None = None
 
     def ranks_per_node(self, world: int) -> int:
         """Ranks sharing one node in a world of ``world`` ranks."""
@@ -240,12 +252,16 @@ def _physical_memory_gb() -> float:
 
 
 def local_machine(backend: str = "gloo", devices: int | None = None) -> Machine:
-    """This machine: the CPU box for gloo (all ranks on one node, sharing its cores), or a
-    node of ``devices`` (default: ``LOCAL_WORLD_SIZE``) A100-class GPUs for NCCL."""
+    """This machine: the CPU box for gloo (all ranks on one node, sharing its cores; its
+    device memory is the RAM), or a node of ``devices`` (default: ``LOCAL_WORLD_SIZE``)
+    A100-class GPUs for NCCL, with this machine's RAM as its host memory."""
     if backend == "nccl":
         n = devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return dataclasses.replace(
-            builtin_machines()["a100x4-80"], name="local-gpu", devices_per_node=max(1, n)
+            builtin_machines()["a100x4-80"],
+            name="local-gpu",
+            devices_per_node=max(1, n),
+            host_memory_gb=round(_physical_memory_gb(), 1),
         )
     cores = devices or os.cpu_count() or 1
     return Machine(
@@ -284,8 +300,10 @@ def builtin_machines() -> Mapping[str, Machine]:
         assumptions=(
             "bandwidths from the issue (NVLink3 bus bandwidth, one 25 GB/s NIC per GPU); "
             "312 TFLOP/s bf16 peak (data sheet), GEMMs at 60% of it; SpMM 300 GFLOP/s and "
-            "ring-step latencies 5/10 us are assumptions"
+            "ring-step latencies 5/10 us are assumptions; 256 GB of host memory per node, "
+            "as a Perlmutter GPU node (NERSC's Perlmutter architecture page)"
         ),
+        host_memory_gb=256.0,
     )
     h100 = Machine(
         name="h100x8",
@@ -301,8 +319,9 @@ def builtin_machines() -> Mapping[str, Machine]:
         assumptions=(
             "NVLink4 all-reduce bus bandwidth ~450 GB/s and one 400 Gb/s NIC per GPU; "
             "990 TFLOP/s bf16 dense peak (data sheet), GEMMs at 60%; SpMM 600 GFLOP/s and "
-            "latencies are assumptions"
+            "latencies are assumptions; 2 TB of host memory per node (DGX H100 data sheet)"
         ),
+        host_memory_gb=2000.0,
     )
     perlmutter = dataclasses.replace(
         a100,
@@ -310,7 +329,8 @@ def builtin_machines() -> Mapping[str, Machine]:
         description="Perlmutter GPU node: 4x A100-80GB, Slingshot-11 (25 GB/s per GPU)",
         memory_gb=80.0,
         mem_gbps=2039.0,
-        assumptions="as a100x4, with the 80 GB nodes Plexus ran on (hbm80g)",
+        assumptions="as a100x4, with the 80 GB nodes Plexus ran on (hbm80g; 256 GB of host "
+        "memory, NERSC's Perlmutter architecture page)",
     )
     frontier = Machine(
         name="frontier",
@@ -326,8 +346,10 @@ def builtin_machines() -> Mapping[str, Machine]:
         assumptions=(
             "191.5 TFLOP/s bf16 per GCD (383 per MI250X), GEMMs at 50%; 50 GB/s Infinity "
             "Fabric between GCDs and 100 GB/s of NICs per node shared by 8 GCDs; SpMM rate "
-            "and latencies are assumptions"
+            "and latencies are assumptions; 512 GB of DDR4 host memory per node (OLCF's "
+            "Frontier user guide)"
         ),
+        host_memory_gb=512.0,
     )
     machines = {
         "cpu": local_machine("gloo"),

@@ -61,6 +61,9 @@ class Candidate:
 
     ``fits`` is False when the shape cannot run the problem or needs more memory than the
     machine has; ``reason`` then says why. Times are seconds per step (epoch for GCN).
+    ``offload`` (GPT candidates) is the offload tier its ``memory`` has: ``"none"``,
+    ``"host"`` or ``"file"`` — the problem's, or with ``offload="auto"`` the smallest that
+    fits (:mod:`gnnpar.models.gpt.planning`); None where the workload has no tiers.
     """
 
     shape: Mapping[str, int]
@@ -75,6 +78,7 @@ class Candidate:
     collectives: tuple[Collective, ...] = ()
     stage: int | None = None  # the ZeRO stage (GPT candidates)
     pipeline: PipelinePlan | None = None  # GPT candidates with a pipe axis
+    offload: str | None = None  # the offload tier (GPT candidates)
 
     @property
     def compute_seconds(self) -> float:
@@ -110,6 +114,7 @@ class Candidate:
             "intra_node": dict(self.intra_node),
             "stage": self.stage,
             "pipeline": self.pipeline.as_dict() if self.pipeline is not None else None,
+            "offload": self.offload,
         }
 
 

@@ -23,10 +23,12 @@ from gnnpar.plan.comm_model import Collective, Infeasible, collective, grid_shap
 from gnnpar.plan.compute import gemm_seconds, stream_seconds
 from gnnpar.plan.inputs import PlanError, checkpointing, positive
 from gnnpar.plan.machines import Machine
+from gnnpar.shard.config import OFFLOAD_MODES
 from gnnpar.shard.quantize import BLOCK as QUANT_BLOCK
 from gnnpar.tensor.layout import ShardLayout
 
 __all__ = [
+    "PLAN_OFFLOAD_MODES",
     "GPTProblem",
     "Routed",
     "ShardedLayer",
@@ -44,6 +46,13 @@ __all__ = [
     "moe_collectives",
     "seq_per_rank",
 ]
+
+
+#: The offload values the planner takes: the trainer's (:data:`gnnpar.shard.config.OFFLOAD_MODES`)
+#: and ``"auto"``, the smallest tier that fits each candidate, in the order none, host, file
+#: (:func:`gnnpar.models.gpt.planning.choose_offload`). The trainer and
+#: :func:`gnnpar.shard.shard` take a tier, never ``"auto"``.
+PLAN_OFFLOAD_MODES: tuple[str, ...] = (*OFFLOAD_MODES, "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +75,11 @@ class GPTProblem:
     ``"full"`` recomputes each block in backward, ``"selective"`` its attention core
     (:mod:`gnnpar.recompute`). ``offload`` (the trainer's option,
     :mod:`gnnpar.shard.offload`): ``"host"`` or ``"file"`` moves the optimizer's masters and
-    state off the device (stages 1–3 only; the ranking skips stage 0 then).
+    state off the device, at stage 3 the parameter chunk too (stages 1–3 only; the ranking
+    skips stage 0 then); ``"auto"`` (the planner's only, :data:`PLAN_OFFLOAD_MODES`) gives
+    each candidate the smallest tier that fits it. ``prefetch_depth`` (≥ 0): the units whose
+    parameter gathers stage 3 starts ahead of the running one, so ``1 + prefetch_depth``
+    gathered units are alive (and, with the file tier, as many read buffers).
     """
 
     model: GPTConfig
@@ -95,17 +108,22 @@ class GPTProblem:
     #: bytes per rank as its in-node and across-node all-to-alls together).
     quantized_weights: bool = False
     quantized_grads: bool = False
+    #: Stage 3's gathers started ahead of the running unit (``prefetch_depth`` of
+    #: :mod:`gnnpar.shard`): ``1 + prefetch_depth`` gathered units alive
+    #: (:func:`~gnnpar.plan.memory.sharded_state`).
+    prefetch_depth: int = 1
 
     def __post_init__(self) -> None:
-        from gnnpar.shard.config import OFFLOAD_MODES
-
         checkpointing(self.activation_checkpointing, ("none", "full", "selective"))
         for key in ("batch", "element_size", "micro_batches", "virtual"):
             positive(key, getattr(self, key))
         if self.stage not in (0, 1, 2, 3):
             raise PlanError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if self.offload not in OFFLOAD_MODES:
-            raise PlanError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
+        if self.offload not in PLAN_OFFLOAD_MODES:
+            raise PlanError(f"offload must be one of {PLAN_OFFLOAD_MODES}, got {self.offload!r}")
+        depth = self.prefetch_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise PlanError(f"prefetch_depth must be an integer >= 0, got {depth!r}")
 
     @classmethod
     def sized(

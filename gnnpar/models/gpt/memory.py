@@ -6,11 +6,12 @@ Per rank, with ``e`` bytes per element:
 
 - ``parameters`` (e each), ``gradients`` (e each), ``optimizer`` (Adam's two moments in
   float32, plus float32 master weights when e < 4); the data-axis ``stage`` divides the
-  optimizer state (≥ 1), the gradients (≥ 2) and the parameters (3, plus two gathered blocks
-  — the running one and the prefetched next — and one block's full gradient before its
-  reduce-scatter) by the data size, as :mod:`gnnpar.shard` does. Stages 1–2 also hold this
-  rank's float32 master chunk (a copy even when e = 4) and its reduced float32 gradient
-  chunk, and stage 1 keeps the full gradient buffers;
+  optimizer state (≥ 1), the gradients (≥ 2) and the parameters (3, plus ``1 +
+  prefetch_depth`` gathered blocks — the running one and those prefetched, two at the
+  default depth 1 — and one block's full gradient before its reduce-scatter) by the data
+  size, as :mod:`gnnpar.shard` does. Stages 1–2 also hold this rank's float32 master chunk
+  (a copy even when e = 4) and its reduced float32 gradient chunk, and stage 1 keeps the
+  full gradient buffers (the table of :mod:`gnnpar.plan.memory`);
 - ``gathered``: with z > 1, every matrix's z-gathered block (``z`` times the local piece),
   which autograd keeps from the layer's forward to its backward;
 - ``activations``: Megatron's per-layer count (Korthikanti et al., 2022) for tensor
@@ -21,11 +22,38 @@ Per rank, with ``e`` bytes per element:
   vocabulary chunk. ``tokens`` are this rank's: its sequences (the batch over data and z)
   times its part of each (the sequence over context: context parallelism is this model's
   sequence parallelism, every activation split, the tensor-parallel ones not);
-- with ``offload`` (stages 1–3, :mod:`gnnpar.shard.offload`) the ``optimizer`` part (Adam's
-  moments and the float32 master chunk) — and at stage 3 with e = 4 the parameter chunk,
-  which is the master itself — leave the device: ``"host"`` bytes (host memory) or
-  ``"file"`` bytes (memory-mapped files: page cache, not anonymous memory). These parts are
-  not device memory (:func:`device_bytes`).
+- with ``offload`` ``"host"`` or ``"file"`` (stages 1–3, :mod:`gnnpar.shard.offload`), for
+  the trainable parameters (``n`` of them on this rank over ``d`` data ranks, ``P`` in the
+  largest unit, ``D`` = ``prefetch_depth``; with LoRA only the adapters, the frozen base
+  stays; a mixture of experts' experts over their own ``d``):
+
+  - the ``optimizer`` part (Adam's moments and the float32 master chunk, ``12n/d``) leaves
+    the device for the tier's part: ``host`` (host memory) or ``file`` (memory-mapped files:
+    page cache, not anonymous memory). At stage 3 the parameter chunk leaves too, for any
+    e: at e = 4 it is the master itself (moved: 8n/d + 4n/d), at e < 4 no e-byte chunk is
+    stored at all (the gathers send the float32 master cast, a transient copy), so its
+    ``n·e/d`` is dropped;
+  - the reduced gradient chunk is float32 host memory with either tier
+    (:meth:`~gnnpar.shard.flat.FlatGroup.set_grad` moves it to the master's memory): ``4n/d``
+    in ``host``, off the device's ``gradients`` (stage 3 counts it there as ``n·e/d``);
+  - ``file`` adds a device part ``offload_buffers``: at stage 3 the read buffers of the
+    ``1 + D`` units whose chunks are read from their files ahead of their gathers (float32,
+    ``4P/d`` each), and the chunked optimizer step's working set, three groups' master and
+    moments: ``(1 + D)·4P/d + 3·(P/d)·(4 + 8)``, each term at most all the units (``(1 +
+    D)·P`` and ``3P`` capped at ``n``, for a model of few units). At stages 1–2 the step's
+    working set only, with ``P`` (a block's parameters) in place of the largest gradient
+    bucket: a bucket never crosses a unit, so a block's are at most ``P``; an embedding
+    larger than a block, a bucket of its own, is not counted. These buffers are anonymous
+    memory: device memory on the CPU box, host memory on a GPU node, where counting them on
+    the device is an upper bound.
+
+  So at stage 3 (either e): ``parameters (1 + D)·P·e``, ``gradients P·e``, ``optimizer 0``,
+  ``host 4n/d`` (host tier: ``+ 12n/d``), ``file 12n/d`` (file tier), ``offload_buffers
+  (1 + D)·4P/d + 36P/d`` (file tier). ``host`` and ``file`` are not device memory
+  (:func:`~gnnpar.plan.memory.device_bytes`); where a machine states its host memory,
+  :func:`~gnnpar.plan.memory.memory_shortfall` holds the node's ranks' ``host`` bytes to it.
+  ``"auto"`` is the planner's choice among these tiers
+  (:func:`gnnpar.models.gpt.planning.choose_offload`), not a tier: give one.
 - ``ring`` (context > 1): what ring attention holds beyond that in the busiest layer's
   backward: the travelling key/value block, its gradients and the received copies (8 blocks
   of this rank's keys' size), the saved log-sum-exp (one float per query and head), and one
@@ -67,10 +95,47 @@ from gnnpar.models.gpt.cost import (
     seq_per_rank,
 )
 from gnnpar.plan.comm_model import grid_shape
+from gnnpar.plan.inputs import PlanError
 from gnnpar.plan.memory import sharded_state
 from gnnpar.tensor.context import TILE_BYTES
 
 __all__ = ["gpt_memory"]
+
+
+def _offload(
+    out: dict[str, float], problem: GPTProblem, n: float, d: int, per_unit: float
+) -> dict[str, float]:
+    """Apply ``problem.offload``'s tier to ``out``, the :func:`sharded_state` of ``n``
+    trainable elements over ``d`` data ranks whose largest unit has ``per_unit`` (in place),
+    and return the parts the tier adds: ``host``, ``file``, ``offload_buffers`` (see the
+    module docstring)."""
+    e, stage, tier = problem.element_size, problem.stage, problem.offload
+    extra: dict[str, float] = {}
+    if tier != "none" and stage >= 1:
+        moved = out["optimizer"]
+        if stage >= 3 and e >= 4:  # the parameter chunk is the master
+            moved += n * e / d
+            out["parameters"] -= n * e / d
+        elif stage >= 3:  # no e-byte chunk is kept: the gathers send the master, cast
+            out["parameters"] -= n * e / d
+        out["optimizer"] = 0.0
+        extra[tier] = moved
+        # the reduced gradient chunk: float32 (the master's dtype), in host memory
+        out["gradients"] -= n * e / d if stage >= 3 else n * 4 / d
+        extra["host"] = extra.get("host", 0.0) + n * 4 / d
+        if tier == "file":  # units' chunks, at most all of them (a model of few units)
+            ahead = min((1 + problem.prefetch_depth) * per_unit, n) if stage >= 3 else 0.0
+            extra["offload_buffers"] = ahead * 4 / d + min(3 * per_unit, n) / d * (4 + 8)
+    return extra
+
+
+def _merged(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    """Two groups' parts added, but ``offload_buffers``: the larger (the step and the reads
+    hold the largest units' chunks, whichever group they belong to)."""
+    out = {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
+    if "offload_buffers" in out:
+        out["offload_buffers"] = max(a.get("offload_buffers", 0.0), b.get("offload_buffers", 0.0))
+    return out
 
 
 def gpt_memory(
@@ -83,7 +148,13 @@ def gpt_memory(
     """Bytes on rank 0 of one GPT training step, by part (see the module docstring);
     ``layout`` is :func:`gpt_layout` of the shape (computed when not given);
     ``sequence_parallel`` (default: the problem's, if it has the field) splits the
-    activations between the chains over x as well."""
+    activations between the chains over x as well. PlanError for ``offload="auto"``, which
+    is the planner's choice of a tier, not one."""
+    if problem.offload not in ("none", "host", "file"):
+        raise PlanError(
+            f"offload {problem.offload!r} is the planner's choice, not a tier: "
+            "give gpt_memory none, host or file"
+        )
     if sequence_parallel is None:
         sequence_parallel = bool(getattr(problem, "sequence_parallel", False))
     g = grid_shape(shape)
@@ -97,23 +168,27 @@ def gpt_memory(
     d = g.data * g.context * g.expert
     experts = sum(expert_params(problem, mods, coords))
     per_block = (n - other - experts) / max(1, problem.layers)
-    out = {**sharded_state(n - experts, e, problem.stage, d, per_block), "gathered": 0.0}
-    if experts:  # a unit of their own per layer, gathered (stage 3) like a block
-        per_layer = experts / max(1, problem.layers)
-        own = sharded_state(experts, e, problem.stage, g.data * g.context, per_layer)
-        out = {k: v + own.get(k, 0.0) for k, v in out.items()}
-    out["activations"] = 0.0
+    depth = problem.prefetch_depth
+
+    def state(count: float, ranks: int, unit: float) -> tuple[dict, dict]:
+        """One group's sharded state and the parts its offload tier adds."""
+        own = sharded_state(count, e, problem.stage, ranks, unit, depth)
+        return own, _offload(own, problem, count, ranks, unit)
+
     adapters = lora_params(problem, mods, coords)
     if adapters:
-        # the frozen base: its parameters only, sharded and gathered like any at stage 3;
-        # the adapters carry the gradients and the optimizer's state
-        lora = sharded_state(adapters, e, problem.stage, d, adapters / max(1, problem.layers))
-        base = sharded_state(n, e, problem.stage, d, per_block)["parameters"]
-        out.update(
-            parameters=base + lora["parameters"],
-            gradients=lora["gradients"],
-            optimizer=lora["optimizer"],
-        )
+        # the frozen base: its parameters only, sharded and gathered like any at stage 3
+        # (on the device: the tiers hold trainable masters); the adapters carry the
+        # gradients and the optimizer's state
+        out, tiers = state(adapters, d, adapters / max(1, problem.layers))
+        out["parameters"] += sharded_state(n, e, problem.stage, d, per_block, depth)["parameters"]
+    else:
+        out, tiers = state(n - experts, d, per_block)
+        if experts:  # a unit of their own per layer, gathered (stage 3) like a block
+            own, own_tiers = state(experts, g.data * g.context, experts / max(1, problem.layers))
+            out, tiers = _merged(out, own), _merged(tiers, own_tiers)
+    out = {k: out[k] for k in ("parameters", "gradients", "optimizer")}
+    out.update(gathered=0.0, activations=0.0)
     if g.z > 1:
         # every matrix's z-gathered block, saved by autograd from its forward to its backward
         out["gathered"] = matrix * g.z * e
@@ -155,11 +230,5 @@ def gpt_memory(
         square = (t_loc // 2) ** 2 * e
         tile = min(rows * heads * square, max(TILE_BYTES // square, 1) * square)
         out["ring"] = float(8 * keys + tokens * heads * e + 3 * tile)
-    if problem.offload != "none" and problem.stage >= 1:
-        moved = out["optimizer"]
-        if problem.stage >= 3 and e >= 4:  # the parameter chunk is the master
-            moved += n * e / d
-            out["parameters"] -= n * e / d
-        out["optimizer"] = 0.0
-        out[problem.offload] = moved
+    out.update(tiers)  # host, file and offload_buffers, with an offload tier
     return out

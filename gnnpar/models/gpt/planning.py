@@ -2,7 +2,18 @@
 shape and ZeRO stage ranked by the cost and memory models (:func:`rank_gpt`,
 :func:`rank_gpt_stages`), the plan ``gnnpar train gpt`` runs (:func:`choose_gpt_plan`), the
 longest sequence and the deepest model that fit (:func:`longest_sequence`,
-:func:`largest_gpt`), and ``gnnpar plan gpt`` (:data:`PLANNER`).
+:func:`largest_gpt`), the offload tier of a shape and stage (:func:`choose_offload`), and
+``gnnpar plan gpt`` (:data:`PLANNER`).
+
+**Offload tiers.** With ``offload`` ``"host"`` or ``"file"`` every candidate has that tier
+(stage 0, which shards nothing to offload, is not ranked); with ``"auto"`` (the planner's
+only) each candidate of stage ≥ 1 gets the smallest tier that fits, in the order none, host,
+file (stage 0: none): ``none`` when its device bytes fit; ``host`` when its device part fits
+and the node's ranks' host parts (``ranks_per_node · host``) fit the machine's
+``host_memory_gb`` (90% of it, as of device memory) — never on a machine whose host is its
+device memory (``host_memory_gb`` None, the CPU box), where the tier frees nothing; ``file``
+when its device part fits (and its host part, where the machine states one). The tier does
+not change the predicted time. :attr:`~gnnpar.plan.rank.Candidate.offload` records it.
 
 The pipe axis: a GPT step on ``pipe`` stages of ``data × x × y × z`` ranks.
 
@@ -35,6 +46,7 @@ from typing import Any
 from gnnpar.fmt import count, format_count
 from gnnpar.grid import AXES
 from gnnpar.models.gpt.cost import (
+    PLAN_OFFLOAD_MODES,
     GPTProblem,
     batch_per_rank,
     gpt_collectives,
@@ -50,6 +62,7 @@ from gnnpar.plan.comm_model import Collective, Infeasible
 from gnnpar.plan.command import PlanCommand, add_machine_options, machine_from, report
 from gnnpar.plan.inputs import PlanError, parse_count
 from gnnpar.plan.machines import Machine
+from gnnpar.plan.memory import memory_shortfall
 from gnnpar.plan.rank import (
     Candidate,
     PipelinePlan,
@@ -64,6 +77,7 @@ from gnnpar.train.config import resolve
 __all__ = [
     "PLANNER",
     "choose_gpt_plan",
+    "choose_offload",
     "largest_gpt",
     "longest_sequence",
     "p2p_collectives",
@@ -148,10 +162,19 @@ def rank_gpt(
     return best_first(out)
 
 
+def _tiers(problem: GPTProblem) -> tuple[str, ...]:
+    """The offload tiers a candidate of ``problem`` may get, smallest first (stage 0 has
+    nothing sharded to offload: none)."""
+    if problem.stage == 0:
+        return ("none",)
+    return ("none", "host", "file") if problem.offload == "auto" else (problem.offload,)
+
+
 def _gpt_candidate(
     problem: GPTProblem, shape: dict[str, int], machine: Machine, model: Any
 ) -> Candidate:
-    """One GPT candidate; with a pipe axis, its busiest stage (the module docstring)."""
+    """One GPT candidate; with a pipe axis, its busiest stage; with ``offload="auto"``,
+    the smallest tier that fits (the module docstring)."""
     pipe = shape.get("pipe", 1)
     rest = {a: v for a, v in shape.items() if a != "pipe"}
     plan = None
@@ -176,10 +199,24 @@ def _gpt_candidate(
             out["bubble"] = sum(out.values()) * plan.bubble / (1.0 - plan.bubble)
         return out
 
-    def memory() -> dict[str, float]:
-        out = gpt_memory(busiest, rest, layout)
+    world = math.prod(shape.values())
+    picked: list[str] = []
+
+    def memory_of(tier: str) -> dict[str, float]:
+        out = gpt_memory(dataclasses.replace(busiest, offload=tier), rest, layout)
         if plan is not None:  # the chunk passes in flight, of the m·v of a step
             out["activations"] *= plan.in_flight / (plan.micro_batches * plan.virtual)
+        return out
+
+    def memory() -> dict[str, float]:
+        tiers = _tiers(problem)
+        if machine.host_memory_gb is None and len(tiers) > 1:
+            tiers = tuple(t for t in tiers if t != "host")  # the host is the device memory
+        for tier in tiers:
+            out = memory_of(tier)
+            if not memory_shortfall(out, machine, world):
+                break
+        picked.append(tier)
         return out
 
     c = evaluate(
@@ -189,7 +226,13 @@ def _gpt_candidate(
         compute,
         memory,
     )
-    return dataclasses.replace(c, stage=problem.stage, pipeline=plan)
+    tier = picked[-1] if picked else None
+    if picked:  # the host part too, where the machine states its host memory
+        reason = memory_shortfall(c.memory, machine, world)
+        if reason and problem.offload == "auto" and tier != "none":
+            reason = f"{reason} (offload {tier})"
+        c = dataclasses.replace(c, fits=not reason, reason=reason)
+    return dataclasses.replace(c, stage=problem.stage, pipeline=plan, offload=tier)
 
 
 def rank_gpt_stages(
@@ -200,9 +243,10 @@ def rank_gpt_stages(
     context: int = 1,
 ) -> list[Candidate]:
     """Every (shape, ZeRO stage) for a GPT step, best first: :func:`rank_gpt` for each stage,
-    merged (at equal predicted time the lower stage first). With ``problem.offload`` stage 0
-    (nothing sharded to offload) is left out."""
-    if problem.offload != "none":
+    merged (at equal predicted time the lower stage first). With ``problem.offload`` a tier
+    (``"host"``, ``"file"``) stage 0 (nothing sharded to offload) is left out; with
+    ``"auto"`` it stays, without offload."""
+    if problem.offload in ("host", "file"):
         stages = [s for s in stages if s >= 1]
     cands = [
         c
@@ -245,6 +289,24 @@ def longest_sequence(
     unit = 2 * context
     units = largest_fitting(lambda n: best(n * unit) is not None, (1 << 24) // unit)
     return units * unit, best(units * unit) if units else None
+
+
+def choose_offload(problem: GPTProblem, shape: Mapping[str, int], machine: Machine) -> str:
+    """The offload tier for ``problem`` (at its ZeRO ``stage``) on grid ``shape`` of
+    ``machine``: with ``offload="auto"`` the smallest that fits, in the order none, host,
+    file (the module docstring), else ``problem.offload`` if it fits. PlanError, one line
+    naming the option, when none fits (or the shape cannot run the problem)."""
+    if problem.offload in ("host", "file") and problem.stage == 0:
+        raise PlanError(f"offload {problem.offload!r} needs ZeRO stage 1, 2 or 3, not 0")
+    full = {"data": 1, "x": 1, "y": 1, "z": 1, **shape}
+    c = _gpt_candidate(problem, full, machine, meta_gpt(problem))
+    if not c.fits or c.offload is None:
+        which = "no tier fits" if problem.offload == "auto" else "does not fit"
+        raise PlanError(
+            f"offload {problem.offload!r}: {which} shape {shape_label(full)} at ZeRO stage "
+            f"{problem.stage} on {machine.name}: {c.reason}"
+        )
+    return c.offload
 
 
 def choose_gpt_plan(
@@ -301,11 +363,12 @@ def largest_gpt(
 
 
 # ------------------------------------------------------------------ gnnpar plan gpt
+# ``offload`` is the planner's own flag (:func:`_gpt_arguments`): it also takes ``auto``
 GPT_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "tie_weights",
                "batch_size", "dtype", "mixed_precision", "grad_clip", "grad_accum", "schedule",
-               "virtual_stages", "activation_checkpointing", "offload", "moe_experts",
-               "moe_top_k", "moe_capacity", "sequence_parallel", "quantized_weights",
-               "quantized_grads")  # fmt: skip
+               "virtual_stages", "activation_checkpointing", "moe_experts", "moe_top_k",
+               "moe_capacity", "sequence_parallel", "quantized_weights", "quantized_grads",
+               "prefetch_depth")  # fmt: skip
 
 
 def _gpt_problem(args: argparse.Namespace) -> GPTProblem:
@@ -324,9 +387,24 @@ def _gpt_problem(args: argparse.Namespace) -> GPTProblem:
         for key, name in (("layers", "n_layer"), ("hidden", "n_embd"), ("heads", "n_head")):
             if getattr(args, name) is None:  # a flag given beside --params wins
                 setattr(args, name, preset[key])
-    cfg = resolve(GPTTaskConfig, args, None)
+    offload = getattr(args, "offload", None)
+    if offload is not None and offload not in PLAN_OFFLOAD_MODES:
+        raise PlanError(
+            f"--offload must be one of {', '.join(PLAN_OFFLOAD_MODES)}, got {offload!r}"
+        )
+    # the trainer's config takes a tier, not the planner's "auto"
+    trainer = argparse.Namespace(
+        **{**vars(args), "offload": None if offload == "auto" else offload}
+    )
+    cfg = resolve(GPTTaskConfig, trainer, None)
     problem = plan_problem(cfg)
-    return dataclasses.replace(problem, stage=args.stage or 0, name=args.params or "gpt")
+    return dataclasses.replace(
+        problem,
+        stage=args.stage or 0,
+        name=args.params or "gpt",
+        offload=offload or problem.offload,
+        prefetch_depth=getattr(cfg, "prefetch_depth", problem.prefetch_depth),
+    )
 
 
 def _grid_shape(args: argparse.Namespace) -> dict[str, int]:
@@ -344,7 +422,7 @@ def _grid_shape(args: argparse.Namespace) -> dict[str, int]:
 def _cmd_gpt(args: argparse.Namespace) -> int:
     problem = _gpt_problem(args)
     machine = machine_from(args)
-    low = 1 if problem.offload != "none" else 0
+    low = 1 if problem.offload in ("host", "file") else 0
     if args.stage is not None and args.stage < low:
         raise PlanError(f"--offload {problem.offload} needs --stage 1, 2 or 3, not 0")
     stages = tuple(range(low, 4)) if args.stage is None else (args.stage,)
@@ -358,7 +436,8 @@ def _cmd_gpt(args: argparse.Namespace) -> int:
         print(
             f"longest sequence: {seq:,} tokens on {where} (shape {shape_label(best.shape)}, "
             f"ZeRO stage {best.stage}, {best.memory_bytes / 1e9:,.2f} GB per rank, "
-            f"batch {problem.batch})"
+            f"batch {problem.batch}"
+            + (f", offload {best.offload})" if problem.offload == "auto" else ")")
         )
         return 0
     if args.largest:
@@ -368,18 +447,24 @@ def _cmd_gpt(args: argparse.Namespace) -> int:
     fixed = {a: v for a, v in shape.items() if a != "context"}
     cands = [c for c in cands if all(c.shape.get(a, 1) == v for a, v in fixed.items())]
     which = f"ZeRO stage {low}-3" if args.stage is None else f"ZeRO stage {args.stage}"
-    if problem.offload != "none":
+    if problem.offload == "auto":
+        which += ", offload auto (the smallest tier that fits each shape)"
+    elif problem.offload != "none":
         which += f", offload {problem.offload}"
+    if problem.prefetch_depth != 1:
+        which += f", prefetch depth {problem.prefetch_depth}"
     title = (
         f"GPT {format_count(problem.num_params)} ({problem.layers} layers, "
         f"hidden {problem.hidden}, {problem.heads} heads), "
         f"batch {problem.batch} x {problem.seq} tokens, {which}; "
         f"{count(args.gpus, 'rank')} on {machine.name} "
-        f"({machine.ranks_per_node(args.gpus)} per node, {machine.memory_gb:g} GB each)"
+        f"({machine.ranks_per_node(args.gpus)} per node, {machine.memory_gb:g} GB each"
+        + (f", {machine.host_memory_gb:g} GB host memory" if machine.host_memory_gb else "")
+        + ")"
     )
     if args.largest:
         title = f"largest that fits: {title}"
-    return report(cands, args, title)
+    return report(cands, args, title, tiers=problem.offload == "auto")
 
 
 def _gpt_arguments(t: argparse.ArgumentParser) -> None:
@@ -392,6 +477,14 @@ def _gpt_arguments(t: argparse.ArgumentParser) -> None:
         "--grid",
         default=None,
         help="fix these axes (the trainer's --grid, e.g. context=4 or x=2,data=2)",
+    )
+    t.add_argument(
+        "--offload",
+        default=None,
+        metavar="{" + ",".join(PLAN_OFFLOAD_MODES) + "}",
+        help="the trainer's offload tier for every shape (host, file: ZeRO stages 1-3 only), "
+        "or auto: the smallest tier that fits each shape and stage, in the order none, host, "
+        "file (host only on a machine with host memory of its own); default none",
     )
     t.add_argument(
         "--memory-gb",

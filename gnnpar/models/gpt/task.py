@@ -569,6 +569,7 @@ def plan_problem(cfg: GPTTaskConfig, sizes: GPTConfig | None = None) -> Any:
         virtual=cfg.virtual_stages,
         activation_checkpointing=cfg.activation_checkpointing,
         offload=cfg.offload,
+        prefetch_depth=cfg.prefetch_depth,
         lora_rank=cfg.lora_rank if cfg.peft == "lora" else 0,
         sequence_parallel=cfg.sequence_parallel,
         quantized_weights=cfg.quantized_weights,
