@@ -14,8 +14,8 @@ the parameters' chunks live in the file tier, are read ahead of their gathers
   pages of the tier's mappings still resident afterwards (``/proc/self/smaps``, the mappings
   of the rank's offload folder) are at most the partial edge pages, 2 per mapped tensor,
   while the tier wrote and read every byte of them. Without the release they would be all of
-  it. The bytes the tier copied out of and into its files equal a formula written out in the
-  test.
+  it. So after a checkpoint is saved from the files and loaded back into them. The bytes the
+  tier copied out of and into its files equal a formula written out in the test.
 - **Depth**: with ``prefetch_depth = d`` the pre-forward hook of a unit after the first finds
   ``min(d, units from it to the end)`` gathers in flight, its own among them (d = 0, 1, 3).
 """
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import gnnpar
+from gnnpar import checkpoint
 from gnnpar.models.gpt.task import GPTTaskConfig
 from gnnpar.models.minibatch.task import MiniBatchConfig
 from gnnpar.shard import shard
@@ -114,7 +115,12 @@ def _resident_after_steps(folder: str) -> tuple[int, int, int, int]:
         opt.zero_grad()
     tier = dp.offload
     out = (_resident_in(tier.dir), tier.file_bytes(), len(tier._files), tier.released,
-           tier.traffic)  # fmt: skip
+           dict(tier.traffic))  # fmt: skip
+    # a checkpoint reads every file through the mappings, a load writes them
+    ckpt = checkpoint.save(f"{folder}/ckpt", 2, grid, dp, opt)
+    saved = _resident_in(tier.dir)
+    checkpoint.load(ckpt, grid, dp, opt)
+    out = (*out, saved, _resident_in(tier.dir))
     dp.remove()
     gnnpar.release(grid)
     return out
@@ -201,7 +207,7 @@ def test_offloaded_parameters_train_bit_for_bit_as_in_memory(world, plain, offlo
 
 def test_the_file_tier_keeps_no_mapped_pages_resident_after_a_step(world):
     for res in world:
-        resident, mapped, tensors, released, traffic = res["resident"]
+        resident, mapped, tensors, released, traffic, saved, loaded = res["resident"]
         # the formula: master + 2 Adam moments of the rank's chunks, 4 bytes an element
         chunk = LAYERS * -(-(WIDTH * WIDTH + WIDTH) // 4) * 4
         assert mapped == 3 * chunk
@@ -212,7 +218,9 @@ def test_the_file_tier_keeps_no_mapped_pages_resident_after_a_step(world):
         params = 2 * (chunk + chunk * (LAYERS - 1) // LAYERS)
         assert traffic == {"read": params + chunk + 3 * chunk, "written": 2 * 3 * chunk}
         assert released >= 2 * mapped  # every byte read and written at least once a step
-        assert resident <= 2 * mmap.PAGESIZE * tensors, (resident, mapped)
+        edges = 2 * mmap.PAGESIZE * tensors
+        assert resident <= edges and saved <= edges and loaded <= edges, (
+            resident, saved, loaded, mapped)  # fmt: skip
 
 
 def test_prefetch_depth_sets_the_gathers_in_flight(world):

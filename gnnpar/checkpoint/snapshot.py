@@ -204,6 +204,8 @@ class SnapshotWriter:
                 entries[p.name] = [c.to_json() for c in p.chunks]
         for name, t in local.items():
             blob[LOCAL + name] = t.detach().to("cpu", copy=True)
+        if layout.after_read is not None:
+            layout.after_read()
         meta = {
             "pieces": entries,
             "tensors": {k: v.to_json() for k, v in tensors.items()},

@@ -80,6 +80,9 @@ class ModelLayout:
     aliases: dict[str, str]
     params: dict[int, tuple[list[Chunk], bool]]
     after_load: Any = None  # called once every piece holds its loaded values (collective)
+    #: called once the pieces were read for a save or a snapshot (the file offload tier
+    #: gives back the pages that reading them made resident)
+    after_read: Any = None
 
 
 def writes(grid: ProcessGrid, split_axes: Iterable[str]) -> bool:

@@ -127,6 +127,8 @@ def save(
         for name, t in (local or {}).items():
             blob[LOCAL + name] = t.detach().cpu()
         save_tensors(tmp / f"{stem}.pt", blob)
+        if layout.after_read is not None:
+            layout.after_read()
         side = {
             "entry": file_entry(tmp / f"{stem}.pt"),
             "pieces": entries,

@@ -641,7 +641,15 @@ class ShardedModel:
         aliases = {a: s.name for s in saved for a in s.aliases if a != s.name}
         kept = {*buffers, *aliases, *(s.name for s in saved)}
         keys = plain_keys(self.module, [k for k in self._keys if k in kept])
-        return ModelLayout(pieces, tensors, keys, aliases, params, self._refresh)
+        return ModelLayout(
+            pieces, tensors, keys, aliases, params, self._refresh, self._release_offloaded
+        )
+
+    def _release_offloaded(self) -> None:
+        """Give back the resident pages of the file tier's mappings (after a checkpoint read
+        or wrote through them)."""
+        if self.offload is not None:
+            self.offload.release_all()
 
     def _refresh(self) -> None:
         """Bring the model's parameters up to date with the masters after they were written
@@ -655,6 +663,7 @@ class ShardedModel:
                 self.stage3._uncache(unit, "trainable")
         elif self.buckets is not None:
             self.buckets.gather_params()
+        self._release_offloaded()
 
     @torch.no_grad()
     def load_local(self, values: dict[str, torch.Tensor]) -> None:

@@ -29,9 +29,10 @@ whose chunk changed since (a step, a checkpoint load) is taken again.
 **Pages released after use.** A mapped page that was read or written stays in the process's
 resident set (``RssFile``) until the kernel reclaims it. The file tier gives back the pages of
 every range it has finished with — a unit's chunk once read, a group's master and state once
-the step wrote them back, a bucket's masters once gathered — with ``madvise(MADV_DONTNEED)``:
-the data stays in the page cache (dirty pages are written back), but the rank's resident set
-stays at its working buffers, whatever the size of the files.
+the step wrote them back, a bucket's masters once gathered, the initial values once written,
+every file once a checkpoint or snapshot has read it or a load has written it — with
+``madvise(MADV_DONTNEED)``: the data stays in the page cache (dirty pages are written back),
+but the rank's resident set stays at its working buffers, whatever the size of the files.
 
 The reduced gradient chunk lives in host memory with either tier, as in ZeRO-Offload and
 ZeRO-Infinity (:meth:`gnnpar.shard.flat.FlatGroup.set_grad` moves it to the master's memory).
@@ -158,6 +159,9 @@ class HostTier:
     def release(self, t: torch.Tensor) -> None:
         """Give back the resident pages of ``t`` if it lives in a file of this tier."""
 
+    def release_all(self) -> None:
+        """Give back the resident pages of every file of this tier."""
+
 
 class FileTier(HostTier):
     """Masters and per-element optimizer state in memory-mapped files (module docstring)."""
@@ -252,6 +256,12 @@ class FileTier(HostTier):
         tensors are left alone)."""
         if self._in_file(t):
             self.released += drop_resident_pages(t)
+
+    def release_all(self) -> None:
+        """Give back the resident pages of every mapped file (after a checkpoint read or
+        wrote the masters and the state through the mappings)."""
+        for t in list(self._files.values()):
+            self.release(t)
 
     # ------------------------------------------------------------- parameters (stage 3)
     def _read_chunk(self, group: FlatGroup) -> tuple[int, torch.Tensor]:
