@@ -34,9 +34,10 @@ __all__ = ["add_plan_commands"]
 
 def _cmd_machines(args: argparse.Namespace) -> int:
     for m in builtin_machines().values():
+        host = "" if m.host_memory_gb is None else f" ({m.host_memory_gb:g} GB host a node)"
         print(
             f"{m.name:<11} {m.description}\n"
-            f"{'':<11} {m.devices_per_node} per node, {m.memory_gb:g} GB, intra "
+            f"{'':<11} {m.devices_per_node} per node, {m.memory_gb:g} GB{host}, intra "
             f"{m.intra.gbps:g} GB/s, inter {m.inter.gbps:g} GB/s, GEMM {m.gemm_tflops:g} "
             f"TFLOP/s, SpMM {m.spmm_gflops:g} GFLOP/s\n{'':<11} assumptions: {m.assumptions}"
         )
