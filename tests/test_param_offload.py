@@ -16,6 +16,8 @@ the parameters' chunks live in the file tier, are read ahead of their gathers
   while the tier wrote and read every byte of them. Without the release they would be all of
   it. So after a checkpoint is saved from the files and loaded back into them. The bytes the
   tier copied out of and into its files equal a formula written out in the test.
+- **One line**: a pipeline's chunk whose offload folder is in use raises the folder's own
+  error (naming it), not a grid error.
 - **Depth**: with ``prefetch_depth = d`` the pre-forward hook of a unit after the first finds
   ``min(d, units from it to the end)`` gathers in flight, its own among them (d = 0, 1, 3).
 """
@@ -35,6 +37,7 @@ from gnnpar import checkpoint
 from gnnpar.models.gpt.task import GPTTaskConfig
 from gnnpar.models.minibatch.task import MiniBatchConfig
 from gnnpar.shard import shard
+from gnnpar.shard.offload import FileTier, OffloadError
 from gnnpar.testing import run_distributed
 from gnnpar.train.spec import build_task
 
@@ -162,16 +165,28 @@ def _world(root: str, out: str) -> dict:
     scratch = f"{out}/offload"
     gpt_full = dict(grid="data=2,x=2", activation_checkpointing="full")
     pipe = dict(grid="pipe=2,data=2", grad_accum=2, schedule="1f1b")
-    file = dict(offload="file", offload_dir=scratch)
+
+    def file(name: str) -> dict:
+        # a folder per run: an earlier task's tier may live on until it is collected
+        return dict(offload="file", offload_dir=f"{scratch}/{name}")
+
     res = {
         "gpt": _gpt(text, out, **gpt_full),
-        "gpt file": _gpt(text, out, **gpt_full, **file, prefetch_depth=2),
+        "gpt file": _gpt(text, out, **gpt_full, **file("gpt"), prefetch_depth=2),
         "pipe": _gpt(text, out, **pipe),
-        "pipe file": _gpt(text, out, **pipe, **file),
+        "pipe file": _gpt(text, out, **pipe, **file("pipe")),
         "gcn": _gcn(root, out),
         "gcn host": _gcn(root, out, offload="host"),
-        "gcn file": _gcn(root, out, **file, prefetch_depth=0),
+        "gcn file": _gcn(root, out, **file("gcn"), prefetch_depth=0),
     }
+    # a pipeline's chunk meets an offload folder in use: the folder's own one-line error
+    held = FileTier(torch.device("cpu"), f"{scratch}/held", rank)
+    try:
+        _gpt(text, out, **pipe, offload="file", offload_dir=f"{scratch}/held")
+        res["busy"] = "no error"
+    except OffloadError as err:
+        res["busy"] = str(err)
+    held.close()
     res["resident"] = _resident_after_steps(f"{scratch}/resident")
     res["depths"] = _depths()
     res["rank"] = rank
@@ -221,6 +236,13 @@ def test_the_file_tier_keeps_no_mapped_pages_resident_after_a_step(world):
         edges = 2 * mmap.PAGESIZE * tensors
         assert resident <= edges and saved <= edges and loaded <= edges, (
             resident, saved, loaded, mapped)  # fmt: skip
+
+
+def test_an_offload_folder_in_use_is_named_through_a_pipeline(world):
+    for res in world:
+        busy = res["busy"]
+        assert busy.startswith("offload folder ") and "in use by this process" in busy, busy
+        assert "\n" not in busy and "grid" not in busy
 
 
 def test_prefetch_depth_sets_the_gathers_in_flight(world):

@@ -716,6 +716,7 @@ class GPTTask(BaseTask):
         axis, only this rank's stage (:mod:`gnnpar.pipeline`). AdamW comes on first use
         (:meth:`_make_optimizer`)."""
         from gnnpar.shard import by_type, shard
+        from gnnpar.shard.offload import OffloadError
         from gnnpar.tensor.context import context_parallel
 
         cfg, grid = self.cfg, self.grid
@@ -757,6 +758,8 @@ class GPTTask(BaseTask):
                     shard_fn=shard_fn,
                     tie_dtype=compute_dtype(cfg),
                 )
+            except OffloadError:
+                raise  # the offload folder's own error (it names the folder), not the grid's
             except UserError as err:
                 raise ConfigError(f"config key 'grid': {err}") from None
             self.net = None  # the stages run through self.pipeline
