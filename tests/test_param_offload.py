@@ -14,8 +14,8 @@ the parameters' chunks live in the file tier, are read ahead of their gathers
   pages of the tier's mappings still resident afterwards (``/proc/self/smaps``, the mappings
   of the rank's offload folder) are at most the partial edge pages, 2 per mapped tensor,
   while the tier wrote and read every byte of them. Without the release they would be all of
-  it. So after a checkpoint is saved from the files and loaded back into them. The bytes the
-  tier copied out of and into its files equal a formula written out in the test.
+  it. So are they after a checkpoint is saved from the files and loaded back into them. The
+  bytes the tier copied out of and into its files equal a formula written out in the test.
 - **One line**: a pipeline's chunk whose offload folder is in use raises the folder's own
   error (naming it), not a grid error.
 - **Depth**: with ``prefetch_depth = d`` the pre-forward hook of a unit after the first finds
