@@ -9,7 +9,8 @@ gradients, Adam's two moments) to reach ``--factor`` (1.5) times the free memory
 over the 4 ranks: each rank builds only its quarter of every matrix, so the build needs a
 quarter of the model per rank), ZeRO stage 3 with ``offload = file`` (each unit's
 parameters, the float32 master, and Adam's moments in memory-mapped files), full activation
-checkpointing, ``prefetch_depth`` 1.
+checkpointing, ``prefetch_depth`` 1 (``--prefetch-depth``: another depth, for the time it
+saves).
 
 Per rank it records:
 
@@ -36,7 +37,8 @@ Run::
     python benchmarks/offload.py --factor 0.05 --steps 2    # a small smoke run (a minute)
 
 It needs disk for the files (about 12 bytes a parameter: 27 GB at the default size) in
-``--offload-dir`` (default: a temporary folder). Writes ``benchmarks/out/offload.json`` and
+``--offload-dir`` (default: a temporary folder). Writes ``benchmarks/out/offload.json``
+(``offload-depth<D>.json`` for another depth) and
 prints the table.
 """
 
@@ -100,7 +102,7 @@ def disk_bytes() -> dict[str, int]:
     return {"read": read, "written": written}
 
 
-def _rank(layers: int, steps: int, folder: str, text: str) -> dict[str, Any]:
+def _rank(layers: int, steps: int, folder: str, text: str, depth: int) -> dict[str, Any]:
     """One rank: build the task, take ``steps`` steps, measure."""
     import torch
 
@@ -114,7 +116,7 @@ def _rank(layers: int, steps: int, folder: str, text: str) -> dict[str, Any]:
         block_size=SEQ, batch_size=BATCH, steps=steps, warmup=0, lr=3e-5, dtype="float32",
         grid=f"x={RANKS}", zero_stage=3, offload="file", offload_dir=f"{folder}/offload",
         activation_checkpointing="full", sample_tokens=0, val_batches=1, eval_every=0,
-        out=f"{folder}/run",
+        out=f"{folder}/run", prefetch_depth=depth,
     )  # fmt: skip
     baseline = _rss_kb("VmRSS") * 1024
     t0 = time.perf_counter()
@@ -151,7 +153,7 @@ def _rank(layers: int, steps: int, folder: str, text: str) -> dict[str, Any]:
     return out
 
 
-def predicted(layers: int) -> dict[str, float]:
+def predicted(layers: int, depth: int = 1) -> dict[str, float]:
     """The planner's memory of rank 0 for this run, by part."""
     from gnnpar.models.gpt.memory import gpt_memory
     from gnnpar.models.gpt.task import GPTTaskConfig, plan_problem
@@ -159,7 +161,7 @@ def predicted(layers: int) -> dict[str, float]:
     cfg = GPTTaskConfig(
         vocab_size=VOCAB, n_layer=layers, n_embd=WIDTH, n_head=HEADS, block_size=SEQ,
         batch_size=BATCH, dtype="float32", zero_stage=3, offload="file",
-        activation_checkpointing="full",
+        activation_checkpointing="full", prefetch_depth=depth,
     )  # fmt: skip
     problem = dataclasses.replace(plan_problem(cfg), stage=3, schedule=None)
     return gpt_memory(problem, {"x": RANKS})
@@ -206,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--offload-dir", default=None, help="folder for the files (default: temp)")
     p.add_argument("--data", default="shakespeare", help="the text to train on")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="ZeRO-3 units gathered ahead")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: from --factor)")
     args = p.parse_args(argv)
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         # glibc reads these at process start and the forked ranks inherit its state: restart,
@@ -216,16 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     from gnnpar.testing import run_distributed
 
     available = mem_available()
-    layers = layers_for(args.factor * available)
+    layers = args.layers or layers_for(args.factor * available)
     params = gpt_params(layers)
-    parts = predicted(layers)
+    parts = predicted(layers, args.prefetch_depth)
     folder = tempfile.mkdtemp(prefix="gnnpar-offload-", dir=args.offload_dir)
     print(f"{params / 1e9:.2f}B parameters ({layers} blocks): "
           f"{params * BYTES_PER_PARAM / 1e9:.1f} GB of state, "
           f"{available / 1e9:.1f} GB free; files in {folder}", flush=True)  # fmt: skip
     try:
         ranks = run_distributed(
-            _rank, RANKS, layers, args.steps, folder, args.data, timeout=4 * 3600
+            _rank,
+            RANKS,
+            layers,
+            args.steps,
+            folder,
+            args.data,
+            args.prefetch_depth,
+            timeout=4 * 3600,
         )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -239,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": ranks,
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "offload.json").write_text(json.dumps(result, indent=1))
+    depth = args.prefetch_depth
+    name = "offload.json" if depth == 1 else f"offload-depth{depth}.json"
+    (OUT / name).write_text(json.dumps({**result, "prefetch_depth": args.prefetch_depth}, indent=1))
     print(table(result))
     return 0 if math.isfinite(ranks[0]["steps"][-1]["loss"]) else 1
 
