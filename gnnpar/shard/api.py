@@ -876,9 +876,7 @@ def shard(
             if offload == "file"
             else f"offload_dir is only used with offload='file', not offload={offload!r}"
         )
-    if isinstance(prefetch, bool):
-        prefetch = int(prefetch)
-    if not isinstance(prefetch, int) or prefetch < 0:
+    if not isinstance(prefetch, int) or prefetch < 0:  # True counts as 1
         raise UserError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
     if getattr(model, "_gnnpar_sharded", False):
         raise ValueError("this model is already sharded; call shard() once per model")
@@ -1015,9 +1013,7 @@ def shard(
             s.param = None
         rt.register()
         dp.stage3 = rt
-    if tier is not None:  # the initial values are in the files: their pages can go
-        for g in dp._groups(("trainable",)):
-            tier.release(g.master)
+    dp._release_offloaded()  # the initial values are in the files: their pages can go
     owned = [g for g in dp._groups(("trainable",)) if g.master.numel() or g.pieces]
     if owned and not any(g.pieces for g in owned):
         owned[0].add_empty_piece()  # this rank owns nothing; still give the optimizer a tensor

@@ -150,7 +150,7 @@ class HostTier:
         memory, the copy to a GPU is asynchronous: the collective is queued behind it)."""
         return group.master.to(self.device, dtype or group.master.dtype, non_blocking=self.pin)
 
-    def prefetch(self, group: FlatGroup, dtype: torch.dtype | None) -> None:
+    def prefetch(self, group: FlatGroup) -> None:
         """Start getting what :meth:`fetch` will return (nothing to do in host memory)."""
 
     def forget_reads(self) -> None:
@@ -246,7 +246,7 @@ class FileTier(HostTier):
 
     def file_bytes(self) -> int:
         """Bytes of the mapped files (masters and optimizer state)."""
-        return sum(t.numel() * t.element_size() for t in self._files.values())
+        return _nbytes(*self._files.values())
 
     def _in_file(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._files
@@ -274,7 +274,7 @@ class FileTier(HostTier):
         self.release(group.master)
         return version, out
 
-    def prefetch(self, group: FlatGroup, dtype: torch.dtype | None) -> None:
+    def prefetch(self, group: FlatGroup) -> None:
         """Start reading ``group``'s chunk in the background thread (once)."""
         if id(group) not in self._reads and group.master.numel():
             self.traffic["read"] += group.nbytes()
@@ -384,16 +384,15 @@ class FileTier(HostTier):
             st = optimizer.state.get(piece.param) or {}
             state += [(piece.param, k, v) for k, v in self._per_element(piece.param, st)]
         self.traffic["read"] += _nbytes(g.master, *(v for *_, v in state))
-        return g.master, state, self.release
+        return g.master, state
 
-    @staticmethod
-    def _read(plan: tuple) -> tuple:
+    def _read(self, plan: tuple) -> tuple:
         """(Background.) Working copies of a group's master and file-backed state."""
-        master, state, release = plan
+        master, state = plan
         with torch.no_grad():
             out = master.clone(), [(p, k, v.clone()) for p, k, v in state]
         for t in (master, *(v for _, _, v in state)):
-            release(t)
+            self.release(t)
         return out
 
     @staticmethod
@@ -410,20 +409,19 @@ class FileTier(HostTier):
             for k, v in self._per_element(piece.param, optimizer.state.get(piece.param) or {}):
                 state.append((piece.param, k, v, self._state_file(piece.param, k, v)))
         self.traffic["written"] += _nbytes(g.master, *(f for *_, f in state))
-        return g, work[0], state, self.release
+        return g, work[0], state
 
-    @staticmethod
-    def _write(plan: tuple) -> tuple:
+    def _write(self, plan: tuple) -> tuple:
         """(Background.) Copy a stepped group's master and state into its files, and give
         their pages back (the page cache keeps them until they are written out)."""
-        g, master, state, release = plan
+        g, master, state = plan
         with torch.no_grad():
             g.master.copy_(master)
             for _, _, v, f in state:
                 f.copy_(v)
-        release(g.master)
+        self.release(g.master)
         for *_, f in state:
-            release(f)
+            self.release(f)
         return g, [(p, k, f) for p, k, _, f in state]
 
     @staticmethod

@@ -280,7 +280,7 @@ class Stage3:
         for unit in units:
             group = unit.groups.get("trainable")
             if group is not None and "trainable" not in unit.full:
-                self.tier.prefetch(group, self.compute_dtype)
+                self.tier.prefetch(group)
 
     def _post(self, unit: Unit) -> None:
         unit.depth = max(0, unit.depth - 1)
