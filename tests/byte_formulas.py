@@ -442,9 +442,14 @@ def rgcn3d_bytes(
     input_grad: bool,
     bias: bool,
     chunks: int = 1,
+    bases: int = 0,
 ) -> tuple[Bytes, Bytes]:
     """Forward and backward bytes of the 3D R-GCN model of ``relations`` relations on the rank
     at ``coords``, written per relation.
+
+    With ``bases`` B > 0 the weight blocks are the B bases and the root (the W gathers and the
+    dW reduce-scatter carry B + 1 blocks, not R + 1), and backward adds an all-reduce of the
+    coefficients' gradient, R·B values, over all x·y·z ranks (``"tensor"``).
 
     Layer ℓ with roles (a, b, c) aggregates every relation's ``Â_r H`` and the root's ``H``
     side by side, R + 1 pieces of the rank's rows × its ``fin`` features, and multiplies
@@ -468,7 +473,8 @@ def rgcn3d_bytes(
         fin = chunk(d_in, pb, coords[b])
         fout = chunk(d_out, pa, coords[a])
         per_row = sum(fin for _ in range(relations)) + fin  # relations' aggregates, root's H
-        weights = sum(fin * fout for _ in range(relations)) + fin * fout  # W_1..W_R, W_root
+        stored = bases if bases else relations  # V_1..V_B or W_1..W_R
+        weights = sum(fin * fout for _ in range(stored)) + fin * fout  # and W_root
         h_padded = pc * biggest(cols, pc) * fin * es
         w_padded = pc * biggest(weights, pc) * es
         if layer == 0:
@@ -480,6 +486,8 @@ def rgcn3d_bytes(
         fwd.add(b, "all_reduce", pb, rows * fout * es)
         bwd.add(c, "all_gather", pc, w_padded)
         bwd.add(a, "all_reduce", pa, rows * per_row * es)
+        if bases and pa * pb * pc > 1:
+            bwd.add("tensor", "all_reduce", pa * pb * pc, relations * bases * es)
         bwd.add(c, "reduce_scatter", pc, w_padded)
         if layer > 0:
             bwd.add(c, "all_reduce", pc, cols * fin * es)

@@ -121,12 +121,19 @@ def small_typed_graph(seed: int = 0):
     )  # fmt: skip
 
 
-def serial_rgcn(dims: list[int], relations: int, dropout: float = 0.0, seed: int = 0):
-    """A float64 plain R-GCN with non-trivial biases."""
+def serial_rgcn(
+    dims: list[int],
+    relations: int,
+    dropout: float = 0.0,
+    seed: int = 0,
+    num_bases: int | None = None,
+):
+    """A float64 plain R-GCN with non-trivial biases (``num_bases``: with bases)."""
     torch.manual_seed(seed)
     m = FullGraphGNN(
-        dims[0], dims[1], dims[-1], len(dims) - 1, dropout, kind="rgcn", num_relations=relations
-    ).double()
+        dims[0], dims[1], dims[-1], len(dims) - 1, dropout, kind="rgcn",
+        num_relations=relations, num_bases=num_bases,
+    ).double()  # fmt: skip
     with torch.no_grad():
         for layer in m.layers:
             layer.bias.normal_()

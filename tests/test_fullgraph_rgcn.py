@@ -165,10 +165,11 @@ def _stage_nnz(graph, source, rows: tuple[int, int], col_ranges, layers: int):
     return out
 
 
-def _formula(par, grid, graph, source, algorithm: str, chunks: int):
+def _formula(par, grid, graph, source, algorithm: str, chunks: int, bases: int = 0):
     rels, n = graph.types.num_relations, graph.num_nodes
     if algorithm == "3d":
-        return rgcn3d_bytes(grid.shape, grid.coords(), n, DIMS, rels, 8, True, True, chunks)
+        shape, coords = grid.shape, grid.coords()
+        return rgcn3d_bytes(shape, coords, n, DIMS, rels, 8, True, True, chunks, bases)
     if algorithm == "1d":
         return rows1d_bytes(grid.size("tensor"), n, DIMS, rels + 1, 8, True, True)
     cols = [chunk_range(n, grid.size("y"), j) for j in range(grid.size("y"))]
@@ -176,13 +177,14 @@ def _formula(par, grid, graph, source, algorithm: str, chunks: int):
     return summa_bytes(grid.shape, grid.coords(), n, DIMS, rels + 1, 8, True, True, nnz)
 
 
-def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int) -> float:
-    """One grid: the parallel R-GCN (permuted, with dropout, input gradient wanted) equals
-    the serial one, forward and backward; bytes per axis = formula = schedule."""
+def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int, bases: int = 0) -> float:
+    """One grid: the parallel R-GCN (permuted, with dropout, input gradient wanted; with
+    ``bases`` B > 0 its basis decomposition) equals the serial one, forward and backward;
+    bytes per axis = formula = schedule."""
     grid = gnnpar.init(**shape)
     graph = small_typed_graph()
     rels = graph.types.num_relations
-    ref = serial_rgcn(DIMS, rels, dropout=0.5)
+    ref = serial_rgcn(DIMS, rels, dropout=0.5, num_bases=bases or None)
     ref.train()
     xr = graph.feat.clone().requires_grad_(True)
     logits = ref(relation_spmms(graph), xr, dropout_seed=seed)
@@ -208,14 +210,16 @@ def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int) -> float:
         loss.backward()
     full = par.full_weights(grads=True)
     for i, layer in enumerate(ref.layers):
-        want = layer.stacked_weight_grad()
+        want = layer.weight_blocks_grad()
         worst = max(worst, _close(full[i]["weight"], want, f"weight grad {i} {tag}"))
         worst = max(worst, _close(full[i]["bias"], layer.bias.grad, f"bias grad {i} {tag}"))
+        if bases:
+            worst = max(worst, _close(full[i]["comp"], layer.comp.grad, f"comp grad {i} {tag}"))
     in_rows, (f0, f1) = par.input_block
     want = xr.grad[source.node_ids(0, in_rows)][:, f0:f1]
     worst = max(worst, _close(xl.grad, want, f"input grad {tag}"))
 
-    want_f, want_b = _formula(par, grid, graph, source, algorithm, chunks)
+    want_f, want_b = _formula(par, grid, graph, source, algorithm, chunks, bases)
     want_f.check(fwd.as_dict(), f"forward bytes {tag}")
     want_b.check(bwd.as_dict(), f"backward bytes {tag}")
     check_schedule(fwd, bwd, par.expected_bytes(input_grad=True), tag)
@@ -223,21 +227,26 @@ def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int) -> float:
     return worst
 
 
-def _cases(world: int) -> list[tuple[dict, str, int]]:
-    """Every 3D shape of ``world`` ranks (the aggregate in 1 and 2 row chunks in turn); 1D on
-    all ranks, and 2D on the x × y shapes, at 4 and 6 ranks (an odd split at 6)."""
-    cases = [(s, "3d", 1 + k % 2) for k, s in enumerate(grid_shapes(world))]
+def _cases(world: int) -> list[tuple[dict, str, int, int]]:
+    """(shape, algorithm, chunks, bases): every 3D shape of ``world`` ranks, the aggregate in
+    1 and 2 row chunks in turn, shapes 1, 2, 5, 6, … with 2 bases (of 5 relations; a world
+    of one shape runs it again with bases); 1D on all ranks, and 2D
+    on the x × y shapes, at 4 and 6 ranks (an odd split at 6)."""
+    shapes = grid_shapes(world)
+    cases = [(s, "3d", 1 + k % 2, 2 if k % 4 in (1, 2) else 0) for k, s in enumerate(shapes)]
+    if len(shapes) == 1:
+        cases.append((shapes[0], "3d", 1, 2))
     if world in (4, 6):
-        cases.append(({"x": world}, "1d", 1))
-        cases += [({**s, "z": 1}, "2d", 1) for s in grid_shapes(world, ("x", "y"))]
+        cases.append(({"x": world}, "1d", 1, 0))
+        cases += [({**s, "z": 1}, "2d", 1, 0) for s in grid_shapes(world, ("x", "y"))]
     return cases
 
 
 def _check_world(world: int) -> tuple[int, float]:
     worst = 0.0
     cases = _cases(world)
-    for k, (shape, algorithm, chunks) in enumerate(cases):
-        worst = max(worst, _check_shape(shape, algorithm, chunks, seed=11 + k))
+    for k, (shape, algorithm, chunks, bases) in enumerate(cases):
+        worst = max(worst, _check_shape(shape, algorithm, chunks, seed=11 + k, bases=bases))
     return len(cases), worst
 
 
@@ -248,14 +257,14 @@ def test_parallel_rgcn_equals_serial_on_every_grid(world):
     assert max(err for _, err in results) <= TOL
 
 
-def test_parallel_rgcn_refuses_bases_untyped_sources_and_relation_counts():
+def test_parallel_rgcn_refuses_bases_off_3d_untyped_sources_and_relation_counts():
     graph = small_typed_graph()
     grid = gnnpar.init()
     source = relation_memory_source(graph)
     from gnnpar.models.fullgraph.model import RGCN
 
-    with pytest.raises(UserError, match="num_bases: the parallel R-GCN shards"):
-        parallelize_fullgraph(RGCN(5, 7, 3, 5, num_bases=2), grid, source)
+    with pytest.raises(UserError, match="num_bases: R-GCN bases run on the 3d algorithm, not '2d'"):
+        parallelize_fullgraph(RGCN(5, 7, 3, 5, num_bases=2), grid, source, algorithm="2d")
     with pytest.raises(UserError, match="has 4 relations, RelationMemorySource holds .* of 5"):
         parallelize_fullgraph(RGCN(5, 7, 3, 4), grid, source)
     with pytest.raises(UserError, match="a sage model reads the 'mean' adjacency"):
@@ -329,29 +338,44 @@ def _losses(run: Path) -> list[float]:
 
 def test_trainer_rgcn_trains_on_mag_synth_and_resumes_on_another_grid(tmp_path, monkeypatch):
     """``gnnpar train gcn --model rgcn`` on mag-synth (7 relations, featureless authors,
-    institutions and fields) on z=2: the loss falls; saved after 2 epochs on x=2 and resumed
-    on z=2, it ends where 4 straight epochs on z=2 do (<= 1e-12 relative). Without dropout,
-    so that each epoch's loss is the full-batch loss of its parameters."""
+    institutions and fields) on z=2, with a weight per relation and with 2 bases: the loss
+    falls; saved after 2 epochs on x=2 and resumed on z=2, it ends where 4 straight epochs
+    on z=2 do (<= 1e-12 relative). Without dropout, so that each epoch's loss is the
+    full-batch loss of its parameters."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     import gnnpar.models.fullgraph.task  # noqa: F401 - imported once, before the ranks fork
     from tests.cli_world import run_commands
 
-    saved, resumed, straight = tmp_path / "x2", tmp_path / "resumed-z2", tmp_path / "z2"
-    codes = run_commands(2, [
-        _argv(saved, 2, "x=2"),
-        ("copy", saved, resumed),
-        _argv(resumed, 4, "z=2", "--resume"),
-        _argv(straight, 4, "z=2"),
-    ])  # fmt: skip
-    assert codes == [[0, 0, 0]] * 2
-    losses = _losses(straight)
-    assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
-    a, b = checkpoint.consolidate(resumed), checkpoint.consolidate(straight)
-    assert list(a) == list(b) and any(".weights.6" in k for k in a)
-    for k, v in b.items():
-        err = float((a[k] - v).abs().max()) / max(float(v.abs().max()), 1e-300)
-        assert err <= TOL, (k, err)
+    commands, runs = [], {}
+    for bases in ((), ("--bases", "2")):
+        tag = "-bases" if bases else ""
+        saved, resumed = tmp_path / f"x2{tag}", tmp_path / f"resumed-z2{tag}"
+        straight = tmp_path / f"z2{tag}"
+        commands += [
+            _argv(saved, 2, "x=2", *bases),
+            ("copy", saved, resumed),
+            _argv(resumed, 4, "z=2", "--resume", *bases),
+            _argv(straight, 4, "z=2", *bases),
+        ]
+        runs[bool(bases)] = (resumed, straight)
+    codes = run_commands(2, commands)
+    assert codes == [[0] * 6] * 2
+    for bases, (resumed, straight) in runs.items():
+        losses = _losses(straight)
+        assert len(losses) == 4, losses
+        assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+        a, b = checkpoint.consolidate(resumed), checkpoint.consolidate(straight)
+        assert list(a) == list(b)
+        if bases:  # PyG's names and shapes: bases (B, in, out), comp (R, B)
+            assert tuple(a["layers.0.bases"].shape) == (2, 6, 5)
+            assert tuple(a["layers.1.comp"].shape) == (7, 2)
+            assert not any(".weights." in k for k in a)
+        else:
+            assert any(".weights.6" in k for k in a)
+        for k, v in b.items():
+            err = float((a[k] - v).abs().max()) / max(float(v.abs().max()), 1e-300)
+            assert err <= TOL, (k, err)
 
 
 def test_rgcn_on_an_untyped_dataset_is_one_config_error(tmp_path, capsys, monkeypatch):
@@ -363,3 +387,59 @@ def test_rgcn_on_an_untyped_dataset_is_one_config_error(tmp_path, capsys, monkey
                  "--out", str(tmp_path / "run"), "--quiet"])  # fmt: skip
     err = capsys.readouterr().err
     assert code != 0 and "config key 'model': rgcn reads a typed graph" in err, err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--bases", "2", "--algorithm", "2d"], "config key 'bases': R-GCN bases run on the 3d"),
+        (["--bases", "-1"], "config key 'bases' (-1) is for rgcn, >= 1"),
+        (["--bases", "2", "--model", "sage"], "config key 'bases' (2) is for rgcn"),
+    ],
+)
+def test_rgcn_bases_off_3d_or_off_rgcn_are_one_config_error(tmp_path, capsys, extra, message):
+    from gnnpar.cli import main
+
+    argv = ["train", "gcn", "--model", "rgcn", "--dataset", "mag-synth", "--epochs", "1",
+            "--out", str(tmp_path / "run"), "--quiet", *extra]  # fmt: skip
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("bases", [0, 3])
+def test_planner_rgcn_bytes_and_weight_memory_equal_the_written_formulas(bases):
+    """``gnnpar plan gcn --model rgcn [--bases B]``: the planner's bytes on every rank of an
+    uneven 3 × 2 × 2 grid equal ``rgcn3d_bytes`` (loss left out), and its weight memory is
+    4 copies (value, gradient, two Adam moments) of the rank's piece of the stored blocks
+    (R + 1, or B + 1 with bases), the bias and, with bases, the whole R × B coefficients."""
+    from gnnpar.comm import chunk_sizes
+    from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives
+    from gnnpar.models.fullgraph.memory import gcn_memory
+
+    dims, rels, n = [37, 12, 5], 7, 1001
+    problem = GCNProblem.from_widths(n, 5000, dims, model="rgcn", relations=rels, bases=bases)
+    shape = {"x": 3, "y": 2, "z": 2, "data": 1}
+    for rank in range(12):
+        coords = {"x": rank % 3, "y": rank // 3 % 2, "z": rank // 6, "data": 0}
+        got: dict[str, dict[str, int]] = {}
+        for c in gcn_collectives(problem, shape, coords, loss=False):
+            got.setdefault(c.axis, {}).setdefault(c.kind, 0)
+            got[c.axis][c.kind] += c.total
+        f, b = rgcn3d_bytes(shape, coords, n, dims, rels, 4, False, True, 1, bases)
+        for axis, kinds in b.bytes.items():
+            for kind, v in kinds.items():
+                f.bytes[axis].setdefault(kind, 0)
+                f.calls[axis].setdefault(kind, 0)
+                f.bytes[axis][kind] += v
+                f.calls[axis][kind] += b.calls[axis][kind]
+        f.check(got, f"planner rgcn bases={bases} rank {rank}")
+    weights = 0
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        a, bb, c = (("x", "y", "z"), ("z", "x", "y"))[layer]
+        fin = chunk_sizes(d_in, shape[bb])[0]
+        fout = chunk_sizes(d_out, shape[a])[0]
+        blocks = (bases or rels) + 1
+        piece = chunk_sizes(blocks * fin * fout, shape[c])[0]
+        weights += 4 * (piece + rels * bases + fout) * 4
+    assert gcn_memory(problem, shape)["weights"] == weights

@@ -47,7 +47,7 @@ class GCNProblem:
     ``activation_checkpointing`` ``"full"``: each layer keeps only its input and runs its
     forward again in backward (:mod:`gnnpar.recompute`). R-GCN (``model="rgcn"``) has
     ``relations`` relations, whose operators' entries add up to ``nnz`` (self loops: the root
-    operator's, one per node).
+    operator's, one per node), and with ``bases`` > 0 that many bases of its weights.
     """
 
     nodes: int
@@ -66,6 +66,7 @@ class GCNProblem:
     out_heads: int = 1
     activation_checkpointing: str = "none"
     relations: int = 0
+    bases: int = 0
 
     def __post_init__(self) -> None:
         checkpointing(self.activation_checkpointing, ("none", "full"))
@@ -78,6 +79,8 @@ class GCNProblem:
             raise PlanError(
                 f"relations ({self.relations}) must be positive for rgcn and 0 for other models"
             )
+        if self.bases < 0 or (self.bases and self.model != "rgcn"):
+            raise PlanError(f"bases ({self.bases}) are an rgcn's, >= 1 (0: none)")
         if self.widths:
             for w in self.widths:
                 positive("width", w)
@@ -141,6 +144,12 @@ class GCNProblem:
             return self.relations + 1
         return 2 if self.model == "sage" else 1
 
+    @property
+    def weight_blocks(self) -> int:
+        """(in × out) weight blocks a layer stores: one per operator, or with R-GCN bases
+        the bases and the root."""
+        return self.bases + 1 if self.bases else self.num_ops
+
     def operator_entries(self, nnz: float, rows: int) -> float:
         """Stored entries of a layer's operators on a block of ``nnz`` adjacency entries and
         ``rows`` rows: every operator's ``nnz`` (as for GraphSAGE's root), but R-GCN's
@@ -168,7 +177,7 @@ def gcn_local_layers(problem: GCNProblem, shape: Mapping[str, int]) -> list[Loca
     n, dims = problem.nodes, problem.dims
     out = []
     for i in range(len(dims) - 1):
-        lay = layout3d(g, i, n, dims[i], dims[i + 1], problem.num_ops)
+        lay = layout3d(g, i, n, dims[i], dims[i + 1], problem.weight_blocks)
         rows = lay.rows[1] - lay.rows[0]
         cols = lay.cols[1] - lay.cols[0]
         nnz = problem.nnz * (rows / n) * (cols / n)
@@ -194,7 +203,7 @@ def gcn_collectives(
     out: list[Collective] = []
     last = None
     for i in range(len(dims) - 1):
-        lay = layout3d(g, i, n, dims[i], dims[i + 1], ops)
+        lay = layout3d(g, i, n, dims[i], dims[i + 1], problem.weight_blocks)
         grad_in = i > 0 or problem.input_grad
         # the layer's own description of its traffic (what the layer's accounting uses too)
         if problem.model == "gat":
@@ -203,7 +212,7 @@ def gcn_collectives(
         elif problem.model == "gin":
             steps = gin3d_layer_schedule(g, lay, dims[i + 1], i == 0, problem.bias)
         else:
-            steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias)
+            steps = layer_schedule(g, lay, ops, i == 0, grad_in, problem.bias, bases=problem.bases)
         out += [Collective(s.axis, s.kind, s.group, round(s.nbytes(e)), s.what) for s in steps]
         if problem.activation_checkpointing == "full":  # backward runs the forward again
             out += [

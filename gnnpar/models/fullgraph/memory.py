@@ -92,10 +92,13 @@ def gcn_memory(
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
         w_local = lay.w_part[1] - lay.w_part[0]
-        out["weights"] += 4 * (w_local + (fout if problem.bias else 0)) * e
+        comp = problem.relations * problem.bases  # R-GCN bases' coefficients, whole
+        out["weights"] += 4 * (w_local + comp + (fout if problem.bias else 0)) * e
         kept.append((rows * ops * fin + 2 * rows * fout) * e)
         inputs += rows * fout * e
-        transient = max(transient, (cols * fin + ops * fin * fout) * e)
+        # the gathered weight blocks, and with bases the relations' weights combined from them
+        combined = ops * fin * fout if problem.bases else 0
+        transient = max(transient, (cols * fin + problem.weight_blocks * fin * fout + combined) * e)
     out["activations"] = _layer_activations(problem, kept, inputs) + transient
     if host:
         out["buffers"] += float(shm_segments(gcn_collectives(problem, shape)))

@@ -104,6 +104,33 @@ class SAGELayer(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def combine_bases(blocks: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
+    """[W_1; …; W_R; W_root] from the blocks [V_1; …; V_B; W_root] (B + 1 blocks of equal
+    rows, stacked) and the coefficients ``comp`` (R × B): ``W_r = Σ_b comp[r, b] · V_b``,
+    differentiably. Any column slice of the blocks combines to the same slice of the
+    weights, so a rank applies it to its own (fin × fout) blocks."""
+    num_rel, num_bases = comp.shape
+    rows = blocks.shape[0] // (num_bases + 1)
+    bases = blocks[: num_bases * rows].reshape(num_bases, -1)
+    relations = (comp @ bases).view(num_rel * rows, blocks.shape[1])
+    return torch.cat([relations, blocks[num_bases * rows :]])
+
+
+def split_bases_grad(
+    grad: torch.Tensor, blocks: torch.Tensor, comp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`combine_bases`: from the gradient of [W_1; …; W_R; W_root],
+    that of the blocks [V_1; …; V_B; W_root] and of ``comp`` (R × B). On a slice of the
+    blocks both are the slice's share: the blocks' gradient is the slice's own, ``comp``'s a
+    partial sum over the slices."""
+    num_rel, num_bases = comp.shape
+    rows = grad.shape[0] // (num_rel + 1)
+    g_rel = grad[: num_rel * rows].reshape(num_rel, -1)
+    bases = blocks[: num_bases * rows].reshape(num_bases, -1)
+    g_bases = (comp.T @ g_rel).view(num_bases * rows, grad.shape[1])
+    return torch.cat([g_bases, grad[num_rel * rows :]]), g_rel @ bases.T
+
+
 class RGCNLayer(nn.Module):
     """Relational GCN (Schlichtkrull et al.; PyG's ``RGCNConv`` with ``aggr="mean"``):
     ``h_v' = W_root h_v + b + Σ_r mean_{u ∈ N_r(v)} W_r h_u``, i.e.
@@ -112,8 +139,10 @@ class RGCNLayer(nn.Module):
     the last the identity, as GraphSAGE's root term.
 
     ``num_bases`` B (PyG's basis decomposition): ``W_r = Σ_b comp[r, b] · bases[b]``, fewer
-    parameters for many relations. Serial only: the parallel models shard the stacked
-    weight itself (:func:`~gnnpar.models.fullgraph.parallelize_fullgraph` refuses it).
+    parameters for many relations. The parallel 3D model shards the stored blocks
+    [V_1; …; V_B; W_root] (:meth:`weight_blocks`) and keeps ``comp`` whole on every rank;
+    each layer combines the relations' weights after gathering its blocks
+    (:func:`combine_bases`).
 
     The input is a typed graph's ``ndata["feat"]`` as stored, each type's features
     left-aligned and zero-padded (:mod:`gnnpar.graph.typed`): a featureless type's rows start
@@ -157,8 +186,9 @@ class RGCNLayer(nn.Module):
         """W_1 … W_R (with bases: combined from them, differentiably)."""
         if self.weights is not None:
             return list(self.weights)
-        flat = self.comp @ self.bases.reshape(self.bases.shape[0], -1)
-        return list(flat.view(self.num_relations, *self.bases.shape[1:]).unbind(0))
+        in_dim, out_dim = self.bases.shape[1:]
+        relations = combine_bases(self.weight_blocks(), self.comp)[:-in_dim]
+        return list(relations.view(self.num_relations, in_dim, out_dim).unbind(0))
 
     def stacked_weight(self) -> torch.Tensor:
         """[W_1; …; W_R; W_root]: the operators are (Â_1, …, Â_R, identity)."""
@@ -173,6 +203,35 @@ class RGCNLayer(nn.Module):
         if any(g is None for g in grads):
             return None
         return torch.cat(grads, dim=0)
+
+    @property
+    def num_weight_blocks(self) -> int:
+        """The (in × out) blocks the layer stores: R + 1, or B + 1 with bases."""
+        return (self.num_relations if self.num_bases is None else self.num_bases) + 1
+
+    def weight_blocks(self) -> torch.Tensor:
+        """The stored blocks stacked along the input dimension, what the parallel model
+        shards: :meth:`stacked_weight` itself, or with bases [V_1; …; V_B; W_root] (from
+        which :func:`combine_bases` and ``comp`` make the stacked weight)."""
+        if self.bases is None:
+            return self.stacked_weight()
+        return torch.cat([self.bases.reshape(-1, self.bases.shape[2]), self.weight_root])
+
+    def weight_blocks_grad(self) -> torch.Tensor | None:
+        """Gradient of :meth:`weight_blocks` (None before a backward)."""
+        if self.bases is None:
+            return self.stacked_weight_grad()
+        if self.bases.grad is None or self.weight_root.grad is None:
+            return None
+        return torch.cat([self.bases.grad.reshape(-1, self.bases.shape[2]), self.weight_root.grad])
+
+    def block_keys(self) -> list[tuple[str, int | None]]:
+        """The parameter of each of :meth:`weight_blocks`' blocks: ``(name, None)`` for a
+        whole (in × out) parameter, ``(name, b)`` for the slice ``b`` of a stacked one
+        (``bases``)."""
+        if self.bases is None:
+            return [(k, None) for k in self.operator_keys()]
+        return [("bases", b) for b in range(self.bases.shape[0])] + [("weight_root", None)]
 
     def operator_keys(self) -> list[str]:
         """The parameter of each sparse operator's weight, in :meth:`stacked_weight`'s order

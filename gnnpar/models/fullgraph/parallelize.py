@@ -59,12 +59,12 @@ if TYPE_CHECKING:
     from gnnpar.models.fullgraph.model import FullGraphGNN
 
 
-def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_ops: int) -> torch.Tensor:
-    """This rank's flat piece of the stacked weight (num_ops·in × out)."""
-    d_in = stacked.shape[0] // num_ops
+def _weight_piece(stacked: torch.Tensor, lay: Layout3D, num_blocks: int) -> torch.Tensor:
+    """This rank's flat piece of the stacked weight blocks (num_blocks·in × out)."""
+    d_in = stacked.shape[0] // num_blocks
     blocks = [
         stacked[k * d_in + lay.fin[0] : k * d_in + lay.fin[1], lay.fout[0] : lay.fout[1]]
-        for k in range(num_ops)
+        for k in range(num_blocks)
     ]
     flat = torch.cat(blocks, dim=0).reshape(-1)
     return flat[lay.w_part[0] : lay.w_part[1]].clone()
@@ -91,6 +91,21 @@ def operator_blocks(
     if kind in ("sage", "rgcn"):
         out.append(source.root(parity, rows, cols))
     return out
+
+
+def _block_keys(layer: nn.Module) -> list[tuple[str, int | None]]:
+    """The plain parameter of each stored weight block of ``layer`` (see
+    :meth:`ShardedGNN.plain_keys`)."""
+    if hasattr(layer, "block_keys"):
+        return layer.block_keys()
+    if hasattr(layer, "operator_keys"):
+        return [(k, None) for k in layer.operator_keys()]
+    return [("weight", None)]
+
+
+def _weight_blocks(layer: nn.Module) -> torch.Tensor:
+    """``layer``'s stored weight blocks stacked (the stacked weight but for R-GCN bases)."""
+    return layer.weight_blocks() if hasattr(layer, "weight_blocks") else layer.stacked_weight()
 
 
 def num_relations_of(source: ShardSource) -> int:
@@ -152,9 +167,11 @@ class ShardedGNN(nn.Module):
         # Shards are read on the host (memory-mapped files) and live on the grid's device.
         self.device = grid.device
         self._gather_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        # the plain model's parameter of each operator's weight, per layer (checkpoints)
-        self._operator_keys = [
-            layer.operator_keys() if hasattr(layer, "operator_keys") else ["weight"]
+        # the plain model's parameter of each stored weight block, per layer (checkpoints)
+        self._block_keys = [_block_keys(layer) for layer in model.layers]
+        # R-GCN bases: the relations (R) and bases (B) of each layer's coefficients, or None
+        self._bases = [
+            tuple(layer.comp.shape) if getattr(layer, "comp", None) is not None else None
             for layer in model.layers
         ]
 
@@ -262,22 +279,43 @@ class ShardedGNN(nn.Module):
         )
 
     # ------------------------------------------------------------------------ checkpoints
-    def plain_keys(self, layer: int) -> tuple[list[str], str | None]:
-        """State-dict keys of ``layer`` in the plain model: one weight per sparse operator (in
-        the order they are stacked), and the bias (None without one)."""
-        ops = self._operator_keys[layer]
+    def plain_keys(self, layer: int) -> tuple[list[tuple[str, int | None]], str | None]:
+        """State-dict keys of ``layer`` in the plain model: the parameter of each stored weight
+        block, in the order they are stacked, as ``(key, None)`` (a whole in × out parameter)
+        or ``(key, b)`` (slice b of the stacked ``bases``), and the bias (None without one)."""
+        blocks = self._block_keys[layer]
         bias = f"layers.{layer}.bias" if self.has_bias else None
-        return [f"layers.{layer}.{k}" for k in ops], bias
+        return [(f"layers.{layer}.{k}", b) for k, b in blocks], bias
+
+    def block_boxes(
+        self, layer: int, fin: tuple[int, int], fout: tuple[int, int]
+    ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """The checkpoint boxes of ``layer``'s stored blocks' rows ``fin`` × columns ``fout``,
+        in stacking order."""
+        keys, _ = self.plain_keys(layer)
+        size = (fin[1] - fin[0], fout[1] - fout[0])
+        return [
+            ("model/" + k, (fin[0], fout[0]), size)
+            if b is None
+            else ("model/" + k, (b, fin[0], fout[0]), (1, *size))
+            for k, b in keys
+        ]
 
     def weight_piece(self, layer: int):
         """(parameter, chunks, split axes) of ``layer``'s stacked weight on this rank. Here:
         replicated, the whole stack (1D and 2D keep full weights)."""
         from gnnpar.checkpoint.chunks import concat
 
-        ops, _ = self.plain_keys(layer)
-        shape = (self.dims[layer], self.dims[layer + 1])
-        chunks = concat([("model/" + k, (0, 0), shape) for k in ops])
-        return self.params.weights[layer], chunks, ()
+        whole = ((0, self.dims[layer]), (0, self.dims[layer + 1]))
+        return self.params.weights[layer], concat(self.block_boxes(layer, *whole)), ()
+
+    def comp_piece(self, layer: int):
+        """(parameter, chunks, split axes) of ``layer``'s basis coefficients (R × B, whole on
+        every rank)."""
+        from gnnpar.checkpoint.chunks import concat
+
+        box = ("model/" + f"layers.{layer}.comp", (0, 0), self._bases[layer])
+        return self.comps[str(layer)], concat([box]), ()
 
     def bias_piece(self, layer: int):
         """(parameter, chunks, split axes) of ``layer``'s bias on this rank (replicated)."""
@@ -294,11 +332,21 @@ class ShardedGNN(nn.Module):
 
         pieces, tensors, params, keys = [], {}, {}, []
         for i in range(self.num_layers):
-            ops, bias = self.plain_keys(i)
-            for key in ops:
-                keys.append(key)
-                tensors[MODEL + key] = TensorSpec.of((self.dims[i], self.dims[i + 1]), self.dtype)
+            blocks, bias = self.plain_keys(i)
+            shape = (self.dims[i], self.dims[i + 1])
+            bases = self._bases[i]
+            for key, b in blocks:
+                if b is None:
+                    keys.append(key)
+                    tensors[MODEL + key] = TensorSpec.of(shape, self.dtype)
+                elif b == 0:  # the stacked bases, then their coefficients (state-dict order)
+                    comp = f"layers.{i}.comp"
+                    keys += [key, comp]
+                    tensors[MODEL + key] = TensorSpec.of((bases[1], *shape), self.dtype)
+                    tensors[MODEL + comp] = TensorSpec.of(bases, self.dtype)
             parts = [(f"weight.{i}", *self.weight_piece(i))]
+            if bases is not None:
+                parts.append((f"comp.{i}", *self.comp_piece(i)))
             if bias is not None:
                 keys.append(bias)
                 tensors[MODEL + bias] = TensorSpec.of((self.dims[i + 1],), self.dtype)
@@ -369,14 +417,21 @@ class Parallel3DGNN(ShardedGNN):
         self.overlap_chunks = overlap_chunks
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
+        #: R-GCN basis coefficients by layer index (R × B, whole on every rank)
+        self.comps = nn.ParameterDict()
         self._num_ops = [layer.num_ops for layer in model.layers]
+        self._num_blocks = [len(keys) for keys in self._block_keys]
         for i, layer in enumerate(model.layers):
             # the weight and bias pieces depend on the widths only, not on the graph
-            lay = layout3d(grid, i, source.num_nodes, dims[i], dims[i + 1], layer.num_ops)
+            nb = self._num_blocks[i]
+            lay = layout3d(grid, i, source.num_nodes, dims[i], dims[i + 1], nb)
             with torch.no_grad():
-                stacked = layer.stacked_weight().detach().to(dtype)
-                piece = _weight_piece(stacked, lay, layer.num_ops).to(self.device)
+                stacked = _weight_blocks(layer).detach().to(dtype)
+                piece = _weight_piece(stacked, lay, nb).to(self.device)
                 self.weights.append(nn.Parameter(piece))
+                if self._bases[i] is not None:
+                    comp = layer.comp.detach().to(device=self.device, dtype=dtype, copy=True)
+                    self.comps[str(i)] = nn.Parameter(comp)
                 if layer.bias is not None:
                     b = layer.bias.detach().to(dtype)[lay.fout[0] : lay.fout[1]]
                     self.biases.append(nn.Parameter(b.to(self.device, copy=True)))
@@ -398,7 +453,7 @@ class Parallel3DGNN(ShardedGNN):
         self.ops: list[list[list[tuple[int, int, LocalSpMM]]]] = []
         self._row_ids: list[torch.Tensor] = []
         for i, num_ops in enumerate(self._num_ops):
-            lay = layout3d(self.grid, i, n, dims[i], dims[i + 1], num_ops=num_ops)
+            lay = layout3d(self.grid, i, n, dims[i], dims[i + 1], num_ops=self._num_blocks[i])
             parity = i % 2
             blocks = operator_blocks(source, self.kind, parity, lay.rows, lay.cols)
             if len(blocks) != num_ops:
@@ -432,7 +487,9 @@ class Parallel3DGNN(ShardedGNN):
         lay = self.layouts[i]
         h = index_dropout(h, self.dropout, seed, self._row_ids[i], lay.fin[0], self.training)
         w = self.in_compute_dtype(self.weights[i])
-        h = plexus_layer(h, w, self.ops[i], self.grid, lay, input_split=i == 0)
+        comp = self.comps[str(i)] if str(i) in self.comps else None
+        comp = None if comp is None else self.in_compute_dtype(comp)
+        h = plexus_layer(h, w, self.ops[i], self.grid, lay, input_split=i == 0, comp=comp)
         if self.has_bias:
             h = h + comm.copy_to(self.in_compute_dtype(self.biases[i]), self.grid, lay.depth)
         return torch.relu(h) if i < self.num_layers - 1 else h
@@ -445,9 +502,7 @@ class Parallel3DGNN(ShardedGNN):
         from gnnpar.checkpoint.chunks import concat
 
         lay = self.layouts[layer]
-        ops, _ = self.plain_keys(layer)
-        box = ((lay.fin[0], lay.fout[0]), lay.w_block_shape)
-        chunks = concat([("model/" + k, *box) for k in ops], *lay.w_part)
+        chunks = concat(self.block_boxes(layer, lay.fin, lay.fout), *lay.w_part)
         return self.weights[layer], chunks, ("x", "y", "z")
 
     def bias_piece(self, layer: int):
@@ -469,8 +524,16 @@ class Parallel3DGNN(ShardedGNN):
         for i, lay in enumerate(self.layouts):
             num_ops = len(self.ops[i])
             grad_in = input_grad or i > 0
+            bases = 0 if self._bases[i] is None else self._bases[i][1]
             out += layer_schedule(
-                self.grid, lay, num_ops, i == 0, grad_in, self.has_bias, self.overlap_chunks
+                self.grid,
+                lay,
+                num_ops,
+                i == 0,
+                grad_in,
+                self.has_bias,
+                self.overlap_chunks,
+                bases,
             )
         return out
 
@@ -479,13 +542,15 @@ class Parallel3DGNN(ShardedGNN):
         return {
             "adjacency_nnz": sum(c[2].nnz for ops in self.ops for op in ops for c in op),
             "features": int(self.input_features().numel()),
-            "weights": sum(int(w.numel()) for w in self.weights),
+            "weights": sum(int(w.numel()) for w in self.weights)
+            + sum(int(c.numel()) for c in self.comps.values()),
         }
 
     # ----------------------------------------------------------------------- state dicts
     def full_weights(self, grads: bool = False) -> list[dict[str, torch.Tensor]]:
-        """Every layer's full stacked weight and bias (or their gradients), assembled from all
-        ranks (collective over the tensor axis)."""
+        """Every layer's full stacked weight blocks and bias (or their gradients), assembled
+        from all ranks (collective over the tensor axis); with bases the blocks are
+        [V_1; …; V_B; W_root] and ``"comp"`` the coefficients."""
         out = []
         members = self.grid.ranks("tensor")
         for i, lay in enumerate(self.layouts):
@@ -493,7 +558,7 @@ class Parallel3DGNN(ShardedGNN):
             piece = (w.grad if grads else w.data).detach().reshape(-1)
             sizes = comm.gather_sizes(piece.numel(), self.grid, "tensor")
             flat = comm.all_gather(piece, self.grid, "tensor", sizes=sizes)
-            num_ops = len(self.ops[i])
+            num_ops = self._num_blocks[i]
             d_in, d_out = self.dims[i], self.dims[i + 1]
             full = torch.zeros(num_ops * d_in, d_out, dtype=self.dtype, device=self.device)
             blocks: dict[tuple, torch.Tensor] = {}
@@ -514,6 +579,9 @@ class Parallel3DGNN(ShardedGNN):
                     rows = blk[k * (fin[1] - fin[0]) : (k + 1) * (fin[1] - fin[0])]
                     full[k * d_in + fin[0] : k * d_in + fin[1], fout[0] : fout[1]] = rows
             entry = {"weight": full}
+            if str(i) in self.comps:
+                comp = self.comps[str(i)]
+                entry["comp"] = (comp.grad if grads else comp.data).detach().clone()
             if self.has_bias:
                 b = self.biases[i]
                 bias_piece = (b.grad if grads else b.data).detach()
@@ -527,20 +595,18 @@ class Parallel3DGNN(ShardedGNN):
 ALGORITHMS = ("3d", "2d", "1d")
 
 
-def check_relations(model: FullGraphGNN, source: ShardSource) -> None:
-    """An R-GCN reads a source of as many relations as it has, and shards a weight per
-    relation: one UserError otherwise. Bases (``num_bases``) are refused: each rank keeps
-    its piece of the stacked weight [W_1; …; W_R; W_root] as a parameter, whereas
-    W_r = Σ_b comp[r, b]·V_b ties every relation's blocks to shared bases, whose coefficients'
-    gradient would sum over every rank's blocks (another reduction, another schedule).
+def check_relations(model: FullGraphGNN, source: ShardSource, algorithm: str = "3d") -> None:
+    """An R-GCN reads a source of as many relations as it has: one UserError otherwise.
+    Bases (``num_bases``) run on the 3D algorithm (:mod:`~gnnpar.models.fullgraph.plexus`);
+    the 1D and 2D baselines keep the stacked weight whole and refuse them.
     (:func:`check_norm` refuses a per-relation source to the other kinds.)"""
     if model.kind != "rgcn":
         return
     have, layer = num_relations_of(source), model.layers[0]
-    if layer.num_bases is not None:
+    if layer.num_bases is not None and algorithm != "3d":
         raise UserError(
-            "num_bases: the parallel R-GCN shards the stacked weight [W_1; …; W_R; W_root] "
-            "itself, whose bases would need a reduction of their own; leave num_bases unset"
+            f"num_bases: R-GCN bases run on the 3d algorithm, not {algorithm!r} (its layers "
+            "keep the stacked weight [W_1; …; W_R; W_root] whole)"
         )
     if have != layer.num_relations:
         where = getattr(source, "norm_where", "the source")
@@ -585,7 +651,7 @@ def parallelize_fullgraph(
     are then averaged over data by :func:`gnnpar.shard.shard`. A full graph has no batch to
     split over data, so it is refused by default."""
     check_norm(model.kind, source)
-    check_relations(model, source)
+    check_relations(model, source, algorithm)
     if data_parallel and (algorithm != "3d" or model.kind not in ("gcn", "sage")):
         raise UserError(
             f"data_parallel takes the 3d algorithm and a gcn or sage model, not "

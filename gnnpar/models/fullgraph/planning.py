@@ -48,10 +48,12 @@ def fullgraph_epoch_bytes(
     bias: bool = True,
     model: str | None = None,
     heads: tuple[int, int] = (8, 1),
+    bases: int = 0,
 ) -> dict[str, float]:
     """Bytes per axis that rank 0 moves in one forward + backward pass of a 3D full-graph
     model with feature widths ``dims`` (biases included, the loss's few scalars not);
-    ``model`` (default: gcn, or sage for 2 operators) and GAT's (hidden, output) ``heads``."""
+    ``model`` (default: gcn, or sage for 2 operators), GAT's (hidden, output) ``heads`` and
+    an R-GCN's ``bases``."""
     model = model or ("sage" if num_ops == 2 else "gcn")
     problem = GCNProblem.from_widths(
         num_nodes,
@@ -63,6 +65,7 @@ def fullgraph_epoch_bytes(
         heads=heads[0],
         out_heads=heads[1],
         relations=num_ops - 1 if model == "rgcn" else 0,
+        bases=bases,
     )
     colls = gcn_collectives(problem, {"data": 1, **shape}, loss=False)
     out = {"x": 0.0, "y": 0.0, "z": 0.0}
@@ -84,6 +87,7 @@ def choose_fullgraph_grid(
     model: str | None = None,
     heads: tuple[int, int] = (8, 1),
     activation_checkpointing: str = "none",
+    bases: int = 0,
 ) -> dict[str, int]:
     """The grid shape for a full-graph run of ``algorithm`` on ``world`` ranks.
 
@@ -94,7 +98,7 @@ def choose_fullgraph_grid(
     (default: gcn, or sage for 2 operators; rgcn: ``num_ops`` is its relations + 1) and GAT's
     (hidden, output) ``heads`` pick the layers' schedules and memory,
     ``activation_checkpointing`` (none or full) the memory, compute and bytes of the
-    recompute.
+    recompute; ``bases``: an R-GCN's bases (its weight blocks and their traffic).
     """
     model = model or ("sage" if num_ops == 2 else "gcn")
     if algorithm == "2d":
@@ -117,13 +121,16 @@ def choose_fullgraph_grid(
             out_heads=heads[1],
             activation_checkpointing=activation_checkpointing,
             relations=num_ops - 1 if model == "rgcn" else 0,
+            bases=bases,
         )
         best = best_shape(rank_gcn(problem, world, machine), "graph")
         return {a: best[a] for a in ("x", "y", "z")}
     chosen = None
     for s in grid_shapes(world, data=False):
         shape = {a: s[a] for a in ("x", "y", "z")}
-        b = fullgraph_epoch_bytes(shape, num_nodes, dims, num_ops, model=model, heads=heads)
+        b = fullgraph_epoch_bytes(
+            shape, num_nodes, dims, num_ops, model=model, heads=heads, bases=bases
+        )
         key = (sum(b.values()), max(b.values()), -shape["x"], -shape["y"])
         if chosen is None or key < chosen[0]:
             chosen = (key, shape)
@@ -135,7 +142,7 @@ def choose_fullgraph_grid(
 # the same flags describe the same run, so both pick the same grid.
 GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "model_options", "hidden",
                "heads", "out_heads", "layers", "dtype", "mixed_precision",
-               "activation_checkpointing")  # fmt: skip
+               "activation_checkpointing", "bases")  # fmt: skip
 
 
 def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
@@ -153,6 +160,7 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
         "heads": cfg.heads,
         "out_heads": cfg.out_heads,
         "activation_checkpointing": cfg.activation_checkpointing,
+        "bases": cfg.bases if cfg.model == "rgcn" else 0,
     }
     if cfg.model == "rgcn" and sizes_given:
         raise PlanError("an rgcn plan needs --dataset (a typed graph: its relations)")

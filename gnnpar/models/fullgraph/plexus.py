@@ -23,6 +23,14 @@ K·F wide, and multiplies it by the stacked weight ``[W_1; …; W_K]``: the all-
 and of its gradient carry ``rows · F`` elements per operator (per relation), the weight's
 gathers and gradient ``K · F · F′``; everything else is the one-operator layer's.
 
+An R-GCN layer with **bases** (``comp``, R × B) stores B + 1 blocks [V_1; …; V_B; W_root]
+instead of R + 1: those are what each rank's piece holds, what the W gathers carry and what
+dW's reduce-scatter returns (``(B + 1) · F · F′``). Each rank combines its gathered blocks into
+``[W_1; …; W_R; W_root]`` (``W_r = Σ_b comp[r, b] V_b``, on its fin × fout slice) and splits
+the stacked weight's gradient back into the blocks' before the reduce-scatter; ``comp``'s
+gradient, the sum of every rank's share (each rank's slice, partial over c), is all-reduced
+over the tensor axes (R · B elements), so every rank steps the same ``comp``.
+
 The collectives of one layer are described once, by :func:`layer_schedule`: the model's
 byte accounting and the planner's communication model both come from it.
 """
@@ -35,6 +43,7 @@ from gnnpar import comm
 from gnnpar.comm import chunk_sizes
 from gnnpar.grid import GridShape, ProcessGrid
 from gnnpar.models.fullgraph.layout import Layout3D
+from gnnpar.models.fullgraph.model import combine_bases, split_bases_grad
 from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.sparse.kernels import LocalSpMM
 
@@ -57,30 +66,35 @@ def _aggregate(
 
 
 class Plexus3DFunction(torch.autograd.Function):
-    """One 3D GCN layer without bias: ``OUT = Â H W`` on sharded Â, H and W."""
+    """One 3D GCN layer without bias: ``OUT = Â H W`` on sharded Â, H and W (with ``comp``:
+    W combined from the gathered basis blocks)."""
 
     @staticmethod
-    def forward(ctx, h, w_local, ops, grid, lay, input_split):  # noqa: D102
+    def forward(ctx, h, w_local, comp, ops, grid, lay, input_split):  # noqa: D102
         a, b, c = lay.outer, lay.inner, lay.depth
         full_h = comm.all_gather(h, grid, c, sizes=lay.h_sub_sizes) if input_split else h
         agg = _aggregate(ops, full_h, grid, a)
-        w = _gather_weight(w_local, grid, lay, len(ops))
+        blocks = _gather_weight(w_local, grid, lay, _num_blocks(ops, comp))
+        w = blocks if comp is None else combine_bases(blocks, comp)
         out = comm.all_reduce(agg @ w, grid, b)
-        ctx.save_for_backward(agg, w_local)
+        ctx.save_for_backward(agg, w_local, comp)
         ctx.ops, ctx.grid, ctx.lay, ctx.input_split = ops, grid, lay, input_split
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
-        agg, w_local = ctx.saved_tensors
+        agg, w_local, comp = ctx.saved_tensors
         grid, lay, ops = ctx.grid, ctx.lay, ctx.ops
         a, c = lay.outer, lay.depth
         grad_out = grad_out.contiguous()
-        w = _gather_weight(w_local, grid, lay, len(ops))
+        blocks = _gather_weight(w_local, grid, lay, _num_blocks(ops, comp))
+        w = blocks if comp is None else combine_bases(blocks, comp)
         g_agg = comm.all_reduce(grad_out @ w.T, grid, a, async_op=True)
-        g_w = comm.reduce_scatter(
-            (agg.T @ grad_out).reshape(-1), grid, c, sizes=lay.w_sizes, async_op=True
-        )
+        g_blocks, g_comp = agg.T @ grad_out, None
+        if comp is not None:
+            g_blocks, g_comp = split_bases_grad(g_blocks, blocks, comp)
+            g_comp = comm.all_reduce(g_comp, grid, "tensor", async_op=True)
+        g_w = comm.reduce_scatter(g_blocks.reshape(-1), grid, c, sizes=lay.w_sizes, async_op=True)
         g_agg = g_agg.wait()
         g_h = None
         if ctx.needs_input_grad[0]:
@@ -95,15 +109,23 @@ class Plexus3DFunction(torch.autograd.Function):
                 g_h = comm.reduce_scatter(g_h, grid, c, sizes=lay.h_sub_sizes)
             else:
                 g_h = comm.all_reduce(g_h, grid, c)
-        return g_h, g_w.wait().view_as(w_local), None, None, None, None
+        g_comp = None if g_comp is None else g_comp.wait()
+        return g_h, g_w.wait().view_as(w_local), g_comp, None, None, None, None
 
 
 def _gather_weight(
-    w_local: torch.Tensor, grid: ProcessGrid, lay: Layout3D, num_ops: int
+    w_local: torch.Tensor, grid: ProcessGrid, lay: Layout3D, num_blocks: int
 ) -> torch.Tensor:
+    """The rank's ``num_blocks`` weight blocks (each stored block's fin × fout slice,
+    stacked), gathered over the depth axis."""
     rows, cols = lay.w_block_shape
     full = comm.all_gather(w_local.reshape(-1), grid, lay.depth, sizes=lay.w_sizes)
-    return full.view(num_ops * rows, cols)
+    return full.view(num_blocks * rows, cols)
+
+
+def _num_blocks(ops: list, comp: torch.Tensor | None) -> int:
+    """Stored weight blocks: one per operator, or with bases B + 1."""
+    return len(ops) if comp is None else comp.shape[1] + 1
 
 
 def plexus_layer(
@@ -113,9 +135,12 @@ def plexus_layer(
     grid: ProcessGrid,
     lay: Layout3D,
     input_split: bool,
+    comp: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable 3D layer; ``ops`` holds each sparse operator's row chunks."""
-    return Plexus3DFunction.apply(h, w_local, ops, grid, lay, input_split)
+    """Differentiable 3D layer; ``ops`` holds each sparse operator's row chunks; ``comp``:
+    the R-GCN basis coefficients (R × B, whole on every rank) where ``w_local`` is a piece
+    of the basis blocks [V_1; …; V_B; W_root]."""
+    return Plexus3DFunction.apply(h, w_local, comp, ops, grid, lay, input_split)
 
 
 def layer_schedule(
@@ -126,6 +151,7 @@ def layer_schedule(
     input_grad: bool,
     bias: bool,
     chunks: int = 1,
+    bases: int = 0,
 ) -> list[Step]:
     """The collectives of one forward and backward of the 3D layer ``lay`` (with its bias,
     whose gradient is all-reduced over the depth axis), as the rank of ``lay`` runs them:
@@ -133,7 +159,10 @@ def layer_schedule(
     ``num_ops`` is the layer's sparse operators K (1: GCN; 2: GraphSAGE; R + 1: R-GCN of R
     relations), whose aggregates the all-reduces of AGG and dAGG carry side by side (K·F
     wide) and whose weights the W gathers and dW reduce-scatter carry stacked (K·F × F′).
-    ``chunks`` is the forward aggregate's row chunks (``overlap_chunks``)."""
+    ``chunks`` is the forward aggregate's row chunks (``overlap_chunks``). ``bases`` B > 0:
+    an R-GCN with bases (``lay`` laid out for its B + 1 weight blocks, which the W steps
+    then carry), whose coefficients' gradient (R · B, R = ``num_ops`` − 1) is all-reduced over
+    the tensor axes."""
     a, b, c = lay.outer, lay.inner, lay.depth
     pa, pb, pc = grid.size(a), grid.size(b), grid.size(c)
     rows = lay.rows[1] - lay.rows[0]
@@ -155,6 +184,9 @@ def layer_schedule(
     out += step(fw, b, "all_reduce", pb, rows * fout, f"{tag} OUT = AGG·W")
     out += step(bw, c, "all_gather", pc, w_full, f"{tag} gather W (backward)")
     out += step(bw, a, "all_reduce", pa, rows * num_ops * fin, f"{tag} dAGG")
+    if bases:
+        tensor = pa * pb * pc
+        out += step(bw, "tensor", "all_reduce", tensor, (num_ops - 1) * bases, f"{tag} d comp")
     out += step(bw, c, "reduce_scatter", pc, w_full, f"{tag} dW")
     if input_grad:
         if input_split:

@@ -98,6 +98,9 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
         None, "a module:factory model's hyper-parameters as k=v,k=v (e.g. K=10,alpha=0.1)"
     )
     hidden: int = option(16, "hidden width (gat: of all heads together)")
+    bases: int = option(
+        0, "rgcn: bases of the weight decomposition (0: one matrix per relation; 3d algorithm)"
+    )
     heads: int = option(8, "gat: attention heads of each hidden layer (concatenated)")
     out_heads: int = option(1, "gat: attention heads of the output layer (averaged)")
     attn_dropout: float = option(0.6, "gat: dropout probability of the attention values")
@@ -160,6 +163,12 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
         for key in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"config key '{key}' must be in [0, 1)")
+        if self.bases < 0 or (self.bases and self.model != "rgcn"):
+            raise ConfigError(f"config key 'bases' ({self.bases}) is for rgcn, >= 1 (0: none)")
+        if self.bases and self.algorithm != "3d":
+            raise ConfigError(
+                f"config key 'bases': R-GCN bases run on the 3d algorithm, not {self.algorithm!r}"
+            )
         if self.model == "gat" and self.layers > 1 and self.hidden % self.heads:
             raise ConfigError(
                 f"config key 'hidden' ({self.hidden}) must be a multiple of 'heads' ({self.heads})"
@@ -379,6 +388,7 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
         model=cfg.model,
         heads=(cfg.heads, cfg.out_heads),
         activation_checkpointing=cfg.activation_checkpointing,
+        bases=cfg.bases if cfg.model == "rgcn" else 0,
     )
     return GridPlan(shape, "chosen by the planner", prepared)
 
@@ -440,7 +450,7 @@ class FullGraphTask(BaseTask):
         model = FullGraphGNN(
             dims[0], cfg.hidden, dims[-1], cfg.layers, cfg.dropout, kind=cfg.model,
             heads=cfg.heads, out_heads=cfg.out_heads, attn_dropout=cfg.attn_dropout,
-            num_relations=relations,
+            num_relations=relations, num_bases=cfg.bases or None,
         ).to(dtype)  # fmt: skip
         self.model = parallelize_fullgraph(
             model,
