@@ -228,7 +228,8 @@ class Recorder:
 
 class Ours:
     """The ``link`` task's minibatch pipeline (``LinkTask._setup_minibatch`` and its
-    ``train_step``, one rank): EdgeSampler + NodeLoader, BlockGNN + dot decoder."""
+    ``train_step``, one rank): EdgeSampler + NodeLoader (the model's ``prepare`` building
+    the blocks' operators where they are sampled), BlockGNN + dot decoder."""
 
     def __init__(self, data: dict, seed: int, prefetch: int) -> None:
         g, split = data["message"], data["split"]
@@ -241,7 +242,7 @@ class Ours:
         ids = torch.arange(split.train.shape[1], dtype=torch.int64)
         self.loader = NodeLoader(
             edges, ids, BATCH, seed=seed, features=g.feat, prefetch=prefetch, keys=ids,
-            all_keys=ids, num_nodes=ids.numel(),
+            all_keys=ids, num_nodes=ids.numel(), prepare=self.net.prepare,
         )  # fmt: skip
         self.batches_per_epoch = len(self.loader)
         self.prefetch = prefetch

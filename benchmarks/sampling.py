@@ -164,7 +164,7 @@ def _ours_epoch(graph: Graph, train: torch.Tensor, hops: list[int], prefetch: in
     opt = torch.optim.Adam(model.parameters(), lr=0.003)
     loader = NodeLoader(
         NeighborSampler(graph, hops), train, BATCH, features=graph.feat, labels=graph.label,
-        prefetch=prefetch,
+        prefetch=prefetch, prepare=model.prepare,  # as the sage task: operators built ahead
     )  # fmt: skip
     start = time.perf_counter()
     for batch in loader:

@@ -362,6 +362,41 @@ def test_block_backward_matches_dense():
     torch.testing.assert_close(x.grad, xr.grad)
 
 
+@pytest.mark.parametrize("kind", ["sage", "gcn"])
+def test_prepared_operators_give_the_dense_result_and_build_what_backward_needs(kind):
+    """``BlockGNN.prepare`` (a loader's ``prepare``) builds each block's aggregation operator
+    and, for every block whose sources need a gradient, its transpose (the first block's
+    only when it transforms before aggregating: in 9 > out 4); the prepared batch's
+    outputs and input gradients equal the dense reference's, also through a first layer
+    that transforms first. The operators are the block's: moving it drops them."""
+    g = mixed_graph()
+    torch.manual_seed(0)
+    for dims, first_t in (((6, 8, 3), False), ((9, 4, 3), True)):
+        model = BlockGNN(dims[0], dims[1], dims[2], num_layers=2, dropout=0.0, kind=kind)
+        model = model.double()
+        x = torch.randn(g.num_nodes, dims[0], dtype=torch.float64)
+        batch = NeighborSampler(g, [-1, -1]).sample(torch.tensor([8, 0, 140, 5]))
+        batch.x = x[batch.input_nodes].clone().requires_grad_(True)
+        model.prepare(batch)
+        agg = "mean" if kind == "sage" else "sum"
+        ops = [b._operators.get((agg, torch.float64)) for b in batch.blocks]
+        assert all(op is not None for op in ops)
+        assert [op._transposed is not None for op in ops] == [first_t, True]
+        out = model(batch.blocks, batch.x)
+        out.pow(2).sum().backward()
+        assert ops[0] is batch.blocks[0].operator(agg, torch.float64)  # used, not rebuilt
+        xr = x.clone().requires_grad_(True)
+        model.eval()
+        want = _dense_reference(model, g, xr)[batch.seeds]
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        want.pow(2).sum().backward()
+        torch.testing.assert_close(batch.x.grad, xr.grad[batch.input_nodes], rtol=1e-12,
+                                   atol=1e-12)  # fmt: skip
+        assert batch.blocks[1].to("cpu")._operators == {}
+    with pytest.raises(ValueError, match="unknown aggregation 'max'"):
+        batch.blocks[0].operator("max", torch.float64)
+
+
 def test_block_layers_honour_edge_weights():
     """Weighted block layers against dense formulas written here: SAGE's weighted mean, GCN's
     weighted sum with a unit self loop, GAT's attention ∝ w·exp(e); unit weights give the

@@ -24,8 +24,14 @@ from typing import Any
 import torch
 
 from gnnpar.errors import MissingPackageError
+from gnnpar.sparse.csr import CSRBlock
+from gnnpar.sparse.kernels import LocalSpMM
 
-__all__ = ["Block", "MiniBatch"]
+__all__ = ["AGGREGATIONS", "Block", "MiniBatch"]
+
+#: The aggregations :meth:`Block.operator` builds: each edge weighs ``1 / in-degree`` (the
+#: mean of a destination's in-neighbours, 0 without any) or 1 (their sum).
+AGGREGATIONS = ("mean", "sum")
 
 
 @dataclasses.dataclass
@@ -51,6 +57,10 @@ class Block:
         edge_type: a typed graph's (:mod:`gnnpar.graph.typed`) relation index of every
             edge, or None for an untyped graph.
         node_type: a typed graph's node-type index of every source node, or None.
+
+    The block's aggregation operators (:meth:`operator`) are built once and kept with it, so
+    a loader's prefetch thread can build them, transposes included, while the previous
+    batch trains (:meth:`prepare_operators`); moving the block drops them.
     """
 
     src_nodes: torch.Tensor
@@ -63,6 +73,9 @@ class Block:
     weight: torch.Tensor | None = None
     edge_type: torch.Tensor | None = None
     node_type: torch.Tensor | None = None
+    _operators: dict[tuple[str, torch.dtype], LocalSpMM] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     # ------------------------------------------------------------------ sizes and views
     @property
@@ -107,6 +120,32 @@ class Block:
         """``(2, num_edges)``: local sources in row 0, local destinations in row 1 (PyG)."""
         return torch.stack([self.indices, self.dst_index()])
 
+    # ------------------------------------------------------------------ operators
+    def operator(self, kind: str, dtype: torch.dtype) -> LocalSpMM:
+        """The block's edges as a sparse (num_dst × num_src) operator of ``dtype`` for the
+        aggregation ``kind`` (:data:`AGGREGATIONS`), built on first use and kept."""
+        key = (kind, dtype)
+        op = self._operators.get(key)
+        if op is None:
+            if kind == "mean":
+                deg = self.in_degrees()
+                inv = 1.0 / deg.clamp(min=1).to(dtype)
+                values = torch.repeat_interleave(inv, deg, output_size=self.num_edges)
+            elif kind == "sum":
+                values = torch.ones(self.num_edges, dtype=dtype, device=self.indices.device)
+            else:
+                raise ValueError(f"unknown aggregation {kind!r}; use one of {AGGREGATIONS}")
+            block = CSRBlock(self.indptr, self.indices, values, (self.num_dst, self.num_src))
+            op = self._operators[key] = LocalSpMM(block, autotune=False)
+        return op
+
+    def prepare_operators(self, kind: str, dtype: torch.dtype, transpose: bool) -> None:
+        """Build :meth:`operator` ``(kind, dtype)`` now and, with ``transpose``, its
+        transpose (what backward multiplies by when the sources' rows need a gradient)."""
+        op = self.operator(kind, dtype)
+        if transpose:
+            op.T  # noqa: B018 - built and kept by the operator
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Check shapes and index ranges; raise ValueError naming the problem."""
@@ -132,6 +171,7 @@ class Block:
         return Block(**{
             f.name: fn(v) if isinstance(v, torch.Tensor) else v
             for f in dataclasses.fields(self)
+            if f.init
             for v in (getattr(self, f.name),)
         })  # fmt: skip
 

@@ -92,6 +92,12 @@ class LinkModel(nn.Module):
         src, dst = src.to(h.device), dst.to(h.device)  # ids may come from the host
         return self.decoder(h.index_select(0, src)[:, None, :], h[dst])
 
+    def prepare(self, batch: Any) -> Any:
+        """The encoder's preparation of a sampled batch (a loader's ``prepare``, run in its
+        prefetch thread: a block encoder's operators), or None."""
+        prepare = getattr(self.encoder, "prepare", None)
+        return None if prepare is None else prepare(batch)
+
     @property
     def num_layers(self) -> int:
         """The encoder's layers (for layer-wise inference of a block encoder)."""

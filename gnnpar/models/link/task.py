@@ -544,6 +544,7 @@ class LinkTask(BaseTask):
             edges, owned, cfg.batch_size, seed=cfg.seed, features=features,
             prefetch=cfg.prefetch, keys=owned, all_keys=ids, micro_batches=cfg.grad_accum,
             device=self.device, num_nodes=self.num_train,
+            prepare=self.net.prepare if self.device.type == "cpu" else None,
         )  # fmt: skip
         self._eval_blocks = None if self.user_model else [b.to(self.device) for b in full_blocks(g)]
 

@@ -36,7 +36,7 @@ from torch import nn
 from gnnpar.errors import UserError
 from gnnpar.nn.dropout import index_dropout
 from gnnpar.sparse.attention import log_weights, weigh_logits
-from gnnpar.sparse.kernels import csr_spmm
+from gnnpar.sparse.kernels import csr_spmm, spmm
 
 __all__ = ["BlockGNN", "GATConv", "GCNConv", "SAGEConv", "block_mean", "block_sum"]
 
@@ -50,6 +50,8 @@ def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = Non
             f"the block has {block.num_src} source nodes but h_src has {h_src.shape[0]} rows"
         )
     if weight is None:
+        if hasattr(block, "operator"):  # a sampled Block keeps its operators
+            return spmm(block.operator("sum", h_src.dtype), h_src)
         weight = torch.ones(block.num_edges, dtype=h_src.dtype, device=h_src.device)
     return csr_spmm(block.indptr, block.indices, weight, h_src, block.num_src)
 
@@ -65,6 +67,12 @@ def block_mean(
     given = getattr(block, "edge_weight", None)
     if given is not None:
         return block_sum(block, h_src, given.to(h_src.dtype))
+    if edge_weight is None and hasattr(block, "operator"):  # a sampled Block keeps its operators
+        if h_src.shape[0] != block.num_src:
+            raise ValueError(
+                f"the block has {block.num_src} source nodes but h_src has {h_src.shape[0]} rows"
+            )
+        return spmm(block.operator("mean", h_src.dtype), h_src)
     deg = block.in_degrees()
     if edge_weight is None:
         inv = 1.0 / deg.clamp(min=1).to(h_src.dtype)
@@ -118,7 +126,8 @@ class SAGEConv(nn.Module):
                 agg = agg + self.lin_neigh.bias
         else:
             agg = self.lin_neigh(block_mean(block, h_src, edge_weight))
-        return agg + self.lin_root(h_dst)
+        # the root term accumulated into the neighbour term's buffer (one matmul, no add)
+        return torch.addmm(agg, h_dst, self.lin_root.weight.t())
 
 
 class GCNConv(nn.Module):
@@ -265,6 +274,23 @@ class BlockGNN(nn.Module):
         """Number of layers (and of blocks a forward pass takes)."""
         return len(self.layers)
 
+    def prepare(self, batch: Any) -> None:
+        """Build each block's aggregation operator now, and its transpose where backward
+        multiplies by it (every layer after the first, and the first when it transforms
+        before aggregating): a loader's ``prepare``, run in its prefetch thread while the
+        previous batch trains (:meth:`~gnnpar.sampling.Block.prepare_operators`). GAT and
+        weighted blocks aggregate otherwise and build nothing."""
+        if self.kind == "gat":
+            return
+        kind = "mean" if self.kind == "sage" else "sum"
+        # the features' dtype, the model's (a ZeRO-3 model may hold no parameter to ask)
+        dtype = torch.get_default_dtype() if batch.x is None else batch.x.dtype
+        for i, (block, layer) in enumerate(zip(batch.blocks, self.layers, strict=False)):
+            if block.weight is not None or block.edge_weight is not None:
+                continue
+            grad = i > 0 or layer.in_dim > layer.out_dim
+            block.prepare_operators(kind, dtype, transpose=grad)
+
     def forward_layer(
         self,
         i: int,
@@ -284,7 +310,8 @@ class BlockGNN(nn.Module):
             keys = block.keys
             h = index_dropout(h_src, self.dropout, dropout_seed * 1009 + i, keys, 0, self.training)
         h = self.layers[i](block, h, edge_weight)
-        return h if i == self.num_layers - 1 else torch.relu(h)
+        # in place: no layer's backward reads its own output
+        return h if i == self.num_layers - 1 else torch.relu_(h)
 
     def forward(
         self,

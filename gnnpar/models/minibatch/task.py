@@ -689,7 +689,7 @@ class MiniBatchTask(BaseTask):
             prefetch=cfg.prefetch,
             micro_batches=cfg.grad_accum,
             device=self.device,
-            prepare=self._typed_blocks if self.typed and self.device.type == "cpu" else None,
+            prepare=self._preparer(),
         )
 
     def _setup_subgraphs(self) -> None:
@@ -788,7 +788,7 @@ class MiniBatchTask(BaseTask):
             all_keys=all_keys,
             micro_batches=cfg.grad_accum,
             device=self.device,
-            prepare=self._typed_blocks if self.typed and self.device.type == "cpu" else None,
+            prepare=self._preparer(),
         )
         self.in_dim = int(part.ndata["feat"].shape[1])
         self.metric = metric_for(labels)
@@ -877,6 +877,19 @@ class MiniBatchTask(BaseTask):
             record["feature_bytes"] = fetch_bytes
             record["cache_hit_rate"] = hits / remote if remote else 0.0
         return record
+
+    def _preparer(self) -> Any:
+        """What the loader runs on each batch where it samples it (its prefetch thread), on
+        a CPU: :meth:`_prepare_batch`; None on a GPU (the batch moves after)."""
+        return self._prepare_batch if self.device.type == "cpu" else None
+
+    def _prepare_batch(self, batch: Any) -> Any:
+        """The typed model's block indexing (kept as the batch's ``prepared``), or the block
+        model's operators (kept by the blocks); nothing for a user's model."""
+        if self.typed:
+            return self._typed_blocks(batch)
+        prepare = getattr(self.net, "prepare", None)
+        return None if prepare is None else prepare(batch)
 
     def _typed_blocks(self, batch: Any) -> list[Any]:
         """The typed model's indexing of the batch's blocks (nodes by type, edges by
