@@ -100,6 +100,7 @@ from gnnpar.sampling import (  # noqa: E402
 from gnnpar.sampling.edge import EdgeSampler, graph_keys  # noqa: E402
 from gnnpar.sampling.negative import NegativeSampler  # noqa: E402
 from gnnpar.train.metrics import link_scores  # noqa: E402
+from gnnpar.train.optim import adam  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 FEAT = HIDDEN = 128
@@ -235,7 +236,7 @@ class Ours:
         g, split = data["message"], data["split"]
         self.seed = seed
         self.net = our_model(seed)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=LR)
+        self.opt = adam(self.net.parameters(), lr=LR)  # the task's
         negatives = NegativeSampler(g.num_nodes, "uniform", NEGATIVES, seed=seed)
         sampler = NeighborSampler(g, FANOUTS, replace=False, seed=seed)
         edges = EdgeSampler(sampler, split.train, negatives, data["keys"], "reverse")
@@ -299,7 +300,7 @@ class DGLPipeline:
         self.graph, self.feat = data["dgl_graph"], data["message"].feat
         self.net = DGLSage()
         self.net.copy_from(init)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=LR)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=LR, foreach=True)  # as ours
         sampler = dgl.dataloading.as_edge_prediction_sampler(
             dgl.dataloading.NeighborSampler(FANOUTS), exclude="reverse_id",
             reverse_eids=data["reverse_eids"],

@@ -109,6 +109,7 @@ from gnnpar.sampling import (  # noqa: E402
     full_blocks,
     layerwise_inference,
 )
+from gnnpar.train.optim import adam  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 HIDDEN, LAYERS, BATCH, FANOUTS, LR, DROPOUT = 64, 2, 1024, [10, 10], 0.01, 0.0
@@ -351,7 +352,7 @@ class Ours:
         g = data["graph"]
         self.seed = seed
         self.net = our_model(data, seed)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=LR)
+        self.opt = adam(self.net.parameters(), lr=LR)  # the task's
         sampler = NeighborSampler(g, FANOUTS, replace=False, seed=seed, per_relation=True)
         net = self.net  # the task's prepare: the blocks' typed indexing where they are sampled
         self.loader = NodeLoader(
@@ -416,7 +417,7 @@ class DGLPipeline:
         self.target = data["target"]
         self.net = DGLRGCN(data)
         self.net.copy_from(init)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=LR)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=LR, foreach=True)  # as ours
         sampler = dgl.dataloading.MultiLayerNeighborSampler(FANOUTS)
         dgl.seed(seed)
         torch.manual_seed(seed)

@@ -68,6 +68,7 @@ from gnnpar.train.config import (
 )
 from gnnpar.train.loop import BaseTask, load_dataset
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
+from gnnpar.train.optim import adam
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
 from gnnpar.train.spec import GridPlan
@@ -467,7 +468,7 @@ class FullGraphTask(BaseTask):
         self.metric = metric_for(self.model.node_data("label"))
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self._param_groups(self.cfg), lr=self.cfg.lr)
+        return adam(self._param_groups(self.cfg), lr=self.cfg.lr)
 
     def data_record(self) -> dict[str, Any]:
         """The graph the shards were made from (their provenance; every rank has it)."""

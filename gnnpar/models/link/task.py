@@ -78,6 +78,7 @@ from gnnpar.train.config import (
 )
 from gnnpar.train.loop import BaseTask, load_dataset
 from gnnpar.train.metrics import UndefinedScoreError, link_scores
+from gnnpar.train.optim import adam
 from gnnpar.train.precision import master_dtype, shard_policy
 from gnnpar.train.progress import Progress
 from gnnpar.train.spec import GridPlan
@@ -592,7 +593,7 @@ class LinkTask(BaseTask):
     def _make_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.cfg
         params = self.model.parameters()
-        opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         return self.model.attach(opt) if cfg.mode == "minibatch" else opt
 
     # ------------------------------------------------------------------ records

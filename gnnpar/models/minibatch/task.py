@@ -102,6 +102,7 @@ from gnnpar.train.loop import (
     load_trainable,
 )
 from gnnpar.train.metrics import SCORES, UndefinedScoreError, metric_for
+from gnnpar.train.optim import adam
 from gnnpar.train.precision import (
     LossScaler,
     compute_dtype,
@@ -627,7 +628,7 @@ class MiniBatchTask(BaseTask):
     def _make_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.cfg
         return self.model.attach(
-            torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         )
 
     def data_record(self) -> dict[str, Any] | None:

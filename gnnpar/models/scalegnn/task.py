@@ -40,6 +40,7 @@ from gnnpar.train import schedule
 from gnnpar.train.config import ConfigError
 from gnnpar.train.loop import BaseTask, load_trainable
 from gnnpar.train.metrics import metric_for
+from gnnpar.train.optim import adam
 from gnnpar.train.precision import compute_dtype, master_dtype
 from gnnpar.train.progress import Progress, graph_sizes
 from gnnpar.train.spec import GridPlan, given_grid
@@ -127,7 +128,7 @@ class VertexTask(BaseTask):
     def _make_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.cfg
         return self.model.attach(
-            torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         )
 
     def data_record(self) -> dict[str, Any]:
