@@ -357,7 +357,7 @@ class Ours:
         net = self.net  # the task's prepare: the blocks' typed indexing where they are sampled
         self.loader = NodeLoader(
             sampler, g.train_mask, BATCH, seed=seed, features=g.feat, labels=g.label,
-            prefetch=prefetch, prepare=lambda b: [net.typed_block(x) for x in b.blocks],
+            prefetch=prefetch, prepare=lambda b: [net.typed_block(x, b.x.dtype) for x in b.blocks],
         )  # fmt: skip
         self.batches_per_epoch = len(self.loader)
         self.prefetch = prefetch

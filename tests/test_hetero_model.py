@@ -291,6 +291,30 @@ def test_model_equals_pyg_layers_and_layerwise_inference(kind):
     assert all(p.grad is not None and bool(p.grad.any()) for p in model.parameters())
 
 
+def test_typed_blocks_with_a_dtype_build_each_relations_operators_and_change_nothing():
+    """``typed_block(block, dtype)`` (the loader's prepare) builds every relation's mean
+    operator and its transpose; the step on those typed blocks gives the logits and
+    gradients of the step on blocks without them, bit for bit, and uses the kept
+    operators rather than building its own."""
+    torch.manual_seed(6)
+    model = TypedGNN(GRAPH.types, 6, 3, num_layers=2, kind="rgcn", dropout=0.0).double()
+    batch = NeighborSampler(GRAPH, [3, 3], backend="torch").sample(torch.tensor([11, 2, 7, 4]))
+    x = GRAPH.feat[batch.input_nodes]
+    grads = []
+    for dtype in (None, torch.float64):
+        typed = [model.typed_block(b, dtype) for b in batch.blocks]
+        kept = [(r, r.operator("mean", torch.float64)) for t in typed for r in t.relations if r]
+        if dtype is not None:
+            assert kept and all(op._transposed is not None for _, op in kept)
+        model.zero_grad()
+        out = model(batch.blocks, x, typed=typed)
+        out.pow(2).sum().backward()
+        assert all(r._operators[("mean", torch.float64)] is op for r, op in kept)
+        grads.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1], strict=True))
+
+
 @pytest.mark.parametrize("kind", ["rgcn", "hgt"])
 def test_keyed_dropout_makes_a_full_neighbour_sample_equal_the_whole_graph(kind):
     torch.manual_seed(5)

@@ -27,11 +27,31 @@ from gnnpar.errors import MissingPackageError
 from gnnpar.sparse.csr import CSRBlock
 from gnnpar.sparse.kernels import LocalSpMM
 
-__all__ = ["AGGREGATIONS", "Block", "MiniBatch"]
+__all__ = ["AGGREGATIONS", "Block", "MiniBatch", "aggregation_operator"]
 
 #: The aggregations :meth:`Block.operator` builds: each edge weighs ``1 / in-degree`` (the
 #: mean of a destination's in-neighbours, 0 without any) or 1 (their sum).
 AGGREGATIONS = ("mean", "sum")
+
+
+def aggregation_operator(
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    shape: tuple[int, int],
+    kind: str,
+    dtype: torch.dtype,
+) -> LocalSpMM:
+    """The CSR (``indptr``, ``indices``) of ``shape`` (destinations × sources) as a sparse
+    operator of ``dtype`` for the aggregation ``kind`` (:data:`AGGREGATIONS`)."""
+    if kind == "mean":
+        deg = indptr[1:] - indptr[:-1]
+        inv = 1.0 / deg.clamp(min=1).to(dtype)
+        values = torch.repeat_interleave(inv, deg, output_size=indices.numel())
+    elif kind == "sum":
+        values = torch.ones(indices.numel(), dtype=dtype, device=indices.device)
+    else:
+        raise ValueError(f"unknown aggregation {kind!r}; use one of {AGGREGATIONS}")
+    return LocalSpMM(CSRBlock(indptr, indices, values, shape), autotune=False)
 
 
 @dataclasses.dataclass
@@ -127,16 +147,9 @@ class Block:
         key = (kind, dtype)
         op = self._operators.get(key)
         if op is None:
-            if kind == "mean":
-                deg = self.in_degrees()
-                inv = 1.0 / deg.clamp(min=1).to(dtype)
-                values = torch.repeat_interleave(inv, deg, output_size=self.num_edges)
-            elif kind == "sum":
-                values = torch.ones(self.num_edges, dtype=dtype, device=self.indices.device)
-            else:
-                raise ValueError(f"unknown aggregation {kind!r}; use one of {AGGREGATIONS}")
-            block = CSRBlock(self.indptr, self.indices, values, (self.num_dst, self.num_src))
-            op = self._operators[key] = LocalSpMM(block, autotune=False)
+            shape = (self.num_dst, self.num_src)
+            op = aggregation_operator(self.indptr, self.indices, shape, kind, dtype)
+            self._operators[key] = op
         return op
 
     def prepare_operators(self, kind: str, dtype: torch.dtype, transpose: bool) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from gnnpar.errors import UserError
 from gnnpar.graph.typed import TypeSchema
+from gnnpar.sampling.block import aggregation_operator
 
 __all__ = ["RelationCSR", "TypeGroups", "TypedBlock", "block_node_types"]
 
@@ -135,11 +136,24 @@ class RelationCSR:
     indices: torch.Tensor
     num_src: int
     num_dst: int
+    _operators: dict[tuple[str, torch.dtype], Any] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def num_edges(self) -> int:
         """Number of edges of the relation."""
         return int(self.indices.numel())
+
+    def operator(self, kind: str, dtype: torch.dtype) -> Any:
+        """The relation's edges as a sparse operator for the aggregation ``kind``, built on
+        first use and kept (as :meth:`gnnpar.sampling.Block.operator`)."""
+        op = self._operators.get((kind, dtype))
+        if op is None:
+            shape = (self.num_dst, self.num_src)
+            op = aggregation_operator(self.indptr, self.indices, shape, kind, dtype)
+            self._operators[(kind, dtype)] = op
+        return op
 
     def in_degrees(self) -> torch.Tensor:
         """In-degree of every row in this relation."""
@@ -231,3 +245,11 @@ class TypedBlock:
     def num_relations(self) -> int:
         """Number of relations."""
         return len(self.relations)
+
+    def prepare_operators(self, kind: str, dtype: torch.dtype) -> None:
+        """Build every relation's aggregation operator and its transpose now (what R-GCN's
+        mean per relation multiplies by, forward and backward): in a loader's prefetch
+        thread, beside the previous batch's step."""
+        for rel in self.relations:
+            if rel is not None:
+                rel.operator(kind, dtype).T  # noqa: B018 - built and kept

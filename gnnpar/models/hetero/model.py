@@ -94,12 +94,17 @@ class TypedGNN(nn.Module):
         """Number of typed layers (and of blocks a forward pass takes)."""
         return len(self.layers)
 
-    def typed_block(self, block: Any) -> TypedBlock:
+    def typed_block(self, block: Any, dtype: torch.dtype | None = None) -> TypedBlock:
         """``block``'s nodes and edges grouped by type and relation, checked against the
-        schema (what every layer on the block reads)."""
+        schema (what every layer on the block reads). With the activations' ``dtype``, an
+        R-GCN's operators per relation are built too, transposes included (in a loader's
+        prefetch thread: the step then only multiplies)."""
         types = block_node_types(block, self.schema)
         s = self.schema
-        return TypedBlock.build(block, s.num_types, s.num_relations, s.ends, types)
+        typed = TypedBlock.build(block, s.num_types, s.num_relations, s.ends, types)
+        if dtype is not None and self.kind == "rgcn":
+            typed.prepare_operators("mean", dtype)
+        return typed
 
     def _drop(self, h: torch.Tensor, keys: torch.Tensor, seed: int | None, i: int) -> torch.Tensor:
         if seed is None:

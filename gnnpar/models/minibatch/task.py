@@ -896,7 +896,8 @@ class MiniBatchTask(BaseTask):
         """The typed model's indexing of the batch's blocks (nodes by type, edges by
         relation): the loader builds it where it samples, in the prefetch thread, so the
         step does not."""
-        return [self.net.typed_block(b) for b in batch.blocks]
+        dtype = None if batch.x is None else batch.x.dtype  # the features', the model's
+        return [self.net.typed_block(b, dtype) for b in batch.blocks]
 
     def _forward(self, batch: Any, dropout_seed: int) -> torch.Tensor:
         """The seeds' logits: the built-in model on the blocks, or a user's model on the
