@@ -40,11 +40,16 @@ class TypedInput(nn.Module):
         )
 
     def forward(
-        self, block: Any, x: torch.Tensor | None, groups: TypeGroups | None = None
+        self,
+        block: Any,
+        x: torch.Tensor | None,
+        groups: TypeGroups | None = None,
+        grouped: bool = False,
     ) -> torch.Tensor:
         """``(num_src, hidden)`` for ``block``'s sources from their features ``x``
         (``(num_src, max feat_dims)``; None when no type has features). ``groups``: the
-        block's sources by type, when already built."""
+        block's sources by type, when already built; ``grouped``: the rows grouped by type
+        (``groups.order``), not in block order."""
         schema = self.schema
         if groups is None:
             types = block_node_types(block, schema)
@@ -63,4 +68,4 @@ class TypedInput(nn.Module):
                 parts.append(enc(x[:, :d].index_select(0, rows)))
             else:
                 parts.append(enc(keys.index_select(0, rows) - schema.offsets[t]))
-        return groups.merge(parts)
+        return torch.cat(parts) if grouped else groups.merge(parts)

@@ -3,7 +3,7 @@ layers, then a linear classifier for the target type's classes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -106,10 +106,15 @@ class TypedGNN(nn.Module):
             typed.prepare_operators("mean", dtype)
         return typed
 
-    def _drop(self, h: torch.Tensor, keys: torch.Tensor, seed: int | None, i: int) -> torch.Tensor:
+    def _drop(
+        self, h: torch.Tensor, keys: Callable[[], torch.Tensor], seed: int | None, i: int
+    ) -> torch.Tensor:
+        """Dropout of ``h``, keyed by its rows' ``keys()`` (asked for only when it drops)."""
         if seed is None:
             return F.dropout(h, self.dropout, self.training)
-        return index_dropout(h, self.dropout, seed * 1009 + i, keys, 0, self.training)
+        if not self.training or self.dropout == 0.0:
+            return h
+        return index_dropout(h, self.dropout, seed * 1009 + i, keys(), 0, self.training)
 
     def forward_layer(
         self,
@@ -118,20 +123,36 @@ class TypedGNN(nn.Module):
         h_src: torch.Tensor | None,
         dropout_seed: int | None = None,
         typed: TypedBlock | None = None,
+        grouped: bool = False,
     ) -> torch.Tensor:
         """Layer ``i`` on ``block``: (layer 0: the typed input of the raw features
         ``h_src``), dropout, the typed layer, ReLU; after the last, dropout and the
-        classifier. ``typed``: :meth:`typed_block` of ``block``, when already built."""
+        classifier. ``typed``: :meth:`typed_block` of ``block``, when already built.
+
+        ``grouped`` (R-GCN): ``h_src`` (beyond layer 0) and the output hold the rows grouped
+        by node type (``typed.groups.order`` and ``dst_order``) instead of in block order:
+        a layer's grouped output is its successor's grouped input (the successor's sources
+        are its destinations, and a stable grouping keeps their order), so
+        :meth:`forward` regroups once, at the seeds, rather than at every layer."""
         if not 0 <= i < self.num_layers:
             raise UserError(f"layer {i} of a {self.num_layers}-layer model")
+        if grouped and self.kind != "rgcn":
+            raise UserError("grouped rows are for R-GCN layers; HGT runs in block order")
         if typed is None:
             typed = self.typed_block(block)
-        h = self.input(block, h_src, typed.groups) if i == 0 else h_src
-        h = self._drop(h, block.keys, dropout_seed, i)
-        h = torch.relu(self.layers[i](block, h, typed))
+        groups = typed.groups
+        h = self.input(block, h_src, groups, grouped) if i == 0 else h_src
+        if grouped:
+            src_keys = lambda: block.keys.index_select(0, groups.order)  # noqa: E731
+            dst_keys = lambda: block.keys.index_select(0, groups.dst_order)  # noqa: E731
+        else:
+            src_keys, dst_keys = (lambda: block.keys), (lambda: block.keys[: block.num_dst])
+        h = self._drop(h, src_keys, dropout_seed, i)
+        layer = self.layers[i]
+        h = torch.relu(layer(block, h, typed, grouped) if grouped else layer(block, h, typed))
         if i < self.num_layers - 1:
             return h
-        h = self._drop(h, block.keys[: block.num_dst], dropout_seed, self.num_layers)
+        h = self._drop(h, dst_keys, dropout_seed, self.num_layers)
         return self.classifier(h)
 
     def forward(
@@ -146,7 +167,11 @@ class TypedGNN(nn.Module):
         :meth:`typed_block`, when built already (e.g. by the loader's prefetch thread)."""
         if len(blocks) != self.num_layers:
             raise UserError(f"the model has {self.num_layers} layers but got {len(blocks)} blocks")
+        grouped = self.kind == "rgcn"  # rows grouped by type throughout (forward_layer)
         h = x
         for i, block in enumerate(blocks):
-            h = self.forward_layer(i, block, h, dropout_seed, None if typed is None else typed[i])
-        return h
+            t = self.typed_block(block) if typed is None else typed[i]
+            h = self.forward_layer(i, block, h, dropout_seed, t, grouped)
+        if not grouped:
+            return h
+        return t.groups.merge(h.split(list(t.groups.dst_counts)), dst=True)  # the seeds' order

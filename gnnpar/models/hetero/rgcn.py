@@ -102,10 +102,16 @@ class RGCNConv(nn.Module):
         return out.reshape(-1, self.out_dim)
 
     def forward(
-        self, block: Any, h_src: torch.Tensor, typed: TypedBlock | None = None
+        self,
+        block: Any,
+        h_src: torch.Tensor,
+        typed: TypedBlock | None = None,
+        grouped: bool = False,
     ) -> torch.Tensor:
         """Outputs of the block's destinations from its sources' ``h_src``. ``typed``: the
-        block's :class:`~gnnpar.models.hetero.index.TypedBlock`, when already built."""
+        block's :class:`~gnnpar.models.hetero.index.TypedBlock`, when already built.
+        ``grouped``: ``h_src`` and the output hold the rows grouped by node type
+        (``typed.groups.order`` and ``dst_order``), not in block order: no regrouping."""
         if h_src.shape != (block.num_src, self.in_dim):
             raise UserError(
                 f"h_src must have shape ({block.num_src}, {self.in_dim}), got {tuple(h_src.shape)}"
@@ -119,7 +125,8 @@ class RGCNConv(nn.Module):
                             f"{self.num_relations}")  # fmt: skip
         groups = typed.groups
         weights = self.relation_weights()
-        by_type = groups.split(h_src)
+        counts = [groups.count(t) for t in range(groups.num_types)]
+        by_type = list(h_src.split(counts)) if grouped else groups.split(h_src)
         outs: list[torch.Tensor | None] = [None] * groups.num_types
         fi, fo = self.in_dim, self.out_dim
         for r, rel in enumerate(typed.relations):
@@ -136,7 +143,11 @@ class RGCNConv(nn.Module):
             h_src.new_zeros(groups.dst_counts[t], fo) if o is None else o
             for t, o in enumerate(outs)
         ]
-        out = groups.merge(parts, dst=True)
+        if grouped:
+            out = torch.cat(parts)
+            h_dst = torch.cat([by_type[t][:n] for t, n in enumerate(groups.dst_counts)])
+        else:
+            out, h_dst = groups.merge(parts, dst=True), h_src[: block.num_dst]
         if self.root is not None:
-            out = out + h_src[: block.num_dst] @ self.root
+            out = out + h_dst @ self.root
         return out if self.bias is None else out + self.bias
