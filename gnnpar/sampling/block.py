@@ -35,6 +35,7 @@ AGGREGATIONS = ("mean", "sum")
 
 
 def aggregation_operator(
+    kept: dict[tuple[str, torch.dtype], LocalSpMM],
     indptr: torch.Tensor,
     indices: torch.Tensor,
     shape: tuple[int, int],
@@ -42,7 +43,11 @@ def aggregation_operator(
     dtype: torch.dtype,
 ) -> LocalSpMM:
     """The CSR (``indptr``, ``indices``) of ``shape`` (destinations × sources) as a sparse
-    operator of ``dtype`` for the aggregation ``kind`` (:data:`AGGREGATIONS`)."""
+    operator of ``dtype`` for the aggregation ``kind`` (:data:`AGGREGATIONS`), built once
+    and kept in ``kept`` (its owner's cache, keyed by ``(kind, dtype)``)."""
+    op = kept.get((kind, dtype))
+    if op is not None:
+        return op
     if kind == "mean":
         deg = indptr[1:] - indptr[:-1]
         inv = 1.0 / deg.clamp(min=1).to(dtype)
@@ -51,7 +56,8 @@ def aggregation_operator(
         values = torch.ones(indices.numel(), dtype=dtype, device=indices.device)
     else:
         raise ValueError(f"unknown aggregation {kind!r}; use one of {AGGREGATIONS}")
-    return LocalSpMM(CSRBlock(indptr, indices, values, shape), autotune=False)
+    op = kept[(kind, dtype)] = LocalSpMM(CSRBlock(indptr, indices, values, shape), autotune=False)
+    return op
 
 
 @dataclasses.dataclass
@@ -144,13 +150,8 @@ class Block:
     def operator(self, kind: str, dtype: torch.dtype) -> LocalSpMM:
         """The block's edges as a sparse (num_dst × num_src) operator of ``dtype`` for the
         aggregation ``kind`` (:data:`AGGREGATIONS`), built on first use and kept."""
-        key = (kind, dtype)
-        op = self._operators.get(key)
-        if op is None:
-            shape = (self.num_dst, self.num_src)
-            op = aggregation_operator(self.indptr, self.indices, shape, kind, dtype)
-            self._operators[key] = op
-        return op
+        shape = (self.num_dst, self.num_src)
+        return aggregation_operator(self._operators, self.indptr, self.indices, shape, kind, dtype)
 
     def prepare_operators(self, kind: str, dtype: torch.dtype, transpose: bool) -> None:
         """Build :meth:`operator` ``(kind, dtype)`` now and, with ``transpose``, its

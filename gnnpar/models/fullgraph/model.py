@@ -204,11 +204,6 @@ class RGCNLayer(nn.Module):
             return None
         return torch.cat(grads, dim=0)
 
-    @property
-    def num_weight_blocks(self) -> int:
-        """The (in × out) blocks the layer stores: R + 1, or B + 1 with bases."""
-        return (self.num_relations if self.num_bases is None else self.num_bases) + 1
-
     def weight_blocks(self) -> torch.Tensor:
         """The stored blocks stacked along the input dimension, what the parallel model
         shards: :meth:`stacked_weight` itself, or with bases [V_1; …; V_B; W_root] (from

@@ -99,6 +99,11 @@ class TypeGroups:
         """Number of sources of type ``t``."""
         return self.ptr[t + 1] - self.ptr[t]
 
+    @property
+    def counts(self) -> list[int]:
+        """Number of sources of every type (the sizes of the groups, in type order)."""
+        return [self.count(t) for t in range(self.num_types)]
+
     def sources(self, t: int) -> torch.Tensor:
         """The sources of type ``t``, by rank."""
         return self.order[self.ptr[t] : self.ptr[t + 1]]
@@ -113,13 +118,12 @@ class TypeGroups:
         per type)."""
         if dst:
             return list(h.index_select(0, self.dst_order).split(list(self.dst_counts)))
-        counts = [self.count(t) for t in range(self.num_types)]
-        return list(h.index_select(0, self.order).split(counts))
+        return list(h.index_select(0, self.order).split(self.counts))
 
     def merge(self, parts: Sequence[torch.Tensor], dst: bool = False) -> torch.Tensor:
         """Per-type rows (``parts[t]``: type ``t``'s sources, or destinations with ``dst``,
         by rank) in block order: the inverse of :meth:`split`."""
-        sizes = self.dst_counts if dst else [self.count(t) for t in range(self.num_types)]
+        sizes = self.dst_counts if dst else self.counts
         starts = torch.tensor([0, *sizes[:-1]], device=self.rank.device).cumsum(0)
         n = self.num_dst if dst else self.rank.numel()
         where = starts[self.node_type[:n]] + self.rank[:n]
@@ -148,12 +152,8 @@ class RelationCSR:
     def operator(self, kind: str, dtype: torch.dtype) -> Any:
         """The relation's edges as a sparse operator for the aggregation ``kind``, built on
         first use and kept (as :meth:`gnnpar.sampling.Block.operator`)."""
-        op = self._operators.get((kind, dtype))
-        if op is None:
-            shape = (self.num_dst, self.num_src)
-            op = aggregation_operator(self.indptr, self.indices, shape, kind, dtype)
-            self._operators[(kind, dtype)] = op
-        return op
+        shape = (self.num_dst, self.num_src)
+        return aggregation_operator(self._operators, self.indptr, self.indices, shape, kind, dtype)
 
     def in_degrees(self) -> torch.Tensor:
         """In-degree of every row in this relation."""

@@ -125,8 +125,7 @@ class RGCNConv(nn.Module):
                             f"{self.num_relations}")  # fmt: skip
         groups = typed.groups
         weights = self.relation_weights()
-        counts = [groups.count(t) for t in range(groups.num_types)]
-        by_type = list(h_src.split(counts)) if grouped else groups.split(h_src)
+        by_type = list(h_src.split(groups.counts)) if grouped else groups.split(h_src)
         outs: list[torch.Tensor | None] = [None] * groups.num_types
         fi, fo = self.in_dim, self.out_dim
         for r, rel in enumerate(typed.relations):
