@@ -43,7 +43,14 @@ import torch.distributed as dist
 from gnnpar import shm
 from gnnpar.errors import UserError, first_line
 from gnnpar.fmt import count
-from gnnpar.launch import LAUNCHER_NAMES, Launch, LaunchError, detect_launch, node_layout
+from gnnpar.launch import (
+    LAUNCHER_NAMES,
+    Launch,
+    LaunchError,
+    detect_launch,
+    node_layout,
+    stacks_on_request,
+)
 
 #: The grid axes, fastest-varying first.
 AXES: tuple[str, ...] = ("x", "y", "z", "expert", "context", "data", "pipe")
@@ -558,6 +565,8 @@ def init(
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     launch = detect_launch()
+    if launch is not None:
+        stacks_on_request()  # kill -USR1: where a hung rank waits
     launched_per_node = None
     if launch is None or launch.launcher == "torchrun":
         backend, device, owns = _join_torchrun(backend, device, timeout)

@@ -866,12 +866,27 @@ def _run_forked(args: Any) -> None:
     )
 
 
+def stacks_on_request() -> None:
+    """Let ``kill -USR1 PID`` print every thread's Python stack of this process to its stderr
+    and go on (:mod:`faulthandler`): a hung rank then says where it waits. Every launched
+    rank calls it (:func:`run_rank`, :func:`gnnpar.init` under a launcher); SIGUSR1 keeps a
+    handler the program installed, and only the main thread can install one."""
+    import faulthandler
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def run_rank(kind: str, target: str, *argv: str) -> None:
     """One forked rank: run ``target`` as ``python -m target *argv`` (``kind="module"``) or
     ``python target *argv`` (``kind="script"``) would."""
     import runpy
     import warnings
 
+    stacks_on_request()
     if kind == "module":
         sys.argv = [target, *argv]
         # The agent imported the module already (to warm up): running it as __main__ is then a

@@ -42,6 +42,7 @@ from tests.doc_blocks import (
     logical_lines,
     pages,
 )
+from tests.process_tree import run_tree
 
 PAGES = pages()
 #: The pages with something to run (docs/devices.md and docs/formats.md only describe).
@@ -150,15 +151,11 @@ class _PythonSession:
 def _run_shell(
     block: Block, folder: Path, env: dict[str, str], text: str | None = None
 ) -> tuple[bool, str]:
-    try:
-        proc = subprocess.run(
-            ["bash", "-eo", "pipefail", "-c", text or block.to_run()], cwd=folder, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=block.timeout,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as err:
-        out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else ""
-        return False, f"timed out after {block.timeout:.0f} s\n{out}"
-    return proc.returncode == 0, proc.stdout
+    argv = ["bash", "-eo", "pipefail", "-c", text or block.to_run()]
+    code, out = run_tree(argv, timeout=block.timeout, cwd=folder, env=env)
+    if code is None:  # the ranks' stacks end the output
+        return False, f"{TIMED_OUT} {block.timeout:.0f} s\n{out}"
+    return code == 0, out
 
 
 def _run_on_processes(block: Block, folder: Path, env: dict[str, str]) -> tuple[bool, str]:
@@ -174,6 +171,10 @@ def _run_on_processes(block: Block, folder: Path, env: dict[str, str]) -> tuple[
     return _run_shell(block, folder, env, command)
 
 
+#: How a block that ran past its time limit begins its output.
+TIMED_OUT = "timed out after"
+
+
 def _excerpt(text: str) -> str:
     """The first error in ``text`` with the lines before it, then its last lines: a rank's
     traceback (``[rankN]:`` lines) comes before the launcher's long report, a one-line error
@@ -181,6 +182,8 @@ def _excerpt(text: str) -> str:
     lines = text.rstrip().splitlines()
     if len(lines) <= 60:
         return "\n".join(lines)
+    if text.startswith(TIMED_OUT):  # the hung processes' stacks are the end: keep them
+        return "\n".join([lines[0], "...", *lines[-400:]])
     first = None
     for pattern in (RANK_ERROR, ERROR_LINE):
         first = next((i for i, ln in enumerate(lines) if pattern.search(ln)), None)
@@ -420,3 +423,29 @@ def test_the_link_check_catches_a_broken_link(tmp_path) -> None:
         "other.md#nothing: no such heading in other.md",
         "#nothing: no such heading in page.md",
     ]
+
+
+HANGS = """
+import sys, time
+from gnnpar.launch import stacks_on_request
+stacks_on_request()
+def waits_for_its_peers():
+    print("started", flush=True)
+    time.sleep(600)
+waits_for_its_peers()
+"""
+
+
+def test_a_hung_command_is_killed_with_its_processes_and_their_stacks_shown(tmp_path):
+    """A block past its time limit: the stacks of the processes it started (a rank stuck in
+    ``waits_for_its_peers``, two levels down) end the output, and none of them is left."""
+    (tmp_path / "hangs.py").write_text(HANGS)
+    block = Block(
+        source=ROOT / "README.md", line=1, lang="bash", text="", directives=("timeout 8",)
+    )
+    command = f"{sys.executable} hangs.py & wait"
+    ok, out = _run_shell(block, tmp_path, {**_environment(), "PYTHONPATH": str(ROOT)}, command)
+    assert not ok and out.startswith(TIMED_OUT)
+    assert "started" in out and "in waits_for_its_peers" in out, out
+    left = subprocess.run(["pgrep", "-f", "hangs.py"], capture_output=True, text=True).stdout
+    assert not left.strip(), f"still running: {left}"

@@ -20,9 +20,10 @@ from gnnpar.train.loop import BaseTask
 ROOT = Path(__file__).resolve().parents[1]
 
 RANK = """
-import json, os, sys
+import json, os, signal, sys
 import torch
 rank = int(os.environ["RANK"])
+os.kill(os.getpid(), signal.SIGUSR1)  # prints this rank's stack (and kills it without a handler)
 agent = os.getppid()
 with open(f"/proc/{agent}/stat") as f:
     caller = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -62,6 +63,8 @@ def test_a_launch_in_the_forked_agent_sets_up_the_ranks_like_a_new_interpreter(t
     assert caller["code"] == 3, proc.stderr  # rank 1's own exit code, as from a new agent
     assert "rank 1 of 2 exited with status 3" in proc.stderr
     assert caller["unused_gone"], "the agent that was not used is still running"
+    # kill -USR1 printed each rank's stack, and the ranks went on (run_rank's handler)
+    assert proc.stderr.count("(most recent call first)") >= 2, proc.stderr
     # the thread count launch_local gives each rank (torch's default here is every core)
     threads = max(1, (os.cpu_count() or 1) // 2)
     for rank in range(2):
