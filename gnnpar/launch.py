@@ -876,8 +876,14 @@ def stacks_on_request() -> None:
 
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        return
+    try:  # the process's own stderr: sys.stderr may be a capture with no descriptor
+        fd = sys.__stderr__.fileno() if sys.__stderr__ is not None else -1
+    except (OSError, ValueError):
+        fd = -1
+    if fd >= 0:
+        faulthandler.register(signal.SIGUSR1, file=fd, all_threads=True)
 
 
 def run_rank(kind: str, target: str, *argv: str) -> None:
