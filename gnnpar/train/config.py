@@ -550,8 +550,9 @@ def add_flags(
     owners = {f.name: _owner(cls, f.name) for f in fields}
     for klass in [cls, *dict.fromkeys(o for o in owners.values() if o is not cls)]:
         groups[klass] = parser.add_argument_group(_group_title(klass))
+    hints = _field_types(cls)  # once: resolving the annotations is most of the parser's time
     for f in fields:
-        base, _ = _base_type(_field_types(cls)[f.name])
+        base, _ = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = with_default(plain_text(f.metadata.get("help", "")), default)

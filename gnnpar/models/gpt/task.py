@@ -632,10 +632,14 @@ class GPTTask(BaseTask):
     @staticmethod
     def preflight(cfg: GPTTaskConfig, world_size: int) -> None:
         """Before launch: the ``data`` text exists and decodes as UTF-8 (one line naming the
-        file and the byte offset otherwise)."""
-        from gnnpar.data.text import read_source
+        file and the byte offset otherwise); the built-in corpus's plays exist (its text is
+        built where a rank needs it: not at all when its tokens are cached)."""
+        from gnnpar.data.text import SHAKESPEARE, read_source, source_fingerprint
 
-        read_source(cfg.data)
+        if str(cfg.data) == SHAKESPEARE:
+            source_fingerprint(cfg.data)
+        else:
+            read_source(cfg.data)
 
     def __init__(self, cfg: GPTTaskConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress):
         """The task on ``grid``, the one :func:`plan` chose with the ZeRO stage
