@@ -20,12 +20,14 @@ write (no record, or a file that does not match it), another run's file, or anot
 is refused with a warning and the next source tried. Each rank keeps its newest
 :data:`KEEP` snapshots (of its own and of the copies it holds).
 
-:func:`restore` (collective, at a restart on the same grid): every rank lists the snapshots
-it can verify — its own, and the copies it holds of its predecessor's — the ranks agree on
-the newest step every rank can be given, a rank whose own copy is gone (its node was
-replaced) receives the copy its peer holds, and each loads its own file through the
-checkpoint loader (:func:`~gnnpar.checkpoint.store.plan_restore`). The trainer compares that
-step with the newest disk checkpoint and takes the fresher.
+:func:`restore` (collective, at a restart on the same grid): every rank lists its snapshots
+whose records check out (this run, step, rank and grid, a file of the recorded size) — its
+own, and the copies it holds of its predecessor's — the ranks agree on the newest step every
+rank can be given, a rank whose own copy is gone (its node was replaced) receives the copy
+its peer holds, and each verifies its file (checksum and digests) and loads it through the
+checkpoint loader (:func:`~gnnpar.checkpoint.store.plan_restore`); when a rank's file fails
+the verification, every rank agrees on the next older step instead. The trainer compares
+that step with the newest disk checkpoint and takes the fresher.
 
 On one node (``ranks_per_node`` = world size) there is no peer: the node-local copy outlives
 a killed process, not a lost node. ``--ranks-per-node`` simulates several nodes on one host.
@@ -377,16 +379,24 @@ def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
     return Manifest(folder, SCHEMA, 2, {name: record["file"]}, meta)
 
 
-def _verified(folder: Path, rank: int, run_id: str, step: int, grid: ProcessGrid):
-    """``(manifest, tensors)`` of rank ``rank``'s snapshot in ``folder``, every check made
-    (record, file size and checksum, each entry's digest); FormatError otherwise."""
+def _checked_record(
+    folder: Path, rank: int, run_id: str, step: int, grid: ProcessGrid
+) -> dict[str, Any]:
+    """Rank ``rank``'s snapshot record in ``folder``, checked (:func:`_read_record`); a
+    tensor file without one is a torn write."""
     stem = _stem(rank)
     if not (folder / f"{stem}.json").is_file():
         what = "a torn write" if (folder / f"{stem}.pt").exists() else "missing"
         raise FormatError(f"{folder / stem}.pt: no snapshot record ({what})")
-    record = _read_record(folder / f"{stem}.json", run_id, rank, step, grid)
+    return _read_record(folder / f"{stem}.json", run_id, rank, step, grid)
+
+
+def _verified(folder: Path, rank: int, run_id: str, step: int, grid: ProcessGrid):
+    """``(manifest, tensors)`` of rank ``rank``'s snapshot in ``folder``, every check made
+    (record, file size and checksum, each entry's digest); FormatError otherwise."""
+    record = _checked_record(folder, rank, run_id, step, grid)
     manifest = _manifest(folder, rank, record)
-    name = f"{stem}.pt"
+    name = f"{_stem(rank)}.pt"
     blob = load_tensors(manifest.verify(name, "checksum"))
     check_stored(manifest, name, blob, "checksum")
     return manifest, blob
@@ -403,25 +413,42 @@ def _candidates(node_dir: Path, rank: int) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def _usable(node_dir: Path, rank: int, run_id: str, grid: ProcessGrid, warn) -> list[int]:
-    """The newest :data:`KEEP` steps whose snapshot of ``rank`` under ``node_dir`` passes
-    every check; the others are warned about."""
+def _usable(
+    node_dir: Path, rank: int, run_id: str, grid: ProcessGrid, warn, skip: set[int]
+) -> list[int]:
+    """The newest :data:`KEEP` steps (none of ``skip``) whose snapshot of ``rank`` under
+    ``node_dir`` has a record of this run, step, rank and grid and a file of the recorded
+    size; the others are warned about. The checksums are checked of the one step loaded
+    (:func:`_restore_same_grid`): reading every candidate cost each restart a fifth of a
+    second."""
     good = []
     for step in _candidates(node_dir, rank):
-        if _peek(_step_dir(node_dir, step) / f"{_stem(rank)}.json", "grid") not in (
-            None,
-            grid.shape,
-        ):
+        if step in skip:
+            continue
+        folder = _step_dir(node_dir, step)
+        if _peek(folder / f"{_stem(rank)}.json", "grid") not in (None, grid.shape):
             continue  # another grid's snapshot: for the resharding restore, not a damage
         try:
-            _verified(_step_dir(node_dir, step), rank, run_id, step, grid)
-        except (FormatError, CheckpointError) as err:
+            _sized(folder, rank, _checked_record(folder, rank, run_id, step, grid))
+        except FormatError as err:
             warn(f"{err}; trying the next source")
             continue
         good.append(step)
         if len(good) == KEEP:
             break
     return good
+
+
+def _sized(folder: Path, rank: int, record: dict[str, Any]) -> None:
+    """FormatError unless the tensor file has the size its record gives."""
+    path = folder / f"{_stem(rank)}.pt"
+    want = record["file"].get("size") if isinstance(record["file"], dict) else None
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = None
+    if size != want:
+        raise FormatError(f"{path}: {size} bytes, its record says {want}")
 
 
 def _peek(path: Path, key: str) -> Any:
@@ -524,30 +551,33 @@ def _restore_same_grid(req: _Request) -> Restored | None:
     place = _Placement.of(req.root, run_id, grid)
     rank = grid.global_rank
 
-    own = _usable(place.node_dir, rank, run_id, grid, warn)
-    held = []
-    if place.predecessor is not None:
-        held = _usable(place.node_dir, place.predecessor, run_id, grid, warn)
-    row = torch.full((2, KEEP), -1, dtype=torch.int64)
-    row[0, : len(own)] = torch.tensor(own, dtype=torch.int64)
-    row[1, : len(held)] = torch.tensor(held, dtype=torch.int64)
-    table = comm.all_gather(row.to(grid.device), grid, "world").reshape(-1, 2, KEEP).cpu()
-    step = _agreed_step(table, grid, req.newer_than)
-    if step is None:
-        return None
-    own_ok = table[rank, 0].eq(step).any().item()
-    folder = _step_dir(place.node_dir, step)
-    if place.peer is not None:
-        _return_copies(table, step, grid, place, run_id)
-    try:  # checked again after the hand-over; every rank loads, or none does
-        manifest, blob = _verified(folder, rank, run_id, step, grid)
-        ok = 1
-    except FormatError as err:
-        warn(f"{err}; loading from disk")
-        ok = 0
-    agreed = comm.all_reduce(torch.tensor([ok], device=grid.device), grid, "world", op="min")
-    if not int(agreed.item()):
-        return None
+    failed: set[int] = set()  # steps whose file some rank found damaged
+    while True:
+        own = _usable(place.node_dir, rank, run_id, grid, warn, failed)
+        held = []
+        if place.predecessor is not None:
+            held = _usable(place.node_dir, place.predecessor, run_id, grid, warn, failed)
+        row = torch.full((2, KEEP), -1, dtype=torch.int64)
+        row[0, : len(own)] = torch.tensor(own, dtype=torch.int64)
+        row[1, : len(held)] = torch.tensor(held, dtype=torch.int64)
+        table = comm.all_gather(row.to(grid.device), grid, "world").reshape(-1, 2, KEEP).cpu()
+        step = _agreed_step(table, grid, req.newer_than)
+        if step is None:
+            return None
+        own_ok = table[rank, 0].eq(step).any().item()
+        folder = _step_dir(place.node_dir, step)
+        if place.peer is not None:
+            _return_copies(table, step, grid, place, run_id)
+        try:  # every check, after the hand-over; every rank loads, or none does
+            manifest, blob = _verified(folder, rank, run_id, step, grid)
+            ok = 1
+        except FormatError as err:
+            warn(f"{err}; trying the next source")
+            ok = 0
+        agreed = comm.all_reduce(torch.tensor([ok], device=grid.device), grid, "world", op="min")
+        if int(agreed.item()):
+            break
+        failed.add(step)  # on every rank alike: the next round agrees on an older step
     layout = model_layout(req.model, grid)
     pairs, opt_where = plan_restore(manifest, layout, optimizer, req.strict)
     name = f"{_stem(rank)}.pt"
