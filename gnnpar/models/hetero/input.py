@@ -45,11 +45,11 @@ class TypedInput(nn.Module):
         x: torch.Tensor | None,
         groups: TypeGroups | None = None,
         grouped: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[torch.Tensor]:
         """``(num_src, hidden)`` for ``block``'s sources from their features ``x``
         (``(num_src, max feat_dims)``; None when no type has features). ``groups``: the
-        block's sources by type, when already built; ``grouped``: the rows grouped by type
-        (``groups.order``), not in block order."""
+        block's sources by type, when already built; ``grouped``: a list instead, each type's
+        rows (``groups.sources(t)``, by rank), never concatenated."""
         schema = self.schema
         if groups is None:
             types = block_node_types(block, schema)
@@ -68,4 +68,4 @@ class TypedInput(nn.Module):
                 parts.append(enc(x[:, :d].index_select(0, rows)))
             else:
                 parts.append(enc(keys.index_select(0, rows) - schema.offsets[t]))
-        return torch.cat(parts) if grouped else groups.merge(parts)
+        return parts if grouped else groups.merge(parts)

@@ -124,16 +124,17 @@ class TypedGNN(nn.Module):
         dropout_seed: int | None = None,
         typed: TypedBlock | None = None,
         grouped: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Layer ``i`` on ``block``: (layer 0: the typed input of the raw features
         ``h_src``), dropout, the typed layer, ReLU; after the last, dropout and the
         classifier. ``typed``: :meth:`typed_block` of ``block``, when already built.
 
-        ``grouped`` (R-GCN): ``h_src`` (beyond layer 0) and the output hold the rows grouped
-        by node type (``typed.groups.order`` and ``dst_order``) instead of in block order:
-        a layer's grouped output is its successor's grouped input (the successor's sources
-        are its destinations, and a stable grouping keeps their order), so
-        :meth:`forward` regroups once, at the seeds, rather than at every layer."""
+        ``grouped`` (R-GCN): ``h_src`` (beyond layer 0) and the output are lists of each node
+        type's rows (``typed.groups.sources(t)`` and ``destinations(t)``, by rank) instead
+        of tensors in block order: a layer's grouped output is its successor's grouped input
+        (the successor's sources are its destinations, and a stable grouping keeps their
+        order), so :meth:`forward` regroups once, at the seeds, rather than at every layer,
+        and no layer concatenates or splits its rows."""
         if not 0 <= i < self.num_layers:
             raise UserError(f"layer {i} of a {self.num_layers}-layer model")
         if grouped and self.kind != "rgcn":
@@ -142,18 +143,26 @@ class TypedGNN(nn.Module):
             typed = self.typed_block(block)
         groups = typed.groups
         h = self.input(block, h_src, groups, grouped) if i == 0 else h_src
-        if grouped:
-            src_keys = lambda: block.keys.index_select(0, groups.order)  # noqa: E731
-            dst_keys = lambda: block.keys.index_select(0, groups.dst_order)  # noqa: E731
-        else:
-            src_keys, dst_keys = (lambda: block.keys), (lambda: block.keys[: block.num_dst])
-        h = self._drop(h, src_keys, dropout_seed, i)
         layer = self.layers[i]
-        h = torch.relu(layer(block, h, typed, grouped) if grouped else layer(block, h, typed))
+        if not grouped:
+            h = self._drop(h, lambda: block.keys, dropout_seed, i)
+            h = torch.relu(layer(block, h, typed))
+            if i < self.num_layers - 1:
+                return h
+            h = self._drop(h, lambda: block.keys[: block.num_dst], dropout_seed, self.num_layers)
+            return self.classifier(h)
+        types = range(groups.num_types)
+        h = [self._drop(h[t], _keys(block, groups.sources, t), dropout_seed, i) for t in types]
+        h = [torch.relu(part) for part in layer(block, h, typed, grouped)]
         if i < self.num_layers - 1:
             return h
-        h = self._drop(h, dst_keys, dropout_seed, self.num_layers)
-        return self.classifier(h)
+        last = self.num_layers
+        return [
+            self.classifier(
+                self._drop(h[t], _keys(block, groups.destinations, t), dropout_seed, last)
+            )
+            for t in types
+        ]
 
     def forward(
         self,
@@ -174,4 +183,9 @@ class TypedGNN(nn.Module):
             h = self.forward_layer(i, block, h, dropout_seed, t, grouped)
         if not grouped:
             return h
-        return t.groups.merge(h.split(list(t.groups.dst_counts)), dst=True)  # the seeds' order
+        return t.groups.merge(h, dst=True)  # the seeds' order
+
+
+def _keys(block: Any, rows: Callable[[int], torch.Tensor], t: int) -> Callable[[], torch.Tensor]:
+    """The keys of type ``t``'s ``rows`` of ``block`` (the dropout masks' keys), when asked."""
+    return lambda: block.keys.index_select(0, rows(t))

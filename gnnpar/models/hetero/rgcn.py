@@ -104,18 +104,20 @@ class RGCNConv(nn.Module):
     def forward(
         self,
         block: Any,
-        h_src: torch.Tensor,
+        h_src: torch.Tensor | list[torch.Tensor],
         typed: TypedBlock | None = None,
         grouped: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Outputs of the block's destinations from its sources' ``h_src``. ``typed``: the
         block's :class:`~gnnpar.models.hetero.index.TypedBlock`, when already built.
-        ``grouped``: ``h_src`` and the output hold the rows grouped by node type
-        (``typed.groups.order`` and ``dst_order``), not in block order: no regrouping."""
-        if h_src.shape != (block.num_src, self.in_dim):
-            raise UserError(
-                f"h_src must have shape ({block.num_src}, {self.in_dim}), got {tuple(h_src.shape)}"
-            )
+        ``grouped``: ``h_src`` and the output are lists of each node type's rows
+        (``typed.groups.sources(t)`` and ``destinations(t)``, by rank), not tensors in block
+        order: nothing is regrouped, split or concatenated."""
+        rows = sum(len(h) for h in h_src) if grouped else len(h_src)
+        width = {h.shape[-1] for h in h_src} if grouped else {h_src.shape[-1]}
+        if rows != block.num_src or width != {self.in_dim}:
+            got = [tuple(h.shape) for h in h_src] if grouped else tuple(h_src.shape)
+            raise UserError(f"h_src must have shape ({block.num_src}, {self.in_dim}), got {got}")
         if typed is None:
             known = block.node_type is not None and block.num_src
             num_types = int(block.node_type.max()) + 1 if known else 1
@@ -125,7 +127,9 @@ class RGCNConv(nn.Module):
                             f"{self.num_relations}")  # fmt: skip
         groups = typed.groups
         weights = self.relation_weights()
-        by_type = list(h_src.split(groups.counts)) if grouped else groups.split(h_src)
+        by_type = list(h_src) if grouped else groups.split(h_src)
+        if grouped and len(by_type) != groups.num_types:
+            raise UserError(f"h_src holds {len(by_type)} types, the block {groups.num_types}")
         outs: list[torch.Tensor | None] = [None] * groups.num_types
         fi, fo = self.in_dim, self.out_dim
         for r, rel in enumerate(typed.relations):
@@ -139,14 +143,18 @@ class RGCNConv(nn.Module):
                 agg = self._transform(block_mean(rel, by_type[s]), weights[r])
             outs[d] = agg if outs[d] is None else outs[d] + agg
         parts = [
-            h_src.new_zeros(groups.dst_counts[t], fo) if o is None else o
+            by_type[t].new_zeros(groups.dst_counts[t], fo) if o is None else o
             for t, o in enumerate(outs)
         ]
-        if grouped:
-            out = torch.cat(parts)
-            h_dst = torch.cat([by_type[t][:n] for t, n in enumerate(groups.dst_counts)])
-        else:
-            out, h_dst = groups.merge(parts, dst=True), h_src[: block.num_dst]
+        if grouped:  # per type: its destinations are the head of its sources
+            return [
+                self._self_terms(part, by_type[t][:n])
+                for t, (part, n) in enumerate(zip(parts, groups.dst_counts, strict=True))
+            ]
+        return self._self_terms(groups.merge(parts, dst=True), h_src[: block.num_dst])
+
+    def _self_terms(self, out: torch.Tensor, h_dst: torch.Tensor) -> torch.Tensor:
+        """``out + h_dst W_root + b`` (each where the layer has it)."""
         if self.root is not None:
-            out = out + h_dst @ self.root
+            out = torch.addmm(out, h_dst, self.root)
         return out if self.bias is None else out + self.bias
