@@ -571,7 +571,7 @@ def _restore_same_grid(req: _Request) -> Restored | None:
         try:  # every check, after the hand-over; every rank loads, or none does
             manifest, blob = _verified(folder, rank, run_id, step, grid)
             ok = 1
-        except FormatError as err:
+        except (FormatError, CheckpointError) as err:
             warn(f"{err}; trying the next source")
             ok = 0
         agreed = comm.all_reduce(torch.tensor([ok], device=grid.device), grid, "world", op="min")

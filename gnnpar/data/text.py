@@ -63,9 +63,9 @@ __all__ = [
     "TokenBlocks",
     "load_corpus",
     "read_source",
-    "source_fingerprint",
     "read_text",
     "shakespeare_text",
+    "source_fingerprint",
 ]
 
 SHAKESPEARE = "shakespeare"

@@ -113,10 +113,10 @@ class RGCNConv(nn.Module):
         ``grouped``: ``h_src`` and the output are lists of each node type's rows
         (``typed.groups.sources(t)`` and ``destinations(t)``, by rank), not tensors in block
         order: nothing is regrouped, split or concatenated."""
-        rows = sum(len(h) for h in h_src) if grouped else len(h_src)
-        width = {h.shape[-1] for h in h_src} if grouped else {h_src.shape[-1]}
-        if rows != block.num_src or width != {self.in_dim}:
-            got = [tuple(h.shape) for h in h_src] if grouped else tuple(h_src.shape)
+        given = list(h_src) if grouped else [h_src]
+        rows = sum(h.shape[0] for h in given if h.dim() == 2)
+        if rows != block.num_src or any(h.dim() != 2 or h.shape[1] != self.in_dim for h in given):
+            got = [tuple(h.shape) for h in given] if grouped else tuple(h_src.shape)
             raise UserError(f"h_src must have shape ({block.num_src}, {self.in_dim}), got {got}")
         if typed is None:
             known = block.node_type is not None and block.num_src
