@@ -38,8 +38,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
-import io
 import json
+import mmap
 import os
 import sys
 import tempfile
@@ -129,15 +129,28 @@ def _record(
     }
 
 
-def _write_pair(folder: Path, rank: int, data: bytes, record: dict[str, Any], step: int) -> None:
-    """Rank ``rank``'s tensor file, then its record (the record last: a file without one is
-    a torn write)."""
+def _write_pair(
+    folder: Path, rank: int, write: Callable[[str], None], record: Callable[[], dict[str, Any]],
+    step: int,
+) -> None:  # fmt: skip
+    """Rank ``rank``'s tensor file (``write(tmp_path)``), then its ``record()`` (the record
+    last: a file without one is a torn write)."""
     folder.mkdir(parents=True, exist_ok=True)
     stem = _stem(rank)
-    atomic_write(folder / f"{stem}.pt", lambda tmp: Path(tmp).write_bytes(data))
-    failpoint("snapshot", step, record["writer"])  # a chaos run's kill mid-snapshot
-    text = json.dumps(record)
+    atomic_write(folder / f"{stem}.pt", write)
+    doc = record()
+    failpoint("snapshot", step, doc["writer"])  # a chaos run's kill mid-snapshot
+    text = json.dumps(doc)
     atomic_write(folder / f"{stem}.json", lambda tmp: Path(tmp).write_text(text))
+
+
+def _mapped(path: Path) -> memoryview:
+    """The bytes of ``path``, mapped copy-on-write and never written: read in place (on a
+    tmpfs, memory already), not copied into this process; writable for ``torch.frombuffer``."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return memoryview(bytearray())
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
 
 def _prune(node_dir: Path, rank: int, keep_from: int) -> None:
@@ -226,17 +239,23 @@ class SnapshotWriter:
         meta["digests"] = {n: entry_digest(d, blob[n]) for n, d in meta["pieces"].items()}
         meta["writer"] = rank
         meta["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        buf = io.BytesIO()
-        torch.save(blob, buf)  # plain tensors: they load with weights_only=True
-        data = buf.getvalue()
-        record = _record(self.run_id, step, rank, self.grid, data, meta)
         folder = _step_dir(self.place.node_dir, step)
+        path = folder / f"{_stem(rank)}.pt"
+        mine: list[Any] = []  # the file's bytes and record, once written
+
+        def record() -> dict[str, Any]:
+            data = _mapped(path)  # checksummed and sent from the file's pages
+            mine[:] = [data, _record(self.run_id, step, rank, self.grid, data, meta)]
+            return mine[1]
+
         try:
-            _write_pair(folder, rank, data, record, step)
+            # plain tensors, straight into the file: they load with weights_only=True
+            _write_pair(folder, rank, lambda tmp: torch.save(blob, tmp), record, step)
             if self.place.peer is not None:
-                got, got_record = self._exchange(data, record)
+                got, got_record = self._exchange(*mine)
                 got_record["writer"] = rank  # the copy's holder
-                _write_pair(folder, self.place.predecessor, got, got_record, step)
+                copy = lambda tmp: Path(tmp).write_bytes(got)  # noqa: E731
+                _write_pair(folder, self.place.predecessor, copy, lambda: got_record, step)
         except OSError as err:
             raise CheckpointError(os_error_message(err) + " (writing a snapshot)") from None
         self._steps.append(step)
@@ -247,7 +266,9 @@ class SnapshotWriter:
                 _prune(self.place.node_dir, self.place.predecessor, oldest)
         self.last_write_s = time.perf_counter() - t0
 
-    def _exchange(self, data: bytes, record: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    def _exchange(
+        self, data: memoryview, record: dict[str, Any]
+    ) -> tuple[memoryview, dict[str, Any]]:
         """Send this rank's snapshot to its peer and receive its predecessor's."""
         return _send_receive(data, record, self.place.peer, self.place.predecessor, self._group)
 
@@ -273,11 +294,12 @@ class SnapshotWriter:
 
 
 def _send_receive(
-    data: bytes | None, record: dict[str, Any] | None, to: int | None, frm: int | None, group: Any
-) -> tuple[bytes, dict[str, Any]] | None:
-    """Send ``data`` and ``record`` to rank ``to`` and receive the same from ``frm`` (either
-    may be None: one way only), point-to-point on ``group`` (None: the world): sizes first,
-    then the bytes. Returns what was received (None when nothing was)."""
+    data: Any, record: dict[str, Any] | None, to: int | None, frm: int | None, group: Any
+) -> tuple[memoryview, dict[str, Any]] | None:
+    """Send ``data`` (a buffer) and ``record`` to rank ``to`` and receive the same from
+    ``frm`` (either may be None: one way only), point-to-point on ``group`` (None: the
+    world): sizes first, then the bytes, then the record, none of them copied into one
+    message. Returns what was received (None when nothing was): its bytes, in place."""
     sizes = got_sizes = None
     if to is not None:
         text = json.dumps(record).encode()
@@ -287,15 +309,22 @@ def _send_receive(
     _exchange_pair(sizes, to, got_sizes, frm, group)
     out = got = None
     if to is not None:
-        out = torch.frombuffer(bytearray(data + text), dtype=torch.uint8)
+        view = memoryview(data)
+        out = [_as_bytes(bytearray(view) if view.readonly else view), _as_bytes(bytearray(text))]
     if frm is not None:
-        n, m = (int(v) for v in got_sizes)
-        got = torch.empty(n + m, dtype=torch.uint8)
-    _exchange_pair(out, to, got, frm, group)
+        got = [torch.empty(int(v), dtype=torch.uint8) for v in got_sizes]
+    for i in range(2):
+        _exchange_pair(out and out[i], to, got and got[i], frm, group)
     if got is None:
         return None
-    raw = got.numpy().tobytes()
-    return raw[:n], json.loads(raw[n:].decode())
+    return memoryview(got[0].numpy()), json.loads(bytes(got[1].numpy()).decode())
+
+
+def _as_bytes(buf: Any) -> torch.Tensor:
+    """A uint8 tensor over ``buf`` (writable), no copy; empty when it is."""
+    return (
+        torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    )
 
 
 def _exchange_pair(
@@ -494,14 +523,14 @@ def _return_copies(
         data, record = _send_receive(None, None, None, place.peer, None)
         record["writer"] = rank
         try:
-            _write_pair(folder, rank, data, record, step)
+            _write_pair(folder, rank, lambda tmp: Path(tmp).write_bytes(data), lambda: record, step)
         except OSError as err:
             raise CheckpointError(os_error_message(err) + " (restoring a snapshot)") from None
     pred = place.predecessor
     if pred is not None and step not in table[pred, 0].tolist():
         stem = _stem(pred)
         record = json.loads((folder / f"{stem}.json").read_text())
-        _send_receive((folder / f"{stem}.pt").read_bytes(), record, pred, None, None)
+        _send_receive(_mapped(folder / f"{stem}.pt"), record, pred, None, None)
 
 
 def restore(
