@@ -129,19 +129,16 @@ def _record(
     }
 
 
-def _write_pair(
-    folder: Path, rank: int, write: Callable[[str], None], record: Callable[[], dict[str, Any]],
-    step: int,
-) -> None:  # fmt: skip
-    """Rank ``rank``'s tensor file (``write(tmp_path)``), then its ``record()`` (the record
-    last: a file without one is a torn write)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = _stem(rank)
-    atomic_write(folder / f"{stem}.pt", write)
-    doc = record()
-    failpoint("snapshot", step, doc["writer"])  # a chaos run's kill mid-snapshot
-    text = json.dumps(doc)
-    atomic_write(folder / f"{stem}.json", lambda tmp: Path(tmp).write_text(text))
+def _write_tensors(folder: Path, rank: int, write: Callable[[str], None]) -> None:
+    """Rank ``rank``'s tensor file in ``folder``, written by ``write(tmp_path)``."""
+    atomic_write(folder / f"{_stem(rank)}.pt", write)
+
+
+def _write_record(folder: Path, rank: int, record: dict[str, Any], step: int) -> None:
+    """Rank ``rank``'s record, after its tensor file: a file without one is a torn write."""
+    failpoint("snapshot", step, record["writer"])  # a chaos run's kill mid-snapshot
+    text = json.dumps(record)
+    atomic_write(folder / f"{_stem(rank)}.json", lambda tmp: Path(tmp).write_text(text))
 
 
 def _mapped(path: Path) -> memoryview:
@@ -240,22 +237,18 @@ class SnapshotWriter:
         meta["writer"] = rank
         meta["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         folder = _step_dir(self.place.node_dir, step)
-        path = folder / f"{_stem(rank)}.pt"
-        mine: list[Any] = []  # the file's bytes and record, once written
-
-        def record() -> dict[str, Any]:
-            data = _mapped(path)  # checksummed and sent from the file's pages
-            mine[:] = [data, _record(self.run_id, step, rank, self.grid, data, meta)]
-            return mine[1]
-
+        pred = self.place.predecessor
         try:
             # plain tensors, straight into the file: they load with weights_only=True
-            _write_pair(folder, rank, lambda tmp: torch.save(blob, tmp), record, step)
+            _write_tensors(folder, rank, lambda tmp: torch.save(blob, tmp))
+            data = _mapped(folder / f"{_stem(rank)}.pt")  # checksummed and sent in place
+            record = _record(self.run_id, step, rank, self.grid, data, meta)
+            _write_record(folder, rank, record, step)
             if self.place.peer is not None:
-                got, got_record = self._exchange(*mine)
+                got, got_record = self._exchange(data, record)
                 got_record["writer"] = rank  # the copy's holder
-                copy = lambda tmp: Path(tmp).write_bytes(got)  # noqa: E731
-                _write_pair(folder, self.place.predecessor, copy, lambda: got_record, step)
+                _write_tensors(folder, pred, lambda tmp: Path(tmp).write_bytes(got))
+                _write_record(folder, pred, got_record, step)
         except OSError as err:
             raise CheckpointError(os_error_message(err) + " (writing a snapshot)") from None
         self._steps.append(step)
@@ -523,7 +516,8 @@ def _return_copies(
         data, record = _send_receive(None, None, None, place.peer, None)
         record["writer"] = rank
         try:
-            _write_pair(folder, rank, lambda tmp: Path(tmp).write_bytes(data), lambda: record, step)
+            _write_tensors(folder, rank, lambda tmp: Path(tmp).write_bytes(data))
+            _write_record(folder, rank, record, step)
         except OSError as err:
             raise CheckpointError(os_error_message(err) + " (restoring a snapshot)") from None
     pred = place.predecessor
