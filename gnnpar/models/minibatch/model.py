@@ -43,12 +43,17 @@ __all__ = ["BlockGNN", "GATConv", "GCNConv", "SAGEConv", "block_mean", "block_su
 _KINDS = ("sage", "gcn", "gat")
 
 
-def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum_{u -> v} w_uv h_u`` for every destination ``v`` (weights default to 1)."""
+def _check_rows(block: Any, h_src: torch.Tensor) -> None:
+    """ValueError unless ``h_src`` has one row per source of ``block``."""
     if h_src.shape[0] != block.num_src:
         raise ValueError(
             f"the block has {block.num_src} source nodes but h_src has {h_src.shape[0]} rows"
         )
+
+
+def block_sum(block: Any, h_src: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_{u -> v} w_uv h_u`` for every destination ``v`` (weights default to 1)."""
+    _check_rows(block, h_src)
     if weight is None:
         if hasattr(block, "operator"):  # a sampled Block keeps its operators
             return spmm(block.operator("sum", h_src.dtype), h_src)
@@ -68,10 +73,7 @@ def block_mean(
     if given is not None:
         return block_sum(block, h_src, given.to(h_src.dtype))
     if edge_weight is None and hasattr(block, "operator"):  # a sampled Block keeps its operators
-        if h_src.shape[0] != block.num_src:
-            raise ValueError(
-                f"the block has {block.num_src} source nodes but h_src has {h_src.shape[0]} rows"
-            )
+        _check_rows(block, h_src)
         return spmm(block.operator("mean", h_src.dtype), h_src)
     deg = block.in_degrees()
     if edge_weight is None:
