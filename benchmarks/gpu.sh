@@ -32,6 +32,11 @@ echo "== a mixture-of-experts GPT on the GPU (4 experts, top 2, ZeRO-3; 20 steps
 "$PY" -m gnnpar.cli train gpt --moe-experts 4 --device cuda --n-layer 2 --n-embd 128 \
     --n-head 4 --steps 20 --eval-every 0 --sample-tokens 0 --zero-stage 3 --quiet \
     --overwrite --out "${TMPDIR:-/tmp}/gnnpar-gpu-moe" || status=1
+echo "== snapshots every step on the GPU (device tensors written to host memory; 12 steps)"
+"$PY" -m gnnpar.cli train gpt --device cuda --n-layer 2 --n-embd 128 --n-head 4 --steps 12 \
+    --eval-every 0 --sample-tokens 0 --snapshot-every 1 --quiet --overwrite \
+    --snapshot-dir "${TMPDIR:-/tmp}/gnnpar-gpu-snapshots" \
+    --out "${TMPDIR:-/tmp}/gnnpar-gpu-snapshot" || status=1
 echo "== benchmarks"
 "$PY" benchmarks/gpu.py "$@" || status=1
 exit $status

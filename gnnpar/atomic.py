@@ -60,10 +60,14 @@ def check_writable(folder: str | os.PathLike) -> None:
     os.unlink(tmp)
 
 
-def atomic_write(dest: str | os.PathLike, write: Callable[[str], None]) -> None:
+def atomic_write(
+    dest: str | os.PathLike, write: Callable[[str], None], reuse: Path | None = None
+) -> None:
     """Call ``write(tmp_path)`` and rename the result to ``dest``; on any error the temporary
     file is removed and the error raised (an :class:`OSError` naming ``dest``), ``dest``
-    untouched."""
+    untouched. ``reuse``: a file no longer needed, on the same file system, that becomes the
+    temporary file (a writer that overwrites it in place reuses its pages: on a tmpfs,
+    allocating and clearing fresh pages costs several times the copy into them)."""
     dest = Path(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -71,6 +75,11 @@ def atomic_write(dest: str | os.PathLike, write: Callable[[str], None]) -> None:
     except OSError as err:
         raise naming(err, dest) from None
     os.close(fd)
+    if reuse is not None:
+        try:
+            os.replace(reuse, tmp)
+        except OSError:
+            pass  # gone, or elsewhere: the empty temporary file serves
     try:
         write(tmp)
         # mkstemp creates 0600; give the file the permissions a plain open() would.

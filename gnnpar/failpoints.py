@@ -6,8 +6,9 @@ hits such a moment only by luck. ``$GNNPAR_FAILPOINTS`` lists the failures a run
 suffer, comma-separated, each ``place@step:rank:attempt=action``:
 
 - ``place``: ``step`` (after the step's update, before anything is saved), ``snapshot``
-  (a snapshot's tensor file written, its record not yet: a torn snapshot), ``checkpoint``
-  (a disk checkpoint's rank file written, its manifest not yet);
+  (a snapshot's tensor file written, its record not yet: a torn snapshot), ``logged``
+  (the step logged, its snapshot taken), ``checkpoint`` (a disk checkpoint's rank file
+  written, its manifest not yet);
 - ``step``: the step (1-based, as the metrics count) at which it fires;
 - ``rank``: the global rank that fails (default 0);
 - ``attempt``: the launcher's restart count it fires in (default 0: the first start, so
@@ -36,7 +37,7 @@ from gnnpar.errors import UserError
 __all__ = ["ENV", "PLACES", "Failpoint", "failpoint", "parse_failpoints"]
 
 ENV = "GNNPAR_FAILPOINTS"
-PLACES = ("step", "snapshot", "checkpoint")
+PLACES = ("step", "snapshot", "logged", "checkpoint")
 ACTIONS = ("kill", "stop", "exit", "lose-node")
 
 

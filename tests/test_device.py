@@ -49,6 +49,7 @@ TASKS = {
     "gpt-zero2-clip": ["gpt", *_GPT, "--zero-stage", "2", "--grad-clip", "1.0"],
     "hf-gpt2": ["gpt", *_GPT, *_HF],
     "gpt-moe": ["gpt", *_GPT, "--moe-experts", "4", "--zero-stage", "3"],
+    "gpt-snapshots": ["gpt", *_GPT, "--snapshot-every", "1"],  # device state written to host
     "link-full": ["link", *_SBM, "--mode", "full", "--epochs", "1"],
     "link-minibatch": ["link", *_SBM, "--epochs", "1", "--prefetch", "0"],
     "rgcn-full": ["gcn", *_MAG, "--model", "rgcn", "--epochs", "2"],
@@ -56,7 +57,7 @@ TASKS = {
 }  # fmt: skip
 
 # Wall-clock and memory figures differ between any two runs.
-_TIMING = ("seconds", "_per_s", "rss", "time")
+_TIMING = ("seconds", "_per_s", "rss", "time", "snapshot_")
 
 
 

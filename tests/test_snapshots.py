@@ -11,9 +11,10 @@
   (``$GNNPAR_FAILPOINTS``, :mod:`gnnpar.failpoints`) — a rank killed while it writes a
   snapshot, one killed while it writes a disk checkpoint, and a node lost with its snapshot
   memory (its ranks restore from the copies the next node holds) or a rank hung past the
-  collectives' timeout — finish with final parameters bit-identical (``torch.equal``) to an
-  uninterrupted run with the same seed, for gcn (x=2, z=2), sage (mini-batch, 2 parts on
-  2 nodes) and gpt (data=2, x=2, ZeRO-3), and each restart resumed from where the plan says.
+  collectives' timeout as its step is logged (no logged step is lost) — finish with final
+  parameters bit-identical (``torch.equal``) to an uninterrupted run with the same seed, for
+  gcn (x=2, z=2), sage (mini-batch, 2 parts on 2 nodes) and gpt (data=2, x=2, ZeRO-3), and
+  each restart resumed from where the plan says.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,82 @@ def _state(step: int):
     return model, opt
 
 
+def test_a_tensor_pack_reads_back_what_it_was_given_and_refuses_a_bad_layout(tmp_path):
+    from gnnpar.checkpoint.pack import ALIGN, load_pack, save_pack
+    from gnnpar.verified import CHECKSUM, FormatError, checksum
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "half": torch.randn(7, generator=g).to(torch.bfloat16),
+        "strided": torch.randn(4, 6, generator=g)[:, ::2],  # not contiguous
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+    }
+    path = tmp_path / "p.bin"
+    layout, entry = save_pack(path, tensors)
+    assert entry == {"size": path.stat().st_size, CHECKSUM: checksum(path)}
+    assert all(doc["offset"] % ALIGN == 0 for doc in layout.values())
+    back = load_pack(path, layout)
+    assert list(back) == list(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    bad = {
+        "an unknown dtype": {**layout, "w": {**layout["w"], "dtype": "object"}},
+        "past the end": {**layout, "w": {**layout["w"], "shape": [3, 500]}},
+        "misaligned": {**layout, "w": {**layout["w"], "offset": 8}},
+        "a negative size": {**layout, "w": {**layout["w"], "shape": [-1]}},
+    }
+    for what, doc in bad.items():
+        with pytest.raises(FormatError, match="p.bin") as err:
+            load_pack(path, doc)
+        assert "\n" not in str(err.value), what
+
+
+def test_a_rank_s_snapshot_is_whole_in_memory_when_take_returns(tmp_path):
+    """What the step waits for is this rank's whole snapshot, file and record: the step is
+    logged next, and a logged step must survive the process. The writer's background thread
+    (the copy to the peer) is held up here, so that nothing it does can pass for take's."""
+    import threading
+
+    import gnnpar
+    from gnnpar.checkpoint.snapshot import SnapshotWriter, restore
+
+    grid = gnnpar.init()
+    writer = SnapshotWriter(tmp_path, "00000000000abc", grid)
+    held, share = threading.Event(), writer._share
+    writer._share = lambda *args: (held.wait(), share(*args))  # held until released
+    try:
+        model, opt = _state(3)
+        writer.take(3, model, opt, {"task": {"step": 3}}, {"rng": torch.tensor([3])})
+        restored, restored_opt = _state(7)
+        found = restore(tmp_path, "00000000000abc", grid, restored, restored_opt)
+        assert found is not None and found.step == 3 and found.source == "memory"
+        for k, v in model.state_dict().items():
+            assert torch.equal(restored.state_dict()[k], v), k
+    finally:
+        held.set()
+        writer.close()
+
+
+def test_a_failed_run_exits_without_waiting_for_its_copy_to_the_peer(tmp_path):
+    """A run that failed leaves its copy in flight (its peer may never answer): the process
+    must exit at once, not when the copy's collective times out."""
+    code = f"""
+import time, torch, gnnpar
+from gnnpar.checkpoint.snapshot import SnapshotWriter
+writer = SnapshotWriter({str(tmp_path)!r}, "00000000000abc", gnnpar.init())
+writer._share = lambda *args: time.sleep(60)  # a peer that never answers
+model = torch.nn.Linear(3, 2)
+writer.take(1, model, None, {{}}, {{}})
+writer.close(wait=False)
+"""
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    assert time.monotonic() - start < 30
+
+
 @pytest.mark.parametrize("damage", ["torn", "another run", "another step", "changed file"])
 def test_a_damaged_or_foreign_snapshot_is_refused_for_the_previous_one(tmp_path, capfd, damage):
     import gnnpar
@@ -81,12 +159,12 @@ def test_a_damaged_or_foreign_snapshot_is_refused_for_the_previous_one(tmp_path,
         doc = json.loads(record.read_text())
         record.write_text(json.dumps({**doc, "run": "00000000000def"}))
     elif damage == "another step":
-        for name in ("rank-00000.pt", "rank-00000.json"):
+        for name in ("rank-00000.bin", "rank-00000.json"):
             (newest / name).write_bytes((folder / "step-000001" / name).read_bytes())
     else:
-        data = bytearray((newest / "rank-00000.pt").read_bytes())
+        data = bytearray((newest / "rank-00000.bin").read_bytes())
         data[-40] ^= 1
-        (newest / "rank-00000.pt").write_bytes(bytes(data))
+        (newest / "rank-00000.bin").write_bytes(bytes(data))
     model, opt = _state(7)
     found = restore(tmp_path, "00000000000abc", grid, model, opt)
     assert found is not None and found.step == 1 and found.source == "memory"
@@ -101,7 +179,7 @@ def test_a_damaged_or_foreign_snapshot_is_refused_for_the_previous_one(tmp_path,
         "torn": "no snapshot record (a torn write)",
         "another run": "a snapshot of another run",
         "another step": "a snapshot of another step",
-        "changed file": "rank-00000.pt",
+        "changed file": "rank-00000.bin",
     }[damage]
     assert want in warned and "step-000002" in warned, warned
     # nothing fresher than a newer disk checkpoint is restored
@@ -157,9 +235,10 @@ def _chaos(tmp_path: Path, argv: list[str], plan: str, third: list[tuple[int, st
 
 #: Rank 1 killed while it writes its snapshot of step 2 (every rank restores step 1), rank 0
 #: killed while it writes the disk checkpoint of step 4 (the snapshot of step 4 is complete:
-#: the trainer finishes a snapshot before it writes a checkpoint), then a third failure after
-#: step 6, before its snapshot, each test's own: ranks restore step 5, or step 4 when the
-#: failure caught a rank's step-5 snapshot still in its background write.
+#: the trainer finishes a snapshot before it writes a checkpoint), then a third failure, each
+#: test's own: a node lost after step 6, before its snapshot (its ranks take step 5 from the
+#: peers' copies, or step 4 when a copy of step 5 was still being sent), or a rank hung the
+#: moment step 6 is logged (every rank's own snapshot of a logged step is in memory: step 6).
 _PLAN = "snapshot@2:1,checkpoint@4:0:1,"
 
 
@@ -190,8 +269,9 @@ def test_chaos_gpt_zero3_ends_bit_identical_after_a_hung_rank(tmp_path, one_proc
             "--sample-tokens", "0", "--dropout", "0.1", "--grid", "data=2,x=2",
             "--zero-stage", "3", "--nprocs", "4", "--ranks-per-node", "2",
             "--timeout", "10"]  # fmt: skip
-    # rank 2 hangs after step 6: the others time out after 10 s, all restart
-    _chaos(tmp_path, argv, _PLAN + "step@6:2:2=stop", [(5, "memory"), (4, "memory")])
+    # rank 2 hangs as step 6 is logged: the others time out after 10 s, all restart, and
+    # no logged step is lost
+    _chaos(tmp_path, argv, _PLAN + "logged@6:2:2=stop", [(6, "memory")])
 
 
 def test_shrink_to_two_data_replicas_and_grow_back_ends_bit_identical(tmp_path, one_process):

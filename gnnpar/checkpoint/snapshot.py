@@ -1,24 +1,26 @@
 """In-memory snapshots (REFT): the checkpoint of a step kept in node-local shared memory, with
 a copy on the next node, so that a restart loses (almost) no steps and reads no disk.
 
-Every ``snapshot_every`` steps each rank copies its pieces of the model and of the optimizer
+Every ``snapshot_every`` steps each rank writes its pieces of the model and of the optimizer
 state (the same pieces a checkpoint holds, :func:`gnnpar.checkpoint.store.rank_pieces`, but
 all of them: a rank restores from its own file alone), its RNG state and the task's position
-to host memory — the only part the step waits for — and a background thread does the rest:
-it serialises them, sends them to its *peer* (the rank with the same local rank on the next
-node, over a gloo group of its own) and writes its own and the copy it received into its
-node's snapshot folder, a tmpfs (``/dev/shm``: memory that outlives the worker process, not
-the node)::
+into its node's snapshot folder, a tmpfs (``/dev/shm``: memory that outlives the worker
+process, not the node), as a tensor pack (:mod:`gnnpar.checkpoint.pack`: the bytes, straight
+from the tensors, hashed as they are written) and its record. That is the part the step waits
+for, and it is done before the step is logged: **a killed process loses no step that was
+logged.** A background thread then sends both to the rank's *peer* (the rank with the same
+local rank on the next node, over a gloo group of its own), which writes the copy into its
+own node's folder::
 
-    <snapshot_dir>/<run id>/node-<N>/step-<S>/rank-<R>.pt     rank R's tensors at step S
+    <snapshot_dir>/<run id>/node-<N>/step-<S>/rank-<R>.bin    rank R's tensors at step S
                                               rank-<R>.json   its record, written last
 
 Node N's folder holds its own ranks' files and the copies of the previous node's ranks'.
 Each file is written under a temporary name and renamed; the record, written last, names
-the run, the step, the rank and the grid and carries the file's size and checksum: a torn
-write (no record, or a file that does not match it), another run's file, or another step's
-is refused with a warning and the next source tried. Each rank keeps its newest
-:data:`KEEP` snapshots (of its own and of the copies it holds).
+the run, the step, the rank and the grid and carries the file's size, checksum and layout
+and each entry's digest: a torn write (no record, or a file that does not match it),
+another run's file, or another step's is refused with a warning and the next source tried.
+Each rank keeps its newest :data:`KEEP` snapshots (of its own and of the copies it holds).
 
 :func:`restore` (collective, at a restart on the same grid): every rank lists its snapshots
 whose records check out (this run, step, rank and grid, a file of the recorded size) — its
@@ -35,7 +37,6 @@ a killed process, not a lost node. ``--ranks-per-node`` simulates several nodes 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -43,6 +44,7 @@ import mmap
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -50,17 +52,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from gnnpar import comm
 from gnnpar.atomic import atomic_write, os_error_message
+from gnnpar.checkpoint.pack import load_pack, save_pack
 from gnnpar.checkpoint.protocol import CheckpointError
 from gnnpar.checkpoint.state import model_layout
 from gnnpar.checkpoint.store import LOCAL, apply_restore, plan_restore, rank_pieces
 from gnnpar.checkpoint.validate import check_stored, entry_digest, stored_chunk
 from gnnpar.failpoints import failpoint
 from gnnpar.grid import ProcessGrid
-from gnnpar.verified import CHECKSUM, FormatError, Manifest, load_tensors
+from gnnpar.verified import FormatError, Manifest
 
 __all__ = [
     "KEEP",
@@ -72,7 +74,7 @@ __all__ = [
 ]
 
 SCHEMA = "gnnpar.snapshot"
-VERSION = 1
+VERSION = 2  # 1: a torch.save file, written in the background
 #: Snapshots each rank keeps of its own, and of the copies it holds.
 KEEP = 2
 #: Candidate steps a rank reports at a restore (own and held, :data:`KEEP` each).
@@ -89,6 +91,11 @@ def default_root() -> Path:
 
 def _stem(rank: int) -> str:
     return f"rank-{rank:05d}"
+
+
+def _data(rank: int) -> str:
+    """Rank ``rank``'s tensor file (a pack) in a step folder."""
+    return f"{_stem(rank)}.bin"
 
 
 def _step_dir(node_dir: Path, step: int) -> Path:
@@ -114,7 +121,7 @@ class _Placement:
 
 
 def _record(
-    run_id: str, step: int, rank: int, grid: ProcessGrid, data: bytes, meta: dict[str, Any]
+    run_id: str, step: int, rank: int, grid: ProcessGrid, file: dict, meta: dict[str, Any]
 ) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
@@ -124,14 +131,24 @@ def _record(
         "rank": rank,
         "grid": grid.shape,
         "world_size": grid.world_size,
-        "file": {"size": len(data), CHECKSUM: xxhash.xxh3_64(data).hexdigest()},
+        "file": file,
         **meta,
     }
 
 
-def _write_tensors(folder: Path, rank: int, write: Callable[[str], None]) -> None:
-    """Rank ``rank``'s tensor file in ``folder``, written by ``write(tmp_path)``."""
-    atomic_write(folder / f"{_stem(rank)}.pt", write)
+def _write_tensors(
+    folder: Path, rank: int, write: Callable[[str], None], reuse: Path | None = None
+) -> None:
+    """Rank ``rank``'s tensor file in ``folder``, written by ``write(tmp_path)`` over
+    ``reuse`` when given (a pruned snapshot's file: :func:`_prune`)."""
+    atomic_write(folder / _data(rank), write, reuse)
+
+
+def _overwrite(path: str, data: memoryview) -> None:
+    """``data`` into ``path`` in place (its pages reused), cut to its size."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:
+        f.write(data)
+        f.truncate(len(data))
 
 
 def _write_record(folder: Path, rank: int, record: dict[str, Any], step: int) -> None:
@@ -150,16 +167,25 @@ def _mapped(path: Path) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
 
+def _spare(node_dir: Path, rank: int) -> Path:
+    """Where rank ``rank``'s pruned tensor file waits, outside every step folder, for the next
+    snapshot to overwrite it in place (:func:`~gnnpar.atomic.atomic_write`'s ``reuse``)."""
+    return node_dir / f".spare-{_data(rank)}"
+
+
 def _prune(node_dir: Path, rank: int, keep_from: int) -> None:
     """Remove rank ``rank``'s files of the steps before ``keep_from`` (and a step folder
-    left empty)."""
+    left empty); one tensor file is kept aside as the rank's spare (:func:`_spare`)."""
     stem = _stem(rank)
     for folder in node_dir.glob("step-*"):
         step = _step_number(folder)
         if step is None or step >= keep_from:
             continue
         (folder / f"{stem}.json").unlink(missing_ok=True)  # first: never a complete-looking half
-        (folder / f"{stem}.pt").unlink(missing_ok=True)
+        try:
+            os.replace(folder / _data(rank), _spare(node_dir, rank))
+        except OSError:
+            pass  # none there
         try:
             folder.rmdir()
         except OSError:
@@ -186,8 +212,7 @@ class SnapshotWriter:
         self._group = None
         if grid.distributed and self.place.peer is not None:
             self._group = dist.new_group(backend="gloo", timeout=grid.timeout)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
-        self._pending: concurrent.futures.Future | None = None
+        self._background = _Background()
         self._steps: list[int] = []  # own snapshots written, oldest first
         #: Seconds the last :meth:`take` held the training loop (waiting for the previous
         #: snapshot, then copying to host memory), and the last background write's seconds.
@@ -203,51 +228,66 @@ class SnapshotWriter:
         extra: Mapping[str, Any],
         local: Mapping[str, torch.Tensor],
     ) -> None:
-        """Snapshot the state after ``step``: copy it to host memory now, write it in the
-        background (a failed earlier write is raised here, naming its file)."""
+        """Snapshot the state after ``step``: write this rank's file and record now (once
+        this returns, the snapshot outlives the process), and its copy to the peer in the
+        background (a failed earlier copy is raised here, naming its file)."""
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
+        rank = self.grid.global_rank
         layout, pieces, tensors, groups = rank_pieces(self.grid, model, optimizer)
         blob, entries = {}, {}
-        for p in pieces:
+        for p in pieces:  # host tensors as they are (no copy); a device's, copied to host
             if p.chunks:
-                blob[p.name] = p.tensor.detach().reshape(-1).to("cpu", copy=True)
+                blob[p.name] = p.tensor.detach().reshape(-1).to("cpu")
                 entries[p.name] = [c.to_json() for c in p.chunks]
         for name, t in local.items():
-            blob[LOCAL + name] = t.detach().to("cpu", copy=True)
-        if layout.after_read is not None:
-            layout.after_read()
-        meta = {
-            "pieces": entries,
-            "tensors": {k: v.to_json() for k, v in tensors.items()},
-            "keys": layout.keys,
-            "aliases": layout.aliases,
-            "optimizer": {"param_groups": groups} if groups is not None else None,
-            "local": sorted(local),
-            "extra": json.loads(json.dumps(dict(extra))),  # a copy, as JSON will read it
-        }
-        self.last_wait_s, self.last_copy_s = t1 - t0, time.perf_counter() - t1
-        self._pending = self._pool.submit(self._write, step, blob, meta)
+            blob[LOCAL + name] = t.detach().to("cpu")
+        folder = _step_dir(self.place.node_dir, step)
+        try:
+            packed: dict[str, Any] = {}
 
-    def _write(self, step: int, blob: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+            def write(tmp: str) -> None:
+                packed["layout"], packed["file"] = save_pack(tmp, blob)
+
+            _write_tensors(folder, rank, write, _spare(self.place.node_dir, rank))
+            meta = {
+                "pieces": entries,
+                "tensors": {k: v.to_json() for k, v in tensors.items()},
+                "keys": layout.keys,
+                "aliases": layout.aliases,
+                "optimizer": {"param_groups": groups} if groups is not None else None,
+                "local": sorted(local),
+                "extra": json.loads(json.dumps(dict(extra))),  # a copy, as JSON will read it
+                "layout": packed["layout"],
+                "digests": {n: entry_digest(d, blob[n]) for n, d in entries.items()},
+                "writer": rank,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"
+                ),
+            }
+            if layout.after_read is not None:
+                layout.after_read()
+            record = _record(self.run_id, step, rank, self.grid, packed["file"], meta)
+            _write_record(folder, rank, record, step)
+        except OSError as err:
+            raise CheckpointError(os_error_message(err) + " (writing a snapshot)") from None
+        self.last_wait_s, self.last_copy_s = t1 - t0, time.perf_counter() - t1
+        self._background.start(self._share, step, record)
+
+    def _share(self, step: int, record: dict[str, Any]) -> None:
+        """The background half of a snapshot: the copy to the peer (and the predecessor's
+        copy received and written), then the snapshots past :data:`KEEP` removed."""
         t0 = time.perf_counter()
         rank = self.grid.global_rank
-        meta["digests"] = {n: entry_digest(d, blob[n]) for n, d in meta["pieces"].items()}
-        meta["writer"] = rank
-        meta["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         folder = _step_dir(self.place.node_dir, step)
         pred = self.place.predecessor
         try:
-            # plain tensors, straight into the file: they load with weights_only=True
-            _write_tensors(folder, rank, lambda tmp: torch.save(blob, tmp))
-            data = _mapped(folder / f"{_stem(rank)}.pt")  # checksummed and sent in place
-            record = _record(self.run_id, step, rank, self.grid, data, meta)
-            _write_record(folder, rank, record, step)
             if self.place.peer is not None:
-                got, got_record = self._exchange(data, record)
+                got, got_record = self._exchange(_mapped(folder / _data(rank)), record)
                 got_record["writer"] = rank  # the copy's holder
-                _write_tensors(folder, pred, lambda tmp: Path(tmp).write_bytes(got))
+                spare = _spare(self.place.node_dir, pred)
+                _write_tensors(folder, pred, lambda tmp: _overwrite(tmp, got), spare)
                 _write_record(folder, pred, got_record, step)
         except OSError as err:
             raise CheckpointError(os_error_message(err) + " (writing a snapshot)") from None
@@ -266,24 +306,51 @@ class SnapshotWriter:
         return _send_receive(data, record, self.place.peer, self.place.predecessor, self._group)
 
     def wait(self) -> None:
-        """Wait for the snapshot being written (its error, if it failed, is raised here)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        """Wait for the copy being sent (its error, if it failed, is raised here)."""
+        self._background.wait()
 
     def close(self, wait: bool = True) -> None:
-        """Finish the pending write and stop the writer thread; without ``wait`` (a run
-        that failed: its peer may be gone), leave the write to end with the process."""
+        """Finish the pending copy; without ``wait`` (a run that failed: its peer may be
+        gone), leave it to end with the process, which does not wait for it."""
         if not wait:
-            self._pool.shutdown(wait=False, cancel_futures=True)
             return
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
+        self.wait()
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
+
+
+class _Background:
+    """One job at a time on a daemon thread. A failed run's process exits without waiting for
+    it: a ``ThreadPoolExecutor``'s threads are joined at exit whatever ``shutdown(wait=False)``
+    said, so an exchange stuck on a peer that will never answer held the exit, and so the
+    restart, until the collectives' timeout."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, job: Callable[..., None], *args: Any) -> None:
+        """Run ``job(*args)`` in the background (after :meth:`wait`)."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                job(*args)
+            except BaseException as err:  # noqa: BLE001 - raised again by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="snapshot", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the job; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def _send_receive(
@@ -368,7 +435,10 @@ def _read_record(
     ):
         if record.get(key) != want:
             raise FormatError(f"{path}: a snapshot of {what} ({key} {record.get(key)!r})")
-    keys = ("file", "pieces", "tensors", "digests", "keys", "aliases", "extra", "local", "grid")
+    keys = (
+        "file", "layout", "pieces", "tensors", "digests", "keys", "aliases", "extra", "local",
+        "grid",
+    )  # fmt: skip
     for key in keys:
         if key not in record:
             raise FormatError(f"{path}: the record lacks its {key!r} field")
@@ -377,7 +447,7 @@ def _read_record(
 
 def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
     """The one-file manifest of a rank's snapshot, as the checkpoint loader reads one."""
-    name = f"{_stem(rank)}.pt"
+    name = _data(rank)
     where = folder / f"{_stem(rank)}.json"
     pieces = record["pieces"]
     if not isinstance(pieces, dict) or not all(isinstance(v, list) for v in pieces.values()):
@@ -408,8 +478,8 @@ def _checked_record(
     tensor file without one is a torn write."""
     stem = _stem(rank)
     if not (folder / f"{stem}.json").is_file():
-        what = "a torn write" if (folder / f"{stem}.pt").exists() else "missing"
-        raise FormatError(f"{folder / stem}.pt: no snapshot record ({what})")
+        what = "a torn write" if (folder / _data(rank)).exists() else "missing"
+        raise FormatError(f"{folder / _data(rank)}: no snapshot record ({what})")
     return _read_record(folder / f"{stem}.json", run_id, rank, step, grid)
 
 
@@ -418,8 +488,8 @@ def _verified(folder: Path, rank: int, run_id: str, step: int, grid: ProcessGrid
     (record, file size and checksum, each entry's digest); FormatError otherwise."""
     record = _checked_record(folder, rank, run_id, step, grid)
     manifest = _manifest(folder, rank, record)
-    name = f"{_stem(rank)}.pt"
-    blob = load_tensors(manifest.verify(name, "checksum"))
+    name = _data(rank)
+    blob = load_pack(manifest.verify(name, "checksum"), record["layout"])
     check_stored(manifest, name, blob, "checksum")
     return manifest, blob
 
@@ -427,10 +497,10 @@ def _verified(folder: Path, rank: int, run_id: str, step: int, grid: ProcessGrid
 def _candidates(node_dir: Path, rank: int) -> list[int]:
     """Steps under ``node_dir`` with a file of ``rank`` (a record, or a tensor file
     without one: a torn write to warn about), newest first."""
-    found, stem = [], _stem(rank)
+    found, names = [], (f"{_stem(rank)}.json", _data(rank))
     for folder in node_dir.glob("step-*"):
         step = _step_number(folder)
-        if step is not None and any((folder / f"{stem}{x}").exists() for x in (".json", ".pt")):
+        if step is not None and any((folder / name).exists() for name in names):
             found.append(step)
     return sorted(found, reverse=True)
 
@@ -463,7 +533,7 @@ def _usable(
 
 def _sized(folder: Path, rank: int, record: dict[str, Any]) -> None:
     """FormatError unless the tensor file has the size its record gives."""
-    path = folder / f"{_stem(rank)}.pt"
+    path = folder / _data(rank)
     want = record["file"].get("size") if isinstance(record["file"], dict) else None
     try:
         size = path.stat().st_size
@@ -524,7 +594,7 @@ def _return_copies(
     if pred is not None and step not in table[pred, 0].tolist():
         stem = _stem(pred)
         record = json.loads((folder / f"{stem}.json").read_text())
-        _send_receive(_mapped(folder / f"{stem}.pt"), record, pred, None, None)
+        _send_receive(_mapped(folder / _data(pred)), record, pred, None, None)
 
 
 def restore(
@@ -603,7 +673,7 @@ def _restore_same_grid(req: _Request) -> Restored | None:
         failed.add(step)  # on every rank alike: the next round agrees on an older step
     layout = model_layout(req.model, grid)
     pairs, opt_where = plan_restore(manifest, layout, optimizer, req.strict)
-    name = f"{_stem(rank)}.pt"
+    name = _data(rank)
     apply_restore(manifest, pairs, {name: blob}, layout, optimizer, opt_where)
     local = {n: blob[LOCAL + n].clone() for n in manifest.meta["local"].get(name, [])}
     received = comm.all_reduce(
@@ -659,7 +729,7 @@ def _union(step: int, copies: dict[int, list[Path]], run_id: str, warn) -> Manif
     files, pieces, digests, local, tensors = {}, {}, {}, {}, {}
     for old, (folder, doc) in records.items():
         one = _manifest(folder, old, doc)  # checks the chunks' types
-        name = f"{_stem(old)}.pt"
+        name = _data(old)
         files[name] = doc["file"]
         pieces.update(one.meta["pieces"])
         digests.update(one.meta["digests"])
@@ -672,7 +742,8 @@ def _union(step: int, copies: dict[int, list[Path]], run_id: str, warn) -> Manif
         "pieces": pieces,
         "digests": digests,
         "local": local,
-        "folders": {f"{_stem(old)}.pt": str(folder) for old, (folder, _) in records.items()},
+        "folders": {_data(old): str(folder) for old, (folder, _) in records.items()},
+        "layouts": {_data(old): doc["layout"] for old, (_, doc) in records.items()},
     }
     return Manifest(_root_of(records), SCHEMA, 2, files, meta)
 
@@ -717,7 +788,8 @@ def _restore_resharded(req: _Request) -> Restored | None:
                     {name: manifest.files[name]},
                     {**manifest.meta, "pieces": {name: manifest.meta["pieces"][name]}},
                 )  # fmt: skip
-                blobs[name] = load_tensors(one.verify(name, "checksum"))
+                path = one.verify(name, "checksum")
+                blobs[name] = load_pack(path, manifest.meta["layouts"][name])
                 check_stored(one, name, blobs[name], "checksum")
         except (FormatError, CheckpointError) as err:
             warn(f"{err}; trying the next source")

@@ -693,6 +693,7 @@ class Trainer:
                     record.update(self.snapshots.take(done, self.task, self._extra()))
                 record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
                 self.metrics.write(record)
+                failpoint("logged", done, self.grid.global_rank, lose)
                 shown = {k: v for k, v in record.items() if k in _SHOWN and isinstance(v, float)}
                 bar.set_postfix({k: metric_text(k, v) for k, v in shown.items()})
                 bar.update(1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +64,19 @@ class Snapshots:
         return done % self.every == 0 and done < total
 
     def take(self, done: int, task: Any, extra: dict[str, Any]) -> dict[str, float]:
-        """Snapshot the state after step ``done``; the seconds the loop was held (waiting for
-        the previous snapshot, copying to host memory) and the previous write's."""
+        """Snapshot the state after step ``done`` (collective): once it returns, every rank's
+        snapshot is in its node's memory, so the step, logged next, survives any killed
+        process. The seconds the loop was held (waiting for the previous copy to the peer,
+        writing this rank's file, waiting for the other ranks' to be written) and the
+        previous background copy's."""
+        t0 = time.perf_counter()
         self.writer.take(
             done, task.model, task.optimizer, extra, {"torch_rng": torch.get_rng_state()}
         )
+        comm.barrier(self.grid)  # the ranks meet at the next step's first collective anyway
         w = self.writer
         return {
-            "snapshot_s": w.last_wait_s + w.last_copy_s,
+            "snapshot_s": time.perf_counter() - t0,
             "snapshot_copy_s": w.last_copy_s,
             "snapshot_write_s": w.last_write_s,
         }

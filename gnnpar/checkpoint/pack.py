@@ -1,0 +1,123 @@
+"""Tensor packs: named tensors as their raw bytes one after another, with the layout (each
+name's dtype, shape and byte offset) kept apart, in JSON.
+
+A snapshot is written inside the training step (:mod:`gnnpar.checkpoint.snapshot`), so its
+file must cost no more than the copy of its bytes: a pack is written straight from the
+tensors' memory (no serialiser, no archive, no intermediate buffer), hashed as it is
+written, and read back by mapping the file and viewing each tensor in place. Nothing in it is
+ever unpickled: the reader takes only the dtypes it knows, and offsets and sizes that lie
+inside the file.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from gnnpar.verified import CHECKSUM, FormatError
+
+__all__ = ["load_pack", "save_pack"]
+
+#: Each tensor's bytes start at a multiple of this (any dtype's alignment, a cache line).
+ALIGN = 64
+#: The dtypes a pack holds, by the name its layout gives.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_PAD = bytes(ALIGN)
+
+
+def save_pack(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Write ``tensors`` (any device; copied to the host only when not there) into ``path``;
+    return their layout (name → ``{"dtype", "shape", "offset"}``) and the file's entry (its
+    size and XXH3-64 checksum, as :meth:`gnnpar.verified.Manifest.verify` checks it). An
+    existing file is overwritten in place, its pages reused, and cut to the pack's size."""
+    layout: dict[str, dict[str, Any]] = {}
+    h = xxhash.xxh3_64()
+    at = 0
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:  # no truncation
+        for name, tensor in tensors.items():
+            t = tensor.detach()
+            if str(t.dtype).removeprefix("torch.") not in DTYPES:
+                raise ValueError(f"a tensor pack cannot hold {name!r} of dtype {t.dtype}")
+            data = t.reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy()
+            pad = -at % ALIGN
+            if pad:
+                f.write(_PAD[:pad])
+                h.update(_PAD[:pad])
+                at += pad
+            layout[name] = {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": at,
+            }
+            f.write(memoryview(data))
+            h.update(data)
+            at += data.nbytes
+        f.truncate(at)
+    return layout, {"size": at, CHECKSUM: h.hexdigest()}
+
+
+def load_pack(path: str | os.PathLike, layout: Any) -> dict[str, torch.Tensor]:
+    """The tensors of the pack ``path`` as ``layout`` describes them, viewed in the file's
+    pages (mapped copy-on-write: writable, never written back). FormatError naming the file
+    when the layout is malformed or points outside it. The file's checksum is the caller's
+    to check (:meth:`gnnpar.verified.Manifest.verify`)."""
+    if not isinstance(layout, dict):
+        raise FormatError(f"{path}: the pack's layout is not a table")
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+    except OSError as err:
+        raise FormatError(f"{path}: cannot read the tensor pack ({err.strerror})") from None
+    out = {}
+    for name, doc in layout.items():
+        dtype, shape, offset = _entry(path, name, doc)
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if offset % ALIGN or offset + nbytes > size:
+            raise FormatError(f"{path}: {name!r} lies outside the file ({size} bytes)")
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def _entry(path: Any, name: Any, doc: Any) -> tuple[torch.dtype, list[int], int]:
+    """One layout entry, checked: its dtype, shape and offset."""
+    ok = (
+        isinstance(name, str)
+        and isinstance(doc, dict)
+        and isinstance(doc.get("dtype"), str)
+        and doc["dtype"] in DTYPES
+        and isinstance(doc.get("shape"), list)
+        and all(type(n) is int and n >= 0 for n in doc["shape"])
+        and type(doc.get("offset")) is int
+        and doc["offset"] >= 0
+    )
+    if not ok:
+        raise FormatError(f"{path}: malformed layout entry {name!r}")
+    return DTYPES[doc["dtype"]], doc["shape"], doc["offset"]
