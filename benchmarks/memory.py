@@ -21,6 +21,11 @@
     returns large freed blocks to the system instead of keeping them in the heap (the model's
     ``heap`` part), at a cost in time (each phase's seconds are in the JSON).
 
+(d) With ``--typed``: (c) for the typed R-GCN (``--model rgcn``, its default fan-outs) on
+    a mag-synth graph of ``--typed-papers`` papers (default 60,000; twice as many authors,
+    featureless, as in ogbn-mag), beside the typed memory model
+    (:mod:`gnnpar.models.minibatch.typed_cost`).
+
 Every figure is a process's resident-set high-water mark (``VmHWM``) from
 :func:`partitioners.metrics.measure`; ranks are one-threaded processes on one machine.
 
@@ -30,6 +35,7 @@ Run::
     python benchmarks/memory.py --quick           # scale 12, 1 and 2 ranks (a smoke run)
     python benchmarks/memory.py --scale-pipeline  # also (b) (tens of minutes)
     python benchmarks/memory.py --skip-fullgraph --minibatch  # only (c) (about 12 minutes)
+    python benchmarks/memory.py --skip-fullgraph --typed --data-ranks 1,2   # only (d)
 
 Writes ``benchmarks/out/memory.json`` and prints the tables.
 """
@@ -182,9 +188,10 @@ def _malloc_free() -> int:
 
 
 def _minibatch_worker(
-    graph: str, parts: str | None, batch_size: int, mmap_threshold: int | None = None
-) -> dict:
-    """One data rank of ``gnnpar train sage`` (default model and fan-outs): peak memory of
+    graph: str, parts: str | None, batch_size: int, mmap_threshold: int | None = None,
+    model: str = "sage",
+) -> dict:  # fmt: skip
+    """One data rank of ``gnnpar train sage`` (``model``, default fan-outs): peak memory of
     its setup (loading its part or the graph, sampler, model), one training epoch and one
     layer-wise evaluation, over the idle baseline (this process with its process group,
     just before); and the peak of each phase. ``mmap_threshold``: glibc's mmap threshold set
@@ -206,7 +213,7 @@ def _minibatch_worker(
     world = grid.world_size
     cfg = MiniBatchConfig(
         dataset=graph, parts=world, partitions=parts, batch_size=batch_size, epochs=1,
-        out=str(Path(graph).parent / "run"), device="cpu",
+        out=str(Path(graph).parent / "run"), device="cpu", model=model,
     )  # fmt: skip
     gc.collect()
     # The parent's freed heap is inherited resident: reusing it would hide growth
@@ -239,8 +246,12 @@ def _minibatch_worker(
     return out
 
 
-def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) -> dict:
-    """(c): each data rank's measured peak beside :func:`minibatch_memory`, for each D."""
+def minibatch_table(
+    scale: int, ranks: list[int], batch_size: int, tmp: Path, typed: dict | None = None
+) -> dict:
+    """(c): each data rank's measured peak beside :func:`minibatch_memory`, for each D;
+    ``typed``: on ``mag_synth(**typed)`` with ``--model rgcn`` instead (R-MAT ``scale``'s
+    GraphSAGE)."""
     from gnnpar.data.rmat import rmat
     from gnnpar.data.storage import load_graph, save_graph
     from gnnpar.models.minibatch.cost import minibatch_memory
@@ -249,10 +260,17 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
     from gnnpar.train.progress import Progress
     from partitioners import load_meta
 
-    folder = tmp / f"rmat{scale}"
-    save_graph(rmat(scale=scale, feat_dim=128, num_classes=16), folder)
+    kind = "sage" if typed is None else "rgcn"
+    if typed is None:
+        folder = tmp / f"rmat{scale}"
+        save_graph(rmat(scale=scale, feat_dim=128, num_classes=16), folder)
+    else:
+        from gnnpar.data.mag import mag_synth
+
+        folder = tmp / "mag-synth"
+        save_graph(mag_synth(**typed), folder)
     g = load_graph(folder)
-    cfg = MiniBatchConfig(dataset=str(folder), batch_size=batch_size)
+    cfg = MiniBatchConfig(dataset=str(folder), batch_size=batch_size, model=kind)
     problem = plan_problem(cfg, g)  # what `gnnpar plan sage` prints for these flags
     del g
     rows = []
@@ -260,13 +278,15 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
         parts = None
         if d > 1:  # what `gnnpar train sage --nprocs D --parts D` writes once (METIS, halo 1)
             parts = tmp / f"parts{d}"
-            _write_parts(MiniBatchConfig(dataset=str(folder), parts=d), parts, d, Progress(False))
+            parts = tmp / f"{kind}-parts{d}"
+            _write_parts(MiniBatchConfig(dataset=str(folder), parts=d, model=kind), parts, d,
+                         Progress(False))  # fmt: skip
         res = run_distributed(_minibatch_worker, d, str(folder), parts and str(parts), batch_size,
-                              timeout=3600)  # fmt: skip
+                              None, kind, timeout=3600)  # fmt: skip
         # again with glibc's mmap threshold fixed at its default (128 KiB): large freed
         # blocks then go back to the system instead of staying in the heap
         fixed = run_distributed(_minibatch_worker, d, str(folder), parts and str(parts),
-                                batch_size, FIXED_MMAP, timeout=3600)  # fmt: skip
+                                batch_size, FIXED_MMAP, kind, timeout=3600)  # fmt: skip
         records = load_meta(parts)["parts"] if parts else [None]
         for r, f, rec in zip(res, fixed, records, strict=True):
             r["fixed_mmap"] = f
@@ -280,8 +300,16 @@ def minibatch_table(scale: int, ranks: list[int], batch_size: int, tmp: Path) ->
         rows.append({"ranks": d, "per_rank": res})
         for r in res:
             print(_minibatch_line(d, r), flush=True)
-    return {"scale": scale, "batch_size": batch_size, "problem": {
-        k: v for k, v in vars(problem).items() if k != "degrees"}, "rows": rows}  # fmt: skip
+    return {"scale": scale, "typed": typed, "batch_size": batch_size, "problem": {
+        k: v for k, v in vars(problem).items() if k not in ("degrees", "typed")},
+        "rows": rows}  # fmt: skip
+
+
+def _typed_sizes(papers: int) -> dict:
+    """(d)'s mag-synth: ``papers`` papers and ogbn-mag's proportions of authors (2.0 a
+    paper), institutions and fields."""
+    return {"num_papers": papers, "num_authors": 2 * papers, "num_institutions": papers // 80,
+            "num_fields": papers // 20}  # fmt: skip
 
 
 def _minibatch_line(d: int, r: dict) -> str:
@@ -469,12 +497,19 @@ def main() -> None:
         "--minibatch", action="store_true", help="also run (c), the mini-batch task per data rank"
     )
     parser.add_argument("--data-ranks", default="1,2,4", help="data ranks of table (c)")
+    parser.add_argument(
+        "--typed", action="store_true", help="also run (d): (c) for R-GCN on a typed graph"
+    )
+    parser.add_argument(
+        "--typed-papers", type=int, default=60000, help="papers of (d)'s mag-synth graph"
+    )
     parser.add_argument("--batch-size", type=int, default=1024, help="global batch of (c)")
     parser.add_argument("--tmp", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", default=str(OUT / "memory.json"), help="JSON results file")
     args = parser.parse_args()
     if args.quick:
         args.scale, args.ranks, args.big_scale, args.data_ranks = 12, "1,2", 12, "1,2"
+        args.typed_papers = 4000
     ranks = [int(r) for r in args.ranks.split(",")]
     doc: dict = {}
     with tempfile.TemporaryDirectory(dir=args.tmp) as scratch:
@@ -491,6 +526,16 @@ def main() -> None:
             print(MINIBATCH_HEADER, flush=True)
             doc["minibatch"] = minibatch_table(
                 args.scale, [int(r) for r in args.data_ranks.split(",")], args.batch_size, tmp
+            )
+        if args.typed:
+            sizes = _typed_sizes(args.typed_papers)
+            print(
+                f"\nMini-batch R-GCN (sage task, --model rgcn), mag-synth {sizes}, batch "
+                f"{args.batch_size}: peak minus idle baseline per data rank"
+            )
+            print(MINIBATCH_HEADER, flush=True)
+            doc["minibatch_typed"] = minibatch_table(
+                0, [int(r) for r in args.data_ranks.split(",")], args.batch_size, tmp, sizes
             )
         if args.scale_pipeline:
             print(

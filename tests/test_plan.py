@@ -5,6 +5,7 @@ number below is worked out by hand from the ring costs (AR 2(p-1)/p·V, AG/RS (p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -566,6 +567,87 @@ def test_minibatch_memory_errors(call, message):
     with pytest.raises(PlanError) as err:
         call(minibatch_memory, _mb_problem)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------- typed R-GCN mini-batch
+def _mag(**kw):
+    from gnnpar.data.mag import mag_synth
+
+    sizes = dict(num_papers=600, num_authors=400, num_institutions=12, num_fields=30, seed=1)
+    return mag_synth(**{**sizes, **kw})
+
+
+@pytest.mark.parametrize("bases", [None, 2])
+def test_typed_parameters_are_the_model_s(bases):
+    """The typed R-GCN's parameter count and largest ZeRO-3 unit, written out (per featured
+    type a projection F_t x H + H, per featureless type an embedding N_t x H; per layer R
+    weights H x H (or B bases and R x B coefficients), the root H x H and a bias; the
+    classifier), equal the model the task builds."""
+    from gnnpar.models.hetero import TypedGNN
+    from gnnpar.models.minibatch.typed_cost import typed_parameters, typed_sizes
+
+    g = _mag()
+    sizes = typed_sizes(g, "4,3", bases)
+    h, c, layers, r = 16, g.num_classes, 2, len(g.types.relations)
+    nodes = [sizes.type_nodes[t] for t in range(len(sizes.type_nodes))]
+    feats = list(g.types.feat_dims)
+    inputs = sum(f * h + h if f else n * h for n, f in zip(nodes, feats, strict=True))
+    layer = (r * h * h if bases is None else bases * h * h + r * bases) + h * h + h
+    want = inputs + layers * layer + h * c + c
+    model = TypedGNN(g.types, h, c, layers, "rgcn", 0.0, 1, num_bases=bases)
+    assert typed_parameters(sizes, h, c, layers) == (want, max(inputs, layer, h * c + c))
+    assert sum(p.numel() for p in model.parameters()) == want
+
+
+def test_typed_expected_blocks_match_the_sampler():
+    """Per hop, the expected sources and edges of a typed batch (per relation fan-outs,
+    destinations spread over their type) within 15% of the mean the typed neighbour sampler
+    draws."""
+    import torch
+
+    from gnnpar.models.minibatch.typed_cost import expected_typed_blocks, typed_sizes
+    from gnnpar.sampling import NeighborSampler
+
+    g = _mag()
+    sizes = typed_sizes(g, "4,3", None)
+    papers = torch.nonzero(g.ndata["train_mask"]).reshape(-1)
+    sampler = NeighborSampler(g, "4,3")
+    gen = torch.Generator().manual_seed(0)
+    runs = [sampler.sample(papers[torch.randperm(len(papers), generator=gen)[:64]], key=k)
+            for k in range(20)]  # fmt: skip
+    for h, (_, src, edges) in enumerate(expected_typed_blocks(sizes, 64)):
+        got_src = sum(b.blocks[-1 - h].num_src for b in runs) / 20
+        got_edges = sum(b.blocks[-1 - h].num_edges for b in runs) / 20
+        assert sum(src) == pytest.approx(got_src, rel=0.15), h
+        assert sum(edges) == pytest.approx(got_edges, rel=0.15), h
+
+
+def test_cli_plan_sage_prices_rgcn_on_a_typed_graph(capsys):
+    """``gnnpar plan sage --model rgcn`` on a typed graph is ``minibatch_memory`` of the
+    problem with its typed sizes (the embedding tables of the featureless types among the
+    weights); HGT is refused in one line."""
+    from gnnpar.models.minibatch.cost import minibatch_memory
+    from gnnpar.models.minibatch.task import MiniBatchConfig, plan_problem
+    from gnnpar.train.loop import load_dataset
+
+    opts = "num_papers=600,num_authors=400,num_institutions=12,num_fields=30,seed=1"
+    flags = ["--dataset", "mag-synth", "--dataset-options", opts, "--fanouts", "4,3",
+             "--batch-size", "64", "--model", "rgcn"]  # fmt: skip
+    assert main(["plan", "sage", *flags, "--gpus", "2"]) == 0
+    text = capsys.readouterr().out
+    cfg = MiniBatchConfig(dataset="mag-synth", dataset_options=opts, fanouts="4,3",
+                          batch_size=64, model="rgcn")  # fmt: skip
+    problem = plan_problem(cfg, load_dataset(cfg))
+    assert problem.typed is not None and "rgcn (7 relations) on mag-synth" in text
+    for d in (1, 2):
+        mib = sum(minibatch_memory(problem, d).values()) / (1 << 20)
+        assert f"{mib:,.0f}" in text
+    untyped = minibatch_memory(dataclasses.replace(problem, typed=None), 1)
+    typed = minibatch_memory(problem, 1)
+    assert typed["weights"] > untyped["weights"]  # 400 authors' and 42 others' embeddings
+    assert main(["plan", "sage", *flags[:-1], "hgt", "--gpus", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "not model hgt" in err[0], err
 
 
 # ---------------------------------------------------------------- gnnpar plan sage

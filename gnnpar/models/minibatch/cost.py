@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from gnnpar.plan.inputs import PlanError, positive
 from gnnpar.plan.memory import sharded_state
+
+if TYPE_CHECKING:
+    from gnnpar.models.minibatch.typed_cost import TypedSizes
 
 __all__ = [
     "HEAP_CEILING",
@@ -38,7 +42,9 @@ class MiniBatchProblem:
     undirected edge), ``train_nodes`` the training seeds (default: all nodes).
     ``degrees``: the graph's in-degree histogram as ``(degree, nodes)`` pairs, which the
     expected batch sizes read (:func:`degree_histogram`; default: every node of the mean
-    degree, which over-counts the distinct nodes of a batch on a skewed graph)."""
+    degree, which over-counts the distinct nodes of a batch on a skewed graph). ``typed``:
+    the run is a typed graph's R-GCN (:mod:`.typed_cost`; ``features`` is then the padded
+    width, ``fanouts`` each layer's largest)."""
 
     nodes: int
     edges: int
@@ -55,6 +61,7 @@ class MiniBatchProblem:
     feature_cache: int = 0
     degrees: tuple[tuple[int, int], ...] = ()
     name: str = ""
+    typed: TypedSizes | None = None
 
     def __post_init__(self) -> None:
         for key in ("nodes", "features", "classes", "hidden", "layers", "batch_size"):
@@ -185,7 +192,12 @@ def minibatch_memory(
         missing = {"num_owned", "num_halo", "num_local_edges"} - set(part)
         if missing:
             raise PlanError(f"part lacks {', '.join(sorted(missing))}")
-    out = _minibatch_parts(problem, data, part)
+    if problem.typed is not None:
+        from gnnpar.models.minibatch.typed_cost import typed_parts
+
+        out = typed_parts(problem, data, part)
+    else:
+        out = _minibatch_parts(problem, data, part)
     if not host:
         for key in ("staging", "kernels", "runtime", "heap"):
             out.pop(key)

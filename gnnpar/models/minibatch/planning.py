@@ -19,7 +19,7 @@ __all__ = ["PLANNER", "format_minibatch_rows"]
 
 SAGE_OPTIONS = ("dataset", "root", "dataset_options", "model", "sampler", "partitions", "fanouts",
                 "batch_size", "hidden", "layers", "feature_cache", "prefetch", "zero_stage",
-                "dtype", "mixed_precision")  # fmt: skip
+                "dtype", "mixed_precision", "bases")  # fmt: skip
 
 
 def _data_sizes(gpus: int) -> list[int]:
@@ -55,10 +55,12 @@ def _cmd_sage(args: argparse.Namespace) -> int:
             part = estimated_part(problem, d) if d > 1 else None
             memory = minibatch_memory(problem, d)
             rows.append({"data": d, "rank": None, "part": part, "memory": memory})
+    model = "sage" if problem.typed is None else f"rgcn ({problem.typed.num_relations} relations)"
     title = (
-        f"sage on {problem.name}: {problem.nodes:,} nodes, {problem.edges:,} edges, "
+        f"{model} on {problem.name}: {problem.nodes:,} nodes, {problem.edges:,} edges, "
         f"{problem.features} features; batch {problem.batch_size}, fan-outs "
-        f"{','.join(map(str, problem.fanouts))}, hidden {problem.hidden}, ZeRO stage "
+        f"{cfg.fanouts if problem.typed else ','.join(map(str, problem.fanouts))}, hidden "
+        f"{problem.hidden}, ZeRO stage "
         f"{problem.stage}: peak memory per data rank (minibatch_memory"
         + (f", the parts of {cfg.partitions})" if cfg.partitions else ", parts estimated)")
     )
@@ -99,9 +101,10 @@ def _sage_arguments(sg: argparse.ArgumentParser) -> None:
 
 #: ``gnnpar plan sage``.
 PLANNER = PlanCommand(
-    help="mini-batch GraphSAGE: peak memory per data rank",
+    help="mini-batch GraphSAGE (R-GCN on a typed graph): peak memory per data rank",
     description="Peak memory per data rank of `gnnpar train sage` (the neighbour "
-    "sampler's GraphSAGE) with the same options (and the same defaults), by the "
+    "sampler's GraphSAGE, or R-GCN with --model rgcn on a typed graph) with the same "
+    "options (and the same defaults), by the "
     "planner's mini-batch memory model: for 1, 2, 4, ... up to --gpus ranks on parts "
     "estimated from the graph's degrees, or for each part of --partitions FOLDER.",
     options=SAGE_OPTIONS,

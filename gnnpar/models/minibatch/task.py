@@ -360,12 +360,24 @@ def plan_problem(cfg: MiniBatchConfig, graph: Any) -> Any:
     :func:`~gnnpar.models.minibatch.cost.minibatch_memory`, for the neighbour sampler's GraphSAGE
     (the model the memory model describes)."""
     from gnnpar.models.minibatch.cost import MiniBatchProblem, degree_histogram
+    from gnnpar.models.minibatch.typed_cost import typed_sizes
 
-    if cfg.sampler != "neighbor" or cfg.model != "sage":
+    typed = getattr(graph, "types", None) is not None
+    if cfg.sampler != "neighbor" or cfg.model != ("rgcn" if typed else "sage"):
         raise ConfigError(
-            "the mini-batch memory model covers GraphSAGE with the neighbour sampler "
-            f"(model sage, sampler neighbor), not model {cfg.model} with sampler {cfg.sampler}"
+            "the mini-batch memory model covers GraphSAGE with the neighbour sampler (R-GCN "
+            f"on a typed graph), not model {cfg.model} with sampler {cfg.sampler}"
+            + (" on a typed graph" if typed else "")
         )
+    sizes = None
+    if typed:
+        try:
+            sizes = typed_sizes(graph, cfg.fanouts, cfg.bases or None)
+        except UserError as err:
+            raise ConfigError(f"config key 'fanouts': {err}") from None
+        fanouts = tuple(max(layer) if -1 not in layer else -1 for layer in sizes.relation_fanouts)
+    else:
+        fanouts = tuple(parse_fanouts(cfg.fanouts))
     train = graph.ndata.get("train_mask")
     return MiniBatchProblem(
         nodes=graph.num_nodes,
@@ -374,7 +386,7 @@ def plan_problem(cfg: MiniBatchConfig, graph: Any) -> Any:
         classes=int(graph.num_classes),
         hidden=cfg.hidden,
         layers=cfg.layers,
-        fanouts=tuple(parse_fanouts(cfg.fanouts)),
+        fanouts=fanouts,
         batch_size=cfg.batch_size,
         train_nodes=None if train is None else max(1, int(train.sum())),
         element_size=compute_dtype(cfg).itemsize,
@@ -383,6 +395,7 @@ def plan_problem(cfg: MiniBatchConfig, graph: Any) -> Any:
         feature_cache=cfg.feature_cache,
         degrees=degree_histogram(graph.indptr.numpy()),
         name=Path(cfg.dataset).name or cfg.dataset,
+        typed=sizes,
     )
 
 
