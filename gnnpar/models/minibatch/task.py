@@ -358,7 +358,7 @@ def plan_problem(cfg: MiniBatchConfig, graph: Any) -> Any:
     ``cfg`` on ``graph`` (a :class:`~gnnpar.graph.Graph`): what ``gnnpar plan sage`` and
     ``benchmarks/memory.py`` hold against
     :func:`~gnnpar.models.minibatch.cost.minibatch_memory`, for the neighbour sampler's GraphSAGE
-    (the model the memory model describes)."""
+    or, on a typed graph, its R-GCN (the models the memory model describes)."""
     from gnnpar.models.minibatch.cost import MiniBatchProblem, degree_histogram
     from gnnpar.models.minibatch.typed_cost import typed_sizes
 
