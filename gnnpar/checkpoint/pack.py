@@ -15,14 +15,15 @@ import math
 import mmap
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import xxhash
 
+from gnnpar.checkpoint.validate import is_size
 from gnnpar.verified import CHECKSUM, FormatError
 
-__all__ = ["load_pack", "save_pack"]
+__all__ = ["load_pack", "mapped", "open_in_place", "save_pack"]
 
 #: Each tensor's bytes start at a multiple of this (any dtype's alignment, a cache line).
 ALIGN = 64
@@ -55,10 +56,11 @@ def save_pack(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> t
     layout: dict[str, dict[str, Any]] = {}
     h = xxhash.xxh3_64()
     at = 0
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:  # no truncation
+    with open_in_place(path) as f:
         for name, tensor in tensors.items():
             t = tensor.detach()
-            if str(t.dtype).removeprefix("torch.") not in DTYPES:
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
                 raise ValueError(f"a tensor pack cannot hold {name!r} of dtype {t.dtype}")
             data = t.reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy()
             pad = -at % ALIGN
@@ -66,11 +68,7 @@ def save_pack(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> t
                 f.write(_PAD[:pad])
                 h.update(_PAD[:pad])
                 at += pad
-            layout[name] = {
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-                "offset": at,
-            }
+            layout[name] = {"dtype": dtype, "shape": list(t.shape), "offset": at}
             f.write(memoryview(data))
             h.update(data)
             at += data.nbytes
@@ -86,12 +84,10 @@ def load_pack(path: str | os.PathLike, layout: Any) -> dict[str, torch.Tensor]:
     if not isinstance(layout, dict):
         raise FormatError(f"{path}: the pack's layout is not a table")
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        buf = mapped(path)
     except OSError as err:
         raise FormatError(f"{path}: cannot read the tensor pack ({err.strerror})") from None
-    out = {}
+    size, out = len(buf), {}
     for name, doc in layout.items():
         dtype, shape, offset = _entry(path, name, doc)
         numel = math.prod(shape)
@@ -114,10 +110,25 @@ def _entry(path: Any, name: Any, doc: Any) -> tuple[torch.dtype, list[int], int]
         and isinstance(doc.get("dtype"), str)
         and doc["dtype"] in DTYPES
         and isinstance(doc.get("shape"), list)
-        and all(type(n) is int and n >= 0 for n in doc["shape"])
-        and type(doc.get("offset")) is int
-        and doc["offset"] >= 0
+        and all(is_size(n) for n in doc["shape"])
+        and is_size(doc.get("offset"))
     )
     if not ok:
         raise FormatError(f"{path}: malformed layout entry {name!r}")
     return DTYPES[doc["dtype"]], doc["shape"], doc["offset"]
+
+
+def mapped(path: str | os.PathLike) -> memoryview:
+    """The bytes of ``path``, mapped copy-on-write and never written back: read in place (on
+    a tmpfs, memory already), not copied into this process; writable, as
+    ``torch.frombuffer`` wants it. OSError as ``open`` raises it."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return memoryview(bytearray())
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+
+
+def open_in_place(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for writing without truncating it: an existing file's pages are
+    overwritten, not freed and allocated again (the writer cuts it to size when done)."""
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb")

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import mmap
 import os
 import sys
 import tempfile
@@ -55,7 +54,7 @@ import torch.distributed as dist
 
 from gnnpar import comm
 from gnnpar.atomic import atomic_write, os_error_message
-from gnnpar.checkpoint.pack import load_pack, save_pack
+from gnnpar.checkpoint.pack import load_pack, mapped, open_in_place, save_pack
 from gnnpar.checkpoint.protocol import CheckpointError
 from gnnpar.checkpoint.state import model_layout
 from gnnpar.checkpoint.store import LOCAL, apply_restore, plan_restore, rank_pieces
@@ -146,7 +145,7 @@ def _write_tensors(
 
 def _overwrite(path: str, data: memoryview) -> None:
     """``data`` into ``path`` in place (its pages reused), cut to its size."""
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:
+    with open_in_place(path) as f:
         f.write(data)
         f.truncate(len(data))
 
@@ -156,15 +155,6 @@ def _write_record(folder: Path, rank: int, record: dict[str, Any], step: int) ->
     failpoint("snapshot", step, record["writer"])  # a chaos run's kill mid-snapshot
     text = json.dumps(record)
     atomic_write(folder / f"{_stem(rank)}.json", lambda tmp: Path(tmp).write_text(text))
-
-
-def _mapped(path: Path) -> memoryview:
-    """The bytes of ``path``, mapped copy-on-write and never written: read in place (on a
-    tmpfs, memory already), not copied into this process; writable for ``torch.frombuffer``."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return memoryview(bytearray())
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
 
 def _spare(node_dir: Path, rank: int) -> Path:
@@ -284,7 +274,7 @@ class SnapshotWriter:
         pred = self.place.predecessor
         try:
             if self.place.peer is not None:
-                got, got_record = self._exchange(_mapped(folder / _data(rank)), record)
+                got, got_record = self._exchange(mapped(folder / _data(rank)), record)
                 got_record["writer"] = rank  # the copy's holder
                 spare = _spare(self.place.node_dir, pred)
                 _write_tensors(folder, pred, lambda tmp: _overwrite(tmp, got), spare)
@@ -594,7 +584,7 @@ def _return_copies(
     if pred is not None and step not in table[pred, 0].tolist():
         stem = _stem(pred)
         record = json.loads((folder / f"{stem}.json").read_text())
-        _send_receive(_mapped(folder / _data(pred)), record, pred, None, None)
+        _send_receive(mapped(folder / _data(pred)), record, pred, None, None)
 
 
 def restore(

@@ -29,6 +29,7 @@ __all__ = [
     "check_layout",
     "check_stored",
     "entry_digest",
+    "is_size",
     "read_checkpoint",
     "stored_chunk",
 ]
@@ -50,7 +51,7 @@ def check_header(manifest: Manifest) -> None:
     names to names, ``info`` a table (a resealed manifest may hold anything)."""
     meta, where = manifest.meta, manifest.folder / MANIFEST
     step = meta.get("step")
-    if not _is_size(step):
+    if not is_size(step):
         raise FormatError(f"{where}: the step must be a whole number >= 0, got {step!r}")
     name = manifest.folder.name
     named = name.removeprefix("step-")
@@ -58,10 +59,10 @@ def check_header(manifest: Manifest) -> None:
         raise FormatError(f"{where}: says step {step}, but its folder is {name}")
     grid, world = meta.get("grid"), meta.get("world_size")
     if not isinstance(grid, dict) or not all(
-        isinstance(a, str) and _is_size(v) and v >= 1 for a, v in grid.items()
+        isinstance(a, str) and is_size(v) and v >= 1 for a, v in grid.items()
     ):
         raise FormatError(f"{where}: the grid must map axes to sizes, got {grid!r}")
-    if not (_is_size(world) and world >= 1):
+    if not (is_size(world) and world >= 1):
         raise FormatError(f"{where}: world_size must be a count >= 1, got {world!r}")
     aliases = meta.get("aliases", {})
     if not isinstance(aliases, dict) or not all(
@@ -72,7 +73,8 @@ def check_header(manifest: Manifest) -> None:
         raise FormatError(f"{where}: the info field must be a table")
 
 
-def _is_size(v: Any) -> bool:
+def is_size(v: Any) -> bool:
+    """Whether a value read from a file is a size or an offset: an int (not a bool) >= 0."""
     return type(v) is int and v >= 0
 
 
@@ -91,7 +93,7 @@ def stored_chunk(doc: Any, where: Path) -> Chunk:
             and isinstance(offsets, list)
             and isinstance(sizes, list)
             and len(offsets) == len(sizes)
-            and all(_is_size(v) for v in (*offsets, *sizes, at))
+            and all(is_size(v) for v in (*offsets, *sizes, at))
             and transposed in (0, 1)
         )
     if not ok:
@@ -111,7 +113,7 @@ def check_layout(manifest: Manifest) -> None:
     shapes: dict[str, list[int]] = {}
     for key, spec in tensors.items():
         shape = spec.get("shape") if isinstance(spec, dict) else None
-        if not isinstance(shape, list) or not all(_is_size(s) for s in shape):
+        if not isinstance(shape, list) or not all(is_size(s) for s in shape):
             raise FormatError(f"{where}: tensor {key!r} has no valid shape ({shape!r})")
         if _dtype(spec.get("dtype")) is None:
             raise FormatError(f"{where}: tensor {key!r} has an unknown dtype {spec.get('dtype')!r}")
