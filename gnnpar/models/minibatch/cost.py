@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from gnnpar.plan.inputs import PlanError, positive
@@ -192,71 +192,111 @@ def minibatch_memory(
         missing = {"num_owned", "num_halo", "num_local_edges"} - set(part)
         if missing:
             raise PlanError(f"part lacks {', '.join(sorted(missing))}")
+    terms = _sage_terms
     if problem.typed is not None:
-        from gnnpar.models.minibatch.typed_cost import typed_parts
-
-        out = typed_parts(problem, data, part)
-    else:
-        out = _minibatch_parts(problem, data, part)
+        from gnnpar.models.minibatch.typed_cost import typed_terms as terms
+    out = _minibatch_parts(problem, data, part, terms)
     if not host:
         for key in ("staging", "kernels", "runtime", "heap"):
             out.pop(key)
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelTerms:
+    """What a model brings to :func:`minibatch_memory`, whose other parts are counted alike
+    for every model: ``edge_arrays`` int64 arrays per stored edge (the CSR's sources, and a
+    typed graph's relations; the evaluation block keeps as many per node and one more per
+    edge), ``sampler_rows`` the sampler's own row index in bytes, ``inputs`` a batch's input
+    rows, one batch's tensors and one step's (:func:`_mapped` reads them), the parameters
+    and the largest ZeRO-3 unit, and layer-wise evaluation's peak."""
+
+    edge_arrays: int
+    sampler_rows: float
+    inputs: float
+    batch: list[float]
+    step: list[float]
+    parameters: int
+    unit: int
+    inference: float
+
+
 def _minibatch_parts(
-    problem: MiniBatchProblem, data: int, part: Mapping[str, float] | None
+    problem: MiniBatchProblem,
+    data: int,
+    part: Mapping[str, float] | None,
+    terms: Callable[..., ModelTerms],
 ) -> dict[str, float]:
+    """The parts of :func:`minibatch_memory`, the model's own from ``terms(problem, data,
+    batch, owned, rows, edges)``."""
     e, f, n = problem.element_size, problem.features, problem.nodes
-    dims = problem.dims
     out = dict.fromkeys(MINIBATCH_PARTS, 0.0)
     seeds = problem.seeds / data  # this rank's training seeds
     batch = min(problem.batch_size, problem.seeds) / data  # its seeds of a global batch
     if data == 1:
-        # the graph folder is memory-mapped: the CSR, features and node data are its pages
         rows, owned, edges = float(n), float(n), float(problem.edges)
-        out["staging"] = (n + 1) * 8 + edges * 8 + n * f * 4 + n * NODE_DATA_BYTES
-        # the full-neighbour block layer-wise evaluation reuses (its sources, CSR, edge ids)
-        out["graph"] = (2 * n + 1) * 8 + 2 * edges * 8
     else:
         p = estimated_part(problem, data) if part is None else part
         owned, halo = float(p["num_owned"]), float(p["num_halo"])
         edges = float(p["num_local_edges"])
         rows = owned + halo
-        # local CSR over owned then halo rows, each local node's global and original id
-        out["graph"] = (rows + 1) * 8 + edges * 8 + 2 * rows * 8
+    t = terms(problem, data, batch, owned, rows, edges)
+    if data == 1:
+        # the graph folder is memory-mapped: the CSR (and relations), features and node data
+        # are its pages
+        out["staging"] = (n + 1) * 8 + t.edge_arrays * edges * 8 + n * f * 4
+        out["staging"] += n * NODE_DATA_BYTES
+        # the full-neighbour block layer-wise evaluation reuses (its sources, CSR, edge ids,
+        # and a typed graph's node types and relations)
+        out["graph"] = (n + 1) * 8 + t.edge_arrays * n * 8 + (t.edge_arrays + 1) * edges * 8
+    else:
+        # local CSR (and relations) over owned then halo rows, each local node's global and
+        # original id
+        out["graph"] = (rows + 1) * 8 + t.edge_arrays * edges * 8 + 2 * rows * 8
         out["features"] = (owned + problem.feature_cache) * f * e
         out["node_data"] = owned * NODE_DATA_BYTES
+    out["graph"] += t.sampler_rows
     # the relabeler's scratch (one int64 per node of the graph), the seeds and their keys
     out["sampler"] = n * 8 + (3 * seeds + problem.seeds) * 8
-    blocks = expected_blocks(problem, batch)
-    inputs = blocks[-1][1]
-    # per hop: sources, CSR offsets, local sources and edge ids (or the sources' keys);
-    # the input rows' features and the seeds' labels
-    per_batch = sum(_per_batch_blocks(problem, blocks, batch))
-    out["batches"] = (problem.prefetch + 2) * per_batch
-    out["activations"] = _step_activations(problem, blocks)
-    remote = inputs * (1 - 1 / data)
+    out["batches"] = (problem.prefetch + 2) * sum(t.batch)
+    out["activations"] = sum(t.step)
+    remote = t.inputs * (1 - 1 / data)
     if data > 1:
         # the feature fetch of a batch: the remote rows received and the rows served to the
         # other ranks (as many, on average), with their ids
         out["buffers"] = 2 * remote * (f * e + 8)
-    n_p = sum(d * w + w for d, w in zip(dims[:-1], dims[1:], strict=True))  # neigh + bias
-    n_p += sum(d * w for d, w in zip(dims[:-1], dims[1:], strict=True))  # root
-    per_unit = max(2 * d * w + w for d, w in zip(dims[:-1], dims[1:], strict=True))
-    out["weights"] = sum(sharded_state(n_p, e, problem.stage, data, per_unit).values())
+    out["weights"] = sum(sharded_state(t.parameters, e, problem.stage, data, t.unit).values())
     train = out["batches"] + out["activations"] + out["buffers"]
-    evaluation = _inference_peak(problem, owned, rows, edges, data)
-    out["inference"] = max(0.0, evaluation - train)
+    out["inference"] = max(0.0, t.inference - train)
     if compiled_sampling():
         out["kernels"] = float(KERNEL_BYTES)
     out["runtime"] = float(RUNTIME_BYTES)
     # the allocator's holes: the step's blocks under the ceiling (the larger are mapped)
-    mapped = (problem.prefetch + 2) * _mapped(_per_batch_blocks(problem, blocks, batch))
-    mapped += _mapped(_step_activation_blocks(problem, blocks))
+    mapped = (problem.prefetch + 2) * _mapped(t.batch) + _mapped(t.step)
     mapped += 2 * _mapped([remote * f * e, remote * 8]) if data > 1 else 0.0
     out["heap"] = HEAP_RETAINED * max(0.0, train - mapped)
     return out
+
+
+def _sage_terms(
+    problem: MiniBatchProblem, data: int, batch: float, owned: float, rows: float, edges: float
+) -> ModelTerms:
+    """GraphSAGE's :class:`ModelTerms`: per layer a neighbour weight with its bias and a
+    root weight; the blocks of :func:`expected_blocks`."""
+    dims = problem.dims
+    blocks = expected_blocks(problem, batch)
+    n_p = sum(d * w + w for d, w in zip(dims[:-1], dims[1:], strict=True))  # neigh + bias
+    n_p += sum(d * w for d, w in zip(dims[:-1], dims[1:], strict=True))  # root
+    return ModelTerms(
+        edge_arrays=1,
+        sampler_rows=0.0,
+        inputs=blocks[-1][1],
+        batch=_per_batch_blocks(problem, blocks, batch),
+        step=_step_activation_blocks(problem, blocks),
+        parameters=n_p,
+        unit=max(2 * d * w + w for d, w in zip(dims[:-1], dims[1:], strict=True)),
+        inference=_inference_peak(problem, owned, rows, edges, data),
+    )
 
 
 def _mapped(sizes: list[float]) -> float:
@@ -307,11 +347,6 @@ def compiled_sampling() -> bool:
     from gnnpar.sampling import compiled
 
     return compiled.available()
-
-
-def _step_activations(problem: MiniBatchProblem, blocks: list[tuple[float, float, float]]) -> float:
-    """What one training step's forward keeps for backward, plus backward's transient."""
-    return sum(_step_activation_blocks(problem, blocks))
 
 
 def _inference_peak(

@@ -30,7 +30,13 @@ from typing import Any
 
 from gnnpar.plan.inputs import PlanError
 
-__all__ = ["TypedSizes", "expected_typed_blocks", "typed_parameters", "typed_sizes"]
+__all__ = [
+    "TypedSizes",
+    "expected_typed_blocks",
+    "typed_parameters",
+    "typed_sizes",
+    "typed_terms",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,56 +163,29 @@ def typed_parameters(typed: TypedSizes, hidden: int, classes: int, layers: int) 
     return inputs + layers * layer + head, max(inputs, layer, head)
 
 
-def typed_parts(problem: Any, data: int, part: Any) -> dict[str, float]:
-    """:func:`~gnnpar.models.minibatch.cost.minibatch_memory`'s parts for a problem whose
-    ``typed`` is set (see the module docstring)."""
-    from gnnpar.models.minibatch import cost
-    from gnnpar.plan.memory import sharded_state
+def typed_terms(
+    problem: Any, data: int, batch: float, owned: float, rows: float, edges: float
+) -> Any:
+    """The typed R-GCN's :class:`~gnnpar.models.minibatch.cost.ModelTerms` for
+    :func:`~gnnpar.models.minibatch.cost.minibatch_memory` (see the module docstring): each
+    edge's relation beside the CSR, the sampler's virtual row per (node, relation), the
+    blocks of :func:`expected_typed_blocks`."""
+    from gnnpar.models.minibatch.cost import ModelTerms
 
     typed: TypedSizes = problem.typed
-    e, f, n, h = problem.element_size, problem.features, problem.nodes, problem.hidden
-    num_rel = typed.num_relations
-    out = dict.fromkeys(cost.MINIBATCH_PARTS, 0.0)
-    seeds = problem.seeds / data
-    batch = min(problem.batch_size, problem.seeds) / data
-    if data == 1:
-        rows, owned, edges = float(n), float(n), float(problem.edges)
-        # mapped pages: CSR, relation of each edge, padded features, labels and masks
-        out["staging"] = (n + 1) * 8 + 2 * edges * 8 + n * f * 4 + n * cost.NODE_DATA_BYTES
-        # the evaluation block: sources, CSR, edge ids, relations, node types
-        out["graph"] = (3 * n + 1) * 8 + 3 * edges * 8
-    else:
-        p = cost.estimated_part(problem, data) if part is None else part
-        owned, halo = float(p["num_owned"]), float(p["num_halo"])
-        edges = float(p["num_local_edges"])
-        rows = owned + halo
-        # local CSR, each edge's relation, each row's global and original id
-        out["graph"] = (rows + 1) * 8 + 2 * edges * 8 + 2 * rows * 8
-        out["features"] = (owned + problem.feature_cache) * f * e
-        out["node_data"] = owned * cost.NODE_DATA_BYTES
-    sampled_rows = n if data == 1 else owned
-    out["graph"] += (sampled_rows * num_rel + 1) * 8  # a virtual row per (node, relation)
-    out["sampler"] = n * 8 + (3 * seeds + problem.seeds) * 8
+    sampled = problem.nodes if data == 1 else owned  # the rows the sampler draws from
     blocks = expected_typed_blocks(typed, batch)
-    per_batch = _batch_tensors(problem, blocks, batch, data)
-    out["batches"] = (problem.prefetch + 2) * sum(per_batch)
-    step = _step_tensors(problem, blocks)
-    out["activations"] = sum(step)
-    inputs = sum(blocks[-1][1])
-    remote = inputs * (1 - 1 / data)
-    if data > 1:
-        out["buffers"] = 2 * remote * (f * e + 8)
-    params, unit = typed_parameters(typed, h, problem.classes, problem.layers)
-    out["weights"] = sum(sharded_state(params, e, problem.stage, data, unit).values())
-    train = out["batches"] + out["activations"] + out["buffers"]
-    out["inference"] = max(0.0, _typed_inference(problem, owned, rows, edges, data) - train)
-    if cost.compiled_sampling():
-        out["kernels"] = float(cost.KERNEL_BYTES)
-    out["runtime"] = float(cost.RUNTIME_BYTES)
-    mapped = (problem.prefetch + 2) * cost._mapped(per_batch) + cost._mapped(step)
-    mapped += 2 * cost._mapped([remote * f * e, remote * 8]) if data > 1 else 0.0
-    out["heap"] = cost.HEAP_RETAINED * max(0.0, train - mapped)
-    return out
+    params, unit = typed_parameters(typed, problem.hidden, problem.classes, problem.layers)
+    return ModelTerms(
+        edge_arrays=2,
+        sampler_rows=(sampled * typed.num_relations + 1) * 8,
+        inputs=sum(blocks[-1][1]),
+        batch=_batch_tensors(problem, blocks, batch, data),
+        step=_step_tensors(problem, blocks),
+        parameters=params,
+        unit=unit,
+        inference=_typed_inference(problem, owned, rows, edges, data),
+    )
 
 
 def _batch_tensors(
