@@ -84,6 +84,40 @@ def test_chunks_equal_index_arithmetic():
         assert n == piece.numel() and torch.equal(moved, piece)
 
 
+def test_an_entry_digest_is_its_documented_hash():
+    """An entry's digest is XXH3-64 over, for each chunk, ``json.dumps([key, offsets,
+    sizes])`` and the box's values in the full tensor's row-major order, written out here:
+    checkpoints of every release verify against it, whichever way it is computed (a
+    snapshot hashes each entry inside the training step, from its chunks, not their JSON)."""
+    import json
+
+    import xxhash
+
+    from gnnpar.checkpoint.validate import entry_digest
+
+    def formula(chunks, flat):
+        h = xxhash.xxh3_64()
+        for c in chunks:
+            h.update(json.dumps([c.key, list(c.offsets), list(c.sizes)]).encode())
+            box = flat[c.at : c.at + c.numel]
+            if c.transposed:
+                box = box.view(tuple(reversed(c.sizes))).t()
+            h.update(box.contiguous().view(torch.uint8).numpy())
+        return h.hexdigest()
+
+    g = torch.Generator().manual_seed(0)
+    layouts = [
+        concat([("model/w", (3, 5), (3, 5))], 2, 11),  # a flat range: three boxes
+        concat([("model/w", (0, 0), (4, 6))], transposed=True),
+        concat([("optim/exp_avg/a", (), ()), ("model/\u00e9\"b", (0,), (7,))], 0, 6),
+    ]
+    for chunks in layouts:
+        flat = torch.randn(sum(c.numel for c in chunks) + 2, dtype=torch.float64, generator=g)
+        want = formula(chunks, flat)
+        assert entry_digest(chunks, flat) == want
+        assert entry_digest([c.to_json() for c in chunks], flat) == want
+
+
 def test_chunks_of_a_flat_range_are_few():
     """A flat range of a box is at most 2·ndim − 1 boxes (a partial first row, whole rows,
     a partial last row, recursively), so manifests stay small."""

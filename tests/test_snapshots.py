@@ -1,7 +1,8 @@
 """In-memory snapshots (:mod:`gnnpar.checkpoint.snapshot`) and chaos runs.
 
-- One process: a torn snapshot, one of another run, one of another step or one whose file
-  changed is refused with a warning naming it, and the previous snapshot is restored (its
+- One process: a torn snapshot, one of another run, one of another step, one whose file
+  changed, one whose record lost an entry's digest or describes the values otherwise (a box
+  marked transposed) is refused with a warning naming it, and the previous snapshot is restored (its
   exact values); a snapshot folder that cannot be written is refused before launch.
 - A GPT run that shrinks from 4 data replicas to 2 (its second node lost for good) and grows
   back, each time resuming from the snapshots in memory, resharded onto the new grid, ends
@@ -136,7 +137,10 @@ writer.close(wait=False)
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.parametrize("damage", ["torn", "another run", "another step", "changed file"])
+_DAMAGES = ["torn", "another run", "another step", "changed file", "no digest", "edited layout"]
+
+
+@pytest.mark.parametrize("damage", _DAMAGES)
 def test_a_damaged_or_foreign_snapshot_is_refused_for_the_previous_one(tmp_path, capfd, damage):
     import gnnpar
     from gnnpar.checkpoint.snapshot import SnapshotWriter, restore
@@ -161,6 +165,14 @@ def test_a_damaged_or_foreign_snapshot_is_refused_for_the_previous_one(tmp_path,
     elif damage == "another step":
         for name in ("rank-00000.bin", "rank-00000.json"):
             (newest / name).write_bytes((folder / "step-000001" / name).read_bytes())
+    elif damage in ("no digest", "edited layout"):
+        doc = json.loads(record.read_text())
+        if damage == "no digest":
+            del doc["digests"]["weight"]
+        else:  # the weight's box marked as stored transposed: same size, other values
+            (chunk,) = doc["pieces"]["weight"]
+            chunk[4] = 1
+        record.write_text(json.dumps(doc))
     else:
         data = bytearray((newest / "rank-00000.bin").read_bytes())
         data[-40] ^= 1
@@ -180,6 +192,8 @@ def test_a_damaged_or_foreign_snapshot_is_refused_for_the_previous_one(tmp_path,
         "another run": "a snapshot of another run",
         "another step": "a snapshot of another step",
         "changed file": "rank-00000.bin",
+        "no digest": "entry 'weight' has no digest",
+        "edited layout": "does not hold the values its layout and digest describe",
     }[damage]
     assert want in warned and "step-000002" in warned, warned
     # nothing fresher than a newer disk checkpoint is restored

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
 import torch
@@ -45,35 +45,54 @@ DTYPES: dict[str, torch.dtype] = {
         torch.bool,
     )
 }
+_NAMES: dict[torch.dtype, str] = {d: name for name, d in DTYPES.items()}
 _PAD = bytes(ALIGN)
 
 
-def save_pack(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+def save_pack(
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    written: Callable[[str, torch.Tensor], None] | None = None,
+) -> tuple[dict, dict]:
     """Write ``tensors`` (any device; copied to the host only when not there) into ``path``;
     return their layout (name → ``{"dtype", "shape", "offset"}``) and the file's entry (its
     size and XXH3-64 checksum, as :meth:`gnnpar.verified.Manifest.verify` checks it). An
-    existing file is overwritten in place, its pages reused, and cut to the pack's size."""
+    existing file is overwritten in place, its pages reused, and cut to the pack's size.
+    ``written(name, flat host tensor)`` is called right after each tensor's bytes are
+    written, while they are still in cache (a snapshot hashes each entry there)."""
     layout: dict[str, dict[str, Any]] = {}
     h = xxhash.xxh3_64()
     at = 0
-    with open_in_place(path) as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)  # not truncated: pages reused
+    try:
         for name, tensor in tensors.items():
-            t = tensor.detach()
-            dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise ValueError(f"a tensor pack cannot hold {name!r} of dtype {t.dtype}")
-            data = t.reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy()
+            dtype = _NAMES.get(tensor.dtype)
+            if dtype is None:
+                raise ValueError(f"a tensor pack cannot hold {name!r} of dtype {tensor.dtype}")
+            flat = tensor.detach().reshape(-1).to("cpu").contiguous()
+            data = flat.view(torch.uint8).numpy()
             pad = -at % ALIGN
             if pad:
-                f.write(_PAD[:pad])
+                _write_all(fd, _PAD[:pad])
                 h.update(_PAD[:pad])
                 at += pad
-            layout[name] = {"dtype": dtype, "shape": list(t.shape), "offset": at}
-            f.write(memoryview(data))
+            layout[name] = {"dtype": dtype, "shape": list(tensor.shape), "offset": at}
+            _write_all(fd, data)
             h.update(data)
             at += data.nbytes
-        f.truncate(at)
+            if written is not None:
+                written(name, flat)
+        os.ftruncate(fd, at)
+    finally:
+        os.close(fd)
     return layout, {"size": at, CHECKSUM: h.hexdigest()}
+
+
+def _write_all(fd: int, data: Any) -> None:
+    """All of ``data`` to ``fd`` (one call writes a regular file whole, but need not)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def load_pack(path: str | os.PathLike, layout: Any) -> dict[str, torch.Tensor]:

@@ -227,18 +227,24 @@ class SnapshotWriter:
         rank = self.grid.global_rank
         layout, pieces, tensors, groups = rank_pieces(self.grid, model, optimizer)
         blob, entries = {}, {}
-        for p in pieces:  # host tensors as they are (no copy); a device's, copied to host
-            if p.chunks:
-                blob[p.name] = p.tensor.detach().reshape(-1).to("cpu")
-                entries[p.name] = [c.to_json() for c in p.chunks]
+        stored = [p for p in pieces if p.chunks]
+        for p in stored:  # host tensors as they are (no copy); a device's, copied to host
+            blob[p.name] = p.tensor.detach().reshape(-1).to("cpu")
+            entries[p.name] = [c.to_json() for c in p.chunks]
         for name, t in local.items():
             blob[LOCAL + name] = t.detach().to("cpu")
         folder = _step_dir(self.place.node_dir, step)
         try:
             packed: dict[str, Any] = {}
+            chunks = {p.name: p.chunks for p in stored}
+            digests: dict[str, str] = {}
+
+            def digest(name: str, flat: torch.Tensor) -> None:
+                if name in chunks:  # each entry hashed while its bytes are in cache
+                    digests[name] = entry_digest(chunks[name], flat)
 
             def write(tmp: str) -> None:
-                packed["layout"], packed["file"] = save_pack(tmp, blob)
+                packed["layout"], packed["file"] = save_pack(tmp, blob, digest)
 
             _write_tensors(folder, rank, write, _spare(self.place.node_dir, rank))
             meta = {
@@ -250,7 +256,7 @@ class SnapshotWriter:
                 "local": sorted(local),
                 "extra": json.loads(json.dumps(dict(extra))),  # a copy, as JSON will read it
                 "layout": packed["layout"],
-                "digests": {n: entry_digest(d, blob[n]) for n, d in entries.items()},
+                "digests": digests,
                 "writer": rank,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"
@@ -445,6 +451,10 @@ def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
     for docs in pieces.values():
         for doc in docs:
             stored_chunk(doc, where)
+    digests = record["digests"]
+    for entry in pieces:  # what ties the layout to the values: every entry has one
+        if not isinstance(digests, dict) or not isinstance(digests.get(entry), str):
+            raise FormatError(f"{where}: entry {entry!r} has no digest")
     meta = {
         "step": record["step"],
         "grid": record["grid"],
@@ -453,7 +463,7 @@ def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
         "aliases": record["aliases"],
         "tensors": record["tensors"],
         "pieces": {name: pieces},
-        "digests": {name: record["digests"]},
+        "digests": {name: digests},
         "local": {name: record["local"]},
         "optimizer": record.get("optimizer"),
         "extra": record["extra"],
@@ -702,12 +712,19 @@ def _union(step: int, copies: dict[int, list[Path]], run_id: str, warn) -> Manif
     copy that reads as this run's step), or None when a rank's is missing or the records
     disagree on the grid."""
     records: dict[int, tuple[Path, dict[str, Any]]] = {}
+    manifests: dict[int, Manifest] = {}
     for old, folders in copies.items():
         for folder in folders:
             doc = _peek_record(folder / f"{_stem(old)}.json", run_id, old, step, warn)
-            if doc is not None:
-                records[old] = (folder, doc)
-                break
+            if doc is None:
+                continue
+            try:
+                manifests[old] = _manifest(folder, old, doc)  # its chunks and digests
+            except FormatError as err:
+                warn(f"{err}; skipped")
+                continue
+            records[old] = (folder, doc)
+            break
     if not records:
         return None
     first = records[min(records)][1]
@@ -717,8 +734,8 @@ def _union(step: int, copies: dict[int, list[Path]], run_id: str, warn) -> Manif
     if any(doc.get("grid") != first.get("grid") for _, doc in records.values()):
         return None
     files, pieces, digests, local, tensors = {}, {}, {}, {}, {}
-    for old, (folder, doc) in records.items():
-        one = _manifest(folder, old, doc)  # checks the chunks' types
+    for old, (_, doc) in records.items():
+        one = manifests[old]
         name = _data(old)
         files[name] = doc["file"]
         pieces.update(one.meta["pieces"])

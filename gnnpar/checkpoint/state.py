@@ -198,16 +198,13 @@ def optimizer_pieces(
                     continue  # non-tensor state is rebuilt by the optimizer
                 label = f"{OPTIM}{name}/g{gi}.p{pi}"
                 if _per_element(name, value, p):
-                    moved = [
-                        dataclasses.replace(c, key=f"{OPTIM}{name}/{c.key[len(MODEL):]}")
-                        for c in chunks
-                    ]
+                    dtype = str(value.dtype).removeprefix("torch.")
+                    moved = []
+                    for c in chunks:  # the parameter's boxes, under the state's name
+                        key = f"{OPTIM}{name}/{c.key[len(MODEL):]}"
+                        moved.append(Chunk(key, c.offsets, c.sizes, c.at, c.transposed))
+                        tensors[key] = TensorSpec(layout.tensors[c.key].shape, dtype)
                     pieces.append(Piece(label, value, moved, write))
-                    for c in chunks:
-                        spec = layout.tensors[c.key]
-                        tensors[f"{OPTIM}{name}/{c.key[len(MODEL):]}"] = TensorSpec(
-                            spec.shape, str(value.dtype).removeprefix("torch.")
-                        )
                 else:
                     for key in dict.fromkeys(c.key[len(MODEL):] for c in chunks):
                         full = f"{OPTIM}{name}/{key}"

@@ -123,7 +123,7 @@ def save(
             if p.write and p.chunks:
                 blob[p.name] = p.tensor.detach().reshape(-1).cpu()
                 entries[p.name] = [c.to_json() for c in p.chunks]
-                digests[p.name] = entry_digest(entries[p.name], blob[p.name])
+                digests[p.name] = entry_digest(p.chunks, blob[p.name])
         for name, t in (local or {}).items():
             blob[LOCAL + name] = t.detach().cpu()
         save_tensors(tmp / f"{stem}.pt", blob)

@@ -11,9 +11,9 @@ failure is one :class:`~gnnpar.verified.FormatError` naming the file.
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
@@ -151,18 +151,30 @@ def _has_digest(digests: Any, file: str, entry: str) -> bool:
     return isinstance(table, dict) and isinstance(table.get(entry), str)
 
 
-def entry_digest(docs: list[Any], flat: torch.Tensor) -> str:
-    """XXH3-64 of what a stored entry means: for each of its chunks, the full tensor's name,
-    the box's offsets and sizes, and the box's values in the full tensor's row-major order.
-    Where and how a box is stored (``at``, ``transposed``) changes the bytes read, so a layout
-    edited after it was written (or written wrong) no longer matches the values it holds."""
+def entry_digest(chunks: list[Any], flat: torch.Tensor) -> str:
+    """XXH3-64 of what a stored entry means: for each of its chunks (:class:`Chunk` s or
+    their JSON form), the full tensor's name, the box's offsets and sizes, and the box's
+    values in the full tensor's row-major order. Where and how a box is stored (``at``,
+    ``transposed``) changes the bytes read, so a layout edited after it was written (or
+    written wrong) no longer matches the values it holds."""
     h = xxhash.xxh3_64()
-    for doc in docs:
-        chunk = Chunk.from_json(doc)
-        h.update(json.dumps([chunk.key, list(chunk.offsets), list(chunk.sizes)]).encode())
-        box = chunk.view(flat).contiguous().reshape(-1)
+    for c in chunks:
+        chunk = c if isinstance(c, Chunk) else Chunk.from_json(c)
+        h.update(_box_header(chunk).encode())
+        if chunk.transposed:
+            box = chunk.view(flat).contiguous().reshape(-1)
+        else:  # stored row-major already: its bytes are a slice of the piece
+            box = flat[chunk.at : chunk.at + chunk.numel].contiguous()
         h.update(box.view(torch.uint8).numpy())  # hashed in place, no copy of the bytes
     return h.hexdigest()
+
+
+def _box_header(chunk: Chunk) -> str:
+    """``json.dumps([key, offsets, sizes])``, without the encoder's per-call cost (a
+    snapshot hashes every entry inside the training step)."""
+    offsets = ", ".join(map(str, chunk.offsets))
+    sizes = ", ".join(map(str, chunk.sizes))
+    return f"[{encode_basestring_ascii(chunk.key)}, [{offsets}], [{sizes}]]"
 
 
 def _check_keys(meta: dict[str, Any], shapes: dict[str, list[int]], where: Path) -> None:

@@ -256,6 +256,9 @@ class ShardedModel:
         #: Checkpoints hold the trainable parameters alone (PEFT: the frozen base comes from
         #: where it was loaded, not from every checkpoint).
         self.checkpoint_trainable_only = False
+        # checkpoint_layout's index arithmetic, which depends on the sharding alone: a
+        # snapshot every step asks for the layout every step
+        self._stored_memo: dict[Any, Any] = {}
 
     # ---------------------------------------------------------------------- basics
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -583,7 +586,6 @@ class ShardedModel:
         parameter it stores (its ZeRO pieces, of its tensor-parallel piece) and the buffers.
         Loading writes straight into the masters; :meth:`_refresh_params` then brings the
         model's parameters up to date (collective at stages 1–2)."""
-        from gnnpar.checkpoint.chunks import concat, restrict
         from gnnpar.checkpoint.state import (
             MODEL,
             ModelLayout,
@@ -597,34 +599,15 @@ class ShardedModel:
         if getattr(self.module, "tensor_grads_complete", False):
             # stage 0 without masters: the model's own parameters, described by the model
             return self.module.checkpoint_layout()
-        tensors: dict[str, TensorSpec] = {}
-        slot_chunks = {}
-        saved = [s for s in self.slots if s.trainable or not self.checkpoint_trainable_only]
-        for s in saved:
-            if s.layout is not None:
-                transposed = s.owner_attr == "weight" and (
-                    getattr(s.owner, "weight_format", "") == "in_out"
-                )
-                shape = tuple(reversed(s.layout.shape)) if transposed else s.layout.shape
-                r, c, d = s.layout.coords(self.grid)
-                chunks = s.layout.chunks(MODEL + s.name, r, c, d, transposed)
-                split = s.layout.split_axes
-            else:
-                shape, split = tuple(s.shape), ()
-                chunks = concat([(MODEL + s.name, (0,) * len(shape), shape)])
-            if s.expert:  # only this expert coordinate holds it
-                split = (*split, "expert")
-            tensors[MODEL + s.name] = TensorSpec.of(shape, s.dtype)
-            slot_chunks[s.name] = (chunks, split)
+        saved, slot_tensors, slot_chunks = self._stored_slots()
+        tensors = dict(slot_tensors)
         pieces = []
         params = {}
         by_values = {}
         for slot, start, stop, values, replicated in self.local_pieces():
             if slot.name not in slot_chunks:
                 continue  # a frozen parameter of a trainable-only checkpoint
-            chunks, split = slot_chunks[slot.name]
-            mine = restrict(chunks, start, stop)
-            write = writes(self.view_of(slot), (*split, *(() if replicated else ("data",))))
+            mine, write = self._stored_piece(slot, start, stop, replicated, slot_chunks)
             name = f"{slot.name}[{start}:{stop}]"
             pieces.append(Piece(name, values, mine, write))
             by_values[(slot.name, start)] = (mine, write)
@@ -644,6 +627,52 @@ class ShardedModel:
         return ModelLayout(
             pieces, tensors, keys, aliases, params, self._refresh, self._release_offloaded
         )
+
+    def _stored_slots(self) -> tuple[list[Slot], dict[str, Any], dict[str, Any]]:
+        """The slots a checkpoint saves, their full tensors' specs and, by slot name, the
+        chunks of the full tensor its (tensor-parallel) piece holds and the axes it is split
+        over; worked out once per set of saved slots."""
+        from gnnpar.checkpoint.chunks import concat
+        from gnnpar.checkpoint.state import MODEL, TensorSpec
+
+        saved = [s for s in self.slots if s.trainable or not self.checkpoint_trainable_only]
+        key = ("slots", tuple(s.name for s in saved))
+        if key in self._stored_memo:
+            return self._stored_memo[key]
+        tensors, slot_chunks = {}, {}
+        for s in saved:
+            if s.layout is not None:
+                transposed = s.owner_attr == "weight" and (
+                    getattr(s.owner, "weight_format", "") == "in_out"
+                )
+                shape = tuple(reversed(s.layout.shape)) if transposed else s.layout.shape
+                r, c, d = s.layout.coords(self.grid)
+                chunks = s.layout.chunks(MODEL + s.name, r, c, d, transposed)
+                split = s.layout.split_axes
+            else:
+                shape, split = tuple(s.shape), ()
+                chunks = concat([(MODEL + s.name, (0,) * len(shape), shape)])
+            if s.expert:  # only this expert coordinate holds it
+                split = (*split, "expert")
+            tensors[MODEL + s.name] = TensorSpec.of(shape, s.dtype)
+            slot_chunks[s.name] = (chunks, split)
+        self._stored_memo[key] = (saved, tensors, slot_chunks)
+        return saved, tensors, slot_chunks
+
+    def _stored_piece(
+        self, slot: Slot, start: int, stop: int, replicated: bool, slot_chunks: dict[str, Any]
+    ) -> tuple[list[Any], bool]:
+        """The chunks of elements ``start``..``stop`` of ``slot``'s piece and whether this
+        rank writes them; worked out once per piece."""
+        from gnnpar.checkpoint.chunks import restrict
+        from gnnpar.checkpoint.state import writes
+
+        key = ("piece", slot.name, start, stop, replicated)
+        if key not in self._stored_memo:
+            chunks, split = slot_chunks[slot.name]
+            write = writes(self.view_of(slot), (*split, *(() if replicated else ("data",))))
+            self._stored_memo[key] = (restrict(chunks, start, stop), write)
+        return self._stored_memo[key]
 
     def _release_offloaded(self) -> None:
         """Give back the resident pages of the file tier's mappings (after a checkpoint read
