@@ -2,7 +2,8 @@
 
 Each factory takes the dataset's ``in_channels`` and ``out_channels`` (gnnpar passes them)
 and its own hyper-parameters (``--model-options k=v,k=v``), and returns an ``nn.Module``
-whose ``forward(x, edge_index)`` gives the logits. Nothing here knows about gnnpar.
+whose ``forward(x, edge_index)`` gives the logits (``forward(x, edge_index, edge_type)``
+for a typed graph's R-GCN). Nothing here knows about gnnpar.
 """
 
 from __future__ import annotations
@@ -167,3 +168,31 @@ def sgc(in_channels: int, out_channels: int, K: int = 2):  # noqa: N803
             return self.conv(x, edge_index)
 
     return SGC()
+
+
+class RGCN(nn.Module):
+    """R-GCN (Schlichtkrull et al.) on a typed graph: ``layers`` RGCNConv layers (mean per
+    relation, a root weight), ReLU and dropout between; ``forward(x, edge_index,
+    edge_type)``. ``num_bases`` shares the relations' weights through that many bases."""
+
+    def __init__(self, in_channels, out_channels, num_relations, hidden=16, layers=2,
+                 num_bases=None, dropout=0.5):  # fmt: skip
+        super().__init__()
+        dims = [in_channels] + [hidden] * (layers - 1) + [out_channels]
+        self.convs = nn.ModuleList(
+            gnn.RGCNConv(i, o, num_relations, num_bases=num_bases)
+            for i, o in zip(dims[:-1], dims[1:], strict=True)
+        )
+        self.dropout = dropout
+
+    def forward(self, x, edge_index, edge_type):  # noqa: D102
+        for i, conv in enumerate(self.convs):
+            x = F.dropout(x, self.dropout, self.training)
+            x = conv(x, edge_index, edge_type)
+            x = F.relu(x) if i < len(self.convs) - 1 else x
+        return x
+
+
+def rgcn(in_channels: int, out_channels: int, num_relations: int, **options):
+    """R-GCN on a typed graph (the trainer passes the graph's ``num_relations``)."""
+    return RGCN(in_channels, out_channels, num_relations, **options)

@@ -29,6 +29,7 @@ from tests.fullgraph_utils import dense_to_block, small_graph
 SBM = "num_nodes=60,num_classes=3,feat_dim=5"
 ZOO = Path(__file__).resolve().parent.parent / "examples" / "pyg_models.py"
 N, FEAT, CLASSES = 23, 7, 3
+TYPED_FEAT = 5  # small_typed_graph's widest features (papers')
 
 
 def zoo():
@@ -72,6 +73,34 @@ def cases(z) -> dict:
     }
 
 
+class _BlockResidual(nn.Module):
+    """A typed graph's R-GCN with block-diagonal weights and a residual connection:
+    Linear → RGCNConv(2 blocks) + skip → ReLU → RGCNConv(3 blocks)."""
+
+    def __init__(self, relations: int):
+        super().__init__()
+        self.inp = nn.Linear(TYPED_FEAT, 6)
+        self.conv1 = gnn.RGCNConv(6, 6, relations, num_blocks=2)
+        self.conv2 = gnn.RGCNConv(6, 3, relations, num_blocks=3)
+
+    def forward(self, x, edge_index, edge_type):
+        h = self.inp(x)
+        h = F.relu(self.conv1(h, edge_index, edge_type) + h)
+        return self.conv2(h, edge_index, edge_type)
+
+
+def typed_cases(z, relations: int) -> dict:
+    """R-GCNs of a typed graph: the example's (plain, and 2 bases), and block-diagonal
+    weights with a residual connection."""
+    return {
+        "rgcn": lambda: z.rgcn(TYPED_FEAT, 3, relations, hidden=7, dropout=0.0),
+        "rgcn-bases": lambda: z.rgcn(
+            TYPED_FEAT, 3, relations, hidden=4, num_bases=2, layers=3, dropout=0.0
+        ),  # fmt: skip
+        "rgcn-blocks-residual": lambda: _BlockResidual(relations),
+    }
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:
     """Equal to 1e-12 of the larger of the tensor's own size and ``scale`` (a gradient that
     is zero but for rounding, such as a bias before a BatchNorm, is held to the model's)."""
@@ -80,17 +109,27 @@ def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> No
     assert err <= 1e-12 * ref, f"{what}: {err:.2e} off (scale {ref:.2e})"
 
 
-def aggregation_bytes(shape: dict, coords: dict, n: int, width: int) -> tuple[float, float]:
-    """Written out: one Â·H of ``width`` features on this rank, forward and backward. The
-    rank at x = a, y·z = c gathers chunk a of the nodes over y·z (its sub-chunks padded to
-    the largest) and reduce-scatters the rows X (sub-chunk c of every x chunk, padded)."""
+def gather_scatter_bytes(
+    shape: dict, coords: dict, n: int, d_in: int, d_out: int
+) -> tuple[float, float]:
+    """Written out: the rank at x = a, y·z = c gathers chunk a of the nodes, ``d_in`` wide,
+    over y·z (its sub-chunks padded to the largest) and reduce-scatters the rows X (sub-chunk
+    c of every x chunk, padded), ``d_out`` wide: (gather bytes, scatter bytes), each the same
+    in backward (its adjoint)."""
     x, yz = shape.get("x", 1), shape.get("y", 1) * shape.get("z", 1)
     a, c = coords["x"], coords["y"] + shape.get("y", 1) * coords["z"]
     lo, hi = chunk(n, x, a)
     sub = max(chunk_sizes(hi - lo, yz))
     rows = max(chunk_sizes(b_hi - b_lo, yz)[c] for b_lo, b_hi in (chunk(n, x, b) for b in range(x)))
-    gather = (yz - 1) / yz * yz * sub * width * 8 if yz > 1 else 0.0
-    scatter = (x - 1) / x * x * rows * width * 8 if x > 1 else 0.0
+    gather = (yz - 1) / yz * yz * sub * d_in * 8 if yz > 1 else 0.0
+    scatter = (x - 1) / x * x * rows * d_out * 8 if x > 1 else 0.0
+    return gather, scatter
+
+
+def aggregation_bytes(shape: dict, coords: dict, n: int, width: int) -> tuple[float, float]:
+    """Written out: one Â·H of ``width`` features on this rank, forward and backward
+    (:func:`gather_scatter_bytes` of that width)."""
+    gather, scatter = gather_scatter_bytes(shape, coords, n, width, width)
     return gather + scatter, gather + scatter
 
 
@@ -205,7 +244,76 @@ def _grid_check(shape: dict, offset: int = 0, step: int = 1) -> int:
     ref.eval(), par.eval()
     logits = ref(x, edge_index)
     _close(par(features).detach(), logits.detach()[ids], 0.0, f"eval logits {tag}")
+    checked += _typed_check(grid, shape)
     gnnpar.release(grid)
+    return checked
+
+
+def _typed_check(grid, shape: dict) -> int:
+    """The typed cases on the small typed graph's relation operators (one random node
+    order): logits, loss and gradients equal PyG's ``RGCNConv`` with edge types; bytes equal
+    the schedule and, per layer, one gather of its input width over y·z and one
+    reduce-scatter of its output width over x, whatever the number of relations."""
+    from gnnpar import comm
+    from gnnpar.models.fullgraph.pyg import parallelize_pyg
+    from gnnpar.models.fullgraph.relations import relation_memory_source
+    from gnnpar.sparse.source import make_permutations
+    from tests.fullgraph_utils import check_schedule, small_typed_graph
+
+    graph = small_typed_graph()
+    rels, n = graph.types.num_relations, graph.num_nodes
+    source = relation_memory_source(graph, make_permutations("symmetric", graph.indptr,
+                                                             graph.indices, 5))  # fmt: skip
+    src, dst = graph.edges()
+    edge_index, edge_type = torch.stack([src, dst]), graph.types.edge_type
+    x, y, train = graph.feat, graph.ndata["label"], graph.ndata["train_mask"]
+    checked = 0
+    for name, make in typed_cases(zoo(), rels).items():
+        torch.manual_seed(0)
+        ref = make().double()
+        torch.manual_seed(0)
+        mine = make().double()
+        logits = ref(x, edge_index, edge_type)
+        loss_ref = F.cross_entropy(logits[train], y[train])
+        loss_ref.backward()
+        par = parallelize_pyg(mine, grid, source)
+        with comm.record(grid) as fwd:
+            out = par(par.input_features())
+        tag = f"{name} on {grid.describe()}"
+        ids = source.node_ids(0, par.logits_rows)
+        _close(out.detach(), logits.detach()[ids], 0.0, f"logits {tag}")
+        loss = par.loss(out)
+        _close(loss.detach(), loss_ref.detach(), 0.0, f"loss {tag}")
+        with comm.record(grid) as bwd:
+            loss.backward()
+        want = dict(ref.named_parameters())
+        scale = max(p.grad.abs().max().item() for p in want.values() if p.grad is not None)
+        for key, param in mine.named_parameters():
+            _close(param.grad, want[key].grad, 1e-3 * scale, f"{key} gradient {tag}")
+        check_schedule(fwd, bwd, par.expected_bytes(), tag)
+        if grid.global_rank == 0:  # the planner's trace prices it too
+            torch.manual_seed(0)
+            plain = make().double()
+            ops = trace_model(plain, TYPED_FEAT)
+            params = [q.numel() for q in plain.parameters()]
+            planned = bytes_by_axis(pyg_collectives(ops, params, n, shape, 8, 8))
+            measured = {**fwd.by_axis()}
+            for axis, b in bwd.by_axis().items():
+                measured[axis] = measured.get(axis, 0) + b
+            for axis in set(planned) | set(measured):
+                calls = fwd.calls(axis=axis) + bwd.calls(axis=axis)
+                got, want_b = measured.get(axis, 0), planned.get(axis, 0)
+                assert abs(got - want_b) <= calls + 1, (tag, axis, got, want_b)
+        if name == "rgcn":  # 5 → 7 → 3: the input's gather has no adjoint
+            (g1, s1), (g2, s2) = (gather_scatter_bytes(shape, grid.coords(), n, i, o)
+                                  for i, o in ((TYPED_FEAT, 7), (7, 3)))  # fmt: skip
+            p_world = grid.size("tensor")
+            numel = sum(p.numel() for p in mine.parameters())
+            params = ring_bytes("all_reduce", numel * 8, p_world) if p_world > 1 else 0.0
+            got_f, got_b = sum(fwd.by_axis().values()), sum(bwd.by_axis().values())
+            assert abs(got_f - (g1 + s1 + g2 + s2)) <= fwd.calls() + 1, (tag, got_f)
+            assert abs(got_b - (s1 + g2 + s2 + params)) <= bwd.calls() + 1, (tag, got_b)
+        checked += 1
     return checked
 
 
@@ -221,11 +329,13 @@ def _world(world: int) -> int:
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_pyg_models_equal_pyg_on_every_grid(world):
     """Every x·y·z shape of the world (3: one per axis): the eleven models equal PyG on
-    each (at 8 ranks each model on every other shape: 5 or 6 models a shape)."""
+    each (at 8 ranks each model on every other shape: 5 or 6 models a shape), and the three
+    R-GCNs of a typed graph on every shape."""
     from gnnpar.testing import grid_shapes, run_distributed
 
     n, shapes = len(cases(zoo())), len(grid_shapes(world))
     want = n * shapes if world != 8 else sum(len(range(k % 2, n, 2)) for k in range(shapes))
+    want += len(typed_cases(zoo(), 5)) * shapes  # the typed cases run on every shape
     assert run_distributed(_world, world, world, timeout=900) == [want] * world
 
 
@@ -295,6 +405,38 @@ def test_an_unsupported_layer_is_one_error_naming_class_place_and_the_list():
         check_model(m)
 
 
+def test_a_model_and_shards_that_do_not_meet_are_one_line():
+    """An R-GCN needs the relations' operators and the other convolutions the raw adjacency:
+    each on the other's shards is refused as it is put on the grid, in one line; so are an
+    RGCNConv that sums and one with another number of relations than the graph."""
+    import gnnpar
+    from gnnpar.models.fullgraph.pyg import parallelize_pyg
+    from gnnpar.models.fullgraph.relations import relation_memory_source
+    from tests.fullgraph_utils import small_typed_graph
+
+    grid = gnnpar.init()
+    try:
+        graph = small_typed_graph()
+        typed = relation_memory_source(graph)
+        _, raw = _small_source()
+        cases = [
+            (zoo().gcn(TYPED_FEAT, 3), typed, "norm 'raw'"),
+            (zoo().rgcn(FEAT, 3, 5), raw, "norm 'mean-per-relation'"),
+            (zoo().rgcn(TYPED_FEAT, 3, 4), typed, "num_relations=4, the graph 5 relations"),
+        ]
+        for model, source, message in cases:
+            with pytest.raises(UserError, match=message) as err:
+                par = parallelize_pyg(model.double(), grid, source)
+                par(par.input_features())
+            assert "\n" not in str(err.value)
+        with pytest.raises(UserError, match=r"RGCNConv\(aggr='add'\).*at 'convs\.0'"):
+            m = zoo().rgcn(TYPED_FEAT, 3, 5)
+            m.convs[0].aggr = "add"
+            check_model(m)
+    finally:
+        gnnpar.release(grid)
+
+
 def test_the_planner_prices_a_traced_user_model_on_every_shape(capsys):
     """``gnnpar plan gcn --model FILE:FACTORY`` ranks the shapes of a user model (its bytes
     from the trace, which the grid test holds equal to the measured ones); a graph too
@@ -354,6 +496,49 @@ def test_a_user_model_trains_resumes_on_another_grid_and_goes_back_home(tmp_path
     with torch.no_grad():
         plain = model(graph.feat.double(), _plain_edge_index(graph)).argmax(1)
     assert torch.equal(predicted.long(), plain)
+
+
+MAG = "num_papers=120,num_authors=60,num_institutions=5,num_fields=8,num_classes=3,feat_dim=6"
+
+
+def test_a_users_rgcn_trains_on_a_typed_graph_resumes_and_goes_back_home(tmp_path):
+    """The example's R-GCN (its factory takes ``num_relations``: the trainer cuts the
+    relations' shards and passes the graph's) on a small mag-synth, 3 epochs on x=2 resumed
+    on y=2 to 5, equals 5 epochs on one rank; the consolidated checkpoint loads into the
+    user's class with strict=True and predicts what the trainer predicted."""
+    from gnnpar.checkpoint import consolidate
+    from gnnpar.cli import main
+    from gnnpar.models.fullgraph.task import FullGraphConfig
+    from gnnpar.train.loop import load_dataset
+
+    def train(out: str, *extra: str) -> None:
+        argv = ["train", "gcn", "--dataset", "mag-synth", "--dataset-options", MAG,
+                "--model", f"{ZOO}:rgcn", "--model-options", "hidden=5,dropout=0.0",
+                "--eval-every", "2", "--out", str(tmp_path / out), "--quiet",
+                "--dtype", "float64", *extra]  # fmt: skip
+        assert main(argv) == 0
+
+    train("a", "--epochs", "3", "--nprocs", "2", "--grid", "x=2")
+    train("a", "--epochs", "5", "--nprocs", "2", "--grid", "y=2", "--resume")
+    train("b", "--epochs", "5")
+    got, want = consolidate(tmp_path / "a"), consolidate(tmp_path / "b")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        _close(got[key].double(), want[key].double(), 0.0, key)
+    graph = load_dataset(FullGraphConfig(dataset="mag-synth", dataset_options=MAG))
+    model = zoo().rgcn(6, 3, graph.types.num_relations, hidden=5, dropout=0.0).double()
+    model.load_state_dict(got, strict=True)
+    model.eval()
+    pred_dir = tmp_path / "pred"
+    argv = ["predict", str(tmp_path / "a"), "--checkpoint", "latest", "--out", str(pred_dir)]
+    assert main(argv) == 0
+    predicted = torch.from_numpy(np.load(pred_dir / "predictions.npy"))
+    src, dst = graph.edges()
+    with torch.no_grad():
+        logits = model(graph.feat.double(), torch.stack([src, dst]), graph.types.edge_type)
+    target = graph.ndata["label"] >= 0  # the papers: the other types have no class
+    assert predicted.shape[0] == graph.num_nodes
+    assert torch.equal(predicted.long()[target], logits.argmax(1)[target])
 
 
 # ---------------------------------------------------------------------------- mini-batch

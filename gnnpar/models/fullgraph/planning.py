@@ -229,12 +229,16 @@ def _cmd_user_model(args: argparse.Namespace, problem: GCNProblem, machine: Mach
     shape (:mod:`gnnpar.models.fullgraph.pyg_planning`)."""
     from gnnpar.models.fullgraph.pyg_planning import rank_pyg
     from gnnpar.models.fullgraph.task import FullGraphConfig
-    from gnnpar.models.pyg.model import build_user_model, factory_options
+    from gnnpar.models.pyg.model import build_user_model, factory_options, factory_takes_relations
 
     cfg = resolve(FullGraphConfig, args, None)
     try:
         options = factory_options(cfg.model_options)
-        model = build_user_model(cfg.model, problem.features, problem.classes, options)
+        relations = None
+        if factory_takes_relations(cfg.model) and cfg.dataset is not None:  # a user's R-GCN
+            types = load_dataset(cfg).types
+            relations = types.num_relations if types is not None else None
+        model = build_user_model(cfg.model, problem.features, problem.classes, options, relations)
     except UserError as err:
         raise PlanError(str(err)) from None
     recompute = cfg.activation_checkpointing == "full"

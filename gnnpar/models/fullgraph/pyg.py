@@ -132,6 +132,8 @@ class ParallelPyG(ShardedGNN):
                 # bf16: the masters stay in their dtype; autocast runs the products in
                 # bfloat16, the share sends and multiplies what it gathers in bfloat16
                 stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+            if self.share.typed:  # model(x, edge_index, edge_type): the share holds both
+                return self.module(x, self.share, self.share)
             return self.module(x, self.share)
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
@@ -155,7 +157,9 @@ class ParallelPyG(ShardedGNN):
     def shard_numel(self) -> dict[str, int]:
         """Elements this rank holds: adjacency nonzeros, input features, parameters."""
         return {
-            "adjacency_nnz": self.share.operator("attention").nnz,
+            "adjacency_nnz": sum(op.nnz for op in self.share.relation_operators())
+            if self.share.typed
+            else self.share.operator("attention").nnz,
             "features": int(self.input_features().numel()),
             "weights": sum(p.numel() for p in self.module.parameters()),
         }

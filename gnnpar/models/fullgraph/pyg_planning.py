@@ -20,7 +20,7 @@ from torch import nn
 
 from gnnpar.comm import chunk_sizes
 from gnnpar.models.fullgraph.layout import chunk
-from gnnpar.models.pyg.model import parallel_forwards
+from gnnpar.models.pyg.model import parallel_forwards, typed_model
 from gnnpar.plan.comm_model import Collective, collective
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.rank import Candidate, best_first, evaluate, grid_shapes
@@ -95,6 +95,9 @@ class TraceShare:
         self._note("node_sum", t)
         return t
 
+    def relation_partials(self, hc, relations):  # noqa: D102
+        return [hc] * relations  # local products: nothing sent
+
 
 def trace_model(model: nn.Module, in_channels: int) -> list[TracedOp]:
     """The ops one forward of ``model`` (in training mode) asks of its share."""
@@ -105,7 +108,9 @@ def trace_model(model: nn.Module, in_channels: int) -> list[TracedOp]:
         with parallel_forwards(model, share):
             first = next(iter(model.parameters()), None)
             dtype = first.dtype if first is not None else torch.float32
-            model(torch.zeros(TRACE_NODES, in_channels, dtype=dtype), share)
+            x = torch.zeros(TRACE_NODES, in_channels, dtype=dtype)
+            # a typed model (RGCNConv) is called as model(x, edge_index, edge_type)
+            model(x, share, share) if typed_model(model) else model(x, share)
     finally:
         model.train(was_training)
     return share.ops

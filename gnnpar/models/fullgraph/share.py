@@ -44,6 +44,7 @@ from gnnpar.comm import chunk_offsets, chunk_sizes
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.layout import chunk
+from gnnpar.models.fullgraph.relations import RELATION_NORM
 from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.sparse import attention, csr
 from gnnpar.sparse.csr import CSRBlock
@@ -55,7 +56,8 @@ COL_AXIS, ROW_AXIS = "x", "yz"
 #: The axis the node rows (and so the gradients of replicated parameters) are split over.
 NODE_AXIS = "tensor"
 #: The adjacency values a convolution may ask :meth:`GraphShare.operator` for.
-OPERATORS = ("gcn", "mean", "sum", "attention")
+#: ``"relations"``: every relation's Â_r (a typed graph's shards, RGCNConv).
+OPERATORS = ("gcn", "mean", "sum", "attention", "relations")
 
 
 def share_sizes(n: int, x: int, yz: int, a: int, c: int) -> dict[str, object]:
@@ -108,11 +110,13 @@ class GraphShare:
         self, grid: ProcessGrid, source: ShardSource, dtype: torch.dtype, device: torch.device
     ) -> None:
         norm = getattr(source, "norm", None)
-        if norm not in (None, "raw"):
+        if norm not in (None, "raw", RELATION_NORM):
             raise UserError(
                 f"{source.norm_where} is {norm!r}, but a PyG model reads the 'raw' adjacency "
                 "(each convolution normalises it its own way): prepare the shards with norm='raw'"
             )
+        #: The source holds each relation's Â_r (a typed graph's, for RGCNConv), no raw Â.
+        self.typed = norm == RELATION_NORM
         self.grid, self.dtype, self.device = grid, dtype, device
         self.num_nodes = n = source.num_nodes
         self.px, self.pyz = grid.size(COL_AXIS), grid.size(ROW_AXIS)
@@ -129,12 +133,20 @@ class GraphShare:
                 "permutation); a PyG model needs one order: cut the shards with permutation "
                 "'symmetric' or 'none'"
             )
-        raw = _vstack([source.adjacency(0, r, self.cols) for r in self.row_ranges])
-        # the values are derived in at least float32 and cast to ``dtype`` once derived
-        self._raw = raw.to(dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-        self._edge_rows = csr.coo_rows(self._raw)
-        global_rows = torch.cat([torch.arange(lo, hi) for lo, hi in self.row_ranges])
-        self._loops = global_rows[self._edge_rows] == self._raw.indices + self.cols[0]
+        #: Relations of a typed source (0 otherwise), each one operator.
+        self.num_relations = source.num_relations if self.typed else 0
+        self._relation_blocks = [
+            _vstack([source.relation_adjacency(k, 0, r, self.cols) for r in self.row_ranges])
+            for k in range(self.num_relations)
+        ]
+        self._relation_ops: list[LocalSpMM] = []
+        if not self.typed:
+            raw = _vstack([source.adjacency(0, r, self.cols) for r in self.row_ranges])
+            # the values are derived in at least float32 and cast to ``dtype`` once derived
+            self._raw = raw.to(dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+            self._edge_rows = csr.coo_rows(self._raw)
+            global_rows = torch.cat([torch.arange(lo, hi) for lo, hi in self.row_ranges])
+            self._loops = global_rows[self._edge_rows] == self._raw.indices + self.cols[0]
         self._blocks: dict[str, CSRBlock] = {}
         self._ops: dict[str, LocalSpMM] = {}
         self._attention: attention.Edges | None = None
@@ -156,6 +168,9 @@ class GraphShare:
         for kind in kinds:
             if kind not in OPERATORS:
                 raise ValueError(f"unknown operator {kind!r}; one of {OPERATORS}")
+            if kind == "relations":
+                self.relation_operators()
+                continue
             if kind == "attention":
                 self.attention_edges()
                 continue
@@ -168,6 +183,12 @@ class GraphShare:
         return self._blocks[kind]
 
     def _derive(self, kind: str) -> CSRBlock:
+        if self.typed:
+            raise UserError(
+                f"the shards hold each relation's mean adjacency ({RELATION_NORM!r}), which "
+                f"RGCNConv reads; a convolution reading the {kind!r} values needs shards of "
+                "norm 'raw'"
+            )
         raw, rows = self._raw, self._edge_rows
         if kind == "attention":
             return raw
@@ -209,6 +230,31 @@ class GraphShare:
         if kind not in self._ops:
             self._ops[kind] = LocalSpMM(self._block(kind).to(self.dtype, self.device))
         return self._ops[kind]
+
+    def relation_operators(self) -> list[LocalSpMM]:
+        """Each relation's local SpMM (its Â_r's block), built once; a UserError when the
+        source has no relations (RGCNConv on an untyped graph's shards)."""
+        if not self.typed:
+            raise UserError(
+                f"RGCNConv reads each relation's mean adjacency: cut a typed graph's shards "
+                f"with norm {RELATION_NORM!r}, not 'raw'"
+            )
+        if not self._relation_ops:
+            self._relation_ops = [
+                LocalSpMM(b.to(self.dtype, self.device)) for b in self._relation_blocks
+            ]
+        return self._relation_ops
+
+    def relation_partials(self, hc: torch.Tensor, relations: int) -> list[torch.Tensor]:
+        """Each relation's ``Â_r`` block times ``hc`` (the block's columns): partial sums
+        over the rows X, to be summed over x (:meth:`scatter_rows`). ``relations``: how many
+        the convolution has (a UserError unless the graph's number)."""
+        ops = self.relation_operators()
+        if relations != len(ops):
+            raise UserError(
+                f"RGCNConv has num_relations={relations}, the graph {len(ops)} relations"
+            )
+        return [spmm(op, hc) for op in ops]
 
     def attention_edges(self) -> attention.Edges:
         """The ``"attention"`` block's edges (one self loop per node) for the attention

@@ -41,6 +41,7 @@ from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallel
 from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
 from gnnpar.models.fullgraph.pyg import parallelize_pyg
 from gnnpar.models.fullgraph.pyg_planning import choose_pyg_grid
+from gnnpar.models.fullgraph.relations import RELATION_NORM
 from gnnpar.models.fullgraph.shards import (
     DiskSource,
     OldShardFolderError,
@@ -53,6 +54,7 @@ from gnnpar.models.pyg.model import (
     build_user_model,
     check_model_option,
     factory_options,
+    factory_takes_relations,
     is_user_model,
 )
 from gnnpar.plan import local_machine
@@ -229,8 +231,11 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
 def _norm(cfg: FullGraphConfig) -> str:
     """The adjacency the model reads (:func:`~gnnpar.models.fullgraph.model.norm_of`: GAT and
     GIN the ``raw`` one, whose values are the edge weights; R-GCN one per relation; a user's
-    PyG model the ``raw`` one, which each of its convolutions normalises its own way)."""
-    return "raw" if is_user_model(cfg.model) else norm_of(cfg.model)
+    PyG model the ``raw`` one, which each of its convolutions normalises its own way, or the
+    relations' when its factory takes ``num_relations``: an R-GCN of RGCNConv layers)."""
+    if is_user_model(cfg.model):  # an R-GCN of the user's reads each relation's Â_r
+        return RELATION_NORM if factory_takes_relations(cfg.model) else "raw"
+    return norm_of(cfg.model)
 
 
 def check_typed(cfg: FullGraphConfig, graph: Any) -> None:
@@ -358,7 +363,8 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
         if cfg.grid:
             return GridPlan(parse_grid_spec(cfg.grid), "given", prepared)
         options = factory_options(cfg.model_options)
-        model = build_user_model(cfg.model, meta["feat_dim"], meta["num_classes"], options)
+        model = build_user_model(cfg.model, meta["feat_dim"], meta["num_classes"], options,
+                                 source.num_relations)  # fmt: skip
         gpus_per_node = world.ranks_per_node if world.backend == "nccl" else None
         shape = choose_pyg_grid(
             model, meta["feat_dim"], meta["num_nodes"], meta["num_edges"] + meta["num_nodes"],
@@ -415,7 +421,8 @@ class FullGraphTask(BaseTask):
         check_typed(cfg, graph)
         if is_user_model(cfg.model):  # the factory runs and its modules are checked here
             options = factory_options(cfg.model_options)
-            build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, options)
+            relations = graph.types.num_relations if graph.types is not None else None
+            build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, options, relations)
         if cfg.shards and Path(cfg.shards).exists():
             _check_given_shards(cfg, graph.fingerprint())
 
@@ -441,7 +448,8 @@ class FullGraphTask(BaseTask):
         torch.manual_seed(cfg.seed)
         if is_user_model(cfg.model):
             options = factory_options(cfg.model_options)
-            plain = build_user_model(cfg.model, dims[0], dims[-1], options).to(dtype)
+            relations = self.source.num_relations
+            plain = build_user_model(cfg.model, dims[0], dims[-1], options, relations).to(dtype)
             self.model = parallelize_pyg(plain, self.grid, self.source, compute_dtype(cfg))
             self.model.activation_checkpointing = cfg.activation_checkpointing
             self.features = self.model.input_features()

@@ -69,6 +69,10 @@ class Share(Protocol):
     def node_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """A sum over every node of the graph."""
 
+    def relation_partials(self, hc: torch.Tensor, relations: int) -> list[torch.Tensor]:
+        """Each of the ``relations`` relations' ``Â_r`` block times ``hc`` (C rows in,
+        partial sums over X out)."""
+
 
 def _is_share(edge_index: Any) -> bool:
     return hasattr(edge_index, "propagate") and not isinstance(edge_index, torch.Tensor)
@@ -251,6 +255,39 @@ def gcn2_conv(m, x, x_0, edge_index, edge_weight=None):  # noqa: D103
     return _gcn2(m, edge_index, x, x_0)
 
 
+@_checkpointed
+def _rgcn(m: pyg.RGCNConv, g: Share, x: torch.Tensor) -> torch.Tensor:
+    # PyG's arithmetic: Σ_r mean_r(x)·W_r (W_r from the bases or block-diagonal), then the
+    # root and the bias; the relations' partial sums leave the x group in one reduce-scatter
+    weight = m.weight
+    if m.num_bases is not None:
+        weight = (m.comp @ weight.view(m.num_bases, -1)).view(
+            m.num_relations, m.in_channels_l, m.out_channels
+        )
+    hc = g.gather_cols(x, "gather H for Σ_r Â_r·H·W_r (RGCNConv)")
+    part = None
+    for r, h in enumerate(g.relation_partials(hc, m.num_relations)):
+        if m.num_blocks is not None:
+            h = h.view(-1, weight.size(1), weight.size(2))
+            h = torch.einsum("abc,bcd->abd", h, weight[r]).contiguous().view(-1, m.out_channels)
+        else:
+            h = h @ weight[r]
+        part = h if part is None else part + h
+    out = g.scatter_rows(part, "OUT = Σ_r Â_r·H·W_r (RGCNConv)")
+    if m.root is not None:
+        out = out + x @ m.root
+    return out if m.bias is None else out + m.bias
+
+
+def rgcn_conv(m, x, edge_index, edge_type=None):  # noqa: D103
+    if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
+        raise UserError(
+            "RGCNConv: a parallelized model gives it node features (a float tensor), not node "
+            "indices or a pair"
+        )
+    return _rgcn(m, edge_index, x)
+
+
 # ----------------------------------------------------------------------------- norms
 def batch_norm(m: nn.BatchNorm1d, x: torch.Tensor) -> torch.Tensor:
     """``BatchNorm1d`` over every node of the graph: the mean and the biased variance of
@@ -311,6 +348,7 @@ def forwards() -> dict[type, Callable[..., torch.Tensor]]:
         geo.SGConv: _dispatch(sg_conv),
         geo.APPNP: _dispatch(appnp),
         geo.GCN2Conv: _dispatch(gcn2_conv, where=2),
+        geo.RGCNConv: _dispatch(rgcn_conv),
         nn.BatchNorm1d: batch_norm,
     }
 
@@ -326,6 +364,8 @@ def operators_of(module: nn.Module) -> list[str]:
         return ["sum"]
     if isinstance(module, (geo.GATConv, geo.GATv2Conv)):
         return ["attention"]
+    if isinstance(module, geo.RGCNConv):
+        return ["relations"]
     return []
 
 
@@ -348,6 +388,8 @@ def refusal(module: nn.Module) -> str | None:
             return f"{cls}(edge_dim=...) reads edge features"
         if not module.add_self_loops:
             return f"{cls}(add_self_loops=False)"
+    if isinstance(module, geo.RGCNConv) and str(module.aggr) != "mean":
+        return f"RGCNConv(aggr={module.aggr!r}): mean is supported (each relation's Â_r)"
     if isinstance(module, geo.LayerNorm) and module.mode not in ("graph", "node"):
         return f"LayerNorm(mode={module.mode!r})"
     return None

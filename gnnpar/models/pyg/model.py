@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,8 +40,9 @@ def _row_wise() -> tuple[type, ...]:
 #: What :func:`parallelize_pyg` takes, by name (for the refusal of anything else).
 SUPPORTED = (
     "GCNConv", "SAGEConv (mean, max)", "GATConv", "GATv2Conv", "GINConv", "SGConv", "APPNP",
-    "GCN2Conv", "Linear", "BatchNorm / BatchNorm1d", "LayerNorm (graph, node)", "MLP",
-    "JumpingKnowledge (cat, max, lstm)", "Dropout", "activations", "Sequential / ModuleList",
+    "GCN2Conv", "RGCNConv (mean; bases or blocks)", "Linear", "BatchNorm / BatchNorm1d",
+    "LayerNorm (graph, node)", "MLP", "JumpingKnowledge (cat, max, lstm)", "Dropout",
+    "activations", "Sequential / ModuleList",
 )  # fmt: skip
 
 
@@ -89,6 +91,13 @@ def _check_tree(module: nn.Module, path: str, parent: nn.Module | None) -> None:
         children = list(module.named_children())
     for name, child in children:
         _check_tree(child, f"{path}.{name}" if path else name, module)
+
+
+def typed_model(model: nn.Module) -> bool:
+    """Whether ``model`` reads a typed graph's relations (it holds an RGCNConv): it is
+    called as ``model(x, edge_index, edge_type)``."""
+    rgcn = pyg_nn().RGCNConv
+    return any(isinstance(m, rgcn) for m in model.modules())
 
 
 def install_forwards(model: nn.Module, share: Any) -> list[str]:
@@ -200,12 +209,35 @@ def load_factory(target: str) -> Callable[..., nn.Module]:
     return factory
 
 
+def factory_takes_relations(target: str) -> bool:
+    """Whether the factory ``target`` names takes ``num_relations``: its model reads a typed
+    graph's relations (an R-GCN), on shards of one adjacency per relation."""
+    try:
+        params = inspect.signature(load_factory(target)).parameters
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+    return "num_relations" in params
+
+
 def build_user_model(
-    target: str, in_channels: int, out_channels: int, options: dict[str, Any]
+    target: str,
+    in_channels: int,
+    out_channels: int,
+    options: dict[str, Any],
+    num_relations: int | None = None,
 ) -> nn.Module:
     """``factory(in_channels=..., out_channels=..., **options)`` of ``target``, checked
-    (:func:`check_model`); one UserError naming the target if the call fails."""
+    (:func:`check_model`); one UserError naming the target if the call fails. A factory
+    that takes ``num_relations`` (:func:`factory_takes_relations`) is given the graph's
+    ``num_relations``; a UserError when the graph has none."""
     factory = load_factory(target)
+    if factory_takes_relations(target):
+        if not num_relations:
+            raise UserError(
+                f"model {target!r} reads a typed graph's relations (its factory takes "
+                "num_relations), and the dataset has none"
+            )
+        options = {**options, "num_relations": num_relations}
     try:
         model = factory(in_channels=in_channels, out_channels=out_channels, **options)
     except TypeError as err:
