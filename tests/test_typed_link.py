@@ -129,3 +129,37 @@ def test_partitioned_typed_edge_batches_equal_the_local_run(tmp_path):
     assert list(a) == list(b)
     for k, v in b.items():
         assert float((a[k] - v).abs().max()) <= 1e-9 * max(float(v.abs().max()), 1e-300), k
+
+
+def _full_argv(out: Path, epochs: int, *extra: str) -> list[str]:
+    options = ",".join(f"{k}={v}" for k, v in MAG.items())
+    return ["train", "link", "--mode", "full", "--model", "rgcn", "--relation", "cites",
+            "--decoder", "distmult", "--dataset", "mag-synth", "--dataset-options", options,
+            "--root", str(out.parent / "data"), "--epochs", str(epochs), "--hidden", "8",
+            "--out", str(out), "--quiet", "--dtype", "float64", "--eval-every", "2",
+            *extra]  # fmt: skip
+
+
+def test_full_graph_typed_link_prediction_resumes_on_another_grid(tmp_path, monkeypatch):
+    """``--mode full --model rgcn``: PyG RGCNConv layers on the grid over each relation's
+    mean adjacency of the message graph, DistMult on the relation's pairs with negatives of
+    its destination type. 2 epochs on x=2 resumed on y=2 to 4 equal 4 epochs on one rank."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    grid, straight = tmp_path / "grid", tmp_path / "straight"
+    assert main(_full_argv(grid, 2, "--nprocs", "2", "--grid", "x=2")) == 0
+    assert main(_full_argv(grid, 4, "--nprocs", "2", "--grid", "y=2", "--resume")) == 0
+    assert main(_full_argv(straight, 4)) == 0
+    a, b = checkpoint.consolidate(grid), checkpoint.consolidate(straight)
+    assert list(a) == list(b) and any(k.endswith("convs.0.weight") for k in a)
+    for k, v in b.items():
+        assert float((a[k] - v).abs().max()) <= 1e-12 * max(float(v.abs().max()), 1e-300), k
+
+
+def test_full_mode_on_a_typed_graph_needs_an_rgcn(tmp_path, capsys):
+    argv = _full_argv(tmp_path / "run", 1)
+    argv[argv.index("rgcn")] = "sage"
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("needs an R-GCN encoder (rgcn, or a factory taking num_relations); "
+                            "sage reads one untyped adjacency"), err  # fmt: skip

@@ -17,33 +17,42 @@ from torch import nn
 
 from gnnpar.errors import UserError
 
-__all__ = ["ENCODERS", "TYPED_ENCODERS", "LinkModel", "PyGEncoder"]
+__all__ = ["ENCODERS", "FULL_TYPED_ENCODERS", "TYPED_ENCODERS", "LinkModel", "PyGEncoder"]
 
 #: The built-in encoders (a ``module:factory`` names the user's own PyG model); ``rgcn`` and
-#: ``hgt`` encode a typed graph (:mod:`gnnpar.models.hetero`, minibatch mode).
+#: ``hgt`` encode a typed graph (:mod:`gnnpar.models.hetero` in minibatch mode; ``rgcn``
+#: also full-graph, as PyG ``RGCNConv`` layers).
 ENCODERS = ("sage", "gcn", "gat", "rgcn", "hgt")
 #: The encoders of typed graphs.
 TYPED_ENCODERS = ("rgcn", "hgt")
+#: The typed encoders that train full-graph too.
+FULL_TYPED_ENCODERS = ("rgcn",)
 
 
 class PyGEncoder(nn.Module):
-    """A stack of PyG convolutions (``GCNConv``, ``SAGEConv`` or ``GATConv``): dropout,
-    convolution, ReLU (none after the last), as :class:`~gnnpar.models.minibatch.model.BlockGNN`."""
+    """A stack of PyG convolutions (``GCNConv``, ``SAGEConv``, ``GATConv``, or on a typed
+    graph ``RGCNConv`` with ``num_relations``): dropout, convolution, ReLU (none after the
+    last), as :class:`~gnnpar.models.minibatch.model.BlockGNN`. An R-GCN's ``forward`` takes
+    the edge types too."""
 
     def __init__(
         self, kind: str, in_channels: int, hidden: int, out_channels: int, layers: int = 2,
-        dropout: float = 0.0, heads: int = 4,
+        dropout: float = 0.0, heads: int = 4, num_relations: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+        from torch_geometric.nn import GATConv, GCNConv, RGCNConv, SAGEConv
 
-        if kind not in ENCODERS or kind in TYPED_ENCODERS:
-            raise UserError(f"no full-graph PyG encoder {kind!r}: one of sage, gcn, gat")
+        if kind not in ENCODERS or (kind in TYPED_ENCODERS and kind not in FULL_TYPED_ENCODERS):
+            raise UserError(f"no full-graph PyG encoder {kind!r}: one of sage, gcn, gat, rgcn")
+        if (kind == "rgcn") != (num_relations is not None):
+            raise UserError("an rgcn encoder needs num_relations (and only an rgcn encoder)")
         dims = [in_channels] + [hidden] * (layers - 1) + [out_channels]
         convs: list[nn.Module] = []
         for i in range(layers):
             last = i == layers - 1
-            if kind == "gcn":
+            if kind == "rgcn":
+                convs.append(RGCNConv(dims[i], dims[i + 1], num_relations))
+            elif kind == "gcn":
                 convs.append(GCNConv(dims[i], dims[i + 1]))
             elif kind == "sage":
                 convs.append(SAGEConv(dims[i], dims[i + 1]))
@@ -55,11 +64,12 @@ class PyGEncoder(nn.Module):
         self.convs = nn.ModuleList(convs)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, edge_index: Any) -> torch.Tensor:
-        """Every node's embedding (this rank's rows, when parallelized)."""
+    def forward(self, x: torch.Tensor, edge_index: Any, edge_type: Any = None) -> torch.Tensor:
+        """Every node's embedding (this rank's rows, when parallelized); ``edge_type``: an
+        R-GCN's relation of each edge."""
         for i, conv in enumerate(self.convs):
             x = F.dropout(x, self.dropout, self.training)
-            x = conv(x, edge_index)
+            x = conv(x, edge_index) if edge_type is None else conv(x, edge_index, edge_type)
             if i < len(self.convs) - 1:
                 x = torch.relu(x)
         return x

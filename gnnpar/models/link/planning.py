@@ -292,7 +292,8 @@ def rank_link_minibatch(
 # ------------------------------------------------------------------ gnnpar plan link
 #: The trainer's options ``gnnpar plan link`` takes (spelled and defaulted alike).
 LINK_OPTIONS = ("dataset", "root", "dataset_options", "split", "val_fraction", "test_fraction",
-                "eval_negatives", "eval_num_negatives", "edge_labels", "mode", "sampling", "grid",
+                "eval_negatives", "eval_num_negatives", "edge_labels", "relation",
+                "reverse_relation", "per_relation", "mode", "sampling", "grid",
                 "model", "model_options",
                 "hidden", "layers", "heads", "decoder", "decoder_layers", "num_negatives",
                 "fanouts", "batch_size", "prefetch", "zero_stage", "fcdp", "dtype",

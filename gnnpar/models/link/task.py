@@ -18,7 +18,8 @@ are reduced by :mod:`gnnpar.shard` (ZeRO stages, FCDP, offload), so a run is the
 number of ranks.
 
 **Full graph** (``mode = "full"``). The encoder (a PyG model: the built-in
-:class:`~gnnpar.models.link.encoders.PyGEncoder` or the user's ``module:factory``) runs on the
+:class:`~gnnpar.models.link.encoders.PyGEncoder`, ``RGCNConv`` layers on a typed graph's
+relations' operators, or the user's ``module:factory``) runs on the
 x × y × z grid through :func:`~gnnpar.models.fullgraph.pyg.parallelize_pyg` (each rank holds
 its rows of every embedding); each step scores every training positive and its negatives,
 each rank a slice of them, with the endpoints' rows fetched from their owners
@@ -49,9 +50,16 @@ from gnnpar.fmt import count
 from gnnpar.graph import Graph
 from gnnpar.graph.edge_split import check_metric, split_edges
 from gnnpar.grid import ProcessGrid
+from gnnpar.models.fullgraph.relations import RELATION_NORM
 from gnnpar.models.hetero import TypedGNN
 from gnnpar.models.link.decoders import DECODERS, LOSSES, bce_sum, make_decoder, margin_sum
-from gnnpar.models.link.encoders import ENCODERS, TYPED_ENCODERS, LinkModel, PyGEncoder
+from gnnpar.models.link.encoders import (
+    ENCODERS,
+    FULL_TYPED_ENCODERS,
+    TYPED_ENCODERS,
+    LinkModel,
+    PyGEncoder,
+)
 from gnnpar.models.minibatch.model import BlockGNN
 from gnnpar.models.minibatch.pyg import full_graph_logits
 from gnnpar.models.minibatch.task import built_in_units
@@ -59,6 +67,7 @@ from gnnpar.models.pyg.model import (
     build_user_model,
     check_model_option,
     factory_options,
+    factory_takes_relations,
     is_user_model,
     seeded,
 )
@@ -238,7 +247,7 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
                               f"{self.sampling!r}")  # fmt: skip
         partitioned = self.sampling == "partitioned"
         typed = self.model in TYPED_ENCODERS
-        if typed and self.mode != "minibatch":
+        if typed and self.mode != "minibatch" and self.model not in FULL_TYPED_ENCODERS:
             raise ConfigError(f"config key 'model': {self.model} trains in mode minibatch")
         if partitioned and (self.mode != "minibatch" or is_user_model(self.model)):
             raise ConfigError(
@@ -329,6 +338,12 @@ def load_link_graph(cfg: LinkConfig) -> Graph:
             f"config key 'model': {cfg.model} needs a typed graph; dataset {cfg.dataset!r} "
             "has no node types (docs/typed.md)"
         )
+    if cfg.mode == "full" and graph.types is not None and _full_norm(cfg) == "raw":
+        raise ConfigError(
+            f"config key 'model': mode full on the typed graph {cfg.dataset!r} needs an R-GCN "
+            f"encoder (rgcn, or a factory taking num_relations); {cfg.model} reads one untyped "
+            "adjacency"
+        )
     if graph.types is None:  # a typed graph keeps its CSR (rows grouped by relation)
         try:
             graph_keys(graph)
@@ -370,9 +385,13 @@ def link_model(cfg: LinkConfig, graph: Graph, block: bool) -> LinkModel:
     ``module:factory``) and the decoder (a score per pair, or one logit per class of edge
     classification). The task and the planner build it here."""
     in_dim, split = int(graph.feat.shape[1]), graph.edge_split
+    relations = graph.types.num_relations if graph.types is not None else None
     if is_user_model(cfg.model):
         options = factory_options(cfg.model_options)
-        encoder = build_user_model(cfg.model, in_dim, cfg.hidden, options)
+        encoder = build_user_model(cfg.model, in_dim, cfg.hidden, options, relations)
+    elif cfg.model in FULL_TYPED_ENCODERS and not block:  # PyG's RGCNConv layers
+        encoder = PyGEncoder(cfg.model, in_dim, cfg.hidden, cfg.hidden, cfg.layers, cfg.dropout,
+                             cfg.heads, num_relations=relations)  # fmt: skip
     elif cfg.model in TYPED_ENCODERS:  # its classifier is the embeddings' last linear
         encoder = TypedGNN(graph.types, cfg.hidden, cfg.hidden, cfg.layers, cfg.model,
                            cfg.dropout, cfg.heads)  # fmt: skip
@@ -417,16 +436,26 @@ def _link_parts(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Prog
     return folder
 
 
+def _full_norm(cfg: LinkConfig) -> str:
+    """The adjacency full mode's encoder reads: each relation's mean for an R-GCN (the
+    built-in ``rgcn``, or a user's factory that takes ``num_relations``), else the raw one."""
+    typed = cfg.model in FULL_TYPED_ENCODERS or (
+        is_user_model(cfg.model) and factory_takes_relations(cfg.model)
+    )
+    return RELATION_NORM if typed else "raw"
+
+
 def _shard_folder(cfg: LinkConfig, graph: Graph) -> Path:
     """Where full mode's shards of the message-passing graph go (named by the graph)."""
-    keys = [graph.fingerprint(), cfg.seed, cfg.blocks]
+    keys = [graph.fingerprint(), cfg.seed, cfg.blocks, _full_norm(cfg)]
     digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:10]
     return Path(cfg.out) / "shards" / f"{Path(cfg.dataset).name or 'graph'}-{digest}"
 
 
 def _full_source(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Progress) -> Any:
-    """Full mode's shard source: rank 0 writes the message graph's ``raw`` shards (one node
-    order, ``symmetric``) unless a folder made from it exists; every rank reads its blocks."""
+    """Full mode's shard source: rank 0 writes the message graph's shards (``raw``, or each
+    relation's mean for an R-GCN: :func:`_full_norm`; one node order, ``symmetric``) unless a
+    folder made from it exists; every rank reads its blocks."""
     from gnnpar.models.fullgraph.shards import DiskSource, prepare_shards
 
     folder = _shard_folder(cfg, graph)
@@ -434,8 +463,8 @@ def _full_source(cfg: LinkConfig, graph: Graph, grid: ProcessGrid, progress: Pro
     def write() -> None:
         if not folder.exists():
             with progress.stage(f"writing the graph's shards into {folder}"):
-                prepare_shards(graph, folder, norm="raw", permutation="symmetric", seed=cfg.seed,
-                               blocks=(cfg.blocks, cfg.blocks))  # fmt: skip
+                prepare_shards(graph, folder, norm=_full_norm(cfg), permutation="symmetric",
+                               seed=cfg.seed, blocks=(cfg.blocks, cfg.blocks))  # fmt: skip
 
     comm.on_rank_zero(grid, write, "rank 0 could not write the link task's shards (see its error)")
     source = DiskSource(folder)
@@ -468,8 +497,9 @@ class LinkTask(BaseTask):
         if cfg.negatives.endswith(".npy"):
             load_candidates(cfg.negatives, graph.num_nodes)
         if is_user_model(cfg.model):
+            relations = graph.types.num_relations if graph.types is not None else None
             build_user_model(cfg.model, graph.feat.shape[1], cfg.hidden,
-                             factory_options(cfg.model_options))  # fmt: skip
+                             factory_options(cfg.model_options), relations)  # fmt: skip
 
     def __init__(self, cfg: LinkConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress):
         self.cfg, self.grid, self.progress = cfg, grid, progress
