@@ -3,7 +3,7 @@
 Each factory takes the dataset's ``in_channels`` and ``out_channels`` (gnnpar passes them)
 and its own hyper-parameters (``--model-options k=v,k=v``), and returns an ``nn.Module``
 whose ``forward(x, edge_index)`` gives the logits (``forward(x, edge_index, edge_type)``
-for a typed graph's R-GCN). Nothing here knows about gnnpar.
+for a typed graph's R-GCN and RGAT). Nothing here knows about gnnpar.
 """
 
 from __future__ import annotations
@@ -196,3 +196,29 @@ class RGCN(nn.Module):
 def rgcn(in_channels: int, out_channels: int, num_relations: int, **options):
     """R-GCN on a typed graph (the trainer passes the graph's ``num_relations``)."""
     return RGCN(in_channels, out_channels, num_relations, **options)
+
+
+class RGAT(nn.Module):
+    """Relational graph attention (Busbridge et al.) on a typed graph: RGATConv layers
+    (``heads`` concatenated heads, the last averaged), ELU between; ``forward(x, edge_index,
+    edge_type)``."""
+
+    def __init__(self, in_channels, out_channels, num_relations, hidden=8, heads=2,
+                 num_bases=None, dropout=0.5):  # fmt: skip
+        super().__init__()
+        self.conv1 = gnn.RGATConv(in_channels, hidden, num_relations, heads=heads,
+                                  num_bases=num_bases)  # fmt: skip
+        self.conv2 = gnn.RGATConv(hidden * heads, out_channels, num_relations, heads=heads,
+                                  concat=False, num_bases=num_bases)  # fmt: skip
+        self.dropout = dropout
+
+    def forward(self, x, edge_index, edge_type):  # noqa: D102
+        x = F.dropout(x, self.dropout, self.training)
+        x = F.elu(self.conv1(x, edge_index, edge_type))
+        x = F.dropout(x, self.dropout, self.training)
+        return self.conv2(x, edge_index, edge_type)
+
+
+def rgat(in_channels: int, out_channels: int, num_relations: int, **options):
+    """RGAT on a typed graph (the trainer passes the graph's ``num_relations``)."""
+    return RGAT(in_channels, out_channels, num_relations, **options)

@@ -22,7 +22,7 @@ from gnnpar.comm import chunk_sizes, ring_bytes
 from gnnpar.errors import UserError
 from gnnpar.models.fullgraph.layout import chunk
 from gnnpar.models.fullgraph.pyg_planning import choose_pyg_grid, pyg_collectives, trace_model
-from gnnpar.models.pyg.model import check_model
+from gnnpar.models.pyg.model import check_model, gradient_parameters
 from gnnpar.plan.comm_model import bytes_by_axis
 from tests.fullgraph_utils import dense_to_block, small_graph
 
@@ -91,13 +91,17 @@ class _BlockResidual(nn.Module):
 
 def typed_cases(z, relations: int) -> dict:
     """R-GCNs of a typed graph: the example's (plain, and 2 bases), and block-diagonal
-    weights with a residual connection."""
+    weights with a residual connection; the example's RGAT (plain, and 2 bases)."""
     return {
         "rgcn": lambda: z.rgcn(TYPED_FEAT, 3, relations, hidden=7, dropout=0.0),
         "rgcn-bases": lambda: z.rgcn(
             TYPED_FEAT, 3, relations, hidden=4, num_bases=2, layers=3, dropout=0.0
         ),  # fmt: skip
         "rgcn-blocks-residual": lambda: _BlockResidual(relations),
+        "rgat": lambda: z.rgat(TYPED_FEAT, 3, relations, hidden=3, heads=2, dropout=0.0),
+        "rgat-bases": lambda: z.rgat(
+            TYPED_FEAT, 3, relations, hidden=2, heads=3, num_bases=2, dropout=0.0
+        ),  # fmt: skip
     }
 
 
@@ -124,6 +128,26 @@ def gather_scatter_bytes(
     gather = (yz - 1) / yz * yz * sub * d_in * 8 if yz > 1 else 0.0
     scatter = (x - 1) / x * x * rows * d_out * 8 if x > 1 else 0.0
     return gather, scatter
+
+
+def rgat_bytes(shape: dict, coords: dict, n: int, layers: list[tuple[int, int, int]]):
+    """Written out: RGATConv layers ``(in width, heads, heads × channels)``, forward and
+    backward, on this rank: H gathered over y·z for the sources and over x for the rows X
+    (sub-chunk c of every x chunk), the softmax's row maximum (no gradient) and row sum
+    all-reduced over x (|X| × heads), the output's partial sums reduce-scattered over x
+    (heads × channels wide, before the last layer's mean); the first layer's gathers of the
+    input features have no adjoint."""
+    x, yz = shape.get("x", 1), shape.get("y", 1) * shape.get("z", 1)
+    c = coords["y"] + shape.get("y", 1) * coords["z"]
+    rows_x = sum(chunk_sizes(hi - lo, yz)[c] for lo, hi in (chunk(n, x, b) for b in range(x)))
+    forward = backward = 0.0
+    for i, (d_in, heads, width) in enumerate(layers):
+        g_cols, g_rows = gather_scatter_bytes(shape, coords, n, d_in, d_in)
+        _, scatter = gather_scatter_bytes(shape, coords, n, width, width)
+        stats = 2 * (x - 1) / x * rows_x * heads * 8 if x > 1 else 0.0
+        forward += g_cols + g_rows + 2 * stats + scatter
+        backward += (g_cols + g_rows if i else 0.0) + stats + scatter
+    return forward, backward
 
 
 def aggregation_bytes(shape: dict, coords: dict, n: int, width: int) -> tuple[float, float]:
@@ -289,13 +313,16 @@ def _typed_check(grid, shape: dict) -> int:
         want = dict(ref.named_parameters())
         scale = max(p.grad.abs().max().item() for p in want.values() if p.grad is not None)
         for key, param in mine.named_parameters():
+            if want[key].grad is None:  # a term the layer never reads (RGATConv without mod)
+                assert param.grad is None, f"{key} gradient {tag}"
+                continue
             _close(param.grad, want[key].grad, 1e-3 * scale, f"{key} gradient {tag}")
         check_schedule(fwd, bwd, par.expected_bytes(), tag)
         if grid.global_rank == 0:  # the planner's trace prices it too
             torch.manual_seed(0)
             plain = make().double()
             ops = trace_model(plain, TYPED_FEAT)
-            params = [q.numel() for q in plain.parameters()]
+            params = [q.numel() for q in gradient_parameters(plain)]
             planned = bytes_by_axis(pyg_collectives(ops, params, n, shape, 8, 8))
             measured = {**fwd.by_axis()}
             for axis, b in bwd.by_axis().items():
@@ -304,6 +331,14 @@ def _typed_check(grid, shape: dict) -> int:
                 calls = fwd.calls(axis=axis) + bwd.calls(axis=axis)
                 got, want_b = measured.get(axis, 0), planned.get(axis, 0)
                 assert abs(got - want_b) <= calls + 1, (tag, axis, got, want_b)
+        if name == "rgat":  # 5 → 2 heads × 3 (concatenated) → 2 heads × 3 (averaged)
+            f_want, b_want = rgat_bytes(shape, grid.coords(), n, [(TYPED_FEAT, 2, 6), (6, 2, 6)])
+            p_world = grid.size("tensor")
+            numel = sum(p.numel() for p in gradient_parameters(mine))
+            b_want += ring_bytes("all_reduce", numel * 8, p_world) if p_world > 1 else 0.0
+            got_f, got_b = sum(fwd.by_axis().values()), sum(bwd.by_axis().values())
+            assert abs(got_f - f_want) <= fwd.calls() + 1, (tag, got_f, f_want)
+            assert abs(got_b - b_want) <= bwd.calls() + 1, (tag, got_b, b_want)
         if name == "rgcn":  # 5 → 7 → 3: the input's gather has no adjoint
             (g1, s1), (g2, s2) = (gather_scatter_bytes(shape, grid.coords(), n, i, o)
                                   for i, o in ((TYPED_FEAT, 7), (7, 3)))  # fmt: skip
@@ -408,7 +443,8 @@ def test_an_unsupported_layer_is_one_error_naming_class_place_and_the_list():
 def test_a_model_and_shards_that_do_not_meet_are_one_line():
     """An R-GCN needs the relations' operators and the other convolutions the raw adjacency:
     each on the other's shards is refused as it is put on the grid, in one line; so are an
-    RGCNConv that sums and one with another number of relations than the graph."""
+    RGCNConv that sums, one with another number of relations than the graph, an RGAT on
+    the raw adjacency's shards and an RGATConv with a cardinality modification."""
     import gnnpar
     from gnnpar.models.fullgraph.pyg import parallelize_pyg
     from gnnpar.models.fullgraph.relations import relation_memory_source
@@ -423,6 +459,7 @@ def test_a_model_and_shards_that_do_not_meet_are_one_line():
             (zoo().gcn(TYPED_FEAT, 3), typed, "norm 'raw'"),
             (zoo().rgcn(FEAT, 3, 5), raw, "norm 'mean-per-relation'"),
             (zoo().rgcn(TYPED_FEAT, 3, 4), typed, "num_relations=4, the graph 5 relations"),
+            (zoo().rgat(FEAT, 3, 5), raw, "norm 'mean-per-relation'"),
         ]
         for model, source, message in cases:
             with pytest.raises(UserError, match=message) as err:
@@ -432,6 +469,10 @@ def test_a_model_and_shards_that_do_not_meet_are_one_line():
         with pytest.raises(UserError, match=r"RGCNConv\(aggr='add'\).*at 'convs\.0'"):
             m = zoo().rgcn(TYPED_FEAT, 3, 5)
             m.convs[0].aggr = "add"
+            check_model(m)
+        with pytest.raises(UserError, match=r"RGATConv\(mod='scaled'\).*at 'conv2'"):
+            m = zoo().rgat(TYPED_FEAT, 3, 5)
+            m.conv2.mod = "scaled"
             check_model(m)
     finally:
         gnnpar.release(grid)

@@ -37,7 +37,7 @@ from gnnpar.grid import ProcessGrid
 from gnnpar.models.fullgraph.parallelize import ShardedGNN
 from gnnpar.models.fullgraph.schedule import Step, step
 from gnnpar.models.fullgraph.share import NODE_AXIS, GraphShare
-from gnnpar.models.pyg.model import check_model, install_forwards, seeded
+from gnnpar.models.pyg.model import check_model, gradient_parameters, install_forwards, seeded
 from gnnpar.sparse.source import ShardSource
 
 
@@ -89,8 +89,7 @@ class ParallelPyG(ShardedGNN):
         self.row_axis, self.class_axis = NODE_AXIS, None
         self._grad_steps = [
             s
-            for p in model.parameters()
-            if p.requires_grad
+            for p in gradient_parameters(model)
             for s in step(
                 "backward",
                 NODE_AXIS,

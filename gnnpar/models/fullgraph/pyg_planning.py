@@ -20,7 +20,7 @@ from torch import nn
 
 from gnnpar.comm import chunk_sizes
 from gnnpar.models.fullgraph.layout import chunk
-from gnnpar.models.pyg.model import parallel_forwards, typed_model
+from gnnpar.models.pyg.model import gradient_parameters, parallel_forwards, typed_model
 from gnnpar.plan.comm_model import Collective, collective
 from gnnpar.plan.machines import Machine
 from gnnpar.plan.rank import Candidate, best_first, evaluate, grid_shapes
@@ -94,6 +94,9 @@ class TraceShare:
     def node_sum(self, t, what):  # noqa: D102
         self._note("node_sum", t)
         return t
+
+    def relation_edges(self, relations):  # noqa: D102
+        return [(self._edges.rows, self._edges.cols)] * relations
 
     def relation_partials(self, hc, relations):  # noqa: D102
         return [hc] * relations  # local products: nothing sent
@@ -191,7 +194,7 @@ def rank_pyg(
 ) -> list[Candidate]:
     """Every x·y·z shape of ``world`` ranks for ``model`` full-graph, best first."""
     ops = trace_model(model, in_channels)
-    params = [q.numel() for q in model.parameters() if q.requires_grad]
+    params = [q.numel() for q in gradient_parameters(model)]
     return best_first(
         evaluate(
             s,

@@ -140,6 +140,7 @@ class GraphShare:
             for k in range(self.num_relations)
         ]
         self._relation_ops: list[LocalSpMM] = []
+        self._relation_edges: list[tuple[torch.Tensor, torch.Tensor]] = []
         if not self.typed:
             raw = _vstack([source.adjacency(0, r, self.cols) for r in self.row_ranges])
             # the values are derived in at least float32 and cast to ``dtype`` once derived
@@ -234,27 +235,42 @@ class GraphShare:
     def relation_operators(self) -> list[LocalSpMM]:
         """Each relation's local SpMM (its Â_r's block), built once; a UserError when the
         source has no relations (RGCNConv on an untyped graph's shards)."""
+        blocks = self._relation_count(len(self._relation_blocks), "a relational convolution")
+        if not self._relation_ops:
+            self._relation_ops = [LocalSpMM(b.to(self.dtype, self.device)) for b in blocks]
+        return self._relation_ops
+
+    def relation_edges(self, relations: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each relation's edges in this rank's block, (row in X, column in ``cols``) on the
+        device, built once (RGATConv's attention runs on them). ``relations``: how many the
+        convolution has (a UserError unless the graph's number)."""
+        blocks = self._relation_count(relations, "RGATConv")
+        if not self._relation_edges:
+            self._relation_edges = [
+                (csr.coo_rows(b).to(self.device), b.indices.to(self.device)) for b in blocks
+            ]
+        return self._relation_edges
+
+    def _relation_count(self, relations: int, conv: str) -> list[CSRBlock]:
+        """The relations' blocks, checked against the ``relations`` a convolution has."""
         if not self.typed:
             raise UserError(
-                f"RGCNConv reads each relation's mean adjacency: cut a typed graph's shards "
-                f"with norm {RELATION_NORM!r}, not 'raw'"
+                f"{conv} reads each relation's adjacency: cut a typed graph's shards with norm "
+                f"{RELATION_NORM!r}, not 'raw'"
             )
-        if not self._relation_ops:
-            self._relation_ops = [
-                LocalSpMM(b.to(self.dtype, self.device)) for b in self._relation_blocks
-            ]
-        return self._relation_ops
+        if relations != len(self._relation_blocks):
+            raise UserError(
+                f"{conv} has num_relations={relations}, the graph "
+                f"{len(self._relation_blocks)} relations"
+            )
+        return self._relation_blocks
 
     def relation_partials(self, hc: torch.Tensor, relations: int) -> list[torch.Tensor]:
         """Each relation's ``Â_r`` block times ``hc`` (the block's columns): partial sums
         over the rows X, to be summed over x (:meth:`scatter_rows`). ``relations``: how many
         the convolution has (a UserError unless the graph's number)."""
-        ops = self.relation_operators()
-        if relations != len(ops):
-            raise UserError(
-                f"RGCNConv has num_relations={relations}, the graph {len(ops)} relations"
-            )
-        return [spmm(op, hc) for op in ops]
+        self._relation_count(relations, "RGCNConv")
+        return [spmm(op, hc) for op in self.relation_operators()]
 
     def attention_edges(self) -> attention.Edges:
         """The ``"attention"`` block's edges (one self loop per node) for the attention

@@ -44,6 +44,7 @@ from gnnpar.models.minibatch.cost import (
     expected_blocks,
     minibatch_memory,
 )
+from gnnpar.models.pyg.model import gradient_parameters
 from gnnpar.plan.comm_model import Collective, collective
 from gnnpar.plan.command import PlanCommand, add_machine_options, machine_from, report
 from gnnpar.plan.compute import gemm_seconds, stream_seconds
@@ -152,7 +153,7 @@ def rank_link_full(
     prediction with ``model`` (the task's :class:`~gnnpar.models.link.encoders.LinkModel`),
     best first."""
     ops = trace_model(model, problem.features)
-    params = [q.numel() for q in model.parameters() if q.requires_grad]
+    params = [q.numel() for q in gradient_parameters(model)]
     nnz = problem.edges + problem.nodes
     e, negatives = problem.element_size, problem.negatives
 

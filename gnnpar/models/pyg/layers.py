@@ -69,6 +69,9 @@ class Share(Protocol):
     def node_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """A sum over every node of the graph."""
 
+    def relation_edges(self, relations: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each of the ``relations`` relations' edges: (row in X, column in C)."""
+
     def relation_partials(self, hc: torch.Tensor, relations: int) -> list[torch.Tensor]:
         """Each of the ``relations`` relations' ``Â_r`` block times ``hc`` (C rows in,
         partial sums over X out)."""
@@ -279,6 +282,45 @@ def _rgcn(m: pyg.RGCNConv, g: Share, x: torch.Tensor) -> torch.Tensor:
     return out if m.bias is None else out + m.bias
 
 
+@_checkpointed
+def _rgat(m: pyg.RGATConv, g: Share, x: torch.Tensor) -> torch.Tensor:
+    # PyG's default RGAT (additive self-attention across relations, no cardinality
+    # modification): per edge j→i of relation r, z = x·W_r at both ends, logit
+    # LeakyReLU(z_i·q + z_j·k), softmax over all of i's edges, Σ α·z_j, heads concatenated
+    # or averaged, bias. Both ends' x are gathered once; each relation's z is local.
+    heads, channels = m.heads, m.out_channels
+    if m.num_bases is not None:
+        weight = (m.att @ m.basis.view(m.num_bases, -1)).view(
+            m.num_relations, m.in_channels, heads * channels
+        )
+    else:
+        weight = m.weight
+    hc = g.gather_cols(x, "gather H for its sources (RGATConv)")
+    hx = g.gather_rows(x, "gather H for its destinations (RGATConv)")
+    logits, values, rows = [], [], []
+    for r, (row, col) in enumerate(g.relation_edges(m.num_relations)):
+        zc, zx = hc @ weight[r], hx @ weight[r]
+        logits.append(F.leaky_relu((zx @ m.q)[row] + (zc @ m.k)[col], m.negative_slope))
+        values.append(zc[col])
+        rows.append(row)
+    row = torch.cat(rows)
+    alpha = g.softmax(torch.cat(logits), row)
+    alpha = F.dropout(alpha, p=m.dropout, training=m.training)
+    msg = alpha.view(-1, heads, 1) * torch.cat(values).view(-1, heads, channels)
+    part = msg.new_zeros(g.num_block_rows, heads * channels).index_add(0, row, msg.flatten(1))
+    out = g.scatter_rows(part, "OUT = Σ α·x_j·W_r (RGATConv)").view(-1, heads, channels)
+    out = out.reshape(out.shape[0], -1) if m.concat else out.mean(dim=1)
+    return out if m.bias is None else out + m.bias
+
+
+def rgat_conv(m, x, edge_index, edge_type=None, edge_attr=None, size=None,  # noqa: D103
+              return_attention_weights=None):  # fmt: skip
+    _no_weights(edge_attr, m)
+    if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
+        raise UserError("RGATConv: a parallelized model gives it node features (a float tensor)")
+    return _rgat(m, edge_index, x)
+
+
 def rgcn_conv(m, x, edge_index, edge_type=None):  # noqa: D103
     if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
         raise UserError(
@@ -349,6 +391,7 @@ def forwards() -> dict[type, Callable[..., torch.Tensor]]:
         geo.APPNP: _dispatch(appnp),
         geo.GCN2Conv: _dispatch(gcn2_conv, where=2),
         geo.RGCNConv: _dispatch(rgcn_conv),
+        geo.RGATConv: _dispatch(rgat_conv),
         nn.BatchNorm1d: batch_norm,
     }
 
@@ -364,9 +407,18 @@ def operators_of(module: nn.Module) -> list[str]:
         return ["sum"]
     if isinstance(module, (geo.GATConv, geo.GATv2Conv)):
         return ["attention"]
-    if isinstance(module, geo.RGCNConv):
+    if isinstance(module, (geo.RGCNConv, geo.RGATConv)):
         return ["relations"]
     return []
+
+
+def unused_parameters(module: nn.Module) -> tuple[str, ...]:
+    """Parameters of ``module`` its forward never reads, so never given a gradient (their
+    sum over the grid is not in the schedule): RGATConv's cardinality terms without
+    ``mod``."""
+    if isinstance(module, pyg_nn().RGATConv) and module.mod is None:
+        return ("w", "l1", "b1", "l2", "b2")
+    return ()
 
 
 def refusal(module: nn.Module) -> str | None:
@@ -390,6 +442,15 @@ def refusal(module: nn.Module) -> str | None:
             return f"{cls}(add_self_loops=False)"
     if isinstance(module, geo.RGCNConv) and str(module.aggr) != "mean":
         return f"RGCNConv(aggr={module.aggr!r}): mean is supported (each relation's Â_r)"
+    if isinstance(module, geo.RGATConv):
+        if module.mod is not None:
+            return f"RGATConv(mod={module.mod!r}) (cardinality preservation)"
+        if module.attention_mechanism != "across-relation":
+            return f"RGATConv(attention_mechanism={module.attention_mechanism!r})"
+        if module.attention_mode != "additive-self-attention":
+            return f"RGATConv(attention_mode={module.attention_mode!r})"
+        if module.num_blocks is not None or module.edge_dim is not None:
+            return "RGATConv with num_blocks or edge_dim"
     if isinstance(module, geo.LayerNorm) and module.mode not in ("graph", "node"):
         return f"LayerNorm(mode={module.mode!r})"
     return None

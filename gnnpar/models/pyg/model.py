@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from gnnpar.errors import UserError
-from gnnpar.models.pyg.layers import forwards, graph_layer_norm, operators_of, pyg_nn, refusal
+from gnnpar.models.pyg.layers import (
+    forwards,
+    graph_layer_norm,
+    operators_of,
+    pyg_nn,
+    refusal,
+    unused_parameters,
+)
 
 
 def _row_wise() -> tuple[type, ...]:
@@ -40,7 +47,8 @@ def _row_wise() -> tuple[type, ...]:
 #: What :func:`parallelize_pyg` takes, by name (for the refusal of anything else).
 SUPPORTED = (
     "GCNConv", "SAGEConv (mean, max)", "GATConv", "GATv2Conv", "GINConv", "SGConv", "APPNP",
-    "GCN2Conv", "RGCNConv (mean; bases or blocks)", "Linear", "BatchNorm / BatchNorm1d",
+    "GCN2Conv", "RGCNConv (mean; bases or blocks)",
+    "RGATConv (additive, across relations; bases)", "Linear", "BatchNorm / BatchNorm1d",
     "LayerNorm (graph, node)", "MLP", "JumpingKnowledge (cat, max, lstm)", "Dropout",
     "activations", "Sequential / ModuleList",
 )  # fmt: skip
@@ -94,10 +102,21 @@ def _check_tree(module: nn.Module, path: str, parent: nn.Module | None) -> None:
 
 
 def typed_model(model: nn.Module) -> bool:
-    """Whether ``model`` reads a typed graph's relations (it holds an RGCNConv): it is
-    called as ``model(x, edge_index, edge_type)``."""
-    rgcn = pyg_nn().RGCNConv
-    return any(isinstance(m, rgcn) for m in model.modules())
+    """Whether ``model`` reads a typed graph's relations (it holds an RGCNConv or an
+    RGATConv): it is called as ``model(x, edge_index, edge_type)``."""
+    geo = pyg_nn()
+    return any(isinstance(m, (geo.RGCNConv, geo.RGATConv)) for m in model.modules())
+
+
+def gradient_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of ``model`` a forward gives a gradient (those a parallel
+    run sums over the grid): every one but those a layer never reads
+    (:func:`~gnnpar.models.pyg.layers.unused_parameters`)."""
+    unused = set()
+    for module in model.modules():
+        for name in unused_parameters(module):
+            unused.add(id(getattr(module, name)))
+    return [p for p in model.parameters() if p.requires_grad and id(p) not in unused]
 
 
 def install_forwards(model: nn.Module, share: Any) -> list[str]:
