@@ -112,7 +112,7 @@ def trace_model(model: nn.Module, in_channels: int) -> list[TracedOp]:
             first = next(iter(model.parameters()), None)
             dtype = first.dtype if first is not None else torch.float32
             x = torch.zeros(TRACE_NODES, in_channels, dtype=dtype)
-            # a typed model (RGCNConv) is called as model(x, edge_index, edge_type)
+            # a typed model (RGCNConv, RGATConv) is called as model(x, edge_index, edge_type)
             model(x, share, share) if typed_model(model) else model(x, share)
     finally:
         model.train(was_training)

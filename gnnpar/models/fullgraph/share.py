@@ -56,7 +56,7 @@ COL_AXIS, ROW_AXIS = "x", "yz"
 #: The axis the node rows (and so the gradients of replicated parameters) are split over.
 NODE_AXIS = "tensor"
 #: The adjacency values a convolution may ask :meth:`GraphShare.operator` for.
-#: ``"relations"``: every relation's Â_r (a typed graph's shards, RGCNConv).
+#: ``"relations"``: every relation's Â_r (a typed graph's shards: RGCNConv, RGATConv).
 OPERATORS = ("gcn", "mean", "sum", "attention", "relations")
 
 
@@ -115,7 +115,8 @@ class GraphShare:
                 f"{source.norm_where} is {norm!r}, but a PyG model reads the 'raw' adjacency "
                 "(each convolution normalises it its own way): prepare the shards with norm='raw'"
             )
-        #: The source holds each relation's Â_r (a typed graph's, for RGCNConv), no raw Â.
+        #: The source holds each relation's Â_r (a typed graph's, for RGCNConv and RGATConv),
+        #: no raw Â.
         self.typed = norm == RELATION_NORM
         self.grid, self.dtype, self.device = grid, dtype, device
         self.num_nodes = n = source.num_nodes
@@ -187,8 +188,8 @@ class GraphShare:
         if self.typed:
             raise UserError(
                 f"the shards hold each relation's mean adjacency ({RELATION_NORM!r}), which "
-                f"RGCNConv reads; a convolution reading the {kind!r} values needs shards of "
-                "norm 'raw'"
+                f"RGCNConv and RGATConv read; a convolution reading the {kind!r} values needs "
+                "shards of norm 'raw'"
             )
         raw, rows = self._raw, self._edge_rows
         if kind == "attention":
@@ -234,7 +235,7 @@ class GraphShare:
 
     def relation_operators(self) -> list[LocalSpMM]:
         """Each relation's local SpMM (its Â_r's block), built once; a UserError when the
-        source has no relations (RGCNConv on an untyped graph's shards)."""
+        source has no relations (a relational convolution on an untyped graph's shards)."""
         blocks = self._relation_count(len(self._relation_blocks), "a relational convolution")
         if not self._relation_ops:
             self._relation_ops = [LocalSpMM(b.to(self.dtype, self.device)) for b in blocks]

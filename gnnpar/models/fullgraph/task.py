@@ -232,8 +232,8 @@ def _norm(cfg: FullGraphConfig) -> str:
     """The adjacency the model reads (:func:`~gnnpar.models.fullgraph.model.norm_of`: GAT and
     GIN the ``raw`` one, whose values are the edge weights; R-GCN one per relation; a user's
     PyG model the ``raw`` one, which each of its convolutions normalises its own way, or the
-    relations' when its factory takes ``num_relations``: an R-GCN of RGCNConv layers)."""
-    if is_user_model(cfg.model):  # an R-GCN of the user's reads each relation's Â_r
+    relations' when its factory takes ``num_relations``: an R-GCN or RGAT of the user's)."""
+    if is_user_model(cfg.model):  # RGCNConv and RGATConv read each relation's Â_r
         return RELATION_NORM if factory_takes_relations(cfg.model) else "raw"
     return norm_of(cfg.model)
 

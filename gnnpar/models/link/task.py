@@ -140,8 +140,8 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
     grid: str | None = option(None, "full mode's grid such as x=2,y=1,z=2 (default: x = all)")
     blocks: int = option(8, "full mode: file blocks per side when cutting the graph's shards")
     model: str = option(
-        "sage", "the encoder: sage, gcn or gat; rgcn or hgt on a typed graph (minibatch); or "
-        "your own PyG model as module:factory", ENCODERS,
+        "sage", "the encoder: sage, gcn or gat; rgcn or hgt on a typed graph (hgt minibatch "
+        "only); or your own PyG model as module:factory", ENCODERS,
     )  # fmt: skip
     relation: str | None = option(
         None, "typed graph: the relation to predict (e.g. writes, or author___writes___paper)"

@@ -230,7 +230,7 @@ def load_factory(target: str) -> Callable[..., nn.Module]:
 
 def factory_takes_relations(target: str) -> bool:
     """Whether the factory ``target`` names takes ``num_relations``: its model reads a typed
-    graph's relations (an R-GCN), on shards of one adjacency per relation."""
+    graph's relations (an R-GCN or an RGAT), on shards of one adjacency per relation."""
     try:
         params = inspect.signature(load_factory(target)).parameters
     except (TypeError, ValueError):  # a callable without a signature
