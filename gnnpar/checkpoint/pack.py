@@ -15,7 +15,7 @@ import math
 import mmap
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import xxhash
@@ -23,7 +23,7 @@ import xxhash
 from gnnpar.checkpoint.validate import is_size
 from gnnpar.verified import CHECKSUM, FormatError
 
-__all__ = ["load_pack", "mapped", "open_in_place", "save_pack"]
+__all__ = ["load_pack", "mapped", "overwrite", "save_pack"]
 
 #: Each tensor's bytes start at a multiple of this (any dtype's alignment, a cache line).
 ALIGN = 64
@@ -63,7 +63,7 @@ def save_pack(
     layout: dict[str, dict[str, Any]] = {}
     h = xxhash.xxh3_64()
     at = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)  # not truncated: pages reused
+    fd = _open_in_place(path)
     try:
         for name, tensor in tensors.items():
             dtype = _NAMES.get(tensor.dtype)
@@ -147,7 +147,19 @@ def mapped(path: str | os.PathLike) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
 
-def open_in_place(path: str | os.PathLike) -> BinaryIO:
+def overwrite(path: str | os.PathLike, data: Any) -> None:
+    """The bytes of ``data`` into ``path`` in place (an existing file's pages reused), cut
+    to their size (a snapshot's received copy)."""
+    view = memoryview(data).cast("B")
+    fd = _open_in_place(path)
+    try:
+        _write_all(fd, view)
+        os.ftruncate(fd, len(view))
+    finally:
+        os.close(fd)
+
+
+def _open_in_place(path: str | os.PathLike) -> int:
     """``path`` opened for writing without truncating it: an existing file's pages are
     overwritten, not freed and allocated again (the writer cuts it to size when done)."""
-    return open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb")
+    return os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)

@@ -54,11 +54,11 @@ import torch.distributed as dist
 
 from gnnpar import comm
 from gnnpar.atomic import atomic_write, os_error_message
-from gnnpar.checkpoint.pack import load_pack, mapped, open_in_place, save_pack
+from gnnpar.checkpoint.pack import load_pack, mapped, overwrite, save_pack
 from gnnpar.checkpoint.protocol import CheckpointError
 from gnnpar.checkpoint.state import model_layout
 from gnnpar.checkpoint.store import LOCAL, apply_restore, plan_restore, rank_pieces
-from gnnpar.checkpoint.validate import check_stored, entry_digest, stored_chunk
+from gnnpar.checkpoint.validate import check_stored, entry_digest, has_digest, stored_chunk
 from gnnpar.failpoints import failpoint
 from gnnpar.grid import ProcessGrid
 from gnnpar.verified import FormatError, Manifest
@@ -141,13 +141,6 @@ def _write_tensors(
     """Rank ``rank``'s tensor file in ``folder``, written by ``write(tmp_path)`` over
     ``reuse`` when given (a pruned snapshot's file: :func:`_prune`)."""
     atomic_write(folder / _data(rank), write, reuse)
-
-
-def _overwrite(path: str, data: memoryview) -> None:
-    """``data`` into ``path`` in place (its pages reused), cut to its size."""
-    with open_in_place(path) as f:
-        f.write(data)
-        f.truncate(len(data))
 
 
 def _write_record(folder: Path, rank: int, record: dict[str, Any], step: int) -> None:
@@ -283,7 +276,7 @@ class SnapshotWriter:
                 got, got_record = self._exchange(mapped(folder / _data(rank)), record)
                 got_record["writer"] = rank  # the copy's holder
                 spare = _spare(self.place.node_dir, pred)
-                _write_tensors(folder, pred, lambda tmp: _overwrite(tmp, got), spare)
+                _write_tensors(folder, pred, lambda tmp: overwrite(tmp, got), spare)
                 _write_record(folder, pred, got_record, step)
         except OSError as err:
             raise CheckpointError(os_error_message(err) + " (writing a snapshot)") from None
@@ -451,9 +444,9 @@ def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
     for docs in pieces.values():
         for doc in docs:
             stored_chunk(doc, where)
-    digests = record["digests"]
+    digests = {name: record["digests"]}
     for entry in pieces:  # what ties the layout to the values: every entry has one
-        if not isinstance(digests, dict) or not isinstance(digests.get(entry), str):
+        if not has_digest(digests, name, entry):
             raise FormatError(f"{where}: entry {entry!r} has no digest")
     meta = {
         "step": record["step"],
@@ -463,7 +456,7 @@ def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
         "aliases": record["aliases"],
         "tensors": record["tensors"],
         "pieces": {name: pieces},
-        "digests": {name: digests},
+        "digests": digests,
         "local": {name: record["local"]},
         "optimizer": record.get("optimizer"),
         "extra": record["extra"],

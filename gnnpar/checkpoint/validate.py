@@ -29,6 +29,7 @@ __all__ = [
     "check_layout",
     "check_stored",
     "entry_digest",
+    "has_digest",
     "is_size",
     "read_checkpoint",
     "stored_chunk",
@@ -125,7 +126,7 @@ def check_layout(manifest: Manifest) -> None:
         for entry, docs in entries.items():
             if not isinstance(docs, list):
                 raise FormatError(f"{where}: entry {entry!r} of {file!r} lists no chunks")
-            if digests is not None and not _has_digest(digests, file, entry):
+            if digests is not None and not has_digest(digests, file, entry):
                 raise FormatError(f"{where}: entry {entry!r} of {file!r} has no digest")
             for doc in docs:
                 c = stored_chunk(doc, where)
@@ -146,7 +147,9 @@ def check_layout(manifest: Manifest) -> None:
     _check_keys(manifest.meta, shapes, where)
 
 
-def _has_digest(digests: Any, file: str, entry: str) -> bool:
+def has_digest(digests: Any, file: str, entry: str) -> bool:
+    """Whether the digest table ``digests`` (file → entry → digest) holds ``entry`` of
+    ``file``'s (a table of any shape is read without error)."""
     table = digests.get(file) if isinstance(digests, dict) else None
     return isinstance(table, dict) and isinstance(table.get(entry), str)
 
