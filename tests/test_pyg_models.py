@@ -563,13 +563,14 @@ def _plain_edge_index(g) -> torch.Tensor:
 def test_a_batch_subgraph_is_every_sampled_edge_once_and_the_model_runs_on_it():
     """The subgraph of a sampled batch holds exactly the blocks' edges (as global pairs),
     its first rows are the seeds, and the seeds' logits are the plain model's on it."""
-    from gnnpar.models.minibatch.pyg import subgraph_edge_index, subgraph_logits
+    from gnnpar.models.minibatch.pyg import subgraph_edges, subgraph_logits
     from gnnpar.sampling import NeighborSampler
 
     g = _sbm()
     batch = NeighborSampler(g, [3, 2], seed=1).sample(torch.tensor([5, 17, 40, 41]))
     nodes = batch.blocks[0].src_nodes
-    edge_index = subgraph_edge_index(batch.blocks)
+    edge_index, edge_type = subgraph_edges(batch.blocks)
+    assert edge_type is None  # an untyped graph's blocks
     got = {(int(nodes[s]), int(nodes[d])) for s, d in edge_index.T}
     want = set()
     for b in batch.blocks:
@@ -586,18 +587,79 @@ def test_a_batch_subgraph_is_every_sampled_edge_once_and_the_model_runs_on_it():
     assert torch.equal(ours, theirs)
 
 
-def _part_world(folder: str) -> int:
+def _two_relations_on_a_pair():
+    """A typed graph where pairs of papers are joined by two relations (cites and
+    extends), with a duplicate edge and a self loop: 7 papers (4 features), 3 authors."""
+    from gnnpar.graph.typed import typed_graph
+
+    t = torch.tensor
+    edges = {
+        ("paper", "cites", "paper"): (t([0, 1, 2, 3, 4, 6, 5]), t([1, 2, 3, 4, 5, 5, 5])),
+        ("paper", "extends", "paper"): (t([0, 2, 4, 6, 6]), t([1, 3, 5, 6, 0])),
+        ("author", "writes", "paper"): (t([0, 1, 2, 2, 0]), t([0, 1, 5, 5, 6])),
+        ("paper", "rev_writes", "author"): (t([0, 1, 5, 5, 6]), t([0, 1, 2, 2, 0])),
+    }
+    features = {"paper": torch.randn(7, 4, generator=torch.Generator().manual_seed(3),
+                                     dtype=torch.float64)}  # fmt: skip
+    ndata = {"label": t([0, 1, 2, 0, 1, 2, 0]), "train_mask": torch.ones(7, dtype=torch.bool)}
+    return typed_graph({"paper": 7, "author": 3}, edges, features, "paper", ndata,
+                       num_classes=3)  # fmt: skip
+
+
+def test_a_typed_batch_subgraph_keeps_each_relation_of_a_pair():
+    """On a typed graph's blocks the subgraph holds every sampled (source, destination,
+    relation) once, two relations between one pair as two edges, and a user's R-GCN or
+    RGAT (``model(x, edge_index, edge_type)``) gives the seeds' rows of the plain model on
+    it; the whole graph's inputs are every edge with its relation."""
+    from gnnpar.models.minibatch.pyg import graph_inputs, subgraph_edges, subgraph_logits
+    from gnnpar.sampling import NeighborSampler
+
+    g = _two_relations_on_a_pair()
+    rels = g.types.num_relations
+    batch = NeighborSampler(g, [-1, -1], seed=1).sample(
+        g.types.global_ids("paper", torch.tensor([1, 5]))
+    )
+    nodes = batch.blocks[0].src_nodes
+    edge_index, edge_type = subgraph_edges(batch.blocks)
+    got = [
+        (int(nodes[s]), int(nodes[d]), int(r))
+        for (s, d), r in zip(edge_index.T, edge_type, strict=True)
+    ]
+    want = set()
+    for b in batch.blocks:
+        for (s, d), r in zip(b.edge_index.T, b.edge_type, strict=True):
+            want.add((int(b.src_nodes[s]), int(b.src_nodes[d]), int(r)))
+    assert sorted(got) == sorted(want) and len(got) == len(set(got))
+    pairs = [(s, d) for s, d, _ in got]
+    assert len(set(pairs)) < len(pairs)  # a pair joined by two relations is two edges
+    x = g.feat[nodes]
+    for make in (lambda: zoo().rgcn(4, 3, rels, hidden=5, dropout=0.0),
+                 lambda: zoo().rgat(4, 3, rels, hidden=3, heads=2, dropout=0.0)):  # fmt: skip
+        torch.manual_seed(0)
+        model = make().double().eval()
+        seeds = batch.blocks[-1].num_dst
+        assert torch.equal(subgraph_logits(model, batch.blocks, x, relational=True),
+                           model(x, edge_index, edge_type)[:seeds])  # fmt: skip
+    whole = graph_inputs(g, torch.device("cpu"), relational=True)
+    assert torch.equal(whole[0], torch.stack(g.edges())) and torch.equal(
+        whole[1], g.types.edge_type
+    )
+    with pytest.raises(UserError, match="needs a typed graph's relations"):
+        graph_inputs(_sbm(), torch.device("cpu"), relational=True)
+
+
+def _part_world(folder: str, typed_folder: str) -> int:
     import gnnpar
     from gnnpar.models.minibatch.pyg import part_logits
     from gnnpar.sampling import LocalPart
 
     grid = gnnpar.init()
+    checked = _typed_part_check(grid, typed_folder)
     part = LocalPart.load(folder, grid.rank("data"))
     part.ndata["feat"] = part.ndata["feat"].double()
     g = _sbm()
     edge_index = _plain_edge_index(g)
     ids = part.orig_ids[: part.num_owned].long()
-    checked = 0
     for name, make in cases(zoo()).items():
         torch.manual_seed(0)
         model = make().double()
@@ -613,17 +675,45 @@ def _part_world(folder: str) -> int:
     return checked
 
 
+def _typed_part_check(grid, folder: str) -> int:
+    """The typed cases (R-GCNs and RGATs) on a part of the small typed graph: the owned
+    nodes' logits, each relation's mean and the attention's softmax over the part's block
+    of in-edges, equal the plain model with every edge's relation."""
+    from gnnpar.models.minibatch.pyg import part_logits
+    from gnnpar.sampling import LocalPart
+    from tests.fullgraph_utils import small_typed_graph
+
+    part = LocalPart.load(folder, grid.rank("data"))
+    part.ndata["feat"] = part.ndata["feat"].double()
+    g = small_typed_graph()
+    rels = g.types.num_relations
+    edges = (_plain_edge_index(g), g.types.edge_type)
+    ids = part.orig_ids[: part.num_owned].long()
+    for name, make in typed_cases(zoo(), rels).items():
+        torch.manual_seed(0)
+        model = make().double().eval()
+        want = model(g.feat, *edges)[ids]
+        got = part_logits(model, part, grid, relational=True)
+        _close(got, want.detach(), 0.0, f"{name} on typed part {part.part_id}")
+    return len(typed_cases(zoo(), rels))
+
+
 def test_distributed_inference_of_a_user_model_is_the_full_graph_model(tmp_path):
     """Three parts (one per rank): each rank's logits of its owned nodes, through halo
-    exchanges before every aggregation, equal the plain model on the whole graph."""
+    exchanges before every aggregation, equal the plain model on the whole graph; so do a
+    user's R-GCNs and RGATs on three parts of a typed graph (the relations' operators of
+    each part's block)."""
     import partitioners
     from gnnpar.testing import run_distributed
+    from tests.fullgraph_utils import small_typed_graph
 
-    g = _sbm()
-    part = partitioners.partition(g, 3, method="metis", seed=0)
-    partitioners.write(g, part, tmp_path / "parts", halo=1)
-    counts = run_distributed(_part_world, 3, str(tmp_path / "parts"), timeout=600)
-    assert counts == [len(cases(zoo()))] * 3
+    folders = []
+    for name, g in (("parts", _sbm()), ("typed-parts", small_typed_graph())):
+        part = partitioners.partition(g, 3, method="metis", seed=0)
+        partitioners.write(g, part, tmp_path / name, halo=1)
+        folders.append(str(tmp_path / name))
+    counts = run_distributed(_part_world, 3, *folders, timeout=600)
+    assert counts == [len(cases(zoo())) + len(typed_cases(zoo(), 5))] * 3
 
 
 def test_a_user_model_trains_mini_batch_on_two_parts_and_predicts_exactly(tmp_path):

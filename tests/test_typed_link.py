@@ -101,14 +101,22 @@ def _argv(out: Path, epochs: int, *extra: str) -> list[str]:
             "--dtype", "float64", "--eval-every", "0", *extra]  # fmt: skip
 
 
-def test_typed_link_prediction_resumes_to_the_straight_run(tmp_path, monkeypatch):
+#: The example R-GCN (PyG's RGCNConv; its factory takes num_relations) as a user's encoder.
+USER_RGCN = ("--model", f"{Path(__file__).resolve().parent.parent}/examples/pyg_models.py:rgcn",
+             "--model-options", "hidden=8,dropout=0.0")  # fmt: skip
+
+
+@pytest.mark.parametrize("encoder", [(), USER_RGCN], ids=["rgcn", "user-rgcn"])
+def test_typed_link_prediction_resumes_to_the_straight_run(tmp_path, monkeypatch, encoder):
+    """Edge batches of the relation resume exactly, with the built-in R-GCN or a user's
+    (called on each batch's subgraph with every edge's relation)."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     saved, resumed, straight = tmp_path / "saved", tmp_path / "resumed", tmp_path / "straight"
-    assert main(_argv(saved, 1)) == 0
+    assert main(_argv(saved, 1, *encoder)) == 0
     shutil.copytree(saved, resumed)
-    assert main(_argv(resumed, 2, "--resume")) == 0
-    assert main(_argv(straight, 2)) == 0
+    assert main(_argv(resumed, 2, "--resume", *encoder)) == 0
+    assert main(_argv(straight, 2, *encoder)) == 0
     a, b = checkpoint.consolidate(resumed), checkpoint.consolidate(straight)
     assert list(a) == list(b) and any("comp" in k or "weight" in k for k in a)
     for k, v in b.items():

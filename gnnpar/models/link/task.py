@@ -514,6 +514,8 @@ class LinkTask(BaseTask):
         self.edge_task = self.split.label_kind
         self.hits = hits_ks(cfg.hits)
         self.user_model = is_user_model(cfg.model)
+        #: A user's encoder reading the relations (its factory takes num_relations).
+        self.relational = self.user_model and factory_takes_relations(cfg.model)
         self.num_steps = cfg.epochs
         torch.manual_seed(cfg.seed)
         self.negatives = None if self.edge_task else self._negative_sampler()
@@ -689,11 +691,11 @@ class LinkTask(BaseTask):
         src, dst = batch.pairs
         targets = torch.cat([dst[:, None], batch.neg], 1)
         if self.user_model:
-            from gnnpar.models.minibatch.pyg import subgraph_edge_index
+            from gnnpar.models.minibatch.pyg import subgraph_inputs
 
-            edge_index = subgraph_edge_index(batch.blocks).to(batch.x.device)
+            graph = subgraph_inputs(batch.blocks, batch.x.device, self.relational)
             with seeded(dropout_seed or 0, self.device):
-                scores = self.net(batch.x, edge_index, src=src, dst=targets)
+                scores = self.net(batch.x, *graph, src=src, dst=targets)
         else:
             scores = self.net(batch.blocks, batch.x, dropout_seed=dropout_seed, src=src,
                               dst=targets)  # fmt: skip
@@ -816,7 +818,9 @@ class LinkTask(BaseTask):
             was = self.net.training
             self.net.eval()
             try:
-                return full_graph_logits(self.net, g, self.device)
+                return full_graph_logits(
+                    self.net, g, self.device, self.relational, features=self.features
+                )
             finally:
                 self.net.train(was)
         return layerwise_inference(self.net, g, features=self.features.to(self.device),

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.models.pyg.model import parallel_forwards
 from gnnpar.sampling.distributed import LocalPart, request_rows
@@ -28,34 +29,88 @@ from gnnpar.sparse import attention, csr
 from gnnpar.sparse.kernels import LocalSpMM, spmm
 
 
-def subgraph_edge_index(blocks: list[Any]) -> torch.Tensor:
+def subgraph_edges(blocks: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(2, E)`` source → destination positions among ``blocks[0]``'s source nodes: every
-    edge of every block once (the sampled subgraph PyG's loaders give a model)."""
+    edge of every block once (the sampled subgraph PyG's loaders give a model), and on a
+    typed graph's blocks each edge's relation (None on an untyped graph's): every
+    (source, destination, relation) once, so that two relations between one pair stay two
+    edges."""
     nodes = blocks[0].src_nodes
     order = torch.argsort(nodes)
     sorted_nodes = nodes[order]
-    pairs = []
+    typed = blocks[0].edge_type is not None
+    pairs, relations = [], []
     for block in blocks:
         src = block.src_nodes[block.indices]
         dst = block.src_nodes[block.dst_index()]
         pos = order[torch.searchsorted(sorted_nodes, torch.stack([src, dst]))]
         pairs.append(pos)
+        if typed:
+            relations.append(block.edge_type)
     both = torch.cat(pairs, dim=1)
     n = nodes.numel()
-    unique = torch.unique(both[1] * n + both[0])  # sorted by destination, then source
-    return torch.stack([unique % n, unique // n])
+    key = both[1] * n + both[0]  # sorted by destination, then source (then relation)
+    if not typed:
+        unique = torch.unique(key)
+        return torch.stack([unique % n, unique // n]), None
+    rel = torch.cat(relations)
+    count = int(rel.max()) + 1 if rel.numel() else 1
+    unique = torch.unique(key * count + rel)
+    pair = unique // count
+    return torch.stack([pair % n, pair // n]), unique % count
 
 
-def subgraph_logits(model: nn.Module, blocks: list[Any], x: torch.Tensor) -> torch.Tensor:
-    """The seeds' rows of ``model(x, edge_index)`` on the batch's sampled subgraph."""
-    edge_index = subgraph_edge_index(blocks).to(x.device)
-    return model(x, edge_index)[: blocks[-1].num_dst]
+def subgraph_inputs(
+    blocks: list[Any], device: torch.device, relational: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """The graph arguments of a user's model on the batch's sampled subgraph, on
+    ``device``: ``(edge_index,)``, or with ``relational`` (an R-GCN or RGAT of the user's,
+    its factory taking ``num_relations``) ``(edge_index, edge_type)``."""
+    edge_index, edge_type = subgraph_edges(blocks)
+    args = (edge_index,) if not relational else (edge_index, _relations_of(edge_type))
+    return tuple(t.to(device) for t in args)
 
 
-def full_graph_logits(model: nn.Module, graph: Any, device: torch.device) -> torch.Tensor:
-    """Every node's logits from the whole graph (local sampling: each rank holds it)."""
-    edge_index = torch.stack(graph.edges()).to(device)  # (source, destination), PyG's order
-    return model(graph.feat.to(device), edge_index)
+def graph_inputs(graph: Any, device: torch.device, relational: bool = False) -> tuple:
+    """The graph arguments of a user's model on the whole graph, as :func:`subgraph_inputs`:
+    every edge (source, destination: PyG's order) and, ``relational``, its relation."""
+    edge_index = torch.stack(graph.edges())
+    if not relational:
+        return (edge_index.to(device),)
+    types = graph.types
+    edge_type = _relations_of(None if types is None else types.edge_type)
+    return edge_index.to(device), edge_type.to(device)
+
+
+def _relations_of(edge_type: torch.Tensor | None) -> torch.Tensor:
+    """``edge_type``, or one UserError where an untyped graph has none to give."""
+    if edge_type is None:
+        raise UserError(
+            "a relational model (its factory takes num_relations) needs a typed graph's "
+            "relations; this graph has none"
+        )
+    return edge_type
+
+
+def subgraph_logits(
+    model: nn.Module, blocks: list[Any], x: torch.Tensor, relational: bool = False
+) -> torch.Tensor:
+    """The seeds' rows of ``model(x, edge_index)`` (``relational``: ``model(x, edge_index,
+    edge_type)``) on the batch's sampled subgraph."""
+    return model(x, *subgraph_inputs(blocks, x.device, relational))[: blocks[-1].num_dst]
+
+
+def full_graph_logits(
+    model: nn.Module,
+    graph: Any,
+    device: torch.device,
+    relational: bool = False,
+    features: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Every node's logits from the whole graph (local sampling: each rank holds it), of
+    ``features`` (default: the graph's ``feat``; in the run's compute dtype)."""
+    x = graph.feat if features is None else features
+    return model(x.to(device), *graph_inputs(graph, device, relational))
 
 
 class PartShare:
@@ -63,7 +118,9 @@ class PartShare:
     nodes, the block = their every in-edge (sources owned, then halo), the halo rows fetched
     from their owners before each aggregation (:func:`request_rows`, collective over
     ``axis``). The adjacency values follow :class:`~gnnpar.models.fullgraph.share.GraphShare`
-    (PyG's normalisations, one self loop where a node has none)."""
+    (PyG's normalisations, one self loop where a node has none); on a typed graph's parts
+    each relation's mean adjacency Â_r too, of the block's edges as they are (RGCNConv and
+    RGATConv read them, self loops and all)."""
 
     checkpointing = False
 
@@ -89,6 +146,44 @@ class PartShare:
         self._ops: dict[str, LocalSpMM] = {}
         self._attention: attention.Edges | None = None
         self._edges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: A typed part's edges with their relations, from which each Â_r's block is cut.
+        self._typed = None if block.edge_type is None else (rows, cols, block.edge_type)
+        self._relation_ops: list[LocalSpMM] = []
+        self._relation_edges: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _relation_blocks(self, relations: int) -> list[csr.CSRBlock]:
+        """Each relation's Â_r block (1 / the row's in-edges of r), checked against the
+        ``relations`` a convolution has."""
+        if self._typed is None:
+            raise UserError(
+                "a relational convolution reads each relation's adjacency; the parts hold an "
+                "untyped graph"
+            )
+        have = self.part.types.num_relations
+        if relations != have:
+            raise UserError(f"the convolution has num_relations={relations}, the graph {have}")
+        rows, cols, relation = self._typed
+        blocks = []
+        for r in range(relations):
+            keep = relation == r
+            mine = rows[keep]
+            ones = torch.ones(mine.numel(), dtype=self.dtype)
+            count = torch.zeros(self.num_block_rows, dtype=self.dtype).index_add_(0, mine, ones)
+            values = 1.0 / count.clamp(min=1.0)[mine]
+            blocks.append(csr.from_coo(mine, cols[keep], values, self._shape))
+        return blocks
+
+    def relation_partials(self, hc: torch.Tensor, relations: int) -> list[torch.Tensor]:  # noqa: D102
+        if not self._relation_ops:
+            self._relation_ops = [LocalSpMM(b) for b in self._relation_blocks(relations)]
+        return [spmm(op, hc) for op in self._relation_ops]
+
+    def relation_edges(self, relations: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: D102
+        if not self._relation_edges:
+            self._relation_edges = [
+                (csr.coo_rows(b), b.indices) for b in self._relation_blocks(relations)
+            ]
+        return self._relation_edges
 
     def _values(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, cols, w = self._rows, self._cols, self._weight
@@ -111,6 +206,8 @@ class PartShare:
     def prepare(self, kinds: list[str]) -> None:
         """Derive the values of ``kinds`` now (collective: the halo's degrees)."""
         for kind in kinds:
+            if kind == "relations":  # built on first use, when the convolution's count is known
+                continue
             rows, cols, values = self._values(kind)
             block = csr.from_coo(rows, cols, values, self._shape)
             if kind == "attention":
@@ -153,8 +250,15 @@ class PartShare:
 
 
 @torch.no_grad()
-def part_logits(model: nn.Module, part: LocalPart, grid: ProcessGrid, axis: str = "data"):
-    """The owned nodes' logits of ``model`` over the whole partitioned graph (collective)."""
+def part_logits(
+    model: nn.Module,
+    part: LocalPart,
+    grid: ProcessGrid,
+    axis: str = "data",
+    relational: bool = False,
+) -> torch.Tensor:
+    """The owned nodes' logits of ``model`` over the whole partitioned graph (collective);
+    ``relational``: ``model(x, edge_index, edge_type)``, both graph arguments the share."""
     features = part.ndata["feat"][: part.num_owned]
     share = PartShare(part, grid, axis, features.dtype)
     was_training = model.training
@@ -162,7 +266,6 @@ def part_logits(model: nn.Module, part: LocalPart, grid: ProcessGrid, axis: str 
     try:
         with parallel_forwards(model, share) as kinds:
             share.prepare(kinds)
-            return model(features, share)
+            return model(features, share, share) if relational else model(features, share)
     finally:
         model.train(was_training)
-

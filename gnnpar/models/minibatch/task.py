@@ -61,6 +61,7 @@ from gnnpar.models.pyg.model import (
     build_user_model,
     check_model_option,
     factory_options,
+    factory_takes_relations,
     is_user_model,
     seeded,
 )
@@ -558,7 +559,10 @@ class MiniBatchTask(BaseTask):
             check_typed(cfg, graph.types)
             if is_user_model(cfg.model):  # the factory runs and its modules are checked here
                 options = factory_options(cfg.model_options)
-                build_user_model(cfg.model, graph.feat.shape[1], graph.num_classes, options)
+                relations = None if graph.types is None else graph.types.num_relations
+                build_user_model(
+                    cfg.model, graph.feat.shape[1], graph.num_classes, options, relations
+                )
         if given:
             check_partitions(cfg)
 
@@ -613,9 +617,14 @@ class MiniBatchTask(BaseTask):
         """The GNN, sharded over the data axis, and its Adam."""
         torch.manual_seed(cfg.seed)
         self.user_model = is_user_model(cfg.model)
+        #: A user's R-GCN or RGAT (its factory takes num_relations): called with each
+        #: sampled edge's relation, ``model(x, edge_index, edge_type)``.
+        self.relational = self.user_model and factory_takes_relations(cfg.model)
         if self.user_model:
             options = factory_options(cfg.model_options)
-            net = build_user_model(cfg.model, self.in_dim, self.num_classes, options)
+            types = self._graph_types()
+            relations = None if types is None else types.num_relations
+            net = build_user_model(cfg.model, self.in_dim, self.num_classes, options, relations)
         elif self.typed:
             net = TypedGNN(
                 self.types, cfg.hidden, self.num_classes, cfg.layers, cfg.model, cfg.dropout,
@@ -921,7 +930,7 @@ class MiniBatchTask(BaseTask):
         if not self.user_model:
             return self.net(batch.blocks, batch.x, dropout_seed=dropout_seed)
         with seeded(dropout_seed, self.device):
-            return subgraph_logits(self.net, batch.blocks, batch.x)
+            return subgraph_logits(self.net, batch.blocks, batch.x, self.relational)
 
     def _subgraph_update(self, batch: Any, sums: torch.Tensor) -> None:
         """One subgraph of this rank's share of a step: the sum of its seeds' losses
@@ -958,11 +967,12 @@ class MiniBatchTask(BaseTask):
             was_training = self.net.training
             self.net.eval()
             try:
-                return full_graph_logits(self.net, self.graph, dev)
+                return full_graph_logits(self.net, self.graph, dev, self.relational)
             finally:
                 self.net.train(was_training)
         if self.user_model:
-            return part_logits(self.net, self.part, self.sample_grid).to(dev)
+            logits = part_logits(self.net, self.part, self.sample_grid, relational=self.relational)
+            return logits.to(dev)
         if not self.distributed:
             g = self.graph
             return layerwise_inference(
@@ -992,9 +1002,15 @@ class MiniBatchTask(BaseTask):
         # each node is owned by exactly one part: the maximum is its owner's prediction
         return self._target_only(comm.all_reduce(out, self.sample_grid, "data", op="max"))
 
+    def _graph_types(self) -> Any:
+        """The graph's :class:`~gnnpar.graph.typed.GraphTypes` (this rank's part's with
+        distributed sampling), None for an untyped graph."""
+        return (self.part if self.distributed else self.graph).types
+
     def _target_only(self, pred: torch.Tensor) -> torch.Tensor:
-        """``pred`` (original order) with -1 outside a typed graph's target type."""
-        types = getattr(self, "types", None)
+        """``pred`` (original order) with -1 outside a typed graph's target type (whatever
+        the model: an untyped or a user's model too)."""
+        types = self._graph_types()
         if types is None or types.target is None:
             return pred
         lo, hi = types.id_range(types.target)
