@@ -121,6 +121,17 @@ def small_typed_graph(seed: int = 0):
     )  # fmt: skip
 
 
+def learnt_input(feat: torch.Tensor, types, seed: int) -> torch.Tensor:
+    """``feat`` with the featureless types' rows the learnt table's initial rows (seed
+    ``seed``): the input a serial model sees where a parallel one learns those rows."""
+    from gnnpar.models.fullgraph.embedding import featureless_mask, initial_rows
+
+    x = feat.clone()
+    ids = torch.nonzero(featureless_mask(types, torch.arange(x.shape[0])))[:, 0]
+    x[ids] = initial_rows(ids, (0, x.shape[1]), seed, x.dtype)
+    return x
+
+
 def serial_rgcn(
     dims: list[int],
     relations: int,

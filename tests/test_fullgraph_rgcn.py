@@ -35,7 +35,7 @@ from gnnpar.models.fullgraph.relations import (
 from gnnpar.sparse.source import inverse, make_permutations
 from gnnpar.testing import grid_shapes, run_distributed
 from tests.byte_formulas import chunk_range, rgcn3d_bytes, rows1d_bytes, summa_bytes
-from tests.fullgraph_utils import check_schedule, serial_rgcn, small_typed_graph
+from tests.fullgraph_utils import check_schedule, learnt_input, serial_rgcn, small_typed_graph
 
 DIMS = [5, 7, 3]
 TOL = 1e-12
@@ -177,16 +177,21 @@ def _formula(par, grid, graph, source, algorithm: str, chunks: int, bases: int =
     return summa_bytes(grid.shape, grid.coords(), n, DIMS, rels + 1, 8, True, True, nnz)
 
 
-def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int, bases: int = 0) -> float:
+def _check_shape(
+    shape: dict, algorithm: str, chunks: int, seed: int, bases: int = 0, learn: bool = False
+) -> float:
     """One grid: the parallel R-GCN (permuted, with dropout, input gradient wanted; with
-    ``bases`` B > 0 its basis decomposition) equals the serial one, forward and backward;
+    ``bases`` B > 0 its basis decomposition; with ``learn`` the featureless rows learnt,
+    their gradient in place of the input's) equals the serial one, forward and backward;
     bytes per axis = formula = schedule."""
     grid = gnnpar.init(**shape)
     graph = small_typed_graph()
     rels = graph.types.num_relations
     ref = serial_rgcn(DIMS, rels, dropout=0.5, num_bases=bases or None)
     ref.train()
-    xr = graph.feat.clone().requires_grad_(True)
+    xr = (
+        learnt_input(graph.feat, graph.types, seed) if learn else graph.feat.clone()
+    ).requires_grad_(True)
     logits = ref(relation_spmms(graph), xr, dropout_seed=seed)
     train, y = graph.ndata["train_mask"], graph.ndata["label"]
     loss_ref = F.cross_entropy(logits[train], y[train])
@@ -197,10 +202,14 @@ def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int, bases: int
     extra = {"overlap_chunks": chunks} if algorithm == "3d" else {}
     par = parallelize_fullgraph(ref, grid, source, algorithm=algorithm, **extra)
     par.train()
-    xl = par.input_features().requires_grad_(True)
+    xl = par.input_features()
+    if learn:
+        par.learn_featureless(seed)
+    else:
+        xl.requires_grad_(True)
     with comm.record(grid) as fwd:
         out = par(xl, dropout_seed=seed)
-    tag = f"{grid.describe()} {algorithm} chunks={chunks}"
+    tag = f"{grid.describe()} {algorithm} chunks={chunks} learn={learn}"
     ids = source.node_ids(par.output_order, par.logits_rows)
     c0, c1 = par.logits_cols
     worst = _close(out.detach(), logits.detach()[ids][:, c0:c1], f"logits {tag}")
@@ -216,37 +225,47 @@ def _check_shape(shape: dict, algorithm: str, chunks: int, seed: int, bases: int
         if bases:
             worst = max(worst, _close(full[i]["comp"], layer.comp.grad, f"comp grad {i} {tag}"))
     in_rows, (f0, f1) = par.input_block
-    want = xr.grad[source.node_ids(0, in_rows)][:, f0:f1]
-    worst = max(worst, _close(xl.grad, want, f"input grad {tag}"))
+    if learn:  # the learnt rows' gradient: the serial input's at their nodes
+        got, ids = par.inputs.weight.grad, par.inputs.node_ids
+        assert got is not None and got.shape[0] == ids.numel(), tag
+        worst = max(worst, _close(got, xr.grad[ids][:, f0:f1], f"learnt rows grad {tag}"))
+    else:
+        want = xr.grad[source.node_ids(0, in_rows)][:, f0:f1]
+        worst = max(worst, _close(xl.grad, want, f"input grad {tag}"))
 
     want_f, want_b = _formula(par, grid, graph, source, algorithm, chunks, bases)
     want_f.check(fwd.as_dict(), f"forward bytes {tag}")
     want_b.check(bwd.as_dict(), f"backward bytes {tag}")
-    check_schedule(fwd, bwd, par.expected_bytes(input_grad=True), tag)
+    # learnt rows: the model's own schedule has the input gradient (nothing asks for it)
+    check_schedule(fwd, bwd, par.expected_bytes(input_grad=not learn), tag)
     gnnpar.release(grid)
     return worst
 
 
-def _cases(world: int) -> list[tuple[dict, str, int, int]]:
-    """(shape, algorithm, chunks, bases): every 3D shape of ``world`` ranks, the aggregate in
-    1 and 2 row chunks in turn, shapes 1, 2, 5, 6, … with 2 bases (of 5 relations; a world
-    of one shape runs it again with bases); 1D on all ranks, and 2D
-    on the x × y shapes, at 4 and 6 ranks (an odd split at 6)."""
+def _cases(world: int) -> list[tuple[dict, str, int, int, bool]]:
+    """(shape, algorithm, chunks, bases, learn): every 3D shape of ``world`` ranks, the
+    aggregate in 1 and 2 row chunks in turn, shapes 1, 2, 5, 6, … with 2 bases (of 5
+    relations; a world of one shape runs it again with bases), shapes 0, 3, 6, … with the
+    featureless rows learnt (a world of one shape: its bases case); 1D on all ranks, and 2D
+    on the x × y shapes, at 4 and 6 ranks (an odd split at 6), the 2D ones learnt too."""
     shapes = grid_shapes(world)
-    cases = [(s, "3d", 1 + k % 2, 2 if k % 4 in (1, 2) else 0) for k, s in enumerate(shapes)]
+    cases = [
+        (s, "3d", 1 + k % 2, 2 if k % 4 in (1, 2) else 0, k % 3 == 0) for k, s in enumerate(shapes)
+    ]
     if len(shapes) == 1:
-        cases.append((shapes[0], "3d", 1, 2))
+        cases[0] = (*cases[0][:4], False)
+        cases.append((shapes[0], "3d", 1, 2, True))
     if world in (4, 6):
-        cases.append(({"x": world}, "1d", 1, 0))
-        cases += [({**s, "z": 1}, "2d", 1, 0) for s in grid_shapes(world, ("x", "y"))]
+        cases.append(({"x": world}, "1d", 1, 0, False))
+        cases += [({**s, "z": 1}, "2d", 1, 0, True) for s in grid_shapes(world, ("x", "y"))]
     return cases
 
 
 def _check_world(world: int) -> tuple[int, float]:
     worst = 0.0
     cases = _cases(world)
-    for k, (shape, algorithm, chunks, bases) in enumerate(cases):
-        worst = max(worst, _check_shape(shape, algorithm, chunks, seed=11 + k, bases=bases))
+    for k, (shape, algorithm, chunks, bases, learn) in enumerate(cases):
+        worst = max(worst, _check_shape(shape, algorithm, chunks, 11 + k, bases, learn))
     return len(cases), worst
 
 
@@ -338,17 +357,21 @@ def _losses(run: Path) -> list[float]:
 
 def test_trainer_rgcn_trains_on_mag_synth_and_resumes_on_another_grid(tmp_path, monkeypatch):
     """``gnnpar train gcn --model rgcn`` on mag-synth (7 relations, featureless authors,
-    institutions and fields) on z=2, with a weight per relation and with 2 bases: the loss
-    falls; saved after 2 epochs on x=2 and resumed on z=2, it ends where 4 straight epochs
-    on z=2 do (<= 1e-12 relative). Without dropout, so that each epoch's loss is the
-    full-batch loss of its parameters."""
+    institutions and fields) on z=2, with a weight per relation and with 2 bases (and the
+    featureless rows learnt): the loss falls; saved after 2 epochs on x=2 and resumed on
+    z=2, it ends where 4 straight epochs on z=2 do (<= 1e-12 relative), the learnt table
+    too, which goes back to each featureless type's nodes in their own order. Without
+    dropout, so that each epoch's loss is the full-batch loss of its parameters."""
+    from gnnpar.graph.typed import TypeSchema
+    from gnnpar.models.fullgraph.embedding import EMBEDDING, consolidated_embeddings
+
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     import gnnpar.models.fullgraph.task  # noqa: F401 - imported once, before the ranks fork
     from tests.cli_world import run_commands
 
     commands, runs = [], {}
-    for bases in ((), ("--bases", "2")):
+    for bases in ((), ("--bases", "2", "--featureless", "learn")):
         tag = "-bases" if bases else ""
         saved, resumed = tmp_path / f"x2{tag}", tmp_path / f"resumed-z2{tag}"
         straight = tmp_path / f"z2{tag}"
@@ -373,9 +396,38 @@ def test_trainer_rgcn_trains_on_mag_synth_and_resumes_on_another_grid(tmp_path, 
             assert not any(".weights." in k for k in a)
         else:
             assert any(".weights.6" in k for k in a)
+        if bases:  # the learnt rows: beside the state dict, equal too
+            a = {**a, **checkpoint.consolidate_inputs(resumed)}
+            b = {**b, **checkpoint.consolidate_inputs(straight)}
+            types = TypeSchema.of(json.loads(
+                next((tmp_path / "z2-bases" / "shards").glob("*/manifest.json")).read_text()
+            )["meta"]["types"])  # fmt: skip
+            tables = consolidated_embeddings(straight, types)
+            assert {k: tuple(t.shape) for k, t in tables.items()} == {
+                "author": (30, 6), "institution": (5, 6), "field_of_study": (7, 6)}  # fmt: skip
+            rows = torch.cat(list(tables.values()))
+            assert sorted(rows.flatten().tolist()) == sorted(b[EMBEDDING].flatten().tolist())
         for k, v in b.items():
             err = float((a[k] - v).abs().max()) / max(float(v.abs().max()), 1e-300)
             assert err <= TOL, (k, err)
+
+
+def test_learnt_rows_refuse_shards_of_another_node_order(tmp_path, monkeypatch, capsys):
+    """A run with learnt featureless rows resumed on shards of another permutation: one
+    line naming the stored ids, not rows of other nodes trained on."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    from gnnpar.cli import main
+
+    run = tmp_path / "run"
+    argv = [a for a in _argv(run, 1, "x=1", "--featureless", "learn") if a != "--nprocs"]
+    argv.remove("2")  # --nprocs 2 (the hidden width is 5)
+    assert main(argv) == 0
+    capsys.readouterr()
+    again = [*argv[: argv.index("--epochs") + 1], "2", *argv[argv.index("--epochs") + 2 :]]
+    assert main([*again, "--resume", "--permutation", "none"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "'inputs.node_ids'" in err[-1] and "another node order" in err[-1], err
 
 
 def test_rgcn_on_an_untyped_dataset_is_one_config_error(tmp_path, capsys, monkeypatch):
@@ -395,6 +447,28 @@ def test_rgcn_on_an_untyped_dataset_is_one_config_error(tmp_path, capsys, monkey
         (["--bases", "2", "--algorithm", "2d"], "config key 'bases': R-GCN bases run on the 3d"),
         (["--bases", "-1"], "config key 'bases' (-1) is for rgcn, >= 1"),
         (["--bases", "2", "--model", "sage"], "config key 'bases' (2) is for rgcn"),
+        (
+            ["--featureless", "learn", "--model", "sage"],
+            "config key 'featureless': learnt rows "
+            "need a typed graph's shards, which rgcn or a factory taking num_relations reads; sage",
+        ),
+        (
+            [
+                "--featureless",
+                "learn",
+                "--dataset",
+                "karate",
+                "--model",
+                "examples/pyg_models.py:rgcn",
+            ],
+            "config key 'featureless': dataset 'karate' has no featureless node type",
+        ),
+        (
+            ["--featureless", "learn", "--model", "examples/pyg_models.py:gcn"],
+            "config key 'featureless': learnt rows need a typed graph's shards, which a factory "
+            "taking num_relations reads",
+        ),
+        (["--featureless", "yes"], "config key 'featureless' must be one of zero, learn"),
     ],
 )
 def test_rgcn_bases_off_3d_or_off_rgcn_are_one_config_error(tmp_path, capsys, extra, message):
@@ -403,8 +477,9 @@ def test_rgcn_bases_off_3d_or_off_rgcn_are_one_config_error(tmp_path, capsys, ex
     argv = ["train", "gcn", "--model", "rgcn", "--dataset", "mag-synth", "--epochs", "1",
             "--out", str(tmp_path / "run"), "--quiet", *extra]  # fmt: skip
     code = main(argv)
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
     assert code != 0 and message in err and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("bases", [0, 3])
@@ -412,13 +487,18 @@ def test_planner_rgcn_bytes_and_weight_memory_equal_the_written_formulas(bases):
     """``gnnpar plan gcn --model rgcn [--bases B]``: the planner's bytes on every rank of an
     uneven 3 × 2 × 2 grid equal ``rgcn3d_bytes`` (loss left out), and its weight memory is
     4 copies (value, gradient, two Adam moments) of the rank's piece of the stored blocks
-    (R + 1, or B + 1 with bases), the bias and, with bases, the whole R × B coefficients."""
+    (R + 1, or B + 1 with bases), the bias and, with bases, the whole R × B coefficients.
+    With bases the featureless rows are learnt too (``--featureless learn``): the first
+    layer's input gradient in the bytes, and 4 copies of the table's rows of rank 0's
+    input block (its featureless share of the rows) in the memory."""
     from gnnpar.comm import chunk_sizes
     from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives
     from gnnpar.models.fullgraph.memory import gcn_memory
 
     dims, rels, n = [37, 12, 5], 7, 1001
-    problem = GCNProblem.from_widths(n, 5000, dims, model="rgcn", relations=rels, bases=bases)
+    learnt = 300 if bases else 0
+    problem = GCNProblem.from_widths(n, 5000, dims, model="rgcn", relations=rels, bases=bases,
+                                     featureless_nodes=learnt)  # fmt: skip
     shape = {"x": 3, "y": 2, "z": 2, "data": 1}
     for rank in range(12):
         coords = {"x": rank % 3, "y": rank // 3 % 2, "z": rank // 6, "data": 0}
@@ -426,7 +506,7 @@ def test_planner_rgcn_bytes_and_weight_memory_equal_the_written_formulas(bases):
         for c in gcn_collectives(problem, shape, coords, loss=False):
             got.setdefault(c.axis, {}).setdefault(c.kind, 0)
             got[c.axis][c.kind] += c.total
-        f, b = rgcn3d_bytes(shape, coords, n, dims, rels, 4, False, True, 1, bases)
+        f, b = rgcn3d_bytes(shape, coords, n, dims, rels, 4, bool(learnt), True, 1, bases)
         for axis, kinds in b.bytes.items():
             for kind, v in kinds.items():
                 f.bytes[axis].setdefault(kind, 0)
@@ -442,4 +522,41 @@ def test_planner_rgcn_bytes_and_weight_memory_equal_the_written_formulas(bases):
         blocks = (bases or rels) + 1
         piece = chunk_sizes(blocks * fin * fout, shape[c])[0]
         weights += 4 * (piece + rels * bases + fout) * 4
-    assert gcn_memory(problem, shape)["weights"] == weights
+    memory = gcn_memory(problem, shape)
+    assert memory["weights"] == weights
+    # rank 0's input block: rows 0..334 of 1001 over x, their first half over z (167), the
+    # first 19 of 37 features over y
+    assert memory.get("inputs", 0.0) == pytest.approx(4 * 167 * (learnt / n) * 19 * 4)
+
+
+def test_typed_shards_record_the_schema_checked_and_an_owned_older_folder_is_rebuilt(tmp_path):
+    """A typed folder's meta ``types`` is the graph's schema (a resealed edit that no longer
+    fits the relations or the nodes is one ShardFormatError naming it); a run's own typed
+    folder written before it was recorded is stale (rebuilt), a given one only checked
+    against the graph."""
+    from gnnpar.graph.typed import TypeSchema
+    from gnnpar.models.fullgraph.shards import DiskSource, ShardFormatError, prepare_shards
+    from gnnpar.models.fullgraph.task import _stale
+    from gnnpar.verified import meta_digest
+
+    graph = small_typed_graph()
+    out = prepare_shards(graph, tmp_path / "typed", norm=RELATION_NORM, blocks=(2, 2), seed=4)
+    assert DiskSource(out).types == graph.types.schema
+    assert TypeSchema.of(json.loads((out / "manifest.json").read_text())["meta"]["types"])
+
+    def edited(edit) -> None:
+        doc = json.loads((out / "manifest.json").read_text())
+        edit(doc["meta"])
+        doc["meta_xxh3_64"] = meta_digest(doc["meta"])
+        (out / "manifest.json").write_text(json.dumps(doc))
+
+    pristine = (out / "manifest.json").read_text()
+    edited(lambda meta: meta["types"]["offsets"].__setitem__(-1, 99))
+    with pytest.raises(ShardFormatError, match="meta field 'types'"):
+        DiskSource(out)
+    (out / "manifest.json").write_text(pristine)
+    edited(lambda meta: meta.pop("types"))
+    assert DiskSource(out).types is None
+    expected = json.loads(pristine)["meta"]["source"]
+    assert "before shards recorded the node types" in _stale(out, expected, owned=True)
+    assert _stale(out, expected, owned=False) is None

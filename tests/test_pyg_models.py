@@ -192,16 +192,21 @@ def _small_source():
     return (a, x, y, train), source
 
 
-def _against_pyg(grid, shape: dict, name: str, make, source, data, graph_args, in_dim: int):
+def _against_pyg(grid, shape: dict, name: str, make, source, data, graph_args, in_dim: int,
+                 learn: int | None = None):  # fmt: skip
     """``make()`` in one process (PyG's own forwards on ``graph_args``) and parallelized on
     ``source``, same weights, float64: logits, loss, every parameter gradient (a parameter
     PyG gives none must get none) and buffer equal; the bytes equal the ops' own schedule
-    and, on rank 0, the planner's trace. Returns ``(ref, par, fwd, bwd, tag)``."""
+    and, on rank 0, the planner's trace. ``learn`` (a seed): the featureless rows are
+    learnt, their gradients the plain model's input's at their nodes. Returns ``(ref, par,
+    fwd, bwd, tag)``."""
     from gnnpar import comm
     from gnnpar.models.fullgraph.pyg import parallelize_pyg
-    from tests.fullgraph_utils import check_schedule
+    from tests.fullgraph_utils import check_schedule, learnt_input
 
     x, y, train = data
+    if learn is not None:  # the featureless rows the table starts from, the input's grad
+        x = learnt_input(x, source.types, learn).requires_grad_(True)
     torch.manual_seed(0)
     ref = make().double()
     torch.manual_seed(0)
@@ -210,9 +215,11 @@ def _against_pyg(grid, shape: dict, name: str, make, source, data, graph_args, i
     loss_ref = F.cross_entropy(logits[train], y[train])
     loss_ref.backward()
     par = parallelize_pyg(mine, grid, source)
+    if learn is not None:
+        par.learn_featureless(learn)
     with comm.record(grid) as fwd:
         out = par(par.input_features())
-    tag = f"{name} on {grid.describe()}"
+    tag = f"{name} on {grid.describe()}" + (" (learnt rows)" if learn is not None else "")
     ids = source.node_ids(0, par.logits_rows)
     _close(out.detach(), logits.detach()[ids], 0.0, f"logits {tag}")
     loss = par.loss(out)
@@ -229,12 +236,17 @@ def _against_pyg(grid, shape: dict, name: str, make, source, data, graph_args, i
     buffers = dict(ref.named_buffers())
     for key, buf in mine.named_buffers():  # BatchNorm running statistics after the step
         _close(buf.double(), buffers[key].double(), 0.0, f"{key} {tag}")
+    if learn is not None:
+        got, ids = par.inputs.weight.grad, par.inputs.node_ids
+        assert got is not None and got.shape[0] == ids.numel(), tag
+        if ids.numel():  # a rank may hold no featureless row
+            _close(got, x.grad[ids], 1e-3 * scale, f"learnt rows gradient {tag}")
     check_schedule(fwd, bwd, par.expected_bytes(), tag)
     if grid.global_rank == 0:  # the planner's trace of the model prices rank 0's bytes
         torch.manual_seed(0)
         plain = make().double()
         params = [q.numel() for q in gradient_parameters(plain)]
-        ops = trace_model(plain, in_dim)
+        ops = trace_model(plain, in_dim, input_grad=learn is not None)
         planned = bytes_by_axis(pyg_collectives(ops, params, source.num_nodes, shape, 8, 8))
         measured = {**fwd.by_axis()}
         for axis, b in bwd.by_axis().items():
@@ -308,16 +320,17 @@ def _typed_check(grid, shape: dict, offset: int = 0, step: int = 1) -> int:
     data = (graph.feat, graph.ndata["label"], graph.ndata["train_mask"])
     checked = 0
     for name, make in list(typed_cases(zoo(), rels).items())[offset::step]:
+        learn = 5 if name == "rgcn" else None  # its featureless rows (fields) learnt
         _, par, fwd, bwd, tag = _against_pyg(grid, shape, name, make, source, data, edges,
-                                             TYPED_FEAT)  # fmt: skip
+                                             TYPED_FEAT, learn)  # fmt: skip
         coords = grid.coords()
         if name == "rgat":  # 5 → 2 heads × 3 (concatenated) → 2 heads × 3 (averaged)
             f_want, b_want = rgat_bytes(shape, coords, n, [(TYPED_FEAT, 2, 6), (6, 2, 6)])
             _formula(grid, par, fwd, bwd, tag, f_want, b_want)
-        if name == "rgcn":  # 5 → 7 → 3: the input's gather has no adjoint
+        if name == "rgcn":  # 5 → 7 → 3: the input's gather has an adjoint (learnt rows)
             (g1, s1), (g2, s2) = (gather_scatter_bytes(shape, coords, n, i, o)
                                   for i, o in ((TYPED_FEAT, 7), (7, 3)))  # fmt: skip
-            _formula(grid, par, fwd, bwd, tag, g1 + s1 + g2 + s2, s1 + g2 + s2)
+            _formula(grid, par, fwd, bwd, tag, g1 + s1 + g2 + s2, g1 + s1 + g2 + s2)
         checked += 1
     return checked
 
@@ -524,10 +537,14 @@ MAG = "num_papers=120,num_authors=60,num_institutions=5,num_fields=8,num_classes
 
 def test_a_users_rgcn_trains_on_a_typed_graph_resumes_and_goes_back_home(tmp_path):
     """The example's R-GCN (its factory takes ``num_relations``: the trainer cuts the
-    relations' shards and passes the graph's) on a small mag-synth, 3 epochs on x=2 resumed
-    on y=2 to 5, equals 5 epochs on one rank; the consolidated checkpoint loads into the
-    user's class with strict=True and predicts what the trainer predicted."""
+    relations' shards and passes the graph's) on a small mag-synth, its featureless rows
+    learnt, 3 epochs on x=2 resumed on y=2 to 5, equals 5 epochs on one rank, the learnt
+    table too; the consolidated checkpoint loads into the user's class with strict=True
+    and, on the features with each featureless type's learnt table, predicts what the
+    trainer predicted."""
+    from gnnpar.checkpoint import consolidate_inputs
     from gnnpar.cli import main
+    from gnnpar.models.fullgraph.embedding import consolidated_embeddings
     from gnnpar.models.fullgraph.task import FullGraphConfig
     from gnnpar.train.loop import load_dataset
 
@@ -535,16 +552,25 @@ def test_a_users_rgcn_trains_on_a_typed_graph_resumes_and_goes_back_home(tmp_pat
         argv = ["train", "gcn", "--dataset", "mag-synth", "--dataset-options", MAG,
                 "--model", f"{ZOO}:rgcn", "--model-options", "hidden=5,dropout=0.0",
                 "--eval-every", "2", "--out", str(tmp_path / out), "--quiet",
-                "--dtype", "float64", *extra]  # fmt: skip
+                "--dtype", "float64", "--featureless", "learn", *extra]  # fmt: skip
         assert main(argv) == 0
 
     train("a", "--epochs", "3", "--nprocs", "2", "--grid", "x=2")
     train("a", "--epochs", "5", "--nprocs", "2", "--grid", "y=2", "--resume")
     train("b", "--epochs", "5")
+    got, want = consolidate_inputs(tmp_path / "a"), consolidate_inputs(tmp_path / "b")
+    assert sorted(got) == ["inputs.embedding", "inputs.node_ids"]
+    for key in want:
+        _close(got[key].double(), want[key].double(), 0.0, key)
     graph = load_dataset(FullGraphConfig(dataset="mag-synth", dataset_options=MAG))
-    model = zoo().rgcn(6, 3, graph.types.num_relations, hidden=5, dropout=0.0).double()
-    edges = (torch.stack(graph.edges()), graph.types.edge_type)
-    _goes_home(tmp_path, model, graph, lambda m: m(graph.feat.double(), *edges))
+    x = graph.feat.double()
+    types = graph.types
+    for name, table in consolidated_embeddings(tmp_path / "a", types).items():
+        lo, hi = types.id_range(name)
+        x[lo:hi] = table
+    model = zoo().rgcn(6, 3, types.num_relations, hidden=5, dropout=0.0).double()
+    edges = (torch.stack(graph.edges()), types.edge_type)
+    _goes_home(tmp_path, model, graph, lambda m: m(x, *edges))
 
 
 # ---------------------------------------------------------------------------- mini-batch

@@ -145,13 +145,14 @@ def _full_argv(out: Path, epochs: int, *extra: str) -> list[str]:
             "--decoder", "distmult", "--dataset", "mag-synth", "--dataset-options", options,
             "--root", str(out.parent / "data"), "--epochs", str(epochs), "--hidden", "8",
             "--out", str(out), "--quiet", "--dtype", "float64", "--eval-every", "2",
-            *extra]  # fmt: skip
+            "--featureless", "learn", *extra]  # fmt: skip
 
 
 def test_full_graph_typed_link_prediction_resumes_on_another_grid(tmp_path, monkeypatch):
     """``--mode full --model rgcn``: PyG RGCNConv layers on the grid over each relation's
     mean adjacency of the message graph, DistMult on the relation's pairs with negatives of
-    its destination type. 2 epochs on x=2 resumed on y=2 to 4 equal 4 epochs on one rank."""
+    its destination type, the featureless rows learnt. 2 epochs on x=2 resumed on y=2 to 4
+    equal 4 epochs on one rank, the learnt table too."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     grid, straight = tmp_path / "grid", tmp_path / "straight"
@@ -160,6 +161,9 @@ def test_full_graph_typed_link_prediction_resumes_on_another_grid(tmp_path, monk
     assert main(_full_argv(straight, 4)) == 0
     a, b = checkpoint.consolidate(grid), checkpoint.consolidate(straight)
     assert list(a) == list(b) and any(k.endswith("convs.0.weight") for k in a)
+    a.update(checkpoint.consolidate_inputs(grid))
+    b.update(checkpoint.consolidate_inputs(straight))
+    assert "inputs.embedding" in b
     for k, v in b.items():
         assert float((a[k] - v).abs().max()) <= 1e-12 * max(float(v.abs().max()), 1e-300), k
 
@@ -171,3 +175,11 @@ def test_full_mode_on_a_typed_graph_needs_an_rgcn(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("needs an R-GCN encoder (rgcn, or a factory taking num_relations); "
                             "sage reads one untyped adjacency"), err  # fmt: skip
+
+
+def test_learnt_featureless_rows_are_for_mode_full(tmp_path, capsys):
+    """Edge batches learn their own tables (the minibatch rgcn's and hgt's): learnt rows in
+    mode minibatch are one line."""
+    assert main(_argv(tmp_path / "run", 1, "--featureless", "learn")) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config key 'featureless': learn is for mode full" in err[0], err

@@ -16,7 +16,7 @@ state dict. Files are checked against their sizes and checksums before use, and 
     state = checkpoint.consolidate("runs/x/checkpoints")                    # plain state dict
 """
 
-from gnnpar.checkpoint.consolidate import consolidate, describe, open_checkpoint
+from gnnpar.checkpoint.consolidate import consolidate, consolidate_inputs, describe, open_checkpoint
 from gnnpar.checkpoint.protocol import CheckpointError, complete_steps
 from gnnpar.checkpoint.store import LoadResult, load, save
 from gnnpar.verified import FormatError
@@ -27,6 +27,7 @@ __all__ = [
     "LoadResult",
     "complete_steps",
     "consolidate",
+    "consolidate_inputs",
     "describe",
     "load",
     "open_checkpoint",

@@ -17,7 +17,7 @@ from gnnpar.checkpoint.validate import check_stored, read_checkpoint
 from gnnpar.fmt import count
 from gnnpar.verified import Manifest, load_tensors
 
-__all__ = ["consolidate", "describe", "open_checkpoint"]
+__all__ = ["consolidate", "consolidate_inputs", "describe", "open_checkpoint"]
 
 
 def open_checkpoint(path: str | os.PathLike) -> Manifest:
@@ -37,16 +37,31 @@ def open_checkpoint(path: str | os.PathLike) -> Manifest:
 def consolidate(path: str | os.PathLike, verify: str = "checksum") -> dict[str, torch.Tensor]:
     """The plain model's full state dict (keys in the model's order, tied keys sharing one
     tensor) from any checkpoint gnnpar writes, whatever grid and sharding wrote it."""
-    from gnnpar.checkpoint.state import Piece
-
     manifest = open_checkpoint(path)
     meta = manifest.meta
     aliases = meta["aliases"]
+    full = _read_full(manifest, [k for k in meta["keys"] if k not in aliases], verify)
+    return {key: full[aliases.get(key, key)] for key in meta["keys"]}
+
+
+def consolidate_inputs(
+    path: str | os.PathLike, verify: str = "checksum"
+) -> dict[str, torch.Tensor]:
+    """The full tensors a checkpoint keeps beyond the plain state dict (its meta's
+    ``inputs``: a full-graph run's learnt input rows, :mod:`gnnpar.models.fullgraph.embedding`),
+    by name; empty for most checkpoints."""
+    manifest = open_checkpoint(path)
+    return _read_full(manifest, list(manifest.meta.get("inputs", [])), verify)
+
+
+def _read_full(manifest: Manifest, keys: list[str], verify: str) -> dict[str, torch.Tensor]:
+    """The full tensors ``model/<key>`` of ``keys``, assembled from every rank's pieces."""
+    from gnnpar.checkpoint.state import Piece
+
+    meta = manifest.meta
     full: dict[str, torch.Tensor] = {}
     targets = []
-    for key in meta["keys"]:
-        if key in aliases:
-            continue
+    for key in keys:
         spec = meta["tensors"][MODEL + key]
         t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
         full[key] = t
@@ -60,7 +75,7 @@ def consolidate(path: str | os.PathLike, verify: str = "checksum") -> dict[str, 
     with torch.no_grad():
         for piece, t, src, s in pairs:
             copy_overlap(piece.tensor.view(-1), t, blobs[src.file][src.entry], s)
-    return {key: full[aliases.get(key, key)] for key in meta["keys"]}
+    return full
 
 
 def _size(n: float) -> str:

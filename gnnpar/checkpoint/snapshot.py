@@ -245,6 +245,7 @@ class SnapshotWriter:
                 "tensors": {k: v.to_json() for k, v in tensors.items()},
                 "keys": layout.keys,
                 "aliases": layout.aliases,
+                **({"inputs": layout.inputs} if layout.inputs else {}),
                 "optimizer": {"param_groups": groups} if groups is not None else None,
                 "local": sorted(local),
                 "extra": json.loads(json.dumps(dict(extra))),  # a copy, as JSON will read it
@@ -454,6 +455,7 @@ def _manifest(folder: Path, rank: int, record: dict[str, Any]) -> Manifest:
         "world_size": record["world_size"],
         "keys": record["keys"],
         "aliases": record["aliases"],
+        **({"inputs": record["inputs"]} if "inputs" in record else {}),
         "tensors": record["tensors"],
         "pieces": {name: pieces},
         "digests": digests,
@@ -737,6 +739,7 @@ def _union(step: int, copies: dict[int, list[Path]], run_id: str, warn) -> Manif
         tensors.update(doc["tensors"])
     meta = {
         **{k: first[k] for k in ("step", "grid", "world_size", "keys", "aliases", "extra")},
+        **({"inputs": first["inputs"]} if "inputs" in first else {}),
         "optimizer": first.get("optimizer"),
         "tensors": tensors,
         "pieces": pieces,

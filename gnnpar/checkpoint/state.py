@@ -83,6 +83,10 @@ class ModelLayout:
     #: called once the pieces were read for a save or a snapshot (the file offload tier
     #: gives back the pages that reading them made resident)
     after_read: Any = None
+    #: full tensors (``model/<key>``) the run keeps beyond the plain state dict, restored on
+    #: resume and left out of :func:`~gnnpar.checkpoint.consolidate` (a full-graph model's
+    #: learnt input rows of featureless nodes: :mod:`gnnpar.models.fullgraph.embedding`)
+    inputs: list[str] = dataclasses.field(default_factory=list)
 
 
 def writes(grid: ProcessGrid, split_axes: Iterable[str]) -> bool:
@@ -201,12 +205,12 @@ def optimizer_pieces(
                     dtype = str(value.dtype).removeprefix("torch.")
                     moved = []
                     for c in chunks:  # the parameter's boxes, under the state's name
-                        key = f"{OPTIM}{name}/{c.key[len(MODEL):]}"
+                        key = f"{OPTIM}{name}/{c.key[len(MODEL) :]}"
                         moved.append(Chunk(key, c.offsets, c.sizes, c.at, c.transposed))
                         tensors[key] = TensorSpec(layout.tensors[c.key].shape, dtype)
                     pieces.append(Piece(label, value, moved, write))
                 else:
-                    for key in dict.fromkeys(c.key[len(MODEL):] for c in chunks):
+                    for key in dict.fromkeys(c.key[len(MODEL) :] for c in chunks):
                         full = f"{OPTIM}{name}/{key}"
                         tensors[full] = TensorSpec.of(value.shape, value.dtype)
                         box = concat([(full, (0,) * value.dim(), tuple(value.shape))])

@@ -217,6 +217,8 @@ def _write_manifest(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gnnpar": __version__,
     }
+    if layout.inputs:  # written only when there are any: other checkpoints stay as they were
+        meta["inputs"] = layout.inputs
     write_manifest(tmp, SCHEMA, VERSION, files, meta)
 
 
@@ -259,7 +261,7 @@ def _check_model(manifest: Manifest, layout: ModelLayout, strict: bool) -> None:
     """One error naming the first tensor in which the checkpoint and the model differ."""
     saved = manifest.meta["tensors"]
     folder = manifest.folder
-    for key in layout.keys:
+    for key in [*layout.keys, *layout.inputs]:
         canon = layout.aliases.get(key, key)
         spec = layout.tensors.get(MODEL + canon)
         if spec is None:
@@ -276,7 +278,7 @@ def _check_model(manifest: Manifest, layout: ModelLayout, strict: bool) -> None:
                 f"{got['shape']} there and {list(spec.shape)} here"
             )
     if strict:
-        mine = {MODEL + layout.aliases.get(k, k) for k in layout.keys}
+        mine = {MODEL + layout.aliases.get(k, k) for k in [*layout.keys, *layout.inputs]}
         for key in saved:
             if key.startswith(MODEL) and key not in mine:
                 raise CheckpointError(

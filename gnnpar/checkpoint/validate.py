@@ -182,7 +182,8 @@ def _box_header(chunk: Chunk) -> str:
 
 def _check_keys(meta: dict[str, Any], shapes: dict[str, list[int]], where: Path) -> None:
     """``keys`` (the model's state-dict keys) are names whose tensors are stored, or tied
-    names in ``aliases`` that point at such a key."""
+    names in ``aliases`` that point at such a key; ``inputs`` (optional) stored names that
+    are not keys."""
     from gnnpar.checkpoint.state import MODEL
 
     keys, aliases = meta.get("keys"), meta.get("aliases")
@@ -192,6 +193,12 @@ def _check_keys(meta: dict[str, Any], shapes: dict[str, list[int]], where: Path)
         target = aliases.get(key, key) if isinstance(key, str) else None
         if not isinstance(target, str) or target in aliases or MODEL + target not in shapes:
             raise FormatError(f"{where}: model key {key!r} names no stored tensor")
+    inputs = meta.get("inputs", [])  # tensors kept beyond the state dict (optional)
+    if not isinstance(inputs, list):
+        raise FormatError(f"{where}: the meta's 'inputs' must be a list of tensor names")
+    for key in inputs:
+        if not isinstance(key, str) or key in keys or MODEL + key not in shapes:
+            raise FormatError(f"{where}: input key {key!r} names no stored tensor of its own")
 
 
 def _check_cover(key: str, shape: list[int], chunks: list[Chunk], where: Path) -> None:

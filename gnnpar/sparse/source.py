@@ -18,7 +18,7 @@ requested rows and blocks from memory-mapped files.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +43,10 @@ class ShardSource(Protocol):
     norm: str | None
     #: Where :attr:`norm` comes from, for the error of a model that needs another.
     norm_where: str
+    #: A typed graph's schema (:class:`~gnnpar.graph.typed.TypeSchema`: which original ids
+    #: are a featureless type's), or None where the source has no types or does not record
+    #: them.
+    types: Any
 
     def adjacency(self, parity: int, rows: tuple[int, int], cols: tuple[int, int]) -> CSRBlock:
         """Block of Â₁ (parity 0) or Â₂ (parity 1)."""
@@ -118,6 +122,7 @@ class MemorySource:
     ):
         n = indptr.numel() - 1
         self.norm, self.norm_where = norm, "MemorySource(norm=...)"
+        self.types: Any = None  # a typed graph's schema (relation_memory_source sets it)
         if features.shape[0] != n:
             raise UserError(f"features have {features.shape[0]} rows for {n} nodes")
         dtype = dtype or features.dtype

@@ -130,7 +130,7 @@ class Parallel1DGNN(ShardedGNN):
         for i in range(self.num_layers):
             d_in, d_out = self.dims[i], self.dims[i + 1]
             num_ops = len(self.ops[i])
-            grad_in = input_grad or i > 0
+            grad_in = input_grad or i > 0 or self.inputs is not None  # learnt rows: dX too
             out += rows1d_schedule(
                 self.axis, self.row_sizes, d_in, d_out, num_ops, grad_in, self.has_bias, i
             )
@@ -267,7 +267,7 @@ class Parallel2DGNN(ShardedGNN):
                 self.fin[i][1] - self.fin[i][0],
                 self.dims[i + 1],
                 self.stage_nnz[i],
-                input_grad or i > 0,
+                input_grad or i > 0 or self.inputs is not None,  # learnt rows: dX too
                 self.has_bias,
                 ies,
                 i,

@@ -67,6 +67,15 @@ class GCNProblem:
     activation_checkpointing: str = "none"
     relations: int = 0
     bases: int = 0
+    #: Nodes of featureless types whose input rows are learnt (``featureless = "learn"``,
+    #: :mod:`gnnpar.models.fullgraph.embedding`): the table, cut as the input block, and
+    #: the first layer's input gradient, which gives the table its gradient.
+    featureless_nodes: int = 0
+
+    @property
+    def wants_input_grad(self) -> bool:
+        """Whether the first layer computes its input's gradient."""
+        return self.input_grad or self.featureless_nodes > 0
 
     def __post_init__(self) -> None:
         checkpointing(self.activation_checkpointing, ("none", "full"))
@@ -204,7 +213,7 @@ def gcn_collectives(
     last = None
     for i in range(len(dims) - 1):
         lay = layout3d(g, i, n, dims[i], dims[i + 1], problem.weight_blocks)
-        grad_in = i > 0 or problem.input_grad
+        grad_in = i > 0 or problem.wants_input_grad
         # the layer's own description of its traffic (what the layer's accounting uses too)
         if problem.model == "gat":
             heads, head_dim = problem.layer_heads(i)
@@ -245,7 +254,7 @@ def gcn_compute_seconds(
         spmm_flops = 2.0 * entries * fin
         spmm_bytes = entries * (8 + e) + ops * (rows + cols) * fin * e
         one = max(spmm_flops / (machine.spmm_gflops * 1e9), stream_seconds(spmm_bytes, machine))
-        passes = 2 if (i > 0 or problem.input_grad) else 1
+        passes = 2 if (i > 0 or problem.wants_input_grad) else 1
         again = problem.activation_checkpointing == "full"  # the forward, once more
         out["spmm"] += (passes + again) * one
         out["gemm"] += (3 + again) * gemm_seconds(rows, ops * fin, fout, e, machine)

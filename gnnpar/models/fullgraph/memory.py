@@ -6,6 +6,9 @@ GCN and GraphSAGE, per rank:
 - ``adjacency``: every layer's Â block and its transpose (kept for backward), CSR with
   int64 indices: ``2 · (nnz_local·(8 + e) + rows·8)`` per sparse operator and layer;
 - ``features``: the input block (rows over outer and depth, features over inner);
+- ``inputs`` (with learnt featureless rows): the table's rows of the input block (the
+  featureless nodes' share of its rows, spread by the node permutation) with their gradient
+  and two Adam moments (4 copies);
 - ``weights``: weight and bias pieces with their gradients and two Adam moments (4 copies);
 - ``activations``: what backward keeps per layer (the aggregate ``Â·H`` and the output
   before and after the ReLU) plus the largest transient (a gathered ``H`` and ``W``).
@@ -91,6 +94,9 @@ def gcn_memory(
         out["adjacency"] += 2 * (entries * (8 + e) + ops * (rows + cols + 2) * 8)
         if i == 0:
             out["features"] = (lay.h_sub[1] - lay.h_sub[0]) * fin * e
+            if problem.featureless_nodes:
+                share = problem.featureless_nodes / problem.nodes
+                out["inputs"] = 4 * (lay.h_sub[1] - lay.h_sub[0]) * share * fin * e
         w_local = lay.w_part[1] - lay.w_part[0]
         comp = problem.relations * problem.bases  # R-GCN bases' coefficients, whole
         out["weights"] += 4 * (w_local + comp + (fout if problem.bias else 0)) * e

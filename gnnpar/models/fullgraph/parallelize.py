@@ -39,6 +39,7 @@ from gnnpar.comm import chunk_sizes
 from gnnpar.errors import UserError
 from gnnpar.graph import is_multilabel
 from gnnpar.grid import ProcessGrid
+from gnnpar.models.fullgraph.embedding import InputEmbedding, with_inputs
 from gnnpar.models.fullgraph.layout import Layout3D, layout3d
 from gnnpar.models.fullgraph.loss import (
     gather_masked,
@@ -169,6 +170,8 @@ class ShardedGNN(nn.Module):
         self._gather_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         # the plain model's parameter of each stored weight block, per layer (checkpoints)
         self._block_keys = [_block_keys(layer) for layer in model.layers]
+        #: Learnt input rows of a typed graph's featureless nodes (:meth:`learn_featureless`).
+        self.inputs: InputEmbedding | None = None
         # R-GCN bases: the relations (R) and bases (B) of each layer's coefficients, or None
         self._bases = [
             tuple(layer.comp.shape) if getattr(layer, "comp", None) is not None else None
@@ -177,8 +180,16 @@ class ShardedGNN(nn.Module):
 
     def schedule(self, input_grad: bool = False) -> list[Step]:
         """The collectives of one forward and one backward pass on this rank (each layer's
-        own description; ``input_grad``: the input features' gradient is wanted too)."""
+        own description; ``input_grad``: the input features' gradient is wanted too, as it
+        is with learnt featureless rows)."""
         raise NotImplementedError
+
+    def learn_featureless(self, seed: int) -> None:
+        """Learn an input row per featureless node of the typed graph, held as the input
+        block is (:class:`~gnnpar.models.fullgraph.embedding.InputEmbedding`; before the
+        optimizer is built)."""
+        rows, cols = self.input_block
+        self.inputs = InputEmbedding(self.source, rows, cols, seed, self.dtype, self.device)
 
     def gather_buffer(
         self, sizes: Sequence[int], width: int, dtype: torch.dtype
@@ -218,7 +229,7 @@ class ShardedGNN(nn.Module):
         :attr:`logits_cols`); ``dropout_seed`` seeds the dropout masks (None: no dropout).
         With :attr:`activation_checkpointing` ``"full"`` each layer keeps only its input
         for backward and runs again there, collectives included."""
-        h = x
+        h = x if self.inputs is None else self.inputs(x)
         full = self.activation_checkpointing == "full"
         for i in range(self.num_layers):
             seed = None if dropout_seed is None else dropout_seed * 1009 + i
@@ -355,7 +366,7 @@ class ShardedGNN(nn.Module):
                 write = writes(self.grid, split)
                 pieces.append(Piece(name, param.detach(), chunks, write))
                 params[id(param)] = (chunks, write)
-        return ModelLayout(pieces, tensors, keys, {}, params)
+        return with_inputs(ModelLayout(pieces, tensors, keys, {}, params), self.inputs, self.grid)
 
     def predictions(self, logits: torch.Tensor) -> torch.Tensor:
         """Every node's prediction in original node order, on every rank (collective): its
@@ -523,7 +534,7 @@ class Parallel3DGNN(ShardedGNN):
         out: list[Step] = []
         for i, lay in enumerate(self.layouts):
             num_ops = len(self.ops[i])
-            grad_in = input_grad or i > 0
+            grad_in = input_grad or i > 0 or self.inputs is not None
             bases = 0 if self._bases[i] is None else self._bases[i][1]
             out += layer_schedule(
                 self.grid,

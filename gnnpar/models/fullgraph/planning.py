@@ -11,6 +11,7 @@ from gnnpar.data.sizes import gcn_datasets
 from gnnpar.errors import UserError
 from gnnpar.fmt import count
 from gnnpar.models.fullgraph.cost import GCNProblem, gcn_collectives, gcn_compute_seconds
+from gnnpar.models.fullgraph.embedding import featureless_nodes
 from gnnpar.models.fullgraph.memory import gcn_memory
 from gnnpar.models.pyg.model import is_user_model
 from gnnpar.plan.comm_model import bytes_by_axis
@@ -88,6 +89,7 @@ def choose_fullgraph_grid(
     heads: tuple[int, int] = (8, 1),
     activation_checkpointing: str = "none",
     bases: int = 0,
+    featureless_nodes: int = 0,
 ) -> dict[str, int]:
     """The grid shape for a full-graph run of ``algorithm`` on ``world`` ranks.
 
@@ -98,7 +100,9 @@ def choose_fullgraph_grid(
     (default: gcn, or sage for 2 operators; rgcn: ``num_ops`` is its relations + 1) and GAT's
     (hidden, output) ``heads`` pick the layers' schedules and memory,
     ``activation_checkpointing`` (none or full) the memory, compute and bytes of the
-    recompute; ``bases``: an R-GCN's bases (its weight blocks and their traffic).
+    recompute; ``bases``: an R-GCN's bases (its weight blocks and their traffic);
+    ``featureless_nodes``: nodes whose input rows are learnt (their table's memory and the
+    first layer's input gradient).
     """
     model = model or ("sage" if num_ops == 2 else "gcn")
     if algorithm == "2d":
@@ -122,6 +126,7 @@ def choose_fullgraph_grid(
             activation_checkpointing=activation_checkpointing,
             relations=num_ops - 1 if model == "rgcn" else 0,
             bases=bases,
+            featureless_nodes=featureless_nodes,
         )
         best = best_shape(rank_gcn(problem, world, machine), "graph")
         return {a: best[a] for a in ("x", "y", "z")}
@@ -142,7 +147,7 @@ def choose_fullgraph_grid(
 # the same flags describe the same run, so both pick the same grid.
 GCN_OPTIONS = ("dataset", "root", "dataset_options", "model", "model_options", "hidden",
                "heads", "out_heads", "layers", "dtype", "mixed_precision",
-               "activation_checkpointing", "bases")  # fmt: skip
+               "activation_checkpointing", "bases", "featureless")  # fmt: skip
 
 
 def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
@@ -186,7 +191,11 @@ def _gcn_problem(args: argparse.Namespace) -> GCNProblem:
             ) from None
         if cfg.model == "rgcn" and graph.types is None:
             raise PlanError(f"rgcn reads a typed graph's relations; {cfg.dataset!r} has none")
+        learnt = featureless_nodes(graph.types) if cfg.featureless == "learn" else 0
+        if cfg.featureless == "learn" and not learnt:
+            raise PlanError(f"--featureless learn: {cfg.dataset!r} has no featureless node type")
         return GCNProblem(
+            featureless_nodes=learnt,
             nodes=graph.num_nodes,
             nnz=graph.num_edges + graph.num_nodes,
             features=graph.feat.shape[1],

@@ -87,6 +87,7 @@ class ParallelPyG(ShardedGNN):
         self.input_block = (rows, (0, source.feat_dim))
         self.logits_rows, self.logits_cols = rows, (0, source.num_classes)
         self.row_axis, self.class_axis = NODE_AXIS, None
+        self.inputs = None  # learnt featureless rows (learn_featureless)
         self._grad_steps = [
             s
             for p in gradient_parameters(model)
@@ -131,6 +132,8 @@ class ParallelPyG(ShardedGNN):
                 # bf16: the masters stay in their dtype; autocast runs the products in
                 # bfloat16, the share sends and multiplies what it gathers in bfloat16
                 stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+            if self.inputs is not None:  # this rank's featureless rows: the learnt ones
+                x = self.inputs(x)
             if self.share.typed:  # model(x, edge_index, edge_type): the share holds both
                 return self.module(x, self.share, self.share)
             return self.module(x, self.share)
@@ -148,10 +151,12 @@ class ParallelPyG(ShardedGNN):
         return bytes_by_phase(self.schedule(), self.compute_dtype.itemsize)
 
     def checkpoint_layout(self):
-        """Every tensor of the user's state dict, replicated (written by rank 0)."""
+        """Every tensor of the user's state dict, replicated (written by rank 0), and the
+        learnt featureless rows beside it, each rank's own."""
         from gnnpar.checkpoint.state import module_layout
+        from gnnpar.models.fullgraph.embedding import with_inputs
 
-        return module_layout(self.module, self.grid)
+        return with_inputs(module_layout(self.module, self.grid), self.inputs, self.grid)
 
     def shard_numel(self) -> dict[str, int]:
         """Elements this rank holds: adjacency nonzeros, input features, parameters."""

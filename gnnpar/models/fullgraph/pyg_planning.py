@@ -102,8 +102,10 @@ class TraceShare:
         return [hc] * relations  # local products: nothing sent
 
 
-def trace_model(model: nn.Module, in_channels: int) -> list[TracedOp]:
-    """The ops one forward of ``model`` (in training mode) asks of its share."""
+def trace_model(model: nn.Module, in_channels: int, input_grad: bool = False) -> list[TracedOp]:
+    """The ops one forward of ``model`` (in training mode) asks of its share; ``input_grad``:
+    the input's gradient is wanted (learnt featureless rows), so the first ops' adjoints
+    run too."""
     share = TraceShare()
     was_training = model.training
     model.train()
@@ -111,7 +113,7 @@ def trace_model(model: nn.Module, in_channels: int) -> list[TracedOp]:
         with parallel_forwards(model, share):
             first = next(iter(model.parameters()), None)
             dtype = first.dtype if first is not None else torch.float32
-            x = torch.zeros(TRACE_NODES, in_channels, dtype=dtype)
+            x = torch.zeros(TRACE_NODES, in_channels, dtype=dtype, requires_grad=input_grad)
             # a typed model (RGCNConv, RGATConv) is called as model(x, edge_index, edge_type)
             model(x, share, share) if typed_model(model) else model(x, share)
     finally:
@@ -191,9 +193,11 @@ def rank_pyg(
     machine: Machine,
     element_size: int = 4,
     recompute: bool = False,
+    input_grad: bool = False,
 ) -> list[Candidate]:
-    """Every x·y·z shape of ``world`` ranks for ``model`` full-graph, best first."""
-    ops = trace_model(model, in_channels)
+    """Every x·y·z shape of ``world`` ranks for ``model`` full-graph, best first
+    (``input_grad``: with learnt featureless rows, :func:`trace_model`)."""
+    ops = trace_model(model, in_channels, input_grad)
     params = [q.numel() for q in gradient_parameters(model)]
     return best_first(
         evaluate(
@@ -208,12 +212,20 @@ def rank_pyg(
 
 
 def choose_pyg_grid(
-    model: nn.Module, in_channels: int, nodes: int, nnz: int, world: int, machine: Machine,
-    element_size: int = 4, recompute: bool = False,
+    model: nn.Module,
+    in_channels: int,
+    nodes: int,
+    nnz: int,
+    world: int,
+    machine: Machine,
+    element_size: int = 4,
+    recompute: bool = False,
+    input_grad: bool = False,
 ) -> dict[str, int]:
     """The best shape of :func:`rank_pyg` (what ``gnnpar train gcn --model`` runs on)."""
     from gnnpar.plan.rank import best_shape
 
-    cands = rank_pyg(model, in_channels, nodes, nnz, world, machine, element_size, recompute)
+    cands = rank_pyg(model, in_channels, nodes, nnz, world, machine, element_size, recompute,
+                     input_grad)  # fmt: skip
     shape = best_shape(cands, "user model")
     return {a: shape.get(a, 1) for a in ("x", "y", "z")}

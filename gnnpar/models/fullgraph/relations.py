@@ -156,4 +156,6 @@ def relation_memory_source(
     data = {k: v for k, v in graph.ndata.items() if k != "feat" and v.shape[0] == graph.num_nodes}
     names = [relation_name(r) for r in graph.types.relations]
     ops = relation_adjacencies(graph, dtype)
-    return RelationMemorySource(ops, graph.feat, data, names, permutations, dtype)
+    source = RelationMemorySource(ops, graph.feat, data, names, permutations, dtype)
+    source.types = graph.types.schema
+    return source

@@ -37,7 +37,10 @@ older gnnpar refuses a typed folder by its version.
 - ``num_nodes``, ``num_edges`` (int: stored entries of Â, of all the relations' Â_r together
   in a typed folder), ``feat_dim`` (the padded width), ``num_classes`` (int).
 - typed folders only: ``relations`` (list of ``[src type, relation, dst type]``, in the
-  graph's relation order) and ``relation_edges`` (list of int: each Â_r's entries).
+  graph's relation order), ``relation_edges`` (list of int: each Â_r's entries) and ``types``
+  (the graph's schema, :meth:`~gnnpar.graph.typed.TypeSchema.meta`: ``node_types``,
+  ``offsets``, ``relations``, ``feat_dims``, ``target``; which rows are a featureless type's,
+  whose embeddings a run may learn; absent from folders written before it was recorded).
 - ``permutation`` (``"random"``, ``"balanced"``, ``"balanced-local"``, ``"symmetric"`` or
   ``"none"``) and its ``seed`` (int).
 - ``row_bounds``, ``col_bounds`` (lists of R+1 / C+1 ints): file-block boundaries.
@@ -277,6 +280,7 @@ def prepare_shards(
         if typed:
             meta["relations"] = [list(r) for r in graph.types.relations]
             meta["relation_edges"] = entries
+            meta["types"] = graph.types.meta()
         write_manifest(tmp, SCHEMA, TYPED_VERSION if typed else VERSION, files, meta)
 
     write_folder(out, fill, overwrite, schema=SCHEMA)
@@ -708,6 +712,24 @@ def _check_relations(meta: dict[str, Any], version: int, where: Path) -> None:
             f"{where}: meta field 'relation_edges' must list each relation's entries "
             "(non-negative integers summing to num_edges)"
         )
+    if "types" in meta:  # written since the featureless types' embeddings (optional before)
+        _check_types(meta, where)
+
+
+def _check_types(meta: dict[str, Any], where: Path) -> None:
+    """A typed folder's ``types`` is the graph's schema, of its relations and its nodes."""
+    from gnnpar.graph.typed import TypeSchema
+
+    try:
+        schema = TypeSchema.of(meta["types"], f"{where}: meta field 'types'")
+    except UserError as err:
+        raise ShardFormatError(str(err)) from None
+    if [list(r) for r in schema.relations] != meta["relations"] or (
+        schema.offsets[-1] != meta["num_nodes"]
+    ):
+        raise ShardFormatError(
+            f"{where}: meta field 'types' does not fit the folder's relations and nodes"
+        )
 
 
 def read_shard_manifest(path: str | Path) -> Manifest:
@@ -756,6 +778,13 @@ class DiskSource:
         self.norm_where = f"{self.path / MANIFEST}: meta field 'norm'"
         #: A typed folder's relations (``src___rel___dst``, one operator each); [] if untyped.
         self.relations: list[str] = ["___".join(r) for r in meta.get("relations", [])]
+        #: A typed folder's schema (node types, their id ranges and feature widths), None
+        #: for an untyped folder or a typed one written before it was recorded.
+        self.types = None
+        if "types" in meta:
+            from gnnpar.graph.typed import TypeSchema
+
+            self.types = TypeSchema.of(meta["types"])
         self._arrays: dict[str, np.ndarray] = {}
 
     @property

@@ -36,6 +36,7 @@ from gnnpar import comm
 from gnnpar.errors import PeerFailedError, UserError
 from gnnpar.fmt import parse_bytes
 from gnnpar.grid import ProcessGrid, parse_grid_spec
+from gnnpar.models.fullgraph.embedding import FEATURELESS, featureless_nodes
 from gnnpar.models.fullgraph.model import FullGraphGNN, norm_of
 from gnnpar.models.fullgraph.parallelize import ALGORITHMS, check_norm, parallelize_fullgraph
 from gnnpar.models.fullgraph.planning import choose_fullgraph_grid
@@ -127,6 +128,12 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
         "cut the shards streaming the edges in chunks under this many bytes (e.g. 3GB; "
         "permutation random or none)",
     )
+    featureless: str = option(
+        "zero",
+        "typed graph: a featureless type's input rows are zero (as stored) or learn (a learnt "
+        "row per node, sharded as the features; rgcn or a factory taking num_relations)",
+        FEATURELESS,
+    )
     overlap_chunks: int = option(1, "row chunks whose all-reduce overlaps the next SpMM")
     verify: str = option(
         "checksum",
@@ -168,6 +175,16 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                 raise ConfigError(f"config key '{key}' must be in [0, 1)")
         if self.bases < 0 or (self.bases and self.model != "rgcn"):
             raise ConfigError(f"config key 'bases' ({self.bases}) is for rgcn, >= 1 (0: none)")
+        if self.featureless not in FEATURELESS:
+            raise ConfigError(
+                f"config key 'featureless' must be one of {', '.join(FEATURELESS)}, got "
+                f"{self.featureless!r}"
+            )
+        if self.featureless == "learn" and not (self.model == "rgcn" or is_user_model(self.model)):
+            raise ConfigError(
+                "config key 'featureless': learnt rows need a typed graph's shards, which rgcn "
+                f"or a factory taking num_relations reads; {self.model} reads the untyped view"
+            )
         if self.bases and self.algorithm != "3d":
             raise ConfigError(
                 f"config key 'bases': R-GCN bases run on the 3d algorithm, not {self.algorithm!r}"
@@ -193,7 +210,6 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                     "config key 'memory_limit': rgcn's shards (one adjacency per relation) "
                     "are cut in memory; leave it unset"
                 )
-
 
     def _check_user_model(self) -> None:
         """A module:factory model has one layout, on shards of one node order."""
@@ -227,7 +243,6 @@ def _shard_folder(cfg: FullGraphConfig) -> Path:
     return Path(cfg.out) / "shards" / f"{name}-{digest}"
 
 
-
 def _norm(cfg: FullGraphConfig) -> str:
     """The adjacency the model reads (:func:`~gnnpar.models.fullgraph.model.norm_of`: GAT and
     GIN the ``raw`` one, whose values are the edge weights; R-GCN one per relation; a user's
@@ -239,11 +254,25 @@ def _norm(cfg: FullGraphConfig) -> str:
 
 
 def check_typed(cfg: FullGraphConfig, graph: Any) -> None:
-    """An rgcn model reads a typed graph's relations: ConfigError naming the key otherwise."""
+    """An rgcn model reads a typed graph's relations, and learnt featureless rows need a
+    featureless type and a model that reads the relations: ConfigError naming the key
+    otherwise."""
     if cfg.model == "rgcn" and graph.types is None:
         raise ConfigError(
             f"config key 'model': rgcn reads a typed graph's relations, and dataset "
             f"{cfg.dataset!r} has none (use a typed dataset such as mag-synth)"
+        )
+    if cfg.featureless != "learn":
+        return
+    if not featureless_nodes(graph.types):
+        raise ConfigError(
+            f"config key 'featureless': dataset {cfg.dataset!r} has no featureless node type, "
+            "so there are no input rows to learn; use zero"
+        )
+    if is_user_model(cfg.model) and not factory_takes_relations(cfg.model):
+        raise ConfigError(
+            "config key 'featureless': learnt rows need a typed graph's shards, which a "
+            f"factory taking num_relations reads; {cfg.model} reads the untyped view"
         )
 
 
@@ -251,7 +280,8 @@ def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
     """Why ``folder`` does not hold the shards ``expected`` describes (None if it does).
     A folder the run owns must match every option; a given one only the graph."""
     try:
-        recorded = read_shard_manifest(folder).meta["source"]
+        meta = read_shard_manifest(folder).meta
+        recorded = meta["source"]
     except OldShardFolderError:
         if not owned:
             raise
@@ -261,6 +291,8 @@ def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
             raise
         return str(err)
     keys = expected if owned else ("graph",)
+    if owned and meta.get("norm") == RELATION_NORM and "types" not in meta:
+        return f"shard folder {folder} was written before shards recorded the node types"
     if all(recorded.get(k) == expected[k] for k in keys):
         return None
     return (
@@ -370,6 +402,7 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
             model, meta["feat_dim"], meta["num_nodes"], meta["num_edges"] + meta["num_nodes"],
             world.world_size, local_machine(world.backend, gpus_per_node),
             compute_dtype(cfg).itemsize, cfg.activation_checkpointing == "full",
+            cfg.featureless == "learn",
         )  # fmt: skip
         return GridPlan(shape, "chosen by the planner", prepared)
     try:  # a given folder cut for another model (a folder the run owns was rebuilt)
@@ -396,6 +429,7 @@ def plan(cfg: FullGraphConfig, world: ProcessGrid, progress: Progress) -> GridPl
         heads=(cfg.heads, cfg.out_heads),
         activation_checkpointing=cfg.activation_checkpointing,
         bases=cfg.bases if cfg.model == "rgcn" else 0,
+        featureless_nodes=featureless_nodes(source.types) if cfg.featureless == "learn" else 0,
     )
     return GridPlan(shape, "chosen by the planner", prepared)
 
@@ -426,9 +460,7 @@ class FullGraphTask(BaseTask):
         if cfg.shards and Path(cfg.shards).exists():
             _check_given_shards(cfg, graph.fingerprint())
 
-    def __init__(
-        self, cfg: FullGraphConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress
-    ):
+    def __init__(self, cfg: FullGraphConfig, grid: ProcessGrid, plan: GridPlan, progress: Progress):
         """The task on ``grid``, the one :func:`plan` chose (:func:`gnnpar.train.spec.build_task`
         builds both); ``progress``: where rank 0 reports the slow preparation stages."""
         self.cfg = cfg
@@ -452,6 +484,8 @@ class FullGraphTask(BaseTask):
             plain = build_user_model(cfg.model, dims[0], dims[-1], options, relations).to(dtype)
             self.model = parallelize_pyg(plain, self.grid, self.source, compute_dtype(cfg))
             self.model.activation_checkpointing = cfg.activation_checkpointing
+            if cfg.featureless == "learn":
+                self.model.learn_featureless(cfg.seed)
             self.features = self.model.input_features()
             self.metric = metric_for(self.model.node_data("label"))
             return
@@ -471,6 +505,8 @@ class FullGraphTask(BaseTask):
             compute_dtype=compute_dtype(cfg),
         )
         self.model.activation_checkpointing = cfg.activation_checkpointing
+        if cfg.featureless == "learn":
+            self.model.learn_featureless(cfg.seed)
         self.features = self.model.input_features()
         #: The score evaluation reports (``acc``, or ``rocauc`` for multi-label labels).
         self.metric = metric_for(self.model.node_data("label"))
@@ -495,14 +531,20 @@ class FullGraphTask(BaseTask):
         return f"{self.cfg.model} on {self.cfg.dataset}: {sizes}"
 
     def _param_groups(self, cfg: FullGraphConfig) -> list[dict[str, Any]]:
-        if is_user_model(cfg.model):  # a user's model: the weight decay on every parameter
-            return [{"params": list(self.model.parameters()), "weight_decay": cfg.weight_decay}]
+        """A user's model: one group, the weight decay on every parameter; a built-in one a
+        group per layer (the decay on the first, or on all). Learnt featureless rows: a
+        group of their own, without weight decay (an embedding table's usual)."""
+        inputs = self.model.inputs
+        table = [] if inputs is None else [{"params": [inputs.weight], "weight_decay": 0.0}]
+        named = [(n, p) for n, p in self.model.named_parameters() if not n.startswith("inputs.")]
+        if is_user_model(cfg.model):
+            return [{"params": [p for _, p in named], "weight_decay": cfg.weight_decay}, *table]
         groups = []
         for i in range(self.model.num_layers):
-            params = [p for name, p in self.model.named_parameters() if _layer_of(name) == i]
+            params = [p for name, p in named if _layer_of(name) == i]
             decay = cfg.weight_decay if (i == 0 or cfg.decay_all_layers) else 0.0
             groups.append({"params": params, "weight_decay": decay})
-        return groups
+        return groups + table
 
     def train_step(self, step: int) -> dict[str, float]:
         """One full-graph epoch."""

@@ -36,6 +36,7 @@ import torch
 
 from gnnpar.errors import UserError
 from gnnpar.fmt import count
+from gnnpar.models.fullgraph.embedding import featureless_nodes
 from gnnpar.models.fullgraph.layout import chunk
 from gnnpar.models.fullgraph.pyg_planning import pyg_collectives, pyg_compute_seconds, trace_model
 from gnnpar.models.minibatch.cost import (
@@ -85,6 +86,8 @@ class LinkProblem:
     per_unit: int
     element_size: int
     degrees: tuple[tuple[int, int], ...] = ()
+    #: Featureless nodes whose input rows mode full learns (their table, the input gradient).
+    learnt: int = 0
 
 
 # ------------------------------------------------------------------ the pair fetch
@@ -152,7 +155,7 @@ def rank_link_full(
     """Every x·y·z shape of ``world`` ranks (or ``shapes``) for full-graph link
     prediction with ``model`` (the task's :class:`~gnnpar.models.link.encoders.LinkModel`),
     best first."""
-    ops = trace_model(model, problem.features)
+    ops = trace_model(model, problem.features, input_grad=problem.learnt > 0)
     params = [q.numel() for q in gradient_parameters(model)]
     nnz = problem.edges + problem.nodes
     e, negatives = problem.element_size, problem.negatives
@@ -169,6 +172,9 @@ def rank_link_full(
         p = math.prod(s.get(a, 1) for a in ("x", "y", "z"))
         out = sharded_state(problem.params, e, 0, 1, problem.params)
         out["features"] = float(chunk(problem.nodes, p, 0)[1] * problem.features * e)
+        if problem.learnt:  # the learnt rows of rank 0's nodes, gradient and Adam's moments
+            share = problem.learnt / problem.nodes
+            out["inputs"] = 4 * chunk(problem.nodes, p, 0)[1] * share * problem.features * e
         lo, hi = chunk(problem.train_edges, p, 0)
         endpoints = (2 + negatives) * (hi - lo)
         # the fetched rows and their gradients, the ids and owners of the endpoints
@@ -294,7 +300,7 @@ def rank_link_minibatch(
 #: The trainer's options ``gnnpar plan link`` takes (spelled and defaulted alike).
 LINK_OPTIONS = ("dataset", "root", "dataset_options", "split", "val_fraction", "test_fraction",
                 "eval_negatives", "eval_num_negatives", "edge_labels", "relation",
-                "reverse_relation", "per_relation", "mode", "sampling", "grid",
+                "reverse_relation", "per_relation", "featureless", "mode", "sampling", "grid",
                 "model", "model_options",
                 "hidden", "layers", "heads", "decoder", "decoder_layers", "num_negatives",
                 "fanouts", "batch_size", "prefetch", "zero_stage", "fcdp", "dtype",
@@ -342,6 +348,7 @@ def link_problem(cfg: Any) -> tuple[LinkProblem, torch.nn.Module]:
         per_unit=_largest_unit(model, is_user_model(cfg.model)),
         element_size=next(model.parameters()).element_size(),
         degrees=degree_histogram(graph.indptr.numpy()),
+        learnt=featureless_nodes(graph.types) if cfg.featureless == "learn" else 0,
     )  # fmt: skip
     return problem, model
 

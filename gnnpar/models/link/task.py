@@ -50,6 +50,7 @@ from gnnpar.fmt import count
 from gnnpar.graph import Graph
 from gnnpar.graph.edge_split import check_metric, split_edges
 from gnnpar.grid import ProcessGrid
+from gnnpar.models.fullgraph.embedding import FEATURELESS, featureless_nodes
 from gnnpar.models.fullgraph.relations import RELATION_NORM
 from gnnpar.models.hetero import TypedGNN
 from gnnpar.models.link.decoders import DECODERS, LOSSES, bce_sum, make_decoder, margin_sum
@@ -152,6 +153,12 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
     per_relation: bool = option(
         True, "typed graph: draw each hop's fan-out per relation (false: over all relations)"
     )
+    featureless: str = option(
+        "zero",
+        "typed graph, mode full: a featureless type's input rows are zero (as stored) or learn "
+        "(a learnt row per node, sharded as the features)",
+        FEATURELESS,
+    )
     model_options: str | None = option(None, "a module:factory model's options as k=v,k=v")
     hidden: int = option(64, "hidden and embedding width")
     layers: int = option(2, "encoder layers (one fan-out each in minibatch mode)")
@@ -247,6 +254,16 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
                               f"{self.sampling!r}")  # fmt: skip
         partitioned = self.sampling == "partitioned"
         typed = self.model in TYPED_ENCODERS
+        if self.featureless not in FEATURELESS:
+            raise ConfigError(
+                f"config key 'featureless' must be one of {', '.join(FEATURELESS)}, got "
+                f"{self.featureless!r}"
+            )
+        if self.featureless == "learn" and self.mode != "full":
+            raise ConfigError(
+                "config key 'featureless': learn is for mode full (the minibatch rgcn and hgt "
+                "learn an embedding per featureless node of their own)"
+            )
         if typed and self.mode != "minibatch" and self.model not in FULL_TYPED_ENCODERS:
             raise ConfigError(f"config key 'model': {self.model} trains in mode minibatch")
         if partitioned and (self.mode != "minibatch" or is_user_model(self.model)):
@@ -343,6 +360,11 @@ def load_link_graph(cfg: LinkConfig) -> Graph:
             f"config key 'model': mode full on the typed graph {cfg.dataset!r} needs an R-GCN "
             f"encoder (rgcn, or a factory taking num_relations); {cfg.model} reads one untyped "
             "adjacency"
+        )
+    if cfg.featureless == "learn" and not featureless_nodes(graph.types):
+        raise ConfigError(
+            f"config key 'featureless': dataset {cfg.dataset!r} has no featureless node type, "
+            "so there are no input rows to learn; use zero"
         )
     if graph.types is None:  # a typed graph keeps its CSR (rows grouped by relation)
         try:
@@ -618,6 +640,8 @@ class LinkTask(BaseTask):
         source = _full_source(cfg, self.graph, self.grid, progress)
         plain = link_model(cfg, self.graph, block=False).to(master_dtype(cfg))
         self.model = parallelize_pyg(plain, self.grid, source)
+        if cfg.featureless == "learn":
+            self.model.learn_featureless(cfg.seed)
         self.net = self.model.module
         self.features = self.model.input_features()
         self.source = source
