@@ -530,6 +530,8 @@ def _goes_home(tmp_path: Path, model: nn.Module, graph, logits_of) -> None:
     target = graph.ndata["label"] >= 0  # a typed graph's other types have no class
     assert predicted.shape[0] == graph.num_nodes
     assert torch.equal(predicted[target], plain[target])
+    if graph.types is not None:  # the other types' nodes: -1, no class
+        assert (predicted[~target] == -1).all()
 
 
 MAG = "num_papers=120,num_authors=60,num_institutions=5,num_fields=8,num_classes=3,feat_dim=6"

@@ -214,6 +214,15 @@ class TypeSchema:
         """The original ids of type ``ntype``'s nodes ``local``."""
         return local.to(torch.int64) + self.offsets[self.type_index(ntype)]
 
+    def target_only(self, pred: torch.Tensor) -> torch.Tensor:
+        """``pred`` (a row per node, original order) with -1 on every row outside the
+        target type (which alone has classes; in place); unchanged without a target."""
+        if self.target is not None:
+            lo, hi = self.id_range(self.target)
+            pred[:lo] = -1
+            pred[hi:] = -1
+        return pred
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GraphTypes(TypeSchema):

@@ -571,9 +571,12 @@ class FullGraphTask(BaseTask):
     def predict(self) -> torch.Tensor:
         """Every node's prediction in original node order, on every rank (collective): class
         ids, or each task's probability for multi-label targets
-        (:meth:`~gnnpar.models.fullgraph.parallelize.ShardedGNN.predictions`)."""
+        (:meth:`~gnnpar.models.fullgraph.parallelize.ShardedGNN.predictions`); on a typed
+        graph -1 outside the target type, which alone has classes."""
         self.model.eval()
-        return self.model.predictions(self.model(self.features)).cpu()
+        pred = self.model.predictions(self.model(self.features)).cpu()
+        types = getattr(self.source, "types", None)
+        return pred if types is None else types.target_only(pred)
 
     def extra_state(self) -> dict[str, Any]:
         """Nothing beyond the model and optimizer: an epoch is a pure function of its index."""

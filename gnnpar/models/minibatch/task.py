@@ -1011,12 +1011,7 @@ class MiniBatchTask(BaseTask):
         """``pred`` (original order) with -1 outside a typed graph's target type (whatever
         the model: an untyped or a user's model too)."""
         types = self._graph_types()
-        if types is None or types.target is None:
-            return pred
-        lo, hi = types.id_range(types.target)
-        pred[:lo] = -1
-        pred[hi:] = -1
-        return pred
+        return pred if types is None else types.target_only(pred)
 
     def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss summed over the batch's seeds: cross-entropy, or for multi-label (N x C)
