@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -211,21 +212,10 @@ def rank_pyg(
     )
 
 
-def choose_pyg_grid(
-    model: nn.Module,
-    in_channels: int,
-    nodes: int,
-    nnz: int,
-    world: int,
-    machine: Machine,
-    element_size: int = 4,
-    recompute: bool = False,
-    input_grad: bool = False,
-) -> dict[str, int]:
-    """The best shape of :func:`rank_pyg` (what ``gnnpar train gcn --model`` runs on)."""
+def choose_pyg_grid(model: nn.Module, *args: Any, **options: Any) -> dict[str, int]:
+    """The best shape of :func:`rank_pyg` (called with its arguments): what ``gnnpar train
+    gcn --model`` runs on."""
     from gnnpar.plan.rank import best_shape
 
-    cands = rank_pyg(model, in_channels, nodes, nnz, world, machine, element_size, recompute,
-                     input_grad)  # fmt: skip
-    shape = best_shape(cands, "user model")
+    shape = best_shape(rank_pyg(model, *args, **options), "user model")
     return {a: shape.get(a, 1) for a in ("x", "y", "z")}
