@@ -532,8 +532,8 @@ def test_planner_rgcn_bytes_and_weight_memory_equal_the_written_formulas(bases):
 def test_typed_shards_record_the_schema_checked_and_an_owned_older_folder_is_rebuilt(tmp_path):
     """A typed folder's meta ``types`` is the graph's schema (a resealed edit that no longer
     fits the relations or the nodes is one ShardFormatError naming it); a run's own typed
-    folder written before it was recorded is stale (rebuilt), a given one only checked
-    against the graph."""
+    folder written before it was recorded is stale (rebuilt) for learnt featureless rows, a
+    given one only checked against the graph."""
     from gnnpar.graph.typed import TypeSchema
     from gnnpar.models.fullgraph.shards import DiskSource, ShardFormatError, prepare_shards
     from gnnpar.models.fullgraph.task import _stale
@@ -558,5 +558,6 @@ def test_typed_shards_record_the_schema_checked_and_an_owned_older_folder_is_reb
     edited(lambda meta: meta.pop("types"))
     assert DiskSource(out).types is None
     expected = json.loads(pristine)["meta"]["source"]
-    assert "before shards recorded the node types" in _stale(out, expected, owned=True)
-    assert _stale(out, expected, owned=False) is None
+    assert "before shards recorded the node types" in _stale(out, expected, True, True)
+    assert _stale(out, expected, owned=True) is None  # zero rows need no types
+    assert _stale(out, expected, owned=False, need_types=True) is None

@@ -157,5 +157,6 @@ def relation_memory_source(
     names = [relation_name(r) for r in graph.types.relations]
     ops = relation_adjacencies(graph, dtype)
     source = RelationMemorySource(ops, graph.feat, data, names, permutations, dtype)
-    source.types = graph.types.schema
+    if graph.types.node_ids is None:  # node v is original id v: its type follows
+        source.types = graph.types.schema
     return source

@@ -280,7 +280,8 @@ def prepare_shards(
         if typed:
             meta["relations"] = [list(r) for r in graph.types.relations]
             meta["relation_edges"] = entries
-            meta["types"] = graph.types.meta()
+            if graph.types.node_ids is None:  # node v is original id v: its type follows
+                meta["types"] = graph.types.meta()
         write_manifest(tmp, SCHEMA, TYPED_VERSION if typed else VERSION, files, meta)
 
     write_folder(out, fill, overwrite, schema=SCHEMA)

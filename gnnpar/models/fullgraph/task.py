@@ -276,9 +276,13 @@ def check_typed(cfg: FullGraphConfig, graph: Any) -> None:
         )
 
 
-def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
+def _stale(
+    folder: Path, expected: dict[str, Any], owned: bool, need_types: bool = False
+) -> str | None:
     """Why ``folder`` does not hold the shards ``expected`` describes (None if it does).
-    A folder the run owns must match every option; a given one only the graph."""
+    A folder the run owns must match every option (and with ``need_types``, learnt
+    featureless rows, a typed folder must record the node types); a given one only the
+    graph."""
     try:
         meta = read_shard_manifest(folder).meta
         recorded = meta["source"]
@@ -291,7 +295,7 @@ def _stale(folder: Path, expected: dict[str, Any], owned: bool) -> str | None:
             raise
         return str(err)
     keys = expected if owned else ("graph",)
-    if owned and meta.get("norm") == RELATION_NORM and "types" not in meta:
+    if owned and need_types and meta.get("norm") == RELATION_NORM and "types" not in meta:
         return f"shard folder {folder} was written before shards recorded the node types"
     if all(recorded.get(k) == expected[k] for k in keys):
         return None
@@ -333,7 +337,8 @@ def _build_or_check(cfg: FullGraphConfig, folder: Path, progress: Progress) -> i
         _check_given_shards(cfg, fingerprint)
         return graph.num_edges
     if folder.exists():
-        reason = _stale(folder, _expected_source(cfg, fingerprint), owned=True)
+        learn = cfg.featureless == "learn"
+        reason = _stale(folder, _expected_source(cfg, fingerprint), owned=True, need_types=learn)
         if reason is None:
             return graph.num_edges
         print(f"gnnpar: {reason}; rebuilding the shards", file=sys.stderr, flush=True)
