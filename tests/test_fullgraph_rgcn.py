@@ -414,15 +414,37 @@ def test_trainer_rgcn_trains_on_mag_synth_and_resumes_on_another_grid(tmp_path, 
 
 def test_learnt_rows_refuse_shards_of_another_node_order(tmp_path, monkeypatch, capsys):
     """A run with learnt featureless rows resumed on shards of another permutation: one
-    line naming the stored ids, not rows of other nodes trained on."""
+    line naming the stored ids, not rows of other nodes trained on. ``gnnpar ckpt
+    consolidate`` says the rows are kept beside the state dict, and ``--inputs`` writes them
+    (weights only); a checkpoint without any is one line."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     from gnnpar.cli import main
 
+    def one_rank(out: Path, *extra: str) -> list[str]:
+        argv = [a for a in _argv(out, 1, "x=1", *extra) if a != "--nprocs"]
+        argv.remove("2")  # --nprocs 2 (the hidden width is 5)
+        return argv
+
     run = tmp_path / "run"
-    argv = [a for a in _argv(run, 1, "x=1", "--featureless", "learn") if a != "--nprocs"]
-    argv.remove("2")  # --nprocs 2 (the hidden width is 5)
+    argv = one_rank(run, "--featureless", "learn")
     assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["ckpt", "consolidate", str(run), str(tmp_path / "m.pt")]) == 0
+    assert "--inputs FILE writes them" in capsys.readouterr().out
+    both = ["ckpt", "consolidate", str(run), str(tmp_path / "m.pt"), "--overwrite"]
+    assert main([*both, "--inputs", str(tmp_path / "rows.pt")]) == 0
+    rows = torch.load(tmp_path / "rows.pt", weights_only=True)
+    stored = checkpoint.consolidate_inputs(run)
+    assert sorted(rows) == ["inputs.embedding", "inputs.node_ids"]
+    assert all(torch.equal(rows[k], stored[k]) for k in rows)
+    plain = tmp_path / "plain"
+    assert main(one_rank(plain)) == 0
+    capsys.readouterr()
+    assert main(["ckpt", "consolidate", str(plain), str(tmp_path / "p.pt"), "--inputs",
+                 str(tmp_path / "none.pt")]) != 0  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "keeps no tensors beside its state dict" in err[0], err
     capsys.readouterr()
     again = [*argv[: argv.index("--epochs") + 1], "2", *argv[argv.index("--epochs") + 2 :]]
     assert main([*again, "--resume", "--permutation", "none"]) != 0

@@ -30,26 +30,44 @@ def _write_state(out: Path, state: dict) -> None:
     atomic_write(out, lambda tmp: torch_save(state, tmp))
 
 
-def _consolidate(args: argparse.Namespace) -> int:
-    from gnnpar.checkpoint import consolidate
+def _writable(out: Path, overwrite: bool) -> Path:
+    """``out``, checked: not inside a verified folder (a step folder of the checkpoint read:
+    a file written there would replace or add to what its manifest lists), and not an
+    existing file unless ``overwrite``."""
     from gnnpar.errors import UserError
     from gnnpar.verified import MANIFEST
 
-    out = Path(args.out)
-    # a file written into a verified folder (a step folder of the checkpoint read) would
-    # replace or add to what its manifest lists
     inside = next((p for p in out.resolve().parents if (p / MANIFEST).is_file()), None)
     if inside is not None:
         raise UserError(
             f"{out} lies inside {inside}, a folder whose manifest lists its own files: "
             "write the state dict elsewhere"
         )
-    if out.exists() and not args.overwrite:
+    if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    return out
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from gnnpar.checkpoint import consolidate, consolidate_inputs, open_checkpoint
+    from gnnpar.errors import UserError
+
+    out = _writable(Path(args.out), args.overwrite)
+    kept = list(open_checkpoint(args.path).meta.get("inputs", []))
+    extra = None if args.inputs is None else _writable(Path(args.inputs), args.overwrite)
+    if extra is not None and not kept:
+        raise UserError(f"checkpoint {args.path} keeps no tensors beside its state dict")
     state = consolidate(args.path)
     _write_state(out, state)
     numel = sum(t.numel() for k, t in state.items())
     print(f"wrote {out}: {len(state)} tensors, {numel:,} numbers (plain state dict)")
+    if extra is not None:
+        inputs = consolidate_inputs(args.path)
+        _write_state(extra, inputs)
+        print(f"wrote {extra}: {', '.join(inputs)} (kept beside the state dict)")
+    elif kept:
+        print(f"the checkpoint also keeps {', '.join(kept)} beside the state dict (learnt "
+              "featureless rows): --inputs FILE writes them")  # fmt: skip
     return 0
 
 
@@ -98,6 +116,13 @@ def add_ckpt_commands(subparsers: Any) -> None:
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help=where)
     p.add_argument("out", metavar="OUT", help="output file (.pt or .safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--inputs",
+        default=None,
+        metavar="FILE",
+        help="also write the tensors the checkpoint keeps beside the state dict (a full-graph "
+        "run's learnt featureless rows and their node ids) to FILE",
+    )
     p.set_defaults(func=_consolidate)
     p = sub.add_parser(
         "export-hf",
