@@ -140,7 +140,8 @@ def check_numbers(cfg: Any) -> None:
                 )
 
 
-def _one_of(cfg: Any, key: str, allowed: tuple[str, ...]) -> None:
+def one_of(cfg: Any, key: str, allowed: tuple[str, ...]) -> None:
+    """ConfigError naming ``key`` unless ``cfg``'s value of it is one of ``allowed``."""
     if getattr(cfg, key) not in allowed:
         raise ConfigError(
             f"config key '{key}' must be one of {', '.join(allowed)}, got {getattr(cfg, key)!r}"
@@ -196,9 +197,9 @@ class TrainerConfig:
 
     def check_trainer(self) -> None:
         """Reject trainer values that cannot work, naming the key."""
-        _one_of(self, "device", DEVICES)
-        _one_of(self, "dtype", MASTER_DTYPES)
-        _one_of(self, "mixed_precision", PRECISIONS)
+        one_of(self, "device", DEVICES)
+        one_of(self, "dtype", MASTER_DTYPES)
+        one_of(self, "mixed_precision", PRECISIONS)
         _at_least(
             self, 0, "eval_every", "checkpoint_every", "keep_checkpoints", "skip_nonfinite",
             "snapshot_every",
@@ -274,12 +275,12 @@ class DataParallelConfig:
                 f"{self.zero_stage}"
             )
         if self.reduce_dtype is not None:
-            _one_of(self, "reduce_dtype", REDUCE_DTYPES)
+            one_of(self, "reduce_dtype", REDUCE_DTYPES)
         _at_least(self, 1, "grad_accum")
         from gnnpar.comm import ORDERS
         from gnnpar.shard.config import OFFLOAD_MODES
 
-        _one_of(self, "reduce_order", ORDERS)
+        one_of(self, "reduce_order", ORDERS)
         # the gpt task's planner takes stage 3 for a quantized run it picks the stage of
         picked = self.zero_stage is None and self.planner_picks_stage
         _at_least(self, 0, "powersgd_rank")
@@ -310,7 +311,7 @@ class DataParallelConfig:
                 "reduce_order = tree (a rank's own sum of more micro-batches is no tree)"
             )
 
-        _one_of(self, "offload", OFFLOAD_MODES)
+        one_of(self, "offload", OFFLOAD_MODES)
         if self.offload != "none" and self.zero_stage == 0:
             raise ConfigError(
                 f"config key 'offload' = {self.offload} needs zero_stage 1, 2 or 3 (sharded "
@@ -368,7 +369,7 @@ class ScheduleConfig:
         """Reject schedule values that cannot work, naming the key."""
         from gnnpar.train.schedule import SCHEDULES
 
-        _one_of(self, "lr_schedule", SCHEDULES)
+        one_of(self, "lr_schedule", SCHEDULES)
         _at_least(self, 0, "warmup")
         _at_least(self, 1, "lr_step_every")
         lr = getattr(self, "lr", None)
@@ -404,7 +405,7 @@ class RecomputeConfig:
 
     def check_recompute(self, allowed: tuple[str, ...]) -> None:
         """Reject a mode that is not one of ``allowed`` (the task's), naming the key."""
-        _one_of(self, "activation_checkpointing", allowed)
+        one_of(self, "activation_checkpointing", allowed)
 
 
 def _field_types(cls: type) -> dict[str, Any]:

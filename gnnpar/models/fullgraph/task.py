@@ -67,6 +67,7 @@ from gnnpar.train.config import (
     ScheduleConfig,
     SelectionConfig,
     TrainerConfig,
+    one_of,
     option,
 )
 from gnnpar.train.loop import BaseTask, load_dataset
@@ -175,11 +176,7 @@ class FullGraphConfig(RecomputeConfig, SelectionConfig, ScheduleConfig, TrainerC
                 raise ConfigError(f"config key '{key}' must be in [0, 1)")
         if self.bases < 0 or (self.bases and self.model != "rgcn"):
             raise ConfigError(f"config key 'bases' ({self.bases}) is for rgcn, >= 1 (0: none)")
-        if self.featureless not in FEATURELESS:
-            raise ConfigError(
-                f"config key 'featureless' must be one of {', '.join(FEATURELESS)}, got "
-                f"{self.featureless!r}"
-            )
+        one_of(self, "featureless", FEATURELESS)
         if self.featureless == "learn" and not (self.model == "rgcn" or is_user_model(self.model)):
             raise ConfigError(
                 "config key 'featureless': learnt rows need a typed graph's shards, which rgcn "

@@ -84,6 +84,7 @@ from gnnpar.train.config import (
     ScheduleConfig,
     SelectionConfig,
     TrainerConfig,
+    one_of,
     option,
 )
 from gnnpar.train.loop import BaseTask, load_dataset
@@ -254,11 +255,7 @@ class LinkConfig(SelectionConfig, ScheduleConfig, DataParallelConfig, TrainerCon
                               f"{self.sampling!r}")  # fmt: skip
         partitioned = self.sampling == "partitioned"
         typed = self.model in TYPED_ENCODERS
-        if self.featureless not in FEATURELESS:
-            raise ConfigError(
-                f"config key 'featureless' must be one of {', '.join(FEATURELESS)}, got "
-                f"{self.featureless!r}"
-            )
+        one_of(self, "featureless", FEATURELESS)
         if self.featureless == "learn" and self.mode != "full":
             raise ConfigError(
                 "config key 'featureless': learn is for mode full (the minibatch rgcn and hgt "
