@@ -148,12 +148,18 @@ class PartShare:
         self._edges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         #: A typed part's edges with their relations, from which each Â_r's block is cut.
         self._typed = None if block.edge_type is None else (rows, cols, block.edge_type)
+        self._relation_blocks: list[csr.CSRBlock] = []
         self._relation_ops: list[LocalSpMM] = []
-        self._relation_edges: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _relation_blocks(self, relations: int) -> list[csr.CSRBlock]:
-        """Each relation's Â_r block (1 / the row's in-edges of r), checked against the
-        ``relations`` a convolution has."""
+    def _row_means(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each edge's value of a mean over its row's edges: 1 / the row's count of them."""
+        ones = torch.ones(rows.numel(), dtype=self.dtype)
+        count = torch.zeros(self.num_block_rows, dtype=self.dtype).index_add_(0, rows, ones)
+        return 1.0 / count.clamp(min=1.0)[rows]
+
+    def _relations(self, relations: int) -> list[csr.CSRBlock]:
+        """Each relation's Â_r block (the mean over the row's in-edges of r), built once,
+        checked against the ``relations`` a convolution has."""
         if self._typed is None:
             raise UserError(
                 "a relational convolution reads each relation's adjacency; the parts hold an "
@@ -162,28 +168,22 @@ class PartShare:
         have = self.part.types.num_relations
         if relations != have:
             raise UserError(f"the convolution has num_relations={relations}, the graph {have}")
-        rows, cols, relation = self._typed
-        blocks = []
-        for r in range(relations):
-            keep = relation == r
-            mine = rows[keep]
-            ones = torch.ones(mine.numel(), dtype=self.dtype)
-            count = torch.zeros(self.num_block_rows, dtype=self.dtype).index_add_(0, mine, ones)
-            values = 1.0 / count.clamp(min=1.0)[mine]
-            blocks.append(csr.from_coo(mine, cols[keep], values, self._shape))
-        return blocks
+        if not self._relation_blocks:
+            rows, cols, relation = self._typed
+            for r in range(relations):
+                keep = relation == r
+                mine = rows[keep]
+                block = csr.from_coo(mine, cols[keep], self._row_means(mine), self._shape)
+                self._relation_blocks.append(block)
+        return self._relation_blocks
 
     def relation_partials(self, hc: torch.Tensor, relations: int) -> list[torch.Tensor]:  # noqa: D102
         if not self._relation_ops:
-            self._relation_ops = [LocalSpMM(b) for b in self._relation_blocks(relations)]
+            self._relation_ops = [LocalSpMM(b) for b in self._relations(relations)]
         return [spmm(op, hc) for op in self._relation_ops]
 
     def relation_edges(self, relations: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: D102
-        if not self._relation_edges:
-            self._relation_edges = [
-                (csr.coo_rows(b), b.indices) for b in self._relation_blocks(relations)
-            ]
-        return self._relation_edges
+        return [(csr.coo_rows(b), b.indices) for b in self._relations(relations)]
 
     def _values(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, cols, w = self._rows, self._cols, self._weight
@@ -197,11 +197,9 @@ class PartShare:
             return rows, cols, inv[rows] * w * inv_src[cols]
         keep = ~self._loops
         rows, cols = rows[keep], cols[keep]
-        ones = torch.ones(rows.numel(), dtype=self.dtype)
         if kind == "sum":
-            return rows, cols, ones
-        count = torch.zeros(self.num_block_rows, dtype=self.dtype).index_add_(0, rows, ones)
-        return rows, cols, 1.0 / count.clamp(min=1.0)[rows]
+            return rows, cols, torch.ones(rows.numel(), dtype=self.dtype)
+        return rows, cols, self._row_means(rows)
 
     def prepare(self, kinds: list[str]) -> None:
         """Derive the values of ``kinds`` now (collective: the halo's degrees)."""
