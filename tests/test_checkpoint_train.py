@@ -14,6 +14,7 @@ the training. The sage case that saves on 2 ranks launches for real.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,24 @@ def test_gpt_resumes_on_another_tensor_and_data_grid(tmp_path):
         _gpt_argv, 4, saved, resumed, straight, "data=2,x=2", "data=1,x=2,y=2"
     )
     assert err <= REL, f"gpt data=2,x=2 -> data=1,x=2,y=2: {err:.3g}"
+
+
+def test_a_resuming_gpt_leaves_its_initial_values_to_the_restore(tmp_path, monkeypatch):
+    """A resuming run whose checkpoint loads every value makes none first: the recorded build
+    that gives them is never run (it raises here), and the run ends bit for bit where a
+    straight one does. A resume with nothing to load makes them after all: a fresh start."""
+    # the module, not the function the package exports under its name
+    parallelize_module = importlib.import_module("gnnpar.tensor.parallelize")
+    straight, saved, empty = tmp_path / "straight", tmp_path / "saved", tmp_path / "empty"
+    assert main(_gpt_argv(straight, 4, "data=1", 1)) == 0
+    assert main(_gpt_argv(saved, 2, "data=1", 1)) == 0
+
+    def recorded(*args, **kwargs):
+        raise AssertionError("a resume recorded the model's initialisation")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(parallelize_module, "record_init", recorded)
+        assert main(_gpt_argv(saved, 4, "data=1", 1, "--resume")) == 0
+    assert _same(saved, straight) == 0.0
+    assert main(_gpt_argv(empty, 4, "data=1", 1, "--resume")) == 0
+    assert _same(empty, straight) == 0.0

@@ -3,7 +3,8 @@ meta device and parallelized holds, bit for bit, the pieces of the same model bu
 from the same seed and then sliced, on grid shapes of 1, 2, 4 and 8 ranks, in float32 and
 float64; the generator is left where the eager build leaves it; a pretrained Hugging Face
 folder (safetensors and pytorch_model.bin) loads slice by slice to the pieces of eager loading;
-and a training step after deferred init equals one after eager init."""
+a training step after deferred init equals one after eager init; and a build whose restore
+loads every value (``values=False``) makes the same pieces without drawing."""
 
 from __future__ import annotations
 
@@ -132,6 +133,30 @@ def _check_training_step(grid):
         raise AssertionError(f"{grid.describe()}: a step after deferred init differs")
 
 
+def _check_left_to_a_restore(grid):
+    """``values=False`` (a restart's build, whose restore loads every value): the pieces of
+    the initialised model (names, shapes, dtypes, the tie) with no draw made; loading the
+    initialised model's state then gives its outputs."""
+    with torch.device("meta"):
+        ref, left = _gpt(True)(), _gpt(True)()
+    torch.manual_seed(SEED)
+    ref = tensor.parallelize(ref, grid)
+    drawn = torch.get_rng_state()
+    left = tensor.parallelize(left, grid, values=False)
+    if not torch.equal(torch.get_rng_state(), drawn):
+        raise AssertionError(f"{grid.describe()}: values=False drew from the generator")
+    want = {k: (v.shape, v.dtype) for k, v in ref.state_dict().items()}
+    have = {k: (v.shape, v.dtype) for k, v in left.state_dict().items()}
+    if have != want or any(p.is_meta for p in left.parameters()):
+        raise AssertionError(f"{grid.describe()}: values=False made other pieces")
+    if left.lm_head.weight is not left.wte.weight:
+        raise AssertionError(f"{grid.describe()}: values=False untied the head")
+    left.load_state_dict(ref.state_dict())
+    ids = torch.arange(2 * BLOCK).remainder(VOCAB).view(2, BLOCK)
+    if not torch.equal(left(ids), ref(ids)):
+        raise AssertionError(f"{grid.describe()}: the loaded model differs")
+
+
 def _check_pretrained(folder: Path, grid):
     """A pretrained folder loads slice by slice (the train task's path) to the pieces of
     eager loading (from_pretrained, then parallelize)."""
@@ -168,6 +193,7 @@ def _world(world: int, hf: bool, folder: str | None) -> int:
         for shape in ({"data": 2, "x": 2}, {"x": 2, "z": 2}):
             grid = gnnpar.init(**shape)
             _check_training_step(grid)
+            _check_left_to_a_restore(grid)
             if folder is not None:
                 _check_pretrained(Path(folder), grid)
             gnnpar.release(grid)
@@ -228,3 +254,8 @@ def test_deferred_errors_are_clear(monkeypatch):
     torch.manual_seed(0)
     out = tensor.parallelize(bare, grid, init=program)
     assert torch.equal(out[0].weight.view(4, 4), ref[0].weight)
+    # Left to a restore: buffers have no checkpoint to come from.
+    with torch.device("meta"):
+        normed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"cannot leave \['1.running_mean'.*buffers need"):
+        tensor.parallelize(normed, grid, values=False)

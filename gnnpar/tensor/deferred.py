@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from gnnpar.grid import ProcessGrid
 from gnnpar.tensor.state import sharded_parameters
 
-__all__ = ["InitProgram", "materialize", "record_init"]
+__all__ = ["InitProgram", "allocate", "materialize", "record_init"]
 
 _aten = torch.ops.aten
 #: Operations that write every element of their first argument without reading it.
@@ -296,3 +296,24 @@ def materialize(model: nn.Module, program: InitProgram, grid: ProcessGrid) -> No
     left = [name for name, t in named_tensors(model) if t.is_meta]
     if left:
         raise ValueError(f"replaying the initialisation left {left[:3]} on the meta device")
+
+
+def allocate(model: nn.Module, grid: ProcessGrid) -> None:
+    """Give every parameter of ``model`` still on the meta device uninitialised memory of its
+    shape and dtype on ``grid.device`` (ties stay ties), for a caller that loads every value
+    next (a restore): no initialisation is recorded or replayed. A model with buffers is
+    refused (ValueError): no checkpoint holds a non-persistent buffer's value."""
+    buffers = [name for name, b in model.named_buffers() if b.is_meta]
+    if buffers:
+        raise ValueError(
+            f"cannot leave {buffers[:3]} to a restore: buffers need their initial values"
+        )
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, old in list(module._parameters.items()):
+            if old is None or not old.is_meta:
+                continue
+            if id(old) not in made:
+                new = torch.empty(old.shape, dtype=old.dtype, device=grid.device)
+                made[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad)
+            module._parameters[attr] = made[id(old)]

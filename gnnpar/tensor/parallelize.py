@@ -48,7 +48,13 @@ from torch import nn
 from gnnpar.comm import ring_bytes
 from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
-from gnnpar.tensor.deferred import InitProgram, materialize, named_tensors, record_init
+from gnnpar.tensor.deferred import (
+    InitProgram,
+    allocate,
+    materialize,
+    named_tensors,
+    record_init,
+)
 from gnnpar.tensor.layers import Embedding, Linear, PrefetchChain, ShardedModule
 from gnnpar.tensor.sequence import AXIS as SEQUENCE_AXIS
 from gnnpar.tensor.sequence import SequenceSplit
@@ -387,6 +393,7 @@ def parallelize(
     plan: Plan | None = None,
     *,
     init: Callable[[], nn.Module] | InitProgram | None = None,
+    values: bool = True,
 ) -> nn.Module:
     """Make ``model`` tensor-parallel on ``grid``, in place, and return it (moved to the
     grid's device). Every rank must call it on a model with the same values (build it with
@@ -399,10 +406,14 @@ def parallelize(
     bit (seed just before, as for an eager build; see :mod:`gnnpar.tensor.deferred`).
     ``init`` builds the model eagerly, to record its initialisation on fake tensors (default
     ``type(model)(model.config)``, which fits our GPT and Hugging Face models), or is an
-    :class:`~gnnpar.tensor.deferred.InitProgram` already recorded.
+    :class:`~gnnpar.tensor.deferred.InitProgram` already recorded. ``values=False`` leaves
+    such a model's pieces uninitialised, recording and replaying nothing
+    (:func:`~gnnpar.tensor.deferred.allocate`): for a caller that loads every parameter
+    next, as a restart's restore does (it saves the build's largest cost).
     """
     plan = plan or Plan()
-    program = _init_program(model, init)
+    program = _init_program(model, init) if values else None
+    deferred = not values and any(t.is_meta for _, t in named_tensors(model))
     decided = plan_styles(model, grid, plan)
     styles: dict[str, LayerStyle] = decided["styles"]
     if decided["unsplit"] and grid.global_rank == 0:
@@ -429,7 +440,7 @@ def parallelize(
                 grid,
                 transpose=style.transpose,
                 gather_output=style.gather_output,
-                load=program is None,
+                load=program is None and not deferred,
                 **seq,
             )
         else:
@@ -443,7 +454,7 @@ def parallelize(
                 scatter_input=style.scatter_input,
                 gather_output=style.gather_output,
                 fused=style.fused,
-                load=program is None,
+                load=program is None and not deferred,
                 **seq,
             )
         key = id(old.weight)
@@ -464,6 +475,8 @@ def parallelize(
             )
     if program is not None:
         materialize(model, program, grid)
+    elif deferred:
+        allocate(model, grid)
     model.to(grid.device)
     if plan.sequence_parallel and grid.size(SEQUENCE_AXIS) > 1:
         blocks = [(b, made[f"{b}.{rule.first}"]) for b, rule in decided["chains"]]

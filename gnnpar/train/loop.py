@@ -46,6 +46,13 @@ class BaseTask:
     selection: tuple[str, str] | None = None
     #: Who chose the grid, a phrase for the start lines (e.g. "chosen by the planner").
     grid_choice: str | None = None
+    #: The model's initial values were left to a restore (a resuming run's build skips
+    #: making them); :meth:`initialise` makes them when nothing was there to load.
+    values_deferred: bool = False
+
+    def initialise(self) -> None:
+        """Give the model the initial values of a fresh start, where they were left to a
+        restore that found nothing to load (:attr:`values_deferred`); a no-op otherwise."""
 
     @functools.cached_property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -90,6 +97,7 @@ class Task(Protocol):
     optimizer: torch.optim.Optimizer
     selection: tuple[str, str] | None
     grid_choice: str | None
+    values_deferred: bool
 
     def train_step(self, step: int) -> dict[str, float]:
         """Run one step; return metrics such as loss and throughput."""
@@ -102,6 +110,9 @@ class Task(Protocol):
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`extra_state`."""
+
+    def initialise(self) -> None:
+        """Make the initial values left to a restore (see :attr:`BaseTask.values_deferred`)."""
 
     def describe(self) -> dict[str, Any]:
         """What the run trains (task, model kind and sizes), recorded in checkpoints."""
@@ -175,13 +186,19 @@ def check_run_folder(cfg: Any) -> None:
     # the process that will hold the lock looks (not a rank whose launcher or rank 0 does)
     if os.environ.get(LOCKED_ENV) != "1" and rank_and_world()[0] == 0:
         check_free(out)
-    resume = getattr(cfg, "resume", False) or restart_count() > 0
+    resume = resumes(cfg)
     holds_run = any((out / name).exists() for name in RUN_MARKERS)
     if holds_run and not resume and not getattr(cfg, "overwrite", False):
         raise run_folder_error(out)
     check_writable(out)
     if getattr(cfg, "snapshot_every", 0):  # where the snapshots go, before any rank starts
         check_writable(cfg.snapshot_dir or default_root())
+
+
+def resumes(cfg: Any) -> bool:
+    """Whether a run of ``cfg`` continues the run in its folder: ``--resume``, or an attempt
+    that torchrun's ``--max-restarts`` or a Slurm requeue started again."""
+    return getattr(cfg, "resume", False) or restart_count() > 0
 
 
 def check_world(spec: TrainSpec, cfg: Any, world_size: int) -> None:
@@ -532,6 +549,8 @@ class Trainer:
                 self.out / "checkpoints", self.grid, self.task.model, self.task.optimizer
             )
         if found is None:
+            if self.task.values_deferred:
+                self.task.initialise()  # every rank: none found one (the loads agree)
             return 0
         unit, total = self.task.unit, self.task.num_steps
         if found.step > total:  # it would train nothing and report the old run as this one

@@ -50,7 +50,7 @@ from gnnpar.train.config import (
     option,
     redefault,
 )
-from gnnpar.train.loop import BaseTask
+from gnnpar.train.loop import BaseTask, resumes
 from gnnpar.train.metrics import global_mean
 from gnnpar.train.precision import (
     LossScaler,
@@ -472,12 +472,15 @@ def build_model(cfg: GPTTaskConfig, vocab_size: int) -> tuple[nn.Module, type]:
         return GPT2LMHeadModel(hf), GPT2Block
 
 
-def parallel_model(plain: nn.Module, cfg: GPTTaskConfig, grid: ProcessGrid) -> nn.Module:
+def parallel_model(
+    plain: nn.Module, cfg: GPTTaskConfig, grid: ProcessGrid, values: bool = True
+) -> nn.Module:
     """``plain`` (from :func:`build_model`, on the meta device) made tensor-parallel on
     ``grid`` with only this rank's pieces materialised: the values of the model built eagerly
     after ``torch.manual_seed(cfg.seed)`` (the initialisation is replayed, draw for draw, so
     the generator is left as that build leaves it), then the pretrained weights, read slice by
-    slice."""
+    slice. ``values=False``: the base model's pieces are left uninitialised and nothing is
+    read, for a restore that loads every one of them (LoRA's adapters are still made)."""
     from gnnpar.tensor import Plan, parallelize
 
     torch.manual_seed(cfg.seed)
@@ -486,8 +489,8 @@ def parallel_model(plain: nn.Module, cfg: GPTTaskConfig, grid: ProcessGrid) -> n
 
         expert_parallel(plain, grid)  # this rank's experts only, before their pieces exist
     plan = Plan(sequence_parallel=cfg.sequence_parallel, decompose=cfg.tp_overlap == "decompose")
-    model = parallelize(plain.to(master_dtype(cfg)), grid, plan)
-    if cfg.pretrained:
+    model = parallelize(plain.to(master_dtype(cfg)), grid, plan, values=values)
+    if cfg.pretrained and values:
         load_pretrained(model, Path(cfg.pretrained), grid)
     if cfg.peft == "lora":
         from gnnpar.tensor.lora import add_lora
@@ -655,7 +658,11 @@ class GPTTask(BaseTask):
             self._token_blocks()
             self.num_params = sum(p.numel() for p in plain.parameters())
             self.sizes = model_sizes(plain)
-            self._build_model(plain, prepared.block)
+            # a resuming run loads every parameter: making their initial values first (a
+            # recorded build replayed) was most of a restart's build; initialise() makes
+            # them when there is nothing to load
+            self.values_deferred = _values_restored(cfg, plain)
+            self._build_model(plain, prepared.block, values=not self.values_deferred)
         #: Who chose the grid and the ZeRO stage, for the start lines.
         self.grid_choice = plan.choice
         self.scaler = LossScaler(cfg.mixed_precision == "fp16")
@@ -715,16 +722,27 @@ class GPTTask(BaseTask):
             return cross_entropy(logits, y, self.head)
         return cross_entropy(logits, y, self.head, reduction="sum") / self._expected
 
-    def _build_model(self, plain: nn.Module, block: type) -> None:
+    def initialise(self) -> None:
+        """The model built again with its initial values (and its optimizer on next use),
+        where they were left to a restore that found nothing."""
+        if not self.values_deferred:
+            return
+        plain, block = build_model(self.cfg, self.corpus.vocab_size)
+        self._build_model(plain, block)
+        self.__dict__.pop("optimizer", None)  # the cached one steps the old pieces
+        self.values_deferred = False
+
+    def _build_model(self, plain: nn.Module, block: type, values: bool = True) -> None:
         """This rank's pieces of the parallel model, sharded over the data axis; with a pipe
         axis, only this rank's stage (:mod:`gnnpar.pipeline`). AdamW comes on first use
-        (:meth:`_make_optimizer`)."""
+        (:meth:`_make_optimizer`). ``values=False``: left uninitialised (see
+        :func:`parallel_model`)."""
         from gnnpar.shard import by_type, shard
         from gnnpar.shard.offload import OffloadError
         from gnnpar.tensor.context import context_parallel
 
         cfg, grid = self.cfg, self.grid
-        model = context_parallel(parallel_model(plain, cfg, grid), grid)
+        model = context_parallel(parallel_model(plain, cfg, grid, values), grid)
         if cfg.activation_checkpointing != "none":
             set_activation_checkpointing(model, cfg.activation_checkpointing)
         if cfg.compile:  # the blocks' forward; their hooks and collectives stay eager
@@ -1026,6 +1044,13 @@ class GPTTask(BaseTask):
             "mixed_precision": self.cfg.mixed_precision,
             **({"schedule": self.cfg.schedule} if self.pipeline is not None else {}),
         }
+
+
+def _values_restored(cfg: GPTTaskConfig, plain: nn.Module) -> bool:
+    """Whether a restore will give ``plain`` (the model on the meta device) every value: the
+    run resumes (:func:`~gnnpar.train.loop.resumes`), checkpoints the whole model (not
+    LoRA's adapters alone) and the model has no buffers (which no checkpoint holds)."""
+    return resumes(cfg) and cfg.peft == "none" and next(plain.buffers(), None) is None
 
 
 def _adamw(dp, cfg: GPTTaskConfig) -> torch.optim.Optimizer:
