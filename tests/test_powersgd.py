@@ -111,3 +111,42 @@ def test_powersgd_through_the_trainer_with_tensor_parallelism(tmp_path, one_proc
     assert len(steps) == 10 and steps[-1]["loss"] < steps[0]["loss"] - 0.1, steps
     data = [r["bytes"]["data"]["all_reduce"] for r in steps[:6]]
     assert data[3] < data[0] / 2, data  # steps 1-2 plain, then compressed
+
+
+def test_a_resume_on_the_same_grid_continues_the_compression_exactly(tmp_path, one_process):
+    """A checkpoint keeps each rank's PowerSGD state (step count, generator, error feedback,
+    warm start) beside its generator: gpt on data=2 saved after its first compressed step
+    and resumed ends bit for bit where the straight run does (float64). Without the state
+    the resumed run would start the compression again, with two plain steps. A resume with
+    another rank r, whose factors have other shapes, starts the compression again."""
+    from gnnpar import checkpoint
+    from gnnpar.train.metrics import read_metrics
+    from tests.cli_world import run_commands
+
+    def argv(out: str, steps: int, *more: str, r: int = 2) -> list[str]:
+        return ["train", "gpt", "--data", str(one_process), "--steps", str(steps),
+                "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch-size", "4",
+                "--block-size", "8", "--vocab-size", "300", "--warmup", "2", "--lr", "3e-3",
+                "--eval-every", "100", "--val-batches", "1", "--sample-tokens", "0",
+                "--dtype", "float64", "--grid", "data=2", "--zero-stage", "0",
+                "--powersgd-rank", str(r), "--nprocs", "2", "--out", str(tmp_path / out),
+                "--quiet", *more]  # fmt: skip
+
+    codes = run_commands(2, [
+        argv("straight", 5), argv("saved", 3), argv("saved", 5, "--resume"),
+        ("copy", tmp_path / "saved", tmp_path / "other"), argv("other", 6, "--resume", r=1),
+    ])  # fmt: skip
+    assert codes == [[0, 0, 0, 0]] * 2
+    saved = checkpoint.open_checkpoint(tmp_path / "saved" / "checkpoints")
+    assert any(n.startswith("powersgd.") for n in saved.meta["local"]["rank-00000.pt"])
+    straight = checkpoint.consolidate(tmp_path / "straight" / "checkpoints")
+    resumed = checkpoint.consolidate(tmp_path / "saved" / "checkpoints")
+    assert list(resumed) == list(straight)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    # the resume at rank 1 began again with a plain step: the whole buckets, as step 1 sent
+    steps = {out: read_metrics(tmp_path / out / "metrics.jsonl") for out in ("straight", "other")}
+    sent = {
+        out: [r["bytes"]["data"]["all_reduce"] for r in records if "seconds" in r]
+        for out, records in steps.items()
+    }
+    assert sent["other"][-1] == sent["straight"][0] > sent["straight"][-1], sent

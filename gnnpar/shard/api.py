@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -51,6 +52,9 @@ from gnnpar.shard.groups import NodeGroups, node_groups, split_by_node
 from gnnpar.shard.offload import HostTier, make_tier
 from gnnpar.shard.powersgd import PowerSGD
 from gnnpar.shard.zero3 import Stage3, Unit, cast_floats
+
+#: The prefix of PowerSGD's state among a rank's own tensors (:meth:`ShardedModel.rank_state`).
+POWERSGD = "powersgd."
 
 __all__ = ["ShardedModel", "UnitSpec", "by_numel", "by_type", "shard"]
 
@@ -580,6 +584,36 @@ class ShardedModel:
                 whole = self.view_of(s).size("data") > 1
                 out.append((s, 0, s.numel, s.param.detach().reshape(-1), whole))
         return out
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """What this rank alone holds beyond the model and optimizer state, as named tensors
+        that a checkpoint or snapshot keeps for a resume on the same grid: PowerSGD's
+        compression state (``powersgd.*``), if it compresses."""
+        compress = self.buckets.powersgd if self.buckets is not None else None
+        if compress is None:
+            return {}
+        own = compress.state_tensors(self._hook_shapes())
+        return {POWERSGD + k: v for k, v in own.items()}
+
+    def load_rank_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Continue from :meth:`rank_state` (of this rank, on this grid); state the run does
+        not keep, or that the checkpoint did not keep, is left as it is, and PowerSGD's made
+        for other buckets or another rank starts again (with a warning)."""
+        compress = self.buckets.powersgd if self.buckets is not None else None
+        own = {k[len(POWERSGD) :]: v for k, v in tensors.items() if k.startswith(POWERSGD)}
+        if compress is None or not own:
+            return
+        if not compress.load_state_tensors(own, self._hook_shapes()):
+            warnings.warn(
+                "the checkpoint's PowerSGD state was made for other gradient buckets or "
+                "another powersgd_rank: the compression starts again",
+                stacklevel=2,
+            )
+
+    def _hook_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Each gradient bucket's parameter shapes, as PowerSGD's hook sees them."""
+        compress = self.buckets.powersgd
+        return [[compress.shape_of(s) for s in b.group.slots] for b in self.buckets.buckets]
 
     def checkpoint_layout(self):
         """This rank's :class:`~gnnpar.checkpoint.state.ModelLayout`: the elements of every

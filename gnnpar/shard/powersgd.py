@@ -18,13 +18,22 @@ at the ring's all-reduce cost; in the first ``start_iter`` steps, the whole buck
 
 Only stage 0: PowerSGD's factors are all-reduced, so every rank ends with the whole
 approximate gradient, which a reduce-scatter's shards (stages 1–3) have no use for.
+
+State: the hook's step count, its generator (which draws a new bucket's first Q) and per
+bucket the error feedback and the warm start's P and Q are this rank's own
+(:meth:`PowerSGD.state_tensors`); checkpoints and snapshots keep them beside the rank's
+generator, so a resume on the grid that saved them continues the compression exactly.
 """
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import torch
 
 from gnnpar import comm
+from gnnpar.errors import UserError
 from gnnpar.grid import ProcessGrid
 from gnnpar.shard.flat import Slot
 
@@ -50,6 +59,15 @@ class _HookBucket:
         return self._last
 
 
+#: The state's tensors that are not per bucket (:meth:`PowerSGD.state_tensors`).
+_SCALARS = ("iter", "rng_key", "rng_pos", "rng_gauss")
+
+
+def _tables(state) -> list[tuple[str, dict]]:
+    """The hook's per-bucket tables, by the names :meth:`PowerSGD.state_tensors` gives them."""
+    return [("error", state.error_dict), ("p", state.p_memory_dict), ("q", state.q_memory_dict)]
+
+
 class PowerSGD:
     """The PowerSGD state of one data group and the all-reduce of a bucket through it."""
 
@@ -65,6 +83,70 @@ class PowerSGD:
             random_seed=seed,
             compression_stats_logging_frequency=1 << 62,  # no log lines
         )
+
+    def state_tensors(self, buckets: list[list[tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """This rank's compression state as named tensors: ``iter``, the generator's
+        (``rng_key``, ``rng_pos``, ``rng_gauss``: numpy's MT19937 state), per bucket i
+        ``error.i`` (the error feedback), ``p.i`` and ``q.i`` (the warm start; the hook
+        draws a bucket's Q afresh where it has no P), and ``layout``: the rank r and
+        ``buckets`` (each bucket's gradient shapes, as the hook sees them), for which they
+        were made."""
+        state = self.state
+        _, key, pos, has_gauss, gauss = state.rng.get_state()
+        out = {
+            "iter": torch.tensor([state.iter], dtype=torch.int64),
+            "rng_key": torch.from_numpy(key.astype(np.int64)),
+            "rng_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+            "rng_gauss": torch.tensor([gauss], dtype=torch.float64),
+            "layout": self._layout(buckets),
+        }
+        for kind, table in _tables(state):
+            out.update({f"{kind}.{i}": t for i, t in table.items()})
+        return out
+
+    def load_state_tensors(
+        self, tensors: dict[str, torch.Tensor], buckets: list[list[tuple[int, ...]]]
+    ) -> bool:
+        """Continue from :meth:`state_tensors` of this rank; False (nothing loaded) where
+        they were made for another rank r or other ``buckets``; UserError naming the first
+        key that is missing or not of that form."""
+        state = self.state
+        for key in (*_SCALARS, "layout"):
+            if key not in tensors:
+                raise UserError(f"PowerSGD state: no {key!r}")
+        if not torch.equal(tensors["layout"], self._layout(buckets)):
+            return False
+        rng_key, rng_pos = tensors["rng_key"], tensors["rng_pos"]
+        if rng_key.shape != (624,) or rng_pos.shape != (2,) or tensors["iter"].numel() != 1:
+            raise UserError("PowerSGD state: 'iter', 'rng_key' or 'rng_pos' has another shape")
+        tables = dict(_tables(state))
+        loaded: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in tables}
+        for name, t in tensors.items():
+            kind, _, index = name.partition(".")
+            if kind in loaded and index.isdigit():
+                loaded[kind][int(index)] = t.to(self.grid.device, copy=True)
+            elif name not in (*_SCALARS, "layout"):
+                raise UserError(f"PowerSGD state: unknown key {name!r}")
+        state.iter = int(tensors["iter"].item())
+        state.rng.set_state(
+            (
+                "MT19937",
+                rng_key.numpy().astype(np.uint32),
+                int(rng_pos[0]),
+                int(rng_pos[1]),
+                float(tensors["rng_gauss"].item()),
+            )
+        )
+        for kind, table in tables.items():
+            table.clear()
+            table.update(loaded[kind])
+        return True
+
+    def _layout(self, buckets: list[list[tuple[int, ...]]]) -> torch.Tensor:
+        """What the state was made for, as bytes: the rank r and the buckets' shapes."""
+        r = self.state.matrix_approximation_rank
+        text = json.dumps({"rank": r, "buckets": [[list(s) for s in b] for b in buckets]})
+        return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
     def shape_of(self, slot: Slot) -> tuple[int, ...]:
         """The shape the hook sees of ``slot``'s gradient: a tensor-parallel matrix stores its

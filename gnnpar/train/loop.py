@@ -195,6 +195,14 @@ def check_run_folder(cfg: Any) -> None:
         check_writable(cfg.snapshot_dir or default_root())
 
 
+def rank_state(model: Any) -> dict[str, torch.Tensor]:
+    """What this rank alone holds, which only the grid that saved it can use again (a
+    checkpoint's or snapshot's ``local`` tensors): its generator's state, and the model's own
+    (``rank_state()``: a :class:`~gnnpar.shard.ShardedModel`'s PowerSGD compression)."""
+    own = getattr(model, "rank_state", None)
+    return {"torch_rng": torch.get_rng_state(), **(own() if own is not None else {})}
+
+
 def resumes(cfg: Any) -> bool:
     """Whether a run of ``cfg`` continues the run in its folder: ``--resume``, or an attempt
     that torchrun's ``--max-restarts`` or a Slurm requeue started again."""
@@ -511,7 +519,7 @@ class Trainer:
             task.model,
             task.optimizer,
             extra=self._extra(),
-            local={"torch_rng": torch.get_rng_state()},
+            local=rank_state(task.model),
             info=task.describe(),
             keep=self.keep_checkpoints,
         )
@@ -569,6 +577,9 @@ class Trainer:
         # gnnpar's own randomness (dropout, sampling) is counter-based and needs none.
         if "torch_rng" in found.local:
             torch.set_rng_state(found.local["torch_rng"])
+        load_own = getattr(self.task.model, "load_rank_state", None)
+        if load_own is not None and found.local:
+            load_own(found.local)
         # the killed attempt's records past the checkpoint are redone: not kept twice
         dropped = self.metrics.drop_after(self.task.unit, found.step)
         self.metrics.write(
@@ -709,7 +720,11 @@ class Trainer:
                 lose = self.snapshots.lose_node if self.snapshots is not None else None
                 failpoint("step", done, self.grid.global_rank, lose)  # a chaos run's failure
                 if self.snapshots is not None and self.snapshots.due(done, total):
-                    record.update(self.snapshots.take(done, self.task, self._extra()))
+                    record.update(
+                        self.snapshots.take(
+                            done, self.task, self._extra(), rank_state(self.task.model)
+                        )
+                    )
                 record.update({self.task.unit: done, "peak_rss_mb": peak_rss_mb()})
                 self.metrics.write(record)
                 failpoint("logged", done, self.grid.global_rank, lose)

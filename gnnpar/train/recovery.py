@@ -63,16 +63,17 @@ class Snapshots:
         run's final checkpoint is written then)."""
         return done % self.every == 0 and done < total
 
-    def take(self, done: int, task: Any, extra: dict[str, Any]) -> dict[str, float]:
+    def take(
+        self, done: int, task: Any, extra: dict[str, Any], local: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
         """Snapshot the state after step ``done`` (collective): once it returns, every rank's
         snapshot is in its node's memory, so the step, logged next, survives any killed
         process. The seconds the loop was held (waiting for the previous copy to the peer,
         writing this rank's file, waiting for the other ranks' to be written) and the
-        previous background copy's."""
+        previous background copy's. ``local``: this rank's own tensors
+        (:func:`~gnnpar.train.loop.rank_state`)."""
         t0 = time.perf_counter()
-        self.writer.take(
-            done, task.model, task.optimizer, extra, {"torch_rng": torch.get_rng_state()}
-        )
+        self.writer.take(done, task.model, task.optimizer, extra, local)
         comm.barrier(self.grid)  # the ranks meet at the next step's first collective anyway
         w = self.writer
         return {
