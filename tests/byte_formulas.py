@@ -112,9 +112,10 @@ def plexus_bytes(
 
     forward:  [ℓ = 0] all-gather H over c; all-reduce ÂH over a (``chunks`` row pieces);
               all-gather W over c; all-reduce (ÂH)W over b
-    backward: all-gather W over c; all-reduce the gradient of ÂH over a; reduce-scatter
-              the gradient of W over c; the gradient of H: reduce-scatter over c (ℓ = 0,
-              only with ``input_grad``) or all-reduce over c (ℓ > 0); bias: all-reduce over c
+    backward: all-gather W over c; all-reduce the gradient of ÂH over a (ℓ > 0, or ℓ = 0
+              with ``input_grad``: it only serves H's gradient); reduce-scatter the gradient
+              of W over c; the gradient of H: reduce-scatter over c (ℓ = 0, only with
+              ``input_grad``) or all-reduce over c (ℓ > 0); bias: all-reduce over c
     """
     fwd, bwd = Bytes(), Bytes()
     for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
@@ -135,7 +136,8 @@ def plexus_bytes(
         fwd.add(c, "all_gather", pc, w_padded)
         fwd.add(b, "all_reduce", pb, rows * fout * es)
         bwd.add(c, "all_gather", pc, w_padded)
-        bwd.add(a, "all_reduce", pa, rows * num_ops * fin * es)
+        if layer > 0 or input_grad:
+            bwd.add(a, "all_reduce", pa, rows * num_ops * fin * es)
         bwd.add(c, "reduce_scatter", pc, w_padded)
         if layer > 0:
             bwd.add(c, "all_reduce", pc, cols * fin * es)
@@ -460,9 +462,10 @@ def rgcn3d_bytes(
               rows·fin and the root's rows·fin in one buffer (``chunks`` row pieces); all-gather
               of the weight blocks over c; all-reduce of the output rows·fout over b
     backward: the weight blocks gathered again over c; all-reduce over a of the aggregate's
-              gradient (per relation and root); reduce-scatter of the weight blocks' gradient
-              over c; H's gradient: reduce-scatter over c (ℓ = 0, only with ``input_grad``)
-              or all-reduce over c (ℓ > 0); bias: all-reduce over c
+              gradient (per relation and root; ℓ > 0, or ℓ = 0 with ``input_grad``: only H's
+              gradient reads it); reduce-scatter of the weight blocks' gradient over c; H's
+              gradient: reduce-scatter over c (ℓ = 0, only with ``input_grad``) or all-reduce
+              over c (ℓ > 0); bias: all-reduce over c
     """
     fwd, bwd = Bytes(), Bytes()
     for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:], strict=False)):
@@ -485,7 +488,8 @@ def rgcn3d_bytes(
         fwd.add(c, "all_gather", pc, w_padded)
         fwd.add(b, "all_reduce", pb, rows * fout * es)
         bwd.add(c, "all_gather", pc, w_padded)
-        bwd.add(a, "all_reduce", pa, rows * per_row * es)
+        if layer > 0 or input_grad:
+            bwd.add(a, "all_reduce", pa, rows * per_row * es)
         if bases and pa * pb * pc > 1:
             bwd.add("tensor", "all_reduce", pa * pb * pc, relations * bases * es)
         bwd.add(c, "reduce_scatter", pc, w_padded)

@@ -33,9 +33,13 @@ def _shape(**kw):
 
 
 def test_gcn_bytes_x2_by_hand():
-    # layer 0 (outer x): AGG is 12 rows x 6 features, all-reduced over x forward and
-    # backward: 2 * 288 B. layer 1 (inner x): OUT is 12 x 2, all-reduced over x: 96 B.
-    assert bytes_by_axis(gcn_collectives(GCN, _shape(x=2))) == {"x": 576 + 96}
+    # layer 0 (outer x): AGG is 12 rows x 6 features, all-reduced over x forward: 288 B;
+    # its gradient only serves the input's, which raw features do not need, so no dAGG
+    # backward. layer 1 (inner x): OUT is 12 x 2, all-reduced over x: 96 B.
+    assert bytes_by_axis(gcn_collectives(GCN, _shape(x=2))) == {"x": 288 + 96}
+    # asked for the input's gradient, dAGG is all-reduced too (288 B); dH goes over z (1 rank)
+    wanted = dataclasses.replace(GCN, input_grad=True)
+    assert bytes_by_axis(gcn_collectives(wanted, _shape(x=2))) == {"x": 2 * 288 + 96}
 
 
 def test_gcn_bytes_z2_by_hand():
@@ -215,17 +219,26 @@ def test_ranking_orders_by_time_and_drops_what_does_not_fit():
 @pytest.mark.parametrize(
     "world, nodes, dims, ops, want",
     [
-        (8, 1000, [64, 64, 8], 1, {"x": 2, "y": 2, "z": 2}),
-        (8, 50, [256, 256, 256], 1, {"x": 4, "y": 2, "z": 1}),
+        (8, 1000, [64, 64, 8], 1, {"x": 4, "y": 2, "z": 1}),
+        (8, 50, [256, 256, 256], 1, {"x": 8, "y": 1, "z": 1}),
         (8, 1000, [64, 64, 8], 2, {"x": 2, "y": 4, "z": 1}),
         (4, 999, [7, 5, 3], 2, {"x": 1, "y": 4, "z": 1}),
-        (6, 10000, [16, 16, 4], 1, {"x": 2, "y": 3, "z": 1}),
+        (6, 10000, [16, 16, 4], 1, {"x": 3, "y": 2, "z": 1}),
     ],
 )
 def test_choose_fullgraph_grid_takes_the_fewest_bytes(world, nodes, dims, ops, want):
     """Without a machine: the fewest bytes per epoch on rank 0 (the 3D formulas of
     tests/byte_formulas.py, float32, raw features needing no gradient), ties to the shape whose
-    busiest axis moves least, then to x before y."""
+    busiest axis moves least, then to x before y.
+
+    x is the first layer's outer axis, whose aggregate is all-reduced forward only (its
+    gradient would serve only the raw features', which need none), so shapes with a large x
+    move less than they did while dAGG was counted: the first case's x4 y2 moves 344,800 B
+    against 367,056 for x2 y2 z2 (then 536,800 against 431,056, and x2 y2 z2 won), the
+    second's x8 179,200 B against 201,728 for x4 y2 (then the pick), the last's x3 y2
+    1,013,493 B against 1,146,963 for x2 y3 (then the pick). The GraphSAGE cases keep
+    theirs: their aggregates are two operators wide, and x2 y4 still moves less than x4 y2
+    (524,656 B against 537,568)."""
 
     def key(s):
         f, b = plexus_bytes(s, {"x": 0, "y": 0, "z": 0}, nodes, dims, ops, 4, False, True)

@@ -13,9 +13,12 @@ forward::
 backward (OUT's gradient is the same on every rank of b, as OUT is replicated there)::
 
     W    = all-gather_c(w_local)
-    gAGG = all-reduce_a(gOUT @ Wᵀ)                (async, overlapped with gW)
+    gAGG = all-reduce_a(gOUT @ Wᵀ)                (async, overlapped with gW; only for gH)
     gW   = reduce-scatter_c(AGGᵀ @ gOUT)          (async)
     gH   = Âᵀ_local @ gAGG, then reduce-scatter_c (first layer) or all-reduce_c
+
+gAGG serves gH alone: where H needs no gradient (the first layer on raw input features)
+neither its GEMM nor its all-reduce runs, only gW's (and the bias's).
 
 A layer of several sparse operators ``op_1 … op_K`` (``ops``; GraphSAGE: Â and the root,
 R-GCN: each relation's Â_r and the root, K = R + 1) aggregates ``AGG = cat_k(op_k @ H)``,
@@ -89,17 +92,18 @@ class Plexus3DFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         blocks = _gather_weight(w_local, grid, lay, _num_blocks(ops, comp))
         w = blocks if comp is None else combine_bases(blocks, comp)
-        g_agg = comm.all_reduce(grad_out @ w.T, grid, a, async_op=True)
+        # AGG's gradient only makes H's: none (no GEMM, no all-reduce) for raw features
+        want_h = ctx.needs_input_grad[0]
+        g_agg = comm.all_reduce(grad_out @ w.T, grid, a, async_op=True) if want_h else None
         g_blocks, g_comp = agg.T @ grad_out, None
         if comp is not None:
             g_blocks, g_comp = split_bases_grad(g_blocks, blocks, comp)
             g_comp = comm.all_reduce(g_comp, grid, "tensor", async_op=True)
         g_w = comm.reduce_scatter(g_blocks.reshape(-1), grid, c, sizes=lay.w_sizes, async_op=True)
-        g_agg = g_agg.wait()
         g_h = None
-        if ctx.needs_input_grad[0]:
+        if want_h:
+            g_agg = g_agg.wait()
             width = lay.fin[1] - lay.fin[0]
-            g_h = None
             for k, op_chunks in enumerate(ops):
                 g = g_agg[:, k * width : (k + 1) * width]
                 for start, stop, chunk_op in op_chunks:
@@ -159,6 +163,9 @@ def layer_schedule(
     ``num_ops`` is the layer's sparse operators K (1: GCN; 2: GraphSAGE; R + 1: R-GCN of R
     relations), whose aggregates the all-reduces of AGG and dAGG carry side by side (K·F
     wide) and whose weights the W gathers and dW reduce-scatter carry stacked (K·F × F′).
+    ``input_grad``: the layer's input H needs a gradient (every layer but the first, and the
+    first with ``input_grad`` or learnt input rows); only then are dAGG = dOUT·Wᵀ and dH
+    computed and sent (raw features need neither, and dW does not read dAGG).
     ``chunks`` is the forward aggregate's row chunks (``overlap_chunks``). ``bases`` B > 0:
     an R-GCN with bases (``lay`` laid out for its B + 1 weight blocks, which the W steps
     then carry), whose coefficients' gradient (R · B, R = ``num_ops`` − 1) is all-reduced over
@@ -183,7 +190,8 @@ def layer_schedule(
     out += step(fw, c, "all_gather", pc, w_full, f"{tag} gather W")
     out += step(fw, b, "all_reduce", pb, rows * fout, f"{tag} OUT = AGG·W")
     out += step(bw, c, "all_gather", pc, w_full, f"{tag} gather W (backward)")
-    out += step(bw, a, "all_reduce", pa, rows * num_ops * fin, f"{tag} dAGG")
+    if input_grad:  # dAGG only makes dH: none for raw features
+        out += step(bw, a, "all_reduce", pa, rows * num_ops * fin, f"{tag} dAGG")
     if bases:
         tensor = pa * pb * pc
         out += step(bw, "tensor", "all_reduce", tensor, (num_ops - 1) * bases, f"{tag} d comp")
