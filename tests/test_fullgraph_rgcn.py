@@ -165,25 +165,29 @@ def _stage_nnz(graph, source, rows: tuple[int, int], col_ranges, layers: int):
     return out
 
 
-def _formula(par, grid, graph, source, algorithm: str, chunks: int, bases: int = 0):
+def _formula(
+    par, grid, graph, source, algorithm: str, chunks: int, bases: int = 0, grad: bool = True
+):
     rels, n = graph.types.num_relations, graph.num_nodes
     if algorithm == "3d":
         shape, coords = grid.shape, grid.coords()
-        return rgcn3d_bytes(shape, coords, n, DIMS, rels, 8, True, True, chunks, bases)
+        return rgcn3d_bytes(shape, coords, n, DIMS, rels, 8, grad, True, chunks, bases)
     if algorithm == "1d":
-        return rows1d_bytes(grid.size("tensor"), n, DIMS, rels + 1, 8, True, True)
+        return rows1d_bytes(grid.size("tensor"), n, DIMS, rels + 1, 8, grad, True)
     cols = [chunk_range(n, grid.size("y"), j) for j in range(grid.size("y"))]
     nnz = _stage_nnz(graph, source, par.rows, cols, len(DIMS) - 1)
-    return summa_bytes(grid.shape, grid.coords(), n, DIMS, rels + 1, 8, True, True, nnz)
+    return summa_bytes(grid.shape, grid.coords(), n, DIMS, rels + 1, 8, grad, True, nnz)
 
 
 def _check_shape(
-    shape: dict, algorithm: str, chunks: int, seed: int, bases: int = 0, learn: bool = False
+    shape: dict, algorithm: str, chunks: int, seed: int, bases: int = 0, inputs: str = "grad"
 ) -> float:
-    """One grid: the parallel R-GCN (permuted, with dropout, input gradient wanted; with
-    ``bases`` B > 0 its basis decomposition; with ``learn`` the featureless rows learnt,
-    their gradient in place of the input's) equals the serial one, forward and backward;
-    bytes per axis = formula = schedule."""
+    """One grid: the parallel R-GCN (permuted, with dropout; with ``bases`` B > 0 its basis
+    decomposition; ``inputs`` ``"grad"``: the input gradient wanted, ``"learn"``: the
+    featureless rows learnt, their gradient in place of the input's, ``"raw"``: raw
+    features, no input gradient, so the first layer sends neither dAGG nor dH) equals the
+    serial one, forward and backward; bytes per axis = formula = schedule."""
+    learn = inputs == "learn"
     grid = gnnpar.init(**shape)
     graph = small_typed_graph()
     rels = graph.types.num_relations
@@ -191,7 +195,7 @@ def _check_shape(
     ref.train()
     xr = (
         learnt_input(graph.feat, graph.types, seed) if learn else graph.feat.clone()
-    ).requires_grad_(True)
+    ).requires_grad_(inputs != "raw")
     logits = ref(relation_spmms(graph), xr, dropout_seed=seed)
     train, y = graph.ndata["train_mask"], graph.ndata["label"]
     loss_ref = F.cross_entropy(logits[train], y[train])
@@ -205,11 +209,11 @@ def _check_shape(
     xl = par.input_features()
     if learn:
         par.learn_featureless(seed)
-    else:
+    elif inputs == "grad":
         xl.requires_grad_(True)
     with comm.record(grid) as fwd:
         out = par(xl, dropout_seed=seed)
-    tag = f"{grid.describe()} {algorithm} chunks={chunks} learn={learn}"
+    tag = f"{grid.describe()} {algorithm} chunks={chunks} inputs={inputs}"
     ids = source.node_ids(par.output_order, par.logits_rows)
     c0, c1 = par.logits_cols
     worst = _close(out.detach(), logits.detach()[ids][:, c0:c1], f"logits {tag}")
@@ -229,43 +233,52 @@ def _check_shape(
         got, ids = par.inputs.weight.grad, par.inputs.node_ids
         assert got is not None and got.shape[0] == ids.numel(), tag
         worst = max(worst, _close(got, xr.grad[ids][:, f0:f1], f"learnt rows grad {tag}"))
-    else:
+    elif inputs == "grad":
         want = xr.grad[source.node_ids(0, in_rows)][:, f0:f1]
         worst = max(worst, _close(xl.grad, want, f"input grad {tag}"))
+    else:
+        assert xl.grad is None, tag
 
-    want_f, want_b = _formula(par, grid, graph, source, algorithm, chunks, bases)
+    # the first layer's input gradient goes to the input or to the learnt rows
+    grad = inputs != "raw"
+    want_f, want_b = _formula(par, grid, graph, source, algorithm, chunks, bases, grad)
     want_f.check(fwd.as_dict(), f"forward bytes {tag}")
     want_b.check(bwd.as_dict(), f"backward bytes {tag}")
     # learnt rows: the model's own schedule has the input gradient (nothing asks for it)
-    check_schedule(fwd, bwd, par.expected_bytes(input_grad=not learn), tag)
+    check_schedule(fwd, bwd, par.expected_bytes(input_grad=inputs == "grad"), tag)
     gnnpar.release(grid)
     return worst
 
 
-def _cases(world: int) -> list[tuple[dict, str, int, int, bool]]:
-    """(shape, algorithm, chunks, bases, learn): every 3D shape of ``world`` ranks, the
+def _cases(world: int) -> list[tuple[dict, str, int, int, str]]:
+    """(shape, algorithm, chunks, bases, inputs): every 3D shape of ``world`` ranks, the
     aggregate in 1 and 2 row chunks in turn, shapes 1, 2, 5, 6, … with 2 bases (of 5
     relations; a world of one shape runs it again with bases), shapes 0, 3, 6, … with the
-    featureless rows learnt (a world of one shape: its bases case); 1D on all ranks, and 2D
-    on the x × y shapes, at 4 and 6 ranks (an odd split at 6), the 2D ones learnt too."""
+    featureless rows learnt (a world of one shape: its bases case), the others with the
+    input gradient wanted; then the first shape whose x (the first layer's outer axis, over
+    which dAGG would go) is > 1 again on raw features, 2 bases and 2 chunks; 1D on all
+    ranks, and 2D on the x × y shapes, at 4 and 6 ranks (an odd split at 6), the 2D ones
+    learnt too."""
     shapes = grid_shapes(world)
     cases = [
-        (s, "3d", 1 + k % 2, 2 if k % 4 in (1, 2) else 0, k % 3 == 0) for k, s in enumerate(shapes)
+        (s, "3d", 1 + k % 2, 2 if k % 4 in (1, 2) else 0, "learn" if k % 3 == 0 else "grad")
+        for k, s in enumerate(shapes)
     ]
     if len(shapes) == 1:
-        cases[0] = (*cases[0][:4], False)
-        cases.append((shapes[0], "3d", 1, 2, True))
+        cases[0] = (*cases[0][:4], "grad")
+        cases.append((shapes[0], "3d", 1, 2, "learn"))
+    cases.append((next((s for s in shapes if s["x"] > 1), shapes[0]), "3d", 2, 2, "raw"))
     if world in (4, 6):
-        cases.append(({"x": world}, "1d", 1, 0, False))
-        cases += [({**s, "z": 1}, "2d", 1, 0, True) for s in grid_shapes(world, ("x", "y"))]
+        cases.append(({"x": world}, "1d", 1, 0, "grad"))
+        cases += [({**s, "z": 1}, "2d", 1, 0, "learn") for s in grid_shapes(world, ("x", "y"))]
     return cases
 
 
 def _check_world(world: int) -> tuple[int, float]:
     worst = 0.0
     cases = _cases(world)
-    for k, (shape, algorithm, chunks, bases, learn) in enumerate(cases):
-        worst = max(worst, _check_shape(shape, algorithm, chunks, 11 + k, bases, learn))
+    for k, (shape, algorithm, chunks, bases, inputs) in enumerate(cases):
+        worst = max(worst, _check_shape(shape, algorithm, chunks, 11 + k, bases, inputs))
     return len(cases), worst
 
 
