@@ -245,7 +245,9 @@ def gcn_compute_seconds(
 ) -> dict[str, float]:
     """Seconds of one full-graph epoch on rank 0: ``{"spmm", "gemm", "elementwise"}``.
     Nonzeros are assumed spread evenly over blocks (Plexus's permutation gets within 1%).
-    Full activation checkpointing runs every layer's forward once more."""
+    A layer whose input needs no gradient (the first, on raw features) runs neither the
+    transposed SpMM nor dAGG's GEMM. Full activation checkpointing runs every layer's
+    forward once more."""
     e, ops = problem.element_size, problem.num_ops
     out = {"spmm": 0.0, "gemm": 0.0, "elementwise": 0.0}
     g = grid_shape(shape)
@@ -254,10 +256,12 @@ def gcn_compute_seconds(
         spmm_flops = 2.0 * entries * fin
         spmm_bytes = entries * (8 + e) + ops * (rows + cols) * fin * e
         one = max(spmm_flops / (machine.spmm_gflops * 1e9), stream_seconds(spmm_bytes, machine))
-        passes = 2 if (i > 0 or problem.wants_input_grad) else 1
+        # backward's SpMM and dAGG = dOUT·Wᵀ only make H's gradient: none for raw features
+        grad_in = i > 0 or problem.wants_input_grad
         again = problem.activation_checkpointing == "full"  # the forward, once more
-        out["spmm"] += (passes + again) * one
-        out["gemm"] += (3 + again) * gemm_seconds(rows, ops * fin, fout, e, machine)
+        out["spmm"] += (1 + grad_in + again) * one
+        gemms = 2 + grad_in + again  # AGG·W and dW = AGGᵀ·dOUT, then dAGG
+        out["gemm"] += gemms * gemm_seconds(rows, ops * fin, fout, e, machine)
         out["elementwise"] += stream_seconds((8 + 4 * again) * rows * fout * e, machine)
         out["elementwise"] += stream_seconds(28 * ops * fin * fout / g.size(lay.depth), machine)
     share = machine.compute_share(g.world_size)
