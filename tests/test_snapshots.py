@@ -92,6 +92,14 @@ def test_a_tensor_pack_reads_back_what_it_was_given_and_refuses_a_bad_layout(tmp
         with pytest.raises(FormatError, match="p.bin") as err:
             load_pack(path, doc)
         assert "\n" not in str(err.value), what
+    # a copy received straight into a file: an older, longer file's pages, cut to the size
+    from gnnpar.checkpoint.pack import filled
+
+    with filled(path, 11) as view:
+        received = torch.frombuffer(view, dtype=torch.uint8)
+        received.copy_(torch.arange(11, dtype=torch.uint8))
+        del received  # no export of the map may outlive the block
+    assert path.read_bytes() == bytes(range(11))
 
 
 def test_a_rank_s_snapshot_is_whole_in_memory_when_take_returns(tmp_path):

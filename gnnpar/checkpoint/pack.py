@@ -11,10 +11,11 @@ inside the file.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import xxhash
 from gnnpar.checkpoint.validate import is_size
 from gnnpar.verified import CHECKSUM, FormatError
 
-__all__ = ["load_pack", "mapped", "overwrite", "save_pack"]
+__all__ = ["filled", "load_pack", "mapped", "save_pack"]
 
 #: Each tensor's bytes start at a multiple of this (any dtype's alignment, a cache line).
 ALIGN = 64
@@ -147,14 +148,23 @@ def mapped(path: str | os.PathLike) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
 
-def overwrite(path: str | os.PathLike, data: Any) -> None:
-    """The bytes of ``data`` into ``path`` in place (an existing file's pages reused), cut
-    to their size (a snapshot's received copy)."""
-    view = memoryview(data).cast("B")
-    fd = _open_in_place(path)
+@contextlib.contextmanager
+def filled(path: str | os.PathLike, size: int) -> Iterator[memoryview]:
+    """A writable map of the file ``path`` cut to ``size`` bytes, over the file's own pages
+    (an existing file's reused, faulted in up front): what is written into it is the file, with
+    no buffer between (a snapshot's copy received straight into its file). Every export of
+    the view (a tensor over it) must be gone when the block ends. OSError as ``open`` raises
+    it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        _write_all(fd, view)
-        os.ftruncate(fd, len(view))
+        os.ftruncate(fd, size)
+        if size == 0:
+            yield memoryview(bytearray())
+            return
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux: no fault a page
+        with mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            with memoryview(m) as view:
+                yield view
     finally:
         os.close(fd)
 

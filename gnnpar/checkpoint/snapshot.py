@@ -37,6 +37,7 @@ a killed process, not a lost node. ``--ranks-per-node`` simulates several nodes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -54,7 +55,7 @@ import torch.distributed as dist
 
 from gnnpar import comm
 from gnnpar.atomic import atomic_write, os_error_message
-from gnnpar.checkpoint.pack import load_pack, mapped, overwrite, save_pack
+from gnnpar.checkpoint.pack import filled, load_pack, mapped, save_pack
 from gnnpar.checkpoint.protocol import CheckpointError
 from gnnpar.checkpoint.state import model_layout
 from gnnpar.checkpoint.store import LOCAL, apply_restore, plan_restore, rank_pieces
@@ -274,11 +275,16 @@ class SnapshotWriter:
         pred = self.place.predecessor
         try:
             if self.place.peer is not None:
-                got, got_record = self._exchange(mapped(folder / _data(rank)), record)
-                got_record["writer"] = rank  # the copy's holder
-                spare = _spare(self.place.node_dir, pred)
-                _write_tensors(folder, pred, lambda tmp: overwrite(tmp, got), spare)
-                _write_record(folder, pred, got_record, step)
+                data = mapped(folder / _data(rank))
+                got: dict[str, Any] = {}
+
+                def receive(tmp: str) -> None:  # the predecessor's copy, straight into its file
+                    with contextlib.ExitStack() as files:
+                        got.update(self._exchange(data, record, files, tmp))
+
+                _write_tensors(folder, pred, receive, _spare(self.place.node_dir, pred))
+                got["writer"] = rank  # the copy's holder
+                _write_record(folder, pred, got, step)
         except OSError as err:
             raise CheckpointError(os_error_message(err) + " (writing a snapshot)") from None
         self._steps.append(step)
@@ -290,10 +296,19 @@ class SnapshotWriter:
         self.last_write_s = time.perf_counter() - t0
 
     def _exchange(
-        self, data: memoryview, record: dict[str, Any]
-    ) -> tuple[memoryview, dict[str, Any]]:
-        """Send this rank's snapshot to its peer and receive its predecessor's."""
-        return _send_receive(data, record, self.place.peer, self.place.predecessor, self._group)
+        self, data: memoryview, record: dict[str, Any], files: contextlib.ExitStack, into: str
+    ) -> dict[str, Any]:
+        """Send this rank's snapshot to its peer and receive its predecessor's into the file
+        ``into`` (mapped on ``files``, which closes it); its record."""
+        _, got = _send_receive(
+            data,
+            record,
+            self.place.peer,
+            self.place.predecessor,
+            self._group,
+            into=lambda size: files.enter_context(filled(into, size)),
+        )
+        return got
 
     def wait(self) -> None:
         """Wait for the copy being sent (its error, if it failed, is raised here)."""
@@ -344,12 +359,19 @@ class _Background:
 
 
 def _send_receive(
-    data: Any, record: dict[str, Any] | None, to: int | None, frm: int | None, group: Any
-) -> tuple[memoryview, dict[str, Any]] | None:
+    data: Any,
+    record: dict[str, Any] | None,
+    to: int | None,
+    frm: int | None,
+    group: Any,
+    into: Callable[[int], Any] | None = None,
+) -> tuple[memoryview | None, dict[str, Any]] | None:
     """Send ``data`` (a buffer) and ``record`` to rank ``to`` and receive the same from
     ``frm`` (either may be None: one way only), point-to-point on ``group`` (None: the
     world): sizes first, then the bytes, then the record, none of them copied into one
-    message. Returns what was received (None when nothing was): its bytes, in place."""
+    message. Returns what was received (None when nothing was): its bytes, in place, and its
+    record; with ``into`` (a writable buffer of the given size, e.g. a file's map) the bytes
+    are received there, and None is returned in their place."""
     sizes = got_sizes = None
     if to is not None:
         text = json.dumps(record).encode()
@@ -362,12 +384,15 @@ def _send_receive(
         view = memoryview(data)
         out = [_as_bytes(bytearray(view) if view.readonly else view), _as_bytes(bytearray(text))]
     if frm is not None:
-        got = [torch.empty(int(v), dtype=torch.uint8) for v in got_sizes]
+        n, text_size = (int(v) for v in got_sizes)
+        payload = _as_bytes(into(n)) if into is not None else torch.empty(n, dtype=torch.uint8)
+        got = [payload, torch.empty(text_size, dtype=torch.uint8)]
     for i in range(2):
         _exchange_pair(out and out[i], to, got and got[i], frm, group)
     if got is None:
         return None
-    return memoryview(got[0].numpy()), json.loads(bytes(got[1].numpy()).decode())
+    bytes_in = None if into is not None else memoryview(got[0].numpy())
+    return bytes_in, json.loads(bytes(got[1].numpy()).decode())
 
 
 def _as_bytes(buf: Any) -> torch.Tensor:
