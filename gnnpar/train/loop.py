@@ -557,7 +557,7 @@ class Trainer:
                 self.out / "checkpoints", self.grid, self.task.model, self.task.optimizer
             )
         if found is None:
-            if self.task.values_deferred:
+            if getattr(self.task, "values_deferred", False):  # a task of its own may lack it
                 self.task.initialise()  # every rank: none found one (the loads agree)
             return 0
         unit, total = self.task.unit, self.task.num_steps
