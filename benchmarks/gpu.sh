@@ -37,6 +37,27 @@ echo "== snapshots every step on the GPU (device tensors written to host memory;
     --eval-every 0 --sample-tokens 0 --snapshot-every 1 --quiet --overwrite \
     --snapshot-dir "${TMPDIR:-/tmp}/gnnpar-gpu-snapshots" \
     --out "${TMPDIR:-/tmp}/gnnpar-gpu-snapshot" || status=1
+echo "== snapshot cost per step on the GPU: the benchmark GPT (chaos.py's, one rank) without and"
+echo "   with --snapshot-every 1, 40 steps each, 2 interleaved rounds; median wall step (issue: <= 1.05x)"
+snaps="${TMPDIR:-/tmp}/gnnpar-gpu-snapcost"
+for round in 1 2; do
+    for every in 0 1; do
+        "$PY" -m gnnpar.cli train gpt --device cuda --n-layer 4 --n-embd 256 --n-head 4 \
+            --block-size 128 --batch-size 8 --vocab-size 512 --steps 40 --eval-every 0 \
+            --sample-tokens 0 --snapshot-every "$every" --snapshot-dir "$snaps-shm" --quiet \
+            --overwrite --out "$snaps-$every-$round" || status=1
+    done
+done
+"$PY" - "$snaps" <<'PYEOF' || status=1
+import statistics, sys
+from gnnpar.train.metrics import read_metrics
+def steps(out):  # wall time from one logged step to the next, past the first 5
+    t = [r["time"] for r in read_metrics(f"{out}/metrics.jsonl") if "seconds" in r]
+    return [b - a for a, b in zip(t[5:], t[6:])]
+side = {e: statistics.median(s for r in (1, 2) for s in steps(f"{sys.argv[1]}-{e}-{r}")) for e in (0, 1)}
+print(f"step without {side[0] * 1e3:.1f} ms, with snapshots {side[1] * 1e3:.1f} ms: "
+      f"{side[1] / side[0]:.3f}x")
+PYEOF
 echo "== benchmarks"
 "$PY" benchmarks/gpu.py "$@" || status=1
 exit $status
