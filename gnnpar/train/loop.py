@@ -203,6 +203,16 @@ def rank_state(model: Any) -> dict[str, torch.Tensor]:
     return {"torch_rng": torch.get_rng_state(), **(own() if own is not None else {})}
 
 
+def load_rank_state(model: Any, local: dict[str, torch.Tensor]) -> None:
+    """Continue from :func:`rank_state`'s tensors of this rank (none where the grid that saved
+    them is not this one): the generator's state, and the model's own."""
+    if "torch_rng" in local:
+        torch.set_rng_state(local["torch_rng"])
+    own = getattr(model, "load_rank_state", None)
+    if own is not None and local:
+        own(local)
+
+
 def resumes(cfg: Any) -> bool:
     """Whether a run of ``cfg`` continues the run in its folder: ``--resume``, or an attempt
     that torchrun's ``--max-restarts`` or a Slurm requeue started again."""
@@ -575,11 +585,7 @@ class Trainer:
             self.selection.load(found.extra.get("selection", {}))
         # The RNG state is per rank, so it only means something on the grid that saved it;
         # gnnpar's own randomness (dropout, sampling) is counter-based and needs none.
-        if "torch_rng" in found.local:
-            torch.set_rng_state(found.local["torch_rng"])
-        load_own = getattr(self.task.model, "load_rank_state", None)
-        if load_own is not None and found.local:
-            load_own(found.local)
+        load_rank_state(self.task.model, found.local)
         # the killed attempt's records past the checkpoint are redone: not kept twice
         dropped = self.metrics.drop_after(self.task.unit, found.step)
         self.metrics.write(
