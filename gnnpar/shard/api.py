@@ -589,7 +589,7 @@ class ShardedModel:
         """What this rank alone holds beyond the model and optimizer state, as named tensors
         that a checkpoint or snapshot keeps for a resume on the same grid: PowerSGD's
         compression state (``powersgd.*``), if it compresses."""
-        compress = self.buckets.powersgd if self.buckets is not None else None
+        compress = self._compression
         if compress is None:
             return {}
         own = compress.state_tensors(self._hook_shapes())
@@ -599,7 +599,7 @@ class ShardedModel:
         """Continue from :meth:`rank_state` (of this rank, on this grid); state the run does
         not keep, or that the checkpoint did not keep, is left as it is, and PowerSGD's made
         for other buckets or another rank starts again (with a warning)."""
-        compress = self.buckets.powersgd if self.buckets is not None else None
+        compress = self._compression
         own = {k[len(POWERSGD) :]: v for k, v in tensors.items() if k.startswith(POWERSGD)}
         if compress is None or not own:
             return
@@ -610,9 +610,14 @@ class ShardedModel:
                 stacklevel=2,
             )
 
+    @property
+    def _compression(self) -> PowerSGD | None:
+        """Stage 0's PowerSGD compression of the gradient buckets, or None."""
+        return self.buckets.powersgd if self.buckets is not None else None
+
     def _hook_shapes(self) -> list[list[tuple[int, ...]]]:
         """Each gradient bucket's parameter shapes, as PowerSGD's hook sees them."""
-        compress = self.buckets.powersgd
+        compress = self._compression
         return [[compress.shape_of(s) for s in b.group.slots] for b in self.buckets.buckets]
 
     def checkpoint_layout(self):
